@@ -1,0 +1,1052 @@
+"""Bootstrap: who the ranks are, an allgather of bytes, and a barrier.
+
+The buffers need only four things from a group (DESIGN §6): ``rank``, ``world_size``,
+``allgather_bytes`` and ``barrier``. This module provides them two ways:
+
+- :class:`TCPGroup`, one process per rank, over a small TCP store served by rank 0 (standard
+  library only), configured like ``torch.distributed``: ``RANK``, ``WORLD_SIZE``,
+  ``MASTER_ADDR``, ``MASTER_PORT``. :func:`init_group` builds it from the environment.
+- :class:`LocalGroup`, several ranks in one process, one thread per rank (tests, simulation,
+  JAX single-controller). Each rank has its own CUDA device and stream.
+
+Example::
+
+    group = init_group()                       # RANK=0 WORLD_SIZE=2 MASTER_PORT=29500 ...
+    peers = group.allgather_bytes(b"my handle")  # [rank 0's bytes, rank 1's bytes]
+
+    def step(group: LocalRankGroup, x: bytes) -> list[bytes]:
+        return group.allgather_bytes(x * (group.rank + 1))
+    LocalGroup(4).spawn(step, b"ab")           # one result per rank, in rank order
+
+Every wait is bounded by ``timeout_s`` and raises :class:`GroupError` naming the ranks that
+never arrived; a group that saw such a failure refuses further calls instead of mixing rounds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import logging
+import math
+import os
+import socket
+import socketserver
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "DEFAULT_MASTER_ADDR",
+    "DEFAULT_MASTER_PORT",
+    "DEFAULT_TIMEOUT_S",
+    "Group",
+    "GroupError",
+    "LocalGroup",
+    "LocalRankGroup",
+    "StoreTimeoutError",
+    "TCPGroup",
+    "TCPStoreClient",
+    "TCPStoreServer",
+    "init_group",
+]
+
+logger = logging.getLogger("mooncake_ep")
+
+# torch.distributed's defaults, so launch scripts written for torchrun work unchanged.
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+# Seconds any rendezvous or collective waits for its peers; torch's TCPStore uses the same.
+DEFAULT_TIMEOUT_S = 300.0
+
+# Connection attempts to a store that is not up yet back off from the first to the second value.
+_CONNECT_RETRY_FIRST_S = 0.01
+_CONNECT_RETRY_MAX_S = 0.5
+# How often the store's accept loop checks for shutdown (bounds how long close() takes).
+_SERVE_POLL_S = 0.05
+# close() lets requests already woken by it (waits answered "closed") send their replies this long.
+_CLOSE_REPLY_S = 1.0
+# A client allows the store this long beyond a server-side wait before it calls the link dead.
+_REPLY_SLACK_S = 10.0
+# Bumped whenever the store protocol or the collective framing changes; ranks must agree.
+_PROTOCOL_VERSION = 1
+
+# Store wire format. Request: header (op, payload bytes) + payload; reply: (status, bytes) + body.
+# Payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars.
+_HEADER = struct.Struct("!BI")
+_U8, _U16, _U32 = struct.Struct("!B"), struct.Struct("!H"), struct.Struct("!I")
+_I64, _F64 = struct.Struct("!q"), struct.Struct("!d")
+_OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE = 1, 2, 3, 4
+_OK, _TIMEOUT, _ERROR, _CLOSED = 0, 1, 2, 3
+
+# First byte of every value a collective publishes, so ranks that call different collectives
+# in the same round are caught instead of reading each other's payloads.
+_TAGS = {"init_group": 0, "allgather_bytes": 1, "barrier": 2, "close": 3}
+
+
+class GroupError(RuntimeError):
+    """A group operation failed: a timeout, a missing or duplicate peer, a lost store, a broken group."""
+
+
+class _StoreWaitError(GroupError):
+    """A store wait ended with keys still missing; ``missing_keys`` lists them in asked order."""
+
+    def __init__(self, message: str, missing_keys: list[str]) -> None:
+        super().__init__(message)
+        self.missing_keys = missing_keys
+
+
+class StoreTimeoutError(_StoreWaitError):
+    """A store wait ran out of time.
+
+    Attributes:
+        missing_keys: the keys still absent when the wait gave up, in the order they were asked for.
+    """
+
+
+class _StoreClosedError(_StoreWaitError):
+    """A store wait was cut short because the server closed (rank 0 closed its group or exited)."""
+
+
+class _PeerAbortedError(GroupError):
+    """Raised in a LocalGroup rank whose wait was cut short because another rank failed."""
+
+
+@runtime_checkable
+class Group(Protocol):
+    """What the buffers need from a set of ranks.
+
+    Attributes:
+        rank: this rank's index in ``[0, world_size)``.
+        world_size: number of ranks.
+        is_in_process: True only for :class:`LocalRankGroup` (all ranks share this process).
+        device: CUDA device ordinal this rank uses; None = not set (CPU, or chosen by the caller).
+    """
+
+    rank: int
+    world_size: int
+    is_in_process: bool
+    device: int | None
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order. Collective: every rank must call it."""
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier. Collective."""
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_int(where: str, name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_rank(where: str, rank: Any, world_size: Any) -> tuple[int, int]:
+    world_size = _check_int(where, "world_size", world_size, 1)
+    rank = _check_int(where, "rank", rank, 0)
+    if rank >= world_size:
+        raise ValueError(f"{where}: rank must be in [0, world_size) = [0, {world_size}), got {rank}")
+    return rank, world_size
+
+
+def _check_timeout(where: str, timeout_s: Any) -> float:
+    """Seconds > 0; ``math.inf`` waits forever."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"{where}: timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+    if not timeout_s > 0:  # also refuses NaN
+        raise ValueError(f"{where}: timeout_s must be > 0 seconds (math.inf waits forever), got {timeout_s}")
+    return float(timeout_s)
+
+
+def _wait_arg(timeout_s: float) -> float | None:
+    """``timeout_s`` as the threading and socket APIs take it: None for math.inf (forever)."""
+    return None if math.isinf(timeout_s) else timeout_s
+
+
+def _check_port(where: str, port: Any, name: str = "master_port", minimum: int = 1) -> int:
+    port = _check_int(where, name, port, minimum)
+    if port > 0xFFFF:
+        raise ValueError(f"{where}: {name} must be in [{minimum}, 65535], got {port}")
+    return port
+
+
+def _check_data(where: str, data: Any) -> bytes:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{where}: data must be bytes, got {type(data).__name__}")
+    return bytes(data)
+
+
+# ----------------------------------------------------------------------------- TCP store
+
+
+def _pack_key(key: str) -> bytes:
+    raw = key.encode()
+    if len(raw) > 0xFFFF:
+        raise ValueError(f"TCPStoreClient: key must be at most 65535 UTF-8 bytes, got {len(raw)}")
+    return _U16.pack(len(raw)) + raw
+
+
+def _pack_blob(value: bytes) -> bytes:
+    if len(value) > 0xFFFFFFFF:
+        raise ValueError(f"TCPStoreClient: value must be below 4 GiB, got {len(value)} bytes")
+    return _U32.pack(len(value)) + value
+
+
+class _Reader:
+    """Reads the fields of one payload in order; a short or malformed payload raises ValueError."""
+
+    def __init__(self, payload: bytes) -> None:
+        self._view, self._pos = memoryview(payload), 0
+
+    def _take(self, size: int) -> bytes:
+        if self._pos + size > len(self._view):
+            raise ValueError("truncated message")
+        chunk = bytes(self._view[self._pos:self._pos + size])
+        self._pos += size
+        return chunk
+
+    def scalar(self, fmt: struct.Struct) -> Any:
+        return fmt.unpack(self._take(fmt.size))[0]
+
+    def key(self) -> str:
+        return self._take(self.scalar(_U16)).decode()
+
+    def blob(self) -> bytes:
+        return self._take(self.scalar(_U32))
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("connection closed by the other side")
+        got += n
+    return bytes(buf)
+
+
+class _StoreHandler(socketserver.BaseRequestHandler):
+    """Serves one client connection: request, reply, until the client hangs up."""
+
+    server: _StoreTCPServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        store = self.server.store
+        store._connected(sock, +1)
+        try:
+            while True:
+                try:
+                    op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+                except ConnectionError:
+                    return  # the client closed: the normal end
+                request = _recv_exact(sock, length)
+                store._busy(+1)
+                try:
+                    status, body = store._serve(op, request)
+                    sock.sendall(_HEADER.pack(status, len(body)) + body)
+                finally:
+                    store._busy(-1)
+        except OSError as exc:
+            logger.debug("TCPStoreServer: dropped a client: %s", exc)
+        finally:
+            store._connected(sock, -1)
+
+
+class _StoreTCPServer(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True  # SO_REUSEADDR: a restarted job may rebind while old sockets linger
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], family: int, store: TCPStoreServer) -> None:
+        self.address_family = family
+        self.store = store
+        super().__init__(address, _StoreHandler)
+
+
+class TCPStoreServer:
+    """A key-value store served from a daemon thread of this process (rank 0's, in a TCPGroup).
+
+    Keys are strings, values bytes. Clients block server-side in ``wait`` until their keys appear,
+    so a wait costs one round trip, not polling.
+
+    Args:
+        host: address to listen on (MASTER_ADDR); must be an address of this host.
+        port: TCP port (MASTER_PORT); 0 picks a free one, read back from :attr:`port`.
+
+    Raises:
+        GroupError: the port is taken, or ``host`` is not an address of this host.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        port = _check_port("TCPStoreServer", port, "port", minimum=0)
+        self.host = host
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+        self._closing = False
+        self._clients: set[socket.socket] = set()
+        self._num_busy = 0  # requests read and not yet answered
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            self._server = _StoreTCPServer((host, port), family, self)
+        except socket.gaierror as exc:
+            raise GroupError(f"TCPStoreServer: cannot resolve MASTER_ADDR {host!r}: {exc}") from exc
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise GroupError(
+                    f"TCPStoreServer: cannot listen on {host}:{port}: the port is already in use "
+                    f"(another job, or a previous run still holding it); set MASTER_PORT to a free "
+                    f"port on every rank, e.g. MASTER_PORT={_free_port(host)}") from exc
+            raise GroupError(
+                f"TCPStoreServer: cannot listen on {host}:{port}: {exc}; MASTER_ADDR must be an "
+                f"address of rank 0's host") from exc
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": _SERVE_POLL_S},
+            name=f"mooncake_ep-store-{self.port}", daemon=True)
+        self._thread.start()
+        # At interpreter exit, answer the peers' pending waits ("closed") before the daemon
+        # threads die, so they learn which ranks they were waiting for instead of a bare reset.
+        atexit.register(self.close)
+        logger.debug("TCPStoreServer: listening on %s:%d", host, self.port)
+
+    def __enter__(self) -> TCPStoreServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self, wait_for_clients_s: float = 0.0) -> None:
+        """Stop serving. Idempotent.
+
+        Args:
+            wait_for_clients_s: seconds to wait for connected clients to hang up first (so a
+                peer still reading its last reply is not cut off); 0 closes at once.
+        """
+        deadline = time.monotonic() + wait_for_clients_s
+        with self._cond:
+            if self._closing:
+                return
+            self._cond.wait_for(lambda: not self._clients,
+                                timeout=_wait_arg(max(0.0, deadline - time.monotonic())))
+            self._closing = True  # wakes any waiter: it answers CLOSED
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._num_busy == 0, timeout=_CLOSE_REPLY_S)
+            left = list(self._clients)
+        atexit.unregister(self.close)
+        self._server.shutdown()
+        self._server.server_close()
+        for sock in left:  # ends the handler threads blocked in recv
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join()
+        logger.debug("TCPStoreServer: closed %s:%d", self.host, self.port)
+
+    def _connected(self, sock: socket.socket, delta: int) -> None:
+        with self._cond:
+            (self._clients.add if delta > 0 else self._clients.discard)(sock)
+            self._cond.notify_all()
+
+    def _busy(self, delta: int) -> None:
+        with self._cond:
+            self._num_busy += delta
+            self._cond.notify_all()
+
+    def _serve(self, op: int, payload: bytes) -> tuple[int, bytes]:
+        """One request: returns (status, reply body)."""
+        try:
+            reader = _Reader(payload)
+            if op == _OP_SET:
+                key, value = reader.key(), reader.blob()
+                with self._cond:
+                    self._data[key] = value
+                    self._cond.notify_all()
+                return _OK, b""
+            if op == _OP_ADD:
+                key, amount = reader.key(), reader.scalar(_I64)
+                with self._cond:
+                    try:
+                        total = int(self._data.get(key, b"0")) + amount
+                    except ValueError:
+                        return _ERROR, f"add: key {key!r} holds a value that is not a counter".encode()
+                    self._data[key] = str(total).encode()
+                    self._cond.notify_all()
+                return _OK, _I64.pack(total)
+            if op == _OP_WAIT:
+                timeout_s, want_values = reader.scalar(_F64), reader.scalar(_U8)
+                keys = [reader.key() for _ in range(reader.scalar(_U32))]
+                with self._cond:
+                    self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys),
+                                        timeout=_wait_arg(timeout_s))
+                    missing = [i for i, k in enumerate(keys) if k not in self._data]
+                    if missing:
+                        body = _U32.pack(len(missing)) + b"".join(_U32.pack(i) for i in missing)
+                        return (_CLOSED if self._closing else _TIMEOUT), body
+                    values = [self._data[k] for k in keys] if want_values else []
+                return _OK, b"".join(_pack_blob(v) for v in values)
+            if op == _OP_DELETE:
+                key = reader.key()
+                with self._cond:
+                    existed = self._data.pop(key, None) is not None
+                return _OK, _U8.pack(existed)
+            return _ERROR, f"unknown op {op}".encode()
+        except (ValueError, struct.error, UnicodeDecodeError) as exc:
+            return _ERROR, f"malformed request (op {op}): {exc}".encode()
+
+
+def _free_port(host: str) -> int | str:
+    """A port the OS says is free now (only a suggestion for an error message)."""
+    try:
+        with socket.create_server((host, 0)) as probe:
+            return probe.getsockname()[1]
+    except OSError:
+        return "<a free port>"
+
+
+class TCPStoreClient:
+    """A connection to a :class:`TCPStoreServer`. Thread-safe (one request at a time).
+
+    Args:
+        host: the server's address (MASTER_ADDR).
+        port: the server's port (MASTER_PORT).
+        timeout_s: seconds to keep retrying the connection (the server may start later), and
+            the limit for requests that do not wait for keys.
+        who: names this client in error messages (e.g. ``"rank 3"``).
+
+    Raises:
+        GroupError: no connection within ``timeout_s``.
+    """
+
+    def __init__(self, host: str, port: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 who: str = "TCPStoreClient") -> None:
+        self.host, self.port = host, _check_port("TCPStoreClient", port, "port")
+        self.timeout_s = _check_timeout("TCPStoreClient", timeout_s)
+        self._who = who
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        deadline = time.monotonic() + self.timeout_s
+        delay = _CONNECT_RETRY_FIRST_S
+        while True:
+            try:
+                self._sock = socket.create_connection(
+                    (host, port), timeout=_wait_arg(self.timeout_s))
+                break
+            except OSError as exc:  # refused (server not up yet), unreachable, unresolvable
+                if time.monotonic() + delay > deadline:
+                    raise GroupError(
+                        f"{who}: could not connect to the store at {host}:{port} within "
+                        f"{self.timeout_s} s ({exc}); rank 0 serves it: check that rank 0 is "
+                        f"running and that MASTER_ADDR and MASTER_PORT match on every rank") from exc
+                time.sleep(delay)
+                delay = min(2 * delay, _CONNECT_RETRY_MAX_S)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        logger.debug("%s: connected to the store at %s:%d", who, host, port)
+
+    def __enter__(self) -> TCPStoreClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Hang up. Idempotent."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` (replacing any value), waking the waiters on it."""
+        self._request(_OP_SET, _pack_key(key) + _pack_blob(_check_data("TCPStoreClient.set", value)))
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the counter ``key`` (absent = 0); returns the new value."""
+        _, body = self._request(_OP_ADD, _pack_key(key) + _I64.pack(amount))
+        return _I64.unpack(body)[0]
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; returns whether it existed."""
+        _, body = self._request(_OP_DELETE, _pack_key(key))
+        return bool(_U8.unpack(body)[0])
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        """The value of ``key``, waiting up to ``timeout_s`` seconds for it to be set.
+
+        Raises:
+            StoreTimeoutError: ``key`` was not set in time.
+        """
+        return self.multi_get([key], timeout_s)[0]
+
+    def wait(self, keys: Sequence[str], timeout_s: float) -> None:
+        """Return once every key in ``keys`` is set.
+
+        Raises:
+            StoreTimeoutError: some keys were not set within ``timeout_s`` seconds; its
+                ``missing_keys`` lists them.
+        """
+        self._wait("TCPStoreClient.wait", keys, timeout_s, want_values=False)
+
+    def multi_get(self, keys: Sequence[str], timeout_s: float) -> list[bytes]:
+        """Wait as :meth:`wait` does, then return the values of ``keys`` in order (one round trip)."""
+        return self._wait("TCPStoreClient.multi_get", keys, timeout_s, want_values=True)
+
+    def _wait(self, where: str, keys: Sequence[str], timeout_s: float, want_values: bool) -> list[bytes]:
+        timeout_s = _check_timeout(where, timeout_s)
+        keys = list(keys)
+        payload = (_F64.pack(timeout_s) + _U8.pack(want_values) + _U32.pack(len(keys))
+                   + b"".join(_pack_key(k) for k in keys))
+        status, body = self._request(_OP_WAIT, payload, wait_s=timeout_s)
+        reader = _Reader(body)
+        if status != _OK:
+            missing = [keys[reader.scalar(_U32)] for _ in range(reader.scalar(_U32))]
+            if status == _CLOSED:
+                raise _StoreClosedError(
+                    f"{where}: the store at {self.host}:{self.port} closed (rank 0 closed its group or "
+                    f"exited) while waiting for keys {missing}", missing)
+            raise StoreTimeoutError(
+                f"{where}: timed out after {timeout_s} s waiting for keys {missing}", missing)
+        return [reader.blob() for _ in keys] if want_values else []
+
+    def _request(self, op: int, payload: bytes, wait_s: float = 0.0) -> tuple[int, bytes]:
+        """Send one request, read its reply. A broken link closes the socket for good."""
+        where = f"{self._who}: store at {self.host}:{self.port}"
+        # The server answers a wait itself when wait_s runs out; past the slack the link is dead.
+        io_timeout = (wait_s + _REPLY_SLACK_S) if wait_s else self.timeout_s
+        with self._lock:
+            if self._sock is None:
+                raise GroupError(f"{where}: the connection is closed")
+            try:
+                self._sock.settimeout(_wait_arg(io_timeout))
+                self._sock.sendall(_HEADER.pack(op, len(payload)) + payload)
+                status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
+                body = _recv_exact(self._sock, length)
+            except OSError as exc:  # includes timeouts: a late reply would desynchronise the stream
+                self._sock.close()
+                self._sock = None
+                raise GroupError(f"{where}: lost the connection ({exc}); rank 0's process, which "
+                                 f"serves the store, may have exited") from exc
+        if status == _ERROR:
+            raise GroupError(f"{where}: {body.decode(errors='replace')}")
+        if status == _CLOSED and op != _OP_WAIT:
+            raise GroupError(f"{where}: the store is shutting down (rank 0 closed its group)")
+        return status, body
+
+
+# ----------------------------------------------------------------------------- TCPGroup
+
+
+class TCPGroup:
+    """One rank of a multi-process group, bootstrapped over a TCP store served by rank 0.
+
+    Construction is a rendezvous: it returns once all ``world_size`` ranks have joined (or
+    raises). Every collective then publishes ``f"c/{seq}/{rank}"`` for a per-call sequence
+    number ``seq`` and waits for the other ranks' keys of the same ``seq``, so consecutive calls
+    never mix. Each rank deletes its key of call ``seq - 1`` once call ``seq`` completes (all
+    peers have read it by then), so the store stays small.
+
+    Args:
+        rank: this process's rank in ``[0, world_size)``; rank 0 serves the store.
+        world_size: number of processes. 1 needs no network at all.
+        master_addr: rank 0's address (MASTER_ADDR).
+        master_port: the store's port (MASTER_PORT), in ``[1, 65535]``.
+        timeout_s: seconds any rendezvous or collective waits for its peers (math.inf = forever);
+            can be changed later through :attr:`timeout_s`.
+        device: CUDA device ordinal this rank uses (reported as :attr:`device`), None = unset.
+
+    Raises:
+        GroupError: the port is taken (rank 0), rank 0 is unreachable, a rank joined twice,
+            ranks disagree on ``world_size``, or some ranks did not join within ``timeout_s``.
+
+    Note:
+        After any :class:`GroupError` from a collective the group is broken: the ranks no longer
+        agree on the sequence number, so every later call raises at once. Make a new group.
+    """
+
+    is_in_process = False
+
+    def __init__(self, rank: int, world_size: int, *, master_addr: str = DEFAULT_MASTER_ADDR,
+                 master_port: int = DEFAULT_MASTER_PORT, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 device: int | None = None) -> None:
+        self.rank, self.world_size = _check_rank("TCPGroup", rank, world_size)
+        if not isinstance(master_addr, str) or not master_addr:
+            raise TypeError(f"TCPGroup: master_addr must be a non-empty str, got {master_addr!r}")
+        self.master_addr = master_addr
+        self.master_port = _check_port("TCPGroup", master_port)
+        self.device = None if device is None else _check_int("TCPGroup", "device", device, 0)
+        self._timeout_s = _check_timeout("TCPGroup", timeout_s)
+        self._server: TCPStoreServer | None = None
+        self._client: TCPStoreClient | None = None
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._num_calls: Counter[str] = Counter()
+        self._broken: str | None = None
+        self._closed = False
+        if self.world_size == 1:
+            return
+        try:
+            if self.rank == 0:
+                self._server = TCPStoreServer(master_addr, self.master_port)
+            self._client = TCPStoreClient(master_addr, self.master_port, timeout_s=self._timeout_s,
+                                          who=f"rank {self.rank}")
+            self._rendezvous()
+        except BaseException:
+            self._shutdown(wait_for_clients_s=0.0)
+            raise
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds each collective waits for its peers before raising GroupError."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_s = _check_timeout("TCPGroup.timeout_s", value)
+
+    def __enter__(self) -> TCPGroup:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        # Leaving on an exception: the peers may never reach the final barrier, so skip it.
+        self.close(final_barrier=exc_type is None)
+
+    def __repr__(self) -> str:
+        return (f"TCPGroup(rank={self.rank}, world_size={self.world_size}, "
+                f"store={self.master_addr}:{self.master_port})")
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order (lengths may differ between ranks).
+
+        Raises:
+            TypeError: ``data`` is not bytes-like.
+            GroupError: some ranks did not call within ``timeout_s`` (they are named), the
+                store is gone, or the group is broken or closed.
+        """
+        return self._collective("allgather_bytes", _check_data("allgather_bytes", data))
+
+    def barrier(self) -> None:
+        """Return once every rank has entered; raises GroupError as :meth:`allgather_bytes`."""
+        self._collective("barrier", b"")
+
+    def close(self, *, final_barrier: bool = True) -> None:
+        """Leave the group; on rank 0, stop the store. Idempotent.
+
+        Args:
+            final_barrier: first wait (up to ``timeout_s``) for every rank to close, so rank 0
+                does not stop the store under a peer still in its last call. A failed final
+                barrier is logged and the group closes anyway.
+        """
+        if self._closed:
+            return
+        drain_s = 0.0
+        if final_barrier and self._client is not None and self._broken is None:
+            try:
+                self._collective("close", b"")
+                drain_s = self._timeout_s
+            except GroupError as exc:
+                logger.warning("TCPGroup.close: rank %d: final barrier failed, closing anyway: %s",
+                               self.rank, exc)
+        self._closed = True
+        self._shutdown(wait_for_clients_s=drain_s)
+
+    def _shutdown(self, wait_for_clients_s: float) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self._server is not None:
+            self._server.close(wait_for_clients_s=min(wait_for_clients_s, self._timeout_s))
+
+    def _where(self) -> str:
+        return f"MASTER_ADDR={self.master_addr}, MASTER_PORT={self.master_port}"
+
+    def _rendezvous(self) -> None:
+        assert self._client is not None  # internal invariant: world_size > 1
+        if self._client.add(f"claim/{self.rank}", 1) > 1:
+            raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
+                             f"every process needs its own RANK")
+        hello = _U32.pack(_PROTOCOL_VERSION) + _U32.pack(self.world_size)
+        replies = self._collective("init_group", hello)
+        if len(set(replies)) > 1:
+            seen = {r: tuple(struct.unpack("!II", v)) for r, v in enumerate(replies)}
+            raise GroupError(f"init_group: ranks disagree on (protocol version, world_size): {seen}")
+
+    def _collective(self, name: str, data: bytes) -> list[bytes]:
+        with self._lock:
+            label = f"{name} #{self._num_calls[name]}"
+            self._num_calls[name] += 1
+            if self._closed:
+                raise GroupError(f"{label}: the group is closed")
+            if self._broken is not None:
+                raise GroupError(f"{label}: the group is broken by an earlier failure ({self._broken}); "
+                                 f"make a new group")
+            if self._client is None:  # world_size == 1
+                return [data]
+            seq, self._seq = self._seq, self._seq + 1
+            keys = [f"c/{seq}/{r}" for r in range(self.world_size)]
+            try:
+                self._client.set(keys[self.rank], _U8.pack(_TAGS[name]) + data)
+                values = self._client.multi_get(keys, self._timeout_s)
+                if seq > 0:
+                    self._client.delete(f"c/{seq - 1}/{self.rank}")
+            except _StoreWaitError as exc:
+                missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
+                what = (f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError)
+                        else "was cut short by the store closing (rank 0 closed its group or exited)")
+                self._broken = (f"{label} {what} waiting for ranks {missing} of {self.world_size} "
+                                f"({self._where()})")
+                raise GroupError(self._broken) from None
+            except GroupError as exc:
+                self._broken = f"{label} on rank {self.rank} failed: {exc}"
+                raise GroupError(self._broken) from exc
+            names = {_U8.pack(tag): n for n, tag in _TAGS.items()}
+            odd = {r: names.get(v[:1], "?") for r, v in enumerate(values) if v[:1] != _U8.pack(_TAGS[name])}
+            if odd:
+                self._broken = (f"{label}: ranks called other collectives in the same round {odd}; "
+                                f"every rank must make the same sequence of collective calls")
+                raise GroupError(self._broken)
+            return [v[1:] for v in values]
+
+
+# ----------------------------------------------------------------------------- init_group
+
+
+def _env_int(where: str, var: str, arg: str, default: int | None = None) -> int:
+    raw = os.environ.get(var)
+    if raw is None:
+        if default is not None:
+            return default
+        raise ValueError(f"{where}: {arg} was not given and the environment variable {var} is not "
+                         f"set; pass {where}({arg}=...) or export {var} (torchrun and most "
+                         f"launchers set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{where}: environment variable {var} must be an integer, got {raw!r}") from None
+
+
+def init_group(*, rank: int | None = None, world_size: int | None = None,
+               master_addr: str | None = None, master_port: int | None = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S, device: int | None = None) -> Group:
+    """Join the group of processes this one belongs to.
+
+    Each argument left as None comes from the environment, as with ``torch.distributed``:
+    ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (default ``127.0.0.1``), ``MASTER_PORT`` (default
+    29500). Returns once every rank has joined.
+
+    Args:
+        rank: this process's rank in ``[0, world_size)``.
+        world_size: number of processes; 1 returns at once and uses no network.
+        master_addr: rank 0's host, where the store listens.
+        master_port: the store's TCP port.
+        timeout_s: seconds every rendezvous and collective waits for its peers (math.inf = forever).
+        device: CUDA device ordinal this rank uses (the group's ``device``), None = unset.
+
+    Returns:
+        A :class:`TCPGroup`.
+
+    Raises:
+        ValueError: RANK or WORLD_SIZE is neither given nor set, a variable is not an integer,
+            or rank is outside ``[0, world_size)``.
+        GroupError: as :class:`TCPGroup`.
+    """
+    # Seam for the adapters (a torch ProcessGroup or store, an mpi4py communicator,
+    # jax.distributed): each will be chosen here by its own keyword argument, wrapped to the
+    # Group protocol. With none given, the TCP store below is the bootstrap.
+    where = "init_group"
+    timeout_s = _check_timeout(where, timeout_s)
+    rank = _env_int(where, "RANK", "rank") if rank is None else rank
+    world_size = _env_int(where, "WORLD_SIZE", "world_size") if world_size is None else world_size
+    rank, world_size = _check_rank(where, rank, world_size)
+    if master_addr is None:
+        master_addr = os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+    if master_port is None:
+        master_port = _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT)
+    master_port = _check_port(where, master_port)
+    return TCPGroup(rank, world_size, master_addr=master_addr, master_port=master_port,
+                    timeout_s=timeout_s, device=device)
+
+
+# ----------------------------------------------------------------------------- LocalGroup
+
+
+class LocalRankGroup:
+    """One rank of a :class:`LocalGroup`; what ``spawn`` passes to each rank's function.
+
+    Attributes:
+        rank: this rank's index in ``[0, world_size)``.
+        world_size: the LocalGroup's ``num_ranks``.
+        device: the LocalGroup's ``devices[rank]``, or None without devices.
+        local_group: the parent :class:`LocalGroup`.
+    """
+
+    is_in_process = True
+
+    def __init__(self, local_group: LocalGroup, rank: int) -> None:
+        self.local_group = local_group
+        self.rank = rank
+        self.world_size = local_group.num_ranks
+        self.device = None if local_group.devices is None else local_group.devices[rank]
+        self._seq = 0
+        self._num_calls: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        return f"LocalRankGroup(rank={self.rank}, world_size={self.world_size}, device={self.device})"
+
+    @property
+    def stream_ptr(self) -> int | None:
+        """Address (``cudaStream_t``) of this rank's own stream, set current by ``spawn``.
+
+        None without devices, or before the first ``spawn`` created it.
+        """
+        stream = self.local_group._streams[self.rank]
+        return None if stream is None else int(stream.ptr)
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order. Collective over the LocalGroup's rank threads.
+
+        Raises:
+            TypeError: ``data`` is not bytes-like.
+            GroupError: some ranks did not call within the timeout (they are named), another
+                rank failed, or the group is broken.
+        """
+        return self._collective("allgather_bytes", _check_data("allgather_bytes", data))
+
+    def barrier(self) -> None:
+        """Return once every rank has entered; raises GroupError as :meth:`allgather_bytes`."""
+        self._collective("barrier", b"")
+
+    def _collective(self, name: str, data: bytes) -> list[bytes]:
+        group = self.local_group
+        label = f"{name} #{self._num_calls[name]}"
+        self._num_calls[name] += 1
+        seq, self._seq = self._seq, self._seq + 1
+        # Two slot sets, alternating: a rank can only write set p again two calls later, after
+        # the call in between proved every rank has finished reading set p.
+        slots = group._slots[seq % 2]
+        slots[self.rank] = (name, data)
+        group._arrivals[self.rank] = seq + 1
+        try:
+            group._barrier.wait(_wait_arg(group._active_timeout_s))
+        except threading.BrokenBarrierError:
+            raise group._broken_error(self.rank, label, seq) from None
+        odd = {r: n for r, (n, _) in enumerate(slots) if n != name}
+        if odd:
+            raise GroupError(f"{label} on rank {self.rank}: ranks called other collectives in the same "
+                             f"round {odd}; every rank must make the same sequence of collective calls")
+        return [d for _, d in slots]
+
+
+class LocalGroup:
+    """Several ranks in this process, one thread per rank (tests, simulation, single-controller).
+
+    Args:
+        num_ranks: number of ranks, >= 1.
+        devices: CUDA device ordinal of each rank (``len(devices) == num_ranks``; several ranks
+            may share a device), or None for CPU-only ranks.
+        timeout_s: seconds a collective waits for its peers (math.inf = forever).
+
+    Raises:
+        TypeError, ValueError: bad ``num_ranks``, ``devices`` or ``timeout_s``.
+
+    Note:
+        With ``devices``, :meth:`spawn` makes each rank thread use its device and its *own*
+        non-blocking stream, as current stream for cupy and (when CUDA torch is installed)
+        torch. Ranks that shared a stream would serialise, and a rank waiting for a peer
+        queued behind it could only time out. The streams are made once and reused by every
+        spawn; each rank's stream is synchronised before its result is handed back.
+    """
+
+    def __init__(self, num_ranks: int, devices: Sequence[int] | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.num_ranks = _check_int("LocalGroup", "num_ranks", num_ranks, 1)
+        if devices is not None:
+            if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
+                raise TypeError(f"LocalGroup: devices must be a sequence of ints, got {type(devices).__name__}")
+            if len(devices) != num_ranks:
+                raise ValueError(f"LocalGroup: devices must have one entry per rank (num_ranks="
+                                 f"{num_ranks}), got {len(devices)}: {list(devices)}")
+            devices = tuple(_check_int("LocalGroup", f"devices[{i}]", d, 0) for i, d in enumerate(devices))
+        self.devices: tuple[int, ...] | None = devices
+        self.timeout_s = _check_timeout("LocalGroup", timeout_s)
+        self._active_timeout_s = self.timeout_s
+        self._barrier = threading.Barrier(num_ranks)
+        self._slots: list[list[Any]] = [[None] * num_ranks, [None] * num_ranks]
+        self._arrivals = [0] * num_ranks  # collectives each rank has entered
+        self._state_lock = threading.Lock()
+        self._failure: tuple[int, BaseException] | None = None
+        self._break_reason: str | None = None
+        self._spawn_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._streams: list[Any] = [None] * num_ranks  # cupy.cuda.Stream per rank
+        self._torch_streams: list[Any] = [None] * num_ranks  # torch.cuda.ExternalStream per rank
+        self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
+
+    def __repr__(self) -> str:
+        return f"LocalGroup(num_ranks={self.num_ranks}, devices={self.devices})"
+
+    def rank_group(self, rank: int) -> LocalRankGroup:
+        """The group object of ``rank`` (always the same object for a rank)."""
+        rank, _ = _check_rank("LocalGroup.rank_group", rank, self.num_ranks)
+        return self._rank_groups[rank]
+
+    def spawn(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """Run ``fn(rank_group, *args)`` on one thread per rank; return the results in rank order.
+
+        Args:
+            fn: the per-rank function; its first argument is that rank's :class:`LocalRankGroup`.
+            *args: passed to every rank's ``fn`` after the rank group.
+            timeout_s: seconds each collective waits during this spawn; None = the group's.
+
+        Returns:
+            ``[fn's result on rank 0, ..., on rank num_ranks - 1]``.
+
+        Note:
+            Without a failure, spawn waits as long as the ranks run; collectives are what time
+            out. Once a rank fails, the others get ``timeout_s`` more to return; any still running
+            then are left behind (daemon threads) and the group refuses further spawns.
+
+        Raises:
+            BaseException: the exception of the lowest rank that failed on its own (not because a
+                peer failed), re-raised as is, with a note naming the rank. Peers waiting in a
+                collective are released at once with GroupError, so nothing hangs.
+            GroupError: another spawn is running, or threads of an earlier spawn never finished.
+        """
+        if not callable(fn):
+            raise TypeError(f"LocalGroup.spawn: fn must be callable, got {type(fn).__name__}")
+        timeout = self.timeout_s if timeout_s is None else _check_timeout("LocalGroup.spawn", timeout_s)
+        if not self._spawn_lock.acquire(blocking=False):
+            raise GroupError("LocalGroup.spawn: another spawn of this LocalGroup is running")
+        try:
+            return self._spawn(fn, args, timeout)
+        finally:
+            self._spawn_lock.release()
+
+    def _spawn(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> list[Any]:
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            raise GroupError(f"LocalGroup.spawn: threads of an earlier spawn are still running {stuck}; "
+                             f"make a new LocalGroup")
+        self._reset(timeout)
+        n = self.num_ranks
+        results: list[Any] = [None] * n
+        errors: list[BaseException | None] = [None] * n
+        done = threading.Condition()
+        num_done = 0
+
+        def run(rank: int) -> None:
+            nonlocal num_done
+            try:
+                if self.devices is not None:
+                    _use_rank_device_and_stream(self, rank)
+                results[rank] = fn(self._rank_groups[rank], *args)
+                if self._streams[rank] is not None:
+                    self._streams[rank].synchronize()  # results may be arrays still being written
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller by spawn
+                errors[rank] = exc
+                with self._state_lock:
+                    if self._failure is None:
+                        self._failure = (rank, exc)
+                self._barrier.abort()  # peers waiting in a collective get GroupError now
+            finally:
+                with done:
+                    num_done += 1
+                    done.notify_all()
+
+        self._threads = [threading.Thread(target=run, args=(r,), name=f"mooncake_ep-rank{r}", daemon=True)
+                         for r in range(n)]
+        for thread in self._threads:
+            thread.start()
+        with done:
+            try:
+                done.wait_for(lambda: num_done == n or self._failure is not None)
+                # After a failure the others are released from their collectives; give them the
+                # timeout to get out of whatever else they are doing.
+                done.wait_for(lambda: num_done == n, timeout=_wait_arg(timeout))
+            except BaseException:  # KeyboardInterrupt: release the ranks, then propagate
+                self._barrier.abort()
+                raise
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return results
+        own = [(r, e) for r, e in failed if not isinstance(e, _PeerAbortedError)]
+        rank, exc = (own or failed)[0]
+        exc.add_note(f"LocalGroup.spawn: raised on rank {rank} of {n}")
+        others = [f"rank {r}: {type(e).__name__}: {e}" for r, e in own if r != rank]
+        if others:
+            exc.add_note("other ranks failed too: " + "; ".join(others))
+        released = [r for r, e in failed if isinstance(e, _PeerAbortedError)]
+        if released:
+            exc.add_note(f"ranks {released} were released from their collectives with GroupError")
+        alive = [r for r, t in enumerate(self._threads) if t.is_alive()]
+        if alive:
+            exc.add_note(f"ranks {alive} had not returned after {timeout} s and were left running")
+        raise exc
+
+    def _reset(self, timeout: float) -> None:
+        """Fresh collective state for a new spawn (a failed spawn leaves the barrier broken)."""
+        self._active_timeout_s = timeout
+        self._barrier = threading.Barrier(self.num_ranks)
+        self._slots = [[None] * self.num_ranks, [None] * self.num_ranks]
+        self._arrivals = [0] * self.num_ranks
+        self._failure = None
+        self._break_reason = None
+        for rank_group in self._rank_groups:
+            rank_group._seq = 0
+            rank_group._num_calls.clear()
+
+    def _broken_error(self, rank: int, label: str, seq: int) -> GroupError:
+        """The error for a rank whose barrier wait broke: a peer failed, a timeout, or both earlier."""
+        with self._state_lock:
+            if self._failure is not None:
+                src, exc = self._failure
+                return _PeerAbortedError(f"{label} on rank {rank} aborted: rank {src} failed with {exc!r}")
+            if self._break_reason is None:
+                missing = [r for r, a in enumerate(self._arrivals) if a <= seq]
+                self._break_reason = (f"{label} timed out after {self._active_timeout_s} s waiting for "
+                                      f"ranks {missing} of {self.num_ranks} (LocalGroup)")
+                return GroupError(self._break_reason)
+            return GroupError(f"{label} on rank {rank}: the LocalGroup is broken by an earlier failure "
+                              f"({self._break_reason})")
+
+
+def _use_rank_device_and_stream(group: LocalGroup, rank: int) -> None:
+    """In rank ``rank``'s thread: make its device current, and its own stream current for cupy
+    and torch. The streams are created on first use and kept on ``group`` for later spawns.
+
+    Both libraries keep the current device and stream per thread, so this touches no other rank.
+    """
+    assert group.devices is not None  # internal invariant: only called with devices
+    device = group.devices[rank]
+    try:
+        import cupy
+    except ImportError as exc:
+        raise GroupError(f"LocalGroup.spawn: devices={list(group.devices)} needs cupy to set each "
+                         f"rank's device and stream; install mooncake_ep[cuda12] (or [cuda13]), or "
+                         f"pass devices=None") from exc
+    cupy.cuda.Device(device).use()
+    stream = group._streams[rank]
+    if stream is None:
+        stream = cupy.cuda.Stream(non_blocking=True)  # on the device made current above
+        group._streams[rank] = stream
+    stream.use()
+    try:
+        import torch
+    except ImportError:
+        return  # torch is optional; cupy (and our launches) already use the rank's stream
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.set_device(device)
+    torch_stream = group._torch_streams[rank]
+    if torch_stream is None:
+        torch_stream = torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", device))
+        group._torch_streams[rank] = torch_stream
+    torch.cuda.set_stream(torch_stream)

@@ -1,0 +1,454 @@
+"""Tests of mooncake_ep.group: LocalGroup threads, the TCP store, TCPGroup across real processes.
+
+CPU only. Timeouts here are short but only bound failures; no assertion is about elapsed time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+from pathlib import Path
+
+import pytest
+
+from mooncake_ep.group import (
+    Group,
+    GroupError,
+    LocalGroup,
+    StoreTimeoutError,
+    TCPGroup,
+    TCPStoreClient,
+    TCPStoreServer,
+    init_group,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Safety net for a test process that hangs (a bug): the test fails instead of stalling CI.
+PROCESS_LIMIT_S = 60.0
+# Timeout of the tests that expect one: long enough for a loaded machine, short for the suite.
+SHORT_TIMEOUT_S = 1.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def payload(rank: int, round_idx: int) -> bytes:
+    """Distinct per rank and round, of varying length (empty for rank 0 in round 0)."""
+    return f"r{rank}i{round_idx};".encode() * ((rank + round_idx) % 4) + bytes([rank, round_idx])
+
+
+def run_in_threads(fns: list) -> list:
+    """Run each zero-argument fn on its own thread; return each one's result or exception."""
+    out: list = [None] * len(fns)
+
+    def call(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(PROCESS_LIMIT_S)
+        assert not t.is_alive(), "a rank thread hung"
+    return out
+
+
+# ----------------------------------------------------------------------------- LocalGroup
+
+
+def test_local_spawn_returns_results_in_rank_order():
+    group = LocalGroup(4)
+    assert group.spawn(lambda g, x: (g.rank, g.world_size, x, g.device, g.is_in_process), "a") == [
+        (r, 4, "a", None, True) for r in range(4)]
+    assert group.num_ranks == 4 and group.devices is None
+    assert isinstance(group.rank_group(2), Group)
+    assert group.rank_group(2) is group.rank_group(2) and group.rank_group(2).local_group is group
+
+
+def test_local_allgather_rounds_do_not_mix():
+    num_rounds = 20
+
+    def body(g):
+        seen = []
+        for i in range(num_rounds):
+            seen.append(g.allgather_bytes(payload(g.rank, i)))
+            if i % 3 == 0:
+                g.barrier()
+        return seen
+
+    results = LocalGroup(5).spawn(body)
+    expected = [[payload(r, i) for r in range(5)] for i in range(num_rounds)]
+    assert results == [expected] * 5
+
+
+def test_local_group_is_reusable_across_spawns():
+    group = LocalGroup(3)
+    for _ in range(3):
+        assert group.spawn(lambda g: g.allgather_bytes(bytes([g.rank]))) == [[b"\0", b"\1", b"\2"]] * 3
+
+
+def test_local_world_size_one():
+    assert LocalGroup(1).spawn(lambda g: (g.allgather_bytes(b"x"), g.barrier())) == [([b"x"], None)]
+
+
+def test_local_exception_in_one_rank_is_reraised_and_peers_released():
+    def body(g):
+        if g.rank == 2:
+            raise ValueError("boom on purpose")
+        g.allgather_bytes(b"x")  # would wait forever for rank 2 without the abort
+        return g.rank
+
+    group = LocalGroup(4, timeout_s=60.0)  # the abort, not this timeout, must release the peers
+    with pytest.raises(ValueError, match="boom on purpose") as info:
+        group.spawn(body)
+    assert any("rank 2 of 4" in note for note in info.value.__notes__)
+    # The group works again after a failed spawn.
+    assert group.spawn(lambda g: g.allgather_bytes(b"k")) == [[b"k"] * 4] * 4
+
+
+def test_local_timeout_names_missing_rank():
+    def body(g):
+        if g.rank != 1:
+            g.barrier()
+
+    with pytest.raises(GroupError, match=r"barrier #0 .*timed out after .* ranks \[1\] of 3"):
+        LocalGroup(3).spawn(body, timeout_s=0.2)
+
+
+def test_local_mismatched_collectives_are_refused():
+    def body(g):
+        return g.barrier() if g.rank == 0 else g.allgather_bytes(b"x")
+
+    with pytest.raises(GroupError, match="other collectives"):
+        LocalGroup(2).spawn(body, timeout_s=SHORT_TIMEOUT_S)
+
+
+def test_local_validation_errors():
+    with pytest.raises(ValueError, match="num_ranks must be >= 1"):
+        LocalGroup(0)
+    with pytest.raises(TypeError, match="num_ranks must be an int"):
+        LocalGroup(2.0)
+    with pytest.raises(ValueError, match="devices must have one entry per rank"):
+        LocalGroup(2, devices=[0])
+    with pytest.raises(ValueError, match="devices"):
+        LocalGroup(2, devices=[0, -1])
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        LocalGroup(2, timeout_s=0)
+    group = LocalGroup(2)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\) = \[0, 2\), got 2"):
+        group.rank_group(2)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        group.spawn(None)
+    with pytest.raises(ValueError, match="timeout_s"):
+        group.spawn(lambda g: None, timeout_s=-1)
+    with pytest.raises(TypeError, match="data must be bytes, got str"):
+        group.spawn(lambda g: g.allgather_bytes("text"))
+
+
+def _fake_cuda_modules(monkeypatch, with_torch: bool) -> list:
+    """Install stand-ins for cupy (and torch) that record, per thread, what spawn sets."""
+    calls: list = []
+    counter = iter(range(1000, 2000))
+
+    class Device:
+        def __init__(self, d):
+            self.d = d
+
+        def use(self):
+            calls.append(("cupy.device", threading.current_thread().name, self.d))
+
+    class Stream:
+        def __init__(self, non_blocking=False):
+            assert non_blocking
+            self.ptr = next(counter)
+
+        def use(self):
+            calls.append(("cupy.stream", threading.current_thread().name, self.ptr))
+
+        def synchronize(self):
+            calls.append(("cupy.sync", threading.current_thread().name, self.ptr))
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(Device=Device, Stream=Stream)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    if not with_torch:
+        monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+        return calls
+    torch = types.ModuleType("torch")
+    torch.device = lambda kind, idx: (kind, idx)
+    torch.cuda = types.SimpleNamespace(
+        is_available=lambda: True,
+        set_device=lambda d: calls.append(("torch.device", threading.current_thread().name, d)),
+        ExternalStream=lambda ptr, device: ("ext", ptr, device),
+        set_stream=lambda s: calls.append(("torch.stream", threading.current_thread().name, s)),
+    )
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return calls
+
+
+@pytest.mark.parametrize("with_torch", [False, True])
+def test_local_spawn_sets_each_rank_device_and_own_stream(monkeypatch, with_torch):
+    calls = _fake_cuda_modules(monkeypatch, with_torch)
+    group = LocalGroup(3, devices=[0, 1, 1])
+    first = group.spawn(lambda g: (threading.current_thread().name, g.device, g.stream_ptr))
+    second = group.spawn(lambda g: g.stream_ptr)
+    ptrs = [p for _, _, p in first]
+    assert len(set(ptrs)) == 3, "each rank must get its own stream"
+    assert second == ptrs, "streams are made once per LocalGroup and reused"
+    for thread, device, ptr in first:
+        mine = [c[0] + ":" + str(c[2]) for c in calls if c[1] == thread]
+        assert f"cupy.device:{device}" in mine and f"cupy.stream:{ptr}" in mine and f"cupy.sync:{ptr}" in mine
+        if with_torch:
+            assert f"torch.device:{device}" in mine
+            assert f"torch.stream:{('ext', ptr, ('cuda', device))}" in mine
+    assert LocalGroup(2).spawn(lambda g: g.stream_ptr) == [None, None]
+
+
+# ----------------------------------------------------------------------------- TCP store
+
+
+def test_store_set_get_add_wait_delete():
+    with TCPStoreServer("127.0.0.1", 0) as server, \
+            TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as a, \
+            TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as b:
+        big = os.urandom(3 << 20)  # several MiB: replies span many recv calls
+        a.set("big", big)
+        assert b.get("big", timeout_s=5.0) == big
+        assert [a.add("n", 2), b.add("n", 3), a.add("n", -1)] == [2, 5, 4]
+        b.set("x", b"")
+        a.wait(["big", "x", "n"], timeout_s=5.0)
+        assert a.multi_get(["x", "n"], timeout_s=5.0) == [b"", b"4"]
+        assert a.delete("x") and not a.delete("x")
+        with pytest.raises(StoreTimeoutError) as info:
+            a.wait(["big", "never", "x"], timeout_s=0.1)
+        assert info.value.missing_keys == ["never", "x"]
+        with pytest.raises(GroupError, match="not a counter"):
+            a.add("big", 1)
+        # A waiter is woken by a set from another connection.
+        got = run_in_threads([lambda: b.get("late", timeout_s=30.0), lambda: a.set("late", b"v")])
+        assert got[0] == b"v"
+
+
+def test_store_port_already_taken():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(GroupError, match=rf"127\.0\.0\.1:{port}.*already in use.*MASTER_PORT"):
+            TCPStoreServer("127.0.0.1", port)
+        with pytest.raises(GroupError, match="MASTER_PORT"):
+            TCPGroup(0, 2, master_port=port, timeout_s=SHORT_TIMEOUT_S)
+
+
+def test_store_client_gives_up_when_rank0_never_starts():
+    port = free_port()
+    with pytest.raises(GroupError, match=rf"rank 1: could not connect to the store at 127\.0\.0\.1:{port}"):
+        TCPGroup(1, 2, master_port=port, timeout_s=0.3)
+
+
+def test_store_client_sees_lost_server():
+    server = TCPStoreServer("127.0.0.1", 0)
+    client = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+    client.set("k", b"v")
+    server.close()
+    with pytest.raises(GroupError, match="lost the connection|shutting down"):
+        client.get("k", timeout_s=5.0)
+    client.close()
+
+
+def test_store_close_answers_pending_waits():
+    server = TCPStoreServer("127.0.0.1", 0)
+    client = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+    client.set("here", b"")
+
+    def close_once_the_wait_is_pending():
+        while server._num_busy == 0:  # the wait request is inside the server
+            threading.Event().wait(0.001)
+        server.close()
+
+    out = run_in_threads([lambda: client.wait(["here", "never"], timeout_s=60.0), close_once_the_wait_is_pending])
+    assert isinstance(out[0], GroupError) and not isinstance(out[0], StoreTimeoutError), out
+    assert "closed" in str(out[0]) and out[0].missing_keys == ["never"]
+    client.close()
+
+
+# ----------------------------------------------------------------------------- TCPGroup, threads
+
+
+def test_tcp_group_in_threads_missing_and_duplicate_rank():
+    port = free_port()
+    make = [lambda r=r: TCPGroup(r, 3, master_port=port, timeout_s=SHORT_TIMEOUT_S) for r in (0, 1, 1)]
+    out = run_in_threads(make)
+    assert all(isinstance(e, GroupError) for e in out), out
+    messages = sorted(str(e) for e in out)
+    assert sum("rank 1 joined" in m and "twice" in m for m in messages) == 1, messages
+    # Rank 0 times out; the other rank 1 times out too, or is answered "store closed" when rank 0
+    # gives up first. Either way both name the rank that never came.
+    waited = [m for m in messages if "twice" not in m]
+    assert len(waited) == 2 and all(m.startswith("init_group #0 ") for m in waited), messages
+    assert all(f"waiting for ranks [2] of 3 (MASTER_ADDR=127.0.0.1, MASTER_PORT={port})" in m for m in waited)
+
+
+def test_tcp_group_in_threads_collectives_and_broken_after_timeout():
+    port = free_port()
+    groups = run_in_threads([lambda r=r: TCPGroup(r, 2, master_port=port, timeout_s=30.0) for r in range(2)])
+    assert all(isinstance(g, TCPGroup) and isinstance(g, Group) for g in groups), groups
+    assert run_in_threads([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1"]] * 2
+    # Rank 0 calls barrier, rank 1 allgather: both see the mismatch.
+    out = run_in_threads([groups[0].barrier, lambda: groups[1].allgather_bytes(b"x")])
+    assert all(isinstance(e, GroupError) and "other collectives" in str(e) for e in out), out
+    with pytest.raises(GroupError, match="broken by an earlier failure"):
+        groups[0].barrier()
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
+def test_tcp_group_timeout_in_collective_names_rank():
+    port = free_port()
+    groups = run_in_threads([lambda r=r: TCPGroup(r, 3, master_port=port, timeout_s=30.0) for r in range(3)])
+    for g in groups:
+        g.timeout_s = 0.2
+    out = run_in_threads([lambda: groups[0].allgather_bytes(b"a"), lambda: groups[2].allgather_bytes(b"c")])
+    for e in out:
+        assert isinstance(e, GroupError)
+        assert f"allgather_bytes #0 timed out after 0.2 s waiting for ranks [1] of 3 " \
+               f"(MASTER_ADDR=127.0.0.1, MASTER_PORT={port})" == str(e)
+    with pytest.raises(GroupError, match="broken"):
+        groups[0].allgather_bytes(b"a")
+    for g in groups:
+        g.close(final_barrier=False)
+
+
+def test_tcp_group_context_manager_and_close():
+    port = free_port()
+
+    def rank(r):
+        with TCPGroup(r, 2, master_port=port, timeout_s=30.0) as g:
+            g.barrier()
+        with pytest.raises(GroupError, match="closed"):
+            g.barrier()
+        return "ok"
+
+    assert run_in_threads([lambda: rank(0), lambda: rank(1)]) == ["ok", "ok"]
+
+
+# ----------------------------------------------------------------------------- TCPGroup, processes
+
+WORKER = textwrap.dedent("""
+    import json, sys
+    from mooncake_ep.group import GroupError, init_group
+
+    mode = sys.argv[1]
+    group = init_group(timeout_s=30.0)
+    try:
+        if mode == "leave":  # joins, then exits without taking part in any collective
+            group.close(final_barrier=False)
+            sys.exit(0)
+        group.timeout_s = float(sys.argv[2])
+        rounds = []
+        for i in range(int(sys.argv[3])):
+            data = f"r{group.rank}i{i};".encode() * ((group.rank + i) % 4) + bytes([group.rank, i])
+            rounds.append([v.hex() for v in group.allgather_bytes(data)])
+            group.barrier()
+        group.close()
+        print(json.dumps({"rounds": rounds}))
+    except GroupError as exc:
+        print(json.dumps({"error": str(exc)}))
+""")
+
+
+def launch(world_size: int, port: int, argv_by_rank: dict[int, list[str]]) -> dict[int, dict]:
+    """Run WORKER as the given ranks (environment like torchrun's); return each rank's JSON."""
+    procs = {}
+    for rank, argv in argv_by_rank.items():
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=str(REPO_ROOT))
+        procs[rank] = subprocess.Popen([sys.executable, "-c", WORKER, *argv], env=env, cwd=REPO_ROOT,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = {}
+    try:
+        for rank, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=PROCESS_LIMIT_S)
+            assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}: {stderr}"
+            out[rank] = json.loads(stdout) if stdout.strip() else {}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return out
+
+
+def test_tcp_group_four_processes_allgather_and_barrier():
+    num_rounds = 5
+    out = launch(4, free_port(), {r: ["run", "30", str(num_rounds)] for r in range(4)})
+    expected = [[payload(r, i).hex() for r in range(4)] for i in range(num_rounds)]
+    assert out == {r: {"rounds": expected} for r in range(4)}
+
+
+def test_tcp_group_peer_missing_from_collective_is_named():
+    out = launch(3, free_port(), {0: ["run", "1.0", "1"], 1: ["run", "1.0", "1"], 2: ["leave"]})
+    # Rank 0 times out and exits, closing the store it serves; rank 1 either timed out too or
+    # was answered "store closed" by that exit. Both name the rank that never came.
+    assert out[0]["error"].startswith("allgather_bytes #0 timed out after 1.0 s waiting for ranks [2] of 3")
+    assert out[1]["error"].startswith("allgather_bytes #0 ")
+    assert "waiting for ranks [2] of 3" in out[1]["error"]
+
+
+# ----------------------------------------------------------------------------- init_group
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_init_group_environment_errors(clean_env):
+    with pytest.raises(ValueError, match="RANK is not set.*export RANK"):
+        init_group()
+    clean_env.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="WORLD_SIZE is not set"):
+        init_group()
+    clean_env.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE must be an integer, got 'two'"):
+        init_group()
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\) = \[0, 2\), got 2"):
+        init_group()
+    with pytest.raises(ValueError, match="rank must be >= 0"):
+        init_group(rank=-1)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        init_group(rank=0, world_size=0)
+    clean_env.setenv("MASTER_PORT", "x")
+    with pytest.raises(ValueError, match="MASTER_PORT must be an integer"):
+        init_group(rank=0)
+    with pytest.raises(ValueError, match=r"master_port must be in \[1, 65535\]"):
+        init_group(rank=0, master_port=70000)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        init_group(rank=0, timeout_s=0.0)
+
+
+def test_init_group_world_size_one_uses_no_network(clean_env):
+    with socket.socket() as taken:  # the store's port is taken: a store would fail to start
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        clean_env.setenv("RANK", "0")
+        clean_env.setenv("WORLD_SIZE", "1")
+        clean_env.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        with init_group(device=3) as group:
+            assert (group.rank, group.world_size, group.device, group.is_in_process) == (0, 1, 3, False)
+            assert group.allgather_bytes(b"solo") == [b"solo"]
+            group.barrier()
