@@ -1,0 +1,87 @@
+"""cupy glue. This module is ``mooncake_ep.frameworks.cupy``; cupy is imported lazily.
+
+cupy has no bfloat16 and no float8 dtype: :func:`empty` and :func:`from_numpy` return bf16 as a
+``uint16`` array and fp8 e4m3fn as a ``uint8`` array of the same shape, holding the raw bits
+(``read_array`` reads those back as ``"uint16"`` / ``"uint8"``). :func:`wrap` refuses them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray, numpy_dtype
+
+if TYPE_CHECKING:
+    import cupy
+
+__all__ = ["RAW_BITS_DTYPES", "empty", "from_numpy", "current_stream", "wrap"]
+
+# Our dtype -> the cupy dtype that carries its bits.
+RAW_BITS_DTYPES = {"bfloat16": "uint16", "float8_e4m3fn": "uint8"}
+
+
+def _cupy_dtype(dtype: str, where: str) -> np.dtype:
+    if dtype not in DTYPES:
+        raise TypeError(f"{where} must be one of {DTYPES}, got {dtype!r}")
+    return np.dtype(RAW_BITS_DTYPES.get(dtype, dtype))
+
+
+def _require_cuda(device_type: str, where: str) -> None:
+    if device_type != "cuda":
+        raise TypeError(f"{where} must be 'cuda' for cupy, got {device_type!r}")
+
+
+def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) -> cupy.ndarray:
+    """Returns ``cupy.empty(shape)`` on device ``device_id`` (bf16/fp8 as raw-bits uint).
+
+    Raises:
+        TypeError: ``dtype`` is unknown or ``device_type`` is not ``"cuda"``.
+    """
+    import cupy
+
+    _require_cuda(device_type, "cupy.empty: device_type")
+    np_dtype = _cupy_dtype(dtype, "cupy.empty: dtype")
+    with cupy.cuda.Device(device_id):
+        return cupy.empty(tuple(shape), dtype=np_dtype)
+
+
+def from_numpy(arr: np.ndarray, like: ArrayView) -> cupy.ndarray:
+    """Returns a copy of ``arr`` on ``like``'s device (bf16/fp8 as raw-bits uint).
+
+    Raises:
+        TypeError: ``like`` is not on a CUDA device, or ``arr``'s dtype is not supported.
+    """
+    import cupy
+
+    from mooncake_ep.tensor import read_array
+
+    _require_cuda(like.device_type, "cupy.from_numpy: like")
+    dtype = read_array(arr, name="cupy.from_numpy: arr").dtype
+    with cupy.cuda.Device(like.device_id):
+        return cupy.asarray(arr.view(_cupy_dtype(dtype, "cupy.from_numpy: arr")))
+
+
+def current_stream(device_id: int) -> int:
+    """Returns cupy's current stream handle on ``device_id`` (0 = legacy default)."""
+    import cupy
+
+    return cupy.cuda.get_current_stream(device_id).ptr
+
+
+def wrap(array: DeviceMemoryArray) -> cupy.ndarray:
+    """Returns ``cupy.from_dlpack(array)``: a cupy array sharing the memory.
+
+    Raises:
+        TypeError: ``array.dtype`` is bf16 or fp8, which cupy cannot import; export the memory
+            as a ``"uint16"``/``"uint8"`` DeviceMemoryArray to get the raw bits, or wrap it in
+            torch or JAX.
+    """
+    import cupy
+
+    if array.dtype in RAW_BITS_DTYPES:
+        raise TypeError(
+            f"cupy.wrap: array.dtype {array.dtype} cannot be imported by cupy (no such dtype); "
+            f"export it as {RAW_BITS_DTYPES[array.dtype]!r} raw bits or use torch/JAX")
+    return cupy.from_dlpack(array)

@@ -1,0 +1,94 @@
+"""JAX glue for eager CPU arrays. This module is ``mooncake_ep.frameworks.jax``; JAX is imported
+lazily.
+
+JAX arrays are immutable, so nothing here allocates an output for a kernel to write on a GPU:
+there, outputs are the buffers XLA hands to ``buffer_callback`` (``mooncake_ep.jax``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, numpy_dtype
+
+if TYPE_CHECKING:
+    import jax
+
+__all__ = ["empty", "from_numpy", "current_stream", "wrap"]
+
+_64_BIT_DTYPES = ("int64", "float64")
+
+
+def _check_x64(dtype: str, where: str) -> None:
+    # Without jax_enable_x64, JAX silently casts 64-bit arrays to 32 bits; we cast nothing.
+    import jax
+
+    if dtype in _64_BIT_DTYPES and not jax.config.jax_enable_x64:
+        raise TypeError(f"{where} is {dtype}, which JAX would cast to 32 bits; enable "
+                        f"jax.config.update('jax_enable_x64', True) or use a 32-bit dtype")
+
+
+def _jax_device(device_type: str, device_id: int, where: str) -> Any:
+    import jax
+
+    if device_type == "cpu":
+        return jax.devices("cpu")[0]
+    if device_type == "cuda":
+        for device in jax.local_devices(backend="gpu"):
+            if device.local_hardware_id == device_id:
+                return device
+        raise ValueError(f"{where}: JAX has no local GPU with CUDA ordinal {device_id}")
+    raise TypeError(f"{where} must be 'cuda' or 'cpu', got {device_type!r}")
+
+
+def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) -> np.ndarray:
+    """Returns a numpy scratch array for a CPU output; turn it into JAX with :func:`from_numpy`.
+
+    Raises:
+        TypeError: ``device_type`` is ``"cuda"``: JAX GPU outputs come from XLA through
+            ``buffer_callback`` (use ``mooncake_ep.jax``), or ``dtype`` is unknown.
+    """
+    if device_type != "cpu":
+        raise TypeError(f"jax.empty: device_type must be 'cpu', got {device_type!r}; JAX arrays "
+                        f"are immutable, GPU outputs are allocated by XLA (use mooncake_ep.jax)")
+    return np.empty(shape, numpy_dtype(dtype))
+
+
+def from_numpy(arr: np.ndarray, like: ArrayView) -> jax.Array:
+    """Returns a JAX array with ``arr``'s values (a copy) on ``like``'s device.
+
+    Raises:
+        TypeError: ``arr`` is 64-bit and ``jax_enable_x64`` is off, or its dtype is unknown.
+    """
+    import jax
+
+    from mooncake_ep.tensor import read_array
+
+    _check_x64(read_array(arr, name="jax.from_numpy: arr").dtype, "jax.from_numpy: arr")
+    return jax.device_put(arr, _jax_device(like.device_type, like.device_id,
+                                           "jax.from_numpy: like"))
+
+
+def current_stream(device_id: int) -> int:
+    """Returns 0: JAX exposes no stream outside ``buffer_callback``, where XLA supplies it."""
+    return 0
+
+
+def wrap(array: DeviceMemoryArray) -> jax.Array:
+    """Returns ``jax.dlpack.from_dlpack(array, copy=False)``: a JAX array over the memory.
+
+    Note:
+        JAX imports without a copy only memory aligned as XLA wants (64 bytes on the CPU);
+        ``copy=False`` makes it raise instead of copying silently. The memory must not change
+        while the JAX array lives: JAX assumes its arrays are immutable.
+
+    Raises:
+        TypeError: ``array`` is 64-bit and ``jax_enable_x64`` is off.
+        ValueError: the memory is not aligned for XLA.
+    """
+    import jax
+
+    _check_x64(array.dtype, "jax.wrap: array.dtype")
+    return jax.dlpack.from_dlpack(array, copy=False)

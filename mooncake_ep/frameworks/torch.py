@@ -1,0 +1,86 @@
+"""torch glue. This module is ``mooncake_ep.frameworks.torch``; torch is imported lazily."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["empty", "from_numpy", "current_stream", "wrap"]
+
+# numpy dtypes torch.from_numpy refuses (ml_dtypes) -> unsigned int of the same width; the
+# tensor is then reinterpreted with Tensor.view(dtype), which copies nothing.
+_RAW_BITS = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8}
+
+
+def _torch_dtype(dtype: str, where: str) -> Any:
+    import torch
+
+    if dtype not in DTYPES:
+        raise TypeError(f"{where} must be one of {DTYPES}, got {dtype!r}")
+    return getattr(torch, dtype)  # our names are torch's names
+
+
+def _device(device_type: str, device_id: int, where: str) -> str:
+    if device_type == "cuda":
+        return f"cuda:{device_id}"
+    if device_type == "cpu":
+        return "cpu"
+    raise TypeError(f"{where} must be 'cuda' or 'cpu', got {device_type!r}")
+
+
+def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) -> torch.Tensor:
+    """Returns ``torch.empty(shape)`` of ``dtype`` on ``cuda:{device_id}`` or the CPU.
+
+    Raises:
+        TypeError: ``dtype`` or ``device_type`` is not supported.
+    """
+    import torch
+
+    return torch.empty(tuple(shape), dtype=_torch_dtype(dtype, "torch.empty: dtype"),
+                       device=_device(device_type, device_id, "torch.empty: device_type"))
+
+
+def from_numpy(arr: np.ndarray, like: ArrayView) -> torch.Tensor:
+    """Returns a tensor with ``arr``'s values on ``like``'s device.
+
+    On the CPU it shares ``arr``'s memory (bf16/fp8 included, through a raw-bits view) unless
+    ``arr`` has negative strides or is read-only, which torch cannot share: then it is copied.
+    For a CUDA ``like`` the data is copied to ``cuda:{like.device_id}`` (a host sync).
+
+    Raises:
+        TypeError: ``arr``'s dtype is not supported.
+    """
+    import torch
+
+    from mooncake_ep.tensor import read_array
+
+    dtype = read_array(arr, name="torch.from_numpy: arr").dtype
+    if any(s < 0 for s in arr.strides) or not arr.flags.writeable:
+        arr = np.array(arr)
+    raw = _RAW_BITS.get(dtype)
+    tensor = torch.from_numpy(arr.view(raw) if raw is not None else arr)
+    if raw is not None:
+        tensor = tensor.view(getattr(torch, dtype))
+    if like.device_type == "cuda":
+        tensor = tensor.to(f"cuda:{like.device_id}")
+    return tensor
+
+
+def current_stream(device_id: int) -> int:
+    """Returns torch's current CUDA stream handle on ``device_id`` (0 = legacy default)."""
+    import torch
+
+    return torch.cuda.current_stream(device_id).cuda_stream
+
+
+def wrap(array: DeviceMemoryArray) -> torch.Tensor:
+    """Returns ``torch.from_dlpack(array)``: a tensor sharing the memory, keeping its owner."""
+    import torch
+
+    return torch.from_dlpack(array)

@@ -1,0 +1,713 @@
+"""The DLPack boundary: read any caller's array as an :class:`ArrayView`, export our memory back.
+
+Every array that enters ``mooncake_ep`` (torch, JAX, cupy, numpy or any other DLPack producer)
+is read once into an :class:`ArrayView`: data pointer, shape, strides, dtype name and device.
+Kernels see only that. Memory we own (workspace regions, host buffers) leaves as a
+:class:`DeviceMemoryArray`, which any framework imports with its ``from_dlpack``.
+
+Example::
+
+    view = read_array(x, name="dispatch: x", stream=stream_ptr)
+    if view.dtype != "bfloat16":
+        raise TypeError(f"dispatch: x must be bfloat16, got {view.dtype}")
+    launch(view.ptr, ...)
+
+The capsule reader is our own (ctypes over the structs of ``dlpack.h``), so no framework is
+imported here: torch is imported only when a torch tensor arrives, for its fast path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "DLPACK_VERSION",
+    "MIN_DLPACK_VERSION",
+    "DLDeviceType",
+    "DLDataTypeCode",
+    "DLPACK_DEVICE_TYPES",
+    "DLPACK_DTYPES",
+    "DTYPES",
+    "ArrayView",
+    "DeviceMemoryArray",
+    "read_array",
+    "c_contiguous_strides",
+    "numpy_dtype",
+]
+
+_logger = logging.getLogger("mooncake_ep")
+
+# The newest DLPack we speak: 1.1 added kDLFloat8_e4m3fn (code 10), which fp8 dispatch needs.
+DLPACK_VERSION = (1, 1)
+# The oldest DLPack whose capsules we read and write: kDLBool (code 6) arrived in 0.8; the legacy
+# DLManagedTensor layout has not changed since. A versioned capsule must have our major version.
+MIN_DLPACK_VERSION = (0, 8)
+
+# DLManagedTensorVersioned.flags bits (dlpack.h).
+DLPACK_FLAG_BITMASK_READ_ONLY = 1 << 0
+DLPACK_FLAG_BITMASK_IS_COPIED = 1 << 1
+
+
+class DLDeviceType(enum.IntEnum):
+    """``DLDeviceType`` of ``dlpack.h``, the device types we accept."""
+
+    kDLCPU = 1
+    kDLCUDA = 2
+    kDLCUDAHost = 3  # pinned host memory (cudaMallocHost)
+    kDLCUDAManaged = 13  # unified memory (cudaMallocManaged)
+
+
+class DLDataTypeCode(enum.IntEnum):
+    """``DLDataTypeCode`` of ``dlpack.h``, the codes we accept."""
+
+    kDLInt = 0
+    kDLUInt = 1
+    kDLFloat = 2
+    kDLBfloat = 4
+    kDLBool = 6
+    kDLFloat8_e4m3fn = 10  # DLPack 1.1
+
+
+# DLPack device type -> our device_type. Pinned host memory is host memory: numpy can view it,
+# and producers route it through their CPU exporter (which refuses a stream). Managed memory is
+# addressed by kernels on its device_id, so it reads as "cuda".
+DLPACK_DEVICE_TYPES: dict[int, str] = {
+    DLDeviceType.kDLCPU: "cpu",
+    DLDeviceType.kDLCUDA: "cuda",
+    DLDeviceType.kDLCUDAHost: "cpu",
+    DLDeviceType.kDLCUDAManaged: "cuda",
+}
+_DEVICE_TYPE_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDAHost", 4: "OpenCL", 7: "Vulkan", 8: "Metal",
+                      10: "ROCM", 11: "ROCMHost", 13: "CUDAManaged", 14: "OneAPI"}
+
+# (DLPack type code, bits) -> our dtype name; lanes must be 1.
+DLPACK_DTYPES: dict[tuple[int, int], str] = {
+    (DLDataTypeCode.kDLBfloat, 16): "bfloat16",
+    (DLDataTypeCode.kDLFloat8_e4m3fn, 8): "float8_e4m3fn",
+    (DLDataTypeCode.kDLFloat, 16): "float16",
+    (DLDataTypeCode.kDLFloat, 32): "float32",
+    (DLDataTypeCode.kDLFloat, 64): "float64",
+    (DLDataTypeCode.kDLInt, 8): "int8",
+    (DLDataTypeCode.kDLInt, 32): "int32",
+    (DLDataTypeCode.kDLInt, 64): "int64",
+    (DLDataTypeCode.kDLUInt, 8): "uint8",
+    # cupy has no bf16: frameworks.cupy carries bf16 as uint16 raw bits, so those must read back.
+    (DLDataTypeCode.kDLUInt, 16): "uint16",
+    (DLDataTypeCode.kDLBool, 8): "bool",
+}
+_DTYPE_TO_DLPACK = {name: code_bits for code_bits, name in DLPACK_DTYPES.items()}
+# Every dtype name an ArrayView or DeviceMemoryArray can carry.
+DTYPES: tuple[str, ...] = tuple(DLPACK_DTYPES.values())
+
+_NUMPY_DTYPES: dict[str, np.dtype] = {
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    **{n: np.dtype(n) for n in ("float16", "float32", "float64", "int8", "int32", "int64",
+                                "uint8", "uint16", "bool")},
+}
+_NUMPY_TO_NAME = {dt: name for name, dt in _NUMPY_DTYPES.items()}
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """Returns the numpy dtype of a dtype name (bf16 and fp8 as ``ml_dtypes`` types).
+
+    Raises:
+        TypeError: ``dtype`` is not one of :data:`DTYPES`.
+    """
+    try:
+        return _NUMPY_DTYPES[dtype]
+    except (KeyError, TypeError):
+        raise TypeError(f"dtype must be one of {DTYPES}, got {dtype!r}") from None
+
+
+def c_contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Returns the strides, in elements, of a C-contiguous (row-major) array of ``shape``."""
+    strides = []
+    step = 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(int(extent), 1)
+    return tuple(reversed(strides))
+
+
+# ---------------------------------------------------------------------------------------------
+# dlpack.h structs
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),  # NULL = C-contiguous
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class DLManagedTensor(ctypes.Structure):
+    """Legacy (pre-1.0) managed tensor; capsule name ``"dltensor"``."""
+
+    _fields_ = [
+        ("dl_tensor", DLTensor),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),  # void (*)(DLManagedTensor *)
+    ]
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    """DLPack >= 1.0 managed tensor; capsule name ``"dltensor_versioned"``."""
+
+    _fields_ = [
+        ("version", DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),  # void (*)(DLManagedTensorVersioned *)
+        ("flags", ctypes.c_uint64),  # DLPACK_FLAG_BITMASK_*
+        ("dl_tensor", DLTensor),
+    ]
+
+
+def _capi(symbol: str, restype: Any, *argtypes: Any) -> Any:
+    # ctypes.pythonapi[symbol] makes a fresh function object; ctypes.pythonapi.symbol would be the
+    # shared, cached one, and setting argtypes on it would change it for every other library.
+    function = ctypes.pythonapi[symbol]
+    function.restype = restype
+    function.argtypes = argtypes
+    return function
+
+
+_PyCapsule_GetName = _capi("PyCapsule_GetName", ctypes.c_char_p, ctypes.py_object)
+_PyCapsule_GetPointer = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.py_object,
+                              ctypes.c_char_p)
+_PyCapsule_IsValid = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
+# PyCapsule_SetName keeps the char * it is given, so names must outlive every capsule.
+_PyCapsule_SetName = _capi("PyCapsule_SetName", ctypes.c_int, ctypes.py_object, ctypes.c_void_p)
+_PyMem_RawMalloc = _capi("PyMem_RawMalloc", ctypes.c_void_p, ctypes.c_size_t)
+
+
+def _static_c_string(text: bytes) -> int:
+    """A NUL-terminated copy of ``text`` that is never freed (a capsule may die at exit)."""
+    address = _PyMem_RawMalloc(len(text) + 1)
+    if not address:
+        raise MemoryError("PyMem_RawMalloc failed for a capsule name")
+    ctypes.memmove(address, text + b"\0", len(text) + 1)
+    return address
+
+
+_LEGACY_NAME = b"dltensor"
+_VERSIONED_NAME = b"dltensor_versioned"
+_USED_LEGACY_NAME = _static_c_string(b"used_dltensor")
+_USED_VERSIONED_NAME = _static_c_string(b"used_dltensor_versioned")
+
+# Producers' deleters are called with the GIL held, as numpy and torch call them.
+_DELETER = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _ConsumedTensor:
+    """Owns a managed tensor taken out of a capsule: calls its deleter once, when collected.
+
+    ``__del__`` runs with any in-flight exception saved by CPython, so the producer's deleter
+    never sees one.
+    """
+
+    __slots__ = ("_managed_ptr", "_deleter", "__weakref__")
+
+    def __init__(self, managed_ptr: int, deleter_ptr: int | None) -> None:
+        self._managed_ptr = managed_ptr
+        self._deleter = _DELETER(deleter_ptr) if deleter_ptr else None
+
+    def __del__(self) -> None:
+        deleter, self._deleter = self._deleter, None
+        if deleter is not None:
+            deleter(self._managed_ptr)
+
+
+# ---------------------------------------------------------------------------------------------
+# ArrayView
+
+
+class _NumpyInterface:
+    """Hands memory to numpy through ``__array_interface__``; numpy keeps it as the base."""
+
+    __slots__ = ("__array_interface__", "_keepalive")
+
+    def __init__(self, interface: dict, keepalive: object) -> None:
+        self.__array_interface__ = interface
+        self._keepalive = keepalive
+
+
+def _numpy_over(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str,
+                readonly: bool, keepalive: object, raw_bits: bool = False) -> np.ndarray:
+    """A zero-copy numpy array over host memory whose base keeps ``keepalive`` alive.
+
+    With ``raw_bits`` the elements are unsigned ints of the same width (numpy never reads them).
+    """
+    np_dtype = _NUMPY_DTYPES[dtype]
+    # numpy's interface knows no bf16/fp8: describe the bits as unsigned ints, then view.
+    raw = np.dtype(f"u{np_dtype.itemsize}")
+    interface = {
+        "version": 3,
+        "shape": tuple(shape),
+        "typestr": raw.str,
+        "data": (ptr, readonly),
+        "strides": tuple(s * np_dtype.itemsize for s in strides),
+    }
+    array = np.asarray(_NumpyInterface(interface, keepalive))
+    return array if raw_bits else array.view(np_dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class ArrayView:
+    """One caller array as the kernels see it. Made by :func:`read_array`; never copies.
+
+    Attributes:
+        obj: the caller's object, returned untouched.
+        ptr: address of element ``[0, ..., 0]`` (DLPack ``data + byte_offset``); a device
+            address when ``device_type == "cuda"``. May be 0 for an empty array.
+        shape: extents, one per dimension; ``()`` for a 0-d array.
+        strides: steps between neighbours of each dimension, in elements (not bytes); may be
+            negative (numpy) or 0 (broadcast).
+        dtype: one of :data:`DTYPES` (``"bfloat16"``, ``"float8_e4m3fn"``, ``"int64"``, ...).
+        device_type: ``"cpu"`` (including pinned ``kDLCUDAHost`` memory) or ``"cuda"``
+            (including ``kDLCUDAManaged`` memory).
+        device_id: CUDA ordinal for ``"cuda"``; 0 for ``"cpu"``.
+        framework: producer, from ``type(obj).__module__``: ``"numpy"``, ``"torch"``,
+            ``"jax"``, ``"cupy"``, or ``"dlpack"`` for any other producer.
+        keepalive: what keeps the memory valid while the view lives: the caller's array, or
+            the owner of a consumed capsule, whose deleter runs when it is collected.
+        readonly: the producer marked the memory read-only (DLPack >= 1.0 flag, or a numpy
+            array that is not writeable). Legacy capsules cannot say so and read ``False``;
+            JAX, for one, exports its immutable arrays that way.
+
+    Note:
+        The memory is valid only while this view (or ``obj``) is alive; keep the view, not a
+        bare ``ptr``, until the kernel that reads it has finished.
+    """
+
+    obj: Any = field(repr=False)
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    device_type: str
+    device_id: int
+    framework: str
+    keepalive: Any = field(repr=False)
+    readonly: bool = False
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return _NUMPY_DTYPES[self.dtype].itemsize
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the elements (``size * itemsize``), not of the strided span."""
+        return self.size * self.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Whether the elements are dense in C (row-major) order.
+
+        Dimensions of extent 1 may have any stride, and an empty array is contiguous.
+        """
+        if self.size == 0:
+            return True
+        expected = 1
+        for extent, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if extent != 1 and stride != expected:
+                return False
+            expected *= extent
+        return True
+
+    def numpy(self) -> np.ndarray:
+        """Returns a zero-copy numpy array over the memory (CPU only).
+
+        bf16 and fp8 come as ``ml_dtypes.bfloat16`` / ``ml_dtypes.float8_e4m3fn``. The array
+        keeps this view's ``keepalive`` alive, and is read-only when the view is.
+
+        Raises:
+            TypeError: the memory is on a CUDA device.
+        """
+        if self.device_type != "cpu":
+            raise TypeError(
+                f"ArrayView.numpy: only CPU memory can be viewed by numpy, this array is on "
+                f"{self.device_type}:{self.device_id}; copy it to the host in its framework")
+        if self.size == 0:
+            array = np.empty(self.shape, _NUMPY_DTYPES[self.dtype])
+            array.flags.writeable = not self.readonly
+            return array
+        return _numpy_over(self.ptr, self.shape, self.strides, self.dtype, self.readonly, self)
+
+
+# ---------------------------------------------------------------------------------------------
+# read_array
+
+_FRAMEWORK_OF_MODULE = {"numpy": "numpy", "torch": "torch", "jax": "jax", "jaxlib": "jax",
+                        "cupy": "cupy", "cupy_backends": "cupy"}
+_streamless_producers_warned: set[type] = set()
+
+
+def _framework_of(obj: object) -> str:
+    root = type(obj).__module__.partition(".")[0]
+    return _FRAMEWORK_OF_MODULE.get(root, "dlpack")
+
+
+def _dtype_from_dlpack(code: int, bits: int, lanes: int, name: str) -> str:
+    dtype = DLPACK_DTYPES.get((code, bits)) if lanes == 1 else None
+    if dtype is None:
+        raise TypeError(f"{name} must have one of the dtypes {DTYPES}, got DLPack dtype code={code} "
+                        f"bits={bits} lanes={lanes}")
+    return dtype
+
+
+def _device_from_dlpack(device_type: int, device_id: int, name: str) -> tuple[str, int]:
+    ours = DLPACK_DEVICE_TYPES.get(device_type)
+    if ours is None:
+        kind = _DEVICE_TYPE_NAMES.get(int(device_type), "unknown")
+        raise TypeError(f"{name} must be on a CPU or CUDA device, got DLPack device type "
+                        f"{int(device_type)} ({kind})")
+    return ours, (int(device_id) if ours == "cuda" else 0)
+
+
+def _read_numpy(obj: np.ndarray, name: str) -> ArrayView:
+    # No DLPack: numpy refuses to export ml_dtypes (bf16/fp8) and read-only arrays through it.
+    dtype = _NUMPY_TO_NAME.get(obj.dtype) if obj.dtype.isnative else None
+    if dtype is None:
+        raise TypeError(f"{name} must have one of the dtypes {DTYPES} in native byte order, "
+                        f"got numpy dtype {obj.dtype.str} ({obj.dtype})")
+    itemsize = obj.dtype.itemsize
+    if any(s % itemsize for s in obj.strides):
+        raise ValueError(f"{name} must have strides that are multiples of its itemsize "
+                         f"({itemsize}), got {obj.strides} bytes")
+    return ArrayView(obj=obj, ptr=obj.__array_interface__["data"][0], shape=obj.shape,
+                     strides=tuple(s // itemsize for s in obj.strides), dtype=dtype,
+                     device_type="cpu", device_id=0, framework="numpy", keepalive=obj,
+                     readonly=not obj.flags.writeable)
+
+
+_torch_dtypes: dict[Any, str] = {}
+
+
+def _same_stream(current: int, stream: int) -> bool:
+    # Handle 0 and the DLPack/CUDA value 1 both name the legacy default stream.
+    return (current or 1) == (stream or 1)
+
+
+def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
+    """Fast path: pointer and layout straight from the tensor. None: use DLPack instead."""
+    import torch
+
+    if not isinstance(obj, torch.Tensor):
+        return None
+    if obj.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {obj.layout}")
+    if not _torch_dtypes:
+        _torch_dtypes.update({getattr(torch, n): n for n in DTYPES})
+    dtype = _torch_dtypes.get(obj.dtype)
+    if dtype is None:
+        raise TypeError(f"{name} must have one of the dtypes {DTYPES}, got {obj.dtype}")
+    device = obj.device
+    if device.type == "cuda":
+        # DLPack would make `stream` wait for torch's current stream; the fast path orders
+        # nothing, so it is taken only when the caller launches on that very stream.
+        if stream is not None and stream != -1 and not _same_stream(
+                torch.cuda.current_stream(device.index).cuda_stream, stream):
+            return None
+        device_type, device_id = "cuda", device.index
+    elif device.type == "cpu":
+        device_type, device_id = "cpu", 0
+    else:
+        raise TypeError(f"{name} must be on a CPU or CUDA device, got torch device {device}")
+    return ArrayView(obj=obj, ptr=obj.data_ptr(), shape=tuple(obj.shape), strides=obj.stride(),
+                     dtype=dtype, device_type=device_type, device_id=device_id,
+                     framework="torch", keepalive=obj)
+
+
+def _export_capsule(obj: Any, name: str, stream: int | None) -> Any:
+    """Calls ``obj.__dlpack__`` with the arguments its producer accepts."""
+    exporter = getattr(obj, "__dlpack__", None)
+    if exporter is None:
+        raise TypeError(f"{name} must be an array with __dlpack__ (torch, JAX, cupy, numpy), "
+                        f"got {type(obj).__module__}.{type(obj).__qualname__}")
+    get_device = getattr(obj, "__dlpack_device__", None)
+    dl_device_type = get_device()[0] if get_device is not None else None
+    if dl_device_type in (DLDeviceType.kDLCUDA, DLDeviceType.kDLCUDAManaged) and stream is not None:
+        # DLPack: the producer makes `stream` wait for its pending writes. 1 = legacy default,
+        # 2 = per-thread default, -1 = no synchronisation; 0 is ambiguous and forbidden.
+        stream_kwargs = {"stream": 1 if stream == 0 else stream}
+    else:
+        # CPU and pinned-host producers take no stream: numpy raises RuntimeError, torch an
+        # AssertionError, JAX "UNIMPLEMENTED" for anything but None. Pinned torch tensors go
+        # through the CPU exporter (jax/_src/dlpack.py notes the same).
+        stream_kwargs = {}
+    try:
+        try:
+            return exporter(max_version=DLPACK_VERSION, **stream_kwargs)
+        except TypeError:
+            # Producers older than DLPack 1.0 (array API 2023) take no max_version; they only
+            # make legacy capsules. JAX takes it but still returns a legacy capsule.
+            try:
+                return exporter(**stream_kwargs)
+            except TypeError:
+                if not stream_kwargs:
+                    raise
+                # Producers with no stream parameter at all (TensorFlow's EagerTensor; see
+                # jax/_src/dlpack.py): the export cannot be ordered on our stream.
+                if type(obj) not in _streamless_producers_warned:
+                    _streamless_producers_warned.add(type(obj))
+                    _logger.warning("%s: %s.__dlpack__ takes no stream; its pending writes are "
+                                    "not ordered before our launch", name, type(obj).__qualname__)
+                return exporter()
+    except BufferError as error:
+        raise TypeError(f"{name}: {type(obj).__qualname__} refused to export through DLPack: "
+                        f"{error}") from error
+
+
+def _is_capsule(obj: object) -> bool:
+    return type(obj).__name__ == "PyCapsule" and type(obj).__module__ == "builtins"
+
+
+def _view_from_capsule(capsule: Any, obj: Any, name: str, framework: str) -> ArrayView:
+    """Reads a DLPack capsule and consumes it; the returned view owns the managed tensor."""
+    capsule_name = _PyCapsule_GetName(capsule)
+    if capsule_name == _VERSIONED_NAME:
+        address = _PyCapsule_GetPointer(capsule, capsule_name)
+        managed: Any = DLManagedTensorVersioned.from_address(address)
+        version = (managed.version.major, managed.version.minor)
+        if version[0] != DLPACK_VERSION[0]:
+            # Not consumed: the capsule's own destructor frees it.
+            raise TypeError(f"{name}: DLPack {version[0]}.{version[1]} capsule, this reader "
+                            f"speaks DLPack {DLPACK_VERSION[0]}.x")
+        readonly = bool(managed.flags & DLPACK_FLAG_BITMASK_READ_ONLY)
+        used_name = _USED_VERSIONED_NAME
+    elif capsule_name == _LEGACY_NAME:
+        address = _PyCapsule_GetPointer(capsule, capsule_name)
+        managed = DLManagedTensor.from_address(address)
+        readonly = False  # a legacy capsule cannot say
+        used_name = _USED_LEGACY_NAME
+    else:
+        raise TypeError(f"{name}: __dlpack__ returned a capsule named {capsule_name!r}, expected "
+                        f"'dltensor' or 'dltensor_versioned' (a 'used_' name was consumed already)")
+    tensor = managed.dl_tensor
+    dtype = _dtype_from_dlpack(tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes, name)
+    device_type, device_id = _device_from_dlpack(tensor.device.device_type,
+                                                 tensor.device.device_id, name)
+    ndim = tensor.ndim
+    shape = tuple(tensor.shape[i] for i in range(ndim))
+    if tensor.strides:
+        strides = tuple(tensor.strides[i] for i in range(ndim))
+    else:
+        strides = c_contiguous_strides(shape)  # NULL strides: compact row-major
+    ptr = (tensor.data or 0) + tensor.byte_offset
+    # Consume, as the protocol says: rename first, so the capsule's destructor leaves the tensor
+    # to us, then own the deleter call.
+    if _PyCapsule_SetName(capsule, used_name) != 0:
+        raise RuntimeError(f"{name}: PyCapsule_SetName failed on a DLPack capsule")
+    owner = _ConsumedTensor(address, managed.deleter)
+    return ArrayView(obj=obj, ptr=ptr, shape=shape, strides=strides, dtype=dtype,
+                     device_type=device_type, device_id=device_id, framework=framework,
+                     keepalive=owner, readonly=readonly)
+
+
+def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
+    """Reads any array (numpy, torch, JAX, cupy, any DLPack producer) without copying.
+
+    Args:
+        obj: the array. numpy arrays and torch tensors are read directly; anything else through
+            ``obj.__dlpack__`` (a bare DLPack capsule is accepted and consumed too).
+        name: call and argument for error messages, e.g. ``"dispatch: x"``.
+        stream: the CUDA stream (``cudaStream_t`` as an int) the caller will launch on; 0 is the
+            legacy default stream (passed to DLPack as 1), 2 the per-thread default, -1 asks
+            for no ordering. A CUDA producer makes this stream wait for its pending writes.
+            ``None``: no stream is passed (DLPack then assumes the legacy default stream).
+
+    Returns:
+        An :class:`ArrayView`; its memory stays valid while the view lives.
+
+    Raises:
+        TypeError: ``obj`` has no ``__dlpack__``, or its dtype is not one of :data:`DTYPES`, or
+            it is on neither a CPU nor a CUDA device, or its producer refused the export.
+        ValueError: ``stream`` is not an int >= -1.
+
+    Note:
+        The torch fast path orders nothing: it is used when ``stream`` is None or is torch's
+        current stream on the tensor's device; otherwise the tensor goes through DLPack.
+    """
+    if stream is not None and (not isinstance(stream, int) or stream < -1):
+        raise ValueError(f"{name}: stream must be None or a CUDA stream handle (int >= -1), "
+                         f"got {stream!r}")
+    if isinstance(obj, np.ndarray):
+        return _read_numpy(obj, name)
+    if type(obj).__module__.startswith("torch"):
+        view = _read_torch(obj, name, stream)
+        if view is not None:
+            return view
+    if _is_capsule(obj):
+        return _view_from_capsule(obj, obj, name, "dlpack")
+    capsule = _export_capsule(obj, name, stream)
+    return _view_from_capsule(capsule, obj, name, _framework_of(obj))
+
+
+# ---------------------------------------------------------------------------------------------
+# DeviceMemoryArray
+
+
+class DeviceMemoryArray:
+    """Memory we own (device or host), exported to any framework through DLPack.
+
+    ``torch.from_dlpack``, ``jax.dlpack.from_dlpack``, ``cupy.from_dlpack`` and
+    ``np.from_dlpack`` (numpy dtypes only) all accept it and share the memory.
+
+    Example::
+
+        out = DeviceMemoryArray(ptr, (num_tokens, hidden), "bfloat16", "cuda", 0, owner=buffer)
+        recv_x = torch.from_dlpack(out)   # keeps `buffer` alive while recv_x lives
+
+    Args:
+        ptr: address of element ``[0, ..., 0]``; C-contiguous layout.
+        shape: extents; the strides are :func:`c_contiguous_strides` of it.
+        dtype: one of :data:`DTYPES`.
+        device_type: ``"cuda"`` (a device address) or ``"cpu"`` (a host address).
+        device_id: CUDA ordinal for ``"cuda"``; must be 0 for ``"cpu"``.
+        owner: object whose lifetime bounds the memory. Each exported capsule holds a
+            reference until the consumer calls its deleter (or the capsule dies unconsumed).
+
+    Raises:
+        TypeError: ``dtype`` or ``device_type`` is not supported.
+        ValueError: ``ptr``, ``shape`` or ``device_id`` is out of range.
+
+    Note:
+        No stream is tracked: ``__dlpack__(stream=...)`` orders nothing. Export only memory
+        whose writes are already ordered before the consumer's stream (the kernel ran on it,
+        or was waited for).
+    """
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: str, device_type: str,
+                 device_id: int, owner: object) -> None:
+        if not isinstance(ptr, int) or ptr < 0:
+            raise ValueError(f"DeviceMemoryArray: ptr must be an address (int >= 0), got {ptr!r}")
+        shape = tuple(shape)
+        if not all(isinstance(n, (int, np.integer)) and n >= 0 for n in shape):
+            raise ValueError(f"DeviceMemoryArray: shape must be non-negative ints, got {shape}")
+        if dtype not in _DTYPE_TO_DLPACK:
+            raise TypeError(f"DeviceMemoryArray: dtype must be one of {DTYPES}, got {dtype!r}")
+        if device_type == "cuda":
+            dl_device_type = DLDeviceType.kDLCUDA
+        elif device_type == "cpu":
+            dl_device_type = DLDeviceType.kDLCPU
+        else:
+            raise TypeError(f"DeviceMemoryArray: device_type must be 'cuda' or 'cpu', "
+                            f"got {device_type!r}")
+        if ptr == 0 and math.prod(shape) > 0:
+            raise ValueError(f"DeviceMemoryArray: ptr must be non-zero for {shape} elements")
+        if not isinstance(device_id, int) or device_id < 0 or (device_type == "cpu" and device_id):
+            raise ValueError(f"DeviceMemoryArray: device_id must be a CUDA ordinal (>= 0), or 0 "
+                             f"for 'cpu', got {device_id!r}")
+        self._ptr = ptr
+        self._shape = tuple(int(n) for n in shape)
+        self._dtype = dtype
+        self._device_type = device_type
+        self._device_id = device_id
+        self._dl_device = (dl_device_type, device_id)
+        self._owner = owner
+
+    ptr = property(lambda self: self._ptr, doc="Address of element ``[0, ..., 0]``.")
+    shape = property(lambda self: self._shape, doc="Extents.")
+    strides = property(lambda self: c_contiguous_strides(self._shape), doc="In elements.")
+    dtype = property(lambda self: self._dtype, doc="One of :data:`DTYPES`.")
+    device_type = property(lambda self: self._device_type, doc="``'cuda'`` or ``'cpu'``.")
+    device_id = property(lambda self: self._device_id, doc="CUDA ordinal; 0 for ``'cpu'``.")
+    owner = property(lambda self: self._owner, doc="Keeps the memory valid.")
+
+    def __repr__(self) -> str:
+        return (f"DeviceMemoryArray(ptr={self._ptr:#x}, shape={self._shape}, dtype={self._dtype}"
+                f", device={self._device_type}:{self._device_id})")
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """Returns ``(DLDeviceType, device_id)``."""
+        return self._dl_device
+
+    def __dlpack__(self, stream: int | None = None, *, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+        """Returns a DLPack capsule over the memory, never a copy.
+
+        Args:
+            stream: the consumer's stream; accepted and not used (see the class note).
+            max_version: newest DLPack the consumer reads; ``>= (1, 0)`` gets a
+                ``"dltensor_versioned"`` capsule, ``None`` a legacy ``"dltensor"`` one.
+            dl_device: must be None or this array's device.
+            copy: ``True`` is refused (we never copy).
+
+        Raises:
+            BufferError: a copy, another device or a DLPack older than
+                :data:`MIN_DLPACK_VERSION` was asked for.
+        """
+        if copy:
+            raise BufferError("DeviceMemoryArray.__dlpack__: copy=True is not supported; import "
+                              "without a copy and copy in the consumer's framework")
+        if dl_device is not None and tuple(dl_device) != self._dl_device:
+            raise BufferError(f"DeviceMemoryArray.__dlpack__: dl_device must be {self._dl_device}"
+                              f" (the memory's device), got {dl_device}")
+        if max_version is not None and tuple(max_version) < MIN_DLPACK_VERSION:
+            raise BufferError(f"DeviceMemoryArray.__dlpack__: max_version must be at least "
+                              f"{MIN_DLPACK_VERSION}, got {max_version}")
+        versioned = max_version is not None and max_version[0] >= 1
+        # The managed tensor, its deleter and the capsule come from numpy's C exporter, over an
+        # unsigned-int array that never touches the memory and whose base holds the owner. A
+        # deleter or capsule destructor written in Python (a ctypes callback) is unsafe: it
+        # may run while an exception is being raised (a temporary tensor freed during unwind),
+        # and CPython then turns its return into a SystemError and loses that exception.
+        # numpy's C code saves and restores it. We then correct the device and the dtype code.
+        raw = _numpy_over(self._ptr, self._shape, c_contiguous_strides(self._shape), self._dtype,
+                          False, self._owner, raw_bits=True)
+        capsule = None
+        if versioned:
+            try:
+                capsule = raw.__dlpack__(max_version=DLPACK_VERSION)
+            except TypeError:
+                pass  # numpy < 2.1 exports legacy capsules only; consumers accept those too
+        if capsule is None:
+            capsule = raw.__dlpack__()
+        capsule_name = _PyCapsule_GetName(capsule)
+        address = _PyCapsule_GetPointer(capsule, capsule_name)
+        if capsule_name == _VERSIONED_NAME:
+            managed: Any = DLManagedTensorVersioned.from_address(address)
+            managed.version = DLPackVersion(*DLPACK_VERSION)
+        else:
+            managed = DLManagedTensor.from_address(address)
+        code, bits = _DTYPE_TO_DLPACK[self._dtype]
+        managed.dl_tensor.dtype = DLDataType(code, bits, 1)
+        managed.dl_tensor.device = DLDevice(*self._dl_device)
+        return capsule
