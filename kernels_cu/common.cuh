@@ -1,0 +1,93 @@
+// common.cuh: small block- and warp-level building blocks shared by the protocols.
+//
+//   warp_inclusive_scan        shfl_up scan of one int per lane
+//   block_exclusive_scan       in-place exclusive prefix of a shared array of any length; all
+//                              threads of the block call it; returns the total
+//   upper_bound                first index whose value is > key in a non-decreasing shared array
+//   finish_block               the block finish counter: returns true in thread 0 of the last
+//                              block of the grid to finish a phase, with every earlier block's
+//                              writes ordered before (fence / relaxed atomic / fence pattern);
+//                              that block resets the counter for the next call on this parity.
+#pragma once
+
+#include "types.cuh"
+
+#include "ptx.cuh"
+
+namespace ep {
+
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+constexpr int kWarpSize = 32;
+
+__device__ __forceinline__ int warp_inclusive_scan(int value) {
+    const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+    for (int delta = 1; delta < kWarpSize; delta *= 2) {
+        const int other = __shfl_up_sync(kFullMask, value, delta);
+        if (lane >= delta) value += other;
+    }
+    return value;
+}
+
+__device__ __forceinline__ float warp_sum(float value) {
+#pragma unroll
+    for (int mask = kWarpSize / 2; mask > 0; mask /= 2) value += __shfl_xor_sync(kFullMask, value, mask);
+    return value;
+}
+
+// warp_sums: shared scratch of kWarpSize + 1 ints. blockDim.x must be a multiple of 32, <= 1024.
+__device__ int block_exclusive_scan(int* values, int count, int* warp_sums) {
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int num_warps = blockDim.x / kWarpSize;
+    int carry = 0;
+    for (int base = 0; base < count; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        const int value = i < count ? values[i] : 0;
+        const int inclusive = warp_inclusive_scan(value);
+        if (lane == kWarpSize - 1) warp_sums[warp] = inclusive;
+        __syncthreads();
+        if (warp == 0) {
+            const int sum = lane < num_warps ? warp_sums[lane] : 0;
+            const int prefix = warp_inclusive_scan(sum);
+            if (lane < num_warps) warp_sums[lane] = prefix - sum;
+            if (lane == kWarpSize - 1) warp_sums[kWarpSize] = prefix;  // the chunk's total
+        }
+        __syncthreads();
+        if (i < count) values[i] = carry + warp_sums[warp] + inclusive - value;
+        carry += warp_sums[kWarpSize];
+        __syncthreads();
+    }
+    return carry;
+}
+
+__device__ __forceinline__ int upper_bound(const int* values, int count, int key) {
+    int low = 0, high = count;
+    while (low < high) {
+        const int mid = (low + high) / 2;
+        if (values[mid] <= key) low = mid + 1;
+        else high = mid;
+    }
+    return low;
+}
+
+// Call after __syncthreads(), from every thread; returns true in exactly one thread of the grid.
+__device__ __forceinline__ bool finish_block(uint32_t* counter) {
+    if (threadIdx.x != 0) return false;
+    fence_acq_rel_sys();
+    const uint32_t done = atomicAdd(counter, 1u);
+    if (done != gridDim.x - 1) return false;
+    fence_acq_rel_sys();
+    *counter = 0u;  // the next call on this parity starts from zero (stream order publishes it)
+    return true;
+}
+
+template <typename T>
+__device__ __forceinline__ T* at(uint8_t* base, int64_t offset) {
+    return reinterpret_cast<T*>(base + offset);
+}
+
+__device__ __forceinline__ int64_t read_expert(const void* topk_idx, int is_int64, int64_t i) {
+    return is_int64 ? static_cast<const int64_t*>(topk_idx)[i] : static_cast<const int*>(topk_idx)[i];
+}
+
+}  // namespace ep

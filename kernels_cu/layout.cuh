@@ -1,0 +1,64 @@
+// layout.cuh: the symmetric workspace every rank allocates, and where each region lies in it.
+//
+// Every rank's workspace has the same layout, so a rank finds a region of peer r's workspace at
+// peer_base[r] + the same offset. The offsets are computed once per configuration on the host
+// (mooncake_ep/layout.py, the only place that does the arithmetic) and stored in device memory as
+// this struct; a CPU test compiles this header with the host compiler and checks that the Python
+// packing matches offsetof() of every field.
+//
+// Regions (P = 2 parities, so two calls can be in flight, e.g. two micro-batches in hook mode;
+// R ranks, E experts, E_l = E / R, T = num_max_dispatch_tokens_per_rank, H hidden, K_max = 16):
+//   state                  State, written only by this rank (epochs and block finish counters)
+//   dispatch_flag[P][R]    u64, written by peer r: "my staged tokens for this step are ready"
+//   combine_flag[P][R]     u64, written by peer r: "my expert outputs for this step are ready"
+//   route[R]               u64, the route table: base address of each peer's workspace (as this
+//                          rank can dereference it: same process, peer device or IPC mapping)
+//   send_x[P]              [T][2H] bytes: this rank's tokens, staged (fp8 uses the first H bytes)
+//   send_scales[P]         [T][H/128] fp32: their fp8 scales
+//   send_expert_offset[P]  [E+1] i32: exclusive prefix of this rank's copies per expert
+//   send_list[P]           [T*K_max] i32: token*K+k of each copy, grouped by expert in (token, k) order
+//   send_slot[P]           [T*K_max] i32: the position of copy (token, k) inside its expert's group
+//   recv_range[P]          [E_l][R] int2: (first row, rows) of source rank r in local expert e_l
+//   combine_x[P]           [E_l][R*T][H] bf16: expert outputs, read by the token owners in combine
+// The first four are laid out independently of the configuration, so epochs survive a change of
+// shape; the rest depend on (T, H, E, R).
+#pragma once
+
+#include "types.cuh"
+
+namespace ep {
+
+constexpr int kNumParities = 2;
+
+struct State {
+    uint32_t dispatch_step[kNumParities];  // epoch of the last completed dispatch per parity
+    uint32_t combine_step[kNumParities];
+    uint32_t dispatch_send_done[kNumParities];  // blocks that finished the phase in the current call
+    uint32_t dispatch_recv_done[kNumParities];
+    uint32_t combine_send_done[kNumParities];
+    uint32_t combine_recv_done[kNumParities];
+};
+
+struct Layout {
+    int64_t num_ranks;
+    int64_t num_experts;
+    int64_t num_local_experts;
+    int64_t num_max_tokens;  // T = num_max_dispatch_tokens_per_rank
+    int64_t hidden;
+    int64_t num_scales;       // H / 128
+    int64_t send_row_bytes;   // bytes of one staged token row
+    int64_t state;
+    int64_t dispatch_flag;
+    int64_t combine_flag;
+    int64_t route;
+    int64_t send_x[kNumParities];
+    int64_t send_scales[kNumParities];
+    int64_t send_expert_offset[kNumParities];
+    int64_t send_list[kNumParities];
+    int64_t send_slot[kNumParities];
+    int64_t recv_range[kNumParities];
+    int64_t combine_x[kNumParities];
+    int64_t num_bytes;
+};
+
+}  // namespace ep

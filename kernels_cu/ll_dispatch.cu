@@ -1,0 +1,299 @@
+// ll_dispatch.cu: low-latency dispatch, send and receive halves in one kernel chosen by `phases`.
+// Macros: EP_USE_FP8, EP_ROUND_SCALE, EP_USE_UE8M0, EP_NUM_THREADS, EP_MAX_RANKS, EP_MAX_EXPERTS,
+//         EP_FP8_BLOCK, EP_FP8_E4M3_MAX, EP_FP8_AMAX_FLOOR.
+//
+// Protocol (pull): a rank stages its own tokens once and the receivers copy the rows they need.
+//   Send half (never waits on a peer):
+//     - warp 0 of block 0 scans topk_idx in (token, k) order and writes, in this rank's workspace,
+//       send_slot[token*K+k] (position among this rank's copies to that expert), send_expert_offset
+//       (exclusive prefix per expert) and send_list (token*K+k grouped by expert);
+//     - every other warp stages token rows into send_x (bf16 copied, or fp8-quantised with fp32
+//       scales into send_scales), one token per warp;
+//     - the last block to finish stores, with st.release.sys, dispatch_flag[parity][rank] =
+//       pack(step, num_tokens) in every destination rank that active_ranks marks alive.
+//   Receive half:
+//     - threads r < R wait (ld.acquire.sys, %globaltimer timeout) for dispatch_flag[parity][r] of
+//       every active source; a source that times out is written 0 in active_ranks and sends nothing;
+//     - each block reads, from every live source, how many copies it has for each local expert and
+//       where they start in its send_list, and prefix-sums them in (local expert, source) order: the
+//       output order of reference.py (source rank, then token, then k);
+//     - all warps of the grid share the flat list of received rows, each row copied from the
+//       source's send_x (and scales; packed to UE8M0 when asked) into recv_x[e_l][row];
+//     - block 0 writes recv_count and recv_range (the handle combine reads), and the last block to
+//       finish stores step into state.dispatch_step[parity].
+// Epoch: step = state.dispatch_step[parity] + 1, read by every block at entry; nothing but device
+//        memory carries state between calls, so a captured graph replays correctly.
+// Reuse: the staged rows of parity p are rewritten two calls later, after every receiver finished
+//        reading them (each receiver's combine of this call precedes our next dispatch's combine).
+#include <cuda_bf16.h>
+
+#include "common.cuh"
+#include "fp8.cuh"
+#include "layout.cuh"
+#include "signal.cuh"
+
+static_assert(EP_NUM_THREADS % 32 == 0 && EP_NUM_THREADS <= 1024, "EP_NUM_THREADS must be whole warps, <= 1024");
+static_assert(EP_MAX_RANKS <= EP_NUM_THREADS, "one thread waits per source rank");
+static_assert(EP_FP8_BLOCK == 128, "a 128-channel scale block is 16 lanes of 8 channels");
+
+namespace ep {
+
+constexpr int kPhaseSend = 1;
+constexpr int kPhaseRecv = 2;
+constexpr int kNumWarps = EP_NUM_THREADS / kWarpSize;
+constexpr int kChannelsPerVector = 8;  // bf16 channels in one 16-byte vector
+constexpr int kUnroll = 4;  // vectors each lane loads before it uses the first
+
+// Warp 0 of block 0: slots, per-expert prefix and the expert-grouped list of this rank's copies.
+__device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int parity, const void* topk_idx,
+                                 int topk_is_int64, int num_tokens, int num_topk, int* s_counts) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int num_experts = static_cast<int>(layout.num_experts);
+    int* send_slot = at<int>(workspace, layout.send_slot[parity]);
+    int* send_list = at<int>(workspace, layout.send_list[parity]);
+    int* send_expert_offset = at<int>(workspace, layout.send_expert_offset[parity]);
+    const unsigned lanes_below = (1u << lane) - 1u;
+
+    for (int e = lane; e < num_experts; e += kWarpSize) s_counts[e] = 0;
+    __syncwarp();
+    const int num_copies = num_tokens * num_topk;
+    for (int base = 0; base < num_copies; base += kWarpSize) {
+        const int i = base + lane;
+        const int expert = i < num_copies ? static_cast<int>(read_expert(topk_idx, topk_is_int64, i)) : -1;
+        // Lanes without an expert get a key no other lane has, so they never group together.
+        const unsigned peers = __match_any_sync(kFullMask, expert >= 0 ? expert : -1 - lane);
+        if (expert >= 0) send_slot[i] = s_counts[expert] + __popc(peers & lanes_below);
+        else if (i < num_copies) send_slot[i] = -1;
+        __syncwarp();
+        if (expert >= 0 && lane == 31 - __clz(peers)) s_counts[expert] += __popc(peers);
+        __syncwarp();
+    }
+    int carry = 0;
+    for (int base = 0; base < num_experts; base += kWarpSize) {
+        const int e = base + lane;
+        const int count = e < num_experts ? s_counts[e] : 0;
+        const int inclusive = warp_inclusive_scan(count);
+        if (e < num_experts) {
+            s_counts[e] = carry + inclusive - count;
+            send_expert_offset[e] = carry + inclusive - count;
+        }
+        carry += __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+    }
+    if (lane == 0) send_expert_offset[num_experts] = carry;
+    __syncwarp();
+    for (int i = lane; i < num_copies; i += kWarpSize) {
+        const int expert = static_cast<int>(read_expert(topk_idx, topk_is_int64, i));
+        if (expert >= 0) send_list[s_counts[expert] + send_slot[i]] = i;
+    }
+}
+
+// One warp stages one token: bf16 copied, or quantised to e4m3 with one scale per 128 channels.
+__device__ __forceinline__ void stage_token(const int4* __restrict__ x_row, uint8_t* send_row, float* send_scale_row,
+                                            int num_vectors) {
+    const int lane = threadIdx.x % kWarpSize;
+#if EP_USE_FP8
+    constexpr int kLanesPerScaleBlock = EP_FP8_BLOCK / kChannelsPerVector;
+    uint2* q_row = reinterpret_cast<uint2*>(send_row);
+    for (int base = 0; base < num_vectors; base += kUnroll * kWarpSize) {
+        int4 vectors[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int v = base + u * kWarpSize + lane;
+            vectors[u] = v < num_vectors ? __ldg(x_row + v) : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int v = base + u * kWarpSize + lane;
+            float values[8];
+            unpack_bf16x8(vectors[u], values);
+            float amax = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(values[i]));
+            // A 128-channel block is 16 consecutive lanes: reduce within the half-warp. Every lane
+            // takes part (lanes past the row hold zeros), so the shuffles see a full warp.
+#pragma unroll
+            for (int mask = kLanesPerScaleBlock / 2; mask > 0; mask /= 2)
+                amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, mask));
+            const float scale = fp8_scale_from_amax(amax, EP_ROUND_SCALE);
+            if (v < num_vectors) {
+                q_row[v] = quantize8(values, scale);
+                if (v % kLanesPerScaleBlock == 0) send_scale_row[v / kLanesPerScaleBlock] = scale;
+            }
+        }
+    }
+#else
+    int4* out_row = reinterpret_cast<int4*>(send_row);
+    for (int base = 0; base < num_vectors; base += kUnroll * kWarpSize) {
+        int4 vectors[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int v = base + u * kWarpSize + lane;
+            if (v < num_vectors) vectors[u] = __ldg(x_row + v);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int v = base + u * kWarpSize + lane;
+            if (v < num_vectors) out_row[v] = vectors[u];
+        }
+    }
+#endif
+}
+
+// One warp copies one received row from the source's staging into recv_x (and its scales).
+__device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* src_scale_row, uint8_t* dst_row,
+                                         void* dst_scale_row, int row_bytes, int num_scales) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int num_vectors = row_bytes / static_cast<int>(sizeof(int4));
+    const int4* src = reinterpret_cast<const int4*>(src_row);
+    int4* dst = reinterpret_cast<int4*>(dst_row);
+    for (int base = 0; base < num_vectors; base += kUnroll * kWarpSize) {
+        int4 vectors[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int v = base + u * kWarpSize + lane;
+            if (v < num_vectors) vectors[u] = ld_cg_int4(src + v);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int v = base + u * kWarpSize + lane;
+            if (v < num_vectors) dst[v] = vectors[u];
+        }
+    }
+#if EP_USE_FP8
+#if EP_USE_UE8M0
+    // Four exponent bytes to a word, byte j % 4 of word j / 4 for scale block j.
+    const int num_words = (num_scales + 3) / 4;
+    for (int w = lane; w < num_words; w += kWarpSize) {
+        uint32_t word = 0u;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const int j = 4 * w + b;
+            if (j < num_scales) word |= ue8m0_byte(ld_cg_float(src_scale_row + j)) << (8 * b);
+        }
+        static_cast<uint32_t*>(dst_scale_row)[w] = word;
+    }
+#else
+    for (int j = lane; j < num_scales; j += kWarpSize) static_cast<float*>(dst_scale_row)[j] = ld_cg_float(src_scale_row + j);
+#endif
+#endif
+}
+
+}  // namespace ep
+
+using namespace ep;
+
+extern "C" __global__ void __launch_bounds__(EP_NUM_THREADS, 1)
+ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_t* workspace, int rank,
+            const int4* __restrict__ x, int num_tokens, const void* __restrict__ topk_idx, int topk_is_int64,
+            int num_topk, int* active_ranks, uint8_t* recv_x, void* recv_scales, int* recv_count,
+            long long timeout_ns) {
+    __shared__ int s_counts[EP_MAX_EXPERTS + 1];  // send: per-expert counts; recv: rows per (e_l, src)
+    __shared__ int s_start[EP_MAX_EXPERTS];       // recv: first send_list entry per (e_l, src)
+    __shared__ int s_flat[EP_MAX_EXPERTS];        // recv: first received row per (e_l, src), all experts
+    __shared__ int s_scratch[kWarpSize + 1];
+    __shared__ int s_live[EP_MAX_RANKS];
+
+    const Layout layout = *layout_ptr;
+    State* state = at<State>(workspace, layout.state);
+    const uint64_t* route = at<uint64_t>(workspace, layout.route);
+    const uint32_t step = state->dispatch_step[parity] + 1u;
+    const int num_ranks = static_cast<int>(layout.num_ranks);
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int hidden = static_cast<int>(layout.hidden);
+    const int num_scales = static_cast<int>(layout.num_scales);
+
+    if (phases & kPhaseSend) {
+        if (blockIdx.x == 0 && warp == 0) {
+            build_send_lists(layout, workspace, parity, topk_idx, topk_is_int64, num_tokens, num_topk, s_counts);
+        } else {
+            // Staging warps: every warp of the grid except warp 0 of block 0, one token each.
+            const int stage_warp = blockIdx.x * kNumWarps + warp - 1;
+            const int num_stage_warps = gridDim.x * kNumWarps - 1;
+            uint8_t* send_x = at<uint8_t>(workspace, layout.send_x[parity]);
+            float* send_scales = at<float>(workspace, layout.send_scales[parity]);
+            for (int token = stage_warp; token < num_tokens; token += num_stage_warps) {
+                stage_token(x + static_cast<int64_t>(token) * hidden / kChannelsPerVector,
+                            send_x + token * layout.send_row_bytes, send_scales + static_cast<int64_t>(token) * num_scales,
+                            hidden / kChannelsPerVector);
+            }
+        }
+        __syncthreads();
+        if (finish_block(&state->dispatch_send_done[parity])) {
+            // Every block's staging and the lists are ordered before these release stores.
+            for (int dst = 0; dst < num_ranks; ++dst) {
+                if (ld_volatile(active_ranks + dst) == 0) continue;  // no bytes to a masked rank
+                uint64_t* flag = reinterpret_cast<uint64_t*>(route[dst] + layout.dispatch_flag) +
+                                 parity * EP_MAX_RANKS + rank;
+                st_release_sys(flag, pack_flag(step, static_cast<uint32_t>(num_tokens)));
+            }
+        }
+    }
+
+    if (phases & kPhaseRecv) {
+        const int num_local_experts = static_cast<int>(layout.num_local_experts);
+        const int num_pairs = num_local_experts * num_ranks;
+        const int64_t num_rows_per_expert = static_cast<int64_t>(num_ranks) * layout.num_max_tokens;
+        if (threadIdx.x < num_ranks) {
+            const int src = threadIdx.x;
+            bool live = false;
+            if (ld_volatile(active_ranks + src) != 0) {
+                const uint64_t* flag = at<uint64_t>(workspace, layout.dispatch_flag) + parity * EP_MAX_RANKS + src;
+                uint32_t src_num_tokens;
+                live = wait_flag(flag, step, active_ranks, src, timeout_ns, &src_num_tokens);
+            }
+            s_live[src] = live;
+        }
+        __syncthreads();
+        // (local expert, source) pairs in output order; counts come from each source's own prefix.
+        for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
+            const int local_expert = i / num_ranks, src = i % num_ranks;
+            int count = 0, start = 0;
+            if (s_live[src]) {
+                const int* offsets = reinterpret_cast<const int*>(route[src] + layout.send_expert_offset[parity]);
+                const int expert = rank * num_local_experts + local_expert;
+                start = ld_cg_int(offsets + expert);
+                count = ld_cg_int(offsets + expert + 1) - start;
+            }
+            s_counts[i] = count;
+            s_start[i] = start;
+            s_flat[i] = count;
+        }
+        __syncthreads();
+        const int num_recv_rows = block_exclusive_scan(s_flat, num_pairs, s_scratch);
+
+        if (blockIdx.x == 0) {
+            int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
+            for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
+                const int first_of_expert = s_flat[(i / num_ranks) * num_ranks];
+                recv_range[i] = make_int2(s_flat[i] - first_of_expert, s_counts[i]);
+            }
+            for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) {
+                const int end = e + 1 < num_local_experts ? s_flat[(e + 1) * num_ranks] : num_recv_rows;
+                recv_count[e] = end - s_flat[e * num_ranks];
+            }
+        }
+
+        const int out_row_bytes = EP_USE_FP8 ? hidden : hidden * 2;
+        const int out_scale_stride = EP_USE_UE8M0 ? (num_scales + 3) / 4 : num_scales;
+        const int num_warps_total = gridDim.x * kNumWarps;
+        for (int row = blockIdx.x * kNumWarps + warp; row < num_recv_rows; row += num_warps_total) {
+            const int pair = upper_bound(s_flat, num_pairs, row) - 1;
+            const int local_expert = pair / num_ranks, src = pair % num_ranks;
+            const int j = row - s_flat[pair];
+            const int* send_list = reinterpret_cast<const int*>(route[src] + layout.send_list[parity]);
+            const int token = ld_cg_int(send_list + s_start[pair] + j) / num_topk;
+            const uint8_t* src_row = reinterpret_cast<const uint8_t*>(route[src] + layout.send_x[parity]) +
+                                     token * layout.send_row_bytes;
+            const float* src_scales = reinterpret_cast<const float*>(route[src] + layout.send_scales[parity]) +
+                                      static_cast<int64_t>(token) * num_scales;
+            const int64_t out_row = local_expert * num_rows_per_expert + (s_flat[pair] - s_flat[local_expert * num_ranks]) + j;
+            void* out_scales = EP_USE_FP8 ? static_cast<void*>(static_cast<uint8_t*>(recv_scales) +
+                                                              out_row * out_scale_stride * 4)
+                                          : nullptr;
+            copy_row(src_row, src_scales, recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scales);
+        }
+        (void)lane;
+        __syncthreads();
+        if (finish_block(&state->dispatch_recv_done[parity])) state->dispatch_step[parity] = step;
+    }
+}

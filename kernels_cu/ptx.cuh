@@ -1,0 +1,48 @@
+// ptx.cuh: the memory-ordering and timing primitives every protocol in this folder is built on.
+//
+// Contract:
+//   ld_acquire_sys / st_release_sys   flag accesses that order everything before a release store
+//                                     (in this thread, and in threads that synchronised with it
+//                                     through a barrier) before everything after the acquire load
+//                                     that reads it, across GPUs and processes.
+//   fence_acq_rel_sys                 the fence half of a release/acquire pattern built on relaxed
+//                                     atomics (block finish counters).
+//   ld_cg_*                           loads that bypass L1: data written by another kernel that runs
+//                                     at the same time (a peer rank) must never come from a stale
+//                                     L1 line, and must never use the read-only (.nc) path.
+//   global_timer_ns                   %globaltimer, a nanosecond clock common to all SMs.
+#pragma once
+
+#include "types.cuh"
+
+namespace ep {
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
+    uint64_t value;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* ptr, uint64_t value) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ int ld_volatile(const int* ptr) {
+    int value;
+    asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
+
+__device__ __forceinline__ int4 ld_cg_int4(const int4* ptr) { return __ldcg(ptr); }
+__device__ __forceinline__ int ld_cg_int(const int* ptr) { return __ldcg(ptr); }
+__device__ __forceinline__ float ld_cg_float(const float* ptr) { return __ldcg(ptr); }
+
+}  // namespace ep

@@ -1,0 +1,42 @@
+// signal.cuh: epoch-tagged flags and the timed wait.
+//
+// A flag is one u64: the high 32 bits are the step (epoch) it belongs to, the low 32 bits a payload
+// (a token count, or 1). A receiver takes a flag only when its step equals the step it expects, so
+// a stale flag from an earlier step, from a slow peer or one that was masked and came back, is never
+// mistaken for current data, and no pass is needed to clean flags between steps.
+//
+// wait_flag spins with ld.acquire.sys until the flag carries `step`, the peer is marked inactive by
+// someone else, or `timeout_ns` (>= 0) elapses on %globaltimer. On expiry it writes
+// active_ranks[peer] = 0, which the caller sees in its tensor afterwards. It never traps.
+#pragma once
+
+#include "ptx.cuh"
+
+namespace ep {
+
+__device__ __forceinline__ uint64_t pack_flag(uint32_t step, uint32_t payload) {
+    return (static_cast<uint64_t>(step) << 32) | payload;
+}
+__device__ __forceinline__ uint32_t flag_step(uint64_t flag) { return static_cast<uint32_t>(flag >> 32); }
+__device__ __forceinline__ uint32_t flag_payload(uint64_t flag) { return static_cast<uint32_t>(flag); }
+
+// Returns true with *payload set when the flag arrived; false when the peer is (now) masked.
+__device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint32_t step, int* active_ranks, int peer,
+                                          int64_t timeout_ns, uint32_t* payload) {
+    const uint64_t start_ns = global_timer_ns();
+    while (true) {
+        const uint64_t value = ld_acquire_sys(flag);
+        if (flag_step(value) == step) {
+            *payload = flag_payload(value);
+            return true;
+        }
+        // Another wait in this call (or another call) may already have given up on this peer.
+        if (ld_volatile(active_ranks + peer) == 0) return false;
+        if (timeout_ns >= 0 && static_cast<int64_t>(global_timer_ns() - start_ns) > timeout_ns) {
+            atomicExch(active_ranks + peer, 0);
+            return false;
+        }
+    }
+}
+
+}  // namespace ep

@@ -1,0 +1,129 @@
+"""The GPU backend of :class:`mooncake_ep.Buffer`: workspace, route table, kernels and launches.
+
+Built once per buffer (collectively): allocates the symmetric workspace, connects it through the
+transport, compiles or loads every kernel. A call only packs arguments and launches; the arguments
+were validated by ``buffer.py`` before they get here.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+
+import numpy as np
+
+from mooncake_ep import kernels, layout
+from mooncake_ep.transport import DeviceWorkspace, TransportError
+from mooncake_ep.transport import local as local_transport
+
+logger = logging.getLogger("mooncake_ep")
+
+PHASE_SEND = 1
+PHASE_RECV = 2
+# Device copies of configurations: one per distinct (T, H, E) a buffer has seen.
+MAX_LAYOUTS = 64
+
+
+def device_sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+def device_arch(device_id: int) -> str:
+    import cupy
+
+    return f"sm_{cupy.cuda.Device(device_id).compute_capability}"
+
+
+class CudaBackend:
+    """Device state of one rank.
+
+    Args:
+        group: the group (``is_in_process`` ranks use the ``local`` transport).
+        num_ep_buffer_bytes: workspace size.
+        device_id: CUDA device of this rank.
+        num_sms: blocks of each launch (one per SM).
+        cache: kernel cache.
+    """
+
+    def __init__(self, group, num_ep_buffer_bytes: int, device_id: int, num_sms: int,
+                 cache: kernels.KernelCache | None = None):
+        import cupy
+
+        if not getattr(group, "is_in_process", False) and group.world_size > 1:
+            raise TransportError(
+                "Buffer: only in-process ranks (LocalGroup) have a GPU transport so far; "
+                "a multi-process group needs the ipc transport"
+            )
+        self.group = group
+        self.device_id = device_id
+        self.num_sms = num_sms
+        self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache)
+        self.workspace = DeviceWorkspace(num_ep_buffer_bytes, device_id)
+        self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id)
+        self._layouts: dict[tuple[int, int, int], tuple[layout.WorkspaceLayout, int]] = {}
+        self.route = local_transport.connect(group, self.workspace)
+        probe = layout.compute_layout(group.world_size, group.world_size, 1, 128)
+        self.workspace.write(probe.offsets["route"], struct.pack(f"<{len(self.route)}Q", *self.route))
+        with cupy.cuda.Device(device_id):
+            self.comm_stream = cupy.cuda.Stream(non_blocking=True)
+        group.barrier()  # every route table is written before any rank launches
+
+    def layout_for(self, num_max_tokens: int, hidden: int, num_experts: int) -> tuple[layout.WorkspaceLayout, int]:
+        """The layout of a configuration and the device address of its packed copy."""
+        key = (num_max_tokens, hidden, num_experts)
+        found = self._layouts.get(key)
+        if found is not None:
+            return found
+        if len(self._layouts) >= MAX_LAYOUTS:
+            raise ValueError(f"Buffer: more than {MAX_LAYOUTS} distinct (T, hidden, num_experts) configurations")
+        workspace_layout = layout.compute_layout(self.group.world_size, num_experts, num_max_tokens, hidden)
+        offset = len(self._layouts) * layout.LAYOUT_SLOT_BYTES
+        # A synchronous copy, once per configuration: call each shape once before capturing a graph.
+        self.layout_table.write(offset, workspace_layout.pack())
+        self._layouts[key] = (workspace_layout, self.layout_table.ptr + offset)
+        return self._layouts[key]
+
+    def launch_dispatch(self, phases: int, parity: int, layout_ptr: int, *, x_ptr: int, num_tokens: int,
+                        topk_ptr: int, topk_is_int64: bool, num_topk: int, active_ptr: int, recv_x_ptr: int,
+                        recv_scales_ptr: int, recv_count_ptr: int, timeout_ns: int, use_fp8: bool,
+                        round_scale: bool, use_ue8m0: bool, stream_ptr: int) -> None:
+        launcher = self.launchers[kernels.dispatch_launcher_name(use_fp8, round_scale, use_ue8m0)]
+        launcher(self.num_sms, (
+            np.int32(phases), np.int32(parity), np.uint64(layout_ptr), np.uint64(self.workspace.ptr),
+            np.int32(self.group.rank), np.uint64(x_ptr), np.int32(num_tokens), np.uint64(topk_ptr),
+            np.int32(topk_is_int64), np.int32(num_topk), np.uint64(active_ptr), np.uint64(recv_x_ptr),
+            np.uint64(recv_scales_ptr), np.uint64(recv_count_ptr), np.int64(timeout_ns),
+        ), stream_ptr)
+
+    def launch_combine(self, phases: int, parity: int, layout_ptr: int, *, expert_out_ptr: int, zero_copy: bool,
+                       num_tokens: int, topk_ptr: int, topk_is_int64: bool, num_topk: int, weights_ptr: int,
+                       active_ptr: int, combined_ptr: int, renormalize: bool, timeout_ns: int,
+                       stream_ptr: int) -> None:
+        self.launchers["combine"](self.num_sms, (
+            np.int32(phases), np.int32(parity), np.uint64(layout_ptr), np.uint64(self.workspace.ptr),
+            np.int32(self.group.rank), np.uint64(expert_out_ptr), np.int32(zero_copy), np.int32(num_tokens),
+            np.uint64(topk_ptr), np.int32(topk_is_int64), np.int32(num_topk), np.uint64(weights_ptr),
+            np.uint64(active_ptr), np.uint64(combined_ptr), np.int32(renormalize), np.int64(timeout_ns),
+        ), stream_ptr)
+
+    # --- streams and events -------------------------------------------------------------------
+
+    def record_event(self, stream_ptr: int):
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            event = cupy.cuda.Event(block=False, disable_timing=True)
+            cupy.cuda.runtime.eventRecord(event.ptr, stream_ptr)
+        return event
+
+    def stream_wait(self, stream_ptr: int, event) -> None:
+        import cupy
+
+        cupy.cuda.runtime.streamWaitEvent(stream_ptr, event.ptr, 0)
+
+    def destroy(self) -> None:
+        for workspace in (getattr(self, "workspace", None), getattr(self, "layout_table", None)):
+            if workspace is not None:
+                workspace.free()

@@ -1,0 +1,610 @@
+"""``Buffer``: low-latency dispatch and combine, the Mooncake EP / DeepEP programming model.
+
+One class is the whole user surface. Arrays may come from torch, JAX, cupy or numpy; results come
+back in the caller's framework. Arrays in host memory run on the numpy reference backend; CUDA
+arrays on the GPU kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mooncake_ep import _constants, frameworks, layout, reference
+from mooncake_ep._reference_backend import ReferenceBackend
+from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, read_array
+
+logger = logging.getLogger("mooncake_ep")
+
+_BUFFER_IDS = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Handle:
+    """What a combine needs from its dispatch. Opaque to callers; valid for the two calls after it.
+
+    Attributes:
+        buffer_id: the buffer that made it (a handle from another buffer is refused).
+        dispatch_index: which dispatch of that buffer made it (a handle overwritten by later calls is
+            refused as stale).
+        parity: which half of the workspace the dispatch used.
+        num_tokens, hidden, num_topk, num_experts, num_max_dispatch_tokens_per_rank: the shapes.
+        backend: ``"cuda"`` or ``"reference"``.
+        framework: the caller's framework.
+        device_id: CUDA device, or -1 on the CPU.
+        state: the receive half's progress (and, on the CPU, the dispatch result).
+    """
+
+    buffer_id: int
+    dispatch_index: int
+    parity: int
+    num_tokens: int
+    hidden: int
+    num_topk: int
+    num_experts: int
+    num_max_dispatch_tokens_per_rank: int
+    backend: str
+    framework: str
+    device_id: int
+    state: dict = dataclasses.field(repr=False, compare=False)
+
+
+class EventOverlap:
+    """Completion of a call: a real event when the work ran on the communication stream.
+
+    ``current_stream_wait()`` makes the caller's current stream wait for it (a no-op when the work is
+    already ordered on that stream); ``with event:`` waits on exit.
+    """
+
+    def __init__(self, wait: Callable[[], None] | None = None, extra: Any = None):
+        self._wait = wait
+        self.extra = extra  # arrays kept alive until the work is done
+
+    def current_stream_wait(self) -> None:
+        if self._wait is not None:
+            self._wait()
+
+    def __enter__(self) -> EventOverlap:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.current_stream_wait()
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, no driver, or no device: all mean "no GPU here"
+        return False
+
+
+class Buffer:
+    """A communication buffer for low-latency (decode) expert-parallel dispatch and combine.
+
+    Args:
+        group: the ranks (:class:`mooncake_ep.LocalGroup` rank, or :func:`mooncake_ep.init_group`).
+        num_ep_buffer_bytes: bytes of this rank's workspace; at least
+            :meth:`get_ep_buffer_size_hint` for every configuration used.
+        num_sms: blocks (one per SM) of each kernel launch; default: the device's SMs shared evenly
+            among the in-process ranks on it. Every rank on a GPU must fit at once, since a waiting
+            block holds its SM.
+        backend: ``"auto"`` (GPU if one is visible, else the numpy reference), ``"cuda"`` or
+            ``"reference"``. A call whose arrays live elsewhere than the backend is refused.
+        kernel_cache_dir: where compiled kernels are cached (default: see :mod:`mooncake_ep.kernels`).
+
+    Note:
+        Every rank must call dispatch and combine in the same order: they are collectives.
+    """
+
+    def __init__(self, group, num_ep_buffer_bytes: int, *, num_sms: int | None = None, backend: str = "auto",
+                 kernel_cache_dir: str | None = None):
+        for attribute in ("rank", "world_size", "allgather_bytes", "barrier"):
+            if not hasattr(group, attribute):
+                raise TypeError(f"Buffer: group must provide rank, world_size, allgather_bytes and barrier; "
+                                f"{type(group).__name__} has no {attribute!r}")
+        _check_int("Buffer", "num_ep_buffer_bytes", num_ep_buffer_bytes, minimum=1)
+        if backend not in ("auto", "cuda", "reference"):
+            raise ValueError(f"Buffer: backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+        if group.world_size > _constants.MAX_RANKS:
+            raise ValueError(f"Buffer: at most {_constants.MAX_RANKS} ranks are supported, got {group.world_size}")
+        self.group = group
+        self.rank = group.rank
+        self.num_ranks = group.world_size
+        self.num_ep_buffer_bytes = int(num_ep_buffer_bytes)
+        self.buffer_id = next(_BUFFER_IDS)
+        self._num_dispatches = 0
+        self._num_combines = 0
+        self._pending_hooks: set[int] = set()
+        self._reference = ReferenceBackend(group)
+        self._cuda = None
+        self._lock = threading.Lock()
+        if backend == "cuda" or (backend == "auto" and _gpu_available()):
+            self._cuda = self._build_cuda_backend(num_sms, kernel_cache_dir)
+        elif num_sms is not None:
+            _check_int("Buffer", "num_sms", num_sms, minimum=1)
+        self.backend = "cuda" if self._cuda is not None else "reference"
+
+    def _build_cuda_backend(self, num_sms: int | None, kernel_cache_dir: str | None):
+        from mooncake_ep import _cuda_backend, kernels
+
+        device_id = getattr(self.group, "device", None)
+        if device_id is None:
+            import cupy
+
+            device_id = cupy.cuda.runtime.getDevice()
+        num_device_sms = _cuda_backend.device_sm_count(device_id)
+        devices = self.group.allgather_bytes(int(device_id).to_bytes(4, "little"))
+        ranks_here = sum(int.from_bytes(d, "little") == device_id for d in devices)
+        if num_sms is None:
+            num_sms = max(1, num_device_sms // ranks_here)
+        _check_int("Buffer", "num_sms", num_sms, minimum=1)
+        if num_sms * ranks_here > num_device_sms:
+            raise ValueError(
+                f"Buffer: num_sms={num_sms} for each of the {ranks_here} ranks on cuda:{device_id} needs "
+                f"{num_sms * ranks_here} SMs, the device has {num_device_sms}: every rank's kernel must be "
+                f"resident at once, so use num_sms <= {num_device_sms // ranks_here}"
+            )
+        cache = kernels.KernelCache(kernel_cache_dir) if kernel_cache_dir is not None else None
+        return _cuda_backend.CudaBackend(self.group, self.num_ep_buffer_bytes, device_id, num_sms, cache)
+
+    # --- sizing ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                num_experts: int) -> int:
+        """Bytes of workspace one rank needs for a configuration.
+
+        The workspace holds, twice (two calls may be in flight): this rank's staged tokens
+        (T x 2H bytes and their fp8 scales), its per-expert send lists (T x 16 entries), the dispatch
+        layout it received, and the expert outputs peers read in combine (E_l x R x T x H bf16, the
+        dominant term); plus epochs, flags and the route table.
+
+        Args:
+            num_max_dispatch_tokens_per_rank: T, the most tokens any rank dispatches in one call.
+            hidden: H, a multiple of 128.
+            num_ranks: R.
+            num_experts: E, a multiple of R.
+        """
+        where = "get_ep_buffer_size_hint"
+        _check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        _check_hidden(where, "hidden", hidden)
+        _check_int(where, "num_ranks", num_ranks, minimum=1, maximum=_constants.MAX_RANKS)
+        _check_experts(where, num_experts, num_ranks)
+        return layout.compute_layout(num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden).num_bytes
+
+    # --- dispatch -------------------------------------------------------------------------------
+
+    def dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                 timeout_us: int = _constants.TIMEOUT_FOREVER, use_fp8: bool = True, round_scale: bool = False,
+                 use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False, out=None):
+        """Send each token to the ranks owning its top-k experts; receive this rank's experts' tokens.
+
+        Args:
+            x: ``[num_tokens, hidden]`` bf16, num_tokens <= num_max_dispatch_tokens_per_rank, hidden a
+                multiple of 128.
+            topk_idx: ``[num_tokens, num_topk]`` int64 (int32 accepted) global expert ids; -1 = no expert.
+                num_topk <= 16.
+            active_ranks: ``[num_ranks]`` int32 on x's device; 1 = alive. The kernels write 0 for a rank
+                that timed out; senders skip ranks marked 0.
+            num_max_dispatch_tokens_per_rank: T, equal on every rank.
+            num_experts: E, a multiple of num_ranks, equal on every rank.
+            timeout_us: microseconds a receive waits for a peer before masking it; -1 waits forever.
+            use_fp8: quantise to e4m3 with one fp32 scale per token per 128 channels.
+            round_scale: round each scale up to a power of two.
+            use_ue8m0: store scales as 8-bit exponents packed four to an int32 (needs round_scale).
+            async_finish: run on the buffer's communication stream; the returned event completes it.
+            return_recv_hook: launch only the send half; ``hook()`` launches the receive half on the
+                same stream. Exclusive with async_finish.
+            out: ``(recv_x, recv_count)`` arrays to write into, shaped as the results (for graphs).
+
+        Returns:
+            ``(recv_x, recv_count, handle, event, hook)``:
+            recv_x: ``[num_local_experts, num_ranks * T, hidden]`` bf16, or with use_fp8 a pair
+            ``(x_fp8 [num_local_experts, num_ranks * T, hidden] float8_e4m3fn, scales
+            [num_local_experts, num_ranks * T, hidden / 128] fp32)`` (int32 ``[..., ceil(hidden / 512)]``
+            with use_ue8m0); rows are ordered by source rank, then token; rows past recv_count[e] are
+            undefined. recv_count: ``[num_local_experts]`` int32. handle: for combine.
+            event: :class:`EventOverlap`. hook: a callable with return_recv_hook, else None.
+
+        Note:
+            The host never learns recv_count (that would need a sync and break graph capture).
+            Buffers of cupy callers: bf16 and fp8 come back as uint16 / uint8 arrays of the same bits.
+        """
+        where = "dispatch"
+        x_view = read_array(x, name=f"{where}: x")
+        stream_ptr = self._stream_for(x_view)
+        topk_view = read_array(topk_idx, name=f"{where}: topk_idx", stream=stream_ptr or None)
+        active_view = read_array(active_ranks, name=f"{where}: active_ranks", stream=stream_ptr or None)
+        _check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                     async_finish=async_finish, return_recv_hook=return_recv_hook)
+        _check_timeout(where, timeout_us)
+        _check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        _check_experts(where, num_experts, self.num_ranks)
+        _check_array(where, "x", x_view, dtypes=("bfloat16",), ndim=2)
+        num_tokens, hidden = x_view.shape
+        _check_hidden(where, "x.shape[1] (hidden)", hidden)
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"{where}: x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{num_max_dispatch_tokens_per_rank}")
+        _check_array(where, "topk_idx", topk_view, dtypes=("int64", "int32"), ndim=2, like=x_view)
+        if topk_view.shape[0] != num_tokens:
+            raise ValueError(f"{where}: topk_idx has {topk_view.shape[0]} rows, x has {num_tokens} tokens")
+        num_topk = topk_view.shape[1]
+        if not 1 <= num_topk <= _constants.MAX_TOPK:
+            raise ValueError(f"{where}: topk_idx.shape[1] (num_topk) must be in [1, {_constants.MAX_TOPK}], "
+                             f"got {num_topk}")
+        self._check_active(where, active_view, x_view)
+        self._check_size(where, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if x_view.device_type == "cpu":
+            _check_expert_ids(where, topk_view, num_experts)
+        num_local_experts = num_experts // self.num_ranks
+        recv_shape = (num_local_experts, self.num_ranks * num_max_dispatch_tokens_per_rank, hidden)
+        scale_shape = recv_shape[:2] + (reference.num_scale_columns(hidden, use_ue8m0),)
+        parity = self._num_dispatches % layout.NUM_PARITIES
+        if parity in self._pending_hooks:
+            raise RuntimeError(f"{where}: the dispatch two calls ago still waits for its hook(); call it first "
+                               f"(at most two receive hooks may be pending)")
+        specs = [("recv_x", recv_shape, "float8_e4m3fn" if use_fp8 else "bfloat16")]
+        if use_fp8:
+            specs.append(("recv_scales", scale_shape, "int32" if use_ue8m0 else "float32"))
+        specs.append(("recv_count", (num_local_experts,), "int32"))
+        outputs = self._outputs(where, out, specs, x_view, use_fp8)
+
+        handle = Handle(self.buffer_id, self._num_dispatches, parity, num_tokens, hidden, num_topk, num_experts,
+                        num_max_dispatch_tokens_per_rank, self.backend if x_view.device_type == "cuda"
+                        else "reference", x_view.framework, x_view.device_id if x_view.device_type == "cuda" else -1,
+                        state={"received": False})
+        self._num_dispatches += 1
+        flags = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        if x_view.device_type == "cpu":
+            receive = self._reference_dispatch(handle, x_view, topk_view, active_view, outputs, flags)
+        else:
+            receive = self._cuda_dispatch(handle, x_view, topk_view, active_view, outputs, flags, timeout_us,
+                                          async_finish, return_recv_hook, stream_ptr)
+        event, hook = self._finish(handle, receive, async_finish, return_recv_hook, stream_ptr, x_view)
+        objects = [obj for _, obj in outputs]
+        recv_x = (objects[0], objects[1]) if use_fp8 else objects[0]
+        return recv_x, objects[-1], handle, event, hook
+
+    def _reference_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags):
+        gathered = self._reference.exchange(x_view.numpy().copy(), topk_view.numpy().copy(), active_view.numpy().copy())
+
+        def receive():
+            result = self._reference.dispatch(gathered, handle.num_max_dispatch_tokens_per_rank, handle.num_experts,
+                                              **flags)
+            values = [result.recv_x] + ([result.recv_scales] if flags["use_fp8"] else []) + [result.recv_count]
+            for (view, _), value in zip(outputs, values):
+                view.numpy()[...] = value
+            _write_mask(active_view, result.active_ranks)
+            handle.state["result"] = result
+        return receive
+
+    def _cuda_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags, timeout_us, async_finish,
+                       return_recv_hook, stream_ptr):
+        cuda = self._cuda
+        workspace_layout, layout_ptr = cuda.layout_for(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+                                                       handle.num_experts)
+        views = [view for view, _ in outputs]
+        recv_scales_ptr = views[1].ptr if flags["use_fp8"] else 0
+        common = dict(x_ptr=x_view.ptr, num_tokens=handle.num_tokens, topk_ptr=topk_view.ptr,
+                      topk_is_int64=topk_view.dtype == "int64", num_topk=handle.num_topk, active_ptr=active_view.ptr,
+                      recv_x_ptr=views[0].ptr, recv_scales_ptr=recv_scales_ptr, recv_count_ptr=views[-1].ptr,
+                      timeout_ns=_timeout_ns(timeout_us), **flags)
+        launch_stream = self._launch_stream(async_finish, stream_ptr)
+
+        def launch(phases: int, stream: int) -> None:
+            cuda.launch_dispatch(phases, handle.parity, layout_ptr, stream_ptr=stream, **common)
+
+        if return_recv_hook:
+            launch(1, stream_ptr)
+            return lambda: launch(2, stream_ptr)
+        launch(3, launch_stream)
+        return None
+
+    # --- combine --------------------------------------------------------------------------------
+
+    def combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us: int = _constants.TIMEOUT_FOREVER,
+                handle: Handle | None = None, zero_copy: bool = False, async_finish: bool = False,
+                return_recv_hook: bool = False, out=None, renormalize: bool = False):
+        """Bring expert outputs back to the tokens' ranks and sum them with the routing weights.
+
+        Args:
+            x: ``[num_local_experts, num_ranks * T, hidden]`` bf16 expert outputs, rows laid out as
+                dispatch's recv_x. Ignored (may be None) with zero_copy.
+            topk_idx: ``[num_tokens, num_topk]`` the same ids given to the dispatch of ``handle``.
+            topk_weights: ``[num_tokens, num_topk]`` fp32 routing weights.
+            active_ranks: ``[num_ranks]`` int32; the kernels write 0 for an expert rank that timed out.
+            timeout_us: microseconds to wait for an expert rank before masking it; -1 waits forever.
+            handle: the handle of the dispatch this combine answers (that dispatch or the one after).
+            zero_copy: the expert outputs were written into :meth:`get_next_combine_buffer`.
+            async_finish, return_recv_hook: as in :meth:`dispatch`.
+            out: ``[num_tokens, hidden]`` bf16 array to write into.
+            renormalize: scale each token's live weights so they sum to the sum of all its weights.
+
+        Returns:
+            ``(combined_x, event, hook)``: combined_x ``[num_tokens, hidden]`` bf16, the fp32 sum of
+            weight x expert output over the token's live experts, rounded once.
+        """
+        where = "combine"
+        self._check_handle(where, handle)
+        topk_view = read_array(topk_idx, name=f"{where}: topk_idx")
+        stream_ptr = self._stream_for(topk_view)
+        weights_view = read_array(topk_weights, name=f"{where}: topk_weights", stream=stream_ptr or None)
+        active_view = read_array(active_ranks, name=f"{where}: active_ranks", stream=stream_ptr or None)
+        _check_flags(where, async_finish=async_finish, return_recv_hook=return_recv_hook)
+        _check_timeout(where, timeout_us)
+        num_local_experts = handle.num_experts // self.num_ranks
+        expected = (handle.num_tokens, handle.num_topk)
+        _check_array(where, "topk_idx", topk_view, dtypes=("int64", "int32"), shape=expected)
+        _check_array(where, "topk_weights", weights_view, dtypes=("float32",), shape=expected, like=topk_view)
+        self._check_active(where, active_view, topk_view)
+        if (topk_view.device_id if topk_view.device_type == "cuda" else -1) != handle.device_id:
+            raise TypeError(f"{where}: topk_idx is on {topk_view.device_type}:{topk_view.device_id}, the dispatch "
+                            f"of handle ran on {'cpu' if handle.device_id < 0 else f'cuda:{handle.device_id}'}")
+        x_view = None
+        if not zero_copy:
+            if x is None:
+                raise TypeError(f"{where}: x (expert outputs) is required unless zero_copy=True")
+            x_view = read_array(x, name=f"{where}: x", stream=stream_ptr or None)
+            shape = (num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+            _check_array(where, "x", x_view, dtypes=("bfloat16",), shape=shape, like=topk_view)
+        specs = [("combined_x", (handle.num_tokens, handle.hidden), "bfloat16")]
+        outputs = self._outputs(where, None if out is None else (out,), specs, topk_view, False)
+        self._num_combines += 1
+        if handle.backend == "reference":
+            receive = self._reference_combine(handle, x_view, topk_view, weights_view, active_view, outputs,
+                                              zero_copy, renormalize)
+        else:
+            receive = self._cuda_combine(handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy,
+                                         renormalize, timeout_us, async_finish, return_recv_hook, stream_ptr)
+        event, hook = self._finish(None, receive, async_finish, return_recv_hook, stream_ptr, topk_view)
+        return outputs[0][1], event, hook
+
+    def _reference_combine(self, handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy,
+                           renormalize):
+        expert_out = (handle.state["combine_buffer"] if zero_copy else x_view.numpy()).copy()
+        metadata = self._reference.dispatch_metadata(handle.state["result"])
+        gathered = self._reference.exchange(expert_out, metadata, active_view.numpy().copy())
+        topk, weights = topk_view.numpy().copy(), weights_view.numpy().copy()
+
+        def receive():
+            combined, mask = self._reference.combine(gathered, topk, weights, renormalize=renormalize)
+            outputs[0][0].numpy()[...] = combined
+            _write_mask(active_view, mask)
+        return receive
+
+    def _cuda_combine(self, handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy, renormalize,
+                      timeout_us, async_finish, return_recv_hook, stream_ptr):
+        cuda = self._cuda
+        _, layout_ptr = cuda.layout_for(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        common = dict(expert_out_ptr=0 if zero_copy else x_view.ptr, zero_copy=zero_copy,
+                      num_tokens=handle.num_tokens, topk_ptr=topk_view.ptr, topk_is_int64=topk_view.dtype == "int64",
+                      num_topk=handle.num_topk, weights_ptr=weights_view.ptr, active_ptr=active_view.ptr,
+                      combined_ptr=outputs[0][0].ptr, renormalize=renormalize, timeout_ns=_timeout_ns(timeout_us))
+        launch_stream = self._launch_stream(async_finish, stream_ptr)
+
+        def launch(phases: int, stream: int) -> None:
+            cuda.launch_combine(phases, handle.parity, layout_ptr, stream_ptr=stream, **common)
+
+        if return_recv_hook:
+            launch(1, stream_ptr)
+            return lambda: launch(2, stream_ptr)
+        launch(3, launch_stream)
+        return None
+
+    def get_next_combine_buffer(self, handle: Handle):
+        """The buffer to write expert outputs into for ``combine(..., zero_copy=True)``.
+
+        Returns:
+            ``[num_local_experts, num_ranks * T, hidden]`` bf16 in the caller's framework, laid out as
+            dispatch's recv_x; it belongs to the buffer and is reused two calls later.
+        """
+        self._check_handle("get_next_combine_buffer", handle)
+        num_local_experts = handle.num_experts // self.num_ranks
+        shape = (num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        if handle.backend == "reference":
+            buffer = handle.state.get("combine_buffer")
+            if buffer is None:
+                buffer = handle.state["combine_buffer"] = np.zeros(shape, dtype=reference.bfloat16)
+            array = DeviceMemoryArray(buffer.ctypes.data, shape, "bfloat16", "cpu", 0, owner=buffer)
+        else:
+            workspace_layout, _ = self._cuda.layout_for(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+                                                        handle.num_experts)
+            ptr = self._cuda.workspace.ptr + workspace_layout.offsets["combine_x"][handle.parity]
+            array = DeviceMemoryArray(ptr, shape, "bfloat16", "cuda", handle.device_id, owner=self)
+        return frameworks.get(handle.framework).wrap(array)
+
+    def update_ep_member(self) -> None:
+        """Re-exchange the route table after the group's membership changed (collective)."""
+        if self._cuda is not None:
+            from mooncake_ep.transport import local as local_transport
+
+            self._cuda.route = local_transport.connect(self.group, self._cuda.workspace)
+        self.group.barrier()
+
+    def destroy(self) -> None:
+        """Free the workspace after every rank is done with it (collective)."""
+        if self._cuda is not None:
+            self.group.barrier()
+            self._cuda.destroy()
+            self._cuda = None
+
+    # --- shared steps ---------------------------------------------------------------------------
+
+    def _stream_for(self, view: ArrayView) -> int:
+        """The caller's current stream for a CUDA array (0 for host arrays), checking the backend."""
+        if view.device_type == "cpu":
+            return 0
+        if self._cuda is None:
+            raise TypeError(f"this Buffer runs on the numpy reference backend (backend={self.backend!r}); "
+                            f"arrays on cuda:{view.device_id} need a Buffer built where a GPU is visible")
+        if view.device_id != self._cuda.device_id:
+            raise TypeError(f"arrays are on cuda:{view.device_id}, this Buffer's rank uses cuda:{self._cuda.device_id}")
+        return frameworks.get(view.framework).current_stream(view.device_id)
+
+    def _launch_stream(self, async_finish: bool, stream_ptr: int) -> int:
+        if not async_finish:
+            return stream_ptr
+        ready = self._cuda.record_event(stream_ptr)
+        self._cuda.stream_wait(self._cuda.comm_stream.ptr, ready)
+        return self._cuda.comm_stream.ptr
+
+    def _finish(self, handle, receive, async_finish, return_recv_hook, stream_ptr, like: ArrayView):
+        """Run or defer the receive half; build the event and the hook."""
+        if return_recv_hook:
+            if handle is not None:
+                self._pending_hooks.add(handle.parity)
+            called = []
+
+            def hook() -> None:
+                if called:
+                    raise RuntimeError("hook: this receive hook was already called")
+                called.append(True)
+                if receive is not None:
+                    receive()
+                if handle is not None:
+                    self._pending_hooks.discard(handle.parity)
+                    handle.state["received"] = True
+            return EventOverlap(), hook
+        if receive is not None:
+            receive()
+        if handle is not None:
+            handle.state["received"] = True
+        if async_finish and like.device_type == "cuda":
+            done = self._cuda.record_event(self._cuda.comm_stream.ptr)
+            cuda = self._cuda
+
+            def wait() -> None:
+                cuda.stream_wait(frameworks.get(like.framework).current_stream(like.device_id), done)
+            return EventOverlap(wait), None
+        return EventOverlap(), None
+
+    def _outputs(self, where: str, out, specs, like: ArrayView, nested_fp8: bool) -> list[tuple[ArrayView, Any]]:
+        """Validate ``out`` against the result specs, or allocate the results in the caller's framework."""
+        fw = frameworks.get(like.framework)
+        if out is None:
+            results = []
+            for _, shape, dtype in specs:
+                obj = fw.empty(shape, dtype, like.device_type, like.device_id)
+                results.append((read_array(obj, name=f"{where}: output"), obj))
+            return results
+        flat = list(out)
+        if nested_fp8:
+            if len(flat) != 2 or not isinstance(flat[0], (tuple, list)) or len(flat[0]) != 2:
+                raise TypeError(f"{where}: out must be ((recv_x, recv_scales), recv_count) with use_fp8")
+            flat = [flat[0][0], flat[0][1], flat[1]]
+        if len(flat) != len(specs):
+            raise TypeError(f"{where}: out must hold {len(specs)} arrays ({', '.join(n for n, _, _ in specs)}), "
+                            f"got {len(flat)}")
+        results = []
+        for obj, (name, shape, dtype) in zip(flat, specs):
+            view = read_array(obj, name=f"{where}: out {name}")
+            _check_array(where, f"out {name}", view, dtypes=(dtype,), shape=shape, like=like)
+            results.append((view, obj))
+        return results
+
+    def _check_active(self, where: str, view: ArrayView, like: ArrayView) -> None:
+        _check_array(where, "active_ranks", view, dtypes=("int32",), shape=(self.num_ranks,), like=like)
+
+    def _check_size(self, where: str, num_max_tokens: int, hidden: int, num_experts: int) -> None:
+        needed = layout.compute_layout(self.num_ranks, num_experts, num_max_tokens, hidden).num_bytes
+        if needed > self.num_ep_buffer_bytes:
+            raise ValueError(
+                f"{where}: the buffer has {self.num_ep_buffer_bytes} bytes, this configuration (T={num_max_tokens}, "
+                f"hidden={hidden}, num_experts={num_experts}, num_ranks={self.num_ranks}) needs {needed}: size it with "
+                f"Buffer.get_ep_buffer_size_hint"
+            )
+
+    def _check_handle(self, where: str, handle) -> None:
+        if not isinstance(handle, Handle):
+            raise TypeError(f"{where}: handle must be the Handle returned by dispatch, got {type(handle).__name__}")
+        if handle.buffer_id != self.buffer_id:
+            raise ValueError(f"{where}: handle was made by another Buffer")
+        if handle.dispatch_index < self._num_dispatches - layout.NUM_PARITIES:
+            raise ValueError(f"{where}: handle is stale: dispatch #{handle.dispatch_index} was overwritten by the "
+                             f"{self._num_dispatches - handle.dispatch_index - 1} dispatches after it")
+        if not handle.state["received"]:
+            raise RuntimeError(f"{where}: the dispatch of this handle has not received yet: call its hook() first")
+
+
+# --- argument checks (shared by every call; each names the call and the argument) -------------------
+
+
+def _check_int(where: str, name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{where}: {name} must be <= {maximum}, got {value}")
+
+
+def _check_hidden(where: str, name: str, hidden) -> None:
+    _check_int(where, name, hidden, minimum=1)
+    if hidden % _constants.HIDDEN_ALIGNMENT:
+        raise ValueError(f"{where}: {name} must be a multiple of {_constants.HIDDEN_ALIGNMENT}, got {hidden}")
+
+
+def _check_experts(where: str, num_experts, num_ranks: int) -> None:
+    _check_int(where, "num_experts", num_experts, minimum=1, maximum=_constants.MAX_EXPERTS)
+    if num_experts % num_ranks:
+        raise ValueError(f"{where}: num_experts must be a multiple of num_ranks={num_ranks}, got {num_experts}")
+
+
+def _check_timeout(where: str, timeout_us) -> None:
+    _check_int(where, "timeout_us", timeout_us, minimum=_constants.TIMEOUT_FOREVER)
+
+
+def _check_flags(where: str, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False,
+                 async_finish: bool = False, return_recv_hook: bool = False) -> None:
+    if async_finish and return_recv_hook:
+        raise ValueError(f"{where}: async_finish and return_recv_hook are exclusive")
+    if use_ue8m0 and not (use_fp8 and round_scale):
+        raise ValueError(f"{where}: use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 stores "
+                         f"power-of-two scales)")
+    if round_scale and not use_fp8:
+        raise ValueError(f"{where}: round_scale=True needs use_fp8=True")
+
+
+def _check_array(where: str, name: str, view: ArrayView, *, dtypes: tuple[str, ...], ndim: int | None = None,
+                 shape: tuple[int, ...] | None = None, like: ArrayView | None = None) -> None:
+    if view.dtype not in dtypes:
+        raise TypeError(f"{where}: {name} must be {' or '.join(dtypes)}, got {view.dtype}")
+    if shape is not None and tuple(view.shape) != tuple(shape):
+        raise ValueError(f"{where}: {name} must have shape {tuple(shape)}, got {tuple(view.shape)}")
+    if ndim is not None and view.ndim != ndim:
+        raise ValueError(f"{where}: {name} must be {ndim}-dimensional, got shape {tuple(view.shape)}")
+    if not view.is_contiguous:
+        raise ValueError(f"{where}: {name} must be contiguous (row-major), got strides {view.strides}; "
+                         f"pass a contiguous copy")
+    if like is not None and (view.device_type, view.device_id) != (like.device_type, like.device_id):
+        raise TypeError(f"{where}: {name} is on {view.device_type}:{view.device_id}, expected "
+                        f"{like.device_type}:{like.device_id} like the other arrays")
+
+
+def _check_expert_ids(where: str, topk_view: ArrayView, num_experts: int) -> None:
+    ids = topk_view.numpy()
+    bad = (ids < _constants.NO_EXPERT) | (ids >= num_experts)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{where}: topk_idx entries must be -1 or in [0, {num_experts}), got {int(ids[first])} "
+                         f"at {first}")
+
+
+def _timeout_ns(timeout_us: int) -> int:
+    return -1 if timeout_us < 0 else int(timeout_us) * 1000
+
+
+def _write_mask(view: ArrayView, mask: np.ndarray) -> None:
+    """Write the updated active_ranks into the caller's array where it is writable (not JAX)."""
+    array = view.numpy()
+    if array.flags.writeable:
+        array[...] = mask

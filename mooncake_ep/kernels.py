@@ -1,0 +1,361 @@
+"""Compile, cache and load the CUDA kernels of ``kernels_cu/``.
+
+Split as cupy splits its kernel layer: :class:`KernelKey` names one specialisation and owns its
+digest, :func:`compile_kernel` turns a key into a cubin with NVRTC (``cuda.bindings.nvrtc``, so it
+runs on a machine without a GPU for any named architecture), :class:`KernelCache` stores cubins on
+disk, and :class:`Launcher` is a loaded function with its launch settings. Everything a buffer needs
+is compiled and loaded when the buffer is built, never inside a call: loading a module during graph
+capture breaks the capture.
+
+The cache lives in ``$MOONCAKE_EP_CACHE_DIR`` if set, else ``~/.cache/mooncake_ep/kernels``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.resources
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from mooncake_ep import _constants
+
+logger = logging.getLogger("mooncake_ep")
+
+# Bump when the cache payload format or the compile recipe changes.
+_CACHE_FORMAT = "v1"
+# No fast math: the fp8 scale division must be correctly rounded to match reference.py.
+_COMPILE_OPTIONS = ("-std=c++17", "-lineinfo")
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_ARCH_RE = re.compile(r"^sm_(\d{2,3})[a-z]?$")
+
+# Threads per block of every kernel: 16 warps, enough vectors in flight per SM for a copy, and
+# few enough registers for the fp8 path. A block scan and one waiting thread per rank fit in it.
+NUM_THREADS = 512
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel. Carries the file, macros, options and the compiler's log."""
+
+    def __init__(self, key: KernelKey, log: str):
+        self.key = key
+        self.log = log
+        super().__init__(
+            f"NVRTC failed to compile {key.file} for {key.arch} with macros {dict(key.macros)} "
+            f"and options {list(key.options)}:\n{log}"
+        )
+
+
+def kernel_source_dir() -> Path:
+    """The folder holding the shipped ``.cu``/``.cuh`` sources."""
+    return Path(str(importlib.resources.files("mooncake_ep.kernels_cu")))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_source(name: str) -> str:
+    return (kernel_source_dir() / name).read_text()
+
+
+def _source_closure(name: str) -> list[str]:
+    """The file and every local header it includes, transitively, in a stable order."""
+    seen: list[str] = []
+    pending = [name]
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.append(current)
+        pending.extend(sorted(set(_INCLUDE_RE.findall(_read_source(current)))))
+    return seen
+
+
+def validate_arch(arch: str) -> str:
+    """Check an architecture name like ``sm_90``; return it."""
+    if not isinstance(arch, str) or not _ARCH_RE.match(arch) or int(_ARCH_RE.match(arch).group(1)) < 70:
+        raise ValueError(f"arch must name a CUDA architecture sm_70 or newer, like 'sm_90', got {arch!r}")
+    return arch
+
+
+@functools.lru_cache(maxsize=1)
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC library that :func:`compile_kernel` uses."""
+    from cuda.bindings import nvrtc
+
+    result, major, minor = nvrtc.nvrtcVersion()
+    _check_nvrtc(result, "nvrtcVersion")
+    return int(major), int(minor)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelKey:
+    """One specialisation of one kernel.
+
+    Attributes:
+        file: the ``.cu`` file in ``kernels_cu/``.
+        name: the ``extern "C"`` entry point.
+        macros: ``-D`` definitions, as sorted (name, value) pairs.
+        arch: target architecture, e.g. ``sm_90``.
+        options: extra NVRTC options.
+    """
+
+    file: str
+    name: str
+    macros: tuple[tuple[str, str], ...]
+    arch: str
+    options: tuple[str, ...] = _COMPILE_OPTIONS
+
+    @classmethod
+    def make(cls, file: str, name: str, macros: Mapping[str, object], arch: str) -> KernelKey:
+        return cls(file, name, tuple(sorted((k, str(v)) for k, v in macros.items())), validate_arch(arch))
+
+    def nvrtc_options(self) -> list[str]:
+        return [*self.options, f"--gpu-architecture={self.arch}", *(f"-D{k}={v}" for k, v in self.macros)]
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """Hash of everything that changes the binary: sources (with headers), options, NVRTC, us."""
+        from mooncake_ep import __version__
+
+        digest = hashlib.sha256()
+        for part in (_CACHE_FORMAT, __version__, repr(nvrtc_version()), self.name, *self.nvrtc_options()):
+            digest.update(part.encode() + b"\0")
+        for name in _source_closure(self.file):
+            digest.update(name.encode() + b"\0" + _read_source(name).encode() + b"\0")
+        return digest.hexdigest()
+
+
+def _check_nvrtc(result, what: str) -> None:
+    from cuda.bindings import nvrtc
+
+    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"{what} failed: {result}")
+
+
+@functools.lru_cache(maxsize=1)
+def _include_dirs() -> tuple[str, ...]:
+    """Where cuda_bf16.h / cuda_fp8.h live: the CUDA runtime headers of a wheel or a toolkit."""
+    dirs = [str(kernel_source_dir())]
+    try:
+        from cuda import pathfinder
+
+        for lib in ("cudart", "nvrtc"):
+            found = pathfinder.find_nvidia_header_directory(lib)
+            if found:
+                dirs.append(str(found))
+    except (ImportError, AttributeError, RuntimeError) as exc:  # an older cuda-pathfinder, or none
+        logger.debug("cuda.pathfinder found no CUDA headers: %s", exc)
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_fp8.h")):
+            dirs.append(os.path.join(root, "include"))
+    return tuple(dict.fromkeys(dirs))
+
+
+def compile_kernel(key: KernelKey) -> bytes:
+    """Compile one specialisation to a cubin with NVRTC. Needs no GPU.
+
+    Raises:
+        KernelCompileError: NVRTC reported an error, or a warning (warnings are bugs here).
+    """
+    from cuda.bindings import nvrtc
+
+    sources = {name: _read_source(name) for name in _source_closure(key.file)}
+    headers = [name for name in sources if name != key.file]
+    result, program = nvrtc.nvrtcCreateProgram(
+        sources[key.file].encode(),
+        key.file.encode(),
+        len(headers),
+        [sources[h].encode() for h in headers],
+        [h.encode() for h in headers],
+    )
+    _check_nvrtc(result, "nvrtcCreateProgram")
+    try:
+        options = [*key.nvrtc_options(), *(f"-I{d}" for d in _include_dirs())]
+        (compile_result,) = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])
+        result, log_size = nvrtc.nvrtcGetProgramLogSize(program)
+        _check_nvrtc(result, "nvrtcGetProgramLogSize")
+        log = b" " * log_size
+        (result,) = nvrtc.nvrtcGetProgramLog(program, log)
+        log_text = log.rstrip(b"\0 ").decode(errors="replace").strip()
+        if compile_result != nvrtc.nvrtcResult.NVRTC_SUCCESS or "warning" in log_text:
+            raise KernelCompileError(key, log_text or str(compile_result))
+        result, cubin_size = nvrtc.nvrtcGetCUBINSize(program)
+        _check_nvrtc(result, "nvrtcGetCUBINSize")
+        cubin = b" " * cubin_size
+        (result,) = nvrtc.nvrtcGetCUBIN(program, cubin)
+        _check_nvrtc(result, "nvrtcGetCUBIN")
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def default_cache_dir() -> Path:
+    """``$MOONCAKE_EP_CACHE_DIR``, else ``~/.cache/mooncake_ep/kernels`` (XDG_CACHE_HOME honoured)."""
+    configured = os.environ.get(_constants.CACHE_DIR_ENV)
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mooncake_ep" / "kernels"
+
+
+class KernelCache:
+    """Cubins on disk, one file per digest: a SHA-256 of the payload, then the payload.
+
+    Writes go to a temporary file in the same folder and are renamed into place, so concurrent
+    writers (several ranks warming one cache) never expose a torn file; a file whose checksum does
+    not match is a miss, rebuilt and replaced, never loaded.
+    """
+
+    _CHECKSUM_BYTES = 32
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self.directory = Path(directory) if directory is not None else default_cache_dir()
+
+    def _path(self, digest: str) -> Path:
+        return self.directory / f"{digest}.cubin"
+
+    def load(self, digest: str) -> bytes | None:
+        try:
+            blob = self._path(digest).read_bytes()
+        except OSError:
+            return None
+        checksum, payload = blob[: self._CHECKSUM_BYTES], blob[self._CHECKSUM_BYTES :]
+        if len(checksum) != self._CHECKSUM_BYTES or hashlib.sha256(payload).digest() != checksum:
+            logger.warning("mooncake_ep: ignoring corrupt kernel cache entry %s", self._path(digest))
+            return None
+        return payload
+
+    def save(self, digest: str, cubin: bytes) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".cubin")
+        except OSError as exc:
+            raise OSError(
+                f"kernel cache directory {self.directory} is not writable ({exc}); "
+                f"set {_constants.CACHE_DIR_ENV} to a writable folder"
+            ) from exc
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(hashlib.sha256(cubin).digest() + cubin)
+            os.replace(tmp, self._path(digest))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def get_cubin(key: KernelKey, cache: KernelCache | None = None) -> tuple[bytes, bool]:
+    """The cubin of ``key`` from the cache, compiling and storing it on a miss.
+
+    Returns:
+        ``(cubin, compiled)``: compiled is False when the cache answered.
+    """
+    cache = cache if cache is not None else KernelCache()
+    cubin = cache.load(key.digest)
+    if cubin is not None:
+        return cubin, False
+    cubin = compile_kernel(key)
+    try:
+        cache.save(key.digest, cubin)
+    except OSError as exc:
+        logger.warning("mooncake_ep: could not cache kernel %s: %s", key.name, exc)
+    return cubin, True
+
+
+# --- The specialisations a low-latency buffer uses ------------------------------------------------
+
+
+def _common_macros() -> dict[str, object]:
+    return {
+        "EP_NUM_THREADS": NUM_THREADS,
+        "EP_MAX_RANKS": _constants.MAX_RANKS,
+        "EP_MAX_EXPERTS": _constants.MAX_EXPERTS,
+        "EP_MAX_TOPK": _constants.MAX_TOPK,
+        "EP_FP8_BLOCK": _constants.FP8_BLOCK,
+        "EP_FP8_E4M3_MAX": f"{_constants.FP8_E4M3_MAX!r}f",
+        "EP_FP8_AMAX_FLOOR": f"{_constants.FP8_AMAX_FLOOR!r}f",
+    }
+
+
+# (use_fp8, round_scale, use_ue8m0) combinations dispatch accepts; use_ue8m0 requires round_scale.
+DISPATCH_MODES: tuple[tuple[bool, bool, bool], ...] = (
+    (False, False, False),
+    (True, False, False),
+    (True, True, False),
+    (True, True, True),
+)
+
+
+def dispatch_key(arch: str, use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> KernelKey:
+    macros = _common_macros() | {
+        "EP_USE_FP8": int(use_fp8),
+        "EP_ROUND_SCALE": int(round_scale),
+        "EP_USE_UE8M0": int(use_ue8m0),
+    }
+    return KernelKey.make("ll_dispatch.cu", "ll_dispatch", macros, arch)
+
+
+def combine_key(arch: str) -> KernelKey:
+    return KernelKey.make("ll_combine.cu", "ll_combine", _common_macros() | {"EP_USE_FP8": 0,
+                          "EP_ROUND_SCALE": 0, "EP_USE_UE8M0": 0}, arch)
+
+
+def low_latency_keys(arch: str) -> list[KernelKey]:
+    """Every specialisation a low-latency :class:`mooncake_ep.Buffer` loads on construction."""
+    return [dispatch_key(arch, *mode) for mode in DISPATCH_MODES] + [combine_key(arch)]
+
+
+# --- Loading and launching -----------------------------------------------------------------------
+
+
+class Launcher:
+    """A loaded kernel and how to launch it. Calling it packs the arguments and launches; nothing else.
+
+    Args:
+        cubin: the compiled module.
+        name: the entry point.
+        num_threads: threads per block.
+    """
+
+    def __init__(self, cubin: bytes, name: str, num_threads: int = NUM_THREADS):
+        import cupy
+
+        self._module = cupy.cuda.function.Module()
+        self._module.load(cubin)
+        self._function = self._module.get_function(name)
+        self.name = name
+        self.num_threads = num_threads
+
+    def __call__(self, num_blocks: int, args: Sequence[object], stream_ptr: int) -> None:
+        self._function((num_blocks,), (self.num_threads,), tuple(args), stream=_StreamRef(stream_ptr))
+
+
+class _StreamRef:
+    """What cupy's launch reads of a stream: its handle."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+def load_low_latency_kernels(arch: str, cache: KernelCache | None = None) -> dict[str, Launcher]:
+    """Compile (or load from the cache) and load every kernel of a low-latency buffer.
+
+    Returns:
+        ``{"dispatch/<fp8>/<round>/<ue8m0>": Launcher, "combine": Launcher}``.
+    """
+    launchers: dict[str, Launcher] = {}
+    for mode in DISPATCH_MODES:
+        cubin, _ = get_cubin(dispatch_key(arch, *mode), cache)
+        launchers[dispatch_launcher_name(*mode)] = Launcher(cubin, "ll_dispatch")
+    cubin, _ = get_cubin(combine_key(arch), cache)
+    launchers["combine"] = Launcher(cubin, "ll_combine")
+    return launchers
+
+
+def dispatch_launcher_name(use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> str:
+    return f"dispatch/{int(use_fp8)}/{int(round_scale)}/{int(use_ue8m0)}"

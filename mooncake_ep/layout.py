@@ -1,0 +1,128 @@
+"""Where each region of the symmetric workspace lies: the one place that does that arithmetic.
+
+The kernels read the result as ``ep::Layout`` (``kernels_cu/layout.cuh``) from device memory;
+:data:`LAYOUT_DTYPE` packs it field for field, and a test compiles the header with the host compiler
+to check every offset. The regions are described in ``layout.cuh``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mooncake_ep._constants import FP8_BLOCK, MAX_RANKS, MAX_TOPK, WORKSPACE_ALIGNMENT
+
+NUM_PARITIES = 2
+# ep::State: six arrays of NUM_PARITIES u32 (epochs and block finish counters).
+STATE_BYTES = 6 * NUM_PARITIES * 4
+FLAG_BYTES = 8
+ROUTE_ENTRY_BYTES = 8
+# Bytes of the device copy of a Layout, padded; the workspace header keeps one per configuration.
+LAYOUT_SLOT_BYTES = 512
+
+_PER_PARITY = ("send_x", "send_scales", "send_expert_offset", "send_list", "send_slot", "recv_range", "combine_x")
+
+LAYOUT_DTYPE = np.dtype(
+    [
+        (name, np.int64)
+        for name in (
+            "num_ranks",
+            "num_experts",
+            "num_local_experts",
+            "num_max_tokens",
+            "hidden",
+            "num_scales",
+            "send_row_bytes",
+            "state",
+            "dispatch_flag",
+            "combine_flag",
+            "route",
+        )
+    ]
+    + [(name, np.int64, (NUM_PARITIES,)) for name in _PER_PARITY]
+    + [("num_bytes", np.int64)]
+)
+assert LAYOUT_DTYPE.itemsize <= LAYOUT_SLOT_BYTES
+
+
+def _align(offset: int) -> int:
+    return -(-offset // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
+
+
+def header_bytes() -> int:
+    """Bytes of the configuration-independent front of the workspace: state, flags, route table."""
+    return _align(_align(_align(_align(STATE_BYTES) + NUM_PARITIES * MAX_RANKS * FLAG_BYTES)
+                         + NUM_PARITIES * MAX_RANKS * FLAG_BYTES) + MAX_RANKS * ROUTE_ENTRY_BYTES)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspaceLayout:
+    """Byte offsets of every region for one configuration.
+
+    Attributes:
+        num_ranks, num_experts, num_max_tokens, hidden: the configuration (R, E, T, H).
+        offsets: region name → offset (int) or per-parity offsets (tuple), from the workspace base.
+        num_bytes: the workspace size this configuration needs.
+    """
+
+    num_ranks: int
+    num_experts: int
+    num_max_tokens: int
+    hidden: int
+    offsets: dict
+    num_bytes: int
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def send_row_bytes(self) -> int:
+        return 2 * self.hidden
+
+    def pack(self) -> bytes:
+        """The ``ep::Layout`` struct, as the kernels read it."""
+        record = np.zeros((), dtype=LAYOUT_DTYPE)
+        record["num_ranks"] = self.num_ranks
+        record["num_experts"] = self.num_experts
+        record["num_local_experts"] = self.num_local_experts
+        record["num_max_tokens"] = self.num_max_tokens
+        record["hidden"] = self.hidden
+        record["num_scales"] = self.hidden // FP8_BLOCK
+        record["send_row_bytes"] = self.send_row_bytes
+        for name, value in self.offsets.items():
+            record[name] = value
+        record["num_bytes"] = self.num_bytes
+        return record.tobytes()
+
+
+def compute_layout(num_ranks: int, num_experts: int, num_max_tokens: int, hidden: int) -> WorkspaceLayout:
+    """Lay out the workspace for R ranks, E experts, T tokens per rank and hidden H."""
+    num_local_experts = num_experts // num_ranks
+    offsets: dict = {}
+    cursor = 0
+
+    def take(num_bytes: int) -> int:
+        nonlocal cursor
+        start = cursor
+        cursor = _align(cursor + num_bytes)
+        return start
+
+    offsets["state"] = take(STATE_BYTES)
+    offsets["dispatch_flag"] = take(NUM_PARITIES * MAX_RANKS * FLAG_BYTES)
+    offsets["combine_flag"] = take(NUM_PARITIES * MAX_RANKS * FLAG_BYTES)
+    offsets["route"] = take(MAX_RANKS * ROUTE_ENTRY_BYTES)
+    assert cursor == header_bytes()
+    sizes = {
+        "send_x": num_max_tokens * 2 * hidden,
+        "send_scales": num_max_tokens * (hidden // FP8_BLOCK) * 4,
+        "send_expert_offset": (num_experts + 1) * 4,
+        "send_list": num_max_tokens * MAX_TOPK * 4,
+        "send_slot": num_max_tokens * MAX_TOPK * 4,
+        "recv_range": num_local_experts * num_ranks * 8,
+        "combine_x": num_local_experts * num_ranks * num_max_tokens * hidden * 2,
+    }
+    for name in _PER_PARITY:
+        offsets[name] = tuple(take(sizes[name]) for _ in range(NUM_PARITIES))
+    return WorkspaceLayout(num_ranks, num_experts, num_max_tokens, hidden, offsets, cursor)

@@ -1,0 +1,71 @@
+"""The symmetric workspace: device memory from our own ``cudaMalloc``.
+
+Our own allocation (not a framework's pool) so that legacy CUDA IPC can export it and its address
+never moves; zeroed once, because every epoch starts from zero.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("mooncake_ep")
+
+
+class TransportError(RuntimeError):
+    """A workspace could not be allocated, mapped or reached."""
+
+
+class DeviceWorkspace:
+    """``num_bytes`` of zeroed device memory on ``device_id``, freed by :meth:`free`.
+
+    Args:
+        num_bytes: size of the allocation.
+        device_id: the CUDA device.
+    """
+
+    def __init__(self, num_bytes: int, device_id: int):
+        import cupy
+
+        self.num_bytes = int(num_bytes)
+        self.device_id = int(device_id)
+        with cupy.cuda.Device(self.device_id):
+            try:
+                self.ptr = int(cupy.cuda.runtime.malloc(self.num_bytes))
+            except cupy.cuda.runtime.CUDARuntimeError as exc:
+                raise TransportError(
+                    f"cudaMalloc of a {self.num_bytes}-byte workspace on cuda:{self.device_id} failed: {exc}"
+                ) from exc
+            cupy.cuda.runtime.memset(self.ptr, 0, self.num_bytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Copy host bytes to ``ptr + offset`` (synchronously: only at construction or reconfiguration)."""
+        import ctypes
+
+        import cupy
+
+        buffer = ctypes.create_string_buffer(data, len(data))
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.runtime.memcpy(self.ptr + offset, ctypes.addressof(buffer), len(data),
+                                     cupy.cuda.runtime.memcpyHostToDevice)
+
+    def read(self, offset: int, num_bytes: int) -> bytes:
+        """Copy ``num_bytes`` at ``ptr + offset`` to the host (synchronously; for tests and tools)."""
+        import ctypes
+
+        import cupy
+
+        buffer = ctypes.create_string_buffer(num_bytes)
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.runtime.deviceSynchronize()
+            cupy.cuda.runtime.memcpy(ctypes.addressof(buffer), self.ptr + offset, num_bytes,
+                                     cupy.cuda.runtime.memcpyDeviceToHost)
+        return buffer.raw
+
+    def free(self) -> None:
+        if self.ptr:
+            import cupy
+
+            with cupy.cuda.Device(self.device_id):
+                cupy.cuda.runtime.deviceSynchronize()
+                cupy.cuda.runtime.free(self.ptr)
+            self.ptr = 0
