@@ -262,22 +262,18 @@ def combine(
 
     # Which row of its expert rank's output answers (token, k): the dispatch result says where each
     # received row came from, so index it by (source rank, token, k).
-    num_local_experts = expert_outs[rank].shape[0] if expert_outs[rank] is not None else None
     hidden = next(out.shape[2] for out in expert_outs if out is not None)
     gathered = np.zeros((num_tokens, num_topk, hidden), dtype=np.float32)
     valid = np.zeros((num_tokens, num_topk), dtype=bool)
     for expert_rank, (out, result) in enumerate(zip(expert_outs, dispatch_results)):
         if not live[expert_rank]:
             continue
-        num_local_experts = out.shape[0]
-        for local_expert in range(num_local_experts):
-            for row in range(int(result.recv_count[local_expert])):
-                if result.recv_src_rank[local_expert, row] != rank:
-                    continue
-                token = result.recv_src_token[local_expert, row]
-                topk = result.recv_src_topk[local_expert, row]
-                gathered[token, topk] = out[local_expert, row].astype(np.float32)
-                valid[token, topk] = True
+        # recv_src_rank is -1 past recv_count, so this selects exactly the valid rows from us.
+        local_experts, rows = np.nonzero(result.recv_src_rank == rank)
+        tokens = result.recv_src_token[local_experts, rows]
+        topks = result.recv_src_topk[local_experts, rows]
+        gathered[tokens, topks] = out[local_experts, rows].astype(np.float32)
+        valid[tokens, topks] = True
 
     weights = np.where(valid, topk_weights.astype(np.float32), np.float32(0))
     if renormalize:

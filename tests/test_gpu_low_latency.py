@@ -1,0 +1,350 @@
+"""GPU kernels against reference.py: in-process ranks on one GPU, every element written checked.
+
+Each case draws fresh random tokens, poisons every output (NaN bf16 rows, 0xFF fp8 bytes, -1 counts)
+and compares: recv_count exactly, the valid rows of recv_x bit for bit (bf16, fp8 bytes and scales),
+combine within one bf16 rounding of the reference (the reference rounds once from fp32, as the kernel
+does; the tolerance covers a different summation order of the renormalisation factor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mooncake_ep as ep
+from mooncake_ep import reference
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TIMEOUT_US = 10_000_000  # a bug shows up as a masked rank after 10 s, never as a hang
+BF16_RTOL = 2.0**-7  # one bf16 rounding (8 significant bits) plus fp32 accumulation order
+
+
+@dataclasses.dataclass
+class Case:
+    num_ranks: int
+    num_experts: int
+    hidden: int
+    num_topk: int
+    num_max_tokens: int = 32
+    use_fp8: bool = False
+    round_scale: bool = False
+    use_ue8m0: bool = False
+    mode: str = "sync"  # sync | async | hook
+    zero_copy: bool = False
+    routing: str = "uniform"  # uniform | skewed
+    renormalize: bool = False
+    dead_rank: int | None = None  # a rank that never calls dispatch or combine
+    seed: int = 0
+
+
+def make_inputs(case: Case):
+    rng = np.random.default_rng(case.seed)
+    xs, topks, weights = [], [], []
+    for rank in range(case.num_ranks):
+        # t < T on most ranks, t = 0 on one when there are several.
+        num_tokens = case.num_max_tokens if rank == 0 else int(rng.integers(0, case.num_max_tokens + 1))
+        if case.num_ranks > 2 and rank == case.num_ranks - 1:
+            num_tokens = 0
+        x = rng.standard_normal((num_tokens, case.hidden), dtype=np.float32) * 3
+        x[:, -1] = rank + 1  # the last channel names the source rank, exact in bf16
+        pool = case.num_experts
+        if case.routing == "skewed":  # every token to the experts of rank 0 (an incast)
+            pool = max(case.num_topk, case.num_experts // case.num_ranks)
+        topk = np.stack([rng.choice(pool, case.num_topk, replace=False) for _ in range(num_tokens)]) if num_tokens \
+            else np.zeros((0, case.num_topk), dtype=np.int64)
+        topk = topk.astype(np.int64)
+        if num_tokens:
+            topk[rng.random(topk.shape) < 0.1] = -1
+        xs.append(x.astype(ml_dtypes.bfloat16))
+        topks.append(topk)
+        weights.append(rng.random((num_tokens, case.num_topk), dtype=np.float32))
+    return xs, topks, weights
+
+
+def to_torch(array: np.ndarray, device="cuda"):
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(array).to(device)
+
+
+def to_numpy(tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    if tensor.dtype == torch.float8_e4m3fn:
+        return tensor.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    return tensor.numpy()
+
+
+def expert_function(recv: np.ndarray | tuple, case: Case, rank: int):
+    """The 'experts' of the test, in torch on the GPU: y = dequant(x) * (global expert id + 1) / E."""
+    if case.use_fp8:
+        q, scales = recv
+        values = q.float().reshape(q.shape[0], q.shape[1], -1, 128)
+        if case.use_ue8m0:
+            exponents = scales.contiguous().view(torch.uint8)[..., : case.hidden // 128].to(torch.int32)
+            scale = (exponents << 23).view(torch.float32)
+        else:
+            scale = scales
+        values = (values * scale[..., None]).reshape(q.shape)
+    else:
+        values = recv.float()
+    num_local = case.num_experts // case.num_ranks
+    factor = (torch.arange(num_local, device=values.device, dtype=torch.float32) + rank * num_local + 1) / case.num_experts
+    return (values * factor[:, None, None]).to(torch.bfloat16)
+
+
+def run_rank(group, case: Case, xs, topks, weights, size):
+    rank = group.rank
+    buffer = ep.Buffer(group, size)
+    if rank == case.dead_rank:
+        return None
+    stream = torch.cuda.current_stream()
+    assert stream.cuda_stream == group.stream_ptr, "each rank runs on its own stream"
+    active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+    x, topk, w = to_torch(xs[rank]), to_torch(topks[rank]), to_torch(weights[rank])
+    num_local = case.num_experts // case.num_ranks
+    rows = case.num_ranks * case.num_max_tokens
+    # Poisoned outputs: NaN bf16, 0xFF bytes (fp8 NaN), -1 counts.
+    if case.use_fp8:
+        recv_x = torch.full((num_local, rows, case.hidden), 0xFF, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        columns = reference.num_scale_columns(case.hidden, case.use_ue8m0)
+        recv_scales = torch.full((num_local, rows, columns), -1, dtype=torch.int32 if case.use_ue8m0 else torch.float32,
+                                 device="cuda")
+        if not case.use_ue8m0:
+            recv_scales.fill_(float("nan"))
+        recv_out = (recv_x, recv_scales)
+    else:
+        recv_out = torch.full((num_local, rows, case.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    recv_count = torch.full((num_local,), -1, dtype=torch.int32, device="cuda")
+    flags = dict(async_finish=case.mode == "async", return_recv_hook=case.mode == "hook")
+    recv, count, handle, event, hook = buffer.dispatch(
+        x, topk, active, case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US, use_fp8=case.use_fp8,
+        round_scale=case.round_scale, use_ue8m0=case.use_ue8m0, out=(recv_out, recv_count), **flags)
+    if hook is not None:
+        hook()
+    event.current_stream_wait()
+    y = expert_function(recv, case, rank)
+    combined = torch.full((x.shape[0], case.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    if case.zero_copy:
+        buffer.get_next_combine_buffer(handle).copy_(y)
+        expert_out = None
+    else:
+        expert_out = y
+    combined, event, hook = buffer.combine(expert_out, topk, w, active, TIMEOUT_US, handle, zero_copy=case.zero_copy,
+                                           out=combined, renormalize=case.renormalize, **flags)
+    if hook is not None:
+        hook()
+    event.current_stream_wait()
+    stream.synchronize()
+    recv_np = tuple(to_numpy(t) for t in recv) if case.use_fp8 else to_numpy(recv)
+    result = dict(recv=recv_np, count=to_numpy(count), y=to_numpy(y), combined=to_numpy(combined),
+                  active=to_numpy(active))
+    group.barrier()  # nobody frees its workspace while a peer may still read it
+    buffer.destroy()
+    return result
+
+
+def check_case(case: Case):
+    xs, topks, weights = make_inputs(case)
+    size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
+    group = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks)
+    results = group.spawn(run_rank, case, xs, topks, weights, size)
+
+    alive = [r is not None for r in results]
+    ref_xs = [x if ok else None for x, ok in zip(xs, alive)]
+    ref_topks = [t if ok else None for t, ok in zip(topks, alive)]
+    actives = [np.ones(case.num_ranks, np.int32) for _ in range(case.num_ranks)]
+    dispatched = [
+        reference.dispatch(rank, ref_xs, ref_topks, actives, case.num_max_tokens, case.num_experts,
+                           use_fp8=case.use_fp8, round_scale=case.round_scale, use_ue8m0=case.use_ue8m0)
+        if ok else None
+        for rank, ok in enumerate(alive)
+    ]
+    for rank, (result, expected) in enumerate(zip(results, dispatched)):
+        if result is None:
+            continue
+        np.testing.assert_array_equal(result["count"], expected.recv_count, err_msg=f"rank {rank} recv_count")
+        for local_expert, count in enumerate(expected.recv_count):
+            got = result["recv"][0] if case.use_fp8 else result["recv"]
+            want = expected.recv_x
+            np.testing.assert_array_equal(got[local_expert, :count].view(np.uint8),
+                                          want[local_expert, :count].view(np.uint8),
+                                          err_msg=f"rank {rank} local expert {local_expert} recv_x rows")
+            if case.use_fp8:
+                np.testing.assert_array_equal(result["recv"][1][local_expert, :count],
+                                              expected.recv_scales[local_expert, :count],
+                                              err_msg=f"rank {rank} local expert {local_expert} scales")
+        np.testing.assert_array_equal(result["active"], expected.active_ranks, err_msg=f"rank {rank} active_ranks")
+
+    expert_outs = [r["y"] if r is not None else None for r in results]
+    masks = [r["active"] if r is not None else np.ones(case.num_ranks, np.int32) for r in results]
+    for rank, result in enumerate(results):
+        if result is None:
+            continue
+        want, want_mask = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], masks,
+                                            renormalize=case.renormalize)
+        got = result["combined"].astype(np.float32)
+        want = want.astype(np.float32)
+        assert np.isfinite(got).all(), f"rank {rank}: combine left unwritten (NaN) elements"
+        np.testing.assert_allclose(got, want, rtol=BF16_RTOL, atol=1e-3, err_msg=f"rank {rank} combined_x")
+
+
+GRID = [
+    Case(1, 8, 1024, 4),
+    Case(2, 8, 1152, 1),
+    Case(2, 64, 2048, 8, use_fp8=True),
+    Case(4, 64, 2816, 4, use_fp8=True, round_scale=True),
+    Case(4, 256, 4096, 16, use_fp8=True, round_scale=True, use_ue8m0=True),
+    Case(8, 256, 7168, 8, num_max_tokens=128, use_fp8=True),
+    Case(8, 512, 8192, 16, num_max_tokens=16),
+    Case(8, 64, 3584, 8, routing="skewed", use_fp8=True),
+    Case(4, 512, 1024, 16, routing="skewed"),
+    Case(8, 8, 7168, 1, num_max_tokens=64),
+]
+MODES = [
+    Case(4, 32, 1024, 4, mode="async", use_fp8=True),
+    Case(4, 32, 1024, 4, mode="hook", use_fp8=True),
+    Case(4, 32, 1024, 4, mode="hook", zero_copy=True),
+    Case(4, 32, 1152, 4, zero_copy=True, use_fp8=True),
+    Case(4, 32, 1024, 4, renormalize=True),
+]
+FAULTS = [
+    Case(4, 32, 1024, 4, dead_rank=2, use_fp8=True),
+    Case(4, 32, 1024, 4, dead_rank=0, mode="hook"),
+]
+
+
+def _case_id(case: Case) -> str:
+    parts = [f"R{case.num_ranks}", f"E{case.num_experts}", f"H{case.hidden}", f"K{case.num_topk}", f"T{case.num_max_tokens}",
+             "fp8" if case.use_fp8 else "bf16", case.mode, case.routing]
+    parts += [name for name in ("round_scale", "use_ue8m0", "zero_copy", "renormalize") if getattr(case, name)]
+    if case.dead_rank is not None:
+        parts.append(f"dead{case.dead_rank}")
+    return "-".join(parts)
+
+
+@pytest.mark.parametrize("case", GRID + MODES, ids=_case_id)
+def test_matches_reference(case):
+    check_case(case)
+
+
+@pytest.mark.parametrize("case", FAULTS, ids=_case_id)
+def test_dead_rank_is_masked(case):
+    """A rank that never launches: survivors time out on it, mask it, and still equal the reference."""
+    case = dataclasses.replace(case)
+    global TIMEOUT_US
+    saved, TIMEOUT_US = TIMEOUT_US, 20_000
+    try:
+        check_case(case)
+    finally:
+        TIMEOUT_US = saved
+
+
+def test_repeated_steps_and_fresh_inputs():
+    """Ten steps on one buffer alternate parities and epochs; every step equals the reference."""
+    case = Case(4, 32, 1024, 4, use_fp8=True)
+    size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
+    group = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks)
+    inputs = [make_inputs(dataclasses.replace(case, seed=seed)) for seed in range(10)]
+
+    def run(g):
+        buffer = ep.Buffer(g, size)
+        active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        outputs = []
+        for xs, topks, weights in inputs:
+            x, topk, w = to_torch(xs[g.rank]), to_torch(topks[g.rank]), to_torch(weights[g.rank])
+            recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
+                                                        timeout_us=TIMEOUT_US)
+            q, scales = recv
+            y = expert_function(recv, case, g.rank)
+            combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle)
+            outputs.append((to_numpy(count), to_numpy(q), to_numpy(y), to_numpy(combined)))
+        g.barrier()
+        buffer.destroy()
+        return outputs
+
+    results = group.spawn(run)
+    actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
+    for step, (xs, topks, weights) in enumerate(inputs):
+        dispatched = [reference.dispatch(r, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=True)
+                      for r in range(case.num_ranks)]
+        expert_outs = [results[r][step][2] for r in range(case.num_ranks)]
+        for rank in range(case.num_ranks):
+            count, q, _, combined = results[rank][step]
+            np.testing.assert_array_equal(count, dispatched[rank].recv_count, err_msg=f"step {step} rank {rank}")
+            for e, n in enumerate(count):
+                np.testing.assert_array_equal(q[e, :n].view(np.uint8), dispatched[rank].recv_x[e, :n].view(np.uint8))
+            want, _ = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
+            np.testing.assert_allclose(combined.astype(np.float32), want.astype(np.float32), rtol=BF16_RTOL, atol=1e-3)
+
+
+def test_cuda_graph_replay_with_fresh_inputs():
+    """A captured dispatch -> expert -> combine step, replayed 100 times with new inputs, equals the reference."""
+    case = Case(4, 32, 512, 4, num_max_tokens=16, use_fp8=True)
+    num_replays = 100
+    size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
+    group = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks)
+    # Fixed token counts per rank (graph shapes are static); fresh values and routes every replay.
+    token_counts = [len(x) for x in make_inputs(case)[0]]
+    steps = []
+    for seed in range(num_replays):
+        rng = np.random.default_rng(1000 + seed)
+        xs = [(rng.standard_normal((n, case.hidden), dtype=np.float32) * 3).astype(ml_dtypes.bfloat16)
+              for n in token_counts]
+        topks = [np.array([rng.choice(case.num_experts, case.num_topk, replace=False) for _ in range(n)],
+                          dtype=np.int64).reshape(n, case.num_topk) for n in token_counts]
+        weights = [rng.random((n, case.num_topk), dtype=np.float32) for n in token_counts]
+        steps.append((xs, topks, weights))
+
+    def run(g):
+        buffer = ep.Buffer(g, size)
+        active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        xs, topks, weights = steps[0]
+        static_x, static_topk, static_w = to_torch(xs[g.rank]), to_torch(topks[g.rank]), to_torch(weights[g.rank])
+
+        def step():
+            recv, count, handle, _, _ = buffer.dispatch(static_x, static_topk, active, case.num_max_tokens,
+                                                        case.num_experts, timeout_us=TIMEOUT_US)
+            y = expert_function(recv, case, g.rank)
+            combined, _, _ = buffer.combine(y, static_topk, static_w, active, TIMEOUT_US, handle)
+            return count, y, combined
+
+        step()  # warm-up: the configuration's layout is uploaded outside the capture
+        torch.cuda.current_stream().synchronize()
+        g.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
+            count, y, combined = step()
+        g.barrier()
+        outputs = []
+        for xs, topks, weights in steps:
+            static_x.copy_(to_torch(xs[g.rank]))
+            static_topk.copy_(to_torch(topks[g.rank]))
+            static_w.copy_(to_torch(weights[g.rank]))
+            graph.replay()
+            outputs.append((to_numpy(count), to_numpy(y), to_numpy(combined)))
+        g.barrier()
+        buffer.destroy()
+        return outputs
+
+    results = group.spawn(run)
+    actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
+    for index, (xs, topks, weights) in enumerate(steps):
+        dispatched = [reference.dispatch(r, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=True)
+                      for r in range(case.num_ranks)]
+        expert_outs = [results[r][index][1] for r in range(case.num_ranks)]
+        for rank in range(case.num_ranks):
+            count, _, combined = results[rank][index]
+            np.testing.assert_array_equal(count, dispatched[rank].recv_count, err_msg=f"replay {index} rank {rank}")
+            want, _ = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
+            np.testing.assert_allclose(combined.astype(np.float32), want.astype(np.float32), rtol=BF16_RTOL,
+                                       atol=1e-3, err_msg=f"replay {index} rank {rank}")
