@@ -1,0 +1,120 @@
+"""Command line: ``python -m mooncake_ep <command>`` (or the ``mooncake-ep`` script).
+
+Each command is a module of this package named in :data:`COMMANDS`, exposing::
+
+    add_arguments(parser: argparse.ArgumentParser) -> None   # the command's flags
+    run(args: argparse.Namespace) -> int                     # the exit code: 0 only on success
+
+The module docstring's first line is the command's one-line help, the whole docstring its
+description. Command modules use only public ``mooncake_ep`` names (no leading ``_``, a test checks),
+and import heavy or optional packages (torch, cupy, tqdm, matplotlib) inside ``run``, so that
+``--help`` is fast and works without them. A command raises :class:`UsageError` for a combination
+of flags argparse cannot check; the message is printed as argparse prints its own errors.
+
+To add a command (``warmup``, say): write ``cli/<name>.py`` with the two functions above and
+add ``"<name>"`` to :data:`COMMANDS`.
+
+Exit codes: 0 success, 1 a failed check or a runtime error, 2 bad usage (as argparse), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+import mooncake_ep
+
+__all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UsageError",
+           "build_parser", "console_main", "main"]
+
+# Command names, in the order --help lists them; each is the module mooncake_ep.cli.<name>.
+COMMANDS: tuple[str, ...] = ("demo", "bench")
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2  # what argparse exits with for a bad flag
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+# Failures of the runtime that deserve a one-line message rather than a traceback: the user's
+# environment (a peer that never came, a kernel that does not compile here, no peer access).
+_REPORTED_ERRORS = (mooncake_ep.GroupError, mooncake_ep.KernelCompileError, mooncake_ep.TransportError)
+
+
+class UsageError(Exception):
+    """A command's flags do not fit together (e.g. ``--experts`` not a multiple of ``--ranks``)."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every flag's default, and keeps the line breaks of the command docstrings."""
+
+
+def command_module(name: str) -> ModuleType:
+    """The module implementing command ``name`` (one of :data:`COMMANDS`)."""
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command: ``<prog> [-v] <command> [flags]``."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="mooncake_ep: expert-parallel dispatch and combine for Mixture-of-Experts models.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {mooncake_ep.__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log the library's messages: -v for INFO, -vv for DEBUG")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name in COMMANDS:
+        module = command_module(name)
+        doc = (module.__doc__ or name).strip()
+        sub = subparsers.add_parser(name, help=_summary(doc), description=doc, formatter_class=HelpFormatter)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def _summary(doc: str) -> str:
+    """A docstring's first line, without a leading ````python -m mooncake_ep name``: ```` label."""
+    first = doc.splitlines()[0]
+    if first.startswith("``") and "``: " in first:
+        first = first.split("``: ", 1)[1]
+    return first[:1].upper() + first[1:]
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Parse ``argv`` (without the program name), run the command, return its exit code.
+
+    Never raises SystemExit: ``--help`` returns 0, a bad flag returns 2, as argparse would exit.
+    """
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help, --version and bad flags
+        return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_USAGE)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+                            format="%(levelname)s %(name)s: %(message)s")
+    where = f"{parser.prog} {args.command}"
+    try:
+        return int(args.run(args))
+    except UsageError as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except _REPORTED_ERRORS as exc:
+        print(f"{where}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def console_main() -> int:
+    """Entry point of the ``mooncake-ep`` console script (declared in pyproject.toml)."""
+    return main(sys.argv[1:], prog="mooncake-ep")

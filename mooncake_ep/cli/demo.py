@@ -1,0 +1,355 @@
+"""Run a small MoE layer through dispatch and combine, and check it against a dense computation.
+
+Every rank routes random bf16 tokens with a random softmax router (top-k, weights renormalised to
+sum to 1), dispatches them, multiplies the rows each local expert received by that expert's weight
+matrix, and combines. The result is compared on the host with the same layer computed densely in
+float32: every token through its top-k experts, with the same weights. With fp8 dispatch the dense
+input is the tokens quantised and dequantised exactly as dispatch does (mooncake_ep.reference), so
+only the bf16 roundings of the expert outputs and of the combined sum remain.
+
+Ranks are threads of this process (mooncake_ep.LocalGroup). With a GPU (cupy and CUDA torch
+installed) they all share device 0; without one they run on the numpy reference backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import numpy as np
+
+import mooncake_ep
+from mooncake_ep import reference
+from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
+
+# Relative error (Frobenius norm of the difference over that of the dense result) a rank may show.
+# Two bf16 roundings (expert output, combined sum) give about 2**-8 = 4e-3; 2e-2 leaves room for
+# accumulation order and still catches a misrouted or dropped token, which costs O(1 / top-k).
+DEFAULT_TOLERANCE = 2e-2
+# How long a GPU rank waits for a peer before masking it: a broken run ends as a failed check.
+DEFAULT_TIMEOUT_US = 10_000_000
+
+# Independent random streams, all derived from --seed (numpy SeedSequence entropy lists), so the
+# weights are the same on every rank and in every run, whatever the rank count or backend.
+_STREAM_ROUTER = 0
+_STREAM_EXPERT = 1
+_STREAM_TOKENS = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=4, metavar="N", help="in-process ranks (threads)")
+    parser.add_argument("--experts", type=int, default=32, metavar="N", help="experts in all, a multiple of --ranks")
+    parser.add_argument("--topk", type=int, default=4, metavar="K", help="experts per token")
+    parser.add_argument("--hidden", type=int, default=1024, metavar="H", help="hidden size, a multiple of 128")
+    parser.add_argument("--tokens", type=int, default=64, metavar="T", help="tokens per rank (also the buffer's maximum)")
+    parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
+                        help="dispatch in fp8 e4m3 with one scale per 128 channels (else bf16)")
+    parser.add_argument("--backend", choices=("auto", "cuda", "reference"), default="auto",
+                        help="auto: the GPU if one is usable, else the numpy reference")
+    parser.add_argument("--seed", type=int, default=0, metavar="INT", help="seed of the router, expert weights and tokens")
+    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="RATIO",
+                        help="largest relative error (norm of the difference / norm of the dense result) that passes")
+    parser.add_argument("--timeout-us", type=int, default=DEFAULT_TIMEOUT_US, metavar="US",
+                        help="microseconds a GPU rank waits for a peer before masking it; -1 waits forever")
+    parser.add_argument("--json", metavar="PATH", help="also write the configuration and results as JSON here")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    num_ranks: int
+    num_experts: int
+    num_topk: int
+    hidden: int
+    num_tokens: int  # per rank; also num_max_dispatch_tokens_per_rank
+    use_fp8: bool
+    seed: int
+    timeout_us: int
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """The layer, identical on every rank: router ``[hidden, num_experts]`` and experts
+    ``[num_experts, hidden, hidden]``, float32."""
+
+    router: np.ndarray
+    experts: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """One rank's tokens and routing: x ``[num_tokens, hidden]`` bf16, topk_idx ``[num_tokens, num_topk]``
+    int64, topk_weights ``[num_tokens, num_topk]`` float32."""
+
+    x: np.ndarray
+    topk_idx: np.ndarray
+    topk_weights: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class RankResult:
+    rank: int
+    tokens_sent: int
+    rows_received: int
+    max_abs_error: float
+    relative_error: float
+    masked_ranks: list[int]  # ranks this rank's active_ranks marked dead after the calls
+    passed: bool
+
+
+def make_weights(config: DemoConfig) -> Weights:
+    """Router and expert weights from the seed; expert ``e`` depends only on (seed, e)."""
+    hidden = config.hidden
+    # Variance 1/hidden keeps logits and expert outputs of unit-variance tokens near unit variance.
+    std = np.float32(1.0 / np.sqrt(hidden))
+    router_rng = np.random.default_rng([config.seed, _STREAM_ROUTER])
+    router = router_rng.standard_normal((hidden, config.num_experts), dtype=np.float32) * std
+    experts = np.empty((config.num_experts, hidden, hidden), dtype=np.float32)
+    for expert in range(config.num_experts):
+        rng = np.random.default_rng([config.seed, _STREAM_EXPERT, expert])
+        rng.standard_normal((hidden, hidden), dtype=np.float32, out=experts[expert])
+        experts[expert] *= std
+    return Weights(router, experts)
+
+
+def make_inputs(config: DemoConfig, rank: int, weights: Weights) -> Inputs:
+    """Rank ``rank``'s tokens, routed by a softmax over the router's logits (top-k, renormalised)."""
+    rng = np.random.default_rng([config.seed, _STREAM_TOKENS, rank])
+    x = rng.standard_normal((config.num_tokens, config.hidden), dtype=np.float32).astype(reference.bfloat16)
+    logits = x.astype(np.float32) @ weights.router
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    topk_idx = np.argsort(-probs, axis=1, kind="stable")[:, : config.num_topk]
+    topk_weights = np.take_along_axis(probs, topk_idx, axis=1)
+    topk_weights /= topk_weights.sum(axis=1, keepdims=True)
+    return Inputs(x, topk_idx.astype(np.int64), topk_weights.astype(np.float32))
+
+
+def dense_layer(config: DemoConfig, inputs: Inputs, weights: Weights) -> np.ndarray:
+    """``[num_tokens, hidden]`` float32: Σ_k w_k · (x @ W_{e_k}), on the tokens dispatch delivers."""
+    if config.use_fp8:
+        q, scales = reference.quantize_fp8(inputs.x, round_scale=False, use_ue8m0=False)
+        x = reference.dequantize_fp8(q, scales, use_ue8m0=False)
+    else:
+        x = inputs.x.astype(np.float32)
+    out = np.zeros((config.num_tokens, config.hidden), dtype=np.float32)
+    for expert in np.unique(inputs.topk_idx):
+        tokens, slots = np.nonzero(inputs.topk_idx == expert)
+        out[tokens] += inputs.topk_weights[tokens, slots, None] * (x[tokens] @ weights.experts[expert])
+    return out
+
+
+def compare(config: DemoConfig, rank: int, inputs: Inputs, weights: Weights, combined: np.ndarray,
+            rows_received: int, active_ranks: np.ndarray, tolerance: float) -> RankResult:
+    dense = dense_layer(config, inputs, weights)
+    diff = combined.astype(np.float32) - dense
+    max_abs = float(np.abs(diff).max(initial=0.0))
+    norm = float(np.linalg.norm(dense))
+    relative = float(np.linalg.norm(diff)) / norm if norm > 0 else float(np.linalg.norm(diff))
+    masked = [int(r) for r in np.flatnonzero(np.asarray(active_ranks) == 0)]
+    passed = bool(np.isfinite(relative) and relative < tolerance and not masked)
+    return RankResult(rank, config.num_tokens, rows_received, max_abs, relative, masked, passed)
+
+
+# --- one rank's step, on each backend --------------------------------------------------------------
+
+
+def _host_rank_step(group, config: DemoConfig, weights: Weights, tolerance: float) -> RankResult:
+    """numpy arrays on the reference backend; the expert is a numpy matmul."""
+    inputs = make_inputs(config, group.rank, weights)
+    size = mooncake_ep.Buffer.get_ep_buffer_size_hint(config.num_tokens, config.hidden, config.num_ranks,
+                                                       config.num_experts)
+    buffer = mooncake_ep.Buffer(group, size, backend="reference")
+    active_ranks = np.ones(config.num_ranks, dtype=np.int32)
+    recv_x, recv_count, handle, _, _ = buffer.dispatch(
+        inputs.x, inputs.topk_idx, active_ranks, config.num_tokens, config.num_experts,
+        timeout_us=config.timeout_us, use_fp8=config.use_fp8)
+    first_expert = group.rank * config.num_local_experts
+    expert_out = np.zeros((config.num_local_experts, config.num_ranks * config.num_tokens, config.hidden),
+                          dtype=reference.bfloat16)
+    for local_expert, count in enumerate(int(c) for c in recv_count):
+        if config.use_fp8:
+            x_fp8, scales = recv_x
+            rows = reference.dequantize_fp8(x_fp8[local_expert, :count], scales[local_expert, :count],
+                                            use_ue8m0=False)
+        else:
+            rows = recv_x[local_expert, :count].astype(np.float32)
+        w = weights.experts[first_expert + local_expert]
+        expert_out[local_expert, :count] = (rows @ w).astype(reference.bfloat16)
+    combined, _, _ = buffer.combine(expert_out, inputs.topk_idx, inputs.topk_weights, active_ranks,
+                                    config.timeout_us, handle)
+    buffer.destroy()
+    return compare(config, group.rank, inputs, weights, np.asarray(combined), int(np.sum(recv_count)),
+                   active_ranks, tolerance)
+
+
+def _cuda_rank_step(group, config: DemoConfig, weights: Weights, tolerance: float) -> RankResult:
+    """torch CUDA tensors on the GPU kernels; the expert is ``recv_x[e, :count] @ W_e`` in float32.
+
+    LocalGroup.spawn made this rank's device and its own stream current for torch.
+    """
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    inputs = make_inputs(config, group.rank, weights)
+    size = mooncake_ep.Buffer.get_ep_buffer_size_hint(config.num_tokens, config.hidden, config.num_ranks,
+                                                       config.num_experts)
+    buffer = mooncake_ep.Buffer(group, size, backend="cuda")
+    # torch.from_numpy refuses ml_dtypes' bf16: move the raw bits and reinterpret them.
+    x = torch.from_numpy(inputs.x.view(np.uint16)).view(torch.bfloat16).to(device)
+    topk_idx = torch.from_numpy(inputs.topk_idx).to(device)
+    topk_weights = torch.from_numpy(inputs.topk_weights).to(device)
+    active_ranks = torch.ones(config.num_ranks, dtype=torch.int32, device=device)
+    first_expert = group.rank * config.num_local_experts
+    local_weights = torch.from_numpy(
+        weights.experts[first_expert:first_expert + config.num_local_experts]).to(device)
+
+    recv_x, recv_count, handle, _, _ = buffer.dispatch(
+        x, topk_idx, active_ranks, config.num_tokens, config.num_experts,
+        timeout_us=config.timeout_us, use_fp8=config.use_fp8)
+    # A real MoE step never reads recv_count on the host (a sync, and it breaks graph capture): its
+    # grouped GEMM takes the counts on the device. A demo may sync and slice.
+    torch.cuda.current_stream(device).synchronize()
+    counts = [int(c) for c in recv_count.cpu().tolist()]
+    expert_out = torch.zeros((config.num_local_experts, config.num_ranks * config.num_tokens, config.hidden),
+                             dtype=torch.bfloat16, device=device)
+    for local_expert, count in enumerate(counts):
+        if config.use_fp8:
+            x_fp8, scales = recv_x
+            block = config.hidden // scales.shape[-1]  # channels per fp8 scale
+            rows = (x_fp8[local_expert, :count].float().view(count, -1, block)
+                    * scales[local_expert, :count, :, None]).view(count, config.hidden)
+        else:
+            rows = recv_x[local_expert, :count].float()
+        expert_out[local_expert, :count] = (rows @ local_weights[local_expert]).to(torch.bfloat16)
+    combined, _, _ = buffer.combine(expert_out, topk_idx, topk_weights, active_ranks, config.timeout_us, handle)
+    combined_host = combined.float().cpu().numpy()  # .cpu() waits for this rank's stream
+    active_host = active_ranks.cpu().numpy()
+    buffer.destroy()
+    return compare(config, group.rank, inputs, weights, combined_host, sum(counts), active_host, tolerance)
+
+
+def _gpu_status() -> tuple[bool, str]:
+    """Whether the GPU path can run here, and why (not)."""
+    try:
+        import cupy
+    except ImportError:
+        return False, "cupy is not installed (pip install 'mooncake_ep[cuda12]')"
+    try:
+        num_devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no driver and no device raise different errors; both mean none
+        num_devices = 0
+    if num_devices == 0:
+        return False, "no CUDA device is visible"
+    try:
+        import torch
+    except ImportError:
+        return False, "the demo's GPU path needs torch with CUDA, which is not installed"
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} has no CUDA"
+    return True, torch.cuda.get_device_name(0)
+
+
+def _choose_backend(requested: str) -> tuple[str, str]:
+    if requested == "reference":
+        return "reference", "asked for"
+    usable, why = _gpu_status()
+    if requested == "cuda":
+        if not usable:
+            raise UsageError(f"--backend cuda: {why}")
+        return "cuda", why
+    return ("cuda", why) if usable else ("reference", why)
+
+
+def _check_config(config: DemoConfig, tolerance: float) -> None:
+    for flag, value in (("--ranks", config.num_ranks), ("--experts", config.num_experts),
+                        ("--topk", config.num_topk), ("--tokens", config.num_tokens)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if config.num_topk > config.num_experts:
+        raise UsageError(f"--topk ({config.num_topk}) must be <= --experts ({config.num_experts})")
+    if not tolerance > 0:
+        raise UsageError(f"--tolerance must be > 0, got {tolerance}")
+    try:  # the library's own checks of hidden, ranks and experts, with its messages
+        mooncake_ep.Buffer.get_ep_buffer_size_hint(config.num_tokens, config.hidden, config.num_ranks,
+                                                   config.num_experts)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = --ranks, "
+                         f"num_experts = --experts)") from None
+
+
+# --- output -------------------------------------------------------------------------------------
+
+_COLUMNS = ("rank", "tokens sent", "rows received", "max abs error", "rel error", "result")
+
+
+def _rows(results: list[RankResult]) -> list[tuple[str, ...]]:
+    rows = []
+    for r in results:
+        verdict = "pass" if r.passed else ("FAIL (masked " + ",".join(map(str, r.masked_ranks)) + ")"
+                                           if r.masked_ranks else "FAIL")
+        rows.append((str(r.rank), str(r.tokens_sent), str(r.rows_received), f"{r.max_abs_error:.3e}",
+                     f"{r.relative_error:.2e}", verdict))
+    return rows
+
+
+def _print_table(results: list[RankResult]) -> None:
+    rows = _rows(results)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(_COLUMNS)]
+        print("  ".join(c.rjust(w) for c, w in zip(_COLUMNS, widths)))
+        print("  ".join("-" * w for w in widths))
+        for row in rows:
+            print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+        return
+    table = Table()
+    for column in _COLUMNS:
+        table.add_column(column, justify="right", no_wrap=True)
+    for row, result in zip(rows, results):
+        table.add_row(*row, style=None if result.passed else "bold red")
+    Console().print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = DemoConfig(args.ranks, args.experts, args.topk, args.hidden, args.tokens, args.fp8, args.seed,
+                        args.timeout_us)
+    _check_config(config, args.tolerance)
+    backend, why = _choose_backend(args.backend)
+    print(f"mooncake_ep demo: {config.num_ranks} ranks x {config.num_tokens} tokens, {config.num_experts} experts "
+          f"(top-{config.num_topk}), hidden {config.hidden}, {'fp8' if config.use_fp8 else 'bf16'} dispatch, "
+          f"backend {backend} ({why})")
+    sys.stdout.flush()
+
+    weights = make_weights(config)
+    start = time.perf_counter()
+    if backend == "cuda":
+        group = mooncake_ep.LocalGroup(config.num_ranks, devices=[0] * config.num_ranks)
+        results = group.spawn(_cuda_rank_step, config, weights, args.tolerance)
+    else:
+        group = mooncake_ep.LocalGroup(config.num_ranks)
+        results = group.spawn(_host_rank_step, config, weights, args.tolerance)
+    elapsed_s = time.perf_counter() - start
+
+    _print_table(results)
+    failed = [r.rank for r in results if not r.passed]
+    if failed:
+        print(f"FAIL: ranks {failed} are off by more than relative error {args.tolerance:.0e} "
+              f"or lost a peer ({elapsed_s:.2f} s)")
+    else:
+        print(f"PASS: every rank within relative error {args.tolerance:.0e} ({elapsed_s:.2f} s)")
+    if args.json:
+        report = {"config": dataclasses.asdict(config), "backend": backend, "tolerance": args.tolerance,
+                  "elapsed_s": elapsed_s, "passed": not failed, "ranks": [dataclasses.asdict(r) for r in results]}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return EXIT_FAILURE if failed else EXIT_OK
