@@ -244,7 +244,7 @@ class Buffer:
         self._check_active(where, active_view, x_view)
         self._check_size(where, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if x_view.device_type == "cpu":
-            _check_expert_ids(where, topk_view, num_experts)
+            _check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
         num_local_experts = num_experts // self.num_ranks
         recv_shape = (num_local_experts, self.num_ranks * num_max_dispatch_tokens_per_rank, hidden)
         scale_shape = recv_shape[:2] + (reference.num_scale_columns(hidden, use_ue8m0),)
@@ -590,13 +590,21 @@ def _check_array(where: str, name: str, view: ArrayView, *, dtypes: tuple[str, .
                         f"{like.device_type}:{like.device_id} like the other arrays")
 
 
-def _check_expert_ids(where: str, topk_view: ArrayView, num_experts: int) -> None:
+def _check_expert_ids(where: str, topk_view: ArrayView, num_experts: int, num_max_tokens: int) -> None:
     ids = topk_view.numpy()
     bad = (ids < _constants.NO_EXPERT) | (ids >= num_experts)
     if bad.any():
         first = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"{where}: topk_idx entries must be -1 or in [0, {num_experts}), got {int(ids[first])} "
                          f"at {first}")
+    # recv_x holds num_ranks * T rows per expert, so each rank may send an expert at most T copies:
+    # always true when each token's experts are distinct, broken by a token naming one twice.
+    copies = np.bincount(ids[ids >= 0].astype(np.int64), minlength=num_experts)
+    if copies.max(initial=0) > num_max_tokens:
+        expert = int(np.argmax(copies))
+        raise ValueError(f"{where}: topk_idx sends {int(copies[expert])} copies to expert {expert}, more than "
+                         f"num_max_dispatch_tokens_per_rank={num_max_tokens} (recv_x has num_ranks * T rows per "
+                         f"expert); give each token distinct experts")
 
 
 def _timeout_ns(timeout_us: int) -> int:
