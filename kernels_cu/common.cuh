@@ -81,6 +81,26 @@ __device__ __forceinline__ bool finish_block(uint32_t* counter) {
     return true;
 }
 
+// One warp copies num_vectors 16-byte vectors, kCopyUnroll loads in flight per lane before the first
+// store. Loads bypass L1 (.cg): the source may be a peer's buffer written by a kernel running now.
+constexpr int kCopyUnroll = 4;
+__device__ __forceinline__ void warp_copy(const int4* src, int4* dst, int num_vectors) {
+    const int lane = threadIdx.x % kWarpSize;
+    for (int base = 0; base < num_vectors; base += kCopyUnroll * kWarpSize) {
+        int4 vectors[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+            const int v = base + u * kWarpSize + lane;
+            if (v < num_vectors) vectors[u] = ld_cg_int4(src + v);
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+            const int v = base + u * kWarpSize + lane;
+            if (v < num_vectors) dst[v] = vectors[u];
+        }
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ T* at(uint8_t* base, int64_t offset) {
     return reinterpret_cast<T*>(base + offset);

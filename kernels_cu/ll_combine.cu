@@ -37,6 +37,8 @@ constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 constexpr int kNumWarps = EP_NUM_THREADS / kWarpSize;
 constexpr int kChannelsPerVector = 8;
+// Vectors of one token one warp combines: 128 x 8 = 1024 channels, four vectors per lane.
+constexpr int kChunkVectors = 4 * kWarpSize;
 
 }  // namespace ep
 
@@ -79,7 +81,7 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
             for (int row = global_warp; row < num_valid_rows; row += num_warps_total) {
                 const int local_expert = upper_bound(s_rows, num_local_experts, row) - 1;
                 const int64_t offset = (local_expert * num_rows_per_expert + row - s_rows[local_expert]) * num_vectors;
-                for (int v = lane; v < num_vectors; v += kWarpSize) combine_x[offset + v] = __ldg(expert_out + offset + v);
+                warp_copy(expert_out + offset, combine_x + offset, num_vectors);
             }
         }
         __syncthreads();
@@ -117,9 +119,13 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
         }
         __syncthreads();
 
+        // Work item: one token's slice of kChunkVectors vectors, so that a few tokens still keep
+        // every warp of the grid busy; each item recomputes its token's K row addresses (cheap).
         const int* send_slot = at<int>(workspace, layout.send_slot[parity]);
-        for (int token = global_warp; token < num_tokens; token += num_warps_total) {
-            // Lane k holds top-k entry k; the row pointers and weights are broadcast below.
+        const int num_chunks = (num_vectors + kChunkVectors - 1) / kChunkVectors;
+        for (int item = global_warp; item < num_tokens * num_chunks; item += num_warps_total) {
+            const int token = item / num_chunks, chunk = item % num_chunks;
+            // Lane k holds top-k entry k; the row addresses and weights are broadcast below.
             int expert = -1;
             float weight = 0.0f;
             const int4* row = nullptr;
@@ -151,7 +157,8 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
                 rows[k] = reinterpret_cast<const int4*>(__shfl_sync(kFullMask, reinterpret_cast<uint64_t>(row), k));
             }
             int4* out = combined_x + static_cast<int64_t>(token) * num_vectors;
-            for (int v = lane; v < num_vectors; v += kWarpSize) {
+            const int end = min(num_vectors, (chunk + 1) * kChunkVectors);
+            for (int v = chunk * kChunkVectors + lane; v < end; v += kWarpSize) {
                 int4 vectors[EP_MAX_TOPK];
 #pragma unroll
                 for (int k = 0; k < EP_MAX_TOPK; ++k)

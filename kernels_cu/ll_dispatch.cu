@@ -44,44 +44,60 @@ constexpr int kNumWarps = EP_NUM_THREADS / kWarpSize;
 constexpr int kChannelsPerVector = 8;  // bf16 channels in one 16-byte vector
 constexpr int kUnroll = 4;  // vectors each lane loads before it uses the first
 
-// Warp 0 of block 0: slots, per-expert prefix and the expert-grouped list of this rank's copies.
+// Block 0: slots, per-expert prefix and the expert-grouped list of this rank's copies. The experts
+// of a chunk of copies are loaded into shared memory by the whole block (many loads in flight); one
+// warp then ranks them in (token, k) order with __match_any_sync, which needs no global round trip.
+constexpr int kScanChunk = 2048;
+
 __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int parity, const void* topk_idx,
-                                 int topk_is_int64, int num_tokens, int num_topk, int* s_counts) {
-    const int lane = threadIdx.x % kWarpSize;
+                                 int topk_is_int64, int num_tokens, int num_topk, int* s_counts, int* s_chunk) {
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
     const int num_experts = static_cast<int>(layout.num_experts);
     int* send_slot = at<int>(workspace, layout.send_slot[parity]);
     int* send_list = at<int>(workspace, layout.send_list[parity]);
     int* send_expert_offset = at<int>(workspace, layout.send_expert_offset[parity]);
     const unsigned lanes_below = (1u << lane) - 1u;
-
-    for (int e = lane; e < num_experts; e += kWarpSize) s_counts[e] = 0;
-    __syncwarp();
     const int num_copies = num_tokens * num_topk;
-    for (int base = 0; base < num_copies; base += kWarpSize) {
-        const int i = base + lane;
-        const int expert = i < num_copies ? static_cast<int>(read_expert(topk_idx, topk_is_int64, i)) : -1;
-        // Lanes without an expert get a key no other lane has, so they never group together.
-        const unsigned peers = __match_any_sync(kFullMask, expert >= 0 ? expert : -1 - lane);
-        if (expert >= 0) send_slot[i] = s_counts[expert] + __popc(peers & lanes_below);
-        else if (i < num_copies) send_slot[i] = -1;
-        __syncwarp();
-        if (expert >= 0 && lane == 31 - __clz(peers)) s_counts[expert] += __popc(peers);
-        __syncwarp();
-    }
-    int carry = 0;
-    for (int base = 0; base < num_experts; base += kWarpSize) {
-        const int e = base + lane;
-        const int count = e < num_experts ? s_counts[e] : 0;
-        const int inclusive = warp_inclusive_scan(count);
-        if (e < num_experts) {
-            s_counts[e] = carry + inclusive - count;
-            send_expert_offset[e] = carry + inclusive - count;
+
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) s_counts[e] = 0;
+    for (int chunk = 0; chunk < num_copies; chunk += kScanChunk) {
+        const int chunk_size = min(kScanChunk, num_copies - chunk);
+        __syncthreads();
+        for (int i = threadIdx.x; i < chunk_size; i += blockDim.x)
+            s_chunk[i] = static_cast<int>(read_expert(topk_idx, topk_is_int64, chunk + i));
+        __syncthreads();
+        if (warp == 0) {
+            for (int base = 0; base < chunk_size; base += kWarpSize) {
+                const int i = base + lane;
+                const int expert = i < chunk_size ? s_chunk[i] : -1;
+                // Lanes without an expert get a key no other lane has, so they never group together.
+                const unsigned peers = __match_any_sync(kFullMask, expert >= 0 ? expert : -1 - lane);
+                const int slot = expert >= 0 ? s_counts[expert] + __popc(peers & lanes_below) : -1;
+                __syncwarp();
+                if (expert >= 0 && lane == 31 - __clz(peers)) s_counts[expert] += __popc(peers);
+                if (i < chunk_size) s_chunk[i] = slot;
+                __syncwarp();
+            }
         }
-        carry += __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+        __syncthreads();
+        for (int i = threadIdx.x; i < chunk_size; i += blockDim.x) send_slot[chunk + i] = s_chunk[i];
     }
-    if (lane == 0) send_expert_offset[num_experts] = carry;
-    __syncwarp();
-    for (int i = lane; i < num_copies; i += kWarpSize) {
+    __syncthreads();
+    if (warp == 0) {
+        int carry = 0;
+        for (int base = 0; base < num_experts; base += kWarpSize) {
+            const int e = base + lane;
+            const int count = e < num_experts ? s_counts[e] : 0;
+            const int inclusive = warp_inclusive_scan(count);
+            if (e < num_experts) s_counts[e] = carry + inclusive - count;
+            carry += __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+        }
+        if (lane == 0) s_counts[num_experts] = carry;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) send_expert_offset[e] = s_counts[e];
+    // send_slot was written by this block above: visible to it after the barrier.
+    for (int i = threadIdx.x; i < num_copies; i += blockDim.x) {
         const int expert = static_cast<int>(read_expert(topk_idx, topk_is_int64, i));
         if (expert >= 0) send_list[s_counts[expert] + send_slot[i]] = i;
     }
@@ -142,24 +158,10 @@ __device__ __forceinline__ void stage_token(const int4* __restrict__ x_row, uint
 // One warp copies one received row from the source's staging into recv_x (and its scales).
 __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* src_scale_row, uint8_t* dst_row,
                                          void* dst_scale_row, int row_bytes, int num_scales) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int num_vectors = row_bytes / static_cast<int>(sizeof(int4));
-    const int4* src = reinterpret_cast<const int4*>(src_row);
-    int4* dst = reinterpret_cast<int4*>(dst_row);
-    for (int base = 0; base < num_vectors; base += kUnroll * kWarpSize) {
-        int4 vectors[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int v = base + u * kWarpSize + lane;
-            if (v < num_vectors) vectors[u] = ld_cg_int4(src + v);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int v = base + u * kWarpSize + lane;
-            if (v < num_vectors) dst[v] = vectors[u];
-        }
-    }
+    warp_copy(reinterpret_cast<const int4*>(src_row), reinterpret_cast<int4*>(dst_row),
+              row_bytes / static_cast<int>(sizeof(int4)));
 #if EP_USE_FP8
+    const int lane = threadIdx.x % kWarpSize;
 #if EP_USE_UE8M0
     // Four exponent bytes to a word, byte j % 4 of word j / 4 for scale block j.
     const int num_words = (num_scales + 3) / 4;
@@ -189,7 +191,8 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             long long timeout_ns) {
     __shared__ int s_counts[EP_MAX_EXPERTS + 1];  // send: per-expert counts; recv: rows per (e_l, src)
     __shared__ int s_start[EP_MAX_EXPERTS];       // recv: first send_list entry per (e_l, src)
-    __shared__ int s_flat[EP_MAX_EXPERTS];        // recv: first received row per (e_l, src), all experts
+    // recv: first received row per (e_l, src), all experts; send: a chunk of the copies being ranked
+    __shared__ int s_flat[kScanChunk > EP_MAX_EXPERTS ? kScanChunk : EP_MAX_EXPERTS];
     __shared__ int s_scratch[kWarpSize + 1];
     __shared__ int s_live[EP_MAX_RANKS];
 
@@ -198,17 +201,22 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
     const uint64_t* route = at<uint64_t>(workspace, layout.route);
     const uint32_t step = state->dispatch_step[parity] + 1u;
     const int num_ranks = static_cast<int>(layout.num_ranks);
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int warp = threadIdx.x / kWarpSize;
     const int hidden = static_cast<int>(layout.hidden);
     const int num_scales = static_cast<int>(layout.num_scales);
 
     if (phases & kPhaseSend) {
-        if (blockIdx.x == 0 && warp == 0) {
-            build_send_lists(layout, workspace, parity, topk_idx, topk_is_int64, num_tokens, num_topk, s_counts);
-        } else {
-            // Staging warps: every warp of the grid except warp 0 of block 0, one token each.
-            const int stage_warp = blockIdx.x * kNumWarps + warp - 1;
-            const int num_stage_warps = gridDim.x * kNumWarps - 1;
+        // Block 0 builds the lists (alone when the grid has one block, after staging); the other
+        // blocks stage tokens, one warp per token.
+        const int num_stage_blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
+        const int stage_block = gridDim.x > 1 ? static_cast<int>(blockIdx.x) - 1 : 0;
+        if (blockIdx.x == 0) {
+            build_send_lists(layout, workspace, parity, topk_idx, topk_is_int64, num_tokens, num_topk, s_counts,
+                             s_flat);
+        }
+        if (stage_block >= 0) {
+            const int stage_warp = stage_block * kNumWarps + warp;
+            const int num_stage_warps = num_stage_blocks * kNumWarps;
             uint8_t* send_x = at<uint8_t>(workspace, layout.send_x[parity]);
             float* send_scales = at<float>(workspace, layout.send_scales[parity]);
             for (int token = stage_warp; token < num_tokens; token += num_stage_warps) {
@@ -292,7 +300,6 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                                           : nullptr;
             copy_row(src_row, src_scales, recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scales);
         }
-        (void)lane;
         __syncthreads();
         if (finish_block(&state->dispatch_recv_done[parity])) state->dispatch_step[parity] = step;
     }

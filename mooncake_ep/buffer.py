@@ -23,6 +23,8 @@ from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, read_array
 logger = logging.getLogger("mooncake_ep")
 
 _BUFFER_IDS = itertools.count(1)
+# Kernel phase bits (kPhaseSend / kPhaseRecv in kernels_cu/).
+_SEND, _RECV = 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +223,9 @@ class Buffer:
         where = "dispatch"
         x_view = read_array(x, name=f"{where}: x")
         stream_ptr = self._stream_for(x_view)
-        topk_view = read_array(topk_idx, name=f"{where}: topk_idx", stream=stream_ptr or None)
-        active_view = read_array(active_ranks, name=f"{where}: active_ranks", stream=stream_ptr or None)
+        order = _dlpack_stream(x_view, stream_ptr)
+        topk_view = read_array(topk_idx, name=f"{where}: topk_idx", stream=order)
+        active_view = read_array(active_ranks, name=f"{where}: active_ranks", stream=order)
         _check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                      async_finish=async_finish, return_recv_hook=return_recv_hook)
         _check_timeout(where, timeout_us)
@@ -303,10 +306,12 @@ class Buffer:
         def launch(phases: int, stream: int) -> None:
             cuda.launch_dispatch(phases, handle.parity, layout_ptr, stream_ptr=stream, **common)
 
+        # The halves are separate launches in every mode: a send half never waits, so it always
+        # completes however the SMs are shared, and only receive halves (which can time out) wait.
+        launch(_SEND, launch_stream)
         if return_recv_hook:
-            launch(1, stream_ptr)
-            return lambda: launch(2, stream_ptr)
-        launch(3, launch_stream)
+            return lambda: launch(_RECV, stream_ptr)
+        launch(_RECV, launch_stream)
         return None
 
     # --- combine --------------------------------------------------------------------------------
@@ -337,8 +342,9 @@ class Buffer:
         self._check_handle(where, handle)
         topk_view = read_array(topk_idx, name=f"{where}: topk_idx")
         stream_ptr = self._stream_for(topk_view)
-        weights_view = read_array(topk_weights, name=f"{where}: topk_weights", stream=stream_ptr or None)
-        active_view = read_array(active_ranks, name=f"{where}: active_ranks", stream=stream_ptr or None)
+        order = _dlpack_stream(topk_view, stream_ptr)
+        weights_view = read_array(topk_weights, name=f"{where}: topk_weights", stream=order)
+        active_view = read_array(active_ranks, name=f"{where}: active_ranks", stream=order)
         _check_flags(where, async_finish=async_finish, return_recv_hook=return_recv_hook)
         _check_timeout(where, timeout_us)
         num_local_experts = handle.num_experts // self.num_ranks
@@ -353,7 +359,7 @@ class Buffer:
         if not zero_copy:
             if x is None:
                 raise TypeError(f"{where}: x (expert outputs) is required unless zero_copy=True")
-            x_view = read_array(x, name=f"{where}: x", stream=stream_ptr or None)
+            x_view = read_array(x, name=f"{where}: x", stream=order)
             shape = (num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
             _check_array(where, "x", x_view, dtypes=("bfloat16",), shape=shape, like=topk_view)
         specs = [("combined_x", (handle.num_tokens, handle.hidden), "bfloat16")]
@@ -394,10 +400,12 @@ class Buffer:
         def launch(phases: int, stream: int) -> None:
             cuda.launch_combine(phases, handle.parity, layout_ptr, stream_ptr=stream, **common)
 
+        # The halves are separate launches in every mode: a send half never waits, so it always
+        # completes however the SMs are shared, and only receive halves (which can time out) wait.
+        launch(_SEND, launch_stream)
         if return_recv_hook:
-            launch(1, stream_ptr)
-            return lambda: launch(2, stream_ptr)
-        launch(3, launch_stream)
+            return lambda: launch(_RECV, stream_ptr)
+        launch(_RECV, launch_stream)
         return None
 
     def get_next_combine_buffer(self, handle: Handle):
@@ -605,6 +613,18 @@ def _check_expert_ids(where: str, topk_view: ArrayView, num_experts: int, num_ma
         raise ValueError(f"{where}: topk_idx sends {int(copies[expert])} copies to expert {expert}, more than "
                          f"num_max_dispatch_tokens_per_rank={num_max_tokens} (recv_x has num_ranks * T rows per "
                          f"expert); give each token distinct experts")
+
+
+def _dlpack_stream(first: ArrayView, stream_ptr: int) -> int | None:
+    """The stream to hand DLPack producers of the call's other arrays.
+
+    torch arrays are read without DLPack, and the launch stream is torch's current stream already,
+    so no ordering is asked for (that saves a current-stream query per array); other CUDA
+    producers make the launch stream wait for their pending writes.
+    """
+    if first.framework == "torch" or first.device_type == "cpu":
+        return None
+    return stream_ptr
 
 
 def _timeout_ns(timeout_us: int) -> int:

@@ -8,6 +8,7 @@ to check every offset. The regions are described in ``layout.cuh``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -97,6 +98,7 @@ class WorkspaceLayout:
         return record.tobytes()
 
 
+@functools.lru_cache(maxsize=256)
 def compute_layout(num_ranks: int, num_experts: int, num_max_tokens: int, hidden: int) -> WorkspaceLayout:
     """Lay out the workspace for R ranks, E experts, T tokens per rank and hidden H."""
     num_local_experts = num_experts // num_ranks

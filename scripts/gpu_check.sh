@@ -14,7 +14,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >"$out/gpu.txt" 2>&1
 
 echo "== pytest -m gpu"
-args=(-m gpu -q -p no:cacheprovider --timeout 600)
+args=(-m gpu -q -p no:cacheprovider --timeout 300 --tb=short -rf --durations=10)
 [ -n "$select" ] && args+=(-k "$select")
 python3 -m pytest "${args[@]}" tests 2>&1 | tee "$out/pytest_gpu.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -106,6 +106,7 @@ def run_rank(group, case: Case, xs, topks, weights, size):
     rank = group.rank
     buffer = ep.Buffer(group, size)
     if rank == case.dead_rank:
+        buffer.destroy()  # never launches; it still joins the host barrier that frees the workspaces
         return None
     stream = torch.cuda.current_stream()
     assert stream.cuda_stream == group.stream_ptr, "each rank runs on its own stream"
@@ -148,8 +149,7 @@ def run_rank(group, case: Case, xs, topks, weights, size):
     recv_np = tuple(to_numpy(t) for t in recv) if case.use_fp8 else to_numpy(recv)
     result = dict(recv=recv_np, count=to_numpy(count), y=to_numpy(y), combined=to_numpy(combined),
                   active=to_numpy(active))
-    group.barrier()  # nobody frees its workspace while a peer may still read it
-    buffer.destroy()
+    buffer.destroy()  # a barrier first: nobody frees its workspace while a peer may still read it
     return result
 
 
