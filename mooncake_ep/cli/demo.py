@@ -9,6 +9,8 @@ only the bf16 roundings of the expert outputs and of the combined sum remain.
 
 Ranks are threads of this process (mooncake_ep.LocalGroup). With a GPU (cupy and CUDA torch
 installed) they all share device 0; without one they run on the numpy reference backend.
+The expert weights live in host memory as float32, experts x hidden^2 x 4 bytes: keep it small
+(the defaults need 128 MiB); `python -m mooncake_ep bench` is the tool for large shapes.
 """
 
 from __future__ import annotations
@@ -193,10 +195,19 @@ def _cuda_rank_step(group, config: DemoConfig, weights: Weights, tolerance: floa
     """torch CUDA tensors on the GPU kernels; the expert is ``recv_x[e, :count] @ W_e`` in float32.
 
     LocalGroup.spawn made this rank's device and its own stream current for torch.
+
+    Note:
+        The ranks share one GPU and their kernels wait for each other. A device allocation (torch's
+        allocator growing, cuBLAS creating its workspace) made while a peer's kernel is waiting can
+        hold back the kernels issued after it (CUDA's implicit synchronisation), so the peer waits
+        for a rank that cannot start and times out. So this step allocates every array before the
+        first launch (outputs through ``out=``), and does its expert work, which allocates, only
+        between a barrier after dispatch has finished everywhere and one before combine.
     """
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.current_stream(device)
     inputs = make_inputs(config, group.rank, weights)
     size = mooncake_ep.Buffer.get_ep_buffer_size_hint(config.num_tokens, config.hidden, config.num_ranks,
                                                        config.num_experts)
@@ -209,27 +220,41 @@ def _cuda_rank_step(group, config: DemoConfig, weights: Weights, tolerance: floa
     first_expert = group.rank * config.num_local_experts
     local_weights = torch.from_numpy(
         weights.experts[first_expert:first_expert + config.num_local_experts]).to(device)
+    recv_shape = (config.num_local_experts, config.num_ranks * config.num_tokens, config.hidden)
+    recv_count = torch.empty(config.num_local_experts, dtype=torch.int32, device=device)
+    if config.use_fp8:
+        scale_shape = recv_shape[:2] + (reference.num_scale_columns(config.hidden, False),)
+        recv_x = (torch.empty(recv_shape, dtype=torch.float8_e4m3fn, device=device),
+                  torch.empty(scale_shape, dtype=torch.float32, device=device))
+    else:
+        recv_x = torch.empty(recv_shape, dtype=torch.bfloat16, device=device)
+    expert_out = torch.zeros(recv_shape, dtype=torch.bfloat16, device=device)
+    combined = torch.empty((config.num_tokens, config.hidden), dtype=torch.bfloat16, device=device)
+    stream.synchronize()
+    group.barrier()  # every rank has allocated: no allocation overlaps a waiting kernel
 
-    recv_x, recv_count, handle, _, _ = buffer.dispatch(
-        x, topk_idx, active_ranks, config.num_tokens, config.num_experts,
-        timeout_us=config.timeout_us, use_fp8=config.use_fp8)
+    _, _, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, config.num_tokens, config.num_experts,
+                                         timeout_us=config.timeout_us, use_fp8=config.use_fp8,
+                                         out=(recv_x, recv_count))
     # A real MoE step never reads recv_count on the host (a sync, and it breaks graph capture): its
     # grouped GEMM takes the counts on the device. A demo may sync and slice.
-    torch.cuda.current_stream(device).synchronize()
+    stream.synchronize()
     counts = [int(c) for c in recv_count.cpu().tolist()]
-    expert_out = torch.zeros((config.num_local_experts, config.num_ranks * config.num_tokens, config.hidden),
-                             dtype=torch.bfloat16, device=device)
     for local_expert, count in enumerate(counts):
         if config.use_fp8:
             x_fp8, scales = recv_x
-            block = config.hidden // scales.shape[-1]  # channels per fp8 scale
-            rows = (x_fp8[local_expert, :count].float().view(count, -1, block)
+            num_blocks = scales.shape[-1]  # one fp8 scale per block of channels
+            rows = (x_fp8[local_expert, :count].float().view(count, num_blocks, config.hidden // num_blocks)
                     * scales[local_expert, :count, :, None]).view(count, config.hidden)
         else:
             rows = recv_x[local_expert, :count].float()
         expert_out[local_expert, :count] = (rows @ local_weights[local_expert]).to(torch.bfloat16)
-    combined, _, _ = buffer.combine(expert_out, topk_idx, topk_weights, active_ranks, config.timeout_us, handle)
-    combined_host = combined.float().cpu().numpy()  # .cpu() waits for this rank's stream
+    stream.synchronize()
+    group.barrier()  # every rank's expert work (and its allocations) is done before any combine waits
+
+    buffer.combine(expert_out, topk_idx, topk_weights, active_ranks, config.timeout_us, handle, out=combined)
+    stream.synchronize()  # combine is done on every rank before this one allocates again
+    combined_host = combined.float().cpu().numpy()
     active_host = active_ranks.cpu().numpy()
     buffer.destroy()
     return compare(config, group.rank, inputs, weights, combined_host, sum(counts), active_host, tolerance)
