@@ -22,6 +22,7 @@ python3 -m pytest "${args[@]}" tests 2>&1 | tee "$out/pytest_gpu.log" | tail -25
 if [ -z "$select" ] && [ -z "${SKIP_SANITIZER:-}" ]; then
   echo "== compute-sanitizer (memcheck, racecheck) on a small case"
   for tool in memcheck racecheck; do
+    # racecheck looks at shared memory; memcheck at every global access.
     compute-sanitizer --tool "$tool" --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_low_latency.py \
       -k "R2-E8-H1152 or R4-E32-H1024-K4-T32-fp8-async" >"$out/sanitizer_$tool.log" 2>&1
     rc=$?
@@ -33,5 +34,10 @@ if [ -z "$select" ]; then
   echo "== bench: decode shape (8 ranks x 16 SMs, T=128, H=7168, top-8 of 256, fp8 dispatch, bf16 combine)"
   python3 -m mooncake_ep.cli.bench_main --ranks 8 --num-sms 16 --tokens 128 --hidden 7168 --topk 8 --experts 256 \
     --json "$out/bench_decode.json" 2>&1 | tee "$out/bench_decode.log" || status=1
+  echo "== bench: one rank with the whole GPU, and a tiny payload (fixed costs)"
+  python3 -m mooncake_ep.cli.bench_main --ranks 1 --tokens 128 --hidden 7168 --topk 8 --experts 32 --iters 100 \
+    --json "$out/bench_one_rank.json" 2>&1 | tail -6 || status=1
+  python3 -m mooncake_ep.cli.bench_main --ranks 8 --num-sms 16 --tokens 8 --hidden 7168 --topk 8 --experts 256 \
+    --iters 100 --json "$out/bench_tiny.json" 2>&1 | tail -6 || status=1
 fi
 exit $status

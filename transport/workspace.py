@@ -11,6 +11,19 @@ import logging
 logger = logging.getLogger("mooncake_ep")
 
 
+def _settle_legacy_stream() -> None:
+    """Wait until memset/memcpy issued on the legacy default stream have landed.
+
+    They return before the device has done them, and the kernels run on non-blocking streams that
+    are not ordered after the legacy stream: a kernel (or a peer's flag write) could otherwise see
+    the workspace before it is zeroed or a layout before it is written. Only the legacy stream is
+    waited for, never the whole device, where peers' kernels may be waiting for this rank.
+    """
+    import cupy
+
+    cupy.cuda.runtime.streamSynchronize(0)
+
+
 class TransportError(RuntimeError):
     """A workspace could not be allocated, mapped or reached."""
 
@@ -36,6 +49,7 @@ class DeviceWorkspace:
                     f"cudaMalloc of a {self.num_bytes}-byte workspace on cuda:{self.device_id} failed: {exc}"
                 ) from exc
             cupy.cuda.runtime.memset(self.ptr, 0, self.num_bytes)
+            _settle_legacy_stream()
 
     def write(self, offset: int, data: bytes) -> None:
         """Copy host bytes to ``ptr + offset`` (synchronously: only at construction or reconfiguration)."""
@@ -47,6 +61,7 @@ class DeviceWorkspace:
         with cupy.cuda.Device(self.device_id):
             cupy.cuda.runtime.memcpy(self.ptr + offset, ctypes.addressof(buffer), len(data),
                                      cupy.cuda.runtime.memcpyHostToDevice)
+            _settle_legacy_stream()
 
     def read(self, offset: int, num_bytes: int) -> bytes:
         """Copy ``num_bytes`` at ``ptr + offset`` to the host (synchronously; for tests and tools)."""
