@@ -11,7 +11,17 @@
 //                                     at the same time (a peer rank) must never come from a stale
 //                                     L1 line, and must never use the read-only (.nc) path.
 //   global_timer_ns                   %globaltimer, a nanosecond clock common to all SMs.
+//
+// Scope: EP_SYS_SCOPE=1 (peers on other GPUs or in other processes) orders at .sys scope; when
+// every rank of the buffer is on this GPU, EP_SYS_SCOPE=0 uses .gpu scope, which is enough there
+// and spares the system-wide fence its cost.
 #pragma once
+
+#if EP_SYS_SCOPE
+#define EP_SCOPE "sys"
+#else
+#define EP_SCOPE "gpu"
+#endif
 
 #include "types.cuh"
 
@@ -19,12 +29,12 @@ namespace ep {
 
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
     uint64_t value;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+    asm volatile("ld.acquire." EP_SCOPE ".global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
     return value;
 }
 
 __device__ __forceinline__ void st_release_sys(uint64_t* ptr, uint64_t value) {
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
+    asm volatile("st.release." EP_SCOPE ".global.u64 [%0], %1;" ::"l"(ptr), "l"(value) : "memory");
 }
 
 __device__ __forceinline__ int ld_volatile(const int* ptr) {
@@ -33,7 +43,7 @@ __device__ __forceinline__ int ld_volatile(const int* ptr) {
     return value;
 }
 
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel." EP_SCOPE ";" ::: "memory"); }
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t now;

@@ -45,10 +45,11 @@ class CudaBackend:
         device_id: CUDA device of this rank.
         num_sms: blocks of each launch (one per SM).
         cache: kernel cache.
+        all_on_one_device: every rank of the group runs on device_id.
     """
 
     def __init__(self, group, num_ep_buffer_bytes: int, device_id: int, num_sms: int,
-                 cache: kernels.KernelCache | None = None):
+                 cache: kernels.KernelCache | None = None, all_on_one_device: bool = False):
         import cupy
 
         if not getattr(group, "is_in_process", False) and group.world_size > 1:
@@ -59,7 +60,9 @@ class CudaBackend:
         self.group = group
         self.device_id = device_id
         self.num_sms = num_sms
-        self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache)
+        # In one process on one GPU, GPU-scope ordering is enough (kernels_cu/ptx.cuh).
+        sys_scope = not (all_on_one_device and getattr(group, "is_in_process", False))
+        self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache, sys_scope)
         self.workspace = DeviceWorkspace(num_ep_buffer_bytes, device_id)
         self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id)
         self._layouts: dict[tuple[int, int, int], tuple[layout.WorkspaceLayout, int]] = {}

@@ -155,7 +155,8 @@ class Buffer:
                 f"resident at once, so use num_sms <= {num_device_sms // ranks_here}"
             )
         cache = kernels.KernelCache(kernel_cache_dir) if kernel_cache_dir is not None else None
-        return _cuda_backend.CudaBackend(self.group, self.num_ep_buffer_bytes, device_id, num_sms, cache)
+        return _cuda_backend.CudaBackend(self.group, self.num_ep_buffer_bytes, device_id, num_sms, cache,
+                                         all_on_one_device=ranks_here == self.num_ranks)
 
     # --- sizing ---------------------------------------------------------------------------------
 

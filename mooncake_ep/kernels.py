@@ -268,8 +268,9 @@ def get_cubin(key: KernelKey, cache: KernelCache | None = None) -> tuple[bytes, 
 # --- The specialisations a low-latency buffer uses ------------------------------------------------
 
 
-def _common_macros() -> dict[str, object]:
+def _common_macros(sys_scope: bool) -> dict[str, object]:
     return {
+        "EP_SYS_SCOPE": int(sys_scope),
         "EP_NUM_THREADS": NUM_THREADS,
         "EP_MAX_RANKS": _constants.MAX_RANKS,
         "EP_MAX_EXPERTS": _constants.MAX_EXPERTS,
@@ -289,8 +290,8 @@ DISPATCH_MODES: tuple[tuple[bool, bool, bool], ...] = (
 )
 
 
-def dispatch_key(arch: str, use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> KernelKey:
-    macros = _common_macros() | {
+def dispatch_key(arch: str, use_fp8: bool, round_scale: bool, use_ue8m0: bool, sys_scope: bool = True) -> KernelKey:
+    macros = _common_macros(sys_scope) | {
         "EP_USE_FP8": int(use_fp8),
         "EP_ROUND_SCALE": int(round_scale),
         "EP_USE_UE8M0": int(use_ue8m0),
@@ -298,14 +299,20 @@ def dispatch_key(arch: str, use_fp8: bool, round_scale: bool, use_ue8m0: bool) -
     return KernelKey.make("ll_dispatch.cu", "ll_dispatch", macros, arch)
 
 
-def combine_key(arch: str) -> KernelKey:
-    return KernelKey.make("ll_combine.cu", "ll_combine", _common_macros() | {"EP_USE_FP8": 0,
+def combine_key(arch: str, sys_scope: bool = True) -> KernelKey:
+    return KernelKey.make("ll_combine.cu", "ll_combine", _common_macros(sys_scope) | {"EP_USE_FP8": 0,
                           "EP_ROUND_SCALE": 0, "EP_USE_UE8M0": 0}, arch)
 
 
-def low_latency_keys(arch: str) -> list[KernelKey]:
-    """Every specialisation a low-latency :class:`mooncake_ep.Buffer` loads on construction."""
-    return [dispatch_key(arch, *mode) for mode in DISPATCH_MODES] + [combine_key(arch)]
+def low_latency_keys(arch: str, sys_scope: bool = True) -> list[KernelKey]:
+    """Every specialisation a low-latency :class:`mooncake_ep.Buffer` loads on construction.
+
+    Args:
+        arch: target architecture.
+        sys_scope: order memory at system scope (peers on other GPUs or processes); False when
+            every rank is on this GPU, where GPU scope suffices and is cheaper.
+    """
+    return [dispatch_key(arch, *mode, sys_scope) for mode in DISPATCH_MODES] + [combine_key(arch, sys_scope)]
 
 
 # --- Loading and launching -----------------------------------------------------------------------
@@ -342,7 +349,7 @@ class _StreamRef:
         self.ptr = ptr
 
 
-def load_low_latency_kernels(arch: str, cache: KernelCache | None = None) -> dict[str, Launcher]:
+def load_low_latency_kernels(arch: str, cache: KernelCache | None = None, sys_scope: bool = True) -> dict[str, Launcher]:
     """Compile (or load from the cache) and load every kernel of a low-latency buffer.
 
     Returns:
@@ -350,9 +357,9 @@ def load_low_latency_kernels(arch: str, cache: KernelCache | None = None) -> dic
     """
     launchers: dict[str, Launcher] = {}
     for mode in DISPATCH_MODES:
-        cubin, _ = get_cubin(dispatch_key(arch, *mode), cache)
+        cubin, _ = get_cubin(dispatch_key(arch, *mode, sys_scope), cache)
         launchers[dispatch_launcher_name(*mode)] = Launcher(cubin, "ll_dispatch")
-    cubin, _ = get_cubin(combine_key(arch), cache)
+    cubin, _ = get_cubin(combine_key(arch, sys_scope), cache)
     launchers["combine"] = Launcher(cubin, "ll_combine")
     return launchers
 

@@ -102,11 +102,23 @@ def expert_function(recv: np.ndarray | tuple, case: Case, rank: int):
     return (values * factor[:, None, None]).to(torch.bfloat16)
 
 
+def settle(group) -> None:
+    """Finish this rank's stream, then wait for every rank to get here.
+
+    In-process ranks share the GPU, and a device allocation (torch growing its pool) can wait for
+    kernels that are waiting for this very rank: allocate only while no rank has a kernel waiting.
+    """
+    torch.cuda.current_stream().synchronize()
+    group.barrier()
+
+
 def run_rank(group, case: Case, xs, topks, weights, size):
     rank = group.rank
     buffer = ep.Buffer(group, size)
     if rank == case.dead_rank:
-        buffer.destroy()  # never launches; it still joins the host barrier that frees the workspaces
+        for _ in range(3):  # never launches; it still joins the host barriers of the others
+            group.barrier()
+        buffer.destroy()
         return None
     stream = torch.cuda.current_stream()
     assert stream.cuda_stream == group.stream_ptr, "each rank runs on its own stream"
@@ -126,6 +138,8 @@ def run_rank(group, case: Case, xs, topks, weights, size):
     else:
         recv_out = torch.full((num_local, rows, case.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     recv_count = torch.full((num_local,), -1, dtype=torch.int32, device="cuda")
+    combined = torch.full((x.shape[0], case.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    settle(group)
     flags = dict(async_finish=case.mode == "async", return_recv_hook=case.mode == "hook")
     recv, count, handle, event, hook = buffer.dispatch(
         x, topk, active, case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US, use_fp8=case.use_fp8,
@@ -133,13 +147,14 @@ def run_rank(group, case: Case, xs, topks, weights, size):
     if hook is not None:
         hook()
     event.current_stream_wait()
+    settle(group)
     y = expert_function(recv, case, rank)
-    combined = torch.full((x.shape[0], case.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     if case.zero_copy:
         buffer.get_next_combine_buffer(handle).copy_(y)
         expert_out = None
     else:
         expert_out = y
+    settle(group)
     combined, event, hook = buffer.combine(expert_out, topk, w, active, TIMEOUT_US, handle, zero_copy=case.zero_copy,
                                            out=combined, renormalize=case.renormalize, **flags)
     if hook is not None:
@@ -262,11 +277,15 @@ def test_repeated_steps_and_fresh_inputs():
         outputs = []
         for xs, topks, weights in inputs:
             x, topk, w = to_torch(xs[g.rank]), to_torch(topks[g.rank]), to_torch(weights[g.rank])
+            settle(g)
             recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
                                                         timeout_us=TIMEOUT_US)
             q, scales = recv
+            settle(g)
             y = expert_function(recv, case, g.rank)
-            combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle)
+            combined_out = torch.empty(x.shape[0], case.hidden, dtype=torch.bfloat16, device="cuda")
+            settle(g)
+            combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle, out=combined_out)
             outputs.append((to_numpy(count), to_numpy(q), to_numpy(y), to_numpy(combined)))
         g.barrier()
         buffer.destroy()
@@ -318,9 +337,9 @@ def test_cuda_graph_replay_with_fresh_inputs():
             combined, _, _ = buffer.combine(y, static_topk, static_w, active, TIMEOUT_US, handle)
             return count, y, combined
 
+        settle(g)
         step()  # warm-up: the configuration's layout is uploaded outside the capture
-        torch.cuda.current_stream().synchronize()
-        g.barrier()
+        settle(g)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
             count, y, combined = step()
@@ -330,6 +349,7 @@ def test_cuda_graph_replay_with_fresh_inputs():
             static_x.copy_(to_torch(xs[g.rank]))
             static_topk.copy_(to_torch(topks[g.rank]))
             static_w.copy_(to_torch(weights[g.rank]))
+            settle(g)
             graph.replay()
             outputs.append((to_numpy(count), to_numpy(y), to_numpy(combined)))
         g.barrier()
