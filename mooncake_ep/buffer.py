@@ -104,6 +104,12 @@ class Buffer:
 
     Note:
         Every rank must call dispatch and combine in the same order: they are collectives.
+
+        In-process ranks sharing one GPU: a device allocation (a framework growing its memory pool,
+        or dispatch/combine allocating results when ``out=`` is not given) can wait behind kernels
+        that are themselves waiting for the allocating rank, until ``timeout_us`` masks it. Allocate
+        ahead (``out=``, a warmed pool) or capture the step in a graph; separate processes do not
+        share this hazard.
     """
 
     def __init__(self, group, num_ep_buffer_bytes: int, *, num_sms: int | None = None, backend: str = "auto",
@@ -229,6 +235,7 @@ class Buffer:
         active_view = read_array(active_ranks, name=f"{where}: active_ranks", stream=order)
         _check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                      async_finish=async_finish, return_recv_hook=return_recv_hook)
+        _check_mutable(where, x_view, out, return_recv_hook)
         _check_timeout(where, timeout_us)
         _check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         _check_experts(where, num_experts, self.num_ranks)
@@ -274,7 +281,7 @@ class Buffer:
             receive = self._cuda_dispatch(handle, x_view, topk_view, active_view, outputs, flags, timeout_us,
                                           async_finish, return_recv_hook, stream_ptr)
         event, hook = self._finish(handle, receive, async_finish, return_recv_hook, stream_ptr, x_view)
-        objects = [obj for _, obj in outputs]
+        objects = _caller_arrays(outputs, x_view)
         recv_x = (objects[0], objects[1]) if use_fp8 else objects[0]
         return recv_x, objects[-1], handle, event, hook
 
@@ -347,7 +354,11 @@ class Buffer:
         weights_view = read_array(topk_weights, name=f"{where}: topk_weights", stream=order)
         active_view = read_array(active_ranks, name=f"{where}: active_ranks", stream=order)
         _check_flags(where, async_finish=async_finish, return_recv_hook=return_recv_hook)
+        _check_mutable(where, topk_view, out, return_recv_hook)
         _check_timeout(where, timeout_us)
+        if zero_copy and handle.backend == "reference" and "combine_buffer" not in handle.state:
+            raise ValueError(f"{where}: zero_copy=True reads the expert outputs from get_next_combine_buffer(handle); "
+                             f"call it and write them there first, or pass x with zero_copy=False")
         num_local_experts = handle.num_experts // self.num_ranks
         expected = (handle.num_tokens, handle.num_topk)
         _check_array(where, "topk_idx", topk_view, dtypes=("int64", "int32"), shape=expected)
@@ -373,7 +384,7 @@ class Buffer:
             receive = self._cuda_combine(handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy,
                                          renormalize, timeout_us, async_finish, return_recv_hook, stream_ptr)
         event, hook = self._finish(None, receive, async_finish, return_recv_hook, stream_ptr, topk_view)
-        return outputs[0][1], event, hook
+        return _caller_arrays(outputs, topk_view)[0], event, hook
 
     def _reference_combine(self, handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy,
                            renormalize):
@@ -632,8 +643,36 @@ def _timeout_ns(timeout_us: int) -> int:
     return -1 if timeout_us < 0 else int(timeout_us) * 1000
 
 
+# Frameworks whose arrays are immutable: results are built after the computation, never written
+# into later (no hook, no out=), and active_ranks is not updated in place.
+_IMMUTABLE_FRAMEWORKS = ("jax",)
+
+
+def _check_mutable(where: str, view: ArrayView, out, return_recv_hook: bool) -> None:
+    if view.framework not in _IMMUTABLE_FRAMEWORKS:
+        return
+    if return_recv_hook or out is not None:
+        raise TypeError(f"{where}: {view.framework} arrays are immutable, so return_recv_hook=True and out= cannot "
+                        f"fill them later; call without them (or pass torch, cupy or numpy arrays)")
+
+
+def _caller_arrays(outputs, like: ArrayView) -> list:
+    """The results as the caller's framework holds them (immutable frameworks get them built now)."""
+    if like.framework not in _IMMUTABLE_FRAMEWORKS:
+        return [obj for _, obj in outputs]
+    fw = frameworks.get(like.framework)
+    return [fw.from_numpy(view.numpy(), like) for view, _ in outputs]
+
+
 def _write_mask(view: ArrayView, mask: np.ndarray) -> None:
-    """Write the updated active_ranks into the caller's array where it is writable (not JAX)."""
+    """Write the updated active_ranks into the caller's array.
+
+    Note:
+        An immutable (JAX) array is never written, even when its memory is reachable: the caller
+        keeps the mask it passed.
+    """
+    if view.framework in _IMMUTABLE_FRAMEWORKS:
+        return
     array = view.numpy()
     if array.flags.writeable:
         array[...] = mask

@@ -351,10 +351,7 @@ def test_framework_callers_get_equal_values(framework, flags):
 
 # JAX callers get numpy arrays back: frameworks.jax.empty allocates numpy scratch outputs and
 # Buffer._outputs hands them back without converting them with frameworks.jax.from_numpy.
-JAX_RETURNS_NUMPY = pytest.mark.xfail(strict=True, reason="Buffer returns numpy arrays to JAX callers")
-
-
-@pytest.mark.parametrize("framework", ["numpy", "torch", pytest.param("jax", marks=JAX_RETURNS_NUMPY)])
+@pytest.mark.parametrize("framework", ["numpy", "torch", "jax"])
 def test_framework_callers_get_their_own_arrays(framework):
     import_framework(framework)
     case = make_case(10, num_ranks=2, hidden=128)
@@ -374,8 +371,6 @@ def test_framework_callers_get_their_own_arrays(framework):
             assert issubclass(got, expected_type), f"{framework} caller got {got}"
 
 
-@pytest.mark.xfail(strict=True, reason="Buffer writes the updated mask into the JAX array's memory (JAX arrays "
-                                       "are immutable; the DLPack view of a JAX CPU array is writable)")
 def test_jax_active_ranks_array_is_not_mutated():
     pytest.importorskip("jax")
     case = make_case(11, num_ranks=2, hidden=128, actives=[[1, 1], [0, 1]])  # rank 0 will mask rank 1
@@ -577,6 +572,46 @@ class Ctx:
                     timeout_us=-1, handle=self.handle)
         args.update(overrides)
         return buf.combine(**args)
+
+
+def test_zero_copy_without_the_combine_buffer_is_refused_and_buffer_stays_usable():
+    case = make_case(18, num_ranks=2, hidden=128)
+    flags = BF16_FLAGS
+
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, case)
+        args = dispatch_args(case, rank)
+        recv_x, count, handle, _, _ = buf.dispatch(**args, **flags)
+        weights = case.weights[rank]
+        with pytest.raises(ValueError, match="get_next_combine_buffer"):
+            buf.combine(None, args["topk_idx"], weights, args["active_ranks"], -1, handle, zero_copy=True)
+        expert_out = expert_fn(rank, recv_x, None, flags)
+        combined, _, _ = buf.combine(expert_out, args["topk_idx"], weights, args["active_ranks"], -1, handle)
+        return Step(np.asarray(recv_x).copy(), None, np.asarray(count).copy(), np.asarray(combined).copy())
+
+    check_steps(case, flags, spawn(2, rank_fn), masks=False)
+
+
+@pytest.mark.parametrize("overrides", [dict(return_recv_hook=True), dict(out="allocated")], ids=["hook", "out"])
+def test_jax_callers_cannot_ask_for_arrays_filled_later(overrides):
+    """JAX arrays are immutable: hook mode and out= are refused before any communication."""
+    pytest.importorskip("jax")
+    case = make_case(19, num_ranks=1, hidden=128)
+
+    def rank_fn(group):
+        buf = new_buffer(group, case)
+        args = dispatch_args(case, group.rank, "jax")
+        call = dict(overrides)
+        if call.get("out") == "allocated":
+            call["out"] = (np.zeros((case.num_local_experts, case.num_max_tokens, case.hidden), "uint16"),
+                           np.zeros(case.num_local_experts, np.int32))
+        with pytest.raises(TypeError, match="immutable"):
+            buf.dispatch(**args, **BF16_FLAGS, **call)
+        recv_x, _, _, _, _ = buf.dispatch(**args, **BF16_FLAGS)
+        return type(recv_x).__module__
+
+    assert spawn(1, rank_fn)[0].startswith("jax")
 
 
 def non_contiguous(a: np.ndarray) -> np.ndarray:
