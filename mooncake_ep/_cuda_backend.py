@@ -66,12 +66,15 @@ class CudaBackend:
         self.workspace = DeviceWorkspace(num_ep_buffer_bytes, device_id)
         self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id)
         self._layouts: dict[tuple[int, int, int], tuple[layout.WorkspaceLayout, int]] = {}
-        self.route = local_transport.connect(group, self.workspace)
-        probe = layout.compute_layout(group.world_size, group.world_size, 1, 128)
-        self.workspace.write(probe.offsets["route"], struct.pack(f"<{len(self.route)}Q", *self.route))
         with cupy.cuda.Device(device_id):
             self.comm_stream = cupy.cuda.Stream(non_blocking=True)
-        group.barrier()  # every route table is written before any rank launches
+        self.connect()
+
+    def connect(self) -> None:
+        """Exchange workspace addresses and write the route table (collective)."""
+        self.route = local_transport.connect(self.group, self.workspace)
+        self.workspace.write(layout.ROUTE_OFFSET, struct.pack(f"<{len(self.route)}Q", *self.route))
+        self.group.barrier()  # every route table is written before any rank launches
 
     def layout_for(self, num_max_tokens: int, hidden: int, num_experts: int) -> tuple[layout.WorkspaceLayout, int]:
         """The layout of a configuration and the device address of its packed copy."""

@@ -15,13 +15,6 @@ import numpy as np
 from mooncake_ep import reference
 
 
-@dataclasses.dataclass
-class ReferenceDispatch:
-    """What a CPU dispatch keeps for its combine."""
-
-    result: reference.DispatchResult | None = None
-
-
 class ReferenceBackend:
     """Runs dispatch and combine on host arrays through the group.
 

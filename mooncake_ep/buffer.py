@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -133,7 +132,6 @@ class Buffer:
         self._pending_hooks: set[int] = set()
         self._reference = ReferenceBackend(group)
         self._cuda = None
-        self._lock = threading.Lock()
         if backend == "cuda" or (backend == "auto" and _gpu_available()):
             self._cuda = self._build_cuda_backend(num_sms, kernel_cache_dir)
         elif num_sms is not None:
@@ -445,10 +443,9 @@ class Buffer:
     def update_ep_member(self) -> None:
         """Re-exchange the route table after the group's membership changed (collective)."""
         if self._cuda is not None:
-            from mooncake_ep.transport import local as local_transport
-
-            self._cuda.route = local_transport.connect(self.group, self._cuda.workspace)
-        self.group.barrier()
+            self._cuda.connect()
+        else:
+            self.group.barrier()
 
     def destroy(self) -> None:
         """Free the workspace after every rank is done with it (collective)."""

@@ -51,10 +51,27 @@ def _align(offset: int) -> int:
     return -(-offset // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
 
 
+def _header_offsets() -> dict[str, int]:
+    """Offsets of the configuration-independent front of the workspace: state, flags, route table."""
+    offsets, cursor = {}, 0
+    for name, num_bytes in (("state", STATE_BYTES),
+                            ("dispatch_flag", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
+                            ("combine_flag", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
+                            ("route", MAX_RANKS * ROUTE_ENTRY_BYTES)):
+        offsets[name] = cursor
+        cursor = _align(cursor + num_bytes)
+    offsets["end"] = cursor
+    return offsets
+
+
+HEADER_OFFSETS = _header_offsets()
+# Where the route table lies: the same for every configuration, so it is written once.
+ROUTE_OFFSET = HEADER_OFFSETS["route"]
+
+
 def header_bytes() -> int:
-    """Bytes of the configuration-independent front of the workspace: state, flags, route table."""
-    return _align(_align(_align(_align(STATE_BYTES) + NUM_PARITIES * MAX_RANKS * FLAG_BYTES)
-                         + NUM_PARITIES * MAX_RANKS * FLAG_BYTES) + MAX_RANKS * ROUTE_ENTRY_BYTES)
+    """Bytes of the configuration-independent front of the workspace."""
+    return HEADER_OFFSETS["end"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +119,8 @@ class WorkspaceLayout:
 def compute_layout(num_ranks: int, num_experts: int, num_max_tokens: int, hidden: int) -> WorkspaceLayout:
     """Lay out the workspace for R ranks, E experts, T tokens per rank and hidden H."""
     num_local_experts = num_experts // num_ranks
-    offsets: dict = {}
-    cursor = 0
+    offsets: dict = {name: value for name, value in HEADER_OFFSETS.items() if name != "end"}
+    cursor = header_bytes()
 
     def take(num_bytes: int) -> int:
         nonlocal cursor
@@ -111,11 +128,6 @@ def compute_layout(num_ranks: int, num_experts: int, num_max_tokens: int, hidden
         cursor = _align(cursor + num_bytes)
         return start
 
-    offsets["state"] = take(STATE_BYTES)
-    offsets["dispatch_flag"] = take(NUM_PARITIES * MAX_RANKS * FLAG_BYTES)
-    offsets["combine_flag"] = take(NUM_PARITIES * MAX_RANKS * FLAG_BYTES)
-    offsets["route"] = take(MAX_RANKS * ROUTE_ENTRY_BYTES)
-    assert cursor == header_bytes()
     sizes = {
         "send_x": num_max_tokens * 2 * hidden,
         "send_scales": num_max_tokens * (hidden // FP8_BLOCK) * 4,
