@@ -3,9 +3,9 @@
 Split as cupy splits its kernel layer: :class:`KernelKey` names one specialisation and owns its
 digest, :func:`compile_kernel` turns a key into a cubin with NVRTC (``cuda.bindings.nvrtc``, so it
 runs on a machine without a GPU for any named architecture), :class:`KernelCache` stores cubins on
-disk, and :class:`Launcher` is a loaded function with its launch settings. Everything a buffer needs
-is compiled and loaded when the buffer is built, never inside a call: loading a module during graph
-capture breaks the capture.
+disk, :func:`warmup` fills that cache ahead of time, and :class:`Launcher` is a loaded function
+with its launch settings. Everything a buffer needs is compiled and loaded when the buffer is
+built, never inside a call: loading a module during graph capture breaks the capture.
 
 The cache lives in ``$MOONCAKE_EP_CACHE_DIR`` if set, else ``~/.cache/mooncake_ep/kernels``.
 """
@@ -20,7 +20,9 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from mooncake_ep import _constants
@@ -79,6 +81,20 @@ def validate_arch(arch: str) -> str:
     if not isinstance(arch, str) or not _ARCH_RE.match(arch) or int(_ARCH_RE.match(arch).group(1)) < 70:
         raise ValueError(f"arch must name a CUDA architecture sm_70 or newer, like 'sm_90', got {arch!r}")
     return arch
+
+
+@functools.lru_cache(maxsize=1)
+def supported_archs() -> tuple[str, ...]:
+    """The architectures the installed NVRTC compiles for, as ``sm_XX`` names, oldest first.
+
+    :func:`validate_arch` checks only the form of a name; this is what this NVRTC accepts (an
+    ``sm_90a``-style name is accepted when its ``sm_90`` is listed).
+    """
+    from cuda.bindings import nvrtc
+
+    result, archs = nvrtc.nvrtcGetSupportedArchs()
+    _check_nvrtc(result, "nvrtcGetSupportedArchs")
+    return tuple(f"sm_{int(a)}" for a in archs)
 
 
 @functools.lru_cache(maxsize=1)
@@ -211,12 +227,35 @@ class KernelCache:
     """
 
     _CHECKSUM_BYTES = 32
+    _CACHE_FILE_MODE = 0o644
 
     def __init__(self, directory: str | os.PathLike | None = None):
         self.directory = Path(directory) if directory is not None else default_cache_dir()
 
     def _path(self, digest: str) -> Path:
         return self.directory / f"{digest}.cubin"
+
+    def _mkstemp(self) -> tuple[int, str]:
+        """A new temporary file in the cache folder (created if missing), as ``(fd, path)``."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            return tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".cubin")
+        except OSError as exc:
+            raise OSError(
+                f"kernel cache directory {self.directory} is not writable ({exc}); "
+                f"set {_constants.CACHE_DIR_ENV} to a writable folder"
+            ) from exc
+
+    def check_writable(self) -> None:
+        """Create the folder if it is missing and check that a file can be written in it.
+
+        Raises:
+            OSError: the folder cannot be created or written; the message names it and
+                ``MOONCAKE_EP_CACHE_DIR``.
+        """
+        fd, tmp = self._mkstemp()
+        os.close(fd)
+        os.unlink(tmp)
 
     def load(self, digest: str) -> bytes | None:
         try:
@@ -230,15 +269,11 @@ class KernelCache:
         return payload
 
     def save(self, digest: str, cubin: bytes) -> None:
+        fd, tmp = self._mkstemp()
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".cubin")
-        except OSError as exc:
-            raise OSError(
-                f"kernel cache directory {self.directory} is not writable ({exc}); "
-                f"set {_constants.CACHE_DIR_ENV} to a writable folder"
-            ) from exc
-        try:
+            # mkstemp makes the file private (0600); a cache warmed by one user (an image build) is
+            # read by another (the server), and a cubin is no secret.
+            os.fchmod(fd, self._CACHE_FILE_MODE)
             with os.fdopen(fd, "wb") as f:
                 f.write(hashlib.sha256(cubin).digest() + cubin)
             os.replace(tmp, self._path(digest))
@@ -263,6 +298,84 @@ def get_cubin(key: KernelKey, cache: KernelCache | None = None) -> tuple[bytes, 
     except OSError as exc:
         logger.warning("mooncake_ep: could not cache kernel %s: %s", key.name, exc)
     return cubin, True
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupResult:
+    """What :func:`warmup` did for one key.
+
+    Attributes:
+        key: the specialisation.
+        status: ``"compiled"`` (compiled and saved), ``"cached"`` (the cache held a valid entry) or
+            ``"failed"`` (NVRTC rejected it; see ``error``).
+        elapsed_s: seconds spent on this key (loading, or compiling and saving).
+        error: the compile error when ``status == "failed"``.
+    """
+
+    key: KernelKey
+    status: str
+    elapsed_s: float
+    error: KernelCompileError | None = None
+
+
+def warmup(keys: Iterable[KernelKey], cache: KernelCache | None = None, *, num_workers: int = 1,
+           progress: Callable[[WarmupResult], None] | None = None) -> list[WarmupResult]:
+    """Fill ``cache`` with the cubin of every key ahead of time (what ``python -m mooncake_ep warmup`` runs).
+
+    Keys with the same digest are done once. A key whose entry is missing or corrupt is compiled
+    and saved; a valid entry is left as it is. NVRTC releases the GIL, so ``num_workers`` threads
+    compile that many keys at once (NVRTC allows concurrent calls on distinct programs).
+
+    Args:
+        keys: the specialisations, e.g. :func:`low_latency_keys` for each architecture and scope.
+        cache: where to store them (default: :func:`default_cache_dir`).
+        num_workers: keys compiled at once, >= 1.
+        progress: called in the calling thread with each result as it finishes.
+
+    Returns:
+        One result per distinct digest, in the order of ``keys``.
+
+    Raises:
+        OSError: a cubin could not be saved (unlike :func:`get_cubin`, which only warns: a warm-up
+            that leaves the cache cold has failed). Call :meth:`KernelCache.check_writable` first
+            to fail before compiling anything.
+
+    Note:
+        A :class:`KernelCompileError` does not stop the others: it is returned in its result.
+    """
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"warmup: num_workers must be an int >= 1, got {num_workers!r}")
+    cache = cache if cache is not None else KernelCache()
+    by_digest: dict[str, KernelKey] = {}
+    for key in keys:
+        by_digest.setdefault(key.digest, key)
+    unique = list(by_digest.values())
+
+    def one(key: KernelKey) -> WarmupResult:
+        start = time.perf_counter()
+        if cache.load(key.digest) is not None:
+            return WarmupResult(key, "cached", time.perf_counter() - start)
+        try:
+            cubin = compile_kernel(key)
+        except KernelCompileError as exc:
+            return WarmupResult(key, "failed", time.perf_counter() - start, exc)
+        cache.save(key.digest, cubin)
+        return WarmupResult(key, "compiled", time.perf_counter() - start)
+
+    results: dict[str, WarmupResult] = {}
+    with ThreadPoolExecutor(max_workers=min(num_workers, max(1, len(unique)))) as executor:
+        futures = [executor.submit(one, key) for key in unique]
+        try:
+            for future in as_completed(futures):
+                result = future.result()
+                results[result.key.digest] = result
+                if progress is not None:
+                    progress(result)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+    return [results[key.digest] for key in unique]
 
 
 # --- The specialisations a low-latency buffer uses ------------------------------------------------

@@ -32,7 +32,7 @@ __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAG
            "build_parser", "console_main", "main"]
 
 # Command names, in the order --help lists them; each is the module mooncake_ep.cli.<name>.
-COMMANDS: tuple[str, ...] = ("demo", "bench")
+COMMANDS: tuple[str, ...] = ("demo", "bench", "warmup")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

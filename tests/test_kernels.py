@@ -1,0 +1,514 @@
+"""Tests of mooncake_ep.kernels (compile, digest, cache) and of ``python -m mooncake_ep warmup``. CPU only.
+
+NVRTC runs here through cuda.bindings with no GPU. Each kernel variant is compiled once per session:
+the ``warm`` fixture runs the warm-up command on an empty folder, which is both the CI guard that
+every variant compiles without an NVRTC error or warning and the cold half of the warm-up test;
+the other tests reuse its cubins, or stand in for the compiler where only the cache is under test.
+No assertion is about elapsed time; the process limit only turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import mooncake_ep
+from mooncake_ep import cli, kernels
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Safety net for a command that hangs (a bug): the test fails instead of stalling CI.
+PROCESS_LIMIT_S = 300.0
+ARCH = "sm_90"
+SUMMARY_RE = re.compile(r"compiled (\d+), loaded from cache (\d+), failed (\d+)")
+ELF_MAGIC = b"\x7fELF"
+
+
+def _nvrtc_error() -> str | None:
+    try:
+        kernels.nvrtc_version()
+    except Exception as exc:  # noqa: BLE001 - no cuda-python, no libnvrtc, a broken install: all mean none
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+NVRTC_ERROR = _nvrtc_error()
+needs_nvrtc = pytest.mark.skipif(NVRTC_ERROR is not None, reason=f"cuda.bindings.nvrtc cannot load: {NVRTC_ERROR}")
+
+
+def all_keys() -> list[kernels.KernelKey]:
+    """Every variant the library produces for ARCH: what one Buffer loads, at either memory scope."""
+    return [key for sys_scope in (True, False) for key in kernels.low_latency_keys(ARCH, sys_scope)]
+
+
+def run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mooncake_ep", *argv], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=PROCESS_LIMIT_S, env=env)
+
+
+def summary(proc: subprocess.CompletedProcess) -> tuple[int, int, int]:
+    """(compiled, loaded from cache, failed) of a warm-up's last summary line."""
+    found = SUMMARY_RE.findall(proc.stdout)
+    assert found, proc.stdout + proc.stderr
+    return tuple(int(n) for n in found[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Warm:
+    cache_dir: Path
+    cold: subprocess.CompletedProcess  # the first warm-up, on an empty folder
+    report: dict  # its --json summary
+    env: dict  # MOONCAKE_EP_CACHE_DIR points into the test's folders, never at the user's cache
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> Warm:
+    """A cache warmed by ``python -m mooncake_ep warmup --arch sm_90`` (both scopes), compiled from nothing."""
+    if NVRTC_ERROR is not None:
+        pytest.skip(f"cuda.bindings.nvrtc cannot load: {NVRTC_ERROR}")
+    root = tmp_path_factory.mktemp("warm")
+    cache_dir = root / "cache"
+    env = os.environ | {"MOONCAKE_EP_CACHE_DIR": str(root / "unused-default")}
+    proc = run_cli("warmup", "--arch", ARCH, "--cache-dir", str(cache_dir), "--json", str(root / "cold.json"),
+                   env=env)
+    report = json.loads((root / "cold.json").read_text()) if (root / "cold.json").exists() else {}
+    return Warm(cache_dir, proc, report, env)
+
+
+def cubin_of(warm: Warm, key: kernels.KernelKey) -> bytes:
+    cubin = kernels.KernelCache(warm.cache_dir).load(key.digest)
+    assert cubin is not None, f"{key} is not in the warmed cache"
+    return cubin
+
+
+# --- (a) every variant compiles: the CI guard of the kernel sources --------------------------------
+
+
+@needs_nvrtc
+def test_every_variant_compiles_without_error_or_warning(warm):
+    # compile_kernel raises KernelCompileError on an NVRTC error and on any warning in the log.
+    failures = [f"{k['file']} {k['macros']}:\n{k['log']}" for k in warm.report.get("kernels", [])
+                if k["status"] == "failed"]
+    assert not failures, "\n\n".join(failures)
+    assert warm.cold.returncode == 0, warm.cold.stdout + warm.cold.stderr
+    keys = all_keys()
+    assert len({key.digest for key in keys}) == len(keys) == 2 * (len(kernels.DISPATCH_MODES) + 1)
+    assert summary(warm.cold) == (len(keys), 0, 0)
+    assert sorted(k["digest"] for k in warm.report["kernels"]) == sorted(key.digest for key in keys)
+    for key in keys:
+        assert cubin_of(warm, key).startswith(ELF_MAGIC), key
+
+
+# --- (b) the digest covers everything that changes the binary -------------------------------------
+
+
+@pytest.fixture
+def read_source():
+    """The real source reader, its memo cleared around the test so an edited text leaks into no other test."""
+    original = kernels._read_source
+    original.cache_clear()
+    yield original
+    original.cache_clear()
+
+
+@needs_nvrtc
+def test_digest_is_stable_and_distinct_per_variant():
+    assert [key.digest for key in all_keys()] == [key.digest for key in all_keys()]  # new objects, same digests
+    assert len({key.digest for key in all_keys()}) == len(all_keys())
+    base = kernels.dispatch_key(ARCH, False, False, False)
+    assert kernels.KernelKey.make(base.file, base.name, dict(base.macros), ARCH).digest == base.digest
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("change", ["macro value", "extra macro", "scope", "arch", "arch suffix"])
+def test_digest_changes_with_macros_and_arch(change):
+    base = kernels.dispatch_key(ARCH, True, False, False)
+    macros = dict(base.macros)
+    if change == "macro value":
+        other = kernels.dispatch_key(ARCH, True, True, False)
+    elif change == "extra macro":
+        other = kernels.KernelKey.make(base.file, base.name, macros | {"EP_EXTRA": 1}, ARCH)
+    elif change == "scope":
+        other = kernels.dispatch_key(ARCH, True, False, False, sys_scope=False)
+    elif change == "arch":
+        other = kernels.dispatch_key("sm_80", True, False, False)
+    else:
+        other = kernels.dispatch_key("sm_90a", True, False, False)
+    assert other.digest != base.digest
+
+
+@needs_nvrtc
+# The .cu itself, a header it includes, and a header included only through other headers.
+@pytest.mark.parametrize("edited", ["ll_dispatch.cu", "signal.cuh", "types.cuh"])
+def test_digest_changes_when_a_source_changes(edited, read_source, monkeypatch):
+    before = kernels.dispatch_key(ARCH, False, False, False).digest
+    combine_before = kernels.combine_key(ARCH).digest
+
+    def edited_source(name: str) -> str:
+        return read_source(name) + ("\n// edited\n" if name == edited else "")
+
+    monkeypatch.setattr(kernels, "_read_source", edited_source)
+    assert kernels.dispatch_key(ARCH, False, False, False).digest != before
+    # types.cuh and signal.cuh are included (directly or not) by ll_combine.cu as well.
+    assert kernels.combine_key(ARCH).digest != combine_before or edited == "ll_dispatch.cu"
+
+
+@needs_nvrtc
+def test_digest_changes_with_nvrtc_and_library_version(monkeypatch):
+    before = kernels.combine_key(ARCH).digest
+    monkeypatch.setattr(kernels, "nvrtc_version", lambda: (99, 0))
+    assert kernels.combine_key(ARCH).digest != before
+    monkeypatch.undo()
+    monkeypatch.setattr(mooncake_ep, "__version__", "0.0.0-test")
+    assert kernels.combine_key(ARCH).digest != before
+
+
+# --- (c) KernelCache: round trip, corrupt entries, atomic writes ----------------------------------
+
+DIGEST = "ab" * 32
+
+
+def entry_path(cache: kernels.KernelCache, digest: str = DIGEST) -> Path:
+    (path,) = [p for p in cache.directory.iterdir() if p.name.startswith(digest)]
+    return path
+
+
+def temp_files(directory: Path) -> list[str]:
+    return [p.name for p in directory.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_cache_round_trip(tmp_path):
+    cache = kernels.KernelCache(tmp_path / "new" / "folder")  # created on first save
+    assert cache.load(DIGEST) is None
+    payload = os.urandom(4096)
+    cache.save(DIGEST, payload)
+    assert cache.load(DIGEST) == payload
+    cache.save(DIGEST, b"replaced")
+    assert cache.load(DIGEST) == b"replaced"
+    assert cache.load("cd" * 32) is None
+    assert temp_files(cache.directory) == []
+    # Another user (the server, after an image build warmed the cache) can read the entry.
+    assert entry_path(cache).stat().st_mode & 0o044 == 0o044
+
+
+def _truncate_to_half(blob: bytes) -> bytes:
+    return blob[: len(blob) // 2]
+
+
+def _flip_payload_bit(blob: bytes) -> bytes:
+    return blob[:100] + bytes([blob[100] ^ 0x01]) + blob[101:]
+
+
+def _flip_checksum_bit(blob: bytes) -> bytes:
+    return bytes([blob[0] ^ 0x80]) + blob[1:]
+
+
+CORRUPTIONS = {
+    "truncated": _truncate_to_half,
+    "shorter than the checksum": lambda blob: blob[:10],
+    "empty": lambda blob: b"",
+    "payload bit flipped": _flip_payload_bit,
+    "checksum bit flipped": _flip_checksum_bit,
+    "extra bytes": lambda blob: blob + b"\0",
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_corrupt_entry_is_a_miss(corruption, tmp_path):
+    cache = kernels.KernelCache(tmp_path)
+    cache.save(DIGEST, os.urandom(1000))
+    path = entry_path(cache)
+    path.write_bytes(CORRUPTIONS[corruption](path.read_bytes()))
+    assert cache.load(DIGEST) is None
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("corruption", ["truncated", "payload bit flipped"])
+def test_get_cubin_rebuilds_a_corrupt_entry(corruption, warm, tmp_path, monkeypatch):
+    key = kernels.combine_key(ARCH)
+    good = cubin_of(warm, key)
+    cache = kernels.KernelCache(tmp_path)
+    cache.save(key.digest, good)
+    path = entry_path(cache, key.digest)
+    path.write_bytes(CORRUPTIONS[corruption](path.read_bytes()))
+    # The compiler is stood in for (the real one ran in `warm`): what is tested is that a corrupt
+    # entry is never returned, is compiled again, and is replaced by a valid one.
+    compiled = []
+    monkeypatch.setattr(kernels, "compile_kernel", lambda k: compiled.append(k) or good)
+    assert kernels.get_cubin(key, cache) == (good, True)
+    assert compiled == [key]
+    assert cache.load(key.digest) == good
+    assert kernels.get_cubin(key, cache) == (good, False)
+    assert compiled == [key]
+    assert temp_files(tmp_path) == []
+
+
+def test_failed_write_leaves_no_temp_file_and_keeps_the_old_entry(tmp_path, monkeypatch):
+    cache = kernels.KernelCache(tmp_path)
+    cache.save(DIGEST, b"old")
+
+    def replace_fails(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kernels.os, "replace", replace_fails)
+    with pytest.raises(OSError, match="No space left"):
+        cache.save(DIGEST, b"new")
+    monkeypatch.undo()
+    assert temp_files(tmp_path) == []
+    assert cache.load(DIGEST) == b"old"
+
+
+def poll_entry(cache: kernels.KernelCache, payloads: list[bytes], writing) -> int:
+    """Load the entry while ``writing()`` is true; return how many loads found it.
+
+    With atomic renames the entry, once there, is always whole: a load never returns a torn file
+    (the checksum would turn that into a miss) and never misses after a hit.
+    """
+    hits = 0
+    while writing():
+        loaded = cache.load(DIGEST)
+        if loaded is None:
+            assert hits == 0, "the entry was missing or torn after it had been written whole"
+        else:
+            assert loaded in payloads, "a load returned bytes no writer wrote"
+            hits += 1
+    return hits
+
+
+def test_concurrent_threads_leave_a_whole_entry(tmp_path):
+    cache = kernels.KernelCache(tmp_path)
+    # Different lengths, so a file mixing two writers could not pass for either.
+    payloads = [bytes([i]) * (100_000 + 1000 * i) for i in range(8)]
+    start = threading.Barrier(len(payloads))
+    errors = []
+
+    def writer(payload: bytes) -> None:
+        try:
+            start.wait()
+            for _ in range(50):
+                cache.save(DIGEST, payload)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(p,)) for p in payloads]
+    for thread in threads:
+        thread.start()
+    poll_entry(cache, payloads, lambda: any(t.is_alive() for t in threads))
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert cache.load(DIGEST) in payloads
+    assert temp_files(tmp_path) == []
+
+
+_WRITER = """
+import sys
+from mooncake_ep.kernels import KernelCache
+cache, index = KernelCache(sys.argv[1]), int(sys.argv[2])
+payload = bytes([index]) * (150_000 + 1000 * index)
+for _ in range(200):
+    cache.save(sys.argv[3], payload)
+"""
+
+
+def test_concurrent_processes_never_expose_a_torn_entry(tmp_path):
+    """Four ranks warming one cache at once, and a reader polling it throughout."""
+    num_writers = 4
+    payloads = [bytes([i]) * (150_000 + 1000 * i) for i in range(num_writers)]
+    cache = kernels.KernelCache(tmp_path)
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(i), DIGEST], cwd=REPO_ROOT,
+                                stderr=subprocess.PIPE, text=True) for i in range(num_writers)]
+    try:
+        poll_entry(cache, payloads, lambda: any(w.poll() is None for w in writers))
+    finally:
+        for w in writers:
+            w.wait(timeout=PROCESS_LIMIT_S)
+    assert [w.returncode for w in writers] == [0] * num_writers, [w.stderr.read() for w in writers]
+    assert cache.load(DIGEST) in payloads
+    assert temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["under a file", "is a file"])
+def test_check_writable_names_the_folder_and_the_variable(where, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    directory = blocker / "cache" if where == "under a file" else blocker
+    with pytest.raises(OSError) as info:
+        kernels.KernelCache(directory).check_writable()
+    assert str(directory) in str(info.value) and "MOONCAKE_EP_CACHE_DIR" in str(info.value)
+    kernels.KernelCache(tmp_path / "x" / "y").check_writable()  # creates what is missing
+    assert (tmp_path / "x" / "y").is_dir() and temp_files(tmp_path / "x" / "y") == []
+
+
+# --- kernels.warmup --------------------------------------------------------------------------------
+
+
+@needs_nvrtc
+def test_warmup_dedupes_and_loads_a_warm_cache(warm, monkeypatch):
+    def no_compile(key):
+        raise AssertionError(f"compiled {key} although the cache holds it")
+
+    monkeypatch.setattr(kernels, "compile_kernel", no_compile)
+    keys = all_keys()
+    seen = []
+    results = kernels.warmup(keys + keys[::-1], kernels.KernelCache(warm.cache_dir), num_workers=3,
+                             progress=seen.append)
+    assert [r.key.digest for r in results] == [k.digest for k in keys]
+    assert {r.status for r in results} == {"cached"} and len(seen) == len(keys)
+
+
+# --- (d) python -m mooncake_ep warmup --------------------------------------------------------------
+
+
+@needs_nvrtc
+def test_warmup_twice_compiles_nothing_the_second_time(warm):
+    assert warm.cold.returncode == 0, warm.cold.stdout + warm.cold.stderr
+    num_keys = len(all_keys())
+    assert summary(warm.cold) == (num_keys, 0, 0)
+    again = run_cli("warmup", "--arch", ARCH, "--cache-dir", str(warm.cache_dir), env=warm.env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert summary(again) == (0, num_keys, 0)
+    # The runtime path (what Buffer calls) finds every key the warm-up stored: same keys, same digests.
+    cache = kernels.KernelCache(warm.cache_dir)
+    for key in all_keys():
+        cubin, compiled = kernels.get_cubin(key, cache)
+        assert not compiled, key
+        assert cubin.startswith(ELF_MAGIC)
+    assert temp_files(warm.cache_dir) == []
+
+
+@needs_nvrtc
+def test_warmup_shapes_share_the_same_variants(warm, tmp_path):
+    """Representative shapes (decode and prefill sizes, single GPU and multi-node) need no new kernels."""
+    configs = [
+        {"hidden": 7168, "topk": 8, "experts": 256, "ranks": 8, "tokens": 128, "fp8": True},
+        {"hidden": 4096, "topk": 2, "experts": 8, "ranks": 8, "tokens": 512, "fp8": False},
+        {"hidden": 2048, "topk": 6, "experts": 64, "ranks": 32, "tokens": 64},
+        {"hidden": 128, "topk": 16, "experts": 1024, "ranks": 64, "tokens": 1},
+        {"hidden": 1024, "topk": 4, "experts": 32, "ranks": 4, "tokens": 64, "single_gpu": True},
+    ]
+    config_path = tmp_path / "models.json"
+    config_path.write_text(json.dumps(configs))
+    proc = run_cli("warmup", "--arch", ARCH, "--cache-dir", str(warm.cache_dir), "--config", str(config_path),
+                   "--json", str(tmp_path / "report.json"), env=warm.env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary(proc) == (0, len(all_keys()), 0)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["configurations"]) == len(configs)
+    assert report["configurations"][-1]["sys_scopes"] == [False]
+    assert {k["status"] for k in report["kernels"]} == {"cached"}
+
+
+@needs_nvrtc
+def test_warmup_single_scope_compiles_only_its_kernels(warm, tmp_path, capsys):
+    assert cli.main(["warmup", "--arch", ARCH, "--cache-dir", str(warm.cache_dir), "--scope", "gpu",
+                     "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    expected = {key.digest for key in kernels.low_latency_keys(ARCH, sys_scope=False)}
+    assert {k["digest"] for k in report["kernels"]} == expected
+    assert SUMMARY_RE.search(capsys.readouterr().out).groups() == ("0", str(len(expected)), "0")
+
+
+@needs_nvrtc
+def test_warmup_reports_a_compile_failure_with_its_log(tmp_path, monkeypatch, capsys):
+    def broken(key):
+        raise kernels.KernelCompileError(key, f'{key.file}(42): error: identifier "kBroken" is undefined')
+
+    monkeypatch.setattr(kernels, "compile_kernel", broken)
+    code = cli.main(["warmup", "--arch", ARCH, "--scope", "sys", "--cache-dir", str(tmp_path / "c"),
+                     "--json", str(tmp_path / "r.json")])
+    out, err = capsys.readouterr()
+    assert code == 1
+    num_keys = len(kernels.low_latency_keys(ARCH))
+    assert SUMMARY_RE.search(out).groups() == ("0", "0", str(num_keys))
+    assert 'll_dispatch.cu(42): error: identifier "kBroken" is undefined' in err
+    assert "EP_USE_FP8" in err  # the message names the variant's macros
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["failed"] == num_keys and all("kBroken" in k["log"] for k in report["kernels"])
+    assert not list((tmp_path / "c").glob("*.cubin"))
+
+
+# --- (e) bad input: a clear message, a non-zero exit, nothing compiled -----------------------------
+
+
+def _blocked(tmp_path: Path) -> Path:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    return blocker
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arch", "sm_5x"], "'sm_5x'"),
+    (["--arch", "garbage"], "'garbage'"),
+    (["--arch", "sm_50"], "sm_70 or newer"),
+    (["--arch", "sm_90,,sm_80"], "comma-separated"),
+    pytest.param(["--arch", "sm_99"], "cannot compile for sm_99", marks=needs_nvrtc),  # well formed, unknown to NVRTC
+    (["--hidden", "1000"], "--hidden must be a multiple of 128, got 1000"),
+    (["--experts", "100"], "--experts must be a multiple of --ranks=8, got 100"),
+    (["--ranks", "128", "--experts", "256"], "--ranks must be <= 64"),
+    (["--experts", "2048", "--ranks", "8"], "--experts must be <= 1024"),
+    (["--topk", "17"], "--topk must be an int in [1, 16], got 17"),
+    (["--topk", "0"], "--topk"),
+    (["--tokens", "0"], "--tokens must be >= 1"),
+    (["--jobs", "0"], "--jobs"),
+])
+def test_bad_flags_exit_2_naming_the_flag(argv, message, tmp_path, capsys):
+    argv = ["--arch", ARCH, *argv] if "--arch" not in argv else argv
+    assert cli.main(["warmup", "--cache-dir", str(tmp_path / "c"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and message in err
+    assert not (tmp_path / "c").exists() or not list((tmp_path / "c").iterdir())
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("where", ["under a file", "is a file"])
+def test_unwritable_cache_dir_is_refused_before_compiling(where, tmp_path, monkeypatch, capsys):
+    blocker = _blocked(tmp_path)
+    directory = blocker / "cache" if where == "under a file" else blocker
+    monkeypatch.setattr(kernels, "compile_kernel", lambda key: pytest.fail("compiled before checking the cache"))
+    assert cli.main(["warmup", "--arch", ARCH, "--cache-dir", str(directory)]) != 0
+    err = capsys.readouterr().err
+    assert str(directory) in err and "MOONCAKE_EP_CACHE_DIR" in err and "--cache-dir" in err
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"hidden": 7168, "topk": 8,}', "not valid JSON"),
+    ("", "not valid JSON"),
+    ("[]", "non-empty list of objects"),
+    ("[1, 2]", "non-empty list of objects"),
+    ('[{"hidden": 7168}, {"hiden": 4096}]', "configuration 1: unknown key 'hiden'"),
+    ('{"hidden": 1000}', "hidden must be a multiple of 128, got 1000"),
+    ('{"hidden": "7168"}', "hidden must be an int, got str"),
+    ('{"experts": 100, "ranks": 8}', "experts must be a multiple of"),
+    ('{"topk": 32}', "topk must be an int in [1, 16], got 32"),
+    ('{"fp8": "yes"}', "fp8 must be true or false"),
+    ('{"single_gpu": 1}', "single_gpu must be true or false"),
+])
+def test_bad_config_exits_2_naming_the_problem(text, message, tmp_path, capsys):
+    config_path = tmp_path / "models.json"
+    config_path.write_text(text)
+    assert cli.main(["warmup", "--arch", ARCH, "--cache-dir", str(tmp_path / "c"), "--config", str(config_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(config_path) in err and message in err
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    assert cli.main(["warmup", "--arch", ARCH, "--config", str(tmp_path / "nope.json")]) == 2
+    assert "nope.json: cannot read it" in capsys.readouterr().err
+
+
+@needs_nvrtc
+def test_bad_input_in_a_subprocess_exits_non_zero(tmp_path):
+    """The real entry point: the message reaches stderr and the exit code the shell."""
+    proc = run_cli("warmup", "--arch", ARCH, "--hidden", "1000", "--cache-dir", str(tmp_path / "c"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--hidden must be a multiple of 128, got 1000" in proc.stderr
+    proc = run_cli("warmup", "--arch", "sm_5x", "--cache-dir", str(tmp_path / "c"))
+    assert proc.returncode == 2 and "sm_5x" in proc.stderr
