@@ -1,0 +1,450 @@
+"""The TCP store behind :class:`mooncake_ep.group.TCPGroup`: a key-value server and its client.
+
+Standard library only. Rank 0 serves the store from a daemon thread (:class:`TCPStoreServer`);
+every rank talks to it through one connection (:class:`TCPStoreClient`). Keys are strings, values
+bytes; ``wait`` blocks server-side until the keys appear, so it costs one round trip, not polling.
+
+Wire format, one request and one reply at a time per connection::
+
+    request: op u8, payload length u32, payload    reply: status u8, body length u32, body
+    payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars
+
+Users import :class:`TCPStoreServer`, :class:`TCPStoreClient` and :class:`StoreTimeoutError` from
+:mod:`mooncake_ep.group`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import logging
+import socket
+import socketserver
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from mooncake_ep._group_common import (
+    DEFAULT_TIMEOUT_S,
+    GroupError,
+    _check_data,
+    _check_port,
+    _check_timeout,
+    _wait_arg,
+)
+
+__all__ = ["StoreTimeoutError", "TCPStoreClient", "TCPStoreServer"]
+
+logger = logging.getLogger("mooncake_ep")
+
+# Connection attempts to a store that is not up yet back off from the first to the second value.
+_CONNECT_RETRY_FIRST_S = 0.01
+_CONNECT_RETRY_MAX_S = 0.5
+# How often the store's accept loop checks for shutdown (bounds how long close() takes).
+_SERVE_POLL_S = 0.05
+# close() lets requests already woken by it (waits answered "closed") send their replies this long.
+_CLOSE_REPLY_S = 1.0
+# A client allows the store this long beyond a server-side wait before it calls the link dead.
+_REPLY_SLACK_S = 10.0
+# Bumped whenever the store protocol or the collective framing changes; ranks must agree.
+_PROTOCOL_VERSION = 1
+
+# Store wire format. Request: header (op, payload bytes) + payload; reply: (status, bytes) + body.
+# Payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars.
+_HEADER = struct.Struct("!BI")
+_U8, _U16, _U32 = struct.Struct("!B"), struct.Struct("!H"), struct.Struct("!I")
+_I64, _F64 = struct.Struct("!q"), struct.Struct("!d")
+_OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE = 1, 2, 3, 4
+_OK, _TIMEOUT, _ERROR, _CLOSED = 0, 1, 2, 3
+
+
+class _StoreWaitError(GroupError):
+    """A store wait ended with keys still missing; ``missing_keys`` lists them in asked order."""
+
+    def __init__(self, message: str, missing_keys: list[str]) -> None:
+        super().__init__(message)
+        self.missing_keys = missing_keys
+
+
+class StoreTimeoutError(_StoreWaitError):
+    """A store wait ran out of time.
+
+    Attributes:
+        missing_keys: the keys still absent when the wait gave up, in the order they were asked for.
+    """
+
+
+class _StoreClosedError(_StoreWaitError):
+    """A store wait was cut short because the server closed (rank 0 closed its group or exited)."""
+
+
+# The public home of the error is mooncake_ep.group (tracebacks and pickles name it there).
+StoreTimeoutError.__module__ = "mooncake_ep.group"
+
+
+# ----------------------------------------------------------------------------- wire format
+
+
+def _pack_key(key: str) -> bytes:
+    raw = key.encode()
+    if len(raw) > 0xFFFF:
+        raise ValueError(f"TCPStoreClient: key must be at most 65535 UTF-8 bytes, got {len(raw)}")
+    return _U16.pack(len(raw)) + raw
+
+
+def _pack_blob(value: bytes) -> bytes:
+    if len(value) > 0xFFFFFFFF:
+        raise ValueError(f"TCPStoreClient: value must be below 4 GiB, got {len(value)} bytes")
+    return _U32.pack(len(value)) + value
+
+
+class _Reader:
+    """Reads the fields of one payload in order; a short or malformed payload raises ValueError."""
+
+    def __init__(self, payload: bytes) -> None:
+        self._view, self._pos = memoryview(payload), 0
+
+    def _take(self, size: int) -> bytes:
+        if self._pos + size > len(self._view):
+            raise ValueError("truncated message")
+        chunk = bytes(self._view[self._pos:self._pos + size])
+        self._pos += size
+        return chunk
+
+    def scalar(self, fmt: struct.Struct) -> Any:
+        return fmt.unpack(self._take(fmt.size))[0]
+
+    def key(self) -> str:
+        return self._take(self.scalar(_U16)).decode()
+
+    def blob(self) -> bytes:
+        return self._take(self.scalar(_U32))
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("connection closed by the other side")
+        got += n
+    return bytes(buf)
+
+
+# ----------------------------------------------------------------------------- server
+
+
+class _StoreHandler(socketserver.BaseRequestHandler):
+    """Serves one client connection: request, reply, until the client hangs up."""
+
+    server: _StoreTCPServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        store = self.server.store
+        store._connected(sock, +1)
+        try:
+            while True:
+                try:
+                    op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+                except ConnectionError:
+                    return  # the client closed: the normal end
+                request = _recv_exact(sock, length)
+                store._busy(+1)
+                try:
+                    status, body = store._serve(op, request)
+                    sock.sendall(_HEADER.pack(status, len(body)) + body)
+                finally:
+                    store._busy(-1)
+        except OSError as exc:
+            logger.debug("TCPStoreServer: dropped a client: %s", exc)
+        finally:
+            store._connected(sock, -1)
+
+
+class _StoreTCPServer(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True  # SO_REUSEADDR: a restarted job may rebind while old sockets linger
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], family: int, store: TCPStoreServer) -> None:
+        self.address_family = family
+        self.store = store
+        super().__init__(address, _StoreHandler)
+
+
+class TCPStoreServer:
+    """A key-value store served from a daemon thread of this process (rank 0's, in a TCPGroup).
+
+    Keys are strings, values bytes. Clients block server-side in ``wait`` until their keys appear,
+    so a wait costs one round trip, not polling.
+
+    Args:
+        host: address to listen on (MASTER_ADDR); must be an address of this host.
+        port: TCP port (MASTER_PORT); 0 picks a free one, read back from :attr:`port`.
+
+    Raises:
+        GroupError: the port is taken, or ``host`` is not an address of this host.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        port = _check_port("TCPStoreServer", port, "port", minimum=0)
+        self.host = host
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+        self._closing = False
+        self._clients: set[socket.socket] = set()
+        self._num_busy = 0  # requests read and not yet answered
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            self._server = _StoreTCPServer((host, port), family, self)
+        except socket.gaierror as exc:
+            raise GroupError(f"TCPStoreServer: cannot resolve MASTER_ADDR {host!r}: {exc}") from exc
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise GroupError(
+                    f"TCPStoreServer: cannot listen on {host}:{port}: the port is already in use "
+                    f"(another job, or a previous run still holding it); set MASTER_PORT to a free "
+                    f"port on every rank, e.g. MASTER_PORT={_free_port(host)}") from exc
+            raise GroupError(
+                f"TCPStoreServer: cannot listen on {host}:{port}: {exc}; MASTER_ADDR must be an "
+                f"address of rank 0's host") from exc
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": _SERVE_POLL_S},
+            name=f"mooncake_ep-store-{self.port}", daemon=True)
+        self._thread.start()
+        # At interpreter exit, answer the peers' pending waits ("closed") before the daemon
+        # threads die, so they learn which ranks they were waiting for instead of a bare reset.
+        atexit.register(self.close)
+        logger.debug("TCPStoreServer: listening on %s:%d", host, self.port)
+
+    def __enter__(self) -> TCPStoreServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self, wait_for_clients_s: float = 0.0) -> None:
+        """Stop serving. Idempotent.
+
+        Args:
+            wait_for_clients_s: seconds to wait for connected clients to hang up first (so a
+                peer still reading its last reply is not cut off); 0 closes at once.
+        """
+        deadline = time.monotonic() + wait_for_clients_s
+        with self._cond:
+            if self._closing:
+                return
+            self._cond.wait_for(lambda: not self._clients,
+                                timeout=_wait_arg(max(0.0, deadline - time.monotonic())))
+            self._closing = True  # wakes any waiter: it answers CLOSED
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._num_busy == 0, timeout=_CLOSE_REPLY_S)
+            left = list(self._clients)
+        atexit.unregister(self.close)
+        self._server.shutdown()
+        self._server.server_close()
+        for sock in left:  # ends the handler threads blocked in recv
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join()
+        logger.debug("TCPStoreServer: closed %s:%d", self.host, self.port)
+
+    def _connected(self, sock: socket.socket, delta: int) -> None:
+        with self._cond:
+            (self._clients.add if delta > 0 else self._clients.discard)(sock)
+            self._cond.notify_all()
+
+    def _busy(self, delta: int) -> None:
+        with self._cond:
+            self._num_busy += delta
+            self._cond.notify_all()
+
+    def _serve(self, op: int, payload: bytes) -> tuple[int, bytes]:
+        """One request: returns (status, reply body)."""
+        try:
+            reader = _Reader(payload)
+            if op == _OP_SET:
+                key, value = reader.key(), reader.blob()
+                with self._cond:
+                    self._data[key] = value
+                    self._cond.notify_all()
+                return _OK, b""
+            if op == _OP_ADD:
+                key, amount = reader.key(), reader.scalar(_I64)
+                with self._cond:
+                    try:
+                        total = int(self._data.get(key, b"0")) + amount
+                    except ValueError:
+                        return _ERROR, f"add: key {key!r} holds a value that is not a counter".encode()
+                    self._data[key] = str(total).encode()
+                    self._cond.notify_all()
+                return _OK, _I64.pack(total)
+            if op == _OP_WAIT:
+                timeout_s, want_values = reader.scalar(_F64), reader.scalar(_U8)
+                keys = [reader.key() for _ in range(reader.scalar(_U32))]
+                with self._cond:
+                    self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys),
+                                        timeout=_wait_arg(timeout_s))
+                    missing = [i for i, k in enumerate(keys) if k not in self._data]
+                    if missing:
+                        body = _U32.pack(len(missing)) + b"".join(_U32.pack(i) for i in missing)
+                        return (_CLOSED if self._closing else _TIMEOUT), body
+                    values = [self._data[k] for k in keys] if want_values else []
+                return _OK, b"".join(_pack_blob(v) for v in values)
+            if op == _OP_DELETE:
+                key = reader.key()
+                with self._cond:
+                    existed = self._data.pop(key, None) is not None
+                return _OK, _U8.pack(existed)
+            return _ERROR, f"unknown op {op}".encode()
+        except (ValueError, struct.error, UnicodeDecodeError) as exc:
+            return _ERROR, f"malformed request (op {op}): {exc}".encode()
+
+
+def _free_port(host: str) -> int | str:
+    """A port the OS says is free now (only a suggestion for an error message)."""
+    try:
+        with socket.create_server((host, 0)) as probe:
+            return probe.getsockname()[1]
+    except OSError:
+        return "<a free port>"
+
+
+# ----------------------------------------------------------------------------- client
+
+
+class TCPStoreClient:
+    """A connection to a :class:`TCPStoreServer`. Thread-safe (one request at a time).
+
+    Args:
+        host: the server's address (MASTER_ADDR).
+        port: the server's port (MASTER_PORT).
+        timeout_s: seconds to keep retrying the connection (the server may start later), and
+            the limit for requests that do not wait for keys.
+        who: names this client in error messages (e.g. ``"rank 3"``).
+
+    Raises:
+        GroupError: no connection within ``timeout_s``.
+    """
+
+    def __init__(self, host: str, port: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 who: str = "TCPStoreClient") -> None:
+        self.host, self.port = host, _check_port("TCPStoreClient", port, "port")
+        self.timeout_s = _check_timeout("TCPStoreClient", timeout_s)
+        self._who = who
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        deadline = time.monotonic() + self.timeout_s
+        delay = _CONNECT_RETRY_FIRST_S
+        while True:
+            try:
+                self._sock = socket.create_connection(
+                    (host, port), timeout=_wait_arg(self.timeout_s))
+                break
+            except OSError as exc:  # refused (server not up yet), unreachable, unresolvable
+                if time.monotonic() + delay > deadline:
+                    raise GroupError(
+                        f"{who}: could not connect to the store at {host}:{port} within "
+                        f"{self.timeout_s} s ({exc}); rank 0 serves it: check that rank 0 is "
+                        f"running and that MASTER_ADDR and MASTER_PORT match on every rank") from exc
+                time.sleep(delay)
+                delay = min(2 * delay, _CONNECT_RETRY_MAX_S)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        logger.debug("%s: connected to the store at %s:%d", who, host, port)
+
+    def __enter__(self) -> TCPStoreClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Hang up. Idempotent."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` (replacing any value), waking the waiters on it."""
+        self._request(_OP_SET, _pack_key(key) + _pack_blob(_check_data("TCPStoreClient.set", value)))
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the counter ``key`` (absent = 0); returns the new value."""
+        _, body = self._request(_OP_ADD, _pack_key(key) + _I64.pack(amount))
+        return _I64.unpack(body)[0]
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; returns whether it existed."""
+        _, body = self._request(_OP_DELETE, _pack_key(key))
+        return bool(_U8.unpack(body)[0])
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        """The value of ``key``, waiting up to ``timeout_s`` seconds for it to be set.
+
+        Raises:
+            StoreTimeoutError: ``key`` was not set in time.
+        """
+        return self.multi_get([key], timeout_s)[0]
+
+    def wait(self, keys: Sequence[str], timeout_s: float) -> None:
+        """Return once every key in ``keys`` is set.
+
+        Raises:
+            StoreTimeoutError: some keys were not set within ``timeout_s`` seconds; its
+                ``missing_keys`` lists them.
+        """
+        self._wait("TCPStoreClient.wait", keys, timeout_s, want_values=False)
+
+    def multi_get(self, keys: Sequence[str], timeout_s: float) -> list[bytes]:
+        """Wait as :meth:`wait` does, then return the values of ``keys`` in order (one round trip)."""
+        return self._wait("TCPStoreClient.multi_get", keys, timeout_s, want_values=True)
+
+    def _wait(self, where: str, keys: Sequence[str], timeout_s: float, want_values: bool) -> list[bytes]:
+        timeout_s = _check_timeout(where, timeout_s)
+        keys = list(keys)
+        payload = (_F64.pack(timeout_s) + _U8.pack(want_values) + _U32.pack(len(keys))
+                   + b"".join(_pack_key(k) for k in keys))
+        status, body = self._request(_OP_WAIT, payload, wait_s=timeout_s)
+        reader = _Reader(body)
+        if status != _OK:
+            missing = [keys[reader.scalar(_U32)] for _ in range(reader.scalar(_U32))]
+            if status == _CLOSED:
+                raise _StoreClosedError(
+                    f"{where}: the store at {self.host}:{self.port} closed (rank 0 closed its group or "
+                    f"exited) while waiting for keys {missing}", missing)
+            raise StoreTimeoutError(
+                f"{where}: timed out after {timeout_s} s waiting for keys {missing}", missing)
+        return [reader.blob() for _ in keys] if want_values else []
+
+    def _request(self, op: int, payload: bytes, wait_s: float = 0.0) -> tuple[int, bytes]:
+        """Send one request, read its reply. A broken link closes the socket for good."""
+        where = f"{self._who}: store at {self.host}:{self.port}"
+        # The server answers a wait itself when wait_s runs out; past the slack the link is dead.
+        io_timeout = (wait_s + _REPLY_SLACK_S) if wait_s else self.timeout_s
+        with self._lock:
+            if self._sock is None:
+                raise GroupError(f"{where}: the connection is closed")
+            try:
+                self._sock.settimeout(_wait_arg(io_timeout))
+                self._sock.sendall(_HEADER.pack(op, len(payload)) + payload)
+                status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
+                body = _recv_exact(self._sock, length)
+            except OSError as exc:  # includes timeouts: a late reply would desynchronise the stream
+                self._sock.close()
+                self._sock = None
+                raise GroupError(f"{where}: lost the connection ({exc}); rank 0's process, which "
+                                 f"serves the store, may have exited") from exc
+        if status == _ERROR:
+            raise GroupError(f"{where}: {body.decode(errors='replace')}")
+        if status == _CLOSED and op != _OP_WAIT:
+            raise GroupError(f"{where}: the store is shutting down (rank 0 closed its group)")
+        return status, body
