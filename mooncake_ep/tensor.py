@@ -12,21 +12,38 @@ Example::
         raise TypeError(f"dispatch: x must be bfloat16, got {view.dtype}")
     launch(view.ptr, ...)
 
-The capsule reader is our own (ctypes over the structs of ``dlpack.h``), so no framework is
-imported here: torch is imported only when a torch tensor arrives, for its fast path.
+The capsule reader is our own (ctypes over the structs of ``dlpack.h``, in
+:mod:`mooncake_ep._dlpack`), so no framework is imported here: torch is imported only when a
+torch tensor arrives, for its fast path.
 """
 
 from __future__ import annotations
 
-import ctypes
-import enum
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from mooncake_ep import _dlpack
+
+# ABI facts, defined in _dlpack and part of this module's surface: DLPACK_VERSION,
+# MIN_DLPACK_VERSION and the enums are in __all__; tests and callers also reach the structs here.
+from mooncake_ep._dlpack import (  # noqa: F401  (re-exported)
+    DLPACK_FLAG_BITMASK_IS_COPIED,
+    DLPACK_FLAG_BITMASK_READ_ONLY,
+    DLPACK_VERSION,
+    MIN_DLPACK_VERSION,
+    DLDataType,
+    DLDataTypeCode,
+    DLDevice,
+    DLDeviceType,
+    DLManagedTensor,
+    DLManagedTensorVersioned,
+    DLPackVersion,
+    DLTensor,
+)
 
 __all__ = [
     "DLPACK_VERSION",
@@ -43,39 +60,6 @@ __all__ = [
     "numpy_dtype",
 ]
 
-_logger = logging.getLogger("mooncake_ep")
-
-# The newest DLPack we speak: 1.1 added kDLFloat8_e4m3fn (code 10), which fp8 dispatch needs.
-DLPACK_VERSION = (1, 1)
-# The oldest DLPack whose capsules we read and write: kDLBool (code 6) arrived in 0.8; the legacy
-# DLManagedTensor layout has not changed since. A versioned capsule must have our major version.
-MIN_DLPACK_VERSION = (0, 8)
-
-# DLManagedTensorVersioned.flags bits (dlpack.h).
-DLPACK_FLAG_BITMASK_READ_ONLY = 1 << 0
-DLPACK_FLAG_BITMASK_IS_COPIED = 1 << 1
-
-
-class DLDeviceType(enum.IntEnum):
-    """``DLDeviceType`` of ``dlpack.h``, the device types we accept."""
-
-    kDLCPU = 1
-    kDLCUDA = 2
-    kDLCUDAHost = 3  # pinned host memory (cudaMallocHost)
-    kDLCUDAManaged = 13  # unified memory (cudaMallocManaged)
-
-
-class DLDataTypeCode(enum.IntEnum):
-    """``DLDataTypeCode`` of ``dlpack.h``, the codes we accept."""
-
-    kDLInt = 0
-    kDLUInt = 1
-    kDLFloat = 2
-    kDLBfloat = 4
-    kDLBool = 6
-    kDLFloat8_e4m3fn = 10  # DLPack 1.1
-
-
 # DLPack device type -> our device_type. Pinned host memory is host memory: numpy can view it,
 # and producers route it through their CPU exporter (which refuses a stream). Managed memory is
 # addressed by kernels on its device_id, so it reads as "cuda".
@@ -85,8 +69,6 @@ DLPACK_DEVICE_TYPES: dict[int, str] = {
     DLDeviceType.kDLCUDAHost: "cpu",
     DLDeviceType.kDLCUDAManaged: "cuda",
 }
-_DEVICE_TYPE_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDAHost", 4: "OpenCL", 7: "Vulkan", 8: "Metal",
-                      10: "ROCM", 11: "ROCMHost", 13: "CUDAManaged", 14: "OneAPI"}
 
 # (DLPack type code, bits) -> our dtype name; lanes must be 1.
 DLPACK_DTYPES: dict[tuple[int, int], str] = {
@@ -136,111 +118,6 @@ def c_contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(int(extent), 1)
     return tuple(reversed(strides))
-
-
-# ---------------------------------------------------------------------------------------------
-# dlpack.h structs
-
-
-class DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),  # NULL = C-contiguous
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class DLManagedTensor(ctypes.Structure):
-    """Legacy (pre-1.0) managed tensor; capsule name ``"dltensor"``."""
-
-    _fields_ = [
-        ("dl_tensor", DLTensor),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),  # void (*)(DLManagedTensor *)
-    ]
-
-
-class DLPackVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class DLManagedTensorVersioned(ctypes.Structure):
-    """DLPack >= 1.0 managed tensor; capsule name ``"dltensor_versioned"``."""
-
-    _fields_ = [
-        ("version", DLPackVersion),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),  # void (*)(DLManagedTensorVersioned *)
-        ("flags", ctypes.c_uint64),  # DLPACK_FLAG_BITMASK_*
-        ("dl_tensor", DLTensor),
-    ]
-
-
-def _capi(symbol: str, restype: Any, *argtypes: Any) -> Any:
-    # ctypes.pythonapi[symbol] makes a fresh function object; ctypes.pythonapi.symbol would be the
-    # shared, cached one, and setting argtypes on it would change it for every other library.
-    function = ctypes.pythonapi[symbol]
-    function.restype = restype
-    function.argtypes = argtypes
-    return function
-
-
-_PyCapsule_GetName = _capi("PyCapsule_GetName", ctypes.c_char_p, ctypes.py_object)
-_PyCapsule_GetPointer = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.py_object,
-                              ctypes.c_char_p)
-_PyCapsule_IsValid = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
-# PyCapsule_SetName keeps the char * it is given, so names must outlive every capsule.
-_PyCapsule_SetName = _capi("PyCapsule_SetName", ctypes.c_int, ctypes.py_object, ctypes.c_void_p)
-_PyMem_RawMalloc = _capi("PyMem_RawMalloc", ctypes.c_void_p, ctypes.c_size_t)
-
-
-def _static_c_string(text: bytes) -> int:
-    """A NUL-terminated copy of ``text`` that is never freed (a capsule may die at exit)."""
-    address = _PyMem_RawMalloc(len(text) + 1)
-    if not address:
-        raise MemoryError("PyMem_RawMalloc failed for a capsule name")
-    ctypes.memmove(address, text + b"\0", len(text) + 1)
-    return address
-
-
-_LEGACY_NAME = b"dltensor"
-_VERSIONED_NAME = b"dltensor_versioned"
-_USED_LEGACY_NAME = _static_c_string(b"used_dltensor")
-_USED_VERSIONED_NAME = _static_c_string(b"used_dltensor_versioned")
-
-# Producers' deleters are called with the GIL held, as numpy and torch call them.
-_DELETER = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)
-
-
-class _ConsumedTensor:
-    """Owns a managed tensor taken out of a capsule: calls its deleter once, when collected.
-
-    ``__del__`` runs with any in-flight exception saved by CPython, so the producer's deleter
-    never sees one.
-    """
-
-    __slots__ = ("_managed_ptr", "_deleter", "__weakref__")
-
-    def __init__(self, managed_ptr: int, deleter_ptr: int | None) -> None:
-        self._managed_ptr = managed_ptr
-        self._deleter = _DELETER(deleter_ptr) if deleter_ptr else None
-
-    def __del__(self) -> None:
-        deleter, self._deleter = self._deleter, None
-        if deleter is not None:
-            deleter(self._managed_ptr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +253,6 @@ class ArrayView:
 
 _FRAMEWORK_OF_MODULE = {"numpy": "numpy", "torch": "torch", "jax": "jax", "jaxlib": "jax",
                         "cupy": "cupy", "cupy_backends": "cupy"}
-_streamless_producers_warned: set[type] = set()
 
 
 def _framework_of(obj: object) -> str:
@@ -395,7 +271,7 @@ def _dtype_from_dlpack(code: int, bits: int, lanes: int, name: str) -> str:
 def _device_from_dlpack(device_type: int, device_id: int, name: str) -> tuple[str, int]:
     ours = DLPACK_DEVICE_TYPES.get(device_type)
     if ours is None:
-        kind = _DEVICE_TYPE_NAMES.get(int(device_type), "unknown")
+        kind = _dlpack.DEVICE_TYPE_NAMES.get(int(device_type), "unknown")
         raise TypeError(f"{name} must be on a CPU or CUDA device, got DLPack device type "
                         f"{int(device_type)} ({kind})")
     return ours, (int(device_id) if ours == "cuda" else 0)
@@ -455,90 +331,19 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
                      framework="torch", keepalive=obj)
 
 
-def _export_capsule(obj: Any, name: str, stream: int | None) -> Any:
-    """Calls ``obj.__dlpack__`` with the arguments its producer accepts."""
-    exporter = getattr(obj, "__dlpack__", None)
-    if exporter is None:
-        raise TypeError(f"{name} must be an array with __dlpack__ (torch, JAX, cupy, numpy), "
-                        f"got {type(obj).__module__}.{type(obj).__qualname__}")
-    get_device = getattr(obj, "__dlpack_device__", None)
-    dl_device_type = get_device()[0] if get_device is not None else None
-    if dl_device_type in (DLDeviceType.kDLCUDA, DLDeviceType.kDLCUDAManaged) and stream is not None:
-        # DLPack: the producer makes `stream` wait for its pending writes. 1 = legacy default,
-        # 2 = per-thread default, -1 = no synchronisation; 0 is ambiguous and forbidden.
-        stream_kwargs = {"stream": 1 if stream == 0 else stream}
-    else:
-        # CPU and pinned-host producers take no stream: numpy raises RuntimeError, torch an
-        # AssertionError, JAX "UNIMPLEMENTED" for anything but None. Pinned torch tensors go
-        # through the CPU exporter (jax/_src/dlpack.py notes the same).
-        stream_kwargs = {}
-    try:
-        try:
-            return exporter(max_version=DLPACK_VERSION, **stream_kwargs)
-        except TypeError:
-            # Producers older than DLPack 1.0 (array API 2023) take no max_version; they only
-            # make legacy capsules. JAX takes it but still returns a legacy capsule.
-            try:
-                return exporter(**stream_kwargs)
-            except TypeError:
-                if not stream_kwargs:
-                    raise
-                # Producers with no stream parameter at all (TensorFlow's EagerTensor; see
-                # jax/_src/dlpack.py): the export cannot be ordered on our stream.
-                if type(obj) not in _streamless_producers_warned:
-                    _streamless_producers_warned.add(type(obj))
-                    _logger.warning("%s: %s.__dlpack__ takes no stream; its pending writes are "
-                                    "not ordered before our launch", name, type(obj).__qualname__)
-                return exporter()
-    except BufferError as error:
-        raise TypeError(f"{name}: {type(obj).__qualname__} refused to export through DLPack: "
-                        f"{error}") from error
-
-
-def _is_capsule(obj: object) -> bool:
-    return type(obj).__name__ == "PyCapsule" and type(obj).__module__ == "builtins"
-
-
 def _view_from_capsule(capsule: Any, obj: Any, name: str, framework: str) -> ArrayView:
     """Reads a DLPack capsule and consumes it; the returned view owns the managed tensor."""
-    capsule_name = _PyCapsule_GetName(capsule)
-    if capsule_name == _VERSIONED_NAME:
-        address = _PyCapsule_GetPointer(capsule, capsule_name)
-        managed: Any = DLManagedTensorVersioned.from_address(address)
-        version = (managed.version.major, managed.version.minor)
-        if version[0] != DLPACK_VERSION[0]:
-            # Not consumed: the capsule's own destructor frees it.
-            raise TypeError(f"{name}: DLPack {version[0]}.{version[1]} capsule, this reader "
-                            f"speaks DLPack {DLPACK_VERSION[0]}.x")
-        readonly = bool(managed.flags & DLPACK_FLAG_BITMASK_READ_ONLY)
-        used_name = _USED_VERSIONED_NAME
-    elif capsule_name == _LEGACY_NAME:
-        address = _PyCapsule_GetPointer(capsule, capsule_name)
-        managed = DLManagedTensor.from_address(address)
-        readonly = False  # a legacy capsule cannot say
-        used_name = _USED_LEGACY_NAME
-    else:
-        raise TypeError(f"{name}: __dlpack__ returned a capsule named {capsule_name!r}, expected "
-                        f"'dltensor' or 'dltensor_versioned' (a 'used_' name was consumed already)")
-    tensor = managed.dl_tensor
-    dtype = _dtype_from_dlpack(tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes, name)
-    device_type, device_id = _device_from_dlpack(tensor.device.device_type,
-                                                 tensor.device.device_id, name)
-    ndim = tensor.ndim
-    shape = tuple(tensor.shape[i] for i in range(ndim))
-    if tensor.strides:
-        strides = tuple(tensor.strides[i] for i in range(ndim))
-    else:
-        strides = c_contiguous_strides(shape)  # NULL strides: compact row-major
-    ptr = (tensor.data or 0) + tensor.byte_offset
-    # Consume, as the protocol says: rename first, so the capsule's destructor leaves the tensor
-    # to us, then own the deleter call.
-    if _PyCapsule_SetName(capsule, used_name) != 0:
-        raise RuntimeError(f"{name}: PyCapsule_SetName failed on a DLPack capsule")
-    owner = _ConsumedTensor(address, managed.deleter)
-    return ArrayView(obj=obj, ptr=ptr, shape=shape, strides=strides, dtype=dtype,
+    opened = _dlpack.open_capsule(capsule, name)
+    dtype = _dtype_from_dlpack(opened.code, opened.bits, opened.lanes, name)
+    device_type, device_id = _device_from_dlpack(opened.device_type, opened.device_id, name)
+    shape = opened.shape
+    # NULL strides: compact row-major
+    strides = opened.strides if opened.strides is not None else c_contiguous_strides(shape)
+    # Checked before consuming: a refused capsule stays with its producer's destructor.
+    owner = _dlpack.consume_capsule(capsule, opened, name)
+    return ArrayView(obj=obj, ptr=opened.ptr, shape=shape, strides=strides, dtype=dtype,
                      device_type=device_type, device_id=device_id, framework=framework,
-                     keepalive=owner, readonly=readonly)
+                     keepalive=owner, readonly=opened.readonly)
 
 
 def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
@@ -574,9 +379,9 @@ def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
         view = _read_torch(obj, name, stream)
         if view is not None:
             return view
-    if _is_capsule(obj):
+    if _dlpack.is_capsule(obj):
         return _view_from_capsule(obj, obj, name, "dlpack")
-    capsule = _export_capsule(obj, name, stream)
+    capsule = _dlpack.request_capsule(obj, name, stream)
     return _view_from_capsule(capsule, obj, name, _framework_of(obj))
 
 
@@ -684,30 +489,10 @@ class DeviceMemoryArray:
             raise BufferError(f"DeviceMemoryArray.__dlpack__: max_version must be at least "
                               f"{MIN_DLPACK_VERSION}, got {max_version}")
         versioned = max_version is not None and max_version[0] >= 1
-        # The managed tensor, its deleter and the capsule come from numpy's C exporter, over an
-        # unsigned-int array that never touches the memory and whose base holds the owner. A
-        # deleter or capsule destructor written in Python (a ctypes callback) is unsafe: it
-        # may run while an exception is being raised (a temporary tensor freed during unwind),
-        # and CPython then turns its return into a SystemError and loses that exception.
-        # numpy's C code saves and restores it. We then correct the device and the dtype code.
+        # numpy's C exporter makes the capsule (see _dlpack.build_capsule for why), over an
+        # unsigned-int array that never touches the memory and whose base holds the owner.
         raw = _numpy_over(self._ptr, self._shape, c_contiguous_strides(self._shape), self._dtype,
                           False, self._owner, raw_bits=True)
-        capsule = None
-        if versioned:
-            try:
-                capsule = raw.__dlpack__(max_version=DLPACK_VERSION)
-            except TypeError:
-                pass  # numpy < 2.1 exports legacy capsules only; consumers accept those too
-        if capsule is None:
-            capsule = raw.__dlpack__()
-        capsule_name = _PyCapsule_GetName(capsule)
-        address = _PyCapsule_GetPointer(capsule, capsule_name)
-        if capsule_name == _VERSIONED_NAME:
-            managed: Any = DLManagedTensorVersioned.from_address(address)
-            managed.version = DLPackVersion(*DLPACK_VERSION)
-        else:
-            managed = DLManagedTensor.from_address(address)
         code, bits = _DTYPE_TO_DLPACK[self._dtype]
-        managed.dl_tensor.dtype = DLDataType(code, bits, 1)
-        managed.dl_tensor.device = DLDevice(*self._dl_device)
-        return capsule
+        return _dlpack.build_capsule(raw, versioned=versioned, code=code, bits=bits,
+                                     dl_device=self._dl_device)
