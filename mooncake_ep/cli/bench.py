@@ -1,4 +1,4 @@
-"""``python -m mooncake_ep bench``: per-phase kernel time, bandwidth and the HBM floor.
+"""``python -m mooncake_ep bench``: per-phase kernel time, bandwidth, the HBM floor and a torch baseline.
 
 In-process ranks share the visible GPUs (one GPU: all ranks on it, each with its own stream and
 ``--num-sms`` SMs). Kernel times come from one CUDA graph per phase that holds every rank's launch
@@ -9,27 +9,90 @@ calls. Inputs rotate among ``--input-sets`` sets so that the L2 cache does not f
 The HBM floor of a phase is the fewest bytes it must move through device memory (dispatch: read
 each token once, write each copy once into recv_x; combine: read each expert output row once, write
 each combined token once), divided by the device-to-device copy bandwidth measured in the same run.
+
+Baseline (``--baseline``, on by default): the same dispatch and combine written with plain torch
+operations (mooncake_ep.cli.baseline: sort by expert, index_select, per-rank copies, index_add_),
+timed in the same run on the same input sets. It reads its counts on the host, so it cannot be
+captured in a graph: it is timed on eager calls, every rank's work issued from one thread on the
+current stream, with CUDA events around all ranks' work of a call. Each phase reports
+speedup_vs_baseline = baseline p50 / mooncake_ep p50 (zero-copy combine against the baseline's combine).
+
+Without a GPU, or with ``--backend reference``, the command runs on the numpy reference backend
+with a small default shape and times with time.perf_counter: host wall time, not kernel time
+(``"timer": "host"`` in the JSON; copy bandwidth and floors are null). The JSON schema is the same,
+so CI smoke-tests the command; the numbers say nothing about the kernels.
+
+``--plot PATH`` also sweeps tokens per rank over ``--sweep-tokens`` (one measurement per point) and
+draws p50 latency against tokens for dispatch and combine, mooncake_ep and the baseline, with the
+HBM floor on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import time
 
 import numpy as np
 
 import mooncake_ep as ep
+from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
 
 DEFAULTS_DECODE = dict(ranks=8, tokens=128, hidden=7168, topk=8, experts=256)
+# The reference backend is numpy on one host thread per rank: a shape it runs in milliseconds.
+DEFAULTS_REFERENCE = dict(ranks=2, tokens=16, hidden=256, topk=2, experts=8)
+PHASES = ("dispatch", "combine", "combine_zero_copy", "step")
+BASELINE_PHASES = ("dispatch", "combine", "step")
+# The baseline phase each phase is compared with: to the user a zero-copy combine is still a combine.
+BASELINE_OF = {"dispatch": "dispatch", "combine": "combine", "combine_zero_copy": "combine", "step": "step"}
+# Issue 7's range of tokens per rank: 1 to 512 for decode, up to 4096 for prefill.
+DEFAULT_SWEEP_TOKENS = "1,2,4,8,16,32,64,128,256,512"
+MAX_SWEEP_TOKENS = 4096
+# A progress bar appears only once a measurement has run this long (tqdm's delay): long runs only.
+PROGRESS_DELAY_S = 2.0
+# Host iterations timed for host time per call on the GPU path (after --warmup untimed ones).
+HOST_TIMED_CALLS = 20
+
+
+class ByBackend:
+    """A flag's default that depends on the backend: the decode shape on a GPU, a small one on the reference."""
+
+    def __init__(self, cuda: int, reference: int):
+        self.cuda = cuda
+        self.reference = reference
+
+    def __str__(self) -> str:  # what --help shows as the default
+        return f"{self.cuda} on a GPU, {self.reference} on the reference backend"
+
+    def resolve(self, backend: str) -> int:
+        return self.cuda if backend == "cuda" else self.reference
+
+
+def sweep_tokens(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` → ``(1, 2, 4)``: the tokens per rank of a sweep, each in ``[1, MAX_SWEEP_TOKENS]``."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,4,16, got {text!r}") from None
+    bad = [v for v in values if not 1 <= v <= MAX_SWEEP_TOKENS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"tokens per rank must be in [1, {MAX_SWEEP_TOKENS}], got {bad[0]}")
+    return tuple(sorted(set(values)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=DEFAULTS_DECODE["ranks"], help="in-process ranks")
-    parser.add_argument("--tokens", type=int, default=DEFAULTS_DECODE["tokens"], help="tokens per rank (T)")
-    parser.add_argument("--hidden", type=int, default=DEFAULTS_DECODE["hidden"])
-    parser.add_argument("--topk", type=int, default=DEFAULTS_DECODE["topk"])
-    parser.add_argument("--experts", type=int, default=DEFAULTS_DECODE["experts"])
+    def shape(name: str) -> ByBackend:
+        return ByBackend(DEFAULTS_DECODE[name], DEFAULTS_REFERENCE[name])
+
+    parser.add_argument("--backend", choices=("auto", "cuda", "reference"), default="auto",
+                        help="auto: the GPU kernels if a GPU is usable, else the numpy reference (host wall time)")
+    parser.add_argument("--ranks", type=int, default=shape("ranks"), help="in-process ranks")
+    parser.add_argument("--tokens", type=int, default=shape("tokens"), help="tokens per rank (T)")
+    parser.add_argument("--hidden", type=int, default=shape("hidden"), help="hidden size, a multiple of 128")
+    parser.add_argument("--topk", type=int, default=shape("topk"), help="experts per token")
+    parser.add_argument("--experts", type=int, default=shape("experts"), help="experts in all, a multiple of --ranks")
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="fp8 dispatch")
     parser.add_argument("--num-sms", type=int, default=None, help="SMs per rank (default: the GPU shared evenly)")
     parser.add_argument("--routing", choices=("uniform", "zipf", "k_hot"), default="uniform")
@@ -40,7 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=200, help="timed replays per phase")
     parser.add_argument("--input-sets", type=int, default=4, help="input sets rotated between replays")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the same dispatch and combine written with plain torch operations")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
+    parser.add_argument("--plot", metavar="PATH", default=None,
+                        help="sweep tokens per rank over --sweep-tokens and draw latency against tokens (PNG)")
+    parser.add_argument("--sweep-tokens", type=sweep_tokens, default=DEFAULT_SWEEP_TOKENS, metavar="T,T,...",
+                        help=f"tokens per rank of the --plot sweep, each in [1, {MAX_SWEEP_TOKENS}]")
 
 
 def route(rng: np.random.Generator, args, num_tokens: int) -> np.ndarray:
@@ -69,12 +138,148 @@ def percentiles(times_us: list[float]) -> dict:
             "p99_us": float(np.percentile(values, 99))}
 
 
-def run(args) -> int:
+def bytes_moved(args, copies: float) -> tuple[dict, dict]:
+    """Per phase, ``(the HBM floor's bytes, bytes by DeepEP's rule)`` for ``copies`` token copies."""
+    tokens = args.ranks * args.tokens
+    hidden = args.hidden
+    scale_bytes = hidden // 128 * 4
+    dispatch_copy_bytes = (hidden + scale_bytes) if args.fp8 else 2 * hidden
+    # The fewest bytes each phase must move through HBM, whatever the protocol: read every token
+    # once and write every copy once (dispatch); read every expert output row once and write every
+    # combined token once (combine, with or without zero-copy: the copy into the workspace is
+    # this implementation's cost, not the floor's).
+    combine_floor = copies * 2 * hidden + tokens * 2 * hidden
+    floor_bytes = {
+        "dispatch": tokens * 2 * hidden + copies * dispatch_copy_bytes,
+        "combine": combine_floor,
+        "combine_zero_copy": combine_floor,
+    }
+    floor_bytes["step"] = floor_bytes["dispatch"] + floor_bytes["combine"]
+    deepep_bytes = {
+        "dispatch": copies * ((hidden + scale_bytes + 16) if args.fp8 else (2 * hidden + 16)),
+        "combine": copies * 2 * hidden,
+        "combine_zero_copy": copies * 2 * hidden,
+    }
+    deepep_bytes["step"] = deepep_bytes["dispatch"] + deepep_bytes["combine"]
+    return floor_bytes, deepep_bytes
+
+
+def make_input_sets(args, rng: np.random.Generator, devices: list[str], torch) -> list[list[dict]]:
+    """``--input-sets`` sets of every rank's inputs (tokens, routing, weights, expert outputs) on ``devices``."""
+    num_local = args.experts // args.ranks
+    sets = []
+    for _ in range(args.input_sets):
+        per_rank = []
+        for r in range(args.ranks):
+            device = devices[r]
+            topk = route(rng, args, args.tokens)
+            per_rank.append(dict(
+                x=torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16),
+                topk=torch.from_numpy(topk).to(device),
+                weights=torch.rand(args.tokens, args.topk, device=device),
+                expert_out=torch.randn(num_local, args.ranks * args.tokens, args.hidden,
+                                       device=device).to(torch.bfloat16),
+                active=torch.ones(args.ranks, dtype=torch.int32, device=device),
+                routes=topk,
+            ))
+        sets.append(per_rank)
+    return sets
+
+
+def mean_copies(sets: list[list[dict]]) -> float:
+    return float(np.mean([sum(int((inp["routes"] >= 0).sum()) for inp in per_rank) for per_rank in sets]))
+
+
+# --- the torch baseline ------------------------------------------------------------------------
+
+
+class CudaEventTimer:
+    """Times one call of every rank's work with events on the current stream (forked to other devices)."""
+
+    def __init__(self, torch, sets: list[list[dict]], iters: int):
+        self.torch = torch
+        self.origin = torch.cuda.current_stream()
+        devices = {inp["x"].device for inp in sets[0]}
+        self.others = [torch.cuda.current_stream(d) for d in sorted(devices, key=str) if d != self.origin.device]
+        self.starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        self.ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+
+    def start(self, i: int | None) -> None:
+        if i is not None:
+            self.starts[i].record(self.origin)
+        for s in self.others:
+            s.wait_stream(self.origin)
+
+    def stop(self, i: int | None) -> None:
+        for s in self.others:
+            self.origin.wait_stream(s)
+        if i is not None:
+            self.ends[i].record(self.origin)
+
+    def times_us(self) -> list[float]:
+        self.torch.cuda.synchronize()
+        return [start.elapsed_time(end) * 1e3 for start, end in zip(self.starts, self.ends)]
+
+
+class HostTimer:
+    """Times one call of every rank's work with time.perf_counter (host wall time)."""
+
+    def __init__(self, iters: int):
+        self.begun = [0.0] * iters
+        self.elapsed_us = [0.0] * iters
+
+    def start(self, i: int | None) -> None:
+        if i is not None:
+            self.begun[i] = time.perf_counter()
+
+    def stop(self, i: int | None) -> None:
+        if i is not None:
+            self.elapsed_us[i] = (time.perf_counter() - self.begun[i]) * 1e6
+
+    def times_us(self) -> list[float]:
+        return self.elapsed_us
+
+
+def time_baseline(args, sets: list[list[dict]], make_timer, progress) -> dict:
+    """p50/p90/p99 of the torch baseline per phase in :data:`BASELINE_PHASES`, on eager calls.
+
+    A combine answers an untimed baseline dispatch of the same input set, as on the kernels' side.
+    """
+    from mooncake_ep.cli import baseline
+
+    def dispatch(inputs):
+        return baseline.dispatch([inp["x"] for inp in inputs], [inp["topk"] for inp in inputs], args.tokens,
+                                 args.experts, use_fp8=args.fp8)
+
+    def combine(inputs, result):
+        baseline.combine([inp["expert_out"] for inp in inputs], [inp["weights"] for inp in inputs], result.layout)
+
+    stats = {}
+    for phase in BASELINE_PHASES:
+        timer = make_timer()
+        for i in range(args.warmup + args.iters):
+            inputs = sets[i % len(sets)]
+            timed = i - args.warmup if i >= args.warmup else None
+            if phase == "combine":
+                result = dispatch(inputs)
+            timer.start(timed)
+            if phase != "combine":
+                result = dispatch(inputs)
+            if phase != "dispatch":
+                combine(inputs, result)
+            timer.stop(timed)
+            progress.update(1)
+        stats[phase] = percentiles(timer.times_us())
+    return stats
+
+
+# --- measurements --------------------------------------------------------------------------------
+
+
+def measure_cuda(args, progress) -> dict:
+    """The report of one configuration on the GPU kernels (CUDA events)."""
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench: no CUDA GPU visible; the kernel benchmark needs one")
-        return 1
     num_gpus = torch.cuda.device_count()
     devices = [r % num_gpus for r in range(args.ranks)]
     group = ep.LocalGroup(args.ranks, devices=devices)
@@ -84,22 +289,7 @@ def run(args) -> int:
                for r in range(args.ranks)]
 
     rng = np.random.default_rng(args.seed)
-    num_local = args.experts // args.ranks
-    sets = []
-    for _ in range(args.input_sets):
-        per_rank = []
-        for r in range(args.ranks):
-            device = f"cuda:{devices[r]}"
-            topk = route(rng, args, args.tokens)
-            per_rank.append(dict(
-                x=torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16),
-                topk=torch.from_numpy(topk).to(device),
-                weights=torch.rand(args.tokens, args.topk, device=device),
-                expert_out=torch.randn(num_local, args.ranks * args.tokens, args.hidden, device=device).to(torch.bfloat16),
-                active=torch.ones(args.ranks, dtype=torch.int32, device=device),
-                routes=topk,
-            ))
-        sets.append(per_rank)
+    sets = make_input_sets(args, rng, [f"cuda:{d}" for d in devices], torch)
 
     def dispatch_all(inputs, handles):
         for r in range(args.ranks):
@@ -127,7 +317,7 @@ def run(args) -> int:
     forked(lambda: (dispatch_all(sets[0], handles), combine_all(sets[0], handles, False)))
     torch.cuda.synchronize()
     host = {"dispatch": [], "combine": []}
-    for i in range(args.warmup + 20):
+    for i in range(args.warmup + HOST_TIMED_CALLS):
         inputs = sets[i % len(sets)]
         origin = torch.cuda.current_stream()
         for s in streams:
@@ -143,6 +333,7 @@ def run(args) -> int:
         if i >= args.warmup:
             host["dispatch"].append((middle - start) / args.ranks * 1e6)
             host["combine"].append((end - middle) / args.ranks * 1e6)
+    progress.update(args.warmup + HOST_TIMED_CALLS)
 
     # One graph per (phase, input set); the combine graphs answer the dispatch graph of their set.
     pool = torch.cuda.graph_pool_handle()
@@ -179,7 +370,15 @@ def run(args) -> int:
             times.append(start.elapsed_time(end) * 1e3)
         return times
 
-    kernel = {phase: percentiles(time_phase(phase)) for phase in graphs}
+    kernel = {}
+    for phase in graphs:
+        kernel[phase] = percentiles(time_phase(phase))
+        progress.update(args.warmup + args.iters)
+
+    # The torch baseline, after every kernel is done (no kernel waits while it allocates).
+    baseline_stats = None
+    if args.baseline:
+        baseline_stats = time_baseline(args, sets, lambda: CudaEventTimer(torch, sets, args.iters), progress)
 
     # Device-to-device copy bandwidth, bytes read + written, on a buffer far larger than L2.
     copy_bytes = 1 << 30
@@ -197,59 +396,287 @@ def run(args) -> int:
     if num_gpus > 1 and args.ranks > 1:
         copy_bandwidth *= min(num_gpus, args.ranks)  # every GPU copies at once
 
-    copies = float(np.mean([sum(int((inp["routes"] >= 0).sum()) for inp in per_rank) for per_rank in sets]))
-    tokens = args.ranks * args.tokens
-    hidden = args.hidden
-    scale_bytes = hidden // 128 * 4
-    dispatch_copy_bytes = (hidden + scale_bytes) if args.fp8 else 2 * hidden
-    # The fewest bytes each phase must move through HBM, whatever the protocol: read every token
-    # once and write every copy once (dispatch); read every expert output row once and write every
-    # combined token once (combine, with or without zero-copy: the copy into the workspace is
-    # this implementation's cost, not the floor's).
-    combine_floor = copies * 2 * hidden + tokens * 2 * hidden
-    floor_bytes = {
-        "dispatch": tokens * 2 * hidden + copies * dispatch_copy_bytes,
-        "combine": combine_floor,
-        "combine_zero_copy": combine_floor,
-    }
-    floor_bytes["step"] = floor_bytes["dispatch"] + floor_bytes["combine"]
-    deepep_bytes = {
-        "dispatch": copies * ((hidden + scale_bytes + 16) if args.fp8 else (2 * hidden + 16)),
-        "combine": copies * 2 * hidden,
-        "combine_zero_copy": copies * 2 * hidden,
-    }
-    deepep_bytes["step"] = deepep_bytes["dispatch"] + deepep_bytes["combine"]
+    report = build_report(args, backend="cuda", timer="cuda_events", device=torch.cuda.get_device_name(0),
+                          num_sms_per_rank=buffers[0]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
+                          copies=mean_copies(sets), host=host, kernel=kernel, baseline_stats=baseline_stats)
+    group.spawn(lambda g: buffers[g.rank].destroy())
+    return report
+
+
+def measure_reference(args, progress) -> dict:
+    """The report of one configuration on the numpy reference backend (host wall time).
+
+    Each rank is a thread of one spawn per phase; every iteration starts at a barrier and ends at
+    one, so a phase's time is the time until the slowest rank finishes, as on the GPU. Host time
+    per call is the median of each rank's own dispatch and (copy-mode) combine calls: on this
+    backend the call does the whole work, so it is close to the phase time.
+    """
+    import torch
+
+    group = ep.LocalGroup(args.ranks)
+    size = ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, args.ranks, args.experts)
+    buffers = group.spawn(lambda g: ep.Buffer(g, size, backend="reference"))
+    sets = make_input_sets(args, np.random.default_rng(args.seed), ["cpu"] * args.ranks, torch)
+
+    def rank_loop(g, phase: str) -> tuple[list[float], list[float]]:
+        buffer = buffers[g.rank]
+        phase_us, call_us = [], []
+        for i in range(args.warmup + args.iters):
+            inp = sets[i % len(sets)][g.rank]
+
+            def dispatch():
+                return buffer.dispatch(inp["x"], inp["topk"], inp["active"], args.tokens, args.experts,
+                                       use_fp8=args.fp8)[2]
+
+            if phase.startswith("combine"):
+                handle = dispatch()  # untimed: the dispatch this combine answers
+                if phase == "combine_zero_copy":
+                    buffer.get_next_combine_buffer(handle).copy_(inp["expert_out"])
+            g.barrier()
+            start = time.perf_counter()
+            if phase in ("dispatch", "step"):
+                handle = dispatch()
+            if phase in ("combine", "step"):
+                buffer.combine(inp["expert_out"], inp["topk"], inp["weights"], inp["active"], -1, handle)
+            if phase == "combine_zero_copy":
+                buffer.combine(None, inp["topk"], inp["weights"], inp["active"], -1, handle, zero_copy=True)
+            call_end = time.perf_counter()
+            g.barrier()
+            end = time.perf_counter()
+            if i >= args.warmup:
+                phase_us.append((end - start) * 1e6)
+                call_us.append((call_end - start) * 1e6)
+            if g.rank == 0:
+                progress.update(1)
+        return phase_us, call_us
+
+    kernel, host = {}, {}
+    for phase in PHASES:
+        per_rank = group.spawn(rank_loop, phase)
+        kernel[phase] = percentiles(np.max([times for times, _ in per_rank], axis=0).tolist())
+        if phase in ("dispatch", "combine"):
+            host[phase] = [t for _, calls in per_rank for t in calls]
+    baseline_stats = None
+    if args.baseline:
+        baseline_stats = time_baseline(args, sets, lambda: HostTimer(args.iters), progress)
+    report = build_report(args, backend="reference", timer="host",
+                          device=f"CPU ({platform.machine() or 'unknown'}, {os.cpu_count()} cores)",
+                          num_sms_per_rank=None, copy_bandwidth=None, copies=mean_copies(sets), host=host,
+                          kernel=kernel, baseline_stats=baseline_stats)
+    group.spawn(lambda g: buffers[g.rank].destroy())
+    return report
+
+
+def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_rank: int | None,
+                 copy_bandwidth: float | None, copies: float, host: dict, kernel: dict,
+                 baseline_stats: dict | None) -> dict:
+    """The JSON report; ``copy_bandwidth`` (bytes/s) None means no floor (the reference backend)."""
+    floor_bytes, deepep_bytes = bytes_moved(args, copies)
     report = {
         "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(0),
+        "device": device,
+        "backend": backend,
+        "timer": timer,
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
-                                                 "routing", "iters", "input_sets")},
-        "num_sms_per_rank": buffers[0]._cuda.num_sms,
-        "copy_bandwidth_gbps": copy_bandwidth / 1e9,
+                                                 "routing", "iters", "input_sets", "warmup", "seed", "baseline")},
+        "num_sms_per_rank": num_sms_per_rank,
+        "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
         "copies": copies,
         "host_us_per_call": {k: float(np.median(v)) for k, v in host.items()},
+        "baseline": baseline_stats,
         "phases": {},
     }
     for phase, stats in kernel.items():
-        floor_us = floor_bytes[phase] / copy_bandwidth * 1e6
+        floor_us = None if copy_bandwidth is None else floor_bytes[phase] / copy_bandwidth * 1e6
+        base = baseline_stats[BASELINE_OF[phase]] if baseline_stats else None
         report["phases"][phase] = dict(
             stats,
             floor_us=floor_us,
-            ratio_to_floor=stats["p50_us"] / floor_us,
+            ratio_to_floor=None if floor_us is None else stats["p50_us"] / floor_us,
             hbm_bytes_floor=floor_bytes[phase],
             deepep_gbps_per_rank=deepep_bytes[phase] / args.ranks / (stats["p50_us"] * 1e-6) / 1e9,
+            baseline_p50_us=None if base is None else base["p50_us"],
+            speedup_vs_baseline=None if base is None else base["p50_us"] / stats["p50_us"],
         )
+    return report
 
-    print(f"{report['device']}: {args.ranks} ranks x {report['num_sms_per_rank']} SMs, T={args.tokens}, H={hidden}, "
-          f"top-{args.topk} of {args.experts}, {'fp8' if args.fp8 else 'bf16'} dispatch, routing {args.routing}; "
-          f"copy bandwidth {report['copy_bandwidth_gbps']:.0f} GB/s")
-    print(f"{'phase':<18}{'p50 us':>9}{'p90 us':>9}{'p99 us':>9}{'floor us':>10}{'ratio':>7}{'GB/s/rank':>11}")
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def _cell(value: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
+def print_report(report: dict) -> None:
+    c = report["config"]
+    shape = (f"T={c['tokens']}, H={c['hidden']}, top-{c['topk']} of {c['experts']}, "
+             f"{'fp8' if c['fp8'] else 'bf16'} dispatch, routing {c['routing']}")
+    if report["backend"] == "cuda":
+        print(f"{report['device']}: {c['ranks']} ranks x {report['num_sms_per_rank']} SMs, {shape}; "
+              f"copy bandwidth {report['copy_bandwidth_gbps']:.0f} GB/s")
+    else:
+        print(f"reference backend (numpy) on {report['device']}: {c['ranks']} ranks, {shape}; times are host wall "
+              f"time (time.perf_counter), not kernel time; no HBM floor")
+    if report["baseline"] is not None:
+        how = "CUDA events around every rank's work" if report["timer"] == "cuda_events" else "host wall time"
+        print(f"baseline (plain torch ops, eager, {how}): " + "; ".join(
+            f"{phase} p50/p90/p99 {s['p50_us']:.1f}/{s['p90_us']:.1f}/{s['p99_us']:.1f} us"
+            for phase, s in report["baseline"].items()))
+    print(f"{'phase':<18}{'p50 us':>9}{'p90 us':>9}{'p99 us':>9}{'floor us':>10}{'ratio':>7}{'GB/s/rank':>11}"
+          f"{'base p50':>10}{'speedup':>9}")
     for phase, row in report["phases"].items():
-        print(f"{phase:<18}{row['p50_us']:>9.1f}{row['p90_us']:>9.1f}{row['p99_us']:>9.1f}{row['floor_us']:>10.1f}"
-              f"{row['ratio_to_floor']:>7.2f}{row['deepep_gbps_per_rank']:>11.1f}")
+        print(f"{phase:<18}{row['p50_us']:>9.1f}{row['p90_us']:>9.1f}{row['p99_us']:>9.1f}"
+              f"{_cell(row['floor_us'], 10, 1)}{_cell(row['ratio_to_floor'], 7, 2)}{row['deepep_gbps_per_rank']:>11.1f}"
+              f"{_cell(row['baseline_p50_us'], 10, 1)}{_cell(row['speedup_vs_baseline'], 9, 2)}")
     print("host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in report["host_us_per_call"].items()))
+
+
+def plot_sweep(path: str, report: dict, points: list[dict]) -> None:
+    """Draw p50 latency against tokens per rank for dispatch and combine into a PNG at ``path``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    c = report["config"]
+    tokens = [p["tokens"] for p in points]
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)  # the Agg canvas: no display, no global pyplot state
+    unit = "kernel time" if report["timer"] == "cuda_events" else "host wall time"
+    for ax, phase in zip(fig.subplots(1, 2), ("dispatch", "combine")):
+        rows = [p["phases"][phase] for p in points]
+        ax.plot(tokens, [r["p50_us"] for r in rows], "o-",
+                label="mooncake_ep" if report["backend"] == "cuda" else "mooncake_ep (numpy reference)")
+        if all(r["baseline_p50_us"] is not None for r in rows):
+            ax.plot(tokens, [r["baseline_p50_us"] for r in rows], "s--", label="torch baseline")
+        if all(r["floor_us"] is not None for r in rows):
+            ax.plot(tokens, [r["floor_us"] for r in rows], ":", color="gray", label="HBM floor")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(tokens, [str(t) for t in tokens])
+        ax.minorticks_off()
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel(f"p50 {unit}, us")
+        ax.set_title(f"{phase} ({'fp8' if c['fp8'] and phase == 'dispatch' else 'bf16'})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{report['device']} ({report['backend']}): {c['ranks']} ranks, H={c['hidden']}, "
+                 f"top-{c['topk']} of {c['experts']}, routing {c['routing']}, {report['date']}")
+    fig.savefig(path, dpi=120)
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+class _NoProgress:
+    """Stands in for a tqdm bar where tqdm is not installed: progress is cosmetic."""
+
+    def __init__(self, iterable=None, **_):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def gpu_status(torch) -> tuple[bool, str]:
+    """Whether the kernels can run here, and why (not)."""
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} sees no CUDA GPU"
+    try:
+        import cupy
+    except ImportError:
+        return False, "cupy is not installed (pip install 'mooncake_ep[cuda12]')"
+    try:
+        num_devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no driver and no device raise different errors; both mean none
+        num_devices = 0
+    if num_devices == 0:
+        return False, "cupy sees no CUDA device"
+    return True, torch.cuda.get_device_name(0)
+
+
+def check_args(args) -> None:
+    """Refuse flags that do not fit together (UsageError, exit 2) before anything runs."""
+    for flag, value, minimum in (("--ranks", args.ranks, 1), ("--tokens", args.tokens, 1), ("--topk", args.topk, 1),
+                                 ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
+                                 ("--input-sets", args.input_sets, 1)):
+        if value < minimum:
+            raise UsageError(f"{flag} must be >= {minimum}, got {value}")
+    if args.topk > args.experts:
+        raise UsageError(f"--topk ({args.topk}) must be <= --experts ({args.experts})")
+    if args.routing == "k_hot" and not 1 <= args.hot_experts <= args.experts:
+        raise UsageError(f"--hot-experts must be in [1, --experts={args.experts}], got {args.hot_experts}")
+    if args.routing == "k_hot" and not 0 <= args.hot_fraction <= 1:
+        raise UsageError(f"--hot-fraction must be in [0, 1], got {args.hot_fraction}")
+    try:  # the library's own checks of hidden, ranks and experts, with its messages
+        ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, args.ranks, args.experts)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = --ranks, "
+                         f"num_experts = --experts)") from None
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UsageError(f"{flag} {path}: the directory does not exist")
+
+
+def run(args) -> int:
+    import torch
+
+    if args.backend == "reference":
+        backend, why = "reference", "asked for"
+    else:
+        usable, why = gpu_status(torch)
+        if args.backend == "cuda" and not usable:
+            raise UsageError(f"--backend cuda: {why}")
+        backend = "cuda" if usable else "reference"
+    for name in DEFAULTS_DECODE:
+        value = getattr(args, name)
+        if isinstance(value, ByBackend):
+            setattr(args, name, value.resolve(backend))
+    if backend == "reference" and args.num_sms is not None:
+        raise UsageError("--num-sms sets the kernels' SMs per rank; the reference backend has none")
+    check_args(args)
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401 - only checked here, before a long run, and used at the end
+        except ImportError:
+            print("bench: --plot needs matplotlib (pip install matplotlib)")
+            return EXIT_FAILURE
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = _NoProgress
+    if backend == "reference":
+        print(f"bench: the reference backend ({why}): host wall time of numpy code, not the kernels")
+
+    measure = measure_cuda if backend == "cuda" else measure_reference
+
+    def measured(tokens: int) -> dict:
+        point = argparse.Namespace(**{**vars(args), "tokens": tokens})
+        replays = (args.warmup + args.iters) * (len(PHASES) + (len(BASELINE_PHASES) if args.baseline else 0))
+        if backend == "cuda":
+            replays += args.warmup + HOST_TIMED_CALLS
+        progress = tqdm(total=replays, desc=f"bench T={tokens}", unit="call", leave=False, delay=PROGRESS_DELAY_S)
+        try:
+            return measure(point, progress)
+        finally:
+            progress.close()
+
+    report = measured(args.tokens)
+    print_report(report)
+    if args.plot is not None:
+        points = []
+        for tokens in tqdm(args.sweep_tokens, desc="bench sweep", unit="point"):
+            phases = report["phases"] if tokens == args.tokens else measured(tokens)["phases"]
+            points.append({"tokens": tokens, "phases": phases})
+        report["sweep"] = points
+        plot_sweep(args.plot, report, points)
+        print(f"plot of {len(points)} points (tokens per rank {', '.join(map(str, args.sweep_tokens))}): {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    group.spawn(lambda g: buffers[g.rank].destroy())
-    return 0
+    return EXIT_OK

@@ -1,0 +1,240 @@
+"""Tests of the benchmark (mooncake_ep.cli.bench) and its torch baseline (mooncake_ep.cli.baseline), on the CPU.
+
+The baseline must compute what mooncake_ep computes: it is checked against mooncake_ep.reference on
+fresh random inputs (dispatch bit-exact, combine within bf16 rounding). The command is smoke-run on
+the reference backend in a subprocess, as users and CI run it: exit code, JSON schema, the PNG.
+No assertion is about elapsed time; the process limit only turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mooncake_ep import _constants, cli, reference  # noqa: E402 - after the torch skip
+from mooncake_ep.cli import baseline  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROCESS_LIMIT_S = 120.0
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PHASE_KEYS = {"p50_us", "p90_us", "p99_us", "floor_us", "ratio_to_floor", "deepep_gbps_per_rank", "baseline_p50_us",
+              "speedup_vs_baseline"}
+TOP_KEYS = {"date", "device", "config", "copy_bandwidth_gbps", "host_us_per_call", "phases"}
+# Small shapes: (ranks, tokens T, hidden, top-k, experts).
+SHAPES = [(2, 8, 256, 4, 8), (3, 5, 128, 2, 9), (4, 6, 384, 3, 16)]
+
+
+def run_bench(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mooncake_ep", "bench", *argv], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=PROCESS_LIMIT_S)
+
+
+# --- the baseline against the reference -------------------------------------------------------------
+
+
+def random_inputs(seed: int, num_ranks: int, num_max_tokens: int, hidden: int, num_topk: int, num_experts: int):
+    """Per rank: bf16 tokens, distinct expert ids with about a quarter -1, fp32 weights.
+
+    Token counts differ per rank and include 0 and T (t < T, t = 0 and t = T all occur).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    counts = [0, num_max_tokens] + [int(torch.randint(1, num_max_tokens + 1, (), generator=gen))
+                                    for _ in range(num_ranks - 2)]
+    xs, topk_idxs, weights = [], [], []
+    for num_tokens in counts:
+        xs.append(torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16))
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:num_topk] for _ in range(num_tokens)]) \
+            if num_tokens else torch.empty(0, num_topk, dtype=torch.int64)
+        ids[torch.rand(ids.shape, generator=gen) < 0.25] = _constants.NO_EXPERT
+        topk_idxs.append(ids)
+        weights.append(torch.rand(num_tokens, num_topk, generator=gen))
+    return xs, topk_idxs, weights
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A torch CPU tensor as numpy, bf16 and fp8 as ml_dtypes (the reference's dtypes), same bits."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy().view(reference.bfloat16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().view(reference.float8_e4m3fn)
+    return t.numpy()
+
+
+def reference_dispatch(xs, topk_idxs, num_max_tokens, num_experts, use_fp8):
+    num_ranks = len(xs)
+    active = [np.ones(num_ranks, dtype=np.int32)] * num_ranks
+    return [reference.dispatch(rank, [as_numpy(x) for x in xs], [t.numpy() for t in topk_idxs], active,
+                               num_max_tokens, num_experts, use_fp8=use_fp8) for rank in range(num_ranks)]
+
+
+def test_fp8_constants_are_the_library_s():
+    assert baseline.FP8_BLOCK == _constants.FP8_BLOCK
+    assert baseline.FP8_E4M3_MAX == _constants.FP8_E4M3_MAX
+    assert baseline.FP8_AMAX_FLOOR == _constants.FP8_AMAX_FLOOR
+    assert baseline.NO_EXPERT == _constants.NO_EXPERT
+
+
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "R{}-T{}-H{}-K{}-E{}".format(*s))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_baseline_dispatch_is_the_reference_bit_for_bit(shape, use_fp8, seed):
+    num_ranks, num_max_tokens, hidden, num_topk, num_experts = shape
+    xs, topk_idxs, _ = random_inputs(seed, *shape)
+    result = baseline.dispatch(xs, topk_idxs, num_max_tokens, num_experts, use_fp8=use_fp8)
+    expected = reference_dispatch(xs, topk_idxs, num_max_tokens, num_experts, use_fp8)
+    num_local_experts = num_experts // num_ranks
+    for rank, ref in enumerate(expected):
+        np.testing.assert_array_equal(result.recv_count[rank].numpy(), ref.recv_count)
+        assert result.recv_count[rank].dtype == torch.int32
+        assert tuple(result.recv_x[rank].shape) == (num_local_experts, num_ranks * num_max_tokens, hidden)
+        for local_expert, count in enumerate(ref.recv_count):
+            # Rows past recv_count are undefined: compare the valid ones, as raw bits. fp8 too: the
+            # same fp32 division and a round-to-nearest-even cast on both sides.
+            got = as_numpy(result.recv_x[rank][local_expert, :count])
+            want = ref.recv_x[local_expert, :count]
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8),
+                                          err_msg=f"rank {rank} local expert {local_expert}")
+            if use_fp8:
+                np.testing.assert_array_equal(result.recv_scales[rank][local_expert, :count].numpy().view(np.uint32),
+                                              ref.recv_scales[local_expert, :count].view(np.uint32))
+        if not use_fp8:
+            assert result.recv_scales is None
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "R{}-T{}-H{}-K{}-E{}".format(*s))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_baseline_combine_is_the_reference_within_bf16_rounding(shape, seed):
+    num_ranks, num_max_tokens, hidden, num_topk, num_experts = shape
+    xs, topk_idxs, weights = random_inputs(seed, *shape)
+    result = baseline.dispatch(xs, topk_idxs, num_max_tokens, num_experts, use_fp8=False)
+    expected = reference_dispatch(xs, topk_idxs, num_max_tokens, num_experts, False)
+    gen = torch.Generator().manual_seed(seed + 100)
+    expert_outs = [torch.randn(num_experts // num_ranks, num_ranks * num_max_tokens, hidden, generator=gen)
+                   .to(torch.bfloat16) for _ in range(num_ranks)]
+    combined = baseline.combine(expert_outs, weights, result.layout)
+    active = [np.ones(num_ranks, dtype=np.int32)] * num_ranks
+    for rank in range(num_ranks):
+        want, _ = reference.combine(rank, [as_numpy(e) for e in expert_outs], expected, topk_idxs[rank].numpy(),
+                                    weights[rank].numpy(), active)
+        got = combined[rank]
+        assert got.dtype == torch.bfloat16 and tuple(got.shape) == (xs[rank].shape[0], hidden)
+        got, want = got.float().numpy(), want.astype(np.float32)
+        # Both sums are fp32 over the same K terms in different orders (the reference in k order
+        # with fused multiply-adds, the baseline in expert order), so before rounding they differ by
+        # at most 2 * K * 2^-24 * sum |w y|; each is then rounded to bf16 once (8 significant bits),
+        # which can put them one bf16 step apart: at most 2^-7 of the larger magnitude.
+        sum_abs = abs_weighted_sum(expected, expert_outs, weights[rank].numpy(), rank)
+        tolerance = 2.0 ** -7 * np.maximum(np.abs(got), np.abs(want)) + 2 * num_topk * 2.0 ** -24 * sum_abs
+        assert np.all(np.abs(got - want) <= tolerance), f"rank {rank}: max diff {np.abs(got - want).max()}"
+
+
+def abs_weighted_sum(dispatch_results, expert_outs, weights: np.ndarray, rank: int) -> np.ndarray:
+    """``[t, H]`` fp64 sum over the token's delivered copies of |w y|, routed by the reference's dispatch."""
+    acc = np.zeros((weights.shape[0], expert_outs[0].shape[-1]), dtype=np.float64)
+    for expert_rank, result in enumerate(dispatch_results):
+        local_experts, rows = np.nonzero(result.recv_src_rank == rank)
+        tokens = result.recv_src_token[local_experts, rows]
+        topks = result.recv_src_topk[local_experts, rows]
+        y = expert_outs[expert_rank].float().numpy()[local_experts, rows]
+        np.add.at(acc, tokens, np.abs(weights[tokens, topks, None].astype(np.float64) * y))
+    return acc
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+
+def check_schema(report: dict, *, with_baseline: bool) -> None:
+    assert TOP_KEYS <= report.keys(), sorted(report)
+    assert report["timer"] == "host" and report["backend"] == "reference"
+    assert report["copy_bandwidth_gbps"] is None
+    assert set(report["host_us_per_call"]) == {"dispatch", "combine"}
+    assert all(v > 0 for v in report["host_us_per_call"].values())
+    assert set(report["phases"]) == {"dispatch", "combine", "combine_zero_copy", "step"}
+    for phase, row in report["phases"].items():
+        assert PHASE_KEYS <= row.keys(), (phase, sorted(row))
+        assert 0 < row["p50_us"] <= row["p90_us"] <= row["p99_us"], (phase, row)
+        assert row["floor_us"] is None and row["ratio_to_floor"] is None  # no HBM floor without a GPU
+        assert row["deepep_gbps_per_rank"] > 0
+        if with_baseline:
+            assert row["baseline_p50_us"] > 0
+            assert row["speedup_vs_baseline"] == pytest.approx(row["baseline_p50_us"] / row["p50_us"])
+        else:
+            assert row["baseline_p50_us"] is None and row["speedup_vs_baseline"] is None
+
+
+def test_bench_reference_writes_the_json_schema(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = run_bench("--backend", "reference", "--json", str(path), "--iters", "5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "host wall time" in proc.stdout  # the output says what was timed
+    report = json.loads(path.read_text())
+    check_schema(report, with_baseline=True)
+    # The small default shape of the reference backend.
+    shape = tuple(report["config"][k] for k in ("ranks", "tokens", "hidden", "topk", "experts"))
+    assert shape == (2, 16, 256, 2, 8)
+    assert report["config"]["iters"] == 5
+    assert set(report["baseline"]) == {"dispatch", "combine", "step"}
+
+
+def test_bench_no_baseline_leaves_it_null(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = run_bench("--backend", "reference", "--no-baseline", "--json", str(path), "--iters", "2", "--warmup", "1",
+                     "--ranks", "4", "--tokens", "4", "--no-fp8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    check_schema(report, with_baseline=False)
+    assert report["baseline"] is None
+    assert (report["config"]["ranks"], report["config"]["tokens"], report["config"]["fp8"]) == (4, 4, False)
+
+
+def test_bench_plot_writes_a_png(tmp_path):
+    png, path = tmp_path / "sweep.png", tmp_path / "bench.json"
+    proc = run_bench("--backend", "reference", "--plot", str(png), "--sweep-tokens", "1,4", "--iters", "3",
+                     "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert png.read_bytes()[:len(PNG_SIGNATURE)] == PNG_SIGNATURE
+    sweep = json.loads(path.read_text())["sweep"]
+    assert [point["tokens"] for point in sweep] == [1, 4]
+    for point in sweep:
+        assert point["phases"]["dispatch"]["p50_us"] > 0 and point["phases"]["combine"]["baseline_p50_us"] > 0
+
+
+def test_bench_bad_flag_exits_2():
+    proc = run_bench("--no-such-flag")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "usage:" in proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sweep-tokens", "0"], "[1, 4096]"),
+    (["--sweep-tokens", "8192"], "[1, 4096]"),
+    (["--sweep-tokens", "1,x"], "comma-separated"),
+    (["--backend", "tpu"], "invalid choice"),
+    (["--ranks", "two"], "invalid int"),
+    (["--ranks", "3"], "multiple of num_ranks"),
+    (["--hidden", "100"], "multiple of 128"),
+    (["--topk", "9"], "--topk"),
+    (["--iters", "0"], "--iters"),
+    (["--num-sms", "4"], "--num-sms"),
+    (["--routing", "k_hot", "--hot-experts", "99"], "--hot-experts"),
+    (["--plot", "/no/such/dir/x.png"], "does not exist"),
+])
+def test_bench_bad_usage_exits_2_with_the_reason(argv, message, capsys):
+    assert cli.main(["bench", "--backend", "reference", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_help_shows_the_new_flags_and_backend_defaults(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
+    for flag in ("--baseline", "--no-baseline", "--plot", "--sweep-tokens", "--backend"):
+        assert flag in out
+    assert "(default: 8 on a GPU, 2 on the reference backend)" in out
+    assert "(default: 1,2,4,8,16,32,64,128,256,512)" in out
