@@ -29,6 +29,8 @@ from typing import Any
 from mooncake_ep._group_common import (
     DEFAULT_TIMEOUT_S,
     GroupError,
+    StoreTimeoutError,
+    _StoreWaitError,
     _check_data,
     _check_port,
     _check_timeout,
@@ -48,8 +50,6 @@ _SERVE_POLL_S = 0.05
 _CLOSE_REPLY_S = 1.0
 # A client allows the store this long beyond a server-side wait before it calls the link dead.
 _REPLY_SLACK_S = 10.0
-# Bumped whenever the store protocol or the collective framing changes; ranks must agree.
-_PROTOCOL_VERSION = 1
 
 # Store wire format. Request: header (op, payload bytes) + payload; reply: (status, bytes) + body.
 # Payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars.
@@ -60,28 +60,10 @@ _OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE = 1, 2, 3, 4
 _OK, _TIMEOUT, _ERROR, _CLOSED = 0, 1, 2, 3
 
 
-class _StoreWaitError(GroupError):
-    """A store wait ended with keys still missing; ``missing_keys`` lists them in asked order."""
-
-    def __init__(self, message: str, missing_keys: list[str]) -> None:
-        super().__init__(message)
-        self.missing_keys = missing_keys
-
-
-class StoreTimeoutError(_StoreWaitError):
-    """A store wait ran out of time.
-
-    Attributes:
-        missing_keys: the keys still absent when the wait gave up, in the order they were asked for.
-    """
-
-
 class _StoreClosedError(_StoreWaitError):
     """A store wait was cut short because the server closed (rank 0 closed its group or exited)."""
 
-
-# The public home of the error is mooncake_ep.group (tracebacks and pickles name it there).
-StoreTimeoutError.__module__ = "mooncake_ep.group"
+    cut_short = "was cut short by the store closing (rank 0 closed its group or exited)"
 
 
 # ----------------------------------------------------------------------------- wire format

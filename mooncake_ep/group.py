@@ -1,18 +1,25 @@
 """Bootstrap: who the ranks are, an allgather of bytes, and a barrier.
 
 The buffers need only four things from a group (DESIGN §6): ``rank``, ``world_size``,
-``allgather_bytes`` and ``barrier``. This module provides them two ways:
+``allgather_bytes`` and ``barrier``. This module provides them three ways:
 
 - :class:`TCPGroup`, one process per rank, over a small TCP store served by rank 0 (standard
   library only, in ``_tcp_store.py``; :class:`TCPStoreServer` and :class:`TCPStoreClient` are
   re-exported here), configured like ``torch.distributed``: ``RANK``, ``WORLD_SIZE``,
-  ``MASTER_ADDR``, ``MASTER_PORT``. :func:`init_group` builds it from the environment.
+  ``MASTER_ADDR``, ``MASTER_PORT``.
+- Adapters over what the launcher already set up (``_group_adapters.py``): :class:`TorchGroup`
+  (a torch ProcessGroup), :class:`TorchStoreGroup` (a torch Store), :class:`MPIGroup` (an mpi4py
+  communicator), :class:`JaxGroup` (``jax.distributed``'s key-value client).
 - :class:`LocalGroup`, several ranks in one process, one thread per rank (tests, simulation,
   JAX single-controller). Each rank has its own CUDA device and stream.
+
+:func:`init_group` picks the first two for a process: the group it is given, else an initialised
+torch.distributed, jax.distributed or mpi4py, else the TCP store from the environment.
 
 Example::
 
     group = init_group()                       # RANK=0 WORLD_SIZE=2 MASTER_PORT=29500 ...
+    group = init_group(torch.distributed.group.WORLD)  # or an mpi4py comm, or "jax"
     peers = group.allgather_bytes(b"my handle")  # [rank 0's bytes, rank 1's bytes]
 
     def step(group: LocalRankGroup, x: bytes) -> list[bytes]:
@@ -20,41 +27,35 @@ Example::
     LocalGroup(4).spawn(step, b"ab")           # one result per rank, in rank order
 
 Every wait is bounded by ``timeout_s`` and raises :class:`GroupError` naming the ranks that
-never arrived; a group that saw such a failure refuses further calls instead of mixing rounds.
+never arrived (torch's all_gather and MPI bring their own timeouts, or none: see those adapters);
+a group that saw such a failure refuses further calls instead of mixing rounds.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import struct
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from mooncake_ep import _group_common, _tcp_store
 from mooncake_ep._group_common import (
     DEFAULT_TIMEOUT_S,
     GroupError,
+    StoreTimeoutError,
     _check_data,
     _check_int,
     _check_port,
     _check_rank,
     _check_timeout,
+    _KeyValueGroup,
     _wait_arg,
 )
-# The store lives in its own module; its public names (and the private ones tests reach for)
-# are re-exported here, where they have always been imported from.
-from mooncake_ep import _tcp_store
-from mooncake_ep._tcp_store import (
-    _PROTOCOL_VERSION,
-    _U8,
-    _U32,
-    StoreTimeoutError,
-    TCPStoreClient,
-    TCPStoreServer,
-    _StoreWaitError,
-)
+from mooncake_ep._group_adapters import JaxGroup, MPIGroup, TorchGroup, TorchStoreGroup
+from mooncake_ep._tcp_store import TCPStoreClient, TCPStoreServer
 
 __all__ = [
     "DEFAULT_MASTER_ADDR",
@@ -62,12 +63,16 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "Group",
     "GroupError",
+    "JaxGroup",
     "LocalGroup",
     "LocalRankGroup",
+    "MPIGroup",
     "StoreTimeoutError",
     "TCPGroup",
     "TCPStoreClient",
     "TCPStoreServer",
+    "TorchGroup",
+    "TorchStoreGroup",
     "init_group",
 ]
 
@@ -79,16 +84,13 @@ DEFAULT_MASTER_PORT = 29500
 
 
 def __getattr__(name: str) -> Any:
-    """The store's internals (``_pack_key``, ``_OP_SET``, ...) were defined here before they moved
-    to ``_tcp_store.py``; ``from mooncake_ep.group import <name>`` keeps finding them (PEP 562)."""
-    if not name.startswith("__") and hasattr(_tcp_store, name):
-        return getattr(_tcp_store, name)
+    """The store's internals (``_pack_key``, ``_OP_SET``, ``_TAGS``, ...) were defined here before they
+    moved to ``_tcp_store.py`` and ``_group_common.py``; ``from mooncake_ep.group import <name>``
+    keeps finding them (PEP 562)."""
+    for module in (_tcp_store, _group_common):
+        if not name.startswith("__") and hasattr(module, name):
+            return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# First byte of every value a collective publishes, so ranks that call different collectives
-# in the same round are caught instead of reading each other's payloads.
-_TAGS = {"init_group": 0, "allgather_bytes": 1, "barrier": 2, "close": 3}
 
 
 class _PeerAbortedError(GroupError):
@@ -121,7 +123,7 @@ class Group(Protocol):
 # ----------------------------------------------------------------------------- TCPGroup
 
 
-class TCPGroup:
+class TCPGroup(_KeyValueGroup):
     """One rank of a multi-process group, bootstrapped over a TCP store served by rank 0.
 
     Construction is a rendezvous: it returns once all ``world_size`` ranks have joined (or
@@ -146,9 +148,8 @@ class TCPGroup:
     Note:
         After any :class:`GroupError` from a collective the group is broken: the ranks no longer
         agree on the sequence number, so every later call raises at once. Make a new group.
+        :meth:`close` on rank 0 stops the store, after a final barrier by default.
     """
-
-    is_in_process = False
 
     def __init__(self, rank: int, world_size: int, *, master_addr: str = DEFAULT_MASTER_ADDR,
                  master_port: int = DEFAULT_MASTER_PORT, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -159,14 +160,9 @@ class TCPGroup:
         self.master_addr = master_addr
         self.master_port = _check_port("TCPGroup", master_port)
         self.device = None if device is None else _check_int("TCPGroup", "device", device, 0)
-        self._timeout_s = _check_timeout("TCPGroup", timeout_s)
+        self._init_collectives(_check_timeout("TCPGroup", timeout_s))
         self._server: TCPStoreServer | None = None
         self._client: TCPStoreClient | None = None
-        self._lock = threading.Lock()
-        self._seq = 0
-        self._num_calls: Counter[str] = Counter()
-        self._broken: str | None = None
-        self._closed = False
         if self.world_size == 1:
             return
         try:
@@ -176,119 +172,38 @@ class TCPGroup:
                                           who=f"rank {self.rank}")
             self._rendezvous()
         except BaseException:
-            self._shutdown(wait_for_clients_s=0.0)
+            self._shutdown(drain_s=0.0)
             raise
-
-    @property
-    def timeout_s(self) -> float:
-        """Seconds each collective waits for its peers before raising GroupError."""
-        return self._timeout_s
-
-    @timeout_s.setter
-    def timeout_s(self, value: float) -> None:
-        self._timeout_s = _check_timeout("TCPGroup.timeout_s", value)
-
-    def __enter__(self) -> TCPGroup:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
-        # Leaving on an exception: the peers may never reach the final barrier, so skip it.
-        self.close(final_barrier=exc_type is None)
 
     def __repr__(self) -> str:
         return (f"TCPGroup(rank={self.rank}, world_size={self.world_size}, "
                 f"store={self.master_addr}:{self.master_port})")
 
-    def allgather_bytes(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data``, in rank order (lengths may differ between ranks).
+    def _kv_set(self, key: str, value: bytes) -> None:
+        self._store().set(key, value)
 
-        Raises:
-            TypeError: ``data`` is not bytes-like.
-            GroupError: some ranks did not call within ``timeout_s`` (they are named), the
-                store is gone, or the group is broken or closed.
-        """
-        return self._collective("allgather_bytes", _check_data("allgather_bytes", data))
+    def _kv_add(self, key: str, amount: int) -> int:
+        return self._store().add(key, amount)
 
-    def barrier(self) -> None:
-        """Return once every rank has entered; raises GroupError as :meth:`allgather_bytes`."""
-        self._collective("barrier", b"")
+    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float) -> list[bytes]:
+        return self._store().multi_get(keys, timeout_s)
 
-    def close(self, *, final_barrier: bool = True) -> None:
-        """Leave the group; on rank 0, stop the store. Idempotent.
+    def _kv_delete(self, key: str) -> None:
+        self._store().delete(key)
 
-        Args:
-            final_barrier: first wait (up to ``timeout_s``) for every rank to close, so rank 0
-                does not stop the store under a peer still in its last call. A failed final
-                barrier is logged and the group closes anyway.
-        """
-        if self._closed:
-            return
-        drain_s = 0.0
-        if final_barrier and self._client is not None and self._broken is None:
-            try:
-                self._collective("close", b"")
-                drain_s = self._timeout_s
-            except GroupError as exc:
-                logger.warning("TCPGroup.close: rank %d: final barrier failed, closing anyway: %s",
-                               self.rank, exc)
-        self._closed = True
-        self._shutdown(wait_for_clients_s=drain_s)
-
-    def _shutdown(self, wait_for_clients_s: float) -> None:
-        if self._client is not None:
-            self._client.close()
-        if self._server is not None:
-            self._server.close(wait_for_clients_s=min(wait_for_clients_s, self._timeout_s))
+    def _store(self) -> TCPStoreClient:
+        assert self._client is not None  # internal invariant: world_size > 1 and not shut down
+        return self._client
 
     def _where(self) -> str:
         return f"MASTER_ADDR={self.master_addr}, MASTER_PORT={self.master_port}"
 
-    def _rendezvous(self) -> None:
-        assert self._client is not None  # internal invariant: world_size > 1
-        if self._client.add(f"claim/{self.rank}", 1) > 1:
-            raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
-                             f"every process needs its own RANK")
-        hello = _U32.pack(_PROTOCOL_VERSION) + _U32.pack(self.world_size)
-        replies = self._collective("init_group", hello)
-        if len(set(replies)) > 1:
-            seen = {r: tuple(struct.unpack("!II", v)) for r, v in enumerate(replies)}
-            raise GroupError(f"init_group: ranks disagree on (protocol version, world_size): {seen}")
-
-    def _collective(self, name: str, data: bytes) -> list[bytes]:
-        with self._lock:
-            label = f"{name} #{self._num_calls[name]}"
-            self._num_calls[name] += 1
-            if self._closed:
-                raise GroupError(f"{label}: the group is closed")
-            if self._broken is not None:
-                raise GroupError(f"{label}: the group is broken by an earlier failure ({self._broken}); "
-                                 f"make a new group")
-            if self._client is None:  # world_size == 1
-                return [data]
-            seq, self._seq = self._seq, self._seq + 1
-            keys = [f"c/{seq}/{r}" for r in range(self.world_size)]
-            try:
-                self._client.set(keys[self.rank], _U8.pack(_TAGS[name]) + data)
-                values = self._client.multi_get(keys, self._timeout_s)
-                if seq > 0:
-                    self._client.delete(f"c/{seq - 1}/{self.rank}")
-            except _StoreWaitError as exc:
-                missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
-                what = (f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError)
-                        else "was cut short by the store closing (rank 0 closed its group or exited)")
-                self._broken = (f"{label} {what} waiting for ranks {missing} of {self.world_size} "
-                                f"({self._where()})")
-                raise GroupError(self._broken) from None
-            except GroupError as exc:
-                self._broken = f"{label} on rank {self.rank} failed: {exc}"
-                raise GroupError(self._broken) from exc
-            names = {_U8.pack(tag): n for n, tag in _TAGS.items()}
-            odd = {r: names.get(v[:1], "?") for r, v in enumerate(values) if v[:1] != _U8.pack(_TAGS[name])}
-            if odd:
-                self._broken = (f"{label}: ranks called other collectives in the same round {odd}; "
-                                f"every rank must make the same sequence of collective calls")
-                raise GroupError(self._broken)
-            return [v[1:] for v in values]
+    def _shutdown(self, drain_s: float) -> None:
+        """Hang up; on rank 0, stop the store once the peers hung up (at most ``drain_s`` seconds)."""
+        if self._client is not None:
+            self._client.close()
+        if self._server is not None:
+            self._server.close(wait_for_clients_s=min(drain_s, self._timeout_s))
 
 
 # ----------------------------------------------------------------------------- init_group
@@ -301,43 +216,98 @@ def _env_int(where: str, var: str, arg: str, default: int | None = None) -> int:
             return default
         raise ValueError(f"{where}: {arg} was not given and the environment variable {var} is not "
                          f"set; pass {where}({arg}=...) or export {var} (torchrun and most "
-                         f"launchers set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)")
+                         f"launchers set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), or pass "
+                         f"{where}(group=...) a torch ProcessGroup, an mpi4py communicator or 'jax'")
     try:
         return int(raw)
     except ValueError:
         raise ValueError(f"{where}: environment variable {var} must be an integer, got {raw!r}") from None
 
 
-def init_group(*, rank: int | None = None, world_size: int | None = None,
+def init_group(group: Any = None, *, rank: int | None = None, world_size: int | None = None,
                master_addr: str | None = None, master_port: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S, device: int | None = None) -> Group:
-    """Join the group of processes this one belongs to.
+    """Join the group of processes this one belongs to, over what the launcher set up.
 
-    Each argument left as None comes from the environment, as with ``torch.distributed``:
-    ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (default ``127.0.0.1``), ``MASTER_PORT`` (default
-    29500). Returns once every rank has joined.
+    ``group`` chooses the bootstrap; left as None, the first of these that applies is used:
+
+    1. ``rank``, ``world_size``, ``master_addr`` or ``master_port`` given: mooncake_ep's TCP store.
+    2. ``torch.distributed`` initialised (its default group): :class:`TorchGroup`.
+    3. ``jax.distributed`` initialised: :class:`JaxGroup`.
+    4. mpi4py's ``MPI`` module already imported, with more than one process: :class:`MPIGroup`
+       over ``COMM_WORLD``.
+    5. Otherwise the TCP store, configured from the environment as with ``torch.distributed``:
+       ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (default ``127.0.0.1``), ``MASTER_PORT``
+       (default 29500).
+
+    An initialised framework comes before the environment because torchrun's ``MASTER_PORT``
+    is already served by torch's own store: a second store there could not start. Detection
+    never imports torch, jax or mpi4py; it only looks at those already imported.
 
     Args:
-        rank: this process's rank in ``[0, world_size)``.
+        group: None (see above); a torch ``ProcessGroup`` (:class:`TorchGroup`); a
+            ``torch.distributed.Store`` (:class:`TorchStoreGroup`, with ``rank`` and
+            ``world_size`` from the arguments or RANK/WORLD_SIZE); an mpi4py communicator
+            (:class:`MPIGroup`); ``"torch"`` (the default ProcessGroup), ``"jax"``
+            (:class:`JaxGroup`) or ``"tcp"`` (the TCP store, from the arguments and environment);
+            or an object that already is a :class:`Group`, returned as is.
+        rank: this process's rank in ``[0, world_size)``. With an adapter that knows the rank,
+            a different value is refused.
         world_size: number of processes; 1 returns at once and uses no network.
-        master_addr: rank 0's host, where the store listens.
-        master_port: the store's TCP port.
-        timeout_s: seconds every rendezvous and collective waits for its peers (math.inf = forever).
+        master_addr: rank 0's host, where the TCP store listens (TCP store only).
+        master_port: the TCP store's port (TCP store only).
+        timeout_s: seconds every rendezvous and collective waits for its peers (math.inf =
+            forever). torch's all_gather and MPI have no per-call timeout: see each adapter.
         device: CUDA device ordinal this rank uses (the group's ``device``), None = unset.
 
     Returns:
-        A :class:`TCPGroup`.
+        A :class:`TCPGroup`, :class:`TorchGroup`, :class:`TorchStoreGroup`, :class:`MPIGroup` or
+        :class:`JaxGroup`, joined: every rank has arrived.
 
     Raises:
-        ValueError: RANK or WORLD_SIZE is neither given nor set, a variable is not an integer,
-            or rank is outside ``[0, world_size)``.
-        GroupError: as :class:`TCPGroup`.
+        TypeError: ``group`` is none of the kinds above.
+        ValueError: the TCP store's RANK or WORLD_SIZE is neither given nor set, a variable is
+            not an integer, rank is outside ``[0, world_size)``, ``master_addr``/``master_port``
+            were given with an adapter, or ``rank``/``world_size`` contradict the adapter's.
+        GroupError: as the chosen group's constructor (a peer that never joins is named).
     """
-    # Seam for the adapters (a torch ProcessGroup or store, an mpi4py communicator,
-    # jax.distributed): each will be chosen here by its own keyword argument, wrapped to the
-    # Group protocol. With none given, the TCP store below is the bootstrap.
     where = "init_group"
     timeout_s = _check_timeout(where, timeout_s)
+    if isinstance(group, str) and group not in _GROUP_NAMES:
+        raise ValueError(f"{where}: group must be one of {list(_GROUP_NAMES)} when a str, got {group!r}")
+    tcp_args = [name for name, value in (("master_addr", master_addr), ("master_port", master_port))
+                if value is not None]
+    if group is None and not tcp_args and rank is None and world_size is None:
+        group = _detect_group()
+    if group is None or group == "tcp":
+        return _init_tcp_group(where, rank, world_size, master_addr, master_port, timeout_s, device)
+    if tcp_args:
+        raise ValueError(f"{where}: {' and '.join(tcp_args)} configure the TCP store; with "
+                         f"group={_describe(group)} leave them out")
+    if group == "jax":
+        return JaxGroup(rank=rank, world_size=world_size, timeout_s=timeout_s, device=device)
+    torch_kind = _torch_kind(group)
+    if torch_kind == "store":
+        rank = _env_int(where, "RANK", "rank") if rank is None else rank
+        world_size = _env_int(where, "WORLD_SIZE", "world_size") if world_size is None else world_size
+        return TorchStoreGroup(group, rank, world_size, timeout_s=timeout_s, device=device)
+    if group == "torch" or torch_kind == "process_group":
+        adapter: Group = TorchGroup(None if group == "torch" else group, device=device, timeout_s=timeout_s)
+    elif isinstance(group, Group):
+        adapter = group
+    elif all(callable(getattr(group, m, None)) for m in ("Get_rank", "Get_size", "allgather", "Barrier")):
+        adapter = MPIGroup(group, device=device)
+    else:
+        raise TypeError(f"{where}: group must be None, a torch ProcessGroup or Store, an mpi4py communicator, "
+                        f"one of {list(_GROUP_NAMES)} or a mooncake_ep Group, got {_describe(group)}")
+    _check_same(where, "rank", rank, adapter.rank)
+    _check_same(where, "world_size", world_size, adapter.world_size)
+    _check_same(where, "device", device, adapter.device)
+    return adapter
+
+
+def _init_tcp_group(where: str, rank: int | None, world_size: int | None, master_addr: str | None,
+                    master_port: int | None, timeout_s: float, device: int | None) -> TCPGroup:
     rank = _env_int(where, "RANK", "rank") if rank is None else rank
     world_size = _env_int(where, "WORLD_SIZE", "world_size") if world_size is None else world_size
     rank, world_size = _check_rank(where, rank, world_size)
@@ -348,6 +318,45 @@ def init_group(*, rank: int | None = None, world_size: int | None = None,
     master_port = _check_port(where, master_port)
     return TCPGroup(rank, world_size, master_addr=master_addr, master_port=master_port,
                     timeout_s=timeout_s, device=device)
+
+
+# What init_group(group=<str>) accepts.
+_GROUP_NAMES = ("tcp", "torch", "jax")
+
+
+def _detect_group() -> str | Any | None:
+    """What init_group() uses with no arguments: see its steps 2 to 4; None = the TCP store."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return "torch"
+    jax_distributed = sys.modules.get("jax._src.distributed")
+    if getattr(getattr(jax_distributed, "global_state", None), "client", None) is not None:
+        return "jax"
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
+        return mpi.COMM_WORLD
+    return None
+
+
+def _torch_kind(obj: Any) -> str | None:
+    """"process_group", "store" or None, without importing torch (a torch object means it is)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available():
+        return None
+    if isinstance(obj, dist.ProcessGroup):
+        return "process_group"
+    if isinstance(obj, dist.Store):
+        return "store"
+    return None
+
+
+def _check_same(where: str, name: str, given: int | None, actual: int | None) -> None:
+    if given is not None and given != actual:
+        raise ValueError(f"{where}: {name}={given} differs from the group's {name} {actual}; leave it out")
+
+
+def _describe(obj: Any) -> str:
+    return repr(obj) if isinstance(obj, str) else f"{type(obj).__module__}.{type(obj).__name__}"
 
 
 # ----------------------------------------------------------------------------- LocalGroup

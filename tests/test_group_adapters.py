@@ -1,0 +1,504 @@
+"""Tests of the group adapters (torch.distributed, torch stores, mpi4py, jax.distributed) and init_group's choice.
+
+torch runs gloo across real processes on loopback, jax.distributed runs real processes on the CPU, the
+mpi4py adapter runs over a fake communicator of threads (a real mpirun test runs only where mpi4py is
+installed). CPU only; no assertion is about elapsed time, the limits only turn a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+from pathlib import Path
+
+import pytest
+
+from mooncake_ep.group import (
+    Group,
+    GroupError,
+    JaxGroup,
+    LocalGroup,
+    MPIGroup,
+    TCPGroup,
+    TorchGroup,
+    TorchStoreGroup,
+    init_group,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Safety net for a test process that hangs (a bug): the test fails instead of stalling CI.
+PROCESS_LIMIT_S = 90.0
+# Timeout of the calls that are expected to time out: long enough for a loaded machine, short for the suite.
+SHORT_TIMEOUT_S = 1.0
+# Timeout of the calls that are expected to succeed.
+LONG_TIMEOUT_S = 30.0
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def payload(rank: int, round_idx: int) -> bytes:
+    """Distinct per rank and round, of varying length (empty for rank 0 in round 0)."""
+    return f"r{rank}i{round_idx};".encode() * ((rank + round_idx) % 4) + bytes([rank, round_idx])[: rank + round_idx]
+
+
+def run_in_threads(fns: list) -> list:
+    """Run each zero-argument fn on its own thread; return each one's result or exception."""
+    out: list = [None] * len(fns)
+
+    def call(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(PROCESS_LIMIT_S)
+        assert not t.is_alive(), "a rank thread hung"
+    return out
+
+
+def launch(script: str, envs: list[dict[str, str]], argvs: list[list[str]]) -> list[dict]:
+    """Run ``script`` once per (environment, argv) pair, one process per rank, without the launch
+    variables of this process; return each process's last stdout line, parsed as JSON."""
+    procs = []
+    for env, argv in zip(envs, argvs, strict=True):
+        base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+        procs.append(subprocess.Popen([sys.executable, "-c", script, *argv], cwd=REPO_ROOT, text=True,
+                                      env={**base, "PYTHONPATH": str(REPO_ROOT), **env},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    out = []
+    try:
+        for rank, proc in enumerate(procs):
+            stdout, stderr = proc.communicate(timeout=PROCESS_LIMIT_S)
+            assert proc.returncode == 0, f"process {rank} exited {proc.returncode}: {stderr}"
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return out
+
+
+# ----------------------------------------------------------------------------- torch.distributed, processes
+
+TORCH_WORKER = textwrap.dedent("""
+    import datetime, json, sys
+    import torch.distributed as dist
+    from mooncake_ep.group import GroupError, init_group
+
+    def payload(rank, i):
+        return f"r{rank}i{i};".encode() * ((rank + i) % 4) + bytes([rank, i])[: rank + i]
+
+    store_port, tcp_port = int(sys.argv[1]), int(sys.argv[2])
+    out = {}
+    # As under torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are set and torch's own store
+    # serves MASTER_PORT, so init_group() must use the initialised default group, not the environment.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    group = init_group(timeout_s=30.0)
+    rank, world_size = group.rank, group.world_size
+    out["default"] = [type(group).__name__, rank, world_size, group.is_in_process, group.device]
+    out["rounds"] = [[v.hex() for v in group.allgather_bytes(payload(rank, i))] for i in range(3)]
+    group.barrier()
+
+    # A subgroup of ranks 0 and 2: ranks inside it are renumbered.
+    sub = dist.new_group([0, 2])
+    if rank in (0, 2):
+        sub_group = init_group(sub)
+        out["sub"] = [sub_group.rank, sub_group.world_size,
+                      [v.hex() for v in sub_group.allgather_bytes(bytes([rank]))]]
+        sub_group.barrier()
+
+    # A torch store: rank and world size from the environment; a peer that skips a call is named.
+    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=30))
+    store_group = init_group(store, timeout_s=30.0)
+    out["store"] = [type(store_group).__name__, [v.hex() for v in store_group.allgather_bytes(payload(rank, 1))]]
+    store_group.barrier()
+    if rank != 2:
+        store_group.timeout_s = float(sys.argv[3])
+        try:
+            store_group.allgather_bytes(b"late")
+        except GroupError as exc:
+            out["store_timeout"] = str(exc)
+
+    # Explicit TCP store arguments win over the initialised torch group.
+    tcp = init_group(rank=rank, world_size=world_size, master_port=tcp_port, timeout_s=30.0)
+    out["tcp"] = [type(tcp).__name__, [v.hex() for v in tcp.allgather_bytes(bytes([rank]))]]
+    tcp.close()
+
+    # gloo's monitored barrier names the rank that did not come (last: it breaks the group).
+    if rank == 2:
+        store.wait(["barrier_done"])
+    else:
+        group.timeout_s = float(sys.argv[3])
+        try:
+            group.barrier()
+        except GroupError as exc:
+            out["barrier_timeout"] = str(exc)
+        try:
+            group.barrier()
+        except GroupError as exc:
+            out["after_failure"] = str(exc)
+        if rank == 0:
+            store.set("barrier_done", b"")
+    print(json.dumps(out))
+""")
+
+
+def test_torch_gloo_three_processes():
+    pytest.importorskip("torch.distributed")
+    world_size, master_port = 3, free_port()
+    envs = [{"RANK": str(r), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(master_port)} for r in range(world_size)]
+    argv = [str(free_port()), str(free_port()), str(SHORT_TIMEOUT_S)]
+    out = launch(TORCH_WORKER, envs, [argv] * world_size)
+    expected_rounds = [[payload(r, i).hex() for r in range(world_size)] for i in range(3)]
+    for rank, result in enumerate(out):
+        assert result["default"] == ["TorchGroup", rank, world_size, False, None]
+        assert result["rounds"] == expected_rounds
+        assert result["store"] == ["TorchStoreGroup", [payload(r, 1).hex() for r in range(world_size)]]
+        assert result["tcp"] == ["TCPGroup", [bytes([r]).hex() for r in range(world_size)]]
+    assert out[0]["sub"] == [0, 2, ["00", "02"]] and out[2]["sub"] == [1, 2, ["00", "02"]]
+    assert "sub" not in out[1]
+    for rank in (0, 1):
+        message = out[rank]["store_timeout"]
+        assert message.startswith(f"allgather_bytes #1 timed out after {SHORT_TIMEOUT_S} s waiting for ranks [2] of 3")
+        assert "torch TCPStore" in message
+        assert out[rank]["barrier_timeout"].startswith(f"barrier #1 on rank {rank}: torch.distributed barrier (gloo)")
+        assert "broken by an earlier failure" in out[rank]["after_failure"]
+    assert "Ranks 2 failed to pass monitoredBarrier" in out[0]["barrier_timeout"]
+
+
+# ----------------------------------------------------------------------------- torch stores, threads
+
+
+def test_torch_store_group_in_threads():
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore()
+    groups = run_in_threads([lambda r=r: TorchStoreGroup(store, r, 3, timeout_s=LONG_TIMEOUT_S) for r in range(3)])
+    assert all(isinstance(g, TorchStoreGroup) and isinstance(g, Group) for g in groups), groups
+    for i in range(4):
+        got = run_in_threads([lambda g=g: g.allgather_bytes(payload(g.rank, i)) for g in groups])
+        assert got == [[payload(r, i) for r in range(3)]] * 3
+    assert run_in_threads([g.barrier for g in groups]) == [None] * 3
+    # A second set of groups on the same store does not see the first one's keys.
+    again = run_in_threads([lambda r=r: TorchStoreGroup(store, r, 3, timeout_s=LONG_TIMEOUT_S) for r in range(3)])
+    assert run_in_threads([lambda g=g: g.allgather_bytes(b"2nd") for g in again]) == [[b"2nd"] * 3] * 3
+    # Rank 1 does not call: ranks 0 and 2 name it, and refuse further calls.
+    for g in groups:
+        g.timeout_s = SHORT_TIMEOUT_S
+    out = run_in_threads([lambda: groups[0].allgather_bytes(b"a"), lambda: groups[2].barrier()])
+    for e in out:
+        assert isinstance(e, GroupError), out
+        assert f"timed out after {SHORT_TIMEOUT_S} s waiting for ranks [1] of 3 (torch HashStore" in str(e)
+    with pytest.raises(GroupError, match="broken by an earlier failure"):
+        groups[0].barrier()
+    run_in_threads([lambda g=g: g.close() for g in again])
+    with pytest.raises(GroupError, match="closed"):
+        again[0].barrier()
+
+
+def test_torch_store_group_duplicate_rank_and_bad_input():
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore()
+    # Two processes with rank 0 of 2: the generation counter puts them in different namespaces, so the
+    # second one waits for a rank 1 that never comes in its namespace, and names it.
+    out = run_in_threads([lambda: TorchStoreGroup(store, 0, 2, timeout_s=SHORT_TIMEOUT_S)] * 2)
+    assert all(isinstance(e, GroupError) and "waiting for ranks [1] of 2" in str(e) for e in out), out
+    with pytest.raises(TypeError, match="store must be a torch.distributed.Store, got dict"):
+        TorchStoreGroup({}, 0, 2)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\)"):
+        TorchStoreGroup(store, 2, 2)
+    solo = TorchStoreGroup(store, 0, 1)
+    assert solo.allgather_bytes(b"x") == [b"x"] and solo.barrier() is None
+
+
+def test_torch_group_refuses_uninitialised_torch_distributed():
+    dist = pytest.importorskip("torch.distributed")
+    assert not dist.is_initialized()
+    with pytest.raises(GroupError, match=r"not initialised; call torch.distributed.init_process_group"):
+        TorchGroup()
+    with pytest.raises(GroupError, match="not initialised"):
+        init_group("torch")
+
+
+# ----------------------------------------------------------------------------- mpi4py, a fake communicator
+
+
+class FakeComm:
+    """The mpi4py methods MPIGroup uses, for ranks that are threads; objects are pickled as mpi4py does."""
+
+    def __init__(self, world: dict, rank: int) -> None:
+        self.world, self.rank = world, rank
+
+    @classmethod
+    def world(cls, size: int) -> list[FakeComm]:
+        world = {"size": size, "barrier": threading.Barrier(size, timeout=LONG_TIMEOUT_S), "slots": [None] * size}
+        return [cls(world, r) for r in range(size)]
+
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
+        return self.rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self.world["size"]
+
+    def allgather(self, obj):
+        self.world["slots"][self.rank] = pickle.dumps(obj)
+        self.world["barrier"].wait()
+        out = [pickle.loads(blob) for blob in self.world["slots"]]
+        self.world["barrier"].wait()  # nobody overwrites a slot before everyone has read it
+        return out
+
+    def Barrier(self) -> None:  # noqa: N802
+        self.world["barrier"].wait()
+
+
+def test_mpi_group_over_fake_communicator():
+    comms = FakeComm.world(3)
+    groups = [init_group(comm, device=comm.rank) for comm in comms]
+    assert all(isinstance(g, MPIGroup) and isinstance(g, Group) for g in groups)
+    assert [(g.rank, g.world_size, g.device, g.is_in_process) for g in groups] == [(r, 3, r, False) for r in range(3)]
+    for i in range(3):
+        got = run_in_threads([lambda g=g: g.allgather_bytes(payload(g.rank, i)) for g in groups])
+        assert got == [[payload(r, i) for r in range(3)]] * 3
+    assert run_in_threads([g.barrier for g in groups]) == [None] * 3
+
+
+def test_mpi_group_errors_break_the_group():
+    class FailingComm(FakeComm):
+        def Barrier(self) -> None:  # noqa: N802
+            raise RuntimeError("MPI_ERR_OTHER: simulated")
+
+    (comm,) = FailingComm.world(1)
+    group = MPIGroup(comm)
+    with pytest.raises(GroupError, match=r"barrier #0 on rank 0: MPI Barrier failed: RuntimeError: MPI_ERR_OTHER"):
+        group.barrier()
+    with pytest.raises(GroupError, match="broken by an earlier failure"):
+        group.allgather_bytes(b"x")
+
+    class StrayComm(FakeComm):  # a peer in another collective: mpi4py hands back whatever it sent
+        def allgather(self, obj):
+            return [("not", "bytes")]
+
+    (comm,) = StrayComm.world(1)
+    with pytest.raises(GroupError, match="expected a list of 1 bytes"):
+        MPIGroup(comm).allgather_bytes(b"x")
+    with pytest.raises(TypeError, match="comm must be an mpi4py communicator, got object"):
+        MPIGroup(object())
+    with pytest.raises(TypeError, match="data must be bytes"):
+        MPIGroup(FakeComm.world(1)[0]).allgather_bytes("text")
+
+
+MPI_WORKER = textwrap.dedent("""
+    import json
+    from mpi4py import MPI
+    from mooncake_ep.group import init_group
+    group = init_group()  # mpi4py.MPI imported, more than one process: MPIGroup over COMM_WORLD
+    out = [type(group).__name__, [v.hex() for v in group.allgather_bytes(bytes([group.rank]) * group.rank)]]
+    group.barrier()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or shutil.which("mpiexec") is None,
+                    reason="needs mpi4py and an MPI launcher (mpiexec)")
+def test_mpi_group_real_mpi():
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", MPI_WORKER], cwd=REPO_ROOT,
+                          env={**env, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
+                          timeout=PROCESS_LIMIT_S)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert lines == [["MPIGroup", ["", "01"]]] * 2
+
+
+# ----------------------------------------------------------------------------- jax.distributed
+
+
+JAX_WORKER = textwrap.dedent("""
+    import json, sys
+    import jax
+    from mooncake_ep.group import GroupError, init_group
+
+    port, rank, world_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=world_size,
+                               process_id=rank, initialization_timeout=60)
+    from jax._src import distributed
+    out = {}
+    group = init_group(timeout_s=30.0)  # no RANK/WORLD_SIZE: the initialised jax.distributed
+    out["default"] = [type(group).__name__, group.rank, group.world_size]
+    out["rounds"] = [[v.hex() for v in group.allgather_bytes(bytes([rank]) * (rank + i))] for i in range(3)]
+    group.barrier()
+    second = init_group("jax", timeout_s=30.0)  # its own keys: the two groups do not mix
+    out["second"] = [v.hex() for v in second.allgather_bytes(b"2nd")]
+    if rank == 0:
+        second.timeout_s = float(sys.argv[4])
+        try:
+            second.allgather_bytes(b"late")
+        except GroupError as exc:
+            out["timeout"] = str(exc)
+    distributed.global_state.client.wait_at_barrier("test_done", 60_000)
+    print(json.dumps(out), flush=True)
+    jax.distributed.shutdown()
+""")
+
+
+def test_jax_distributed_two_processes():
+    pytest.importorskip("jax")
+    port, world_size = free_port(), 2
+    out = launch(JAX_WORKER, [{"JAX_PLATFORMS": "cpu"}] * world_size,
+                 [[str(port), str(r), str(world_size), str(SHORT_TIMEOUT_S)] for r in range(world_size)])
+    for rank, result in enumerate(out):
+        assert result["default"] == ["JaxGroup", rank, world_size]
+        assert result["rounds"] == [[(bytes([r]) * (r + i)).hex() for r in range(world_size)] for i in range(3)]
+        assert result["second"] == [b"2nd".hex()] * world_size
+    assert out[0]["timeout"].startswith(f"allgather_bytes #1 timed out after {SHORT_TIMEOUT_S} s waiting for "
+                                        f"ranks [1] of 2 (jax.distributed key-value store, keys mooncake_ep/2/*)")
+
+
+class FakeJaxClient:
+    """jax's DistributedRuntimeClient key-value methods over a dict shared by threads."""
+
+    def __init__(self, shared: dict) -> None:
+        self.shared = shared
+
+    @staticmethod
+    def make_shared() -> dict:
+        return {"data": {}, "cond": threading.Condition()}
+
+    def key_value_set_bytes(self, key: str, value: bytes, allow_overwrite: bool = False) -> None:
+        with self.shared["cond"]:
+            if key in self.shared["data"] and not allow_overwrite:
+                raise RuntimeError(f"ALREADY_EXISTS: {key}")
+            self.shared["data"][key] = bytes(value)
+            self.shared["cond"].notify_all()
+
+    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes:
+        with self.shared["cond"]:
+            if not self.shared["cond"].wait_for(lambda: key in self.shared["data"], timeout=timeout_in_ms / 1000):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
+            return self.shared["data"][key]
+
+    def key_value_try_get_bytes(self, key: str) -> bytes:
+        with self.shared["cond"]:
+            if key not in self.shared["data"]:
+                raise RuntimeError(f"NOT_FOUND: Config key {key} not found.")
+            return self.shared["data"][key]
+
+    def key_value_increment(self, key: str, increment: int) -> int:
+        with self.shared["cond"]:
+            value = int(self.shared["data"].get(key, b"0")) + increment
+            self.shared["data"][key] = str(value).encode()
+            return value
+
+    def key_value_delete(self, key: str) -> None:
+        with self.shared["cond"]:
+            self.shared["data"].pop(key, None)
+
+
+def test_jax_group_over_fake_client():
+    shared = FakeJaxClient.make_shared()
+    make = [lambda r=r: JaxGroup(FakeJaxClient(shared), rank=r, world_size=3, timeout_s=LONG_TIMEOUT_S)
+            for r in range(3)]
+    groups = run_in_threads(make)
+    assert all(isinstance(g, JaxGroup) and isinstance(g, Group) for g in groups), groups
+    for i in range(3):
+        got = run_in_threads([lambda g=g: g.allgather_bytes(payload(g.rank, i)) for g in groups])
+        assert got == [[payload(r, i) for r in range(3)]] * 3
+    assert run_in_threads([g.barrier for g in groups]) == [None] * 3
+    assert len(shared["data"]) < 20, "each rank deletes its key of the call before the last one"
+    for g in groups:
+        g.timeout_s = SHORT_TIMEOUT_S
+    out = run_in_threads([lambda: groups[1].allgather_bytes(b"a"), lambda: groups[2].allgather_bytes(b"c")])
+    for e in out:
+        assert isinstance(e, GroupError), out
+        assert str(e).startswith(f"allgather_bytes #3 timed out after {SHORT_TIMEOUT_S} s waiting for ranks [0] of 3 "
+                                 f"(jax.distributed key-value store, keys mooncake_ep/1/*)")
+
+
+def test_jax_group_errors():
+    class OldClient:  # a jax whose private client lacks what the adapter calls
+        def key_value_set(self, key, value):
+            pass
+
+    with pytest.raises(GroupError, match=r"has no \['key_value_set_bytes', .*use init_group\(\) with RANK"):
+        JaxGroup(OldClient(), rank=0, world_size=2)
+    with pytest.raises(ValueError, match="pass rank and world_size"):
+        JaxGroup(FakeJaxClient(FakeJaxClient.make_shared()))
+    pytest.importorskip("jax")
+    with pytest.raises(GroupError, match=r"jax.distributed is not initialised; call jax.distributed.initialize"):
+        init_group("jax")
+
+    class DeadClient(FakeJaxClient):
+        def blocking_key_value_get_bytes(self, key, timeout_in_ms):
+            raise RuntimeError("UNAVAILABLE: coordination service is gone")
+
+    with pytest.raises(GroupError, match="key-value get of 'mooncake_ep/1/c/0/0' failed: RuntimeError: UNAVAILABLE"):
+        JaxGroup(DeadClient(FakeJaxClient.make_shared()), rank=0, world_size=2)
+
+
+# ----------------------------------------------------------------------------- init_group's choice
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_init_group_argument_errors(clean_env):
+    (comm,) = FakeComm.world(1)
+    with pytest.raises(TypeError, match=r"group must be None, a torch ProcessGroup or Store, .*got builtins.int"):
+        init_group(3)
+    with pytest.raises(ValueError, match=r"group must be one of \['tcp', 'torch', 'jax'\] when a str, got 'nccl'"):
+        init_group("nccl")
+    with pytest.raises(ValueError, match="master_port configure the TCP store; with group=.*FakeComm leave them out"):
+        init_group(comm, master_port=29500)
+    with pytest.raises(ValueError, match="rank=1 differs from the group's rank 0"):
+        init_group(comm, rank=1)
+    with pytest.raises(ValueError, match="RANK is not set.*or pass init_group\\(group=...\\) a torch ProcessGroup"):
+        init_group("tcp")
+    assert isinstance(init_group("tcp", rank=0, world_size=1), TCPGroup)
+
+
+def test_init_group_returns_an_existing_group():
+    rank_group = LocalGroup(2).rank_group(1)
+    assert init_group(rank_group) is rank_group
+    with pytest.raises(ValueError, match="world_size=3 differs"):
+        init_group(rank_group, world_size=3)
+
+
+def test_init_group_detects_initialised_jax_distributed(clean_env):
+    # jax.distributed's state as a one-process initialize() leaves it; detection only reads sys.modules.
+    state = types.SimpleNamespace(client=FakeJaxClient(FakeJaxClient.make_shared()), process_id=0, num_processes=1)
+    clean_env.setitem(sys.modules, "jax._src.distributed", types.SimpleNamespace(global_state=state))
+    group = init_group()
+    assert isinstance(group, JaxGroup) and (group.rank, group.world_size) == (0, 1)
+    # Explicit TCP store arguments come first.
+    assert isinstance(init_group(rank=0, world_size=1), TCPGroup)
+
+
+def test_init_group_detects_mpi4py(clean_env):
+    comms = FakeComm.world(2)
+    fake_mpi = types.SimpleNamespace(Is_initialized=lambda: True, Is_finalized=lambda: False, COMM_WORLD=comms[0])
+    clean_env.setitem(sys.modules, "mpi4py.MPI", fake_mpi)
+    group = init_group()
+    assert isinstance(group, MPIGroup) and group.comm is comms[0]
