@@ -150,17 +150,21 @@ def abs_weighted_sum(dispatch_results, expert_outs, weights: np.ndarray, rank: i
 # --- the command -----------------------------------------------------------------------------------
 
 
-def check_schema(report: dict, *, with_baseline: bool) -> None:
+def check_schema(report: dict, *, with_baseline: bool, backend: str = "reference") -> None:
     assert TOP_KEYS <= report.keys(), sorted(report)
-    assert report["timer"] == "host" and report["backend"] == "reference"
-    assert report["copy_bandwidth_gbps"] is None
+    on_gpu = backend == "cuda"
+    assert report["backend"] == backend and report["timer"] == ("cuda_events" if on_gpu else "host")
+    assert (report["copy_bandwidth_gbps"] is not None) is on_gpu
     assert set(report["host_us_per_call"]) == {"dispatch", "combine"}
     assert all(v > 0 for v in report["host_us_per_call"].values())
     assert set(report["phases"]) == {"dispatch", "combine", "combine_zero_copy", "step"}
     for phase, row in report["phases"].items():
         assert PHASE_KEYS <= row.keys(), (phase, sorted(row))
         assert 0 < row["p50_us"] <= row["p90_us"] <= row["p99_us"], (phase, row)
-        assert row["floor_us"] is None and row["ratio_to_floor"] is None  # no HBM floor without a GPU
+        if on_gpu:
+            assert row["floor_us"] > 0 and row["ratio_to_floor"] == pytest.approx(row["p50_us"] / row["floor_us"])
+        else:
+            assert row["floor_us"] is None and row["ratio_to_floor"] is None  # no HBM floor without a GPU
         assert row["deepep_gbps_per_rank"] > 0
         if with_baseline:
             assert row["baseline_p50_us"] > 0
@@ -197,7 +201,7 @@ def test_bench_no_baseline_leaves_it_null(tmp_path):
 def test_bench_plot_writes_a_png(tmp_path):
     png, path = tmp_path / "sweep.png", tmp_path / "bench.json"
     proc = run_bench("--backend", "reference", "--plot", str(png), "--sweep-tokens", "1,4", "--iters", "3",
-                     "--json", str(path))
+                     "--warmup", "2", "--json", str(path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert png.read_bytes()[:len(PNG_SIGNATURE)] == PNG_SIGNATURE
     sweep = json.loads(path.read_text())["sweep"]
@@ -238,3 +242,56 @@ def test_bench_help_shows_the_new_flags_and_backend_defaults(capsys):
         assert flag in out
     assert "(default: 8 on a GPU, 2 on the reference backend)" in out
     assert "(default: 1,2,4,8,16,32,64,128,256,512)" in out
+
+
+# --- GPU: the baseline on CUDA tensors, and the command on the kernels ------------------------------
+
+
+def _gpu_usable() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0 and torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - no cupy, no driver: no GPU
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "R{}-T{}-H{}-K{}-E{}".format(*s))
+def test_baseline_on_cuda_is_the_baseline_on_cpu(shape, use_fp8):
+    """CUDA's fp8 cast and fp32 division round as the CPU's: dispatch bit-exact; combine within bf16 rounding."""
+    num_ranks, num_max_tokens, hidden, num_topk, num_experts = shape
+    xs, topk_idxs, weights = random_inputs(3, *shape)
+    cpu = baseline.dispatch(xs, topk_idxs, num_max_tokens, num_experts, use_fp8=use_fp8)
+    gpu = baseline.dispatch([x.cuda() for x in xs], [t.cuda() for t in topk_idxs], num_max_tokens, num_experts,
+                            use_fp8=use_fp8)
+    expert_outs = [torch.randn(num_experts // num_ranks, num_ranks * num_max_tokens, hidden).to(torch.bfloat16)
+                   for _ in range(num_ranks)]
+    for rank in range(num_ranks):
+        counts = cpu.recv_count[rank].tolist()
+        assert gpu.recv_count[rank].cpu().tolist() == counts
+        for local_expert, count in enumerate(counts):
+            got = gpu.recv_x[rank][local_expert, :count].cpu().view(torch.uint8)
+            assert torch.equal(got, cpu.recv_x[rank][local_expert, :count].view(torch.uint8))
+            if use_fp8:
+                assert torch.equal(gpu.recv_scales[rank][local_expert, :count].cpu(),
+                                   cpu.recv_scales[rank][local_expert, :count])
+    combined_cpu = baseline.combine(expert_outs, weights, cpu.layout)
+    combined_gpu = baseline.combine([e.cuda() for e in expert_outs], [w.cuda() for w in weights], gpu.layout)
+    for want, got in zip(combined_cpu, combined_gpu):
+        # index_add_ on CUDA adds in any order: fp32 sums agree to a few 2^-24, bf16 to one step (2^-7).
+        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2.0 ** -7, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU with cupy and CUDA torch")
+def test_bench_cuda_small_shape_writes_the_json_schema(tmp_path):
+    path, png = tmp_path / "bench.json", tmp_path / "sweep.png"
+    proc = run_bench("--backend", "cuda", "--ranks", "2", "--tokens", "8", "--hidden", "256", "--topk", "2",
+                     "--experts", "8", "--iters", "5", "--warmup", "2", "--json", str(path), "--plot", str(png),
+                     "--sweep-tokens", "1,8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check_schema(json.loads(path.read_text()), with_baseline=True, backend="cuda")
+    assert png.read_bytes()[:len(PNG_SIGNATURE)] == PNG_SIGNATURE
