@@ -304,6 +304,31 @@ class TorchStoreGroup(_KeyValueGroup):
             logger.debug("TorchStoreGroup: could not delete %s (the key stays): %s", key, exc)
 
 
+# torchrun sets this to "True" in its workers when its agent serves the job's store at MASTER_ADDR:MASTER_PORT.
+TORCHRUN_AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
+                         timeout_s: float = DEFAULT_TIMEOUT_S, device: int | None = None) -> TorchStoreGroup:
+    """A :class:`TorchStoreGroup` over the store torchrun's agent serves at ``master_addr:master_port``.
+
+    Under torchrun that port is taken by the agent's TCPStore, so our own store cannot listen there;
+    every worker connects to the agent's store as a client instead, as ``init_process_group("env://")``
+    does.
+
+    Raises:
+        GroupError: torch is missing, or the agent's store is unreachable within ``timeout_s``.
+    """
+    dist = _torch_distributed("init_group (under torchrun)")
+    try:
+        store = dist.TCPStore(master_addr, master_port, world_size, False,
+                              timeout=datetime.timedelta(seconds=_finite_s(timeout_s)))
+    except RuntimeError as exc:
+        raise GroupError(f"init_group: rank {rank} cannot reach torchrun's store at {master_addr}:{master_port} "
+                         f"({TORCHRUN_AGENT_STORE_VAR}=True): {exc}") from exc
+    return TorchStoreGroup(store, rank, world_size, timeout_s=timeout_s, device=device)
+
+
 # ----------------------------------------------------------------------------- mpi4py
 
 

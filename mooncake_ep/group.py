@@ -54,7 +54,14 @@ from mooncake_ep._group_common import (
     _KeyValueGroup,
     _wait_arg,
 )
-from mooncake_ep._group_adapters import JaxGroup, MPIGroup, TorchGroup, TorchStoreGroup
+from mooncake_ep._group_adapters import (
+    TORCHRUN_AGENT_STORE_VAR,
+    JaxGroup,
+    MPIGroup,
+    TorchGroup,
+    TorchStoreGroup,
+    torchrun_store_group,
+)
 from mooncake_ep._tcp_store import TCPStoreClient, TCPStoreServer
 
 __all__ = [
@@ -236,13 +243,17 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
     3. ``jax.distributed`` initialised: :class:`JaxGroup`.
     4. mpi4py's ``MPI`` module already imported, with more than one process: :class:`MPIGroup`
        over ``COMM_WORLD``.
-    5. Otherwise the TCP store, configured from the environment as with ``torch.distributed``:
+    5. A torchrun worker (``TORCHELASTIC_USE_AGENT_STORE=True``): a :class:`TorchStoreGroup` over
+       the store torchrun's agent serves at ``MASTER_ADDR:MASTER_PORT``, with ``RANK`` and
+       ``WORLD_SIZE``.
+    6. Otherwise the TCP store, configured from the environment as with ``torch.distributed``:
        ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (default ``127.0.0.1``), ``MASTER_PORT``
        (default 29500).
 
-    An initialised framework comes before the environment because torchrun's ``MASTER_PORT``
-    is already served by torch's own store: a second store there could not start. Detection
-    never imports torch, jax or mpi4py; it only looks at those already imported.
+    Steps 2 to 5 come before the environment's TCP store because under torchrun ``MASTER_PORT``
+    is already served by torch's own store: a second store could not listen there. Detection
+    never imports torch, jax or mpi4py; it only looks at those already imported (step 5 imports
+    torch, which torchrun implies).
 
     Args:
         group: None (see above); a torch ``ProcessGroup`` (:class:`TorchGroup`); a
@@ -279,6 +290,13 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
                 if value is not None]
     if group is None and not tcp_args and rank is None and world_size is None:
         group = _detect_group()
+    if group is None and not tcp_args and rank is None and world_size is None \
+            and os.environ.get(TORCHRUN_AGENT_STORE_VAR) == "True":
+        rank, world_size = _check_rank(where, _env_int(where, "RANK", "rank"),
+                                       _env_int(where, "WORLD_SIZE", "world_size"))
+        master_addr = os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+        master_port = _check_port(where, _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT))
+        return torchrun_store_group(rank, world_size, master_addr, master_port, timeout_s=timeout_s, device=device)
     if group is None or group == "tcp":
         return _init_tcp_group(where, rank, world_size, master_addr, master_port, timeout_s, device)
     if tcp_args:

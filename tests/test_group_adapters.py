@@ -41,7 +41,7 @@ PROCESS_LIMIT_S = 90.0
 SHORT_TIMEOUT_S = 1.0
 # Timeout of the calls that are expected to succeed.
 LONG_TIMEOUT_S = 30.0
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")
 
 
 def free_port() -> int:
@@ -184,6 +184,31 @@ def test_torch_gloo_three_processes():
         assert out[rank]["barrier_timeout"].startswith(f"barrier #1 on rank {rank}: torch.distributed barrier (gloo)")
         assert "broken by an earlier failure" in out[rank]["after_failure"]
     assert "Ranks 2 failed to pass monitoredBarrier" in out[0]["barrier_timeout"]
+
+
+TORCHRUN_WORKER = textwrap.dedent("""
+    import json
+    from mooncake_ep.group import init_group
+    group = init_group(timeout_s=30.0)  # torchrun's agent holds MASTER_PORT: its store, not ours
+    out = [type(group).__name__, group.rank, group.world_size,
+           [v.hex() for v in group.allgather_bytes(bytes([group.rank]) * (group.rank + 1))]]
+    group.barrier()
+    print(json.dumps(out), flush=True)
+""")
+
+
+def test_init_group_under_torchrun_uses_the_agent_store(tmp_path):
+    pytest.importorskip("torch.distributed")
+    script = tmp_path / "worker.py"
+    script.write_text(TORCHRUN_WORKER)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(script)], cwd=REPO_ROOT,
+                          env={**env, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
+                          timeout=PROCESS_LIMIT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = sorted(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))
+    assert lines == [["TorchStoreGroup", r, 2, ["00", "0101"]] for r in range(2)], proc.stdout
 
 
 # ----------------------------------------------------------------------------- torch stores, threads
