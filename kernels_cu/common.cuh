@@ -106,8 +106,12 @@ __device__ __forceinline__ T* at(uint8_t* base, int64_t offset) {
     return reinterpret_cast<T*>(base + offset);
 }
 
-__device__ __forceinline__ int64_t read_expert(const void* topk_idx, int is_int64, int64_t i) {
-    return is_int64 ? static_cast<const int64_t*>(topk_idx)[i] : static_cast<const int*>(topk_idx)[i];
+// Entry i of topk_idx (int64 or int32). Ids outside [0, num_experts) read as -1 ("no expert"): the
+// host cannot check ids of device arrays without a sync, and an out-of-range id must never index
+// memory.
+__device__ __forceinline__ int read_expert(const void* topk_idx, int is_int64, int64_t i, int num_experts) {
+    const int64_t expert = is_int64 ? static_cast<const int64_t*>(topk_idx)[i] : static_cast<const int*>(topk_idx)[i];
+    return expert >= 0 && expert < num_experts ? static_cast<int>(expert) : -1;
 }
 
 }  // namespace ep

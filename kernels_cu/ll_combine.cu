@@ -131,7 +131,7 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
             const int4* row = nullptr;
             if (lane < num_topk) {
                 const int64_t i = static_cast<int64_t>(token) * num_topk + lane;
-                expert = static_cast<int>(read_expert(topk_idx, topk_is_int64, i));
+                expert = read_expert(topk_idx, topk_is_int64, i, static_cast<int>(layout.num_experts));
                 weight = topk_weights[i];
                 if (expert >= 0) {
                     const int expert_rank = expert / num_local_experts, local_expert = expert % num_local_experts;

@@ -64,7 +64,7 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int p
         const int chunk_size = min(kScanChunk, num_copies - chunk);
         __syncthreads();
         for (int i = threadIdx.x; i < chunk_size; i += blockDim.x)
-            s_chunk[i] = static_cast<int>(read_expert(topk_idx, topk_is_int64, chunk + i));
+            s_chunk[i] = read_expert(topk_idx, topk_is_int64, chunk + i, num_experts);
         __syncthreads();
         if (warp == 0) {
             for (int base = 0; base < chunk_size; base += kWarpSize) {
@@ -98,7 +98,7 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int p
     for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) send_expert_offset[e] = s_counts[e];
     // send_slot was written by this block above: visible to it after the barrier.
     for (int i = threadIdx.x; i < num_copies; i += blockDim.x) {
-        const int expert = static_cast<int>(read_expert(topk_idx, topk_is_int64, i));
+        const int expert = read_expert(topk_idx, topk_is_int64, i, num_experts);
         if (expert >= 0) send_list[s_counts[expert] + send_slot[i]] = i;
     }
 }

@@ -198,7 +198,9 @@ class Buffer:
             x: ``[num_tokens, hidden]`` bf16, num_tokens <= num_max_dispatch_tokens_per_rank, hidden a
                 multiple of 128.
             topk_idx: ``[num_tokens, num_topk]`` int64 (int32 accepted) global expert ids; -1 = no expert.
-                num_topk <= 16.
+                num_topk <= 16. Host arrays with ids outside [-1, num_experts) are refused; device
+                arrays are not read by the host (that would need a sync), and the kernels treat such
+                ids as -1.
             active_ranks: ``[num_ranks]`` int32 on x's device; 1 = alive. The kernels write 0 for a rank
                 that timed out; senders skip ranks marked 0.
             num_max_dispatch_tokens_per_rank: T, equal on every rank.
