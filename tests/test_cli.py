@@ -61,6 +61,30 @@ def test_demo_reference_passes(precision, tmp_path):
     assert all(r["relative_error"] < report["tolerance"] for r in report["ranks"])
 
 
+def test_demo_launch_processes_passes(tmp_path):
+    # Two processes joined by init_group() over the TCP store; without a GPU (and, for processes, until the
+    # ipc transport exists) auto picks the reference backend. Rank 0 prints the table for every rank.
+    report_path = tmp_path / "demo.json"
+    proc = run_cli("demo", "--launch", "2", *TINY, "--json", str(report_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "launching 2 processes" in proc.stdout and "2 ranks (processes)" in proc.stdout
+    assert "backend reference" in proc.stdout
+    rows = table_rows(proc.stdout, 2)
+    assert all(row[-1] == "pass" for row in rows), proc.stdout
+    assert sum(int(row[2]) for row in rows) == 2 * 8 * 4  # every (token, k) copy arrives once
+    assert "PASS" in proc.stdout and "all 2 processes passed" in proc.stdout
+    report = json.loads(report_path.read_text())
+    assert report["passed"] is True and report["config"]["num_ranks"] == 2
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+
+
+def test_demo_launch_fails_when_a_process_fails():
+    proc = run_cli("demo", "--launch", "2", *TINY, "--tolerance", "1e-9")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert all(row[-1] == "FAIL" for row in table_rows(proc.stdout, 2))
+    assert "FAIL: rank 0 exited 1, rank 1 exited 1" in proc.stdout
+
+
 def test_demo_fails_beyond_tolerance():
     # bf16 outputs cannot be within 1e-9 of a float32 computation: the check must report it.
     proc = run_cli("demo", *TINY, "--backend", "reference", "--tolerance", "1e-9")
@@ -77,6 +101,7 @@ def test_help_lists_commands_and_defaults():
     proc = run_cli("demo", "--help")
     assert proc.returncode == 0, proc.stderr
     assert "--tokens" in proc.stdout and "--no-fp8" in proc.stdout and "--timeout-us" in proc.stdout
+    assert "--launch" in proc.stdout and "--group" in proc.stdout
     assert "(default: 64)" in " ".join(proc.stdout.split())  # argparse wraps to the terminal width
 
 
@@ -97,6 +122,10 @@ def test_bad_usage_returns_2(argv, capsys):
     (["demo", "--hidden", "1000"], "multiple of 128"),
     (["demo", "--experts", "4", "--topk", "8"], "--topk"),
     (["demo", "--tokens", "0"], "--tokens"),
+    (["demo", "--launch", "2", "--ranks", "4"], "--ranks 4 does not match --launch 2"),
+    (["demo", "--launch", "0"], "--launch must be >= 1"),
+    (["demo", "--launch", "3"], "multiple of num_ranks=3"),
+    (["demo", "--launch", "2", "--group", "init"], "leave out --group"),
 ])
 def test_inconsistent_flags_exit_2_with_the_reason(argv, message, capsys):
     assert cli.main([*argv, "--backend", "reference"]) == 2

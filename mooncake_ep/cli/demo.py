@@ -7,8 +7,14 @@ float32: every token through its top-k experts, with the same weights. With fp8 
 input is the tokens quantised and dequantised exactly as dispatch does (mooncake_ep.reference), so
 only the bf16 roundings of the expert outputs and of the combined sum remain.
 
-Ranks are threads of this process (mooncake_ep.LocalGroup). With a GPU (cupy and CUDA torch
-installed) they all share device 0; without one they run on the numpy reference backend.
+Ranks are threads of this process (mooncake_ep.LocalGroup) by default. With ``--launch N`` they are
+N processes on this host, started with the environment torchrun gives (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT on a free port), each joining through ``mooncake_ep.init_group()``; rank 0
+prints the table and the command exits 0 only if every process passed. ``--group init`` runs one
+such process, for a launcher that sets those variables itself, e.g.
+``torchrun --nproc-per-node 2 -m mooncake_ep demo --group init``. With a GPU (cupy and CUDA torch
+installed) threads share device 0; without one, and for processes until the multi-process GPU
+transport (ipc) exists, the ranks run on the numpy reference backend.
 The expert weights live in host memory as float32, experts x hidden^2 x 4 bytes: keep it small
 (the defaults need 128 MiB); `python -m mooncake_ep bench` is the tool for large shapes.
 """
@@ -18,8 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +43,18 @@ from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
 DEFAULT_TOLERANCE = 2e-2
 # How long a GPU rank waits for a peer before masking it: a broken run ends as a failed check.
 DEFAULT_TIMEOUT_US = 10_000_000
+# In-process ranks when --ranks is not given.
+DEFAULT_RANKS = 4
+# Seconds a launched process waits for its peers, to join and in each collective: long enough for N
+# processes to import numpy and build the weights on a loaded host, short enough to end a broken run.
+GROUP_TIMEOUT_S = 120.0
+# Once one launched process has failed, seconds the others get to finish and report before they are
+# stopped (a peer waiting for the failed one would otherwise wait GROUP_TIMEOUT_S).
+LAUNCH_GRACE_S = 10.0
+# How often the launcher looks at its processes.
+_LAUNCH_POLL_S = 0.05
+# Where launched processes meet: this host only.
+_LAUNCH_ADDR = "127.0.0.1"
 
 # Independent random streams, all derived from --seed (numpy SeedSequence entropy lists), so the
 # weights are the same on every rank and in every run, whatever the rank count or backend.
@@ -42,7 +64,16 @@ _STREAM_TOKENS = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=4, metavar="N", help="in-process ranks (threads)")
+    parser.add_argument("--ranks", type=int, default=argparse.SUPPRESS, metavar="N",
+                        help=f"ranks as threads of this process (default: {DEFAULT_RANKS}); with --launch or "
+                             f"--group init the ranks are processes, and --ranks, if given, must match their number")
+    parser.add_argument("--launch", type=int, metavar="N",
+                        help="run N processes on this host, one rank each, instead of threads (RANK, WORLD_SIZE, "
+                             "MASTER_ADDR, MASTER_PORT set as torchrun does, on a free port)")
+    parser.add_argument("--group", choices=("local", "init"), default="local",
+                        help="local: the ranks are threads of this process; init: this process is one rank "
+                             "of a job whose launcher set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
+                             "(mooncake_ep.init_group()); --launch starts such processes")
     parser.add_argument("--experts", type=int, default=32, metavar="N", help="experts in all, a multiple of --ranks")
     parser.add_argument("--topk", type=int, default=4, metavar="K", help="experts per token")
     parser.add_argument("--hidden", type=int, default=1024, metavar="H", help="hidden size, a multiple of 128")
@@ -50,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
                         help="dispatch in fp8 e4m3 with one scale per 128 channels (else bf16)")
     parser.add_argument("--backend", choices=("auto", "cuda", "reference"), default="auto",
-                        help="auto: the GPU if one is usable, else the numpy reference")
+                        help="auto: the GPU if one is usable (threads only, until the multi-process GPU "
+                             "transport exists), else the numpy reference")
     parser.add_argument("--seed", type=int, default=0, metavar="INT", help="seed of the router, expert weights and tokens")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="RATIO",
                         help="largest relative error (norm of the difference / norm of the dense result) that passes")
@@ -281,7 +313,7 @@ def _gpu_status() -> tuple[bool, str]:
     return True, torch.cuda.get_device_name(0)
 
 
-def _choose_backend(requested: str) -> tuple[str, str]:
+def _choose_backend(requested: str, multi_process: bool) -> tuple[str, str]:
     if requested == "reference":
         return "reference", "asked for"
     usable, why = _gpu_status()
@@ -289,11 +321,25 @@ def _choose_backend(requested: str) -> tuple[str, str]:
         if not usable:
             raise UsageError(f"--backend cuda: {why}")
         return "cuda", why
+    if usable and multi_process:
+        # Buffer refuses a multi-process group on the GPU until the ipc transport exists.
+        return "reference", f"{why}, but GPU ranks in separate processes need the ipc transport, not there yet"
     return ("cuda", why) if usable else ("reference", why)
 
 
-def _check_config(config: DemoConfig, tolerance: float) -> None:
-    for flag, value in (("--ranks", config.num_ranks), ("--experts", config.num_experts),
+def _make_config(args: argparse.Namespace, num_ranks: int, ranks_flag: str) -> DemoConfig:
+    """The demo's configuration with ``num_ranks`` ranks, which ``ranks_flag`` set (for messages)."""
+    given = getattr(args, "ranks", None)
+    if given is not None and given != num_ranks:
+        raise UsageError(f"--ranks {given} does not match {ranks_flag} {num_ranks}; leave --ranks out")
+    config = DemoConfig(num_ranks, args.experts, args.topk, args.hidden, args.tokens, args.fp8, args.seed,
+                        args.timeout_us)
+    _check_config(config, args.tolerance, ranks_flag)
+    return config
+
+
+def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None:
+    for flag, value in ((ranks_flag, config.num_ranks), ("--experts", config.num_experts),
                         ("--topk", config.num_topk), ("--tokens", config.num_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
@@ -305,7 +351,7 @@ def _check_config(config: DemoConfig, tolerance: float) -> None:
         mooncake_ep.Buffer.get_ep_buffer_size_hint(config.num_tokens, config.hidden, config.num_ranks,
                                                    config.num_experts)
     except (TypeError, ValueError) as exc:
-        raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = --ranks, "
+        raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = {ranks_flag}, "
                          f"num_experts = --experts)") from None
 
 
@@ -344,16 +390,50 @@ def _print_table(results: list[RankResult]) -> None:
     Console().print(table)
 
 
-def run(args: argparse.Namespace) -> int:
-    config = DemoConfig(args.ranks, args.experts, args.topk, args.hidden, args.tokens, args.fp8, args.seed,
-                        args.timeout_us)
-    _check_config(config, args.tolerance)
-    backend, why = _choose_backend(args.backend)
-    print(f"mooncake_ep demo: {config.num_ranks} ranks x {config.num_tokens} tokens, {config.num_experts} experts "
+def _print_header(config: DemoConfig, kind: str, backend: str, why: str) -> None:
+    print(f"mooncake_ep demo: {config.num_ranks} {kind} x {config.num_tokens} tokens, {config.num_experts} experts "
           f"(top-{config.num_topk}), hidden {config.hidden}, {'fp8' if config.use_fp8 else 'bf16'} dispatch, "
           f"backend {backend} ({why})")
     sys.stdout.flush()
 
+
+def _report(config: DemoConfig, backend: str, results: list[RankResult], elapsed_s: float,
+            args: argparse.Namespace) -> int:
+    """Print the table and the verdict, write ``--json``; the exit code."""
+    _print_table(results)
+    failed = [r.rank for r in results if not r.passed]
+    if failed:
+        print(f"FAIL: ranks {failed} are off by more than relative error {args.tolerance:.0e} "
+              f"or lost a peer ({elapsed_s:.2f} s)")
+    else:
+        print(f"PASS: every rank within relative error {args.tolerance:.0e} ({elapsed_s:.2f} s)")
+    sys.stdout.flush()
+    if args.json:
+        report = {"config": dataclasses.asdict(config), "backend": backend, "tolerance": args.tolerance,
+                  "elapsed_s": elapsed_s, "passed": not failed, "ranks": [dataclasses.asdict(r) for r in results]}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.launch is not None:
+        if args.group != "local":
+            raise UsageError("--launch starts processes that join with --group init itself; leave out --group")
+        return _run_launcher(args)
+    if args.group == "init":
+        return _run_process_rank(args)
+    return _run_threads(args)
+
+
+# --- ranks as threads ----------------------------------------------------------------------------
+
+
+def _run_threads(args: argparse.Namespace) -> int:
+    config = _make_config(args, getattr(args, "ranks", DEFAULT_RANKS), "--ranks")
+    backend, why = _choose_backend(args.backend, multi_process=False)
+    _print_header(config, "ranks", backend, why)
     weights = make_weights(config)
     start = time.perf_counter()
     if backend == "cuda":
@@ -362,19 +442,112 @@ def run(args: argparse.Namespace) -> int:
     else:
         group = mooncake_ep.LocalGroup(config.num_ranks)
         results = group.spawn(_host_rank_step, config, weights, args.tolerance)
-    elapsed_s = time.perf_counter() - start
+    return _report(config, backend, results, time.perf_counter() - start, args)
 
-    _print_table(results)
-    failed = [r.rank for r in results if not r.passed]
+
+# --- ranks as processes --------------------------------------------------------------------------
+
+
+def _run_process_rank(args: argparse.Namespace) -> int:
+    """One rank of a multi-process run: join, run the step, gather every rank's result on rank 0."""
+    group = mooncake_ep.init_group(timeout_s=GROUP_TIMEOUT_S)
+    finished = False
+    try:
+        code = _process_rank_step(group, args)
+        finished = True
+        return code
+    finally:
+        close = getattr(group, "close", None)  # the Group protocol has no close; every init_group group does
+        if close is not None:
+            close(final_barrier=finished)  # leaving on an error: the peers may never reach a final barrier
+
+
+def _process_rank_step(group: mooncake_ep.Group, args: argparse.Namespace) -> int:
+    config = _make_config(args, group.world_size, "WORLD_SIZE")  # the same flags fail alike on every rank
+    backend, why = _choose_backend(args.backend, multi_process=group.world_size > 1)
+    if group.rank == 0:
+        _print_header(config, "ranks (processes)", backend, why)
+    weights = make_weights(config)
+    group.barrier()  # every process is ready: time the step alone
+    start = time.perf_counter()
+    step = _cuda_rank_step if backend == "cuda" else _host_rank_step
+    result = step(group, config, weights, args.tolerance)
+    blobs = group.allgather_bytes(json.dumps(dataclasses.asdict(result)).encode())
+    results = [RankResult(**json.loads(blob)) for blob in blobs]
+    elapsed_s = time.perf_counter() - start
+    if group.rank == 0:
+        return _report(config, backend, results, elapsed_s, args)
+    return EXIT_OK if all(r.passed for r in results) else EXIT_FAILURE
+
+
+def _free_port(host: str) -> int:
+    """A port free now; another program may take it before rank 0 binds it (rank 0 then says so)."""
+    with socket.create_server((host, 0)) as probe:
+        return probe.getsockname()[1]
+
+
+def _rank_argv(args: argparse.Namespace, config: DemoConfig) -> list[str]:
+    """The command line of one launched process: this demo's flags, as one rank (--group init)."""
+    argv = [sys.executable, "-m", "mooncake_ep", *["-v"] * getattr(args, "verbose", 0), "demo", "--group", "init",
+            "--experts", str(config.num_experts), "--topk", str(config.num_topk), "--hidden", str(config.hidden),
+            "--tokens", str(config.num_tokens), "--fp8" if config.use_fp8 else "--no-fp8", "--backend", args.backend,
+            "--seed", str(config.seed), "--tolerance", repr(args.tolerance), "--timeout-us", str(config.timeout_us)]
+    return argv + (["--json", args.json] if args.json else [])
+
+
+def _run_launcher(args: argparse.Namespace) -> int:
+    """``--launch N``: start N rank processes on this host, wait for all, pass only if all passed."""
+    num_processes = args.launch
+    if num_processes < 1:
+        raise UsageError(f"--launch must be >= 1, got {num_processes}")
+    config = _make_config(args, num_processes, "--launch")
+    _choose_backend(args.backend, multi_process=num_processes > 1)  # --backend cuda without a GPU: refused here
+    port = _free_port(_LAUNCH_ADDR)
+    argv = _rank_argv(args, config)
+    # The children import the mooncake_ep this process runs, wherever it was imported from.
+    package_root = str(Path(mooncake_ep.__file__).resolve().parent.parent)
+    python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    print(f"mooncake_ep demo: launching {num_processes} processes, store at {_LAUNCH_ADDR}:{port}")
+    sys.stdout.flush()
+    procs = []
+    try:
+        for rank in range(num_processes):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR=_LAUNCH_ADDR, MASTER_PORT=str(port),
+                       PYTHONPATH=python_path)
+            procs.append(subprocess.Popen(argv, env=env))
+        codes = _wait_for_processes(procs)
+    finally:
+        for proc in procs:  # interrupted, or a failure while starting: leave nothing behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    failed = {rank: code for rank, code in enumerate(codes) if code != 0}
     if failed:
-        print(f"FAIL: ranks {failed} are off by more than relative error {args.tolerance:.0e} "
-              f"or lost a peer ({elapsed_s:.2f} s)")
-    else:
-        print(f"PASS: every rank within relative error {args.tolerance:.0e} ({elapsed_s:.2f} s)")
-    if args.json:
-        report = {"config": dataclasses.asdict(config), "backend": backend, "tolerance": args.tolerance,
-                  "elapsed_s": elapsed_s, "passed": not failed, "ranks": [dataclasses.asdict(r) for r in results]}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-    return EXIT_FAILURE if failed else EXIT_OK
+        print("FAIL: " + ", ".join(f"rank {rank} {_describe_exit(code)}" for rank, code in failed.items()))
+        return EXIT_FAILURE
+    print(f"all {num_processes} processes passed")
+    return EXIT_OK
+
+
+def _wait_for_processes(procs: list[subprocess.Popen]) -> list[int]:
+    """Every process's exit code. Once one fails, the others get LAUNCH_GRACE_S, then are stopped."""
+    stop_at = None
+    while True:
+        codes = [proc.poll() for proc in procs]
+        if all(code is not None for code in codes):
+            return codes
+        if stop_at is None and any(code not in (None, 0) for code in codes):
+            stop_at = time.monotonic() + LAUNCH_GRACE_S
+        if stop_at is not None and time.monotonic() > stop_at:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            return [proc.wait() for proc in procs]
+        time.sleep(_LAUNCH_POLL_S)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was stopped by signal {-code}"
+    return f"exited {code}"
