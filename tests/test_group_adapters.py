@@ -186,14 +186,16 @@ def test_torch_gloo_three_processes():
     assert "Ranks 2 failed to pass monitoredBarrier" in out[0]["barrier_timeout"]
 
 
+# Each worker writes its own file: torchrun merges the workers' stdout, and two lines printed at
+# once can interleave.
 TORCHRUN_WORKER = textwrap.dedent("""
-    import json
+    import json, pathlib, sys
     from mooncake_ep.group import init_group
     group = init_group(timeout_s=30.0)  # torchrun's agent holds MASTER_PORT: its store, not ours
     out = [type(group).__name__, group.rank, group.world_size,
            [v.hex() for v in group.allgather_bytes(bytes([group.rank]) * (group.rank + 1))]]
     group.barrier()
-    print(json.dumps(out), flush=True)
+    pathlib.Path(sys.argv[1], f"rank{group.rank}.json").write_text(json.dumps(out))
 """)
 
 
@@ -203,12 +205,12 @@ def test_init_group_under_torchrun_uses_the_agent_store(tmp_path):
     script.write_text(TORCHRUN_WORKER)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(script)], cwd=REPO_ROOT,
+                           "--master-port", str(free_port()), str(script), str(tmp_path)], cwd=REPO_ROOT,
                           env={**env, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
                           timeout=PROCESS_LIMIT_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = sorted(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))
-    assert lines == [["TorchStoreGroup", r, 2, ["00", "0101"]] for r in range(2)], proc.stdout
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results == [["TorchStoreGroup", r, 2, ["00", "0101"]] for r in range(2)], proc.stdout
 
 
 # ----------------------------------------------------------------------------- torch stores, threads
