@@ -309,18 +309,9 @@ class Buffer:
                       topk_is_int64=topk_view.dtype == "int64", num_topk=handle.num_topk, active_ptr=active_view.ptr,
                       recv_x_ptr=views[0].ptr, recv_scales_ptr=recv_scales_ptr, recv_count_ptr=views[-1].ptr,
                       timeout_ns=_timeout_ns(timeout_us), **flags)
-        launch_stream = self._launch_stream(async_finish, stream_ptr)
-
-        def launch(phases: int, stream: int) -> None:
-            cuda.launch_dispatch(phases, handle.parity, layout_ptr, stream_ptr=stream, **common)
-
-        # The halves are separate launches in every mode: a send half never waits, so it always
-        # completes however the SMs are shared, and only receive halves (which can time out) wait.
-        launch(_SEND, launch_stream)
-        if return_recv_hook:
-            return lambda: launch(_RECV, stream_ptr)
-        launch(_RECV, launch_stream)
-        return None
+        return self._launch_halves(
+            lambda phases, stream: cuda.launch_dispatch(phases, handle.parity, layout_ptr, stream_ptr=stream, **common),
+            async_finish, return_recv_hook, stream_ptr)
 
     # --- combine --------------------------------------------------------------------------------
 
@@ -407,18 +398,9 @@ class Buffer:
                       num_tokens=handle.num_tokens, topk_ptr=topk_view.ptr, topk_is_int64=topk_view.dtype == "int64",
                       num_topk=handle.num_topk, weights_ptr=weights_view.ptr, active_ptr=active_view.ptr,
                       combined_ptr=outputs[0][0].ptr, renormalize=renormalize, timeout_ns=_timeout_ns(timeout_us))
-        launch_stream = self._launch_stream(async_finish, stream_ptr)
-
-        def launch(phases: int, stream: int) -> None:
-            cuda.launch_combine(phases, handle.parity, layout_ptr, stream_ptr=stream, **common)
-
-        # The halves are separate launches in every mode: a send half never waits, so it always
-        # completes however the SMs are shared, and only receive halves (which can time out) wait.
-        launch(_SEND, launch_stream)
-        if return_recv_hook:
-            return lambda: launch(_RECV, stream_ptr)
-        launch(_RECV, launch_stream)
-        return None
+        return self._launch_halves(
+            lambda phases, stream: cuda.launch_combine(phases, handle.parity, layout_ptr, stream_ptr=stream, **common),
+            async_finish, return_recv_hook, stream_ptr)
 
     def get_next_combine_buffer(self, handle: Handle):
         """The buffer to write expert outputs into for ``combine(..., zero_copy=True)``.
@@ -475,6 +457,21 @@ class Buffer:
         ready = self._cuda.record_event(stream_ptr)
         self._cuda.stream_wait(self._cuda.comm_stream.ptr, ready)
         return self._cuda.comm_stream.ptr
+
+    def _launch_halves(self, launch: Callable[[int, int], None], async_finish: bool, return_recv_hook: bool,
+                       stream_ptr: int) -> Callable[[], None] | None:
+        """Launch the send half now; the receive half now too, or return it as the hook's work.
+
+        The halves are separate launches in every mode: a send half never waits, so it always
+        completes however the SMs are shared, and only receive halves (which can time out) wait.
+        ``launch(phases, stream)`` launches one half.
+        """
+        launch_stream = self._launch_stream(async_finish, stream_ptr)
+        launch(_SEND, launch_stream)
+        if return_recv_hook:
+            return lambda: launch(_RECV, stream_ptr)
+        launch(_RECV, launch_stream)
+        return None
 
     def _finish(self, handle, receive, async_finish, return_recv_hook, stream_ptr, like: ArrayView):
         """Run or defer the receive half; build the event and the hook."""

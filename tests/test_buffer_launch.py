@@ -1,0 +1,195 @@
+"""The GPU path of Buffer, on the CPU: what it launches, on which stream, with which arguments.
+
+A recording stand-in replaces the CUDA backend, and the arrays are host memory exported through
+DLPack as if it were device memory, so buffer.py's CUDA branch (validation, outputs, phases, modes,
+parity, hooks) runs without a GPU. The kernels themselves are tested on the GPU
+(test_gpu_low_latency.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mooncake_ep as ep
+from mooncake_ep import layout
+from mooncake_ep.tensor import DeviceMemoryArray
+
+SEND, RECV = 1, 2
+CALLER_STREAM = 0  # the 'dlpack' framework reports the legacy stream
+COMM_STREAM = 0xC0FFEE
+R, E, T, H, K = 2, 8, 4, 256, 2
+
+
+@dataclasses.dataclass
+class Launch:
+    kernel: str
+    phases: int
+    parity: int
+    stream: int
+    args: dict
+
+
+class RecordingCuda:
+    """What buffer.py uses of _cuda_backend.CudaBackend, recording launches instead of making them."""
+
+    device_id = 0
+
+    def __init__(self):
+        self.launches: list[Launch] = []
+        self.comm_stream = type("Stream", (), {"ptr": COMM_STREAM})()
+        self.waits: list[tuple[int, object]] = []
+
+    def layout_for(self, num_max_tokens, hidden, num_experts):
+        return layout.compute_layout(R, num_experts, num_max_tokens, hidden), 0x1000
+
+    def launch_dispatch(self, phases, parity, layout_ptr, *, stream_ptr, **args):
+        self.launches.append(Launch("dispatch", phases, parity, stream_ptr, args))
+
+    def launch_combine(self, phases, parity, layout_ptr, *, stream_ptr, **args):
+        self.launches.append(Launch("combine", phases, parity, stream_ptr, args))
+
+    def record_event(self, stream_ptr):
+        return ("event", stream_ptr)
+
+    def stream_wait(self, stream_ptr, event):
+        self.waits.append((stream_ptr, event))
+
+
+class FakeDeviceArrays:
+    """Host arrays exported through DLPack as cuda:0 memory."""
+
+    def __init__(self):
+        self.keep = []
+
+    def __call__(self, array: np.ndarray) -> DeviceMemoryArray:
+        array = np.ascontiguousarray(array)
+        self.keep.append(array)
+        dtype = {np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(ml_dtypes.float8_e4m3fn): "float8_e4m3fn"}.get(
+            array.dtype, array.dtype.name)
+        return DeviceMemoryArray(array.ctypes.data, array.shape, dtype, "cuda", 0, owner=array)
+
+
+@pytest.fixture
+def setup():
+    buf = ep.Buffer(_TwoRankView(), ep.Buffer.get_ep_buffer_size_hint(T, H, R, E), backend="reference")
+    cuda = RecordingCuda()
+    buf._cuda, buf.backend = cuda, "cuda"
+    device = FakeDeviceArrays()
+    rng = np.random.default_rng(0)
+    inputs = dict(
+        x=device(rng.standard_normal((3, H)).astype(ml_dtypes.bfloat16)),
+        topk_idx=device(np.array([[0, 5], [7, -1], [2, 3]], dtype=np.int64)),
+        active_ranks=device(np.ones(R, np.int32)),
+    )
+    return buf, cuda, device, inputs
+
+
+class _TwoRankView:
+    """Rank 0 of a two-rank group whose collectives are never called on this path."""
+
+    rank, world_size, is_in_process, device = 0, R, True, 0
+
+    def allgather_bytes(self, data):  # pragma: no cover - the recording backend needs none
+        raise AssertionError("the CUDA path makes no host collective per call")
+
+    def barrier(self):  # pragma: no cover
+        raise AssertionError("the CUDA path makes no host collective per call")
+
+
+def dispatch_out(device, use_fp8: bool):
+    rows = R * T
+    recv_count = device(np.full(E // R, -1, np.int32))
+    if use_fp8:
+        return ((device(np.zeros((E // R, rows, H), ml_dtypes.float8_e4m3fn)),
+                 device(np.zeros((E // R, rows, H // 128), np.float32))), recv_count)
+    return device(np.zeros((E // R, rows, H), ml_dtypes.bfloat16)), recv_count
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_sync_dispatch_launches_send_then_receive_on_the_caller_stream(setup, use_fp8):
+    buf, cuda, device, inputs = setup
+    out = dispatch_out(device, use_fp8)
+    recv, count, handle, event, hook = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E,
+                                                   timeout_us=250, use_fp8=use_fp8, out=out)
+    assert hook is None and count is out[1]
+    assert all(a is b for a, b in zip(recv, out[0])) if use_fp8 else recv is out[0]
+    assert [(l.kernel, l.phases, l.stream) for l in cuda.launches] == [
+        ("dispatch", SEND, CALLER_STREAM), ("dispatch", RECV, CALLER_STREAM)]
+    args = cuda.launches[0].args
+    assert args["num_tokens"] == 3 and args["num_topk"] == K and args["topk_is_int64"]
+    assert args["timeout_ns"] == 250_000 and args["use_fp8"] == use_fp8
+    recv_x = out[0][0] if use_fp8 else out[0]
+    assert args["recv_x_ptr"] == recv_x.ptr and args["recv_count_ptr"] == out[1].ptr
+    assert args["recv_scales_ptr"] == (out[0][1].ptr if use_fp8 else 0)
+    event.current_stream_wait()  # a no-op: the work is on the caller's stream
+
+
+def test_hook_mode_launches_the_receive_half_only_when_called(setup):
+    buf, cuda, device, inputs = setup
+    _, _, handle, _, hook = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E,
+                                         use_fp8=False, return_recv_hook=True, out=dispatch_out(device, False))
+    assert [l.phases for l in cuda.launches] == [SEND]
+    with pytest.raises(RuntimeError, match="hook"):
+        buf.combine(None, inputs["topk_idx"], device(np.ones((3, K), np.float32)), inputs["active_ranks"],
+                    handle=handle, zero_copy=True)
+    hook()
+    assert [(l.phases, l.stream) for l in cuda.launches] == [(SEND, CALLER_STREAM), (RECV, CALLER_STREAM)]
+    with pytest.raises(RuntimeError, match="already called"):
+        hook()
+
+
+def test_async_mode_runs_both_halves_on_the_comm_stream_after_the_caller(setup):
+    buf, cuda, device, inputs = setup
+    _, _, _, event, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                     async_finish=True, out=dispatch_out(device, False))
+    assert [(l.phases, l.stream) for l in cuda.launches] == [(SEND, COMM_STREAM), (RECV, COMM_STREAM)]
+    assert cuda.waits == [(COMM_STREAM, ("event", CALLER_STREAM))]  # comm stream waits for the caller
+    event.current_stream_wait()
+    assert cuda.waits[-1] == (CALLER_STREAM, ("event", COMM_STREAM))  # and the caller for the comm stream
+
+
+def test_parity_alternates_and_combine_answers_its_dispatch(setup):
+    buf, cuda, device, inputs = setup
+    weights = device(np.ones((3, K), np.float32))
+    handles = []
+    for _ in range(3):
+        _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E,
+                                          use_fp8=False, out=dispatch_out(device, False))
+        handles.append(handle)
+    assert [l.parity for l in cuda.launches if l.phases == SEND] == [0, 1, 0]
+    expert_out = device(np.zeros((E // R, R * T, H), ml_dtypes.bfloat16))
+    combined = device(np.zeros((3, H), ml_dtypes.bfloat16))
+    result, _, _ = buf.combine(expert_out, inputs["topk_idx"], weights, inputs["active_ranks"], 10, handles[1],
+                               out=combined, renormalize=True)
+    combine = [l for l in cuda.launches if l.kernel == "combine"]
+    assert result is combined
+    assert [(l.phases, l.parity) for l in combine] == [(SEND, 1), (RECV, 1)]
+    assert combine[0].args["expert_out_ptr"] == expert_out.ptr and not combine[0].args["zero_copy"]
+    assert combine[0].args["combined_ptr"] == combined.ptr and combine[0].args["renormalize"]
+    assert combine[0].args["timeout_ns"] == 10_000
+    with pytest.raises(ValueError, match="stale"):
+        buf.combine(expert_out, inputs["topk_idx"], weights, inputs["active_ranks"], 10, handles[0], out=combined)
+
+
+def test_zero_copy_combine_passes_no_expert_output(setup):
+    buf, cuda, device, inputs = setup
+    _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                      out=dispatch_out(device, False))
+    buf.combine(None, inputs["topk_idx"], device(np.ones((3, K), np.float32)), inputs["active_ranks"], -1, handle,
+                zero_copy=True, out=device(np.zeros((3, H), ml_dtypes.bfloat16)))
+    combine = [l for l in cuda.launches if l.kernel == "combine"]
+    assert combine[0].args["expert_out_ptr"] == 0 and combine[0].args["zero_copy"]
+    assert combine[0].args["timeout_ns"] == -1
+
+
+def test_device_arrays_are_not_read_by_the_host(setup):
+    """Expert ids of device arrays are left to the kernels (reading them would need a sync)."""
+    buf, cuda, device, inputs = setup
+    inputs = dict(inputs, topk_idx=device(np.array([[0, 99], [7, -1], [2, 3]], dtype=np.int64)))
+    buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                 out=dispatch_out(device, False))
+    assert len(cuda.launches) == 2
