@@ -39,6 +39,7 @@ import numpy as np
 
 import mooncake_ep as ep
 from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
+from mooncake_ep.cli.gpu import gpu_status
 
 DEFAULTS_DECODE = dict(ranks=8, tokens=128, hidden=7168, topk=8, experts=256)
 # The reference backend is numpy on one host thread per rank: a shape it runs in milliseconds.
@@ -583,23 +584,6 @@ class _NoProgress:
         pass
 
 
-def gpu_status(torch) -> tuple[bool, str]:
-    """Whether the kernels can run here, and why (not)."""
-    if not torch.cuda.is_available():
-        return False, f"torch {torch.__version__} sees no CUDA GPU"
-    try:
-        import cupy
-    except ImportError:
-        return False, "cupy is not installed (pip install 'mooncake_ep[cuda12]')"
-    try:
-        num_devices = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no driver and no device raise different errors; both mean none
-        num_devices = 0
-    if num_devices == 0:
-        return False, "cupy sees no CUDA device"
-    return True, torch.cuda.get_device_name(0)
-
-
 def check_args(args) -> None:
     """Refuse flags that do not fit together (UsageError, exit 2) before anything runs."""
     for flag, value, minimum in (("--ranks", args.ranks, 1), ("--tokens", args.tokens, 1), ("--topk", args.topk, 1),
@@ -629,7 +613,7 @@ def run(args) -> int:
     if args.backend == "reference":
         backend, why = "reference", "asked for"
     else:
-        usable, why = gpu_status(torch)
+        usable, why = gpu_status()
         if args.backend == "cuda" and not usable:
             raise UsageError(f"--backend cuda: {why}")
         backend = "cuda" if usable else "reference"

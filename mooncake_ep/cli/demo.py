@@ -36,6 +36,7 @@ import numpy as np
 import mooncake_ep
 from mooncake_ep import reference
 from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
+from mooncake_ep.cli.gpu import gpu_status
 
 # Relative error (Frobenius norm of the difference over that of the dense result) a rank may show.
 # Two bf16 roundings (expert output, combined sum) give about 2**-8 = 4e-3; 2e-2 leaves room for
@@ -292,31 +293,10 @@ def _cuda_rank_step(group, config: DemoConfig, weights: Weights, tolerance: floa
     return compare(config, group.rank, inputs, weights, combined_host, sum(counts), active_host, tolerance)
 
 
-def _gpu_status() -> tuple[bool, str]:
-    """Whether the GPU path can run here, and why (not)."""
-    try:
-        import cupy
-    except ImportError:
-        return False, "cupy is not installed (pip install 'mooncake_ep[cuda12]')"
-    try:
-        num_devices = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no driver and no device raise different errors; both mean none
-        num_devices = 0
-    if num_devices == 0:
-        return False, "no CUDA device is visible"
-    try:
-        import torch
-    except ImportError:
-        return False, "the demo's GPU path needs torch with CUDA, which is not installed"
-    if not torch.cuda.is_available():
-        return False, f"torch {torch.__version__} has no CUDA"
-    return True, torch.cuda.get_device_name(0)
-
-
 def _choose_backend(requested: str, multi_process: bool) -> tuple[str, str]:
     if requested == "reference":
         return "reference", "asked for"
-    usable, why = _gpu_status()
+    usable, why = gpu_status()
     if requested == "cuda":
         if not usable:
             raise UsageError(f"--backend cuda: {why}")
