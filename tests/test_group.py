@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import _threads
+
 from mooncake_ep.group import (
     Group,
     GroupError,
@@ -47,22 +49,7 @@ def payload(rank: int, round_idx: int) -> bytes:
 
 
 def run_in_threads(fns: list) -> list:
-    """Run each zero-argument fn on its own thread; return each one's result or exception."""
-    out: list = [None] * len(fns)
-
-    def call(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - inspected by the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(PROCESS_LIMIT_S)
-        assert not t.is_alive(), "a rank thread hung"
-    return out
+    return _threads.run_in_threads(fns, PROCESS_LIMIT_S)
 
 
 # ----------------------------------------------------------------------------- LocalGroup
