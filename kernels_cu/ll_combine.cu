@@ -26,6 +26,7 @@
 #include "fp8.cuh"
 #include "layout.cuh"
 #include "signal.cuh"
+#include "trace.cuh"
 
 static_assert(EP_NUM_THREADS % 32 == 0 && EP_NUM_THREADS <= 1024, "EP_NUM_THREADS must be whole warps, <= 1024");
 static_assert(EP_MAX_RANKS <= EP_NUM_THREADS, "one thread waits per expert rank");
@@ -68,6 +69,7 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
     const int global_warp = blockIdx.x * kNumWarps + warp;
 
     if (phases & kPhaseSend) {
+        EP_TRACE_POINT(0);
         if (!zero_copy) {
             // Valid rows per local expert from the dispatch's recv_range: the last source's end.
             const int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
@@ -84,6 +86,7 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
                 warp_copy(expert_out + offset, combine_x + offset, num_vectors);
             }
         }
+        EP_TRACE_POINT(1);
         __syncthreads();
         if (finish_block(&state->combine_send_done[parity])) {
             for (int dst = 0; dst < num_ranks; ++dst) {
@@ -92,10 +95,12 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
                                  parity * EP_MAX_RANKS + rank;
                 st_release_sys(flag, pack_flag(step, 1u));
             }
+            EP_TRACE_POINT(2);
         }
     }
 
     if (phases & kPhaseRecv) {
+        EP_TRACE_POINT(3);
         if (threadIdx.x < num_ranks) {
             const int src = threadIdx.x;
             bool live = false;
@@ -107,6 +112,7 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
             s_live[src] = live;
         }
         __syncthreads();
+        EP_TRACE_POINT(4);
         const int num_experts = static_cast<int>(layout.num_experts);
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
             const int expert_rank = e / num_local_experts, local_expert = e % num_local_experts;
@@ -118,6 +124,7 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
             s_first[e] = first;
         }
         __syncthreads();
+        EP_TRACE_POINT(5);
 
         // Work item: one token's slice of kChunkVectors vectors, so that a few tokens still keep
         // every warp of the grid busy; each item recomputes its token's K row addresses (cheap).
@@ -176,7 +183,11 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
                 out[v] = pack_bf16x8(acc);
             }
         }
+        EP_TRACE_POINT(6);
         __syncthreads();
-        if (finish_block(&state->combine_recv_done[parity])) state->combine_step[parity] = step;
+        if (finish_block(&state->combine_recv_done[parity])) {
+            state->combine_step[parity] = step;
+            EP_TRACE_POINT(7);
+        }
     }
 }

@@ -31,6 +31,7 @@
 #include "fp8.cuh"
 #include "layout.cuh"
 #include "signal.cuh"
+#include "trace.cuh"
 
 static_assert(EP_NUM_THREADS % 32 == 0 && EP_NUM_THREADS <= 1024, "EP_NUM_THREADS must be whole warps, <= 1024");
 static_assert(EP_MAX_RANKS <= EP_NUM_THREADS, "one thread waits per source rank");
@@ -206,6 +207,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
     const int num_scales = static_cast<int>(layout.num_scales);
 
     if (phases & kPhaseSend) {
+        EP_TRACE_POINT(0);
         // Block 0 builds the lists (alone when the grid has one block, after staging); the other
         // blocks stage tokens, one warp per token.
         const int num_stage_blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
@@ -225,6 +227,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                             hidden / kChannelsPerVector);
             }
         }
+        EP_TRACE_POINT(1);
         __syncthreads();
         if (finish_block(&state->dispatch_send_done[parity])) {
             // Every block's staging and the lists are ordered before these release stores.
@@ -234,10 +237,12 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                                  parity * EP_MAX_RANKS + rank;
                 st_release_sys(flag, pack_flag(step, static_cast<uint32_t>(num_tokens)));
             }
+            EP_TRACE_POINT(2);
         }
     }
 
     if (phases & kPhaseRecv) {
+        EP_TRACE_POINT(3);
         const int num_local_experts = static_cast<int>(layout.num_local_experts);
         const int num_pairs = num_local_experts * num_ranks;
         const int64_t num_rows_per_expert = static_cast<int64_t>(num_ranks) * layout.num_max_tokens;
@@ -252,6 +257,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             s_live[src] = live;
         }
         __syncthreads();
+        EP_TRACE_POINT(4);
         // (local expert, source) pairs in output order; counts come from each source's own prefix.
         for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
             const int local_expert = i / num_ranks, src = i % num_ranks;
@@ -268,6 +274,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         }
         __syncthreads();
         const int num_recv_rows = block_exclusive_scan(s_flat, num_pairs, s_scratch);
+        EP_TRACE_POINT(5);
 
         if (blockIdx.x == 0) {
             int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
@@ -300,7 +307,11 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                                           : nullptr;
             copy_row(src_row, src_scales, recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scales);
         }
+        EP_TRACE_POINT(6);
         __syncthreads();
-        if (finish_block(&state->dispatch_recv_done[parity])) state->dispatch_step[parity] = step;
+        if (finish_block(&state->dispatch_recv_done[parity])) {
+            state->dispatch_step[parity] = step;
+            EP_TRACE_POINT(7);
+        }
     }
 }

@@ -1,44 +1,80 @@
 #!/usr/bin/env bash
-# One call on a fresh GPU machine (no network): install without dependencies, run the GPU tests,
-# the decode-shape benchmark, and compute-sanitizer on a small case (last: it is the slowest and
-# least likely to change). Logs and JSON go to OUTDIR.
-#   usage: scripts/gpu_check.sh OUTDIR [pytest -k expression]
+# One call on a fresh GPU machine (no network): install without dependencies, then the chosen
+# stages, each with its own time limit; logs and JSON go to OUTDIR. Exits non-zero if any failed.
+#   usage: scripts/gpu_check.sh OUTDIR [STAGE ...]
+# Stages (default: tests bench warmup sanitizer):
+#   tests      pytest -m gpu (PYTEST_K selects with -k)
+#   bench      the decode-shape benchmark (with the torch baseline), one rank alone, a tiny payload
+#   sweep      the decode sweep over tokens per rank (1..512) with its plot, and a larger-T point
+#   warmup     cold NVRTC compile of every variant, then Buffer construction with the cache warm
+#   trace      per-block timestamps of every rank's kernels (scripts/trace_phases.py)
+#   ncu        Nsight Compute on one rank's kernels (a rank alone: ncu serialises kernels)
+#   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
 set -uo pipefail
-out="${1:?usage: scripts/gpu_check.sh OUTDIR [pytest -k expression]}"
-select="${2:-}"
+out="${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE ...]}"
+shift
+stages="${*:-tests bench warmup sanitizer}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export MOONCAKE_EP_CACHE_DIR="${MOONCAKE_EP_CACHE_DIR:-/tmp/mooncake_ep_cache}"
 status=0
+has() { [[ " $stages " == *" $1 "* ]]; }
+step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to OUTDIR/NAME.log, echo its tail
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-12}" "$out/$name.log"
+  echo "== $name rc=$rc"
+  [ "$rc" -eq 0 ] || status=1
+}
 
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >"$out/gpu.txt" 2>&1
+cat "$out/gpu.txt"
+bench=(python3 -m mooncake_ep bench)
+decode=(--ranks 8 --num-sms 16 --tokens 128 --hidden 7168 --topk 8 --experts 256)
 
-echo "== pytest -m gpu"
-args=(-m gpu -q -p no:cacheprovider --timeout 300 --tb=short -rf --durations=10)
-[ -n "$select" ] && args+=(-k "$select")
-python3 -m pytest "${args[@]}" tests 2>&1 | tee "$out/pytest_gpu.log" | tail -25
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-if [ -z "$select" ]; then
-  echo "== bench: decode shape (8 ranks x 16 SMs, T=128, H=7168, top-8 of 256, fp8 dispatch, bf16 combine)"
-  python3 -m mooncake_ep bench --ranks 8 --num-sms 16 --tokens 128 --hidden 7168 --topk 8 --experts 256 \
-    --json "$out/bench_decode.json" 2>&1 | tee "$out/bench_decode.log" || status=1
-  echo "== bench: one rank with the whole GPU, and a tiny payload (fixed costs)"
-  python3 -m mooncake_ep bench --ranks 1 --tokens 128 --hidden 7168 --topk 8 --experts 32 --iters 100 \
-    --json "$out/bench_one_rank.json" 2>&1 | tail -6 || status=1
-  python3 -m mooncake_ep bench --ranks 8 --num-sms 16 --tokens 8 --hidden 7168 --topk 8 --experts 256 \
-    --iters 100 --json "$out/bench_tiny.json" 2>&1 | tail -6 || status=1
+if has warmup; then
+  # Cold: a fresh cache; the compile count and times are in the JSON. Warm: construction reads it.
+  step warmup_cold 300 python3 -m mooncake_ep warmup --hidden 7168 --topk 8 \
+    --experts 256 --ranks 8 --json "$out/warmup_cold.json"
+  step buffer_construction 120 python3 scripts/time_construction.py --json "$out/construction.json"
 fi
-if [ -z "$select" ] && [ -z "${SKIP_SANITIZER:-}" ]; then
-  echo "== compute-sanitizer (memcheck, racecheck) on a small case"
+if has tests; then
+  args=(-m gpu -q -p no:cacheprovider --timeout 300 --tb=short -rf --durations=15)
+  [ -n "${PYTEST_K:-}" ] && args+=(-k "$PYTEST_K")
+  TAIL=30 step pytest_gpu 600 python3 -m pytest "${args[@]}" tests
+fi
+if has bench; then
+  step bench_decode 300 "${bench[@]}" "${decode[@]}" --json "$out/bench_decode.json"
+  step bench_one_rank 120 "${bench[@]}" --ranks 1 --tokens 128 --hidden 7168 --topk 8 --experts 32 --iters 100 \
+    --no-baseline --json "$out/bench_one_rank.json"
+  step bench_tiny 120 "${bench[@]}" --ranks 8 --num-sms 16 --tokens 8 --hidden 7168 --topk 8 --experts 256 \
+    --iters 100 --no-baseline --json "$out/bench_tiny.json"
+fi
+if has sweep; then
+  step bench_sweep 420 "${bench[@]}" "${decode[@]}" --iters 50 --warmup 5 --input-sets 2 --plot "$out/sweep.png" \
+    --json "$out/bench_sweep.json"
+fi
+if has trace; then
+  step trace_decode 120 python3 scripts/trace_phases.py --ranks 8 --num-sms 16 --tokens 128 --json "$out/trace_decode.json"
+  step trace_tiny 120 python3 scripts/trace_phases.py --ranks 8 --num-sms 16 --tokens 8 --json "$out/trace_tiny.json"
+  step trace_zero_copy 120 python3 scripts/trace_phases.py --ranks 8 --num-sms 16 --tokens 128 --zero-copy \
+    --json "$out/trace_zero_copy.json"
+fi
+if has ncu; then
+  # One rank, 16 SMs, the per-rank work of the decode shape (1024 copies in, 1024 rows combined).
+  step ncu 300 ncu --clock-control none -k regex:ll_ --launch-skip 8 --launch-count 4 --set detailed \
+    -o "$out/ncu_one_rank" -f python3 scripts/trace_phases.py --ranks 1 --num-sms 16 --tokens 128 --experts 32 --replays 4
+  ncu -i "$out/ncu_one_rank.ncu-rep" --page details >"$out/ncu_one_rank.txt" 2>&1
+fi
+if has sanitizer; then
   for tool in memcheck racecheck; do
     # racecheck looks at shared memory; memcheck at every global access.
-    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_low_latency.py \
-      -k "R2-E8-H1152 or R4-E32-H1024-K4-T32-fp8-async" >"$out/sanitizer_$tool.log" 2>&1
-    rc=$?
-    echo "$tool rc=$rc: $(grep -E 'ERROR SUMMARY|passed|failed' "$out/sanitizer_$tool.log" | tr '\n' ' ')"
-    [ "$rc" -eq 0 ] || status=1
+    step "sanitizer_$tool" 240 compute-sanitizer --tool "$tool" --error-exitcode 99 python3 -m pytest -q \
+      -p no:cacheprovider tests/test_gpu_low_latency.py -k "R2-E8-H1152 or R4-E32-H1024-K4-T32-fp8-async"
   done
 fi
 exit $status

@@ -1,0 +1,34 @@
+// trace.cuh: optional per-block timestamps, for finding where a phase spends its time.
+//
+// Only builds with EP_TRACE=1 record anything (scripts/trace_phases.py makes them); every other
+// build compiles EP_TRACE_POINT to nothing. A traced module holds one array in device memory,
+//   ep_trace[EP_TRACE_NUM_POINTS][EP_TRACE_MAX_BLOCKS]   u64 %globaltimer (ns)
+// written by thread 0 of each block at each named point of a kernel, overwritten by every launch:
+// read after a replay, it is that replay's timeline. %globaltimer is common to all SMs, so points of
+// different blocks and of different ranks' kernels can be compared. Points, in both protocols:
+//   0 send entry   1 send work done   2 flags stored (last block)   3 receive entry
+//   4 flags seen   5 receive plan ready   6 rows done   7 receive exit (last block)
+#pragma once
+
+#include "ptx.cuh"
+
+#ifndef EP_TRACE
+#define EP_TRACE 0
+#endif
+
+#if EP_TRACE
+#define EP_TRACE_NUM_POINTS 8
+#define EP_TRACE_MAX_BLOCKS 256
+extern "C" {
+__device__ uint64_t ep_trace[EP_TRACE_NUM_POINTS][EP_TRACE_MAX_BLOCKS];  // unmangled: found by name
+}
+#define EP_TRACE_POINT(point)                                              \
+    do {                                                                   \
+        if (threadIdx.x == 0 && blockIdx.x < EP_TRACE_MAX_BLOCKS)          \
+            ep_trace[(point)][blockIdx.x] = ep::global_timer_ns();         \
+    } while (0)
+#else
+#define EP_TRACE_POINT(point) \
+    do {                      \
+    } while (0)
+#endif

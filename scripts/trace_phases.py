@@ -1,0 +1,188 @@
+"""Where does a phase spend its time? Per-block timestamps of every rank's kernels in one replay.
+
+Builds the kernels with EP_TRACE=1 (kernels_cu/trace.cuh), captures the benchmark's graphs (one
+dispatch graph and one combine graph, each holding every rank's launches, forked from one stream),
+replays them, and reads back each rank's trace of the last replay. Prints, per rank, the points
+relative to the earliest dispatch send entry of any rank (microseconds): min over blocks for entry
+points, max over blocks for completion points. A development tool: the traced kernels are slower
+by one global store per block and point, and nothing here is part of the library.
+
+    python scripts/trace_phases.py --ranks 8 --tokens 128 --json trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+import mooncake_ep as ep
+from mooncake_ep import kernels
+
+POINTS = ("send_entry", "send_done", "flags_stored", "recv_entry", "flags_seen", "plan_ready", "rows_done",
+          "recv_exit")
+NUM_POINTS, MAX_BLOCKS = 8, 256  # kernels_cu/trace.cuh
+
+
+def traced_macros(original):
+    def macros(sys_scope: bool) -> dict:
+        return original(sys_scope) | {"EP_TRACE": 1}
+    return macros
+
+
+def trace_address(launcher) -> tuple[int, int]:
+    """Device address and size of the ``ep_trace`` array of the launcher's module."""
+    from cuda.bindings import driver
+
+    err, dptr, size = driver.cuModuleGetGlobal(driver.CUmodule(launcher._module.ptr), b"ep_trace")
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuModuleGetGlobal(ep_trace): {err}")
+    assert size == NUM_POINTS * MAX_BLOCKS * 8, size
+    return int(dptr), int(size)
+
+
+def clear_trace(launcher) -> None:
+    import cupy
+
+    address, size = trace_address(launcher)
+    cupy.cuda.runtime.memset(address, 0, size)
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def read_trace(launcher) -> np.ndarray:
+    """``[NUM_POINTS, MAX_BLOCKS]`` u64 timestamps (ns) of the launcher's module; 0 = not written."""
+    import cupy
+
+    address, size = trace_address(launcher)
+    host = np.zeros((NUM_POINTS, MAX_BLOCKS), dtype=np.uint64)
+    cupy.cuda.runtime.memcpy(host.ctypes.data, address, size, cupy.cuda.runtime.memcpyDeviceToHost)
+    return host
+
+
+def summarize(trace: np.ndarray, num_blocks: int, t0: int) -> dict:
+    out = {}
+    for i, name in enumerate(POINTS):
+        values = trace[i, :num_blocks].astype(np.int64)
+        written = values[values > 0]
+        if written.size == 0:
+            out[name] = None
+            continue
+        rel = (written - t0) / 1e3
+        out[name] = {"min_us": float(rel.min()), "max_us": float(rel.max())}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--num-sms", type=int, default=None)
+    parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--zero-copy", action="store_true", help="trace the zero-copy combine")
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    kernels._common_macros = traced_macros(kernels._common_macros)
+    group = ep.LocalGroup(args.ranks, devices=[0] * args.ranks)
+    size = ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, args.ranks, args.experts)
+    buffers = group.spawn(lambda g: ep.Buffer(g, size, num_sms=args.num_sms))
+    streams = [torch.cuda.ExternalStream(group.rank_group(r).stream_ptr) for r in range(args.ranks)]
+    rng = np.random.default_rng(0)
+    num_local = args.experts // args.ranks
+    inputs = []
+    for _ in range(args.ranks):
+        topk = np.stack([rng.choice(args.experts, args.topk, replace=False) for _ in range(args.tokens)])
+        inputs.append(dict(
+            x=torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16),
+            topk=torch.from_numpy(topk).cuda(),
+            weights=torch.rand(args.tokens, args.topk, device="cuda"),
+            expert_out=torch.randn(num_local, args.ranks * args.tokens, args.hidden, device="cuda").to(torch.bfloat16),
+            active=torch.ones(args.ranks, dtype=torch.int32, device="cuda")))
+    handles = [None] * args.ranks
+
+    def forked(fn):
+        origin = torch.cuda.current_stream()
+        for s in streams:
+            s.wait_stream(origin)
+        fn()
+        for s in streams:
+            origin.wait_stream(s)
+
+    def dispatch_all():
+        for r, inp in enumerate(inputs):
+            with torch.cuda.stream(streams[r]):
+                _, _, handles[r], _, _ = buffers[r].dispatch(inp["x"], inp["topk"], inp["active"], args.tokens,
+                                                             args.experts, use_fp8=args.fp8)
+
+    def combine_all():
+        for r, inp in enumerate(inputs):
+            with torch.cuda.stream(streams[r]):
+                buffers[r].combine(None if args.zero_copy else inp["expert_out"], inp["topk"], inp["weights"],
+                                   inp["active"], -1, handles[r], zero_copy=args.zero_copy)
+
+    forked(lambda: (dispatch_all(), combine_all()))
+    torch.cuda.synchronize()
+    graphs = {}
+    for name, fn in (("dispatch", dispatch_all), ("combine", combine_all)):
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            forked(fn)
+    torch.cuda.synchronize()
+    event_us = {"dispatch": [], "combine": []}
+    for _ in range(args.replays):
+        for name in ("dispatch", "combine"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            torch.cuda.synchronize()
+            event_us[name].append(start.elapsed_time(end) * 1e3)
+
+    # The timeline of one more replay of each graph, on cleared traces (only the last block of a
+    # phase writes points 2 and 7, so uncleared slots would hold earlier replays' values).
+    dispatch_name = kernels.dispatch_launcher_name(args.fp8, False, False)
+    launchers = {"dispatch": [b._cuda.launchers[dispatch_name] for b in buffers],
+                 "combine": [b._cuda.launchers["combine"] for b in buffers]}
+    for launcher in launchers["dispatch"] + launchers["combine"]:
+        clear_trace(launcher)
+    for name in ("dispatch", "combine"):
+        graphs[name].replay()
+    torch.cuda.synchronize()
+    traces = {name: [read_trace(launcher) for launcher in launchers[name]] for name in launchers}
+    num_blocks = buffers[0]._cuda.num_sms
+    report = {"config": vars(args), "num_sms": num_blocks, "event_us_p50": {k: float(np.median(v)) for k, v in event_us.items()},
+              "phases": {}}
+    for name in ("dispatch", "combine"):
+        entries = np.concatenate([t[0, :num_blocks] for t in traces[name]]).astype(np.int64)
+        t0 = int(entries[entries > 0].min())
+        rows = [summarize(t, num_blocks, t0) for t in traces[name]]
+        report["phases"][name] = rows
+        print(f"== {name}: {np.median(event_us[name]):.1f} us between events (p50 of {args.replays} replays);"
+              f" points in us from the first send entry; entry points min, others max over blocks")
+        print(f"{'rank':>4}" + "".join(f"{p:>13}" for p in POINTS))
+        for r, row in enumerate(rows):
+            cells = []
+            for i, p in enumerate(POINTS):
+                v = row[p]
+                if v is None:
+                    cells.append(f"{'-':>13}")
+                elif p in ("send_entry", "recv_entry"):
+                    cells.append(f"{v['min_us']:>6.1f}-{v['max_us']:<6.1f}")
+                else:
+                    cells.append(f"{v['max_us']:>13.1f}")
+            print(f"{r:>4}" + "".join(cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    group.spawn(lambda g: buffers[g.rank].destroy())
+
+
+if __name__ == "__main__":
+    main()
