@@ -4,10 +4,11 @@
 //   block_exclusive_scan       in-place exclusive prefix of a shared array of any length; all
 //                              threads of the block call it; returns the total
 //   upper_bound                first index whose value is > key in a non-decreasing shared array
-//   finish_block               the block finish counter: returns true in thread 0 of the last
+//   finish_block               the block finish counter: returns true in every thread of the last
 //                              block of the grid to finish a phase, with every earlier block's
-//                              writes ordered before (fence / relaxed atomic / fence pattern);
+//                              writes ordered before (fence / relaxed atomic / fence, barrier);
 //                              that block resets the counter for the next call on this parity.
+//   warp_copy                  one warp copies 16-byte vectors, kCopyUnroll loads in flight per lane
 #pragma once
 
 #include "types.cuh"
@@ -70,20 +71,28 @@ __device__ __forceinline__ int upper_bound(const int* values, int count, int key
     return low;
 }
 
-// Call after __syncthreads(), from every thread; returns true in exactly one thread of the grid.
-__device__ __forceinline__ bool finish_block(uint32_t* counter) {
-    if (threadIdx.x != 0) return false;
-    fence_acq_rel_sys();
-    const uint32_t done = atomicAdd(counter, 1u);
-    if (done != gridDim.x - 1) return false;
-    fence_acq_rel_sys();
-    *counter = 0u;  // the next call on this parity starts from zero (stream order publishes it)
-    return true;
+// Every thread of the block calls it after its last access of a phase. Returns true, in every thread,
+// in the one block of the grid that finishes last; that block's threads then see every other block's
+// writes of the phase (fence / relaxed atomic / fence in thread 0, then the barrier), and it resets
+// the counter for the next call on this parity (stream order publishes the reset).
+__device__ __forceinline__ bool finish_block(uint32_t* counter, int* s_is_last) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        fence_acq_rel_sys();
+        const bool is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        if (is_last) {
+            fence_acq_rel_sys();
+            *counter = 0u;
+        }
+        *s_is_last = is_last;
+    }
+    __syncthreads();
+    return *s_is_last;
 }
 
 // One warp copies num_vectors 16-byte vectors, kCopyUnroll loads in flight per lane before the first
 // store. Loads bypass L1 (.cg): the source may be a peer's buffer written by a kernel running now.
-constexpr int kCopyUnroll = 4;
+constexpr int kCopyUnroll = 8;
 __device__ __forceinline__ void warp_copy(const int4* src, int4* dst, int num_vectors) {
     const int lane = threadIdx.x % kWarpSize;
     for (int base = 0; base < num_vectors; base += kCopyUnroll * kWarpSize) {

@@ -1,8 +1,11 @@
 // fp8.cuh: bf16 -> e4m3fn quantisation with one scale per 128 channels, as reference.py defines it.
 //
-// scale = max(amax, EP_FP8_AMAX_FLOOR) / EP_FP8_E4M3_MAX, optionally rounded up to a power of two;
-// q = saturate_rn(x / scale). The division (not a multiply by a reciprocal) is correctly rounded in
-// CUDA and in numpy alike, so the kernel and the reference agree bit for bit.
+// amax = max(max |x| over the block, EP_FP8_AMAX_FLOOR);
+// scale = amax / EP_FP8_E4M3_MAX: the dequantisation scale that is stored, optionally rounded up to
+// a power of two; q = saturate_rn(x * multiplier), multiplier = EP_FP8_E4M3_MAX / amax, or 1 / scale
+// (exact) when the scale is rounded. One division per block and one multiply per channel, as DeepEP
+// quantises. Each step is one correctly rounded fp32 operation (the _rn intrinsics: no FMA can
+// contract them), in CUDA and in numpy alike, so the kernel and the reference agree bit for bit.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -22,18 +25,30 @@ __device__ __forceinline__ float round_scale_up_pow2(float scale) {
 // The biased exponent of a power-of-two scale: the UE8M0 encoding.
 __device__ __forceinline__ uint32_t ue8m0_byte(float scale) { return (__float_as_uint(scale) >> 23) & 0xFFu; }
 
-__device__ __forceinline__ float fp8_scale_from_amax(float amax, bool round_scale) {
-    const float scale = fmaxf(amax, EP_FP8_AMAX_FLOOR) / EP_FP8_E4M3_MAX;
-    return round_scale ? round_scale_up_pow2(scale) : scale;
+// The stored scale and the quantisation multiplier of a block whose max |x| is amax.
+__device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float* scale, float* multiplier) {
+    const float floored = fmaxf(amax, EP_FP8_AMAX_FLOOR);
+    if (round_scale) {
+        *scale = round_scale_up_pow2(__fdiv_rn(floored, EP_FP8_E4M3_MAX));
+        *multiplier = __fdiv_rn(1.0f, *scale);  // exact: the scale is a power of two
+    } else {
+        *scale = __fdiv_rn(floored, EP_FP8_E4M3_MAX);
+        *multiplier = __fdiv_rn(EP_FP8_E4M3_MAX, floored);
+    }
 }
 
-// Eight channels: eight floats in, eight e4m3 bytes out (as one uint2).
-__device__ __forceinline__ uint2 quantize8(const float (&values)[8], float scale) {
-    uint32_t words[2] = {0u, 0u};
+// Eight channels: eight floats in, eight e4m3 bytes out (as one uint2), two per cvt instruction
+// (the first of a pair lands in the low byte, as the channels lie in memory).
+__device__ __forceinline__ uint2 quantize8(const float (&values)[8], float multiplier) {
+    uint32_t words[2];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(values[i] / scale, __NV_SATFINITE, __NV_E4M3);
-        words[i / 4] |= static_cast<uint32_t>(q) << (8 * (i % 4));
+    for (int w = 0; w < 2; ++w) {
+        const float* v = values + 4 * w;
+        const uint32_t low = __nv_cvt_float2_to_fp8x2(
+            make_float2(__fmul_rn(v[0], multiplier), __fmul_rn(v[1], multiplier)), __NV_SATFINITE, __NV_E4M3);
+        const uint32_t high = __nv_cvt_float2_to_fp8x2(
+            make_float2(__fmul_rn(v[2], multiplier), __fmul_rn(v[3], multiplier)), __NV_SATFINITE, __NV_E4M3);
+        words[w] = low | (high << 16);
     }
     return make_uint2(words[0], words[1]);
 }

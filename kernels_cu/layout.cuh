@@ -11,6 +11,11 @@
 //   state                  State, written only by this rank (epochs and block finish counters)
 //   dispatch_flag[P][R]    u64, written by peer r: "my staged tokens for this step are ready"
 //   combine_flag[P][R]     u64, written by peer r: "my expert outputs for this step are ready"
+//   combine_ack[P][R]      u64, written by peer r: "I have read your expert outputs of this step"
+//                          (only when they were read from the caller's own array, see combine_source)
+//   combine_source[P]      u64, written by this rank before its combine flags: where peers read its
+//                          expert outputs; 0 = this workspace's combine_x, else an address every rank
+//                          of this process can read (the local transport's direct read)
 //   route[R]               u64, the route table: base address of each peer's workspace (as this
 //                          rank can dereference it: same process, peer device or IPC mapping)
 //   send_x[P]              [T][2H] bytes: this rank's tokens, staged (fp8 uses the first H bytes)
@@ -20,7 +25,7 @@
 //   send_slot[P]           [T*K_max] i32: the position of copy (token, k) inside its expert's group
 //   recv_range[P]          [E_l][R] int2: (first row, rows) of source rank r in local expert e_l
 //   combine_x[P]           [E_l][R*T][H] bf16: expert outputs, read by the token owners in combine
-// The first four are laid out independently of the configuration, so epochs survive a change of
+// The first six are laid out independently of the configuration, so epochs survive a change of
 // shape; the rest depend on (T, H, E, R).
 #pragma once
 
@@ -50,6 +55,8 @@ struct Layout {
     int64_t state;
     int64_t dispatch_flag;
     int64_t combine_flag;
+    int64_t combine_ack;
+    int64_t combine_source;
     int64_t route;
     int64_t send_x[kNumParities];
     int64_t send_scales[kNumParities];

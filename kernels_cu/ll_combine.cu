@@ -1,25 +1,37 @@
-// ll_combine.cu: low-latency combine, send and receive halves in one kernel chosen by `phases`.
-// Macros: EP_NUM_THREADS, EP_MAX_RANKS, EP_MAX_EXPERTS, EP_MAX_TOPK.
+// ll_combine.cu: low-latency combine. One launch runs both halves (phases = send | receive); the
+// hook mode launches the send half now and the receive half in hook().
+// Macros: EP_NUM_THREADS, EP_MAX_RANKS, EP_MAX_EXPERTS, EP_MAX_TOPK, EP_SYS_SCOPE, EP_TRACE.
 //
-// Protocol (pull), answering the dispatch that used the same parity:
+// Protocol (pull), answering the dispatch that used the same parity. `source` says where the token
+// owners read this rank's expert outputs:
+//   kSourceWorkspace  they are in this workspace's combine_x already (zero copy: the caller wrote
+//                     them through Buffer.get_next_combine_buffer);
+//   kSourceCopy       the send half copies the valid rows of expert_out into combine_x (transports
+//                     whose peers cannot read the caller's memory);
+//   kSourceDirect     the owners read expert_out itself (ranks of one process): no copy, and the
+//                     receive half does not end before every owner said it has finished reading.
 //   Send half (never waits on a peer), on the expert rank:
-//     - unless zero_copy (the caller wrote its outputs into combine_x already, through
-//       Buffer.get_next_combine_buffer), copy the valid rows of expert_out into this rank's
-//       combine_x[parity][e_l][row]; the valid rows are recv_range from the dispatch;
-//     - the last block to finish stores, with st.release.sys, combine_flag[parity][rank] =
-//       pack(step, 1) in every token-owner rank that active_ranks marks alive.
+//     - copy rows if kSourceCopy (the valid rows are recv_range of the dispatch);
+//     - block 0 writes combine_source[parity] (expert_out for kSourceDirect, else 0);
+//     - the last block to finish stores, one thread per destination, with st.release,
+//       combine_flag[parity][rank] = pack(step, 1) in every rank active_ranks marks alive.
 //   Receive half, on the token owner:
-//     - threads d < R wait for combine_flag[parity][d] of every active expert rank (timed; a rank
-//       that times out is written 0 in active_ranks and its experts are left out);
-//     - each block reads, for every expert e of a live rank d, where this rank's rows start in d's
-//       combine_x: d's recv_range[parity][e_l][rank].first; a copy (token, k) is then row
-//       first + send_slot[token*K+k] (the slot this rank computed in its own dispatch);
-//     - one warp per token pulls its K rows and accumulates w_k * y_k in fp32 with fmaf in k order
-//       (renormalize: weights scaled by sum(all weights) / sum(live weights)), stores bf16.
-//     - the last block to finish stores step into state.combine_step[parity].
+//     - threads d < R of every block wait for combine_flag[parity][d] (timed; a rank that times out
+//       is written 0 in active_ranks and its experts are left out), then read d's combine_source;
+//     - each block reads, for every expert e of a live rank d, where this rank's rows start among
+//       d's rows: d's recv_range[parity][e_l][rank].first; copy (token, k) is row first +
+//       send_slot[token*K+k] (the slot this rank computed in its own dispatch);
+//     - warps share the tokens (several warps per token when tokens are few): a warp computes its
+//       token's K row addresses once, then for each 16-byte column of its slices accumulates
+//       w_k * y_k in fp32 with fmaf in k order (renormalize: weights scaled by sum(all weights) /
+//       sum(live weights)) and stores bf16;
+//     - the last block to finish acknowledges (combine_ack[parity][rank], release) every live rank
+//       it read from directly; if this rank's own outputs were read directly it waits (timed) for
+//       the acknowledgements of every live rank; then it stores step into state.combine_step[parity].
 // Epoch: step = state.combine_step[parity] + 1, read by every block at entry.
 // Reuse: an expert rank rewrites combine_x[parity] two calls later, after its next dispatch on this
-//        parity received this owner's tokens, which the owner sends only after this receive ended.
+//        parity received this owner's tokens, which the owner sends only after this receive ended;
+//        expert_out read directly is the caller's to reuse once this call's receive half is done.
 #include <cuda_bf16.h>
 
 #include "common.cuh"
@@ -36,10 +48,57 @@ namespace ep {
 
 constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
+constexpr int kSourceWorkspace = 0;
+constexpr int kSourceCopy = 1;
+constexpr int kSourceDirect = 2;
+static_assert(kSourceWorkspace == 0, "a published combine_source of 0 names the workspace's combine_x");
 constexpr int kNumWarps = EP_NUM_THREADS / kWarpSize;
 constexpr int kChannelsPerVector = 8;
-// Vectors of one token one warp combines: 128 x 8 = 1024 channels, four vectors per lane.
-constexpr int kChunkVectors = 4 * kWarpSize;
+// Top-k rows whose loads are in flight together, and vectors per lane per row: 8 x 2 x 16 bytes per
+// lane in flight, without holding EP_MAX_TOPK rows of registers.
+constexpr int kRowGroup = 8;
+constexpr int kVectorsPerLane = 2;
+// Vectors of one token a warp combines in one slice: 32 lanes x kVectorsPerLane.
+constexpr int kSliceVectors = kVectorsPerLane * kWarpSize;
+
+// out[v] for the vectors v = first + u * 32 (u < kVectorsPerLane) of one token: sum over the valid
+// rows k (valid_mask) of weights[k] * rows[k][v], in fp32, in k order.
+__device__ __forceinline__ void combine_slice(const int4* const (&rows)[EP_MAX_TOPK], const float (&weights)[EP_MAX_TOPK],
+                                              unsigned valid_mask, int first, int num_vectors, int4* out) {
+    float acc[kVectorsPerLane][8];
+#pragma unroll
+    for (int u = 0; u < kVectorsPerLane; ++u)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
+#pragma unroll
+    for (int group = 0; group < EP_MAX_TOPK; group += kRowGroup) {
+        if ((valid_mask >> group) == 0u) break;
+        int4 vectors[kRowGroup][kVectorsPerLane];
+#pragma unroll
+        for (int k = 0; k < kRowGroup; ++k)
+#pragma unroll
+            for (int u = 0; u < kVectorsPerLane; ++u) {
+                const int v = first + u * kWarpSize;
+                if (((valid_mask >> (group + k)) & 1u) && v < num_vectors) vectors[k][u] = ld_cg_int4(rows[group + k] + v);
+            }
+#pragma unroll
+        for (int k = 0; k < kRowGroup; ++k) {
+            if (!((valid_mask >> (group + k)) & 1u)) continue;
+#pragma unroll
+            for (int u = 0; u < kVectorsPerLane; ++u) {
+                float values[8];
+                unpack_bf16x8(vectors[k][u], values);
+#pragma unroll
+                for (int c = 0; c < 8; ++c) acc[u][c] = fmaf(weights[group + k], values[c], acc[u][c]);
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kVectorsPerLane; ++u) {
+        const int v = first + u * kWarpSize;
+        if (v < num_vectors) out[v] = pack_bf16x8(acc[u]);
+    }
+}
 
 }  // namespace ep
 
@@ -47,15 +106,18 @@ using namespace ep;
 
 extern "C" __global__ void __launch_bounds__(EP_NUM_THREADS, 1)
 ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_t* workspace, int rank,
-           const int4* __restrict__ expert_out, int zero_copy, int num_tokens, const void* __restrict__ topk_idx,
+           const int4* __restrict__ expert_out, int source, int num_tokens, const void* __restrict__ topk_idx,
            int topk_is_int64, int num_topk, const float* __restrict__ topk_weights, int* active_ranks,
            int4* combined_x, int renormalize, long long timeout_ns) {
     __shared__ int s_rows[EP_MAX_EXPERTS];  // send: first valid row of each local expert, flattened
     __shared__ int s_first[EP_MAX_EXPERTS];  // recv: first row of this rank's copies, per global expert
+    __shared__ uint64_t s_base[EP_MAX_RANKS];  // recv: where rank d's expert output rows start
+    __shared__ int s_direct[EP_MAX_RANKS];     // recv: rank d's rows were read from its caller's array
     __shared__ int s_scratch[kWarpSize + 1];
     __shared__ int s_live[EP_MAX_RANKS];
+    __shared__ int s_is_last;
 
-    const Layout layout = *layout_ptr;
+    const Layout& layout = *layout_ptr;
     State* state = at<State>(workspace, layout.state);
     const uint64_t* route = at<uint64_t>(workspace, layout.route);
     const uint32_t step = state->combine_step[parity] + 1u;
@@ -70,7 +132,7 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
 
     if (phases & kPhaseSend) {
         EP_TRACE_POINT(0);
-        if (!zero_copy) {
+        if (source == kSourceCopy) {
             // Valid rows per local expert from the dispatch's recv_range: the last source's end.
             const int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
             for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) {
@@ -86,32 +148,28 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
                 warp_copy(expert_out + offset, combine_x + offset, num_vectors);
             }
         }
+        if (blockIdx.x == 0 && threadIdx.x == 0)
+            at<uint64_t>(workspace, layout.combine_source)[parity] =
+                source == kSourceDirect ? reinterpret_cast<uint64_t>(expert_out) : 0ull;
         EP_TRACE_POINT(1);
-        __syncthreads();
-        if (finish_block(&state->combine_send_done[parity])) {
-            for (int dst = 0; dst < num_ranks; ++dst) {
-                if (ld_volatile(active_ranks + dst) == 0) continue;  // no bytes to a masked rank
-                uint64_t* flag = reinterpret_cast<uint64_t*>(route[dst] + layout.combine_flag) +
-                                 parity * EP_MAX_RANKS + rank;
-                st_release_sys(flag, pack_flag(step, 1u));
-            }
+        if (finish_block(&state->combine_send_done[parity], &s_is_last)) {
+            signal_ranks(route, layout.combine_flag, parity * EP_MAX_RANKS + rank, num_ranks, active_ranks,
+                         pack_flag(step, 1u));
             EP_TRACE_POINT(2);
         }
     }
 
     if (phases & kPhaseRecv) {
         EP_TRACE_POINT(3);
+        wait_ranks(at<uint64_t>(workspace, layout.combine_flag) + parity * EP_MAX_RANKS, step, active_ranks, num_ranks,
+                   timeout_ns, s_live);
         if (threadIdx.x < num_ranks) {
-            const int src = threadIdx.x;
-            bool live = false;
-            if (ld_volatile(active_ranks + src) != 0) {
-                const uint64_t* flag = at<uint64_t>(workspace, layout.combine_flag) + parity * EP_MAX_RANKS + src;
-                uint32_t payload;
-                live = wait_flag(flag, step, active_ranks, src, timeout_ns, &payload);
-            }
-            s_live[src] = live;
+            const int d = threadIdx.x;
+            // Published by d before its flag, which this thread acquired in wait_ranks.
+            const uint64_t direct = s_live[d] ? ld_cg_u64(reinterpret_cast<const uint64_t*>(route[d] + layout.combine_source) + parity) : 0ull;
+            s_direct[d] = direct != 0ull;
+            s_base[d] = direct != 0ull ? direct : route[d] + layout.combine_x[parity];
         }
-        __syncthreads();
         EP_TRACE_POINT(4);
         const int num_experts = static_cast<int>(layout.num_experts);
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
@@ -126,26 +184,27 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
         __syncthreads();
         EP_TRACE_POINT(5);
 
-        // Work item: one token's slice of kChunkVectors vectors, so that a few tokens still keep
-        // every warp of the grid busy; each item recomputes its token's K row addresses (cheap).
+        // `split` warps share a token (each its slices split, split + 1, ...), so that a few tokens
+        // still keep every warp busy; a warp computes its token's K row addresses once.
         const int* send_slot = at<int>(workspace, layout.send_slot[parity]);
-        const int num_chunks = (num_vectors + kChunkVectors - 1) / kChunkVectors;
-        for (int item = global_warp; item < num_tokens * num_chunks; item += num_warps_total) {
-            const int token = item / num_chunks, chunk = item % num_chunks;
+        const int num_slices = (num_vectors + kSliceVectors - 1) / kSliceVectors;
+        const int split = max(1, min(num_slices, num_warps_total / max(num_tokens, 1)));
+        const int num_token_groups = num_warps_total / split;
+        const int token_group = global_warp / split, slice_offset = global_warp % split;
+        for (int token = token_group; token_group < num_token_groups && token < num_tokens; token += num_token_groups) {
             // Lane k holds top-k entry k; the row addresses and weights are broadcast below.
             int expert = -1;
             float weight = 0.0f;
             const int4* row = nullptr;
             if (lane < num_topk) {
                 const int64_t i = static_cast<int64_t>(token) * num_topk + lane;
-                expert = read_expert(topk_idx, topk_is_int64, i, static_cast<int>(layout.num_experts));
+                expert = read_expert(topk_idx, topk_is_int64, i, num_experts);
                 weight = topk_weights[i];
                 if (expert >= 0) {
                     const int expert_rank = expert / num_local_experts, local_expert = expert % num_local_experts;
                     if (s_live[expert_rank]) {
                         const int64_t row_idx = local_expert * num_rows_per_expert + s_first[expert] + send_slot[i];
-                        row = reinterpret_cast<const int4*>(route[expert_rank] + layout.combine_x[parity]) +
-                              row_idx * num_vectors;
+                        row = reinterpret_cast<const int4*>(s_base[expert_rank]) + row_idx * num_vectors;
                     }
                 }
             }
@@ -164,30 +223,24 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
                 rows[k] = reinterpret_cast<const int4*>(__shfl_sync(kFullMask, reinterpret_cast<uint64_t>(row), k));
             }
             int4* out = combined_x + static_cast<int64_t>(token) * num_vectors;
-            const int end = min(num_vectors, (chunk + 1) * kChunkVectors);
-            for (int v = chunk * kChunkVectors + lane; v < end; v += kWarpSize) {
-                int4 vectors[EP_MAX_TOPK];
-#pragma unroll
-                for (int k = 0; k < EP_MAX_TOPK; ++k)
-                    if ((valid_mask >> k) & 1u) vectors[k] = ld_cg_int4(rows[k] + v);
-                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int k = 0; k < EP_MAX_TOPK; ++k) {
-                    if ((valid_mask >> k) & 1u) {
-                        float values[8];
-                        unpack_bf16x8(vectors[k], values);
-#pragma unroll
-                        for (int c = 0; c < 8; ++c) acc[c] = fmaf(weights[k], values[c], acc[c]);
-                    }
-                }
-                out[v] = pack_bf16x8(acc);
-            }
+            for (int slice = slice_offset; slice < num_slices; slice += split)
+                combine_slice(rows, weights, valid_mask, slice * kSliceVectors + lane, num_vectors, out);
         }
         EP_TRACE_POINT(6);
-        __syncthreads();
-        if (finish_block(&state->combine_recv_done[parity])) {
-            state->combine_step[parity] = step;
-            EP_TRACE_POINT(7);
+        if (finish_block(&state->combine_recv_done[parity], &s_is_last)) {
+            // Every block's reads of the peers' rows are done: tell the ranks read directly.
+            if (threadIdx.x < num_ranks && s_direct[threadIdx.x])
+                st_release_sys(reinterpret_cast<uint64_t*>(route[threadIdx.x] + layout.combine_ack) +
+                                   parity * EP_MAX_RANKS + rank,
+                               pack_flag(step, 1u));
+            // Our own expert_out may be reused by the caller only after every reader is done.
+            if (source == kSourceDirect)
+                wait_ranks(at<uint64_t>(workspace, layout.combine_ack) + parity * EP_MAX_RANKS, step, active_ranks,
+                           num_ranks, timeout_ns, s_live);
+            if (threadIdx.x == 0) {
+                state->combine_step[parity] = step;
+                EP_TRACE_POINT(7);
+            }
         }
     }
 }

@@ -1,28 +1,34 @@
-// ll_dispatch.cu: low-latency dispatch, send and receive halves in one kernel chosen by `phases`.
+// ll_dispatch.cu: low-latency dispatch. One launch runs both halves (phases = send | receive); the
+// hook mode launches the send half now and the receive half in hook().
 // Macros: EP_USE_FP8, EP_ROUND_SCALE, EP_USE_UE8M0, EP_NUM_THREADS, EP_MAX_RANKS, EP_MAX_EXPERTS,
-//         EP_FP8_BLOCK, EP_FP8_E4M3_MAX, EP_FP8_AMAX_FLOOR.
+//         EP_FP8_BLOCK, EP_FP8_E4M3_MAX, EP_FP8_AMAX_FLOOR, EP_SYS_SCOPE, EP_TRACE.
 //
 // Protocol (pull): a rank stages its own tokens once and the receivers copy the rows they need.
 //   Send half (never waits on a peer):
-//     - warp 0 of block 0 scans topk_idx in (token, k) order and writes, in this rank's workspace,
+//     - block 0 ranks this rank's copies in (token, k) order and writes, in its own workspace,
 //       send_slot[token*K+k] (position among this rank's copies to that expert), send_expert_offset
 //       (exclusive prefix per expert) and send_list (token*K+k grouped by expert);
-//     - every other warp stages token rows into send_x (bf16 copied, or fp8-quantised with fp32
-//       scales into send_scales), one token per warp;
-//     - the last block to finish stores, with st.release.sys, dispatch_flag[parity][rank] =
-//       pack(step, num_tokens) in every destination rank that active_ranks marks alive.
+//     - the other blocks stage the tokens into send_x: 16-byte vectors spread over every thread, a
+//       half-warp on one 128-channel block (bf16 copied; fp8 quantised, fp32 scales to send_scales),
+//       so a few tokens still keep every SM busy;
+//     - the last block to finish stores, one thread per destination, with st.release,
+//       dispatch_flag[parity][rank] = pack(step, num_tokens) in every rank active_ranks marks alive.
 //   Receive half:
-//     - threads r < R wait (ld.acquire.sys, %globaltimer timeout) for dispatch_flag[parity][r] of
-//       every active source; a source that times out is written 0 in active_ranks and sends nothing;
+//     - threads r < R of every block wait (acquire, %globaltimer timeout) for dispatch_flag[parity][r];
+//       a source that times out is written 0 in active_ranks and contributes no rows;
 //     - each block reads, from every live source, how many copies it has for each local expert and
 //       where they start in its send_list, and prefix-sums them in (local expert, source) order: the
 //       output order of reference.py (source rank, then token, then k);
-//     - all warps of the grid share the flat list of received rows, each row copied from the
-//       source's send_x (and scales; packed to UE8M0 when asked) into recv_x[e_l][row];
-//     - block 0 writes recv_count and recv_range (the handle combine reads), and the last block to
-//       finish stores step into state.dispatch_step[parity].
+//     - warp w of W copies rows w, w + W, ...: one load per lane finds the source tokens of its next
+//       32 rows, then each row (and its scales; packed to UE8M0 when asked) is copied from the
+//       source's send_x into recv_x[e_l][row];
+//     - block 0 writes recv_count and recv_range (the handle combine reads); the last block to finish
+//       stores step into state.dispatch_step[parity].
 // Epoch: step = state.dispatch_step[parity] + 1, read by every block at entry; nothing but device
 //        memory carries state between calls, so a captured graph replays correctly.
+// Residency: a block that finished its send part waits for every source's last block, its own
+//        kernel's included, so all blocks of all ranks' kernels must be resident at once: the
+//        Buffer's num_sms budget (one block per SM) guarantees it.
 // Reuse: the staged rows of parity p are rewritten two calls later, after every receiver finished
 //        reading them (each receiver's combine of this call precedes our next dispatch's combine).
 #include <cuda_bf16.h>
@@ -43,7 +49,9 @@ constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 constexpr int kNumWarps = EP_NUM_THREADS / kWarpSize;
 constexpr int kChannelsPerVector = 8;  // bf16 channels in one 16-byte vector
-constexpr int kUnroll = 4;  // vectors each lane loads before it uses the first
+// Vectors each lane loads before it quantises the first: enough bytes in flight per SM to cover
+// the load latency when a few tokens are spread over the whole grid.
+constexpr int kStageUnroll = 8;
 
 // Block 0: slots, per-expert prefix and the expert-grouped list of this rank's copies. The experts
 // of a chunk of copies are loaded into shared memory by the whole block (many loads in flight); one
@@ -104,65 +112,60 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int p
     }
 }
 
-// One warp stages one token: bf16 copied, or quantised to e4m3 with one scale per 128 channels.
-__device__ __forceinline__ void stage_token(const int4* __restrict__ x_row, uint8_t* send_row, float* send_scale_row,
-                                            int num_vectors) {
+// Stages vectors [0, num_tokens * H/8) of x, kStageUnroll per lane per round. Lane l of global warp
+// w takes vector (round_base + u * 32 + l): a warp covers 32 consecutive vectors, so each half-warp
+// is one 128-channel scale block of one token (H/8 is a multiple of 16: no block straddles tokens),
+// and lanes past the end are whole half-warps that still join the shuffles with zeros.
+__device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t* send_x, float* send_scales,
+                                             int64_t send_row_bytes, int num_tokens, int hidden, int global_warp,
+                                             int num_warps) {
     const int lane = threadIdx.x % kWarpSize;
-#if EP_USE_FP8
-    constexpr int kLanesPerScaleBlock = EP_FP8_BLOCK / kChannelsPerVector;
-    uint2* q_row = reinterpret_cast<uint2*>(send_row);
-    for (int base = 0; base < num_vectors; base += kUnroll * kWarpSize) {
-        int4 vectors[kUnroll];
+    const int vectors_per_row = hidden / kChannelsPerVector;
+    const int num_vectors = num_tokens * vectors_per_row;
+    constexpr int kVectorsPerRound = kStageUnroll * kWarpSize;
+    for (int base = global_warp * kVectorsPerRound; base < num_vectors; base += num_warps * kVectorsPerRound) {
+        int4 vectors[kStageUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kStageUnroll; ++u) {
             const int v = base + u * kWarpSize + lane;
-            vectors[u] = v < num_vectors ? __ldg(x_row + v) : make_int4(0, 0, 0, 0);
+            vectors[u] = v < num_vectors ? __ldg(x + v) : make_int4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kStageUnroll; ++u) {
             const int v = base + u * kWarpSize + lane;
+            const int token = v / vectors_per_row, column = v - token * vectors_per_row;
+            uint8_t* row = send_x + token * send_row_bytes;
+#if EP_USE_FP8
+            constexpr int kLanesPerScaleBlock = EP_FP8_BLOCK / kChannelsPerVector;
             float values[8];
             unpack_bf16x8(vectors[u], values);
             float amax = 0.0f;
 #pragma unroll
             for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(values[i]));
-            // A 128-channel block is 16 consecutive lanes: reduce within the half-warp. Every lane
-            // takes part (lanes past the row hold zeros), so the shuffles see a full warp.
 #pragma unroll
             for (int mask = kLanesPerScaleBlock / 2; mask > 0; mask /= 2)
                 amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, mask));
-            const float scale = fp8_scale_from_amax(amax, EP_ROUND_SCALE);
+            float scale, multiplier;
+            fp8_scales(amax, EP_ROUND_SCALE, &scale, &multiplier);
             if (v < num_vectors) {
-                q_row[v] = quantize8(values, scale);
-                if (v % kLanesPerScaleBlock == 0) send_scale_row[v / kLanesPerScaleBlock] = scale;
+                reinterpret_cast<uint2*>(row)[column] = quantize8(values, multiplier);
+                if (column % kLanesPerScaleBlock == 0)
+                    send_scales[static_cast<int64_t>(token) * (hidden / EP_FP8_BLOCK) + column / kLanesPerScaleBlock] =
+                        scale;
             }
-        }
-    }
 #else
-    int4* out_row = reinterpret_cast<int4*>(send_row);
-    for (int base = 0; base < num_vectors; base += kUnroll * kWarpSize) {
-        int4 vectors[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int v = base + u * kWarpSize + lane;
-            if (v < num_vectors) vectors[u] = __ldg(x_row + v);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int v = base + u * kWarpSize + lane;
-            if (v < num_vectors) out_row[v] = vectors[u];
+            if (v < num_vectors) reinterpret_cast<int4*>(row)[column] = vectors[u];
+#endif
         }
     }
-#endif
 }
 
-// One warp copies one received row from the source's staging into recv_x (and its scales).
+// One warp copies one received row from the source's staging into recv_x, and its scales.
 __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* src_scale_row, uint8_t* dst_row,
                                          void* dst_scale_row, int row_bytes, int num_scales) {
-    warp_copy(reinterpret_cast<const int4*>(src_row), reinterpret_cast<int4*>(dst_row),
-              row_bytes / static_cast<int>(sizeof(int4)));
 #if EP_USE_FP8
     const int lane = threadIdx.x % kWarpSize;
+    // The scales first: their loads then overlap the row's.
 #if EP_USE_UE8M0
     // Four exponent bytes to a word, byte j % 4 of word j / 4 for scale block j.
     const int num_words = (num_scales + 3) / 4;
@@ -179,6 +182,8 @@ __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* sr
     for (int j = lane; j < num_scales; j += kWarpSize) static_cast<float*>(dst_scale_row)[j] = ld_cg_float(src_scale_row + j);
 #endif
 #endif
+    warp_copy(reinterpret_cast<const int4*>(src_row), reinterpret_cast<int4*>(dst_row),
+              row_bytes / static_cast<int>(sizeof(int4)));
 }
 
 }  // namespace ep
@@ -196,47 +201,35 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
     __shared__ int s_flat[kScanChunk > EP_MAX_EXPERTS ? kScanChunk : EP_MAX_EXPERTS];
     __shared__ int s_scratch[kWarpSize + 1];
     __shared__ int s_live[EP_MAX_RANKS];
+    __shared__ int s_is_last;
 
-    const Layout layout = *layout_ptr;
+    const Layout& layout = *layout_ptr;
     State* state = at<State>(workspace, layout.state);
     const uint64_t* route = at<uint64_t>(workspace, layout.route);
     const uint32_t step = state->dispatch_step[parity] + 1u;
     const int num_ranks = static_cast<int>(layout.num_ranks);
-    const int warp = threadIdx.x / kWarpSize;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int hidden = static_cast<int>(layout.hidden);
     const int num_scales = static_cast<int>(layout.num_scales);
 
     if (phases & kPhaseSend) {
         EP_TRACE_POINT(0);
-        // Block 0 builds the lists (alone when the grid has one block, after staging); the other
-        // blocks stage tokens, one warp per token.
-        const int num_stage_blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
-        const int stage_block = gridDim.x > 1 ? static_cast<int>(blockIdx.x) - 1 : 0;
-        if (blockIdx.x == 0) {
-            build_send_lists(layout, workspace, parity, topk_idx, topk_is_int64, num_tokens, num_topk, s_counts,
-                             s_flat);
-        }
-        if (stage_block >= 0) {
-            const int stage_warp = stage_block * kNumWarps + warp;
-            const int num_stage_warps = num_stage_blocks * kNumWarps;
-            uint8_t* send_x = at<uint8_t>(workspace, layout.send_x[parity]);
-            float* send_scales = at<float>(workspace, layout.send_scales[parity]);
-            for (int token = stage_warp; token < num_tokens; token += num_stage_warps) {
-                stage_token(x + static_cast<int64_t>(token) * hidden / kChannelsPerVector,
-                            send_x + token * layout.send_row_bytes, send_scales + static_cast<int64_t>(token) * num_scales,
-                            hidden / kChannelsPerVector);
-            }
+        // Block 0 builds the lists (and, when the grid has one block, then stages too); the other
+        // blocks stage.
+        if (blockIdx.x == 0)
+            build_send_lists(layout, workspace, parity, topk_idx, topk_is_int64, num_tokens, num_topk, s_counts, s_flat);
+        if (blockIdx.x > 0 || gridDim.x == 1) {
+            const int num_stage_blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
+            const int stage_block = gridDim.x > 1 ? blockIdx.x - 1 : 0;
+            stage_tokens(x, at<uint8_t>(workspace, layout.send_x[parity]), at<float>(workspace, layout.send_scales[parity]),
+                         layout.send_row_bytes, num_tokens, hidden, stage_block * kNumWarps + warp,
+                         num_stage_blocks * kNumWarps);
         }
         EP_TRACE_POINT(1);
-        __syncthreads();
-        if (finish_block(&state->dispatch_send_done[parity])) {
-            // Every block's staging and the lists are ordered before these release stores.
-            for (int dst = 0; dst < num_ranks; ++dst) {
-                if (ld_volatile(active_ranks + dst) == 0) continue;  // no bytes to a masked rank
-                uint64_t* flag = reinterpret_cast<uint64_t*>(route[dst] + layout.dispatch_flag) +
-                                 parity * EP_MAX_RANKS + rank;
-                st_release_sys(flag, pack_flag(step, static_cast<uint32_t>(num_tokens)));
-            }
+        // Every block's staging and the lists are ordered before the release stores.
+        if (finish_block(&state->dispatch_send_done[parity], &s_is_last)) {
+            signal_ranks(route, layout.dispatch_flag, parity * EP_MAX_RANKS + rank, num_ranks, active_ranks,
+                         pack_flag(step, static_cast<uint32_t>(num_tokens)));
             EP_TRACE_POINT(2);
         }
     }
@@ -246,17 +239,8 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         const int num_local_experts = static_cast<int>(layout.num_local_experts);
         const int num_pairs = num_local_experts * num_ranks;
         const int64_t num_rows_per_expert = static_cast<int64_t>(num_ranks) * layout.num_max_tokens;
-        if (threadIdx.x < num_ranks) {
-            const int src = threadIdx.x;
-            bool live = false;
-            if (ld_volatile(active_ranks + src) != 0) {
-                const uint64_t* flag = at<uint64_t>(workspace, layout.dispatch_flag) + parity * EP_MAX_RANKS + src;
-                uint32_t src_num_tokens;
-                live = wait_flag(flag, step, active_ranks, src, timeout_ns, &src_num_tokens);
-            }
-            s_live[src] = live;
-        }
-        __syncthreads();
+        wait_ranks(at<uint64_t>(workspace, layout.dispatch_flag) + parity * EP_MAX_RANKS, step, active_ranks, num_ranks,
+                   timeout_ns, s_live);
         EP_TRACE_POINT(4);
         // (local expert, source) pairs in output order; counts come from each source's own prefix.
         for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
@@ -291,25 +275,37 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         const int out_row_bytes = EP_USE_FP8 ? hidden : hidden * 2;
         const int out_scale_stride = EP_USE_UE8M0 ? (num_scales + 3) / 4 : num_scales;
         const int num_warps_total = gridDim.x * kNumWarps;
-        for (int row = blockIdx.x * kNumWarps + warp; row < num_recv_rows; row += num_warps_total) {
-            const int pair = upper_bound(s_flat, num_pairs, row) - 1;
-            const int local_expert = pair / num_ranks, src = pair % num_ranks;
-            const int j = row - s_flat[pair];
-            const int* send_list = reinterpret_cast<const int*>(route[src] + layout.send_list[parity]);
-            const int token = ld_cg_int(send_list + s_start[pair] + j) / num_topk;
-            const uint8_t* src_row = reinterpret_cast<const uint8_t*>(route[src] + layout.send_x[parity]) +
-                                     token * layout.send_row_bytes;
-            const float* src_scales = reinterpret_cast<const float*>(route[src] + layout.send_scales[parity]) +
-                                      static_cast<int64_t>(token) * num_scales;
-            const int64_t out_row = local_expert * num_rows_per_expert + (s_flat[pair] - s_flat[local_expert * num_ranks]) + j;
-            void* out_scales = EP_USE_FP8 ? static_cast<void*>(static_cast<uint8_t*>(recv_scales) +
-                                                              out_row * out_scale_stride * 4)
-                                          : nullptr;
-            copy_row(src_row, src_scales, recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scales);
+        const int global_warp = blockIdx.x * kNumWarps + warp;
+        // Rows of this warp: global_warp + i * num_warps_total. Lane j looks up row i = base + j.
+        for (int base = 0; global_warp + base * num_warps_total < num_recv_rows; base += kWarpSize) {
+            const int my_row = global_warp + (base + lane) * num_warps_total;
+            int my_src = 0, my_token = 0;
+            int64_t my_out_row = 0;
+            if (my_row < num_recv_rows) {
+                const int pair = upper_bound(s_flat, num_pairs, my_row) - 1;
+                const int local_expert = pair / num_ranks, j = my_row - s_flat[pair];
+                my_src = pair % num_ranks;
+                const int* send_list = reinterpret_cast<const int*>(route[my_src] + layout.send_list[parity]);
+                my_token = ld_cg_int(send_list + s_start[pair] + j) / num_topk;
+                my_out_row = local_expert * num_rows_per_expert + (s_flat[pair] - s_flat[local_expert * num_ranks]) + j;
+            }
+            const int rows_here = min(kWarpSize, (num_recv_rows - global_warp + num_warps_total - 1) / num_warps_total - base);
+            for (int i = 0; i < rows_here; ++i) {
+                const int src = __shfl_sync(kFullMask, my_src, i);
+                const int token = __shfl_sync(kFullMask, my_token, i);
+                const int64_t out_row = __shfl_sync(kFullMask, my_out_row, i);
+                const uint8_t* src_row = reinterpret_cast<const uint8_t*>(route[src] + layout.send_x[parity]) +
+                                         token * layout.send_row_bytes;
+                const float* src_scales = reinterpret_cast<const float*>(route[src] + layout.send_scales[parity]) +
+                                          static_cast<int64_t>(token) * num_scales;
+                void* out_scales = EP_USE_FP8 ? static_cast<void*>(static_cast<uint8_t*>(recv_scales) +
+                                                                  out_row * out_scale_stride * 4)
+                                              : nullptr;
+                copy_row(src_row, src_scales, recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scales);
+            }
         }
         EP_TRACE_POINT(6);
-        __syncthreads();
-        if (finish_block(&state->dispatch_recv_done[parity])) {
+        if (finish_block(&state->dispatch_recv_done[parity], &s_is_last) && threadIdx.x == 0) {
             state->dispatch_step[parity] = step;
             EP_TRACE_POINT(7);
         }

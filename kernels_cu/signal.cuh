@@ -8,6 +8,10 @@
 // wait_flag spins with ld.acquire.sys until the flag carries `step`, the peer is marked inactive by
 // someone else, or `timeout_ns` (>= 0) elapses on %globaltimer. On expiry it writes
 // active_ranks[peer] = 0, which the caller sees in its tensor afterwards. It never traps.
+//
+// signal_ranks and wait_ranks are the two ends used by every protocol: one thread per peer, so R
+// flags cost one store (or one wait) of latency, not R. A flag lives at the same offset of every
+// workspace: flags[parity * EP_MAX_RANKS + writer_rank] of the receiving rank.
 #pragma once
 
 #include "ptx.cuh"
@@ -37,6 +41,33 @@ __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint32_t step, i
             return false;
         }
     }
+}
+
+// Threads d < num_ranks of the calling block store, with release semantics, flag[slot] = value in
+// rank d's workspace, skipping ranks active_ranks marks 0 (no bytes to a masked rank). Call from a
+// block whose threads have seen (finish_block) everything the flag publishes.
+__device__ __forceinline__ void signal_ranks(const uint64_t* route, int64_t flags_offset, int slot, int num_ranks,
+                                             const int* active_ranks, uint64_t value) {
+    const int dst = threadIdx.x;
+    if (dst < num_ranks && ld_volatile(active_ranks + dst) != 0)
+        st_release_sys(reinterpret_cast<uint64_t*>(route[dst] + flags_offset) + slot, value);
+}
+
+// Threads r < num_ranks wait for flags[r] (this rank's own flags of one parity) to carry `step`;
+// s_live[r] = it arrived (0 for a rank masked before or by this wait). Every thread of the block
+// calls it; it ends with a barrier, so s_live is then visible to the whole block.
+__device__ __forceinline__ void wait_ranks(const uint64_t* flags, uint32_t step, int* active_ranks, int num_ranks,
+                                           int64_t timeout_ns, int* s_live) {
+    const int src = threadIdx.x;
+    if (src < num_ranks) {
+        bool live = false;
+        if (ld_volatile(active_ranks + src) != 0) {
+            uint32_t payload;
+            live = wait_flag(flags + src, step, active_ranks, src, timeout_ns, &payload);
+        }
+        s_live[src] = live;
+    }
+    __syncthreads();
 }
 
 }  // namespace ep

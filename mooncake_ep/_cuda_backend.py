@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import struct
 
-import numpy as np
 
 from mooncake_ep import kernels, layout
 from mooncake_ep.transport import DeviceWorkspace, TransportError
@@ -20,6 +19,10 @@ logger = logging.getLogger("mooncake_ep")
 
 PHASE_SEND = 1
 PHASE_RECV = 2
+# Where combine's token owners read an expert rank's outputs (kSource* in ll_combine.cu).
+SOURCE_WORKSPACE = 0  # zero copy: already in the workspace's combine_x
+SOURCE_COPY = 1  # the send half copies them into combine_x
+SOURCE_DIRECT = 2  # peers read the caller's array where it is (every rank in this process)
 # Device copies of configurations: one per distinct (T, H, E) a buffer has seen.
 MAX_LAYOUTS = 64
 
@@ -58,6 +61,9 @@ class CudaBackend:
                 "a multi-process group needs the ipc transport"
             )
         self.group = group
+        # Every peer can dereference this process's device addresses: combine reads the caller's
+        # expert outputs where they are instead of copying them into the workspace first.
+        self.direct_peer_reads = bool(getattr(group, "is_in_process", False)) or group.world_size == 1
         self.device_id = device_id
         self.num_sms = num_sms
         # In one process on one GPU, GPU-scope ordering is enough (kernels_cu/ptx.cuh).
@@ -96,23 +102,23 @@ class CudaBackend:
                         recv_scales_ptr: int, recv_count_ptr: int, timeout_ns: int, use_fp8: bool,
                         round_scale: bool, use_ue8m0: bool, stream_ptr: int) -> None:
         launcher = self.launchers[kernels.dispatch_launcher_name(use_fp8, round_scale, use_ue8m0)]
-        launcher(self.num_sms, (
-            np.int32(phases), np.int32(parity), np.uint64(layout_ptr), np.uint64(self.workspace.ptr),
-            np.int32(self.group.rank), np.uint64(x_ptr), np.int32(num_tokens), np.uint64(topk_ptr),
-            np.int32(topk_is_int64), np.int32(num_topk), np.uint64(active_ptr), np.uint64(recv_x_ptr),
-            np.uint64(recv_scales_ptr), np.uint64(recv_count_ptr), np.int64(timeout_ns),
-        ), stream_ptr)
+        launcher(self.num_sms, (phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, x_ptr, num_tokens,
+                                topk_ptr, topk_is_int64, num_topk, active_ptr, recv_x_ptr, recv_scales_ptr,
+                                recv_count_ptr, timeout_ns), stream_ptr)
 
     def launch_combine(self, phases: int, parity: int, layout_ptr: int, *, expert_out_ptr: int, zero_copy: bool,
                        num_tokens: int, topk_ptr: int, topk_is_int64: bool, num_topk: int, weights_ptr: int,
                        active_ptr: int, combined_ptr: int, renormalize: bool, timeout_ns: int,
                        stream_ptr: int) -> None:
         self.launchers["combine"](self.num_sms, (
-            np.int32(phases), np.int32(parity), np.uint64(layout_ptr), np.uint64(self.workspace.ptr),
-            np.int32(self.group.rank), np.uint64(expert_out_ptr), np.int32(zero_copy), np.int32(num_tokens),
-            np.uint64(topk_ptr), np.int32(topk_is_int64), np.int32(num_topk), np.uint64(weights_ptr),
-            np.uint64(active_ptr), np.uint64(combined_ptr), np.int32(renormalize), np.int64(timeout_ns),
-        ), stream_ptr)
+            phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, expert_out_ptr,
+            self._combine_source(zero_copy), num_tokens, topk_ptr, topk_is_int64, num_topk, weights_ptr, active_ptr,
+            combined_ptr, renormalize, timeout_ns), stream_ptr)
+
+    def _combine_source(self, zero_copy: bool) -> int:
+        if zero_copy:
+            return SOURCE_WORKSPACE
+        return SOURCE_DIRECT if self.direct_peer_reads else SOURCE_COPY
 
     # --- streams and events -------------------------------------------------------------------
 

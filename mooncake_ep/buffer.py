@@ -460,17 +460,16 @@ class Buffer:
 
     def _launch_halves(self, launch: Callable[[int, int], None], async_finish: bool, return_recv_hook: bool,
                        stream_ptr: int) -> Callable[[], None] | None:
-        """Launch the send half now; the receive half now too, or return it as the hook's work.
+        """Launch both halves now in one kernel, or the send half now and return the receive half as the hook's work.
 
-        The halves are separate launches in every mode: a send half never waits, so it always
-        completes however the SMs are shared, and only receive halves (which can time out) wait.
-        ``launch(phases, stream)`` launches one half.
+        A send half never waits on a peer; only receive halves (which can time out) wait, so the
+        hook mode holds no SM between its two launches. ``launch(phases, stream)`` launches.
         """
         launch_stream = self._launch_stream(async_finish, stream_ptr)
-        launch(_SEND, launch_stream)
         if return_recv_hook:
+            launch(_SEND, launch_stream)
             return lambda: launch(_RECV, stream_ptr)
-        launch(_RECV, launch_stream)
+        launch(_SEND | _RECV, launch_stream)
         return None
 
     def _finish(self, handle, receive, async_finish, return_recv_hook, stream_ptr, like: ArrayView):

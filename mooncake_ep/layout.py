@@ -19,6 +19,7 @@ NUM_PARITIES = 2
 STATE_BYTES = 6 * NUM_PARITIES * 4
 FLAG_BYTES = 8
 ROUTE_ENTRY_BYTES = 8
+SOURCE_BYTES = 8  # one u64 address per parity
 # Bytes of the device copy of a Layout, padded; the workspace header keeps one per configuration.
 LAYOUT_SLOT_BYTES = 512
 
@@ -38,6 +39,8 @@ LAYOUT_DTYPE = np.dtype(
             "state",
             "dispatch_flag",
             "combine_flag",
+            "combine_ack",
+            "combine_source",
             "route",
         )
     ]
@@ -57,6 +60,8 @@ def _header_offsets() -> dict[str, int]:
     for name, num_bytes in (("state", STATE_BYTES),
                             ("dispatch_flag", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
                             ("combine_flag", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
+                            ("combine_ack", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
+                            ("combine_source", NUM_PARITIES * SOURCE_BYTES),
                             ("route", MAX_RANKS * ROUTE_ENTRY_BYTES)):
         offsets[name] = cursor
         cursor = _align(cursor + num_bytes)

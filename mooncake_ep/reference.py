@@ -19,6 +19,8 @@ num_max_dispatch_tokens_per_rank, H hidden, K top-k):
 - FP8: e4m3fn, one fp32 scale per token per 128 channels, ``scale = max(amax, 1e-4) / 448``;
   ``round_scale`` rounds the scale up to a power of two; ``use_ue8m0`` stores only its 8-bit biased
   exponent, four to an int32 (byte ``j % 4`` of word ``j // 4`` belongs to channel block ``j``).
+  Values are quantised as ``x * (448 / max(amax, 1e-4))``, or ``x * (1 / scale)`` for a rounded
+  scale (DeepEP's multiply form), saturated to the finite e4m3 range.
 - Combine accumulates ``w * y`` in fp32 over k in order, each step one fused multiply-add, and rounds
   the sum to bf16 once.
 """
@@ -65,8 +67,13 @@ def quantize_fp8(x: np.ndarray, *, round_scale: bool, use_ue8m0: bool) -> tuple[
     scale = (amax / np.float32(FP8_E4M3_MAX)).astype(np.float32)
     if round_scale:
         scale = _round_up_to_power_of_two(scale)
-    # Division, not multiplication by a reciprocal: it is correctly rounded on both sides.
-    q = (blocks / scale[:, :, None]).astype(float8_e4m3fn).reshape(num_tokens, hidden)
+        multiplier = (np.float32(1) / scale).astype(np.float32)  # exact for a power of two
+    else:
+        multiplier = (np.float32(FP8_E4M3_MAX) / amax).astype(np.float32)
+    # One fp32 division per block, one fp32 multiply per value: each correctly rounded, as in the
+    # kernels (which use the _rn intrinsics, so no FMA contracts them). The product cannot exceed
+    # 448 by more than its rounding, which the cast rounds back to 448 (the kernels saturate).
+    q = (blocks * multiplier[:, :, None]).astype(float8_e4m3fn).reshape(num_tokens, hidden)
     if not use_ue8m0:
         return q, scale
     exponent_bytes = ((scale.view(np.uint32) >> _FP32_MANTISSA_BITS) & np.uint32(0xFF)).astype(np.uint8)

@@ -20,7 +20,6 @@ torch tensor arrives, for its fast path.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
@@ -154,7 +153,6 @@ def _numpy_over(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtyp
     return array if raw_bits else array.view(np_dtype)
 
 
-@dataclass(frozen=True, eq=False)
 class ArrayView:
     """One caller array as the kernels see it. Made by :func:`read_array`; never copies.
 
@@ -179,19 +177,31 @@ class ArrayView:
 
     Note:
         The memory is valid only while this view (or ``obj``) is alive; keep the view, not a
-        bare ``ptr``, until the kernel that reads it has finished.
+        bare ``ptr``, until the kernel that reads it has finished. A view is a value: nothing
+        assigns to its attributes after construction. (It is a plain class with ``__slots__``
+        rather than a frozen dataclass because every call reads several arrays, and a frozen
+        dataclass costs a microsecond more to build each time.)
     """
 
-    obj: Any = field(repr=False)
-    ptr: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: str
-    device_type: str
-    device_id: int
-    framework: str
-    keepalive: Any = field(repr=False)
-    readonly: bool = False
+    __slots__ = ("obj", "ptr", "shape", "strides", "dtype", "device_type", "device_id", "framework", "keepalive",
+                 "readonly")
+
+    def __init__(self, obj: Any, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str,
+                 device_type: str, device_id: int, framework: str, keepalive: Any, readonly: bool = False) -> None:
+        self.obj = obj
+        self.ptr = ptr
+        self.shape = shape
+        self.strides = strides
+        self.dtype = dtype
+        self.device_type = device_type
+        self.device_id = device_id
+        self.framework = framework
+        self.keepalive = keepalive
+        self.readonly = readonly
+
+    def __repr__(self) -> str:
+        return (f"ArrayView(ptr={self.ptr:#x}, shape={self.shape}, strides={self.strides}, dtype={self.dtype}, "
+                f"device={self.device_type}:{self.device_id}, framework={self.framework}, readonly={self.readonly})")
 
     @property
     def ndim(self) -> int:
@@ -294,6 +304,7 @@ def _read_numpy(obj: np.ndarray, name: str) -> ArrayView:
 
 
 _torch_dtypes: dict[Any, str] = {}
+_torch_module: list[Any] = []  # torch, once a tensor has been seen (imported lazily, then cached)
 
 
 def _same_stream(current: int, stream: int) -> bool:
@@ -303,32 +314,32 @@ def _same_stream(current: int, stream: int) -> bool:
 
 def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
     """Fast path: pointer and layout straight from the tensor. None: use DLPack instead."""
-    import torch
+    if not _torch_module:
+        import torch
 
+        _torch_module.append(torch)
+        _torch_dtypes.update({getattr(torch, n): n for n in DTYPES})
+    torch = _torch_module[0]
     if not isinstance(obj, torch.Tensor):
         return None
     if obj.layout is not torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {obj.layout}")
-    if not _torch_dtypes:
-        _torch_dtypes.update({getattr(torch, n): n for n in DTYPES})
     dtype = _torch_dtypes.get(obj.dtype)
     if dtype is None:
         raise TypeError(f"{name} must have one of the dtypes {DTYPES}, got {obj.dtype}")
-    device = obj.device
-    if device.type == "cuda":
+    if obj.is_cuda:
+        device_id = obj.get_device()
         # DLPack would make `stream` wait for torch's current stream; the fast path orders
         # nothing, so it is taken only when the caller launches on that very stream.
         if stream is not None and stream != -1 and not _same_stream(
-                torch.cuda.current_stream(device.index).cuda_stream, stream):
+                torch.cuda.current_stream(device_id).cuda_stream, stream):
             return None
-        device_type, device_id = "cuda", device.index
-    elif device.type == "cpu":
+        device_type = "cuda"
+    elif obj.device.type == "cpu":
         device_type, device_id = "cpu", 0
     else:
-        raise TypeError(f"{name} must be on a CPU or CUDA device, got torch device {device}")
-    return ArrayView(obj=obj, ptr=obj.data_ptr(), shape=tuple(obj.shape), strides=obj.stride(),
-                     dtype=dtype, device_type=device_type, device_id=device_id,
-                     framework="torch", keepalive=obj)
+        raise TypeError(f"{name} must be on a CPU or CUDA device, got torch device {obj.device}")
+    return ArrayView(obj, obj.data_ptr(), tuple(obj.shape), obj.stride(), dtype, device_type, device_id, "torch", obj)
 
 
 def _view_from_capsule(capsule: Any, obj: Any, name: str, framework: str) -> ArrayView:

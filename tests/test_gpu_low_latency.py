@@ -42,6 +42,9 @@ class Case:
     routing: str = "uniform"  # uniform | skewed
     renormalize: bool = False
     dead_rank: int | None = None  # a rank that never calls dispatch or combine
+    # Combine copies expert outputs into the workspace first, as transports whose peers cannot read
+    # the caller's memory do (in-process ranks otherwise read them where they are).
+    copy_source: bool = False
     seed: int = 0
 
 
@@ -115,6 +118,8 @@ def settle(group) -> None:
 def run_rank(group, case: Case, xs, topks, weights, size):
     rank = group.rank
     buffer = ep.Buffer(group, size)
+    if case.copy_source:
+        buffer._cuda.direct_peer_reads = False
     if rank == case.dead_rank:
         for _ in range(3):  # never launches; it still joins the host barriers of the others
             group.barrier()
@@ -231,6 +236,8 @@ MODES = [
     Case(4, 32, 1024, 4, mode="hook", zero_copy=True),
     Case(4, 32, 1152, 4, zero_copy=True, use_fp8=True),
     Case(4, 32, 1024, 4, renormalize=True),
+    Case(4, 32, 1024, 4, copy_source=True),
+    Case(4, 32, 2048, 8, mode="hook", copy_source=True, use_fp8=True),
 ]
 FAULTS = [
     Case(4, 32, 1024, 4, dead_rank=2, use_fp8=True),
@@ -241,7 +248,8 @@ FAULTS = [
 def _case_id(case: Case) -> str:
     parts = [f"R{case.num_ranks}", f"E{case.num_experts}", f"H{case.hidden}", f"K{case.num_topk}", f"T{case.num_max_tokens}",
              "fp8" if case.use_fp8 else "bf16", case.mode, case.routing]
-    parts += [name for name in ("round_scale", "use_ue8m0", "zero_copy", "renormalize") if getattr(case, name)]
+    parts += [name for name in ("round_scale", "use_ue8m0", "zero_copy", "renormalize", "copy_source")
+              if getattr(case, name)]
     if case.dead_rank is not None:
         parts.append(f"dead{case.dead_rank}")
     return "-".join(parts)

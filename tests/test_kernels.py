@@ -118,6 +118,34 @@ def read_source():
     original.cache_clear()
 
 
+# C parameter type -> the Launcher's struct code (ints, 64-bit ints, and every pointer).
+_PARAM_CODES = {"int": "i", "long long": "q"}
+
+
+def _entry_point_codes(file: str, name: str) -> str:
+    """The struct codes of an ``extern "C"`` entry point's parameters, read from its source."""
+    source = kernels._read_source(file)
+    match = re.search(rf"\b{name}\(([^)]*)\)\s*{{", source)
+    assert match, f"{name} not found in {file}"
+    codes = []
+    for param in match.group(1).split(","):
+        declaration = re.sub(r"\b(const|__restrict__)\b", " ", param).strip()
+        if "*" in declaration:
+            codes.append("Q")
+        else:
+            type_name = " ".join(declaration.split()[:-1])
+            assert type_name in _PARAM_CODES, f"{name}: no launch code for parameter {param.strip()!r}"
+            codes.append(_PARAM_CODES[type_name])
+    return "".join(codes)
+
+
+@pytest.mark.parametrize("file, name, fmt", [("ll_dispatch.cu", "ll_dispatch", kernels.DISPATCH_ARG_FORMAT),
+                                             ("ll_combine.cu", "ll_combine", kernels.COMBINE_ARG_FORMAT)])
+def test_launch_formats_match_the_kernel_signatures(file, name, fmt):
+    """The Launcher packs what the kernel declares: a wrong slot would pass garbage, never fail loudly."""
+    assert _entry_point_codes(file, name) == fmt
+
+
 @needs_nvrtc
 def test_digest_is_stable_and_distinct_per_variant():
     assert [key.digest for key in all_keys()] == [key.digest for key in all_keys()]  # new objects, same digests

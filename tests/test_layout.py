@@ -115,6 +115,8 @@ def region_sizes(num_ranks: int, num_experts: int, num_max_tokens: int, hidden: 
         "state": layout.STATE_BYTES,
         "dispatch_flag": layout.NUM_PARITIES * MAX_RANKS * 8,
         "combine_flag": layout.NUM_PARITIES * MAX_RANKS * 8,
+        "combine_ack": layout.NUM_PARITIES * MAX_RANKS * 8,
+        "combine_source": layout.NUM_PARITIES * 8,
         "route": MAX_RANKS * 8,
         "send_x": num_max_tokens * 2 * hidden,
         "send_scales": num_max_tokens * hidden // FP8_BLOCK * 4,
@@ -162,7 +164,8 @@ def test_num_bytes_is_the_size_hint(config):
 
 def test_header_regions_do_not_depend_on_the_configuration():
     # layout.cuh: state, flags and route lie where every configuration finds them (epochs survive).
-    fronts = {tuple(layout.compute_layout(*c).offsets[n] for n in ("state", "dispatch_flag", "combine_flag", "route"))
+    fronts = {tuple(layout.compute_layout(*c).offsets[n] for n in ("state", "dispatch_flag", "combine_flag", "combine_ack",
+                                                                 "combine_source", "route"))
               for c in CONFIGS}
     assert len(fronts) == 1
     for config in CONFIGS:

@@ -75,9 +75,13 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[n, H]`` bf16 → ``(q [n, H] float8_e4m3fn, scales [n, H / 128] fp32)``, one scale per 128 channels."""
     num_tokens, hidden = x.shape
     blocks = x.float().view(num_tokens, hidden // FP8_BLOCK, FP8_BLOCK)
-    scales = blocks.abs().amax(dim=2).clamp_min(FP8_AMAX_FLOOR) / FP8_E4M3_MAX
-    # Division, not multiplication by a reciprocal: correctly rounded, as mooncake_ep quantises.
-    q = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(num_tokens, hidden)
+    amax = blocks.abs().amax(dim=2).clamp_min(FP8_AMAX_FLOOR)
+    # Tensor by tensor: CUDA torch turns a Python-scalar divisor into a multiply by its reciprocal,
+    # which rounds differently; a tensor divisor is one correctly rounded division, as on the CPU.
+    e4m3_max = torch.full_like(amax, FP8_E4M3_MAX)
+    scales = amax / e4m3_max
+    # mooncake_ep quantises as x * (448 / amax): one division per block, one multiply per value.
+    q = (blocks * (e4m3_max / amax).unsqueeze(2)).to(torch.float8_e4m3fn).view(num_tokens, hidden)
     return q, scales
 
 

@@ -27,6 +27,7 @@ __all__ = ["FRAMEWORKS", "get"]
 # which serve CPU memory only.
 _MODULES = {"numpy": "numpy", "torch": "torch", "jax": "jax", "cupy": "cupy", "dlpack": "numpy"}
 FRAMEWORKS: tuple[str, ...] = tuple(_MODULES)
+_LOADED: dict[str, ModuleType] = {}
 
 
 def get(framework: str) -> ModuleType:
@@ -39,8 +40,12 @@ def get(framework: str) -> ModuleType:
     Raises:
         ValueError: ``framework`` is not one of :data:`FRAMEWORKS`.
     """
+    loaded = _LOADED.get(framework)
+    if loaded is not None:  # every call of dispatch/combine asks: skip the import machinery
+        return loaded
     module = _MODULES.get(framework) if isinstance(framework, str) else None
     if module is None:
         raise ValueError(f"frameworks.get: framework must be one of {FRAMEWORKS}, "
                          f"got {framework!r}")
-    return importlib.import_module(f"{__name__}.{module}")
+    loaded = _LOADED[framework] = importlib.import_module(f"{__name__}.{module}")
+    return loaded

@@ -76,6 +76,11 @@ def current_stream(device_id: int) -> int:
     """Returns torch's current CUDA stream handle on ``device_id`` (0 = legacy default)."""
     import torch
 
+    # The raw handle without building a torch.cuda.Stream (a microsecond per call); the public
+    # spelling where a build lacks it.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_id)
     return torch.cuda.current_stream(device_id).cuda_stream
 
 
