@@ -5,7 +5,8 @@
 //
 // Protocol (pull): a rank stages its own tokens once and the receivers copy the rows they need.
 //   Send half (never waits on a peer):
-//     - block 0 ranks this rank's copies in (token, k) order and writes, in its own workspace,
+//     - block 0 ranks this rank's copies in (token, k) order (a shared bitmap per 128 tokens and
+//       popc, see build_send_lists) and writes, in its own workspace,
 //       send_slot[token*K+k] (position among this rank's copies to that expert), send_expert_offset
 //       (exclusive prefix per expert) and send_list (token*K+k grouped by expert);
 //     - the other blocks stage the tokens into send_x: 16-byte vectors spread over every thread, a
@@ -53,56 +54,93 @@ constexpr int kChannelsPerVector = 8;  // bf16 channels in one 16-byte vector
 // the load latency when a few tokens are spread over the whole grid.
 constexpr int kStageUnroll = 8;
 
-// Block 0: slots, per-expert prefix and the expert-grouped list of this rank's copies. The experts
-// of a chunk of copies are loaded into shared memory by the whole block (many loads in flight); one
-// warp then ranks them in (token, k) order with __match_any_sync, which needs no global round trip.
-constexpr int kScanChunk = 2048;
+// Block 0: slots, per-expert prefix and the expert-grouped list of this rank's copies.
+//
+// slot(t, k) = the number of copies to expert e = topk[t][k] that come before (t, k) in (token, k)
+// order. Tokens are ranked kListTokens at a time: every copy sets bit t of its expert's row in a
+// shared bitmap, then finds its slot with popc of the bits below t, plus the running count of the
+// expert from earlier chunks: all threads at once, no serial pass. A token that names one expert
+// twice (never a router's choice, but legal) shares a bit with itself, so a chunk holding such a
+// token is ranked serially instead, by one warp with __match_any_sync in (token, k) order.
+constexpr int kListTokens = 128;
+constexpr int kListWords = kListTokens / kWarpSize;  // bitmap words per expert row
+constexpr int kScanChunk = kListTokens * EP_MAX_TOPK;  // copies of one chunk, staged in shared memory
+static_assert(kListTokens % kWarpSize == 0, "a bitmap row is whole words");
+
+// One warp ranks a chunk's copies (s_chunk: experts in, slots out) in order; s_counts running.
+__device__ __forceinline__ void rank_chunk_serially(int* s_chunk, int chunk_size, int* s_counts) {
+    const int lane = threadIdx.x % kWarpSize;
+    const unsigned lanes_below = (1u << lane) - 1u;
+    for (int base = 0; base < chunk_size; base += kWarpSize) {
+        const int i = base + lane;
+        const int expert = i < chunk_size ? s_chunk[i] : -1;
+        // Lanes without an expert get a key no other lane has, so they never group together.
+        const unsigned peers = __match_any_sync(kFullMask, expert >= 0 ? expert : -1 - lane);
+        const int slot = expert >= 0 ? s_counts[expert] + __popc(peers & lanes_below) : -1;
+        __syncwarp();
+        if (expert >= 0 && lane == 31 - __clz(peers)) s_counts[expert] += __popc(peers);
+        if (i < chunk_size) s_chunk[i] = slot;
+        __syncwarp();
+    }
+}
 
 __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int parity, const void* topk_idx,
-                                 int topk_is_int64, int num_tokens, int num_topk, int* s_counts, int* s_chunk) {
-    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+                                 int topk_is_int64, int num_tokens, int num_topk, int* s_counts, int* s_chunk,
+                                 uint32_t* s_bits, int* s_flag, int* s_scratch) {
+    const int warp = threadIdx.x / kWarpSize;
     const int num_experts = static_cast<int>(layout.num_experts);
     int* send_slot = at<int>(workspace, layout.send_slot[parity]);
     int* send_list = at<int>(workspace, layout.send_list[parity]);
     int* send_expert_offset = at<int>(workspace, layout.send_expert_offset[parity]);
-    const unsigned lanes_below = (1u << lane) - 1u;
     const int num_copies = num_tokens * num_topk;
 
     for (int e = threadIdx.x; e < num_experts; e += blockDim.x) s_counts[e] = 0;
-    for (int chunk = 0; chunk < num_copies; chunk += kScanChunk) {
-        const int chunk_size = min(kScanChunk, num_copies - chunk);
-        __syncthreads();
+    for (int first_token = 0; first_token < num_tokens; first_token += kListTokens) {
+        const int chunk_tokens = min(kListTokens, num_tokens - first_token);
+        const int chunk_size = chunk_tokens * num_topk, chunk = first_token * num_topk;
+        __syncthreads();  // the previous chunk is done with s_chunk, s_bits and s_flag
         for (int i = threadIdx.x; i < chunk_size; i += blockDim.x)
             s_chunk[i] = read_expert(topk_idx, topk_is_int64, chunk + i, num_experts);
+        for (int w = threadIdx.x; w < num_experts * kListWords; w += blockDim.x) s_bits[w] = 0u;
+        if (threadIdx.x == 0) *s_flag = 0;
         __syncthreads();
-        if (warp == 0) {
-            for (int base = 0; base < chunk_size; base += kWarpSize) {
-                const int i = base + lane;
-                const int expert = i < chunk_size ? s_chunk[i] : -1;
-                // Lanes without an expert get a key no other lane has, so they never group together.
-                const unsigned peers = __match_any_sync(kFullMask, expert >= 0 ? expert : -1 - lane);
-                const int slot = expert >= 0 ? s_counts[expert] + __popc(peers & lanes_below) : -1;
-                __syncwarp();
-                if (expert >= 0 && lane == 31 - __clz(peers)) s_counts[expert] += __popc(peers);
-                if (i < chunk_size) s_chunk[i] = slot;
-                __syncwarp();
-            }
+        for (int i = threadIdx.x; i < chunk_size; i += blockDim.x) {
+            const int expert = s_chunk[i];
+            if (expert < 0) continue;
+            const int token = i / num_topk, k = i - token * num_topk;
+            for (int other = i - k; other < i; ++other)
+                if (s_chunk[other] == expert) *s_flag = 1;  // a repeated expert: rank serially
+            atomicOr(s_bits + expert * kListWords + token / kWarpSize, 1u << (token % kWarpSize));
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < chunk_size; i += blockDim.x) send_slot[chunk + i] = s_chunk[i];
+        if (*s_flag) {
+            if (warp == 0) rank_chunk_serially(s_chunk, chunk_size, s_counts);
+            __syncthreads();
+            for (int i = threadIdx.x; i < chunk_size; i += blockDim.x) send_slot[chunk + i] = s_chunk[i];
+            continue;
+        }
+        for (int i = threadIdx.x; i < chunk_size; i += blockDim.x) {
+            const int expert = s_chunk[i];
+            int slot = -1;
+            if (expert >= 0) {
+                const int token = i / num_topk;
+                const uint32_t* row = s_bits + expert * kListWords;
+                slot = s_counts[expert] + __popc(row[token / kWarpSize] & ((1u << (token % kWarpSize)) - 1u));
+                for (int w = 0; w < token / kWarpSize; ++w) slot += __popc(row[w]);
+            }
+            send_slot[chunk + i] = slot;
+        }
+        __syncthreads();  // every slot read the counts before they move on
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+            int count = 0;
+#pragma unroll
+            for (int w = 0; w < kListWords; ++w) count += __popc(s_bits[e * kListWords + w]);
+            s_counts[e] += count;
+        }
     }
     __syncthreads();
-    if (warp == 0) {
-        int carry = 0;
-        for (int base = 0; base < num_experts; base += kWarpSize) {
-            const int e = base + lane;
-            const int count = e < num_experts ? s_counts[e] : 0;
-            const int inclusive = warp_inclusive_scan(count);
-            if (e < num_experts) s_counts[e] = carry + inclusive - count;
-            carry += __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
-        }
-        if (lane == 0) s_counts[num_experts] = carry;
-    }
+    const int total = block_exclusive_scan(s_counts, num_experts, s_scratch);
+    if (threadIdx.x == 0) s_counts[num_experts] = total;
     __syncthreads();
     for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) send_expert_offset[e] = s_counts[e];
     // send_slot was written by this block above: visible to it after the barrier.
@@ -199,8 +237,10 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
     __shared__ int s_start[EP_MAX_EXPERTS];       // recv: first send_list entry per (e_l, src)
     // recv: first received row per (e_l, src), all experts; send: a chunk of the copies being ranked
     __shared__ int s_flat[kScanChunk > EP_MAX_EXPERTS ? kScanChunk : EP_MAX_EXPERTS];
+    __shared__ uint32_t s_bits[EP_MAX_EXPERTS * kListWords];  // send: tokens of each expert, one chunk
     __shared__ int s_scratch[kWarpSize + 1];
     __shared__ int s_live[EP_MAX_RANKS];
+    __shared__ int s_flag;
     __shared__ int s_is_last;
 
     const Layout& layout = *layout_ptr;
@@ -217,7 +257,8 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         // Block 0 builds the lists (and, when the grid has one block, then stages too); the other
         // blocks stage.
         if (blockIdx.x == 0)
-            build_send_lists(layout, workspace, parity, topk_idx, topk_is_int64, num_tokens, num_topk, s_counts, s_flat);
+            build_send_lists(layout, workspace, parity, topk_idx, topk_is_int64, num_tokens, num_topk, s_counts, s_flat,
+                             s_bits, &s_flag, s_scratch);
         if (blockIdx.x > 0 || gridDim.x == 1) {
             const int num_stage_blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
             const int stage_block = gridDim.x > 1 ? blockIdx.x - 1 : 0;

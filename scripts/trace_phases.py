@@ -61,7 +61,12 @@ def read_trace(launcher) -> np.ndarray:
 
 
 def summarize(trace: np.ndarray, num_blocks: int, t0: int) -> dict:
-    out = {}
+    """Per point, min and max over blocks (us from t0); block 0 (the dispatch list builder) apart."""
+    out = {"block0_send_done_us": float((int(trace[1, 0]) - t0) / 1e3) if trace[1, 0] else None,
+           "others_send_done_us": (float((trace[1, 1:num_blocks].astype(np.int64).max() - t0) / 1e3)
+                                   if num_blocks > 1 and trace[1, 1:num_blocks].any() else None),
+           "per_block_us": {p: [((int(v) - t0) / 1e3 if v else None) for v in trace[i, :num_blocks]]
+                            for i, p in enumerate(POINTS)}}
     for i, name in enumerate(POINTS):
         values = trace[i, :num_blocks].astype(np.int64)
         written = values[values > 0]
@@ -166,7 +171,7 @@ def main() -> None:
         report["phases"][name] = rows
         print(f"== {name}: {np.median(event_us[name]):.1f} us between events (p50 of {args.replays} replays);"
               f" points in us from the first send entry; entry points min, others max over blocks")
-        print(f"{'rank':>4}" + "".join(f"{p:>13}" for p in POINTS))
+        print(f"{'rank':>4}" + "".join(f"{p:>13}" for p in POINTS) + f"{'blk0_send':>11}{'rest_send':>11}")
         for r, row in enumerate(rows):
             cells = []
             for i, p in enumerate(POINTS):
@@ -177,7 +182,9 @@ def main() -> None:
                     cells.append(f"{v['min_us']:>6.1f}-{v['max_us']:<6.1f}")
                 else:
                     cells.append(f"{v['max_us']:>13.1f}")
-            print(f"{r:>4}" + "".join(cells))
+            extra = "".join(f"{'-':>11}" if row[k] is None else f"{row[k]:>11.1f}"
+                            for k in ("block0_send_done_us", "others_send_done_us"))
+            print(f"{r:>4}" + "".join(cells) + extra)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -39,7 +39,7 @@ class Case:
     use_ue8m0: bool = False
     mode: str = "sync"  # sync | async | hook
     zero_copy: bool = False
-    routing: str = "uniform"  # uniform | skewed
+    routing: str = "uniform"  # uniform | skewed | repeated (some tokens name one expert twice)
     renormalize: bool = False
     dead_rank: int | None = None  # a rank that never calls dispatch or combine
     # Combine copies expert outputs into the workspace first, as transports whose peers cannot read
@@ -64,6 +64,10 @@ def make_inputs(case: Case):
         topk = np.stack([rng.choice(pool, case.num_topk, replace=False) for _ in range(num_tokens)]) if num_tokens \
             else np.zeros((0, case.num_topk), dtype=np.int64)
         topk = topk.astype(np.int64)
+        if case.routing == "repeated" and num_tokens:
+            # Legal but no router's choice: the kernels rank such chunks another way.
+            repeat = rng.random(num_tokens) < 0.25
+            topk[repeat, 1] = topk[repeat, 0]
         if num_tokens:
             topk[rng.random(topk.shape) < 0.1] = -1
         xs.append(x.astype(ml_dtypes.bfloat16))
@@ -228,6 +232,8 @@ GRID = [
     Case(8, 512, 8192, 16, num_max_tokens=16),
     Case(8, 64, 3584, 8, routing="skewed", use_fp8=True),
     Case(4, 512, 1024, 16, routing="skewed"),
+    Case(4, 64, 1024, 4, num_max_tokens=300, routing="repeated", use_fp8=True),
+    Case(2, 16, 1024, 8, num_max_tokens=300),
     Case(8, 8, 7168, 1, num_max_tokens=64),
 ]
 MODES = [
