@@ -9,9 +9,9 @@
 //       popc, see build_send_lists) and writes, in its own workspace,
 //       send_slot[token*K+k] (position among this rank's copies to that expert), send_expert_offset
 //       (exclusive prefix per expert) and send_list (token*K+k grouped by expert);
-//     - the other blocks stage the tokens into send_x: 16-byte vectors spread over every thread, a
-//       half-warp on one 128-channel block (bf16 copied; fp8 quantised, fp32 scales to send_scales),
-//       so a few tokens still keep every SM busy;
+//     - the other blocks stage the tokens into send_x, spread over every thread so that a few
+//       tokens still keep every SM busy: bf16 copied as 16-byte vectors; fp8 quantised one
+//       128-channel block per lane, the fp32 scales to send_scales;
 //     - the last block to finish stores, one thread per destination, with st.release,
 //       dispatch_flag[parity][rank] = pack(step, num_tokens) in every rank active_ranks marks alive.
 //   Receive half:
@@ -50,9 +50,6 @@ constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 constexpr int kNumWarps = EP_NUM_THREADS / kWarpSize;
 constexpr int kChannelsPerVector = 8;  // bf16 channels in one 16-byte vector
-// Vectors each lane loads before it quantises the first: enough bytes in flight per SM to cover
-// the load latency when a few tokens are spread over the whole grid.
-constexpr int kStageUnroll = 8;
 
 // Block 0: slots, per-expert prefix and the expert-grouped list of this rank's copies.
 //
@@ -150,53 +147,74 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int p
     }
 }
 
-// Stages vectors [0, num_tokens * H/8) of x, kStageUnroll per lane per round. Lane l of global warp
-// w takes vector (round_base + u * 32 + l): a warp covers 32 consecutive vectors, so each half-warp
-// is one 128-channel scale block of one token (H/8 is a multiple of 16: no block straddles tokens),
-// and lanes past the end are whole half-warps that still join the shuffles with zeros.
+#if EP_USE_FP8
+// Quantises the tokens into send_x / send_scales, one lane per 128-channel block: the block's amax
+// needs no shuffle, its two divisions are paid once per 128 values, and its 16 loads are in flight
+// together. Lane l of a warp takes block b + l: one load instruction touches 32 blocks 256 bytes
+// apart, and the other half of each 32-byte sector is the next instruction's, an L1 hit.
 __device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t* send_x, float* send_scales,
-                                             int64_t send_row_bytes, int num_tokens, int hidden, int global_warp,
-                                             int num_warps) {
-    const int lane = threadIdx.x % kWarpSize;
+                                             int64_t send_row_bytes, int num_tokens, int hidden, int thread,
+                                             int num_threads) {
+    constexpr int kVectorsPerBlock = EP_FP8_BLOCK / kChannelsPerVector;
+    const int blocks_per_row = hidden / EP_FP8_BLOCK;
+    const int num_blocks = num_tokens * blocks_per_row;
+    for (int b = thread; b < num_blocks; b += num_threads) {
+        const int token = b / blocks_per_row, block = b - token * blocks_per_row;
+        // Rows of x are contiguous: block b of the flattened tokens starts at vector 16 b.
+        const int4* src = x + static_cast<int64_t>(b) * kVectorsPerBlock;
+        int4 vectors[kVectorsPerBlock];
+#pragma unroll
+        for (int j = 0; j < kVectorsPerBlock; ++j) vectors[j] = __ldg(src + j);
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kVectorsPerBlock; ++j) {
+            float values[8];
+            unpack_bf16x8(vectors[j], values);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(values[i]));
+        }
+        float scale, multiplier;
+        fp8_scales(amax, EP_ROUND_SCALE, &scale, &multiplier);
+        uint4* dst = reinterpret_cast<uint4*>(send_x + token * send_row_bytes + block * EP_FP8_BLOCK);
+#pragma unroll
+        for (int j = 0; j < kVectorsPerBlock; j += 2) {
+            float low[8], high[8];
+            unpack_bf16x8(vectors[j], low);
+            unpack_bf16x8(vectors[j + 1], high);
+            const uint2 q_low = quantize8(low, multiplier), q_high = quantize8(high, multiplier);
+            dst[j / 2] = make_uint4(q_low.x, q_low.y, q_high.x, q_high.y);
+        }
+        send_scales[b] = scale;  // the scales of a token are its blocks, in order
+    }
+}
+#else
+// Vectors each lane loads before it stores the first: enough bytes in flight per SM to cover the
+// load latency when a few tokens are spread over the whole grid.
+constexpr int kStageUnroll = 8;
+
+// Copies the tokens into send_x: 16-byte vectors spread over every thread, kStageUnroll loads in
+// flight per lane.
+__device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t* send_x, float* /*send_scales*/,
+                                             int64_t send_row_bytes, int num_tokens, int hidden, int thread,
+                                             int num_threads) {
     const int vectors_per_row = hidden / kChannelsPerVector;
     const int num_vectors = num_tokens * vectors_per_row;
-    constexpr int kVectorsPerRound = kStageUnroll * kWarpSize;
-    for (int base = global_warp * kVectorsPerRound; base < num_vectors; base += num_warps * kVectorsPerRound) {
+    for (int base = thread; base < num_vectors; base += kStageUnroll * num_threads) {
         int4 vectors[kStageUnroll];
 #pragma unroll
         for (int u = 0; u < kStageUnroll; ++u) {
-            const int v = base + u * kWarpSize + lane;
-            vectors[u] = v < num_vectors ? __ldg(x + v) : make_int4(0, 0, 0, 0);
+            const int v = base + u * num_threads;
+            if (v < num_vectors) vectors[u] = __ldg(x + v);
         }
 #pragma unroll
         for (int u = 0; u < kStageUnroll; ++u) {
-            const int v = base + u * kWarpSize + lane;
+            const int v = base + u * num_threads;
             const int token = v / vectors_per_row, column = v - token * vectors_per_row;
-            uint8_t* row = send_x + token * send_row_bytes;
-#if EP_USE_FP8
-            constexpr int kLanesPerScaleBlock = EP_FP8_BLOCK / kChannelsPerVector;
-            float values[8];
-            unpack_bf16x8(vectors[u], values);
-            float amax = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(values[i]));
-#pragma unroll
-            for (int mask = kLanesPerScaleBlock / 2; mask > 0; mask /= 2)
-                amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, mask));
-            float scale, multiplier;
-            fp8_scales(amax, EP_ROUND_SCALE, &scale, &multiplier);
-            if (v < num_vectors) {
-                reinterpret_cast<uint2*>(row)[column] = quantize8(values, multiplier);
-                if (column % kLanesPerScaleBlock == 0)
-                    send_scales[static_cast<int64_t>(token) * (hidden / EP_FP8_BLOCK) + column / kLanesPerScaleBlock] =
-                        scale;
-            }
-#else
-            if (v < num_vectors) reinterpret_cast<int4*>(row)[column] = vectors[u];
-#endif
+            if (v < num_vectors) reinterpret_cast<int4*>(send_x + token * send_row_bytes)[column] = vectors[u];
         }
     }
 }
+#endif
 
 // One warp copies one received row from the source's staging into recv_x, and its scales.
 __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* src_scale_row, uint8_t* dst_row,
@@ -263,8 +281,8 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             const int num_stage_blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
             const int stage_block = gridDim.x > 1 ? blockIdx.x - 1 : 0;
             stage_tokens(x, at<uint8_t>(workspace, layout.send_x[parity]), at<float>(workspace, layout.send_scales[parity]),
-                         layout.send_row_bytes, num_tokens, hidden, stage_block * kNumWarps + warp,
-                         num_stage_blocks * kNumWarps);
+                         layout.send_row_bytes, num_tokens, hidden, stage_block * EP_NUM_THREADS + threadIdx.x,
+                         num_stage_blocks * EP_NUM_THREADS);
         }
         EP_TRACE_POINT(1);
         // Every block's staging and the lists are ordered before the release stores.

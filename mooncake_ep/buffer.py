@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -130,6 +130,9 @@ class Buffer:
         self._num_dispatches = 0
         self._num_combines = 0
         self._pending_hooks: set[int] = set()
+        # Checked plans by (call, array signatures, arguments): a call whose arrays have the layouts
+        # of an earlier, accepted call skips the layout checks (they would pass again).
+        self._plans: dict[tuple, _Plan] = {}
         self._reference = ReferenceBackend(group)
         self._cuda = None
         if backend == "cuda" or (backend == "auto" and _gpu_available()):
@@ -228,49 +231,35 @@ class Buffer:
             Buffers of cupy callers: bf16 and fp8 come back as uint16 / uint8 arrays of the same bits.
         """
         where = "dispatch"
-        x_view = read_array(x, name=f"{where}: x")
+        x_view = read_array(x, name="dispatch: x")
         stream_ptr = self._stream_for(x_view)
         order = _dlpack_stream(x_view, stream_ptr)
-        topk_view = read_array(topk_idx, name=f"{where}: topk_idx", stream=order)
-        active_view = read_array(active_ranks, name=f"{where}: active_ranks", stream=order)
+        topk_view = read_array(topk_idx, name="dispatch: topk_idx", stream=order)
+        active_view = read_array(active_ranks, name="dispatch: active_ranks", stream=order)
         _check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                      async_finish=async_finish, return_recv_hook=return_recv_hook)
         _check_mutable(where, x_view, out, return_recv_hook)
         _check_timeout(where, timeout_us)
         _check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-        _check_experts(where, num_experts, self.num_ranks)
-        _check_array(where, "x", x_view, dtypes=("bfloat16",), ndim=2)
-        num_tokens, hidden = x_view.shape
-        _check_hidden(where, "x.shape[1] (hidden)", hidden)
-        if num_tokens > num_max_dispatch_tokens_per_rank:
-            raise ValueError(f"{where}: x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
-                             f"{num_max_dispatch_tokens_per_rank}")
-        _check_array(where, "topk_idx", topk_view, dtypes=("int64", "int32"), ndim=2, like=x_view)
-        if topk_view.shape[0] != num_tokens:
-            raise ValueError(f"{where}: topk_idx has {topk_view.shape[0]} rows, x has {num_tokens} tokens")
-        num_topk = topk_view.shape[1]
-        if not 1 <= num_topk <= _constants.MAX_TOPK:
-            raise ValueError(f"{where}: topk_idx.shape[1] (num_topk) must be in [1, {_constants.MAX_TOPK}], "
-                             f"got {num_topk}")
-        self._check_active(where, active_view, x_view)
-        self._check_size(where, num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if x_view.device_type == "cpu":
+        out_views = _read_out(where, out, use_fp8, order)
+        key = ("dispatch", _signature(x_view), _signature(topk_view), _signature(active_view),
+               num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
+               None if out_views is None else tuple(_signature(view) for view, _ in out_views))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan_dispatch(where, x_view, topk_view, active_view, out_views,
+                                       num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0)
+            self._remember(key, plan, x_view)
+        if x_view.device_type == "cpu":  # values of host arrays: read every call
             _check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
-        num_local_experts = num_experts // self.num_ranks
-        recv_shape = (num_local_experts, self.num_ranks * num_max_dispatch_tokens_per_rank, hidden)
-        scale_shape = recv_shape[:2] + (reference.num_scale_columns(hidden, use_ue8m0),)
         parity = self._num_dispatches % layout.NUM_PARITIES
         if parity in self._pending_hooks:
             raise RuntimeError(f"{where}: the dispatch two calls ago still waits for its hook(); call it first "
                                f"(at most two receive hooks may be pending)")
-        specs = [("recv_x", recv_shape, "float8_e4m3fn" if use_fp8 else "bfloat16")]
-        if use_fp8:
-            specs.append(("recv_scales", scale_shape, "int32" if use_ue8m0 else "float32"))
-        specs.append(("recv_count", (num_local_experts,), "int32"))
-        outputs = self._outputs(where, out, specs, x_view, use_fp8)
+        outputs = out_views if out_views is not None else self._allocate(plan.specs, x_view)
 
-        handle = Handle(self.buffer_id, self._num_dispatches, parity, num_tokens, hidden, num_topk, num_experts,
-                        num_max_dispatch_tokens_per_rank, self.backend if x_view.device_type == "cuda"
+        handle = Handle(self.buffer_id, self._num_dispatches, parity, plan.num_tokens, plan.hidden, plan.num_topk,
+                        num_experts, num_max_dispatch_tokens_per_rank, self.backend if x_view.device_type == "cuda"
                         else "reference", x_view.framework, x_view.device_id if x_view.device_type == "cuda" else -1,
                         state={"received": False})
         self._num_dispatches += 1
@@ -284,6 +273,35 @@ class Buffer:
         objects = _caller_arrays(outputs, x_view)
         recv_x = (objects[0], objects[1]) if use_fp8 else objects[0]
         return recv_x, objects[-1], handle, event, hook
+
+    def _plan_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
+                       out_views, num_max_tokens: int, num_experts: int, use_fp8: bool, use_ue8m0: bool) -> _Plan:
+        """Check everything about a dispatch that its arrays' layouts decide; return what the call needs."""
+        _check_experts(where, num_experts, self.num_ranks)
+        _check_array(where, "x", x_view, dtypes=("bfloat16",), ndim=2)
+        num_tokens, hidden = x_view.shape
+        _check_hidden(where, "x.shape[1] (hidden)", hidden)
+        if num_tokens > num_max_tokens:
+            raise ValueError(f"{where}: x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{num_max_tokens}")
+        _check_array(where, "topk_idx", topk_view, dtypes=("int64", "int32"), ndim=2, like=x_view)
+        if topk_view.shape[0] != num_tokens:
+            raise ValueError(f"{where}: topk_idx has {topk_view.shape[0]} rows, x has {num_tokens} tokens")
+        num_topk = topk_view.shape[1]
+        if not 1 <= num_topk <= _constants.MAX_TOPK:
+            raise ValueError(f"{where}: topk_idx.shape[1] (num_topk) must be in [1, {_constants.MAX_TOPK}], "
+                             f"got {num_topk}")
+        self._check_active(where, active_view, x_view)
+        self._check_size(where, num_max_tokens, hidden, num_experts)
+        num_local_experts = num_experts // self.num_ranks
+        recv_shape = (num_local_experts, self.num_ranks * num_max_tokens, hidden)
+        scale_shape = recv_shape[:2] + (reference.num_scale_columns(hidden, use_ue8m0),)
+        specs = [("recv_x", recv_shape, "float8_e4m3fn" if use_fp8 else "bfloat16")]
+        if use_fp8:
+            specs.append(("recv_scales", scale_shape, "int32" if use_ue8m0 else "float32"))
+        specs.append(("recv_count", (num_local_experts,), "int32"))
+        _check_out(where, out_views, specs, x_view)
+        return _Plan(num_tokens, hidden, num_topk, tuple(specs))
 
     def _reference_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags):
         gathered = self._reference.exchange(x_view.numpy().copy(), topk_view.numpy().copy(), active_view.numpy().copy())
@@ -339,34 +357,32 @@ class Buffer:
         """
         where = "combine"
         self._check_handle(where, handle)
-        topk_view = read_array(topk_idx, name=f"{where}: topk_idx")
+        topk_view = read_array(topk_idx, name="combine: topk_idx")
         stream_ptr = self._stream_for(topk_view)
         order = _dlpack_stream(topk_view, stream_ptr)
-        weights_view = read_array(topk_weights, name=f"{where}: topk_weights", stream=order)
-        active_view = read_array(active_ranks, name=f"{where}: active_ranks", stream=order)
+        weights_view = read_array(topk_weights, name="combine: topk_weights", stream=order)
+        active_view = read_array(active_ranks, name="combine: active_ranks", stream=order)
         _check_flags(where, async_finish=async_finish, return_recv_hook=return_recv_hook)
         _check_mutable(where, topk_view, out, return_recv_hook)
         _check_timeout(where, timeout_us)
         if zero_copy and handle.backend == "reference" and "combine_buffer" not in handle.state:
             raise ValueError(f"{where}: zero_copy=True reads the expert outputs from get_next_combine_buffer(handle); "
                              f"call it and write them there first, or pass x with zero_copy=False")
-        num_local_experts = handle.num_experts // self.num_ranks
-        expected = (handle.num_tokens, handle.num_topk)
-        _check_array(where, "topk_idx", topk_view, dtypes=("int64", "int32"), shape=expected)
-        _check_array(where, "topk_weights", weights_view, dtypes=("float32",), shape=expected, like=topk_view)
-        self._check_active(where, active_view, topk_view)
-        if (topk_view.device_id if topk_view.device_type == "cuda" else -1) != handle.device_id:
-            raise TypeError(f"{where}: topk_idx is on {topk_view.device_type}:{topk_view.device_id}, the dispatch "
-                            f"of handle ran on {'cpu' if handle.device_id < 0 else f'cuda:{handle.device_id}'}")
         x_view = None
         if not zero_copy:
             if x is None:
                 raise TypeError(f"{where}: x (expert outputs) is required unless zero_copy=True")
-            x_view = read_array(x, name=f"{where}: x", stream=order)
-            shape = (num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-            _check_array(where, "x", x_view, dtypes=("bfloat16",), shape=shape, like=topk_view)
-        specs = [("combined_x", (handle.num_tokens, handle.hidden), "bfloat16")]
-        outputs = self._outputs(where, None if out is None else (out,), specs, topk_view, False)
+            x_view = read_array(x, name="combine: x", stream=order)
+        out_views = None if out is None else [(read_array(out, name="combine: out combined_x", stream=order), out)]
+        key = ("combine", _signature(topk_view), _signature(weights_view), _signature(active_view),
+               None if x_view is None else _signature(x_view), handle.num_tokens, handle.num_topk, handle.hidden,
+               handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.device_id,
+               None if out_views is None else _signature(out_views[0][0]))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan_combine(where, handle, topk_view, weights_view, active_view, x_view, out_views)
+            self._remember(key, plan, topk_view)
+        outputs = out_views if out_views is not None else self._allocate(plan.specs, topk_view)
         self._num_combines += 1
         if handle.backend == "reference":
             receive = self._reference_combine(handle, x_view, topk_view, weights_view, active_view, outputs,
@@ -376,6 +392,24 @@ class Buffer:
                                          renormalize, timeout_us, async_finish, return_recv_hook, stream_ptr)
         event, hook = self._finish(None, receive, async_finish, return_recv_hook, stream_ptr, topk_view)
         return _caller_arrays(outputs, topk_view)[0], event, hook
+
+    def _plan_combine(self, where: str, handle: Handle, topk_view: ArrayView, weights_view: ArrayView,
+                      active_view: ArrayView, x_view: ArrayView | None, out_views) -> _Plan:
+        """Check everything about a combine that its arrays' layouts decide; return what the call needs."""
+        num_local_experts = handle.num_experts // self.num_ranks
+        expected = (handle.num_tokens, handle.num_topk)
+        _check_array(where, "topk_idx", topk_view, dtypes=("int64", "int32"), shape=expected)
+        _check_array(where, "topk_weights", weights_view, dtypes=("float32",), shape=expected, like=topk_view)
+        self._check_active(where, active_view, topk_view)
+        if (topk_view.device_id if topk_view.device_type == "cuda" else -1) != handle.device_id:
+            raise TypeError(f"{where}: topk_idx is on {topk_view.device_type}:{topk_view.device_id}, the dispatch "
+                            f"of handle ran on {'cpu' if handle.device_id < 0 else f'cuda:{handle.device_id}'}")
+        if x_view is not None:
+            shape = (num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+            _check_array(where, "x", x_view, dtypes=("bfloat16",), shape=shape, like=topk_view)
+        specs = (("combined_x", (handle.num_tokens, handle.hidden), "bfloat16"),)
+        _check_out(where, out_views, specs, topk_view)
+        return _Plan(handle.num_tokens, handle.hidden, handle.num_topk, specs)
 
     def _reference_combine(self, handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy,
                            renormalize):
@@ -502,29 +536,26 @@ class Buffer:
             return EventOverlap(wait), None
         return EventOverlap(), None
 
-    def _outputs(self, where: str, out, specs, like: ArrayView, nested_fp8: bool) -> list[tuple[ArrayView, Any]]:
-        """Validate ``out`` against the result specs, or allocate the results in the caller's framework."""
+    def _allocate(self, specs, like: ArrayView) -> list[tuple[ArrayView, Any]]:
+        """The results of a call, allocated in the caller's framework on its device."""
         fw = frameworks.get(like.framework)
-        if out is None:
-            results = []
-            for _, shape, dtype in specs:
-                obj = fw.empty(shape, dtype, like.device_type, like.device_id)
-                results.append((read_array(obj, name=f"{where}: output"), obj))
-            return results
-        flat = list(out)
-        if nested_fp8:
-            if len(flat) != 2 or not isinstance(flat[0], (tuple, list)) or len(flat[0]) != 2:
-                raise TypeError(f"{where}: out must be ((recv_x, recv_scales), recv_count) with use_fp8")
-            flat = [flat[0][0], flat[0][1], flat[1]]
-        if len(flat) != len(specs):
-            raise TypeError(f"{where}: out must hold {len(specs)} arrays ({', '.join(n for n, _, _ in specs)}), "
-                            f"got {len(flat)}")
         results = []
-        for obj, (name, shape, dtype) in zip(flat, specs):
-            view = read_array(obj, name=f"{where}: out {name}")
-            _check_array(where, f"out {name}", view, dtypes=(dtype,), shape=shape, like=like)
-            results.append((view, obj))
+        for name, shape, dtype in specs:
+            obj = fw.empty(shape, dtype, like.device_type, like.device_id)
+            results.append((read_array(obj, name=name), obj))
         return results
+
+    def _remember(self, key: tuple, plan: _Plan, like: ArrayView) -> None:
+        """Keep a checked plan for calls whose arrays have the same layouts (device arrays only).
+
+        Host arrays are not remembered: the reference path reads their values, which a layout does
+        not decide. The cache is bounded: a caller cycling through many shapes only re-checks.
+        """
+        if like.device_type != "cuda":
+            return
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
 
     def _check_active(self, where: str, view: ArrayView, like: ArrayView) -> None:
         _check_array(where, "active_ranks", view, dtypes=("int32",), shape=(self.num_ranks,), like=like)
@@ -620,6 +651,47 @@ def _check_expert_ids(where: str, topk_view: ArrayView, num_experts: int, num_ma
         raise ValueError(f"{where}: topk_idx sends {int(copies[expert])} copies to expert {expert}, more than "
                          f"num_max_dispatch_tokens_per_rank={num_max_tokens} (recv_x has num_ranks * T rows per "
                          f"expert); give each token distinct experts")
+
+
+class _Plan(NamedTuple):
+    """What a checked call needs, decided by its arrays' layouts and arguments (see Buffer._plans)."""
+
+    num_tokens: int
+    hidden: int
+    num_topk: int
+    specs: tuple  # (name, shape, dtype) of each result
+
+
+# Checked plans a Buffer keeps; far more than the configurations an engine uses.
+_MAX_PLANS = 256
+
+
+def _signature(view: ArrayView) -> tuple:
+    """Everything the layout checks read of an array: two arrays with equal signatures pass or fail alike."""
+    return view.shape, view.strides, view.dtype, view.device_type, view.device_id, view.framework
+
+
+def _read_out(where: str, out, nested_fp8: bool, stream: int | None) -> list[tuple[ArrayView, Any]] | None:
+    """Read the arrays of a dispatch's ``out=`` (``None``: the call allocates its results)."""
+    if out is None:
+        return None
+    flat = list(out)
+    if nested_fp8:
+        if len(flat) != 2 or not isinstance(flat[0], (tuple, list)) or len(flat[0]) != 2:
+            raise TypeError(f"{where}: out must be ((recv_x, recv_scales), recv_count) with use_fp8")
+        flat = [flat[0][0], flat[0][1], flat[1]]
+    names = ("recv_x", "recv_scales", "recv_count") if nested_fp8 else ("recv_x", "recv_count")
+    if len(flat) != len(names):
+        raise TypeError(f"{where}: out must hold {len(names)} arrays ({', '.join(names)}), got {len(flat)}")
+    return [(read_array(obj, name=f"{where}: out {name}", stream=stream), obj) for obj, name in zip(flat, names)]
+
+
+def _check_out(where: str, out_views, specs, like: ArrayView) -> None:
+    """Check ``out=`` arrays against the result specs (nothing to check when the call allocates)."""
+    if out_views is None:
+        return
+    for (view, _), (name, shape, dtype) in zip(out_views, specs):
+        _check_array(where, f"out {name}", view, dtypes=(dtype,), shape=shape, like=like)
 
 
 def _dlpack_stream(first: ArrayView, stream_ptr: int) -> int | None:

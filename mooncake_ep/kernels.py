@@ -435,9 +435,9 @@ class Launcher:
     """A loaded kernel and how to launch it. Calling it packs the arguments and launches; nothing else.
 
     The arguments are packed with one :class:`struct.Struct` into a buffer made once, one 8-byte
-    slot per parameter, and launched with ``cuLaunchKernel`` (``cuda.bindings``) given the fixed
-    array of pointers to those slots: no Python object per argument and no per-call type
-    dispatch, a few microseconds of host time per launch.
+    slot per parameter, and launched with ``cuLaunchKernel`` given the fixed array of pointers to
+    those slots, through cupy's own binding of it (the one its kernels use: plain integers in, no
+    per-argument type dispatch), a few microseconds of host time per launch.
 
     Args:
         cubin: the compiled module.
@@ -448,8 +448,8 @@ class Launcher:
 
     Note:
         One launch at a time per Launcher (the slots are shared); each rank's Buffer has its own.
-        The caller's current CUDA context must be the module's device (it is for the launch stream
-        of the buffer's device, which the frameworks make current).
+        The calling thread's current CUDA context must be the module's device (the frameworks make
+        the buffer's device current with its stream).
     """
 
     def __init__(self, cubin: bytes, name: str, arg_format: str, num_threads: int = NUM_THREADS):
@@ -457,12 +457,15 @@ class Launcher:
         import struct
 
         import cupy
+        from cupy_backends.cuda.api import driver
 
         if not arg_format or set(arg_format) - set(_ARG_SLOT_FORMATS):
             raise ValueError(f"Launcher: arg_format must be codes among {sorted(_ARG_SLOT_FORMATS)}, got {arg_format!r}")
         self._module = cupy.cuda.function.Module()
         self._module.load(cubin)
-        self._function_object = self._module.get_function(name)
+        self._function = self._module.get_function(name)
+        self._function_ptr = self._function.ptr
+        self._launch = driver.launchKernel
         self.name = name
         self.num_threads = num_threads
         self.arg_format = arg_format
@@ -471,21 +474,12 @@ class Launcher:
         base = ctypes.addressof(self._slots)
         self._pointers = (ctypes.c_void_p * len(arg_format))(*(base + _ARG_SLOT_BYTES * i for i in range(len(arg_format))))
         self._pointers_address = ctypes.addressof(self._pointers)
-        from cuda.bindings import driver
-
-        self._driver = driver
-        self._function = driver.CUfunction(self._function_object.ptr)
-        self._stream_ptr: int | None = None
-        self._stream = None
 
     def __call__(self, num_blocks: int, args: Sequence[int], stream_ptr: int) -> None:
+        """Launch ``num_blocks`` blocks on ``stream_ptr``. Raises cupy's CUDADriverError on failure."""
         self._packer.pack_into(self._slots, 0, *args)
-        if stream_ptr != self._stream_ptr:  # a CUstream object per distinct stream, not per call
-            self._stream, self._stream_ptr = self._driver.CUstream(stream_ptr), stream_ptr
-        (result,) = self._driver.cuLaunchKernel(self._function, num_blocks, 1, 1, self.num_threads, 1, 1, 0,
-                                                self._stream, self._pointers_address, 0)
-        if result != self._driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuLaunchKernel({self.name}, {num_blocks} blocks of {self.num_threads}) failed: {result}")
+        self._launch(self._function_ptr, num_blocks, 1, 1, self.num_threads, 1, 1, 0, stream_ptr,
+                     self._pointers_address, 0)
 
 
 # Each kernel parameter gets an 8-byte slot; cuLaunchKernel copies the parameter's own size from it.
