@@ -1,10 +1,11 @@
 // fp8.cuh: bf16 -> e4m3fn quantisation with one scale per 128 channels, as reference.py defines it.
 //
 // amax = max(max |x| over the block, EP_FP8_AMAX_FLOOR);
-// scale = amax / EP_FP8_E4M3_MAX: the dequantisation scale that is stored, optionally rounded up to
-// a power of two; q = saturate_rn(x * multiplier), multiplier = EP_FP8_E4M3_MAX / amax, or 1 / scale
-// (exact) when the scale is rounded. One division per block and one multiply per channel, as DeepEP
-// quantises. Each step is one correctly rounded fp32 operation (the _rn intrinsics: no FMA can
+// scale = amax * (1 / EP_FP8_E4M3_MAX): the dequantisation scale that is stored (the reciprocal is a
+// compile-time fp32 constant), optionally rounded up to a power of two;
+// q = saturate_rn(x * multiplier), multiplier = EP_FP8_E4M3_MAX / amax, or 2^-e exactly when the
+// scale is rounded to 2^e. At most one division per block and one multiply per channel, DeepEP's
+// recipe. Each step is one correctly rounded fp32 operation (the _rn intrinsics: no FMA can
 // contract them), in CUDA and in numpy alike, so the kernel and the reference agree bit for bit.
 #pragma once
 
@@ -27,12 +28,15 @@ __device__ __forceinline__ uint32_t ue8m0_byte(float scale) { return (__float_as
 
 // The stored scale and the quantisation multiplier of a block whose max |x| is amax.
 __device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float* scale, float* multiplier) {
+    constexpr float kInverseE4M3Max = 1.0f / EP_FP8_E4M3_MAX;  // rounded once, at compile time
     const float floored = fmaxf(amax, EP_FP8_AMAX_FLOOR);
+    const float unrounded = __fmul_rn(floored, kInverseE4M3Max);
     if (round_scale) {
-        *scale = round_scale_up_pow2(__fdiv_rn(floored, EP_FP8_E4M3_MAX));
-        *multiplier = __fdiv_rn(1.0f, *scale);  // exact: the scale is a power of two
+        *scale = round_scale_up_pow2(unrounded);
+        // 2^-e from the exponent bits: exact, no division (the scale is a normal power of two).
+        *multiplier = __uint_as_float((254u - ((__float_as_uint(*scale) >> 23) & 0xFFu)) << 23);
     } else {
-        *scale = __fdiv_rn(floored, EP_FP8_E4M3_MAX);
+        *scale = unrounded;
         *multiplier = __fdiv_rn(EP_FP8_E4M3_MAX, floored);
     }
 }

@@ -9,9 +9,9 @@
 //       popc, see build_send_lists) and writes, in its own workspace,
 //       send_slot[token*K+k] (position among this rank's copies to that expert), send_expert_offset
 //       (exclusive prefix per expert) and send_list (token*K+k grouped by expert);
-//     - the other blocks stage the tokens into send_x, spread over every thread so that a few
-//       tokens still keep every SM busy: bf16 copied as 16-byte vectors; fp8 quantised one
-//       128-channel block per lane, the fp32 scales to send_scales;
+//     - the other blocks stage the tokens into send_x, spread over every warp so that a few tokens
+//       still keep every SM busy: bf16 copied as 16-byte vectors; fp8 quantised with a half-warp
+//       per 128-channel block, the fp32 scales to send_scales;
 //     - the last block to finish stores, one thread per destination, with st.release,
 //       dispatch_flag[parity][rank] = pack(step, num_tokens) in every rank active_ranks marks alive.
 //   Receive half:
@@ -148,43 +148,52 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int p
 }
 
 #if EP_USE_FP8
-// Quantises the tokens into send_x / send_scales, one lane per 128-channel block: the block's amax
-// needs no shuffle, its two divisions are paid once per 128 values, and its 16 loads are in flight
-// together. Lane l of a warp takes block b + l: one load instruction touches 32 blocks 256 bytes
-// apart, and the other half of each 32-byte sector is the next instruction's, an L1 hit.
+// Vectors of one token a warp quantises per item: kStageUnroll per lane, loaded before the first is
+// used, so that a few tokens spread over the whole grid still cover the load latency.
+constexpr int kStageUnroll = 8;
+constexpr int kItemVectors = kStageUnroll * kWarpSize;
+
+// Quantises the tokens into send_x / send_scales. Work item: kItemVectors consecutive vectors of one
+// token; lane l takes vectors u * 32 + l, so every load and store of a warp is one contiguous run,
+// and each half-warp holds one 128-channel block (H/8 is a multiple of 16: no block straddles the
+// end of a row, and lanes past it are whole half-warps that still join the shuffles, with zeros).
 __device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t* send_x, float* send_scales,
-                                             int64_t send_row_bytes, int num_tokens, int hidden, int thread,
-                                             int num_threads) {
-    constexpr int kVectorsPerBlock = EP_FP8_BLOCK / kChannelsPerVector;
-    const int blocks_per_row = hidden / EP_FP8_BLOCK;
-    const int num_blocks = num_tokens * blocks_per_row;
-    for (int b = thread; b < num_blocks; b += num_threads) {
-        const int token = b / blocks_per_row, block = b - token * blocks_per_row;
-        // Rows of x are contiguous: block b of the flattened tokens starts at vector 16 b.
-        const int4* src = x + static_cast<int64_t>(b) * kVectorsPerBlock;
-        int4 vectors[kVectorsPerBlock];
+                                             int64_t send_row_bytes, int num_tokens, int hidden, int global_warp,
+                                             int num_warps) {
+    constexpr int kLanesPerScaleBlock = EP_FP8_BLOCK / kChannelsPerVector;
+    const int lane = threadIdx.x % kWarpSize;
+    const int vectors_per_row = hidden / kChannelsPerVector;
+    const int items_per_row = (vectors_per_row + kItemVectors - 1) / kItemVectors;
+    for (int item = global_warp; item < num_tokens * items_per_row; item += num_warps) {
+        const int token = item / items_per_row;  // uniform across the warp: one division per item
+        const int first = (item - token * items_per_row) * kItemVectors;
+        const int4* row = x + static_cast<int64_t>(token) * vectors_per_row;
+        int4 vectors[kStageUnroll];
 #pragma unroll
-        for (int j = 0; j < kVectorsPerBlock; ++j) vectors[j] = __ldg(src + j);
-        float amax = 0.0f;
+        for (int u = 0; u < kStageUnroll; ++u) {
+            const int column = first + u * kWarpSize + lane;
+            vectors[u] = column < vectors_per_row ? __ldg(row + column) : make_int4(0, 0, 0, 0);
+        }
+        uint2* q_row = reinterpret_cast<uint2*>(send_x + token * send_row_bytes);
+        float* scale_row = send_scales + static_cast<int64_t>(token) * (hidden / EP_FP8_BLOCK);
 #pragma unroll
-        for (int j = 0; j < kVectorsPerBlock; ++j) {
+        for (int u = 0; u < kStageUnroll; ++u) {
+            const int column = first + u * kWarpSize + lane;
             float values[8];
-            unpack_bf16x8(vectors[j], values);
+            unpack_bf16x8(vectors[u], values);
+            float amax = 0.0f;
 #pragma unroll
             for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(values[i]));
-        }
-        float scale, multiplier;
-        fp8_scales(amax, EP_ROUND_SCALE, &scale, &multiplier);
-        uint4* dst = reinterpret_cast<uint4*>(send_x + token * send_row_bytes + block * EP_FP8_BLOCK);
 #pragma unroll
-        for (int j = 0; j < kVectorsPerBlock; j += 2) {
-            float low[8], high[8];
-            unpack_bf16x8(vectors[j], low);
-            unpack_bf16x8(vectors[j + 1], high);
-            const uint2 q_low = quantize8(low, multiplier), q_high = quantize8(high, multiplier);
-            dst[j / 2] = make_uint4(q_low.x, q_low.y, q_high.x, q_high.y);
+            for (int mask = kLanesPerScaleBlock / 2; mask > 0; mask /= 2)
+                amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, mask));
+            float scale, multiplier;
+            fp8_scales(amax, EP_ROUND_SCALE, &scale, &multiplier);
+            if (column < vectors_per_row) {
+                q_row[column] = quantize8(values, multiplier);
+                if (column % kLanesPerScaleBlock == 0) scale_row[column / kLanesPerScaleBlock] = scale;
+            }
         }
-        send_scales[b] = scale;  // the scales of a token are its blocks, in order
     }
 }
 #else
@@ -280,9 +289,14 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         if (blockIdx.x > 0 || gridDim.x == 1) {
             const int num_stage_blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
             const int stage_block = gridDim.x > 1 ? blockIdx.x - 1 : 0;
+#if EP_USE_FP8
             stage_tokens(x, at<uint8_t>(workspace, layout.send_x[parity]), at<float>(workspace, layout.send_scales[parity]),
-                         layout.send_row_bytes, num_tokens, hidden, stage_block * EP_NUM_THREADS + threadIdx.x,
-                         num_stage_blocks * EP_NUM_THREADS);
+                         layout.send_row_bytes, num_tokens, hidden, stage_block * kNumWarps + warp,
+                         num_stage_blocks * kNumWarps);
+#else
+            stage_tokens(x, at<uint8_t>(workspace, layout.send_x[parity]), nullptr, layout.send_row_bytes, num_tokens,
+                         hidden, stage_block * EP_NUM_THREADS + threadIdx.x, num_stage_blocks * EP_NUM_THREADS);
+#endif
         }
         EP_TRACE_POINT(1);
         // Every block's staging and the lists are ordered before the release stores.

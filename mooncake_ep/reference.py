@@ -16,7 +16,7 @@ num_max_dispatch_tokens_per_rank, H hidden, K top-k):
 - A rank ``s`` delivers rows to rank ``d`` only when both see each other as active: the sender skips
   ranks it has masked, and the receiver, waiting for a rank that sends nothing, times out and masks it.
   A rank that never ran (``None`` inputs) sends nothing and is masked by every receiver that expected it.
-- FP8: e4m3fn, one fp32 scale per token per 128 channels, ``scale = max(amax, 1e-4) / 448``;
+- FP8: e4m3fn, one fp32 scale per token per 128 channels, ``scale = max(amax, 1e-4) * fp32(1/448)``;
   ``round_scale`` rounds the scale up to a power of two; ``use_ue8m0`` stores only its 8-bit biased
   exponent, four to an int32 (byte ``j % 4`` of word ``j // 4`` belongs to channel block ``j``).
   Values are quantised as ``x * (448 / max(amax, 1e-4))``, or ``x * (1 / scale)`` for a rounded
@@ -64,15 +64,18 @@ def quantize_fp8(x: np.ndarray, *, round_scale: bool, use_ue8m0: bool) -> tuple[
     num_tokens, hidden = x.shape
     blocks = x.astype(np.float32).reshape(num_tokens, hidden // FP8_BLOCK, FP8_BLOCK)
     amax = np.maximum(np.abs(blocks).max(axis=2, initial=np.float32(0)), np.float32(FP8_AMAX_FLOOR))
-    scale = (amax / np.float32(FP8_E4M3_MAX)).astype(np.float32)
+    # DeepEP's recipe: the stored scale is amax times the fp32 reciprocal of 448 (one rounding of
+    # 1/448, one of the product); values are multiplied by 448 / amax (one division per block), or
+    # by 1 / scale, exact, when the scale is rounded to a power of two. Each step is one correctly
+    # rounded fp32 operation, as in the kernels (which use the _rn intrinsics: no FMA contracts them).
+    scale = (amax * (np.float32(1) / np.float32(FP8_E4M3_MAX))).astype(np.float32)
     if round_scale:
         scale = _round_up_to_power_of_two(scale)
-        multiplier = (np.float32(1) / scale).astype(np.float32)  # exact for a power of two
+        multiplier = (np.float32(1) / scale).astype(np.float32)
     else:
         multiplier = (np.float32(FP8_E4M3_MAX) / amax).astype(np.float32)
-    # One fp32 division per block, one fp32 multiply per value: each correctly rounded, as in the
-    # kernels (which use the _rn intrinsics, so no FMA contracts them). The product cannot exceed
-    # 448 by more than its rounding, which the cast rounds back to 448 (the kernels saturate).
+    # The product cannot exceed 448 by more than its rounding, which the cast rounds back to 448
+    # (the kernels saturate).
     q = (blocks * multiplier[:, :, None]).astype(float8_e4m3fn).reshape(num_tokens, hidden)
     if not use_ue8m0:
         return q, scale

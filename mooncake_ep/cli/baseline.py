@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 # DeepEP's fp8 format, which mooncake_ep shares (tests/test_bench.py checks these equal its own):
@@ -31,6 +32,9 @@ import torch
 FP8_BLOCK = 128
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 FP8_AMAX_FLOOR = 1e-4  # so an all-zero block gets a finite, non-zero scale
+# fp32(1/448), rounded once in fp32 as the kernels' compile-time constant is (a Python 1/448 would be
+# rounded to fp64 first, then to fp32).
+_INVERSE_E4M3_MAX = float(np.float32(1) / np.float32(FP8_E4M3_MAX))
 NO_EXPERT = -1  # a topk_idx entry that names no expert
 
 
@@ -76,12 +80,12 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, hidden = x.shape
     blocks = x.float().view(num_tokens, hidden // FP8_BLOCK, FP8_BLOCK)
     amax = blocks.abs().amax(dim=2).clamp_min(FP8_AMAX_FLOOR)
-    # Tensor by tensor: CUDA torch turns a Python-scalar divisor into a multiply by its reciprocal,
-    # which rounds differently; a tensor divisor is one correctly rounded division, as on the CPU.
-    e4m3_max = torch.full_like(amax, FP8_E4M3_MAX)
-    scales = amax / e4m3_max
-    # mooncake_ep quantises as x * (448 / amax): one division per block, one multiply per value.
-    q = (blocks * (e4m3_max / amax).unsqueeze(2)).to(torch.float8_e4m3fn).view(num_tokens, hidden)
+    # As mooncake_ep quantises (DeepEP's recipe): scale = amax * fp32(1/448), values times 448 / amax.
+    # The division is tensor by tensor: CUDA torch turns a Python-scalar operand into a multiply by a
+    # reciprocal, which rounds differently; a tensor one is a correctly rounded division, as on the CPU.
+    scales = amax * torch.full_like(amax, _INVERSE_E4M3_MAX)
+    multiplier = torch.full_like(amax, FP8_E4M3_MAX) / amax
+    q = (blocks * multiplier.unsqueeze(2)).to(torch.float8_e4m3fn).view(num_tokens, hidden)
     return q, scales
 
 
