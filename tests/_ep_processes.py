@@ -13,6 +13,8 @@ bytes, -1 counts), so an element the kernels did not write cannot pass.
 Scenarios (``worker_main``'s first argument):
 
 - ``steps``: every rank runs one bf16 and one fp8 dispatch + combine.
+- ``mismatch``: the last rank's first dispatch has twice the others' hidden (every rank must
+  raise ValueError, GPU only: the per-configuration check), then one fp8 step with the right one.
 - ``member`` / ``victim`` / ``replacement``: step 0 with every rank; the victim then kills itself
   (SIGKILL: no cleanup, its sockets closed by the OS); step 1 on the survivors (GPU: the kernels
   mask it; reference: the group's collective names it); survivors call update_ep_member while the
@@ -40,6 +42,9 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 PRECISIONS = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True)}
 # Share of top-k entries set to -1 (no expert).
 NO_EXPERT_SHARE = 0.2
+# How long a GPU kernel waits for a live peer: processes on one GPU time-slice without MPS, so this
+# is generous; a bug shows as a masked rank after 30 s, never as a hang.
+KERNEL_TIMEOUT_US = 30_000_000
 # combine on the GPU: one bf16 rounding of the fp32 sum, plus a different summation order
 # (test_gpu_low_latency.py's bound); the reference backend is the reference: exact.
 GPU_RTOL, GPU_ATOL = 2.0**-7, 1e-3
@@ -173,7 +178,8 @@ def worker_main(argv: list[str]) -> None:
     try:
         group = ep.init_group(timeout_s=long_timeout_s, rejoin=scenario == "replacement")
         num_ranks = group.world_size
-        size = ep.Buffer.get_ep_buffer_size_hint(shape.num_max_tokens, shape.hidden, num_ranks,
+        hidden = 2 * shape.hidden if scenario == "mismatch" else shape.hidden  # room for the wider one
+        size = ep.Buffer.get_ep_buffer_size_hint(shape.num_max_tokens, hidden, num_ranks,
                                                  shape.num_experts(num_ranks))
         buffer = ep.Buffer(group, size, backend=backend)
         report["backend"] = buffer.backend
@@ -191,10 +197,18 @@ def worker_main(argv: list[str]) -> None:
             saved = run(buffer, rank, make_inputs(step_seed, num_ranks, shape), shape, flags, active, timeout_us)
             np.savez(out_dir / f"rank{rank}_{label}.npz", **saved)
 
-        long_us = int(long_timeout_s * 1e6)
+        long_us = min(int(long_timeout_s * 1e6), KERNEL_TIMEOUT_US)
         if scenario == "steps":
             for name, flags in PRECISIONS.items():
                 save(name, seed, flags, mask(), long_us)
+        elif scenario == "mismatch":  # the last rank dispatches twice the hidden size of the others
+            wide = dataclasses.replace(shape, hidden=2 * shape.hidden)
+            wrong = wide if rank == num_ranks - 1 else shape
+            try:
+                run(buffer, rank, make_inputs(seed, num_ranks, wrong), wrong, PRECISIONS["bf16"], mask(), long_us)
+            except ValueError as exc:
+                report["mismatch_error"] = str(exc)
+            save("fp8", seed, PRECISIONS["fp8"], mask(), long_us)  # the rejected call left the buffer usable
         elif scenario in ("member", "victim"):
             save("step0", seed, PRECISIONS["fp8"], mask(), long_us)
             # Combine pulls expert outputs from the peers' workspaces: the victim dies only once
