@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import errno
 import logging
+import select
 import socket
 import socketserver
 import struct
@@ -52,6 +53,8 @@ _CONNECT_RETRY_FIRST_S = 0.01
 _CONNECT_RETRY_MAX_S = 0.5
 # How often the store's accept loop checks for shutdown (bounds how long close() takes).
 _SERVE_POLL_S = 0.05
+# How often a server-side wait looks whether its client has hung up (died).
+_DEAD_CLIENT_POLL_S = 0.5
 # close() lets requests already woken by it (waits answered "closed") send their replies this long.
 _CLOSE_REPLY_S = 1.0
 # A client allows the store this long beyond a server-side wait before it calls the link dead.
@@ -285,9 +288,15 @@ class TCPStoreServer:
             if op == _OP_WAIT:
                 timeout_s, want_values = reader.scalar(_F64), reader.scalar(_U8)
                 keys = [reader.key() for _ in range(reader.scalar(_U32))]
+                deadline = time.monotonic() + timeout_s
                 with self._cond:
-                    self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys),
-                                        timeout=_wait_arg(timeout_s))
+                    # In slices, looking at the connection in between: a client that died while
+                    # waiting (its socket closed) is let go at once, and with it its claims, instead
+                    # of holding them until its wait would have run out.
+                    while not self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys),
+                                                  timeout=min(_DEAD_CLIENT_POLL_S, deadline - time.monotonic())):
+                        if time.monotonic() >= deadline or _hung_up(client):
+                            break
                     missing = [i for i, k in enumerate(keys) if k not in self._data]
                     if missing:
                         body = _U32.pack(len(missing)) + b"".join(_U32.pack(i) for i in missing)
@@ -312,6 +321,18 @@ class TCPStoreServer:
             return _ERROR, f"unknown op {op}".encode()
         except (ValueError, struct.error, UnicodeDecodeError) as exc:
             return _ERROR, f"malformed request (op {op}): {exc}".encode()
+
+
+def _hung_up(sock: socket.socket | None) -> bool:
+    """Whether the client closed its end (it sends nothing while it waits for a reply, so a
+    readable socket during a wait means end of file, or an error)."""
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and not sock.recv(1, socket.MSG_PEEK)
+    except OSError:
+        return True
 
 
 def _free_port(host: str) -> int | str:

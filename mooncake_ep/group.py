@@ -136,6 +136,10 @@ class Group(Protocol):
     def barrier(self) -> None:
         """Return once every rank has entered the barrier. Collective."""
 
+    # Optional, and not part of the runtime check: ``renew_membership() -> list[int]`` (the store
+    # groups have it) starts the group's next membership epoch; Buffer.update_ep_member calls it
+    # when it is there.
+
 
 # ----------------------------------------------------------------------------- TCPGroup
 

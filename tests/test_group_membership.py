@@ -7,7 +7,9 @@ version, with SIGKILL, is in test_buffer_multiprocess.py). Timeouts only bound f
 
 from __future__ import annotations
 
+import math
 import socket
+import threading
 import time
 
 import pytest
@@ -87,6 +89,29 @@ def test_claim_is_held_by_its_connection_and_released_when_it_closes():
         assert c.get("member/1", timeout_s=1.0) == b"set"
         assert c.claim("member/1") is False
         c.close()
+
+
+def test_claim_of_a_client_that_dies_inside_a_wait_is_released():
+    """A rank killed while it waits in a collective: its store request is still being served."""
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        dying = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        other = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        assert dying.claim("member/2", b"x")
+        waiter = threading.Thread(target=lambda: _swallow(lambda: dying.wait(["never"], timeout_s=math.inf)),
+                                  daemon=True)
+        waiter.start()
+        eventually(lambda: server._num_busy == 1)  # the endless wait is inside the server
+        dying._sock.shutdown(socket.SHUT_RDWR)  # what the OS does to a killed process's socket
+        assert eventually(lambda: other.claim("member/2", b"y"))
+        waiter.join(PROCESS_LIMIT_S)
+        other.close()
+
+
+def _swallow(fn) -> None:
+    try:
+        fn()
+    except GroupError:
+        pass  # the dying side's wait ends with a lost connection
 
 
 # ----------------------------------------------------------------------------- renew and rejoin
