@@ -104,7 +104,7 @@ _PROTOCOL_VERSION = 2
 _U8, _U32 = struct.Struct("!B"), struct.Struct("!I")
 # First byte of every value a collective publishes, so ranks that call different collectives
 # in the same round are caught instead of reading each other's payloads.
-_TAGS = {"init_group": 0, "allgather_bytes": 1, "barrier": 2, "close": 3, "renew_membership": 4}
+_TAGS = {"init_group": 0, "allgather_bytes": 1, "barrier": 2, "close": 3}
 # A renew_membership value: protocol version, world_size, and whether the sender is a process that
 # just took over its rank (a replacement).
 _JOIN = struct.Struct("!IIB")

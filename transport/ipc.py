@@ -174,8 +174,8 @@ class IpcTransport:
         Raises:
             TransportError: on every rank alike: ranks on different hosts (the proxy transport is
                 needed), two GPUs without peer access, or a handle that would not open (each
-                failing rank's reason is in the message). The mappings stay as they were before
-                the call where possible; :meth:`close` releases them.
+                failing rank's reason is in the message). Mappings opened before the failure stay
+                recorded, and :meth:`close` (or garbage collection) releases them.
         """
         where = f"Buffer (ipc transport, rank {self.group.rank})"
         records = [PeerRecord.unpack(blob) for blob in self.group.allgather_bytes(self._describe().pack())]
