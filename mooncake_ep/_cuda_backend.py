@@ -3,16 +3,26 @@
 Built once per buffer (collectively): allocates the symmetric workspace, connects it through the
 transport, compiles or loads every kernel. A call only packs arguments and launches; the arguments
 were validated by ``buffer.py`` before they get here.
+
+Transport: in-process ranks (:class:`mooncake_ep.LocalGroup`) and a group of one use ``local``
+(plain pointers); any other group ``ipc`` (CUDA IPC between the processes of one host). With
+``ipc`` the ranks also check at connect time that they run the same kernels, and agree on the
+step counters, so that a replacement process joins the survivors' epoch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import struct
+import weakref
 
 
-from mooncake_ep import kernels, layout
-from mooncake_ep.transport import DeviceWorkspace, TransportError
+from mooncake_ep import _constants, _handshake, kernels, layout
+from mooncake_ep.group import GroupError
+from mooncake_ep.transport import DeviceWorkspace
+from mooncake_ep.transport import ipc as ipc_transport
 from mooncake_ep.transport import local as local_transport
 
 logger = logging.getLogger("mooncake_ep")
@@ -25,6 +35,12 @@ SOURCE_COPY = 1  # the send half copies them into combine_x
 SOURCE_DIRECT = 2  # peers read the caller's array where it is (every rank in this process)
 # Device copies of configurations: one per distinct (T, H, E) a buffer has seen.
 MAX_LAYOUTS = 64
+# The kernels' protocol digest is taken for this architecture, whatever the GPU: ranks on
+# different GPU generations run different cubins of the same protocol, and may work together.
+_DIGEST_ARCH = "sm_90"
+# The step counters at the front of ep::State (kernels_cu/layout.cuh): dispatch_step[2] and
+# combine_step[2], u32 each. The block-finish counters after them are reset by every call.
+_STEPS = struct.Struct("<4I")
 
 
 def device_sm_count(device_id: int) -> int:
@@ -39,52 +55,165 @@ def device_arch(device_id: int) -> str:
     return f"sm_{cupy.cuda.Device(device_id).compute_capability}"
 
 
+def device_identity(device_id: int) -> tuple[str, str]:
+    """``(key, name)`` of a GPU: the key is the same in every process of a host, whatever
+    ``CUDA_VISIBLE_DEVICES`` makes of ordinals (host boot id and PCI bus id); the name is for messages."""
+    import cupy
+
+    bus_id = str(cupy.cuda.runtime.deviceGetPCIBusId(device_id)).lower()
+    process = ipc_transport.this_process()
+    return f"{process.host_id}/{bus_id}", f"cuda:{device_id} (GPU {bus_id}) on {process.hostname}"
+
+
+def protocol_digest(sys_scope: bool) -> str:
+    """A hash of what must be equal for two ranks' kernels to understand each other.
+
+    It covers the kernel sources and headers, every kernel's macros and options, the workspace
+    layout as Python computes it, and the package version; not the architecture nor the NVRTC
+    version, which change the machine code but not the protocol.
+    """
+    from mooncake_ep import __version__
+
+    digest = hashlib.sha256(__version__.encode() + b"\0")
+    for key in kernels.low_latency_keys(_DIGEST_ARCH, sys_scope):
+        digest.update(repr((key.file, key.name, key.macros, key.options)).encode() + b"\0")
+    for path in sorted(kernels.kernel_source_dir().iterdir()):
+        if path.suffix in (".cu", ".cuh"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(repr((layout.LAYOUT_DTYPE.descr, sorted(layout.HEADER_OFFSETS.items()))).encode())
+    return digest.hexdigest()
+
+
 class CudaBackend:
     """Device state of one rank.
 
     Args:
-        group: the group (``is_in_process`` ranks use the ``local`` transport).
+        group: the group (``is_in_process`` ranks use the ``local`` transport, others ``ipc``).
         num_ep_buffer_bytes: workspace size.
         device_id: CUDA device of this rank.
         num_sms: blocks of each launch (one per SM).
         cache: kernel cache.
         all_on_one_device: every rank of the group runs on device_id.
+
+    Raises:
+        TransportError: the workspace cannot be allocated, or the peers cannot be reached.
+        ValueError: the ranks run different kernels (raised on every rank).
     """
 
     def __init__(self, group, num_ep_buffer_bytes: int, device_id: int, num_sms: int,
                  cache: kernels.KernelCache | None = None, all_on_one_device: bool = False):
         import cupy
 
-        if not getattr(group, "is_in_process", False) and group.world_size > 1:
-            raise TransportError(
-                "Buffer: only in-process ranks (LocalGroup) have a GPU transport so far; "
-                "a multi-process group needs the ipc transport"
-            )
+        in_process = getattr(group, "is_in_process", False)
         self.group = group
         # Every peer can dereference this process's device addresses: combine reads the caller's
         # expert outputs where they are instead of copying them into the workspace first.
         self.direct_peer_reads = bool(getattr(group, "is_in_process", False)) or group.world_size == 1
         self.device_id = device_id
         self.num_sms = num_sms
-        # In one process on one GPU, GPU-scope ordering is enough (kernels_cu/ptx.cuh).
-        sys_scope = not (all_on_one_device and getattr(group, "is_in_process", False))
-        self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache, sys_scope)
+        self.transport = "local" if in_process or group.world_size == 1 else "ipc"
+        # In one process on one GPU, GPU-scope ordering is enough (kernels_cu/ptx.cuh); ranks in
+        # other processes, even on this GPU, need system scope.
+        self.sys_scope = not (all_on_one_device and in_process)
+        self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache, self.sys_scope)
         self.workspace = DeviceWorkspace(num_ep_buffer_bytes, device_id)
         self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id)
+        self._ipc = ipc_transport.IpcTransport(group, self.workspace) if self.transport == "ipc" else None
         self._layouts: dict[tuple[int, int, int], tuple[layout.WorkspaceLayout, int]] = {}
+        # Configurations (T, hidden, num_experts) every member has agreed on (ipc). A replacement
+        # adopts the survivors' at connect, so no rank checks one that the others skip.
+        self._agreed: set[tuple[int, int, int]] = set()
+        self._connected = False
+        self._destroyed = False
+        # Garbage collection cannot wait for the peers; it releases in the order that is safe for
+        # this process (mappings of the peers first, then its own memory) and says so.
+        self._finalizer = weakref.finalize(self, _release_unreachable, group.rank, self._ipc, self.workspace,
+                                           self.layout_table)
+        self._finalizer.atexit = False
         with cupy.cuda.Device(device_id):
             self.comm_stream = cupy.cuda.Stream(non_blocking=True)
-        self.connect()
+        try:
+            self.connect()
+        except BaseException:
+            # Every rank fails here alike (the checks and the transport agree first), so the
+            # collective release can run; if a peer is gone it gives up and frees anyway.
+            self.destroy(raise_group_error=False)
+            raise
 
-    def connect(self) -> None:
-        """Exchange workspace addresses and write the route table (collective)."""
-        self.route = local_transport.connect(self.group, self.workspace)
-        self.workspace.write(layout.ROUTE_OFFSET, struct.pack(f"<{len(self.route)}Q", *self.route))
+    def connect(self) -> list[int]:
+        """Exchange workspace addresses and write the route table (collective).
+
+        With ``ipc``, called again (``update_ep_member``), it waits for this rank's kernels, maps
+        the workspaces that changed (a replacement's), clears the flags the dead process left in
+        this workspace, and brings a replacement's step counters to the survivors'.
+
+        Returns:
+            The ranks whose workspace was replaced (ipc; empty otherwise and on the first call).
+        """
+        replaced: list[int] = []
+        if self._ipc is None:
+            route = local_transport.connect(self.group, self.workspace)
+        else:
+            if self._connected:
+                self._synchronize()  # a mapping about to be replaced may still be read
+            self._agree_on_kernels_and_steps()
+            route, replaced = self._ipc.connect()
+            for rank in replaced:
+                self._clear_flags_from(rank)
+        self.workspace.write(layout.ROUTE_OFFSET, struct.pack(f"<{len(route)}Q", *route))
         self.group.barrier()  # every route table is written before any rank launches
+        self._connected = True
+        return replaced
+
+    def _agree_on_kernels_and_steps(self) -> None:
+        """Check that every rank runs the same protocol; adopt the highest step counters and
+        every configuration some rank has agreed on.
+
+        The counters are equal on ranks that made the same calls; a replacement's start at 0 and
+        must jump to the survivors', or its flags would carry steps they never wait for.
+        """
+        state = layout.HEADER_OFFSETS["state"]
+        mine = {"digest": protocol_digest(self.sys_scope), "nvrtc": list(kernels.nvrtc_version()),
+                "steps": list(_STEPS.unpack(self.workspace.read(state, _STEPS.size))),
+                "agreed": sorted(self._agreed)}
+        records = [json.loads(blob) for blob in self.group.allgather_bytes(json.dumps(mine).encode())]
+        digests = {rank: record["digest"][:12] for rank, record in enumerate(records)}
+        if len(set(digests.values())) > 1:
+            nvrtc = {rank: ".".join(map(str, record["nvrtc"])) for rank, record in enumerate(records)}
+            raise ValueError(f"Buffer: ranks run different kernels (protocol digest {_handshake.by_rank(digests)}; "
+                             f"NVRTC {_handshake.by_rank(nvrtc)}): install the same mooncake_ep, with the same "
+                             f"kernels_cu sources, on every rank")
+        steps = [max(column) for column in zip(*(record["steps"] for record in records))]
+        if steps != mine["steps"]:
+            self.workspace.write(state, _STEPS.pack(*steps))
+        self._agreed.update(tuple(key) for record in records for key in record["agreed"])
+
+    def _clear_flags_from(self, rank: int) -> None:
+        """Zero the flags ``rank`` writes into this workspace: its old process left steps there."""
+        for region in ("dispatch_flag", "combine_flag"):
+            for parity in range(layout.NUM_PARITIES):
+                offset = layout.HEADER_OFFSETS[region] + (parity * _constants.MAX_RANKS + rank) * layout.FLAG_BYTES
+                self.workspace.write(offset, bytes(layout.FLAG_BYTES))
 
     def layout_for(self, num_max_tokens: int, hidden: int, num_experts: int) -> tuple[layout.WorkspaceLayout, int]:
-        """The layout of a configuration and the device address of its packed copy."""
+        """The layout of a configuration and the device address of its packed copy.
+
+        Note:
+            The first call of a configuration uploads it (a synchronous copy: make it before any
+            graph capture). With ``ipc`` it is also a collective: every rank checks that every
+            rank uses the same (T, hidden, num_experts) and raises ValueError otherwise, because
+            a kernel finds a region of a peer's workspace at its own offset. In-process ranks are
+            one program and skip it. The trade-off: a configuration first used after a rank died
+            waits for the group's timeout and raises GroupError instead of masking that rank, and
+            a rank calling a configuration it already used while a peer calls a new one is not
+            caught here (that peer waits in the check; use one sequence of calls on every rank).
+            So call every configuration once at start-up, while every rank is alive. A process
+            that replaces a dead rank takes over the configurations the others agreed on.
+        """
         key = (num_max_tokens, hidden, num_experts)
+        if self._ipc is not None and key not in self._agreed:
+            _handshake.check_same_configuration(self.group, num_max_tokens, hidden, num_experts)
+            self._agreed.add(key)
         found = self._layouts.get(key)
         if found is not None:
             return found
@@ -135,7 +264,66 @@ class CudaBackend:
 
         cupy.cuda.runtime.streamWaitEvent(stream_ptr, event.ptr, 0)
 
-    def destroy(self) -> None:
-        for workspace in (getattr(self, "workspace", None), getattr(self, "layout_table", None)):
-            if workspace is not None:
-                workspace.free()
+    # --- teardown ---------------------------------------------------------------------------------
+
+    def destroy(self, raise_group_error: bool = True) -> None:
+        """Release the workspace once no rank can touch it (collective; idempotent).
+
+        The order CUDA IPC requires: this process's kernels are done; barrier (no kernel reads any
+        workspace); close the mappings of the peers' workspaces; barrier (no peer maps this one);
+        free. With ``local`` one barrier suffices. A peer that never arrives (dead) makes the
+        barrier raise GroupError after the group's timeout: the memory is released anyway.
+
+        Args:
+            raise_group_error: re-raise a failed barrier after releasing (False: only log it).
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._finalizer.detach()
+        failure: GroupError | None = None
+        try:
+            self._synchronize()
+            failure = self._barrier()  # every rank's kernels are done: nobody reads any workspace
+            if self._ipc is not None:
+                self._ipc.close()
+                if failure is None:  # a failed barrier broke the group: the next would fail at once
+                    failure = self._barrier()  # every rank closed its mappings: nobody maps ours
+        finally:
+            if self._ipc is not None:
+                self._ipc.close()  # idempotent; here for an exception above
+            self.workspace.free()
+            self.layout_table.free()
+        if failure is not None and raise_group_error:
+            raise failure
+
+    def _barrier(self) -> GroupError | None:
+        try:
+            self.group.barrier()
+        except GroupError as exc:
+            logger.warning("mooncake_ep: Buffer.destroy on rank %d: %s; releasing the workspace without waiting",
+                           self.group.rank, exc)
+            return exc
+        return None
+
+    def _synchronize(self) -> None:
+        """Wait for this process's work on the device (only this process's: peers may be elsewhere)."""
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.runtime.deviceSynchronize()
+
+
+def _release_unreachable(rank: int, ipc, workspace: DeviceWorkspace, layout_table: DeviceWorkspace) -> None:
+    """The finalizer of a CudaBackend dropped without destroy(): no collective can run here."""
+    try:
+        if ipc is not None:
+            if ipc.exported:
+                logger.warning("mooncake_ep: the Buffer of rank %d was garbage-collected without destroy(): its "
+                               "workspace is freed without waiting for the peers, which must not use it any more; "
+                               "call destroy() on every rank", rank)
+            ipc.close()  # the peers' workspaces first, then our own memory
+        workspace.free()
+        layout_table.free()
+    except Exception as exc:  # noqa: BLE001 - a finalizer may not raise
+        logger.warning("mooncake_ep: releasing the Buffer of rank %d failed: %s", rank, exc)

@@ -99,22 +99,36 @@ def _check_data(where: str, data: Any) -> bytes:
 # ----------------------------------------------------------------------------- collectives over a store
 
 # Bumped whenever the store protocol or the collective framing changes; ranks must agree.
-_PROTOCOL_VERSION = 1
+# 2: membership epochs (renew_membership) and rank claims held by the store connection.
+_PROTOCOL_VERSION = 2
 _U8, _U32 = struct.Struct("!B"), struct.Struct("!I")
 # First byte of every value a collective publishes, so ranks that call different collectives
 # in the same round are caught instead of reading each other's payloads.
 _TAGS = {"init_group": 0, "allgather_bytes": 1, "barrier": 2, "close": 3}
+# A renew_membership value: protocol version, world_size, and whether the sender is a process that
+# just took over its rank (a replacement).
+_JOIN = struct.Struct("!IIB")
+# How long a replacement looks at a renew_membership round to tell whether it already completed.
+_PROBE_S = 0.05
 
 
 class _KeyValueGroup:
     """Collectives of one rank over a key-value store that all ranks reach.
 
-    Construction ends in :meth:`_rendezvous`: the rank claims ``{namespace}claim/{rank}`` (a second
-    process with the same rank is refused) and all ranks exchange (protocol version, world_size).
-    Every collective then publishes ``{namespace}c/{seq}/{rank}`` for a per-call sequence number
-    ``seq`` and waits for the other ranks' keys of the same ``seq``, so consecutive calls never
-    mix. Each rank deletes its key of call ``seq - 1`` once call ``seq`` completes (all peers have
-    read it by then), so the store stays small.
+    Construction ends in :meth:`_rendezvous`: the rank claims its rank (:meth:`_claim_rank`; a
+    second process with the same rank is refused) and all ranks exchange (protocol version,
+    world_size). Every collective then publishes ``{namespace}c/{seq}/{rank}`` for a per-call
+    sequence number ``seq`` and waits for the other ranks' keys of the same ``seq``, so
+    consecutive calls never mix. Each rank deletes its key of call ``seq - 1`` once call ``seq``
+    completes (all peers have read it by then), so the store stays small.
+
+    Membership epochs: :meth:`renew_membership` is a round in which every rank publishes
+    ``{namespace}e{epoch}/join/{rank}`` for the next epoch and waits for all of them; the round
+    then starts that epoch, whose collectives use ``{namespace}e{epoch}/c/{seq}/{rank}`` from
+    ``seq = 0``. Epoch 0 is the one the rendezvous starts (its keys carry no ``e0/``). A process
+    that takes over the rank of a dead one (``TCPGroup(..., rejoin=True)``) joins the next round
+    directly, so the survivors, wherever their sequence numbers were (even in a broken group),
+    and the newcomer continue in step.
 
     A subclass sets ``rank``, ``world_size``, ``device``, calls :meth:`_init_collectives`, and
     provides the store operations ``_kv_set``, ``_kv_add``, ``_kv_multi_get`` (raises
@@ -123,7 +137,8 @@ class _KeyValueGroup:
 
     Note:
         After any :class:`GroupError` from a collective the group is broken: the ranks no longer
-        agree on the sequence number, so every later call raises at once. Make a new group.
+        agree on the sequence number, so every later call raises at once, until every rank calls
+        :meth:`renew_membership` (which ``Buffer.update_ep_member`` does), or make a new group.
     """
 
     is_in_process = False
@@ -138,6 +153,8 @@ class _KeyValueGroup:
     def _init_collectives(self, timeout_s: float) -> None:
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
+        self._epoch = 0
+        self._is_replacement = False  # until the first renew_membership of a rejoining process
         self._seq = 0
         self._num_calls: Counter[str] = Counter()
         self._broken: str | None = None
@@ -163,7 +180,21 @@ class _KeyValueGroup:
     def _shutdown(self, drain_s: float) -> None:
         """Release the store once the group is closed; ``drain_s``: seconds peers may still need it."""
 
+    def _claim_rank(self) -> None:
+        """Refuse a second process with this rank. A counter in the store: it cannot tell a dead
+        holder from a live one, so only the TCP store (whose claims die with their connection)
+        lets a replacement take a rank over."""
+        if self._kv_add(f"{self._namespace}claim/{self.rank}", 1) > 1:
+            raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
+                             f"{self._same_rank_hint}")
+
     # --- the Group protocol
+
+    @property
+    def membership_epoch(self) -> int:
+        """How many :meth:`renew_membership` rounds this group has completed (0 after joining;
+        a replacement starts at the epoch it joined)."""
+        return self._epoch
 
     @property
     def timeout_s(self) -> float:
@@ -218,10 +249,88 @@ class _KeyValueGroup:
 
     # --- the protocol
 
+    def renew_membership(self) -> list[int]:
+        """Start the next membership epoch with every rank as it is now (collective).
+
+        Every rank must call it, the survivors of a failure and any process that took over the
+        rank of a dead one (which calls it while joining, in ``TCPGroup(..., rejoin=True)``). It
+        returns once all ``world_size`` ranks have arrived; the collectives of the new epoch then
+        start from a clean sequence, so this also repairs a group broken by a failed collective.
+        ``Buffer.update_ep_member`` calls it.
+
+        Returns:
+            The ranks held by a replacement process that joined in this round, ascending (empty
+            when the membership did not change).
+
+        Raises:
+            GroupError: some ranks did not arrive within ``timeout_s`` (they are named; a dead
+                rank needs a replacement process, started with ``init_group(rejoin=True)``),
+                ranks disagree on the protocol version or world_size, the store is gone, or the
+                group is closed. A timeout leaves the group as it was: every rank may call again.
+        """
+        with self._lock:
+            label = f"renew_membership #{self._num_calls['renew_membership']}"
+            self._num_calls["renew_membership"] += 1
+            if self._closed:
+                raise GroupError(f"{label}: the group is closed")
+            epoch = self._epoch + 1
+            if self.world_size == 1:
+                self._epoch, self._seq, self._broken = epoch, 0, None
+                return []
+            keys = [f"{self._namespace}e{epoch}/join/{r}" for r in range(self.world_size)]
+            mine = _JOIN.pack(_PROTOCOL_VERSION, self.world_size, self._is_replacement)
+            try:
+                self._kv_set(keys[self.rank], mine)
+                values = self._kv_multi_get(keys, self._timeout_s)
+            except _StoreWaitError as exc:
+                missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
+                what = (f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError)
+                        else exc.cut_short)
+                hint = ("the running ranks join it through Buffer.update_ep_member() or "
+                        "group.renew_membership()" if self._is_replacement else
+                        "a rank whose process died needs a replacement: start one with "
+                        "init_group(rank=..., rejoin=True)")
+                raise GroupError(f"{label} (epoch {epoch}) {what} waiting for ranks {missing} of "
+                                 f"{self.world_size} ({self._where()}); {hint}") from None
+            joins = [_JOIN.unpack(v) for v in values]
+            if len({(version, size) for version, size, _ in joins}) > 1:
+                seen = {r: (version, size) for r, (version, size, _) in enumerate(joins)}
+                raise GroupError(f"{label}: ranks disagree on (protocol version, world_size): {seen}")
+            old_key = self._collective_key(self._seq - 1, self.rank) if self._seq > 0 else None
+            self._epoch, self._seq, self._broken = epoch, 0, None
+            self._is_replacement = False
+            # Where a later replacement looks for the round to join (see _join_as_replacement).
+            self._kv_set(f"{self._namespace}epoch", str(epoch).encode())
+            if old_key is not None:
+                self._kv_delete(old_key)  # the last key of the old epoch: every peer has left it
+            if epoch > 1:  # every rank has finished the round before this one: nobody reads its keys
+                self._kv_delete(f"{self._namespace}e{epoch - 1}/join/{self.rank}")
+            return [r for r, (_, _, replaced) in enumerate(joins) if replaced]
+
+    def _join_as_replacement(self) -> None:
+        """Take this rank over from a dead process: join the survivors' next renew_membership.
+
+        The target is the first round not yet complete: ``{namespace}epoch`` names the last round
+        its members finished, and a round is complete when every rank's join key is there (the
+        epoch key is written just after, so it can lag by one round).
+        """
+        epoch = self._kv_add(f"{self._namespace}epoch", 0)
+        while True:
+            keys = [f"{self._namespace}e{epoch + 1}/join/{r}" for r in range(self.world_size)]
+            try:
+                self._kv_multi_get(keys, _PROBE_S)
+            except _StoreWaitError:
+                break  # round epoch + 1 still waits for someone: that is the one to join
+            epoch += 1
+        self._epoch, self._seq, self._is_replacement = epoch, 0, True
+        self.renew_membership()
+
+    def _collective_key(self, seq: int, rank: int) -> str:
+        epoch = f"e{self._epoch}/" if self._epoch else ""
+        return f"{self._namespace}{epoch}c/{seq}/{rank}"
+
     def _rendezvous(self) -> None:
-        if self._kv_add(f"{self._namespace}claim/{self.rank}", 1) > 1:
-            raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
-                             f"{self._same_rank_hint}")
+        self._claim_rank()
         hello = _U32.pack(_PROTOCOL_VERSION) + _U32.pack(self.world_size)
         replies = self._collective("init_group", hello)
         if len(set(replies)) > 1:
@@ -240,12 +349,12 @@ class _KeyValueGroup:
             if self.world_size == 1:
                 return [data]
             seq, self._seq = self._seq, self._seq + 1
-            keys = [f"{self._namespace}c/{seq}/{r}" for r in range(self.world_size)]
+            keys = [self._collective_key(seq, r) for r in range(self.world_size)]
             try:
                 self._kv_set(keys[self.rank], _U8.pack(_TAGS[name]) + data)
                 values = self._kv_multi_get(keys, self._timeout_s)
                 if seq > 0:
-                    self._kv_delete(f"{self._namespace}c/{seq - 1}/{self.rank}")
+                    self._kv_delete(self._collective_key(seq - 1, self.rank))
             except _StoreWaitError as exc:
                 missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
                 what = (f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError)

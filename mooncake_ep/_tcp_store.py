@@ -9,6 +9,12 @@ Wire format, one request and one reply at a time per connection::
     request: op u8, payload length u32, payload    reply: status u8, body length u32, body
     payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars
 
+A key can be *claimed* (:meth:`TCPStoreClient.claim`): created only if absent and owned by the
+connection that claimed it, so it disappears when that connection closes, which is when its
+process exits or dies. :class:`mooncake_ep.group.TCPGroup` holds one such key per rank, so a
+replacement process can take over the rank of a dead one (``init_group(rejoin=True)``) and never
+that of a live one.
+
 Users import :class:`TCPStoreServer`, :class:`TCPStoreClient` and :class:`StoreTimeoutError` from
 :mod:`mooncake_ep.group`.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import atexit
 import errno
 import logging
+import select
 import socket
 import socketserver
 import struct
@@ -46,6 +53,8 @@ _CONNECT_RETRY_FIRST_S = 0.01
 _CONNECT_RETRY_MAX_S = 0.5
 # How often the store's accept loop checks for shutdown (bounds how long close() takes).
 _SERVE_POLL_S = 0.05
+# How often a server-side wait looks whether its client has hung up (died).
+_DEAD_CLIENT_POLL_S = 0.5
 # close() lets requests already woken by it (waits answered "closed") send their replies this long.
 _CLOSE_REPLY_S = 1.0
 # A client allows the store this long beyond a server-side wait before it calls the link dead.
@@ -56,7 +65,7 @@ _REPLY_SLACK_S = 10.0
 _HEADER = struct.Struct("!BI")
 _U8, _U16, _U32 = struct.Struct("!B"), struct.Struct("!H"), struct.Struct("!I")
 _I64, _F64 = struct.Struct("!q"), struct.Struct("!d")
-_OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE = 1, 2, 3, 4
+_OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE, _OP_CLAIM = 1, 2, 3, 4, 5
 _OK, _TIMEOUT, _ERROR, _CLOSED = 0, 1, 2, 3
 
 
@@ -138,7 +147,7 @@ class _StoreHandler(socketserver.BaseRequestHandler):
                 request = _recv_exact(sock, length)
                 store._busy(+1)
                 try:
-                    status, body = store._serve(op, request)
+                    status, body = store._serve(op, request, sock)
                     sock.sendall(_HEADER.pack(status, len(body)) + body)
                 finally:
                     store._busy(-1)
@@ -180,6 +189,8 @@ class TCPStoreServer:
         self._cond = threading.Condition()
         self._closing = False
         self._clients: set[socket.socket] = set()
+        # Claimed key -> the connection holding it; a set or delete of the key ends the claim.
+        self._claim_owners: dict[str, socket.socket] = {}
         self._num_busy = 0  # requests read and not yet answered
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -242,6 +253,10 @@ class TCPStoreServer:
     def _connected(self, sock: socket.socket, delta: int) -> None:
         with self._cond:
             (self._clients.add if delta > 0 else self._clients.discard)(sock)
+            if delta < 0:  # the client hung up, exited or died: what it claimed is free again
+                for key in [k for k, owner in self._claim_owners.items() if owner is sock]:
+                    del self._claim_owners[key]
+                    self._data.pop(key, None)
             self._cond.notify_all()
 
     def _busy(self, delta: int) -> None:
@@ -249,14 +264,15 @@ class TCPStoreServer:
             self._num_busy += delta
             self._cond.notify_all()
 
-    def _serve(self, op: int, payload: bytes) -> tuple[int, bytes]:
-        """One request: returns (status, reply body)."""
+    def _serve(self, op: int, payload: bytes, client: socket.socket | None = None) -> tuple[int, bytes]:
+        """One request from the connection ``client``: returns (status, reply body)."""
         try:
             reader = _Reader(payload)
             if op == _OP_SET:
                 key, value = reader.key(), reader.blob()
                 with self._cond:
                     self._data[key] = value
+                    self._claim_owners.pop(key, None)
                     self._cond.notify_all()
                 return _OK, b""
             if op == _OP_ADD:
@@ -272,9 +288,15 @@ class TCPStoreServer:
             if op == _OP_WAIT:
                 timeout_s, want_values = reader.scalar(_F64), reader.scalar(_U8)
                 keys = [reader.key() for _ in range(reader.scalar(_U32))]
+                deadline = time.monotonic() + timeout_s
                 with self._cond:
-                    self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys),
-                                        timeout=_wait_arg(timeout_s))
+                    # In slices, looking at the connection in between: a client that died while
+                    # waiting (its socket closed) is let go at once, and with it its claims, instead
+                    # of holding them until its wait would have run out.
+                    while not self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys),
+                                                  timeout=min(_DEAD_CLIENT_POLL_S, deadline - time.monotonic())):
+                        if time.monotonic() >= deadline or _hung_up(client):
+                            break
                     missing = [i for i, k in enumerate(keys) if k not in self._data]
                     if missing:
                         body = _U32.pack(len(missing)) + b"".join(_U32.pack(i) for i in missing)
@@ -285,10 +307,32 @@ class TCPStoreServer:
                 key = reader.key()
                 with self._cond:
                     existed = self._data.pop(key, None) is not None
+                    self._claim_owners.pop(key, None)
                 return _OK, _U8.pack(existed)
+            if op == _OP_CLAIM:
+                key, value = reader.key(), reader.blob()
+                with self._cond:
+                    if key in self._data:
+                        return _OK, _U8.pack(False)
+                    self._data[key] = value
+                    self._claim_owners[key] = client
+                    self._cond.notify_all()
+                return _OK, _U8.pack(True)
             return _ERROR, f"unknown op {op}".encode()
         except (ValueError, struct.error, UnicodeDecodeError) as exc:
             return _ERROR, f"malformed request (op {op}): {exc}".encode()
+
+
+def _hung_up(sock: socket.socket | None) -> bool:
+    """Whether the client closed its end (it sends nothing while it waits for a reply, so a
+    readable socket during a wait means end of file, or an error)."""
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and not sock.recv(1, socket.MSG_PEEK)
+    except OSError:
+        return True
 
 
 def _free_port(host: str) -> int | str:
@@ -363,6 +407,19 @@ class TCPStoreClient:
         """Atomically add ``amount`` to the counter ``key`` (absent = 0); returns the new value."""
         _, body = self._request(_OP_ADD, _pack_key(key) + _I64.pack(amount))
         return _I64.unpack(body)[0]
+
+    def claim(self, key: str, value: bytes = b"") -> bool:
+        """Set ``key`` to ``value`` only if it is absent, owned by this connection.
+
+        The key is removed when this connection closes (:meth:`close`, or the process exiting or
+        dying, whose sockets the OS closes), so a claim marks a live holder.
+
+        Returns:
+            True if this call created the key; False if it exists (claimed by a live connection,
+            or set by :meth:`set`).
+        """
+        _, body = self._request(_OP_CLAIM, _pack_key(key) + _pack_blob(_check_data("TCPStoreClient.claim", value)))
+        return bool(_U8.unpack(body)[0])
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; returns whether it existed."""

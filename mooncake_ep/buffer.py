@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mooncake_ep import _constants, frameworks, layout, reference
+from mooncake_ep import _constants, _handshake, frameworks, layout, reference
 from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, read_array
 
@@ -95,14 +95,21 @@ class Buffer:
         num_ep_buffer_bytes: bytes of this rank's workspace; at least
             :meth:`get_ep_buffer_size_hint` for every configuration used.
         num_sms: blocks (one per SM) of each kernel launch; default: the device's SMs shared evenly
-            among the in-process ranks on it. Every rank on a GPU must fit at once, since a waiting
-            block holds its SM.
+            among the ranks on it (threads or processes). Every rank on a GPU must fit at once, since
+            a waiting block holds its SM.
         backend: ``"auto"`` (GPU if one is visible, else the numpy reference), ``"cuda"`` or
             ``"reference"``. A call whose arrays live elsewhere than the backend is refused.
         kernel_cache_dir: where compiled kernels are cached (default: see :mod:`mooncake_ep.kernels`).
 
     Note:
         Every rank must call dispatch and combine in the same order: they are collectives.
+
+        Construction is collective too: every rank sends its configuration (version, backend,
+        num_ep_buffer_bytes, GPU and num_sms) and a mismatch raises on every rank. On the GPU,
+        in-process ranks (:class:`mooncake_ep.LocalGroup`) use the ``local`` transport and ranks
+        in separate processes of one host the ``ipc`` one (CUDA IPC); there the first dispatch of
+        each (T, hidden, num_experts) is a collective as well, checking that every rank uses the
+        same one (see ``CudaBackend.layout_for``).
 
         In-process ranks sharing one GPU: a device allocation (a framework growing its memory pool,
         or dispatch/combine allocating results when ``out=`` is not given) can wait behind kernels
@@ -135,34 +142,47 @@ class Buffer:
         self._plans: dict[tuple, _Plan] = {}
         self._reference = ReferenceBackend(group)
         self._cuda = None
-        if backend == "cuda" or (backend == "auto" and _gpu_available()):
-            self._cuda = self._build_cuda_backend(num_sms, kernel_cache_dir)
-        elif num_sms is not None:
+        if num_sms is not None:
             _check_int("Buffer", "num_sms", num_sms, minimum=1)
+        use_cuda = backend == "cuda" or (backend == "auto" and _gpu_available())
+        self._device_id = self._choose_device() if use_cuda else None
+        self._num_sms_asked = num_sms or 0
+        # Every rank checks every rank's configuration (the same verdict everywhere), and a process
+        # replacing a dead rank continues the survivors' count of dispatches (the next parity).
+        configs = _handshake.exchange(group, self._rank_config(_handshake.CONSTRUCT), "Buffer")
+        self._num_dispatches = _handshake.running_dispatches(configs)
+        if use_cuda:
+            self._cuda = self._build_cuda_backend(configs, kernel_cache_dir)
         self.backend = "cuda" if self._cuda is not None else "reference"
 
-    def _build_cuda_backend(self, num_sms: int | None, kernel_cache_dir: str | None):
-        from mooncake_ep import _cuda_backend, kernels
-
+    def _choose_device(self) -> int:
         device_id = getattr(self.group, "device", None)
         if device_id is None:
             import cupy
 
             device_id = cupy.cuda.runtime.getDevice()
-        num_device_sms = _cuda_backend.device_sm_count(device_id)
-        devices = self.group.allgather_bytes(int(device_id).to_bytes(4, "little"))
-        ranks_here = sum(int.from_bytes(d, "little") == device_id for d in devices)
-        if num_sms is None:
-            num_sms = max(1, num_device_sms // ranks_here)
-        _check_int("Buffer", "num_sms", num_sms, minimum=1)
-        if num_sms * ranks_here > num_device_sms:
-            raise ValueError(
-                f"Buffer: num_sms={num_sms} for each of the {ranks_here} ranks on cuda:{device_id} needs "
-                f"{num_sms * ranks_here} SMs, the device has {num_device_sms}: every rank's kernel must be "
-                f"resident at once, so use num_sms <= {num_device_sms // ranks_here}"
-            )
+        return int(device_id)
+
+    def _rank_config(self, phase: str) -> _handshake.RankConfig:
+        from mooncake_ep import __version__
+
+        config = _handshake.RankConfig(__version__, phase, "reference" if self._device_id is None else "cuda",
+                                       self.num_ep_buffer_bytes, self._num_dispatches, len(self._pending_hooks))
+        if self._device_id is None:
+            return config
+        from mooncake_ep import _cuda_backend
+
+        device, device_name = _cuda_backend.device_identity(self._device_id)
+        return dataclasses.replace(config, device=device, device_name=device_name, num_sms=self._num_sms_asked,
+                                   num_device_sms=_cuda_backend.device_sm_count(self._device_id))
+
+    def _build_cuda_backend(self, configs: list[_handshake.RankConfig], kernel_cache_dir: str | None):
+        from mooncake_ep import _cuda_backend, kernels
+
+        num_sms = _handshake.num_sms_for(configs, self.rank, "Buffer")
+        ranks_here = sum(c.device == configs[self.rank].device for c in configs)
         cache = kernels.KernelCache(kernel_cache_dir) if kernel_cache_dir is not None else None
-        return _cuda_backend.CudaBackend(self.group, self.num_ep_buffer_bytes, device_id, num_sms, cache,
+        return _cuda_backend.CudaBackend(self.group, self.num_ep_buffer_bytes, self._device_id, num_sms, cache,
                                          all_on_one_device=ranks_here == self.num_ranks)
 
     # --- sizing ---------------------------------------------------------------------------------
@@ -458,19 +478,49 @@ class Buffer:
             array = DeviceMemoryArray(ptr, shape, "bfloat16", "cuda", handle.device_id, owner=self)
         return frameworks.get(handle.framework).wrap(array)
 
-    def update_ep_member(self) -> None:
-        """Re-exchange the route table after the group's membership changed (collective)."""
+    def update_ep_member(self) -> list[int]:
+        """Take in the group's current members and re-exchange the route table (collective).
+
+        After a rank's process died (its peers' kernels masked it) and a replacement process took
+        over its rank (``init_group(rejoin=True)``, then ``Buffer(...)`` as at the start), every
+        survivor calls this; it returns when the replacement's Buffer is connected. A group with
+        ``renew_membership`` (the store groups) starts its next membership epoch first, which also
+        repairs a group broken by a timed-out collective; the configurations are then checked
+        again and, on the GPU, the peers' workspaces re-mapped (the dead one's mapping closed).
+
+        Returns:
+            The ranks whose process was replaced, ascending: set ``active_ranks[r] = 1`` for them
+            (the kernels wrote 0 when they timed out) so that the next step includes them.
+
+        Raises:
+            GroupError: a rank did not come within the group's timeout (it is named).
+            ValueError, RuntimeError: the ranks' configurations differ, or a rank has receive
+                hooks pending (raised on every rank).
+            TransportError: a replacement's workspace could not be mapped.
+
+        Note:
+            Call it between steps, with no hook pending and nothing being captured; every rank
+            must call it (survivors) or build its Buffer (replacements) at the same point.
+        """
+        renew = getattr(self.group, "renew_membership", None)
+        if renew is not None:
+            renew()
+        configs = _handshake.exchange(self.group, self._rank_config(_handshake.UPDATE), "update_ep_member")
         if self._cuda is not None:
             self._cuda.connect()
-        else:
-            self.group.barrier()
+        return _handshake.replaced_ranks(configs)
 
     def destroy(self) -> None:
-        """Free the workspace after every rank is done with it (collective)."""
+        """Free the workspace after every rank is done with it (collective; idempotent).
+
+        On the GPU each rank waits for its own kernels, then (barrier) closes its mappings of the
+        peers' workspaces, then (barrier) frees its own: CUDA requires that no peer still maps it.
+        A Buffer dropped without destroy() is released when garbage-collected, without waiting
+        for the peers (no collective can run there): destroy() on every rank is the safe way.
+        """
         if self._cuda is not None:
-            self.group.barrier()
-            self._cuda.destroy()
-            self._cuda = None
+            cuda, self._cuda = self._cuda, None
+            cuda.destroy()
 
     # --- shared steps ---------------------------------------------------------------------------
 

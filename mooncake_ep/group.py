@@ -29,6 +29,11 @@ Example::
 Every wait is bounded by ``timeout_s`` and raises :class:`GroupError` naming the ranks that
 never arrived (torch's all_gather and MPI bring their own timeouts, or none: see those adapters);
 a group that saw such a failure refuses further calls instead of mixing rounds.
+
+Membership: the store groups (TCP store, torch Store, jax.distributed) have epochs. Every rank
+calling ``renew_membership()`` (``Buffer.update_ep_member()`` does) starts the next one, which
+also repairs a group broken by a failure; with the TCP store a process can take over the rank of
+a dead one, ``init_group(rejoin=True)``, and joins the survivors at that call.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -85,6 +91,10 @@ __all__ = [
 
 logger = logging.getLogger("mooncake_ep")
 
+# A replacement polls for the dead process's claim to be released from the first to the second value.
+_REJOIN_RETRY_FIRST_S = 0.01
+_REJOIN_RETRY_MAX_S = 0.5
+
 # torch.distributed's defaults, so launch scripts written for torchrun work unchanged.
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -126,6 +136,10 @@ class Group(Protocol):
     def barrier(self) -> None:
         """Return once every rank has entered the barrier. Collective."""
 
+    # Optional, and not part of the runtime check: ``renew_membership() -> list[int]`` (the store
+    # groups have it) starts the group's next membership epoch; Buffer.update_ep_member calls it
+    # when it is there.
+
 
 # ----------------------------------------------------------------------------- TCPGroup
 
@@ -147,21 +161,41 @@ class TCPGroup(_KeyValueGroup):
         timeout_s: seconds any rendezvous or collective waits for its peers (math.inf = forever);
             can be changed later through :attr:`timeout_s`.
         device: CUDA device ordinal this rank uses (reported as :attr:`device`), None = unset.
+        rejoin: take over ``rank`` from a process of this group that died: wait (up to
+            ``timeout_s``) for its store connection to be gone, then join the running ranks' next
+            :meth:`renew_membership` (``Buffer.update_ep_member`` on the survivors), instead of
+            the first rendezvous. Rank 0 cannot be taken over: it serves the store.
 
     Raises:
-        GroupError: the port is taken (rank 0), rank 0 is unreachable, a rank joined twice,
-            ranks disagree on ``world_size``, or some ranks did not join within ``timeout_s``.
+        GroupError: the port is taken (rank 0), rank 0 is unreachable, a rank joined twice (or,
+            without ``rejoin``, joined again after its process died), ranks disagree on
+            ``world_size``, or some ranks did not join within ``timeout_s``. With ``rejoin``: the
+            rank never joined, its first process is still connected, or the running ranks did
+            not renew the membership within ``timeout_s``.
+        ValueError: ``rejoin=True`` with rank 0.
 
     Note:
         After any :class:`GroupError` from a collective the group is broken: the ranks no longer
-        agree on the sequence number, so every later call raises at once. Make a new group.
-        :meth:`close` on rank 0 stops the store, after a final barrier by default.
+        agree on the sequence number, so every later call raises at once, until every rank calls
+        :meth:`renew_membership`. :meth:`close` on rank 0 stops the store, after a final barrier
+        by default.
+
+        Each rank holds a claim in the store while its connection is open (see
+        ``TCPStoreClient.claim``): the OS closes a dead process's socket, which is what lets a
+        replacement in. A host that vanishes without closing its sockets (power loss) keeps its
+        claim until TCP gives the connection up.
     """
 
     def __init__(self, rank: int, world_size: int, *, master_addr: str = DEFAULT_MASTER_ADDR,
                  master_port: int = DEFAULT_MASTER_PORT, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 device: int | None = None) -> None:
+                 device: int | None = None, rejoin: bool = False) -> None:
         self.rank, self.world_size = _check_rank("TCPGroup", rank, world_size)
+        if not isinstance(rejoin, bool):
+            raise TypeError(f"TCPGroup: rejoin must be a bool, got {type(rejoin).__name__}")
+        if rejoin and self.rank == 0:
+            raise ValueError("TCPGroup: rejoin=True cannot take over rank 0: rank 0 serves the store, which "
+                             "died with it; restart every rank")
+        self._rejoin = rejoin
         if not isinstance(master_addr, str) or not master_addr:
             raise TypeError(f"TCPGroup: master_addr must be a non-empty str, got {master_addr!r}")
         self.master_addr = master_addr
@@ -177,7 +211,11 @@ class TCPGroup(_KeyValueGroup):
                 self._server = TCPStoreServer(master_addr, self.master_port)
             self._client = TCPStoreClient(master_addr, self.master_port, timeout_s=self._timeout_s,
                                           who=f"rank {self.rank}")
-            self._rendezvous()
+            if rejoin:
+                self._claim_rank()
+                self._join_as_replacement()
+            else:
+                self._rendezvous()
         except BaseException:
             self._shutdown(drain_s=0.0)
             raise
@@ -197,6 +235,40 @@ class TCPGroup(_KeyValueGroup):
 
     def _kv_delete(self, key: str) -> None:
         self._store().delete(key)
+
+    def _claim_rank(self) -> None:
+        """Hold ``member/{rank}`` for as long as this connection lives; ``claim/{rank}`` counts joins.
+
+        The member claim refuses a second live process with this rank; the counter tells a
+        process that joins again after its first one died (it must say ``rejoin=True``) from one
+        that joins for the first time.
+        """
+        store, who = self._store(), f"pid {os.getpid()}".encode()
+        member, joins = f"member/{self.rank}", f"claim/{self.rank}"
+        if not self._rejoin:
+            if not store.claim(member, who):
+                raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
+                                 f"{self._same_rank_hint}")
+            if store.add(joins, 1) > 1:
+                raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) before and "
+                                 f"that process has exited; a process taking over its rank must join with "
+                                 f"init_group(rejoin=True)")
+            return
+        if store.add(joins, 0) == 0:
+            raise GroupError(f"init_group(rejoin=True): rank {self.rank} never joined the group at "
+                             f"{self._where()}: there is nothing to take over; join without rejoin")
+        # The store frees the claim when it sees the old connection close, a moment after the
+        # old process died: a replacement started at once retries until then.
+        deadline = time.monotonic() + self._timeout_s
+        delay = _REJOIN_RETRY_FIRST_S
+        while not store.claim(member, who):
+            if time.monotonic() + delay > deadline:
+                raise GroupError(f"init_group(rejoin=True): rank {self.rank} is still held by a live process "
+                                 f"after {self._timeout_s} s ({self._where()}): a replacement takes over only a "
+                                 f"rank whose process has exited")
+            time.sleep(delay)
+            delay = min(2 * delay, _REJOIN_RETRY_MAX_S)
+        store.add(joins, 1)
 
     def _store(self) -> TCPStoreClient:
         assert self._client is not None  # internal invariant: world_size > 1 and not shut down
@@ -233,7 +305,7 @@ def _env_int(where: str, var: str, arg: str, default: int | None = None) -> int:
 
 def init_group(group: Any = None, *, rank: int | None = None, world_size: int | None = None,
                master_addr: str | None = None, master_port: int | None = None,
-               timeout_s: float = DEFAULT_TIMEOUT_S, device: int | None = None) -> Group:
+               timeout_s: float = DEFAULT_TIMEOUT_S, device: int | None = None, rejoin: bool = False) -> Group:
     """Join the group of processes this one belongs to, over what the launcher set up.
 
     ``group`` chooses the bootstrap; left as None, the first of these that applies is used:
@@ -270,6 +342,9 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
         timeout_s: seconds every rendezvous and collective waits for its peers (math.inf =
             forever). torch's all_gather and MPI have no per-call timeout: see each adapter.
         device: CUDA device ordinal this rank uses (the group's ``device``), None = unset.
+        rejoin: this process replaces a dead process of a running TCP-store group (same RANK,
+            WORLD_SIZE, MASTER_ADDR, MASTER_PORT): it returns once the running ranks have renewed
+            the membership (``Buffer.update_ep_member()``); see :class:`TCPGroup`. TCP store only.
 
     Returns:
         A :class:`TCPGroup`, :class:`TorchGroup`, :class:`TorchStoreGroup`, :class:`MPIGroup` or
@@ -279,18 +354,21 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
         TypeError: ``group`` is none of the kinds above.
         ValueError: the TCP store's RANK or WORLD_SIZE is neither given nor set, a variable is
             not an integer, rank is outside ``[0, world_size)``, ``master_addr``/``master_port``
-            were given with an adapter, or ``rank``/``world_size`` contradict the adapter's.
+            were given with an adapter, ``rank``/``world_size`` contradict the adapter's, or
+            ``rejoin=True`` with anything but the TCP store (or with rank 0).
         GroupError: as the chosen group's constructor (a peer that never joins is named).
     """
     where = "init_group"
     timeout_s = _check_timeout(where, timeout_s)
+    if not isinstance(rejoin, bool):
+        raise TypeError(f"{where}: rejoin must be a bool, got {type(rejoin).__name__}")
     if isinstance(group, str) and group not in _GROUP_NAMES:
         raise ValueError(f"{where}: group must be one of {list(_GROUP_NAMES)} when a str, got {group!r}")
     tcp_args = [name for name, value in (("master_addr", master_addr), ("master_port", master_port))
                 if value is not None]
-    if group is None and not tcp_args and rank is None and world_size is None:
+    if group is None and not tcp_args and rank is None and world_size is None and not rejoin:
         group = _detect_group()
-    if group is None and not tcp_args and rank is None and world_size is None \
+    if group is None and not tcp_args and rank is None and world_size is None and not rejoin \
             and os.environ.get(TORCHRUN_AGENT_STORE_VAR) == "True":
         rank, world_size = _check_rank(where, _env_int(where, "RANK", "rank"),
                                        _env_int(where, "WORLD_SIZE", "world_size"))
@@ -298,7 +376,10 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
         master_port = _check_port(where, _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT))
         return torchrun_store_group(rank, world_size, master_addr, master_port, timeout_s=timeout_s, device=device)
     if group is None or group == "tcp":
-        return _init_tcp_group(where, rank, world_size, master_addr, master_port, timeout_s, device)
+        return _init_tcp_group(where, rank, world_size, master_addr, master_port, timeout_s, device, rejoin)
+    if rejoin:
+        raise ValueError(f"{where}: rejoin=True takes over a rank of mooncake_ep's TCP store group (whose rank "
+                         f"claims end with their process); with group={_describe(group)} leave it out")
     if tcp_args:
         raise ValueError(f"{where}: {' and '.join(tcp_args)} configure the TCP store; with "
                          f"group={_describe(group)} leave them out")
@@ -325,7 +406,7 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
 
 
 def _init_tcp_group(where: str, rank: int | None, world_size: int | None, master_addr: str | None,
-                    master_port: int | None, timeout_s: float, device: int | None) -> TCPGroup:
+                    master_port: int | None, timeout_s: float, device: int | None, rejoin: bool) -> TCPGroup:
     rank = _env_int(where, "RANK", "rank") if rank is None else rank
     world_size = _env_int(where, "WORLD_SIZE", "world_size") if world_size is None else world_size
     rank, world_size = _check_rank(where, rank, world_size)
@@ -334,8 +415,11 @@ def _init_tcp_group(where: str, rank: int | None, world_size: int | None, master
     if master_port is None:
         master_port = _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT)
     master_port = _check_port(where, master_port)
+    if rejoin and rank == 0:
+        raise ValueError(f"{where}: rejoin=True cannot take over rank 0: rank 0 serves the store, which died "
+                         f"with it; restart every rank")
     return TCPGroup(rank, world_size, master_addr=master_addr, master_port=master_port,
-                    timeout_s=timeout_s, device=device)
+                    timeout_s=timeout_s, device=device, rejoin=rejoin)
 
 
 # What init_group(group=<str>) accepts.

@@ -29,6 +29,8 @@ NEVER = {
     "_dlpack.py": {"buffer", "kernels", "transport", "frameworks", "group", "reference", "tensor"},
     "kernels.py": {"buffer", "tensor", "transport", "frameworks", "group", "reference"},
     "layout.py": {"buffer", "tensor", "kernels", "transport", "frameworks", "group", "reference"},
+    "_handshake.py": {"buffer", "tensor", "kernels", "transport", "frameworks", "group", "reference", "layout",
+                      "_cuda_backend"},
 }
 TRANSPORT_NEVER = {"buffer", "kernels", "tensor", "frameworks", "reference"}
 

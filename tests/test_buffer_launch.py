@@ -75,7 +75,9 @@ class FakeDeviceArrays:
 
 @pytest.fixture
 def setup():
-    buf = ep.Buffer(_TwoRankView(), ep.Buffer.get_ep_buffer_size_hint(T, H, R, E), backend="reference")
+    group = _TwoRankView()
+    buf = ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(T, H, R, E), backend="reference")
+    group.constructed = True
     cuda = RecordingCuda()
     buf._cuda, buf.backend = cuda, "cuda"
     device = FakeDeviceArrays()
@@ -89,11 +91,15 @@ def setup():
 
 
 class _TwoRankView:
-    """Rank 0 of a two-rank group whose collectives are never called on this path."""
+    """Rank 0 of a two-rank group: construction's configuration check hears the same configuration
+    from the peer; after construction no collective may be called on this path."""
 
     rank, world_size, is_in_process, device = 0, R, True, 0
+    constructed = False
 
-    def allgather_bytes(self, data):  # pragma: no cover - the recording backend needs none
+    def allgather_bytes(self, data):
+        if not self.constructed:
+            return [data] * self.world_size
         raise AssertionError("the CUDA path makes no host collective per call")
 
     def barrier(self):  # pragma: no cover

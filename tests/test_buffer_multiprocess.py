@@ -210,8 +210,9 @@ def test_peer_that_never_joins_is_named(tmp_path):
         assert "waiting for ranks [2] of 3 (MASTER_ADDR=127.0.0.1" in out[rank]["error"]
 
 
-def test_peer_that_joins_and_leaves_is_named_by_dispatch(tmp_path):
-    # Rank 2 joins the group, then exits without dispatching: the others' dispatch names it.
+def test_peer_that_joins_and_leaves_is_named_by_buffer_construction(tmp_path):
+    # Rank 2 joins the group, then exits without building its Buffer: the others' Buffer()
+    # (whose configuration check is the first collective after init_group) names it.
     argv = ["run", str(LONG_TIMEOUT_S), str(SHORT_TIMEOUT_S), "0", str(tmp_path)]
     out = launch(3, {0: argv, 1: argv, 2: ["leave", str(LONG_TIMEOUT_S)]})
     # Rank 0 times out; rank 1 times out too, or is answered "store closed" when rank 0 (which

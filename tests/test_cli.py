@@ -62,19 +62,20 @@ def test_demo_reference_passes(precision, tmp_path):
 
 
 def test_demo_launch_processes_passes(tmp_path):
-    # Two processes joined by init_group() over the TCP store; without a GPU (and, for processes, until the
-    # ipc transport exists) auto picks the reference backend. Rank 0 prints the table for every rank.
+    # Two processes joined by init_group() over the TCP store; auto picks the GPU (the ipc transport)
+    # where one is usable, else the reference backend. Rank 0 prints the table for every rank.
     report_path = tmp_path / "demo.json"
     proc = run_cli("demo", "--launch", "2", *TINY, "--json", str(report_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "launching 2 processes" in proc.stdout and "2 ranks (processes)" in proc.stdout
-    assert "backend reference" in proc.stdout
+    backend = "cuda" if _gpu_usable() else "reference"
+    assert f"backend {backend}" in proc.stdout
     rows = table_rows(proc.stdout, 2)
     assert all(row[-1] == "pass" for row in rows), proc.stdout
     assert sum(int(row[2]) for row in rows) == 2 * 8 * 4  # every (token, k) copy arrives once
     assert "PASS" in proc.stdout and "all 2 processes passed" in proc.stdout
     report = json.loads(report_path.read_text())
-    assert report["passed"] is True and report["config"]["num_ranks"] == 2
+    assert report["passed"] is True and report["config"]["num_ranks"] == 2 and report["backend"] == backend
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
 
 
@@ -173,4 +174,15 @@ def test_demo_cuda_passes(precision):
     proc = run_cli("demo", *TINY, precision, "--backend", "cuda")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "backend cuda" in proc.stdout
+    assert all(row[-1] == "pass" for row in table_rows(proc.stdout, 2)), proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU with cupy and CUDA torch")
+def test_demo_launch_cuda_passes():
+    """--launch N on the GPU: processes on the one GPU, peers reached through CUDA IPC (fp8 dispatch;
+    bf16 and fp8 in processes are compared element by element in test_gpu_ipc.py)."""
+    proc = run_cli("demo", "--launch", "2", *TINY, "--fp8", "--backend", "cuda")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "backend cuda" in proc.stdout and "all 2 processes passed" in proc.stdout
     assert all(row[-1] == "pass" for row in table_rows(proc.stdout, 2)), proc.stdout

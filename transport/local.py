@@ -19,21 +19,38 @@ def connect(group, workspace: DeviceWorkspace) -> list[int]:
     Raises:
         TransportError: two ranks' devices cannot access each other's memory.
     """
-    import cupy
-
     entries = [_ENTRY.unpack(blob) for blob in group.allgather_bytes(_ENTRY.pack(workspace.ptr, workspace.device_id))]
     for peer_rank, (_, peer_device) in enumerate(entries):
-        if peer_device == workspace.device_id:
-            continue
-        if not cupy.cuda.runtime.deviceCanAccessPeer(workspace.device_id, peer_device):
-            raise TransportError(
-                f"rank {group.rank} on cuda:{workspace.device_id} cannot access the memory of rank {peer_rank} "
-                f"on cuda:{peer_device} (no peer access between these GPUs)"
-            )
-        with cupy.cuda.Device(workspace.device_id):
-            try:
-                cupy.cuda.runtime.deviceEnablePeerAccess(peer_device)
-            except cupy.cuda.runtime.CUDARuntimeError as exc:
-                if "PeerAccessAlreadyEnabled" not in str(exc):
-                    raise TransportError(f"enabling peer access cuda:{workspace.device_id} -> cuda:{peer_device}: {exc}") from exc
+        if peer_device != workspace.device_id:
+            enable_peer_access(workspace.device_id, peer_device,
+                               f"rank {group.rank} on cuda:{workspace.device_id} cannot access the memory of rank "
+                               f"{peer_rank} on cuda:{peer_device}")
     return [address for address, _ in entries]
+
+
+def enable_peer_access(device_id: int, peer_device_id: int, refusal: str, runtime=None) -> None:
+    """Let kernels on ``device_id`` dereference memory of ``peer_device_id`` (same process).
+
+    Args:
+        device_id, peer_device_id: CUDA ordinals in this process.
+        refusal: the start of the error message, naming the two ranks and devices.
+        runtime: the CUDA runtime module (default ``cupy.cuda.runtime``; tests pass a fake).
+
+    Raises:
+        TransportError: the devices have no peer access, or enabling it failed.
+    """
+    if runtime is None:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+    if not runtime.deviceCanAccessPeer(device_id, peer_device_id):
+        raise TransportError(f"{refusal} (no peer access between these GPUs)")
+    previous = runtime.getDevice()
+    runtime.setDevice(device_id)  # peer access is enabled from the current device
+    try:
+        runtime.deviceEnablePeerAccess(peer_device_id)
+    except runtime.CUDARuntimeError as exc:
+        if "PeerAccessAlreadyEnabled" not in str(exc):
+            raise TransportError(f"enabling peer access cuda:{device_id} -> cuda:{peer_device_id}: {exc}") from exc
+    finally:
+        runtime.setDevice(previous)

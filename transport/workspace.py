@@ -7,6 +7,7 @@ never moves; zeroed once, because every epoch starts from zero.
 from __future__ import annotations
 
 import logging
+import weakref
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -28,12 +29,28 @@ class TransportError(RuntimeError):
     """A workspace could not be allocated, mapped or reached."""
 
 
+def _free_device_memory(device_id: int, ptr: int) -> None:
+    """cudaFree on ``device_id`` (a finalizer: it never raises)."""
+    try:
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            cupy.cuda.runtime.free(ptr)
+    except Exception as exc:  # noqa: BLE001 - a finalizer may not raise; the process keeps going
+        logger.warning("mooncake_ep: freeing a %#x workspace on cuda:%d failed: %s", ptr, device_id, exc)
+
+
 class DeviceWorkspace:
     """``num_bytes`` of zeroed device memory on ``device_id``, freed by :meth:`free`.
 
     Args:
         num_bytes: size of the allocation.
         device_id: the CUDA device.
+
+    Note:
+        A workspace dropped without :meth:`free` is freed when it is garbage-collected (not at
+        interpreter exit, when the process's CUDA context goes anyway). Exported memory must not
+        be freed while another process still maps it: the transports decide when that is.
     """
 
     def __init__(self, num_bytes: int, device_id: int):
@@ -48,6 +65,8 @@ class DeviceWorkspace:
                 raise TransportError(
                     f"cudaMalloc of a {self.num_bytes}-byte workspace on cuda:{self.device_id} failed: {exc}"
                 ) from exc
+            self._finalizer = weakref.finalize(self, _free_device_memory, self.device_id, self.ptr)
+            self._finalizer.atexit = False
             cupy.cuda.runtime.memset(self.ptr, 0, self.num_bytes)
             _settle_legacy_stream()
 
@@ -77,9 +96,11 @@ class DeviceWorkspace:
         return buffer.raw
 
     def free(self) -> None:
+        """Wait for this process's work on the device, then free the memory. Idempotent."""
         if self.ptr:
             import cupy
 
+            self._finalizer.detach()
             with cupy.cuda.Device(self.device_id):
                 cupy.cuda.runtime.deviceSynchronize()
                 cupy.cuda.runtime.free(self.ptr)

@@ -13,8 +13,9 @@ MASTER_ADDR, MASTER_PORT on a free port), each joining through ``mooncake_ep.ini
 prints the table and the command exits 0 only if every process passed. ``--group init`` runs one
 such process, for a launcher that sets those variables itself, e.g.
 ``torchrun --nproc-per-node 2 -m mooncake_ep demo --group init``. With a GPU (cupy and CUDA torch
-installed) threads share device 0; without one, and for processes until the multi-process GPU
-transport (ipc) exists, the ranks run on the numpy reference backend.
+installed) the ranks run on the kernels: threads share device 0; processes use GPU
+``LOCAL_RANK % (number of GPUs)`` (all on device 0 on a one-GPU machine) and reach each other
+through CUDA IPC (the ``ipc`` transport). Without one they run on the numpy reference backend.
 The expert weights live in host memory as float32, experts x hidden^2 x 4 bytes: keep it small
 (the defaults need 128 MiB); `python -m mooncake_ep bench` is the tool for large shapes.
 """
@@ -82,8 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
                         help="dispatch in fp8 e4m3 with one scale per 128 channels (else bf16)")
     parser.add_argument("--backend", choices=("auto", "cuda", "reference"), default="auto",
-                        help="auto: the GPU if one is usable (threads only, until the multi-process GPU "
-                             "transport exists), else the numpy reference")
+                        help="auto: the GPU if one is usable, else the numpy reference")
     parser.add_argument("--seed", type=int, default=0, metavar="INT", help="seed of the router, expert weights and tokens")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="RATIO",
                         help="largest relative error (norm of the difference / norm of the dense result) that passes")
@@ -227,10 +227,11 @@ def _host_rank_step(group, config: DemoConfig, weights: Weights, tolerance: floa
 def _cuda_rank_step(group, config: DemoConfig, weights: Weights, tolerance: float) -> RankResult:
     """torch CUDA tensors on the GPU kernels; the expert is ``recv_x[e, :count] @ W_e`` in float32.
 
-    LocalGroup.spawn made this rank's device and its own stream current for torch.
+    LocalGroup.spawn made this rank's device and its own stream current for torch (threads), or
+    _use_process_device made its device current (processes, on the default stream).
 
     Note:
-        The ranks share one GPU and their kernels wait for each other. A device allocation (torch's
+        In-process ranks share one GPU and their kernels wait for each other. A device allocation (torch's
         allocator growing, cuBLAS creating its workspace) made while a peer's kernel is waiting can
         hold back the kernels issued after it (CUDA's implicit synchronisation), so the peer waits
         for a rank that cannot start and times out. So this step allocates every array before the
@@ -293,7 +294,7 @@ def _cuda_rank_step(group, config: DemoConfig, weights: Weights, tolerance: floa
     return compare(config, group.rank, inputs, weights, combined_host, sum(counts), active_host, tolerance)
 
 
-def _choose_backend(requested: str, multi_process: bool) -> tuple[str, str]:
+def _choose_backend(requested: str) -> tuple[str, str]:
     if requested == "reference":
         return "reference", "asked for"
     usable, why = gpu_status()
@@ -301,9 +302,6 @@ def _choose_backend(requested: str, multi_process: bool) -> tuple[str, str]:
         if not usable:
             raise UsageError(f"--backend cuda: {why}")
         return "cuda", why
-    if usable and multi_process:
-        # Buffer refuses a multi-process group on the GPU until the ipc transport exists.
-        return "reference", f"{why}, but GPU ranks in separate processes need the ipc transport, not there yet"
     return ("cuda", why) if usable else ("reference", why)
 
 
@@ -412,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_threads(args: argparse.Namespace) -> int:
     config = _make_config(args, getattr(args, "ranks", DEFAULT_RANKS), "--ranks")
-    backend, why = _choose_backend(args.backend, multi_process=False)
+    backend, why = _choose_backend(args.backend)
     _print_header(config, "ranks", backend, why)
     weights = make_weights(config)
     start = time.perf_counter()
@@ -430,10 +428,12 @@ def _run_threads(args: argparse.Namespace) -> int:
 
 def _run_process_rank(args: argparse.Namespace) -> int:
     """One rank of a multi-process run: join, run the step, gather every rank's result on rank 0."""
-    group = mooncake_ep.init_group(timeout_s=GROUP_TIMEOUT_S)
+    backend, why = _choose_backend(args.backend)
+    device = _use_process_device() if backend == "cuda" else None
+    group = mooncake_ep.init_group(timeout_s=GROUP_TIMEOUT_S, device=device)
     finished = False
     try:
-        code = _process_rank_step(group, args)
+        code = _process_rank_step(group, args, backend, why)
         finished = True
         return code
     finally:
@@ -442,9 +442,20 @@ def _run_process_rank(args: argparse.Namespace) -> int:
             close(final_barrier=finished)  # leaving on an error: the peers may never reach a final barrier
 
 
-def _process_rank_step(group: mooncake_ep.Group, args: argparse.Namespace) -> int:
+def _use_process_device() -> int:
+    """This process's GPU: LOCAL_RANK (set by torchrun and --launch) modulo the GPUs it sees, made
+    current for torch and cupy. Several processes may share one GPU; they time-slice it."""
+    import cupy
+    import torch
+
+    device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    cupy.cuda.Device(device).use()
+    return device
+
+
+def _process_rank_step(group: mooncake_ep.Group, args: argparse.Namespace, backend: str, why: str) -> int:
     config = _make_config(args, group.world_size, "WORLD_SIZE")  # the same flags fail alike on every rank
-    backend, why = _choose_backend(args.backend, multi_process=group.world_size > 1)
     if group.rank == 0:
         _print_header(config, "ranks (processes)", backend, why)
     weights = make_weights(config)
@@ -481,7 +492,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
     if num_processes < 1:
         raise UsageError(f"--launch must be >= 1, got {num_processes}")
     config = _make_config(args, num_processes, "--launch")
-    _choose_backend(args.backend, multi_process=num_processes > 1)  # --backend cuda without a GPU: refused here
+    _choose_backend(args.backend)  # --backend cuda without a GPU: refused here
     port = _free_port(_LAUNCH_ADDR)
     argv = _rank_argv(args, config)
     # The children import the mooncake_ep this process runs, wherever it was imported from.

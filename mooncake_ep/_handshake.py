@@ -1,0 +1,175 @@
+"""What the ranks of a Buffer check about each other before they share memory.
+
+One allgather at construction and one at ``update_ep_member``: each rank sends a
+:class:`RankConfig`, and every rank checks the same gathered list the same way, so a mismatch
+raises on every rank with the same message (naming the ranks and their values) instead of
+letting one rank go on into a collective, or a kernel, that its peers never reach.
+
+The per-call configuration (T, hidden, num_experts) is only known at the first dispatch of each
+configuration: :func:`check_same_configuration` is what ``CudaBackend.layout_for`` runs then, on
+multi-process groups.
+
+Construction and ``update_ep_member`` exchange the same record (only ``phase`` differs), so a
+process that replaces a dead rank builds its Buffer in the same collective in which the survivors
+update theirs, and learns from them where they are (``num_dispatches``: the parity of the next call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from collections.abc import Callable, Sequence
+
+CONSTRUCT = "construct"
+UPDATE = "update"
+
+_CONFIGURATION = struct.Struct("<qqq")  # (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankConfig:
+    """One rank's view of its Buffer, as the others see it.
+
+    Attributes:
+        version: ``mooncake_ep.__version__``.
+        phase: :data:`CONSTRUCT` (``Buffer()``) or :data:`UPDATE` (``update_ep_member``).
+        backend: ``"cuda"`` or ``"reference"``.
+        num_ep_buffer_bytes: the workspace size (every rank's layout must be the same).
+        num_dispatches: dispatches this buffer has made (0 when constructing).
+        num_pending_hooks: receive hooks not called yet.
+        device: the GPU, as the same string in every process (host and PCI bus id); "" on the CPU.
+        device_name: the GPU in words, for messages.
+        num_sms: blocks per launch asked for; 0 = the default share of the device.
+        num_device_sms: SMs of the device (0 on the CPU).
+    """
+
+    version: str
+    phase: str
+    backend: str
+    num_ep_buffer_bytes: int
+    num_dispatches: int = 0
+    num_pending_hooks: int = 0
+    device: str = ""
+    device_name: str = ""
+    num_sms: int = 0
+    num_device_sms: int = 0
+
+    def pack(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def unpack(cls, blob: bytes) -> RankConfig:
+        return cls(**json.loads(blob))
+
+
+def exchange(group, mine: RankConfig, where: str) -> list[RankConfig]:
+    """Every rank's config, in rank order, after checking that they fit together (collective).
+
+    Raises:
+        ValueError: ranks differ in version, backend, num_ep_buffer_bytes or dispatch count.
+        RuntimeError: some rank has receive hooks pending (update_ep_member).
+        GroupError: from the group (a rank that does not come is named by it).
+    """
+    configs = [RankConfig.unpack(blob) for blob in group.allgather_bytes(mine.pack())]
+    check(configs, where)
+    return configs
+
+
+def check(configs: Sequence[RankConfig], where: str) -> None:
+    """Raise if the ranks' configs do not fit together (the same verdict on every rank)."""
+    _same(where, configs, "version", "mooncake_ep version", lambda c: c.version,
+          "install the same mooncake_ep on every rank")
+    _same(where, configs, "backend", "backend", lambda c: c.backend,
+          "pass the same backend= everywhere (with 'auto' a rank that sees no GPU uses 'reference')")
+    _same(where, configs, "num_ep_buffer_bytes", "num_ep_buffer_bytes", lambda c: c.num_ep_buffer_bytes,
+          "size every rank's buffer with Buffer.get_ep_buffer_size_hint of the same configuration")
+    running = [c for c in configs if c.phase == UPDATE]
+    if len({c.num_dispatches for c in running}) > 1:
+        counts = by_rank({r: c.num_dispatches for r, c in enumerate(configs) if c.phase == UPDATE})
+        raise ValueError(f"{where}: ranks made different numbers of dispatches ({counts}); every rank must call "
+                         f"dispatch and combine in the same order")
+    pending = [r for r, c in enumerate(configs) if c.num_pending_hooks]
+    if pending:
+        raise RuntimeError(f"{where}: ranks {pending} have receive hooks pending; call them (on every rank) before "
+                           f"update_ep_member")
+
+
+def running_dispatches(configs: Sequence[RankConfig]) -> int:
+    """How many dispatches the running ranks made (0 when every rank is constructing).
+
+    A replacement continues from there, so its next dispatch uses the same parity as theirs.
+    """
+    return max((c.num_dispatches for c in configs if c.phase == UPDATE), default=0)
+
+
+def replaced_ranks(configs: Sequence[RankConfig]) -> list[int]:
+    """Ranks that are constructing while the others update: processes that replaced a dead rank."""
+    if all(c.phase == CONSTRUCT for c in configs):
+        return []
+    return [r for r, c in enumerate(configs) if c.phase == CONSTRUCT]
+
+
+def num_sms_for(configs: Sequence[RankConfig], rank: int, where: str) -> int:
+    """Blocks per launch of ``rank``, after checking that every GPU's ranks fit on it at once.
+
+    A rank that asked for none gets the device's SMs shared evenly among the ranks on it. Every
+    rank checks every device, so an oversubscribed one raises everywhere.
+
+    Raises:
+        ValueError: the ranks on one GPU ask for more SMs than it has (naming them and their values).
+    """
+    by_device: dict[str, list[int]] = {}
+    for r, config in enumerate(configs):
+        by_device.setdefault(config.device, []).append(r)
+
+    def effective(r: int) -> int:
+        config = configs[r]
+        return config.num_sms or max(1, config.num_device_sms // len(by_device[config.device]))
+
+    for ranks in by_device.values():
+        first = configs[ranks[0]]
+        total = sum(effective(r) for r in ranks)
+        if total > first.num_device_sms:
+            asked = by_rank({r: effective(r) for r in ranks})
+            raise ValueError(
+                f"{where}: the {len(ranks)} ranks on {first.device_name} need num_sms {asked}, {total} SMs in all, "
+                f"the device has {first.num_device_sms}: every rank's kernel must be resident at once, so use "
+                f"num_sms <= {first.num_device_sms // len(ranks)}")
+    return effective(rank)
+
+
+def check_same_configuration(group, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
+                             where: str = "dispatch") -> None:
+    """Raise on every rank unless every rank uses the same (T, hidden, num_experts) (collective).
+
+    The workspace layout depends on them, and a kernel finds a region of a peer's workspace at
+    its own offset: ranks with different values would read each other's memory at the wrong
+    places.
+
+    Raises:
+        ValueError: the ranks differ (naming them and their values).
+    """
+    mine = _CONFIGURATION.pack(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+    seen = [_CONFIGURATION.unpack(blob) for blob in group.allgather_bytes(mine)]
+    if len(set(seen)) > 1:
+        raise ValueError(
+            f"{where}: ranks disagree on (num_max_dispatch_tokens_per_rank, hidden, num_experts): "
+            f"{by_rank(dict(enumerate(seen)))}; every rank must dispatch the same configuration, or the kernels "
+            f"would read peers' workspaces at the wrong offsets")
+
+
+def _same(where: str, configs: Sequence[RankConfig], field: str, what: str, value: Callable[[RankConfig], object],
+          fix: str) -> None:
+    values = {r: value(c) for r, c in enumerate(configs)}
+    if len(set(values.values())) > 1:
+        raise ValueError(f"{where}: ranks disagree on {what} ({by_rank(values)}); {fix}")
+
+
+def by_rank(values: dict[int, object]) -> str:
+    """``{0: a, 1: b, 2: a}`` as ``ranks [0, 2]: a, rank 1: b`` (first-seen order)."""
+    groups: dict[object, list[int]] = {}
+    for rank, value in values.items():
+        groups.setdefault(value, []).append(rank)
+    return ", ".join(f"ranks {ranks}: {value!r}" if len(ranks) > 1 else f"rank {ranks[0]}: {value!r}"
+                     for value, ranks in groups.items())

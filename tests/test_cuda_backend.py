@@ -1,0 +1,264 @@
+"""CudaBackend's host-side protocol on the CPU: connect, the per-configuration check, teardown order.
+
+The backend is built without __init__ (which loads kernels and allocates device memory) and given
+stand-ins: a workspace backed by host bytes, a transport that returns a route, a group that
+records its collectives. What runs is the backend's own code: what it writes where, which
+collectives it makes in which order, and what it frees when. Kernels and real IPC are the GPU
+tests' part (test_gpu_ipc.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import weakref
+
+import pytest
+
+import mooncake_ep as ep
+from mooncake_ep import _constants, _cuda_backend, layout
+from mooncake_ep._cuda_backend import CudaBackend
+from mooncake_ep.group import GroupError
+
+STEPS = struct.Struct("<4I")  # ep::State's dispatch_step[2], combine_step[2]
+STATE = layout.HEADER_OFFSETS["state"]
+
+
+class HostWorkspace:
+    """A DeviceWorkspace stand-in: host bytes, with what the backend calls on it."""
+
+    def __init__(self, num_bytes: int, log: list, name: str, fill: int = 0):
+        self.memory = bytearray([fill]) * num_bytes
+        self.ptr = 0x5000_0000
+        self.num_bytes = num_bytes
+        self.log, self.name = log, name
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.memory[offset:offset + len(data)] = data
+
+    def read(self, offset: int, num_bytes: int) -> bytes:
+        return bytes(self.memory[offset:offset + num_bytes])
+
+    def free(self) -> None:
+        self.log.append(f"free {self.name}")
+
+
+class RecordingTransport:
+    def __init__(self, log: list, route: list[int], replaced: list[int], exported: bool = True):
+        self.log, self.route, self.replaced, self.exported = log, route, replaced, exported
+
+    def connect(self):
+        self.log.append("transport connect")
+        return self.route, self.replaced
+
+    def close(self):
+        self.log.append("close")
+
+
+class RecordingGroup:
+    """One rank of a two-rank group: collectives answer with this rank's data twice (a peer that
+    agrees), or raise when told to."""
+
+    is_in_process = False
+
+    def __init__(self, log: list, rank: int = 0, world_size: int = 2, fail_barrier: bool = False):
+        self.log, self.rank, self.world_size, self.fail_barrier = log, rank, world_size, fail_barrier
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        self.log.append("allgather")
+        return [data] * self.world_size
+
+    def barrier(self) -> None:
+        self.log.append("barrier")
+        if self.fail_barrier:
+            raise GroupError("barrier #0 timed out after 1.0 s waiting for ranks [1] of 2 (test)")
+
+
+class CountingGroup:
+    """A LocalGroup rank posing as a rank of a multi-process group, counting its collectives."""
+
+    is_in_process = False
+
+    def __init__(self, rank_group):
+        self._group, self.rank, self.world_size = rank_group, rank_group.rank, rank_group.world_size
+        self.num_collectives = 0
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        self.num_collectives += 1
+        return self._group.allgather_bytes(data)
+
+    def barrier(self) -> None:
+        self.num_collectives += 1
+        self._group.barrier()
+
+
+def stub_backend(group, log: list, transport=None, workspace_fill: int = 0) -> CudaBackend:
+    backend = object.__new__(CudaBackend)
+    backend.group = group
+    backend.device_id = 0
+    backend.sys_scope = True
+    backend.workspace = HostWorkspace(layout.header_bytes(), log, "workspace", workspace_fill)
+    backend.layout_table = HostWorkspace(_cuda_backend.MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, log, "layout table")
+    backend._ipc = transport
+    backend.transport = "local" if transport is None else "ipc"
+    backend._layouts, backend._agreed = {}, set()
+    backend._connected, backend._destroyed = False, False
+    backend._finalizer = weakref.finalize(backend, lambda: None)
+    backend._synchronize = lambda: log.append("synchronize")
+    return backend
+
+
+# ----------------------------------------------------------------------------- connect
+
+
+def test_reconnect_waits_for_its_kernels_adopts_steps_and_clears_the_replaced_ranks_flags():
+    log: list = []
+    route = [0x1000, 0x2000, 0x3000]
+    backend = stub_backend(RecordingGroup(log, world_size=3), log, RecordingTransport(log, route, []),
+                           workspace_fill=0xFF)
+    backend.workspace.write(STATE, STEPS.pack(5, 6, 5, 6))
+    backend.connect()
+    assert log == ["allgather", "transport connect", "barrier"]  # the first connect waits for nothing
+    assert backend.workspace.read(layout.ROUTE_OFFSET, 24) == struct.pack("<3Q", *route)
+
+    log.clear()
+    backend._ipc.replaced = [2]
+    backend.connect()
+    assert log == ["synchronize", "allgather", "transport connect", "barrier"]
+    memory = backend.workspace.memory
+    for region in ("dispatch_flag", "combine_flag"):
+        for parity in range(layout.NUM_PARITIES):
+            for src_rank in range(3):
+                offset = layout.HEADER_OFFSETS[region] + (parity * _constants.MAX_RANKS + src_rank) * layout.FLAG_BYTES
+                flag = bytes(memory[offset:offset + layout.FLAG_BYTES])
+                assert flag == (bytes(8) if src_rank == 2 else b"\xff" * 8), (region, parity, src_rank)
+
+
+def test_a_replacement_jumps_to_the_survivors_steps_and_agreed_configurations():
+    """Rank 1 is fresh (steps 0, nothing agreed); rank 0 has run. Both end with rank 0's state."""
+    logs = [[], []]
+    survivor_steps = (9, 8, 9, 8)
+    backends = {}
+
+    def rank_fn(rank_group):
+        group = CountingGroup(rank_group)
+        backend = stub_backend(group, logs[group.rank], RecordingTransport(logs[group.rank], [1, 2], []))
+        if group.rank == 0:
+            backend.workspace.write(STATE, STEPS.pack(*survivor_steps))
+            backend._agreed = {(4, 128, 8), (8, 256, 8)}
+        backend.connect()
+        backends[group.rank] = backend
+        # An agreed configuration makes no collective; a new one does, on both ranks.
+        before = group.num_collectives
+        backend.layout_for(4, 128, 8)
+        assert group.num_collectives == before
+        backend.layout_for(16, 128, 8)
+        assert group.num_collectives == before + 1
+
+    ep.LocalGroup(2, timeout_s=30.0).spawn(rank_fn)
+    for backend in backends.values():
+        assert STEPS.unpack(backend.workspace.read(STATE, STEPS.size)) == survivor_steps
+        assert backend._agreed == {(4, 128, 8), (8, 256, 8), (16, 128, 8)}
+
+
+def test_ranks_with_different_kernels_are_refused_on_every_rank(monkeypatch):
+    digests = {"mooncake_ep-rank0": "a" * 64, "mooncake_ep-rank1": "b" * 64, "mooncake_ep-rank2": "a" * 64}
+    monkeypatch.setattr(_cuda_backend, "protocol_digest", lambda sys_scope: digests[threading.current_thread().name])
+    out = [None] * 3
+
+    def rank_fn(group):
+        backend = stub_backend(group, [], RecordingTransport([], [1, 2, 3], []))
+        try:
+            backend.connect()
+        except ValueError as exc:
+            out[group.rank] = str(exc)
+
+    ep.LocalGroup(3, timeout_s=30.0).spawn(rank_fn)
+    for message in out:
+        assert message is not None and message.startswith(
+            "Buffer: ranks run different kernels (protocol digest ranks [0, 2]: 'aaaaaaaaaaaa', rank 1: "
+            "'bbbbbbbbbbbb'; NVRTC ranks [0, 1, 2]: "), out
+        assert message.endswith("install the same mooncake_ep, with the same kernels_cu sources, on every rank")
+
+
+def test_protocol_digest_ignores_the_gpu_but_not_the_scope():
+    assert _cuda_backend.protocol_digest(True) == _cuda_backend.protocol_digest(True)
+    assert _cuda_backend.protocol_digest(True) != _cuda_backend.protocol_digest(False)
+
+
+# ----------------------------------------------------------------------------- per-configuration check
+
+
+def test_first_use_of_a_configuration_is_checked_across_ranks_and_a_mismatch_is_not_kept():
+    shapes = {0: (4, 128, 8), 1: (4, 256, 8)}
+    out = {}
+
+    def rank_fn(group):
+        backend = stub_backend(group, [], RecordingTransport([], [1, 2], []))
+        with pytest.raises(ValueError, match=r"dispatch: ranks disagree on \(num_max_dispatch_tokens_per_rank, "
+                                             r"hidden, num_experts\): rank 0: \(4, 128, 8\), rank 1: \(4, 256, 8\)"):
+            backend.layout_for(*shapes[group.rank])
+        assert backend._layouts == {} and backend._agreed == set()  # the rejected call left nothing
+        found, address = backend.layout_for(4, 128, 8)  # the buffer is still usable
+        out[group.rank] = (found.hidden, address, backend.layout_for(4, 128, 8)[1])
+
+    ep.LocalGroup(2, timeout_s=30.0).spawn(rank_fn)
+    assert out[0] == out[1] == (128, 0x5000_0000, 0x5000_0000)
+
+
+def test_in_process_ranks_make_no_collective_for_a_configuration():
+    class NoCollectives(RecordingGroup):
+        is_in_process = True
+
+        def allgather_bytes(self, data):
+            raise AssertionError("in-process ranks skip the configuration check")
+
+    backend = stub_backend(NoCollectives([]), [])
+    workspace_layout, address = backend.layout_for(4, 128, 8)
+    assert workspace_layout.num_bytes == layout.compute_layout(2, 8, 4, 128).num_bytes
+    assert backend.layout_table.read(0, layout.LAYOUT_SLOT_BYTES)[:len(workspace_layout.pack())] == \
+        workspace_layout.pack()
+
+
+# ----------------------------------------------------------------------------- teardown
+
+
+def test_destroy_waits_barriers_closes_barriers_then_frees_and_is_idempotent():
+    log: list = []
+    backend = stub_backend(RecordingGroup(log), log, RecordingTransport(log, [1, 2], []))
+    backend.destroy()
+    backend.destroy()
+    assert log == ["synchronize", "barrier", "close", "barrier", "close", "free workspace", "free layout table"]
+
+
+def test_destroy_with_the_local_transport_needs_one_barrier():
+    log: list = []
+    backend = stub_backend(RecordingGroup(log), log)
+    backend.destroy()
+    assert log == ["synchronize", "barrier", "free workspace", "free layout table"]
+
+
+def test_destroy_with_a_missing_peer_still_releases_then_raises(caplog):
+    log: list = []
+    backend = stub_backend(RecordingGroup(log, fail_barrier=True), log, RecordingTransport(log, [1, 2], []))
+    with caplog.at_level(logging.WARNING, logger="mooncake_ep"):
+        with pytest.raises(GroupError, match=r"waiting for ranks \[1\] of 2"):
+            backend.destroy()
+    # The broken group makes no second barrier; the mappings and memory are released anyway.
+    assert log == ["synchronize", "barrier", "close", "close", "free workspace", "free layout table"]
+    assert "releasing the workspace without waiting" in caplog.text
+    log.clear()
+    backend = stub_backend(RecordingGroup(log, fail_barrier=True), log, RecordingTransport(log, [1, 2], []))
+    backend.destroy(raise_group_error=False)  # what a failed construction does
+    assert log[-2:] == ["free workspace", "free layout table"]
+
+
+def test_garbage_collection_closes_the_peers_mappings_before_freeing(caplog):
+    log: list = []
+    transport = RecordingTransport(log, [1, 2], [])
+    with caplog.at_level(logging.WARNING, logger="mooncake_ep"):
+        _cuda_backend._release_unreachable(3, transport, HostWorkspace(8, log, "workspace"),
+                                           HostWorkspace(8, log, "layout table"))
+    assert log == ["close", "free workspace", "free layout table"]
+    assert "the Buffer of rank 3 was garbage-collected without destroy()" in caplog.text

@@ -1,0 +1,248 @@
+"""Membership epochs of the store groups: renew_membership, and a process taking over a dead rank.
+
+CPU only. Ranks are threads here, each with its own store connection; a rank "dies" when its
+connection closes, which is what the OS does to a killed process's socket (the multi-process
+version, with SIGKILL, is in test_buffer_multiprocess.py). Timeouts only bound failures.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+
+import pytest
+
+import _threads
+
+from mooncake_ep.group import GroupError, TCPGroup, TCPStoreClient, TCPStoreServer, TorchStoreGroup, init_group
+
+PROCESS_LIMIT_S = 60.0
+LONG_TIMEOUT_S = 30.0
+SHORT_TIMEOUT_S = 0.5
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_in_threads(fns: list) -> list:
+    return _threads.run_in_threads(fns, PROCESS_LIMIT_S)
+
+
+def join(port: int, world_size: int) -> list[TCPGroup]:
+    groups = run_in_threads([lambda r=r: TCPGroup(r, world_size, master_port=port, timeout_s=LONG_TIMEOUT_S)
+                             for r in range(world_size)])
+    assert all(isinstance(g, TCPGroup) for g in groups), groups
+    return groups
+
+
+def die(group: TCPGroup) -> None:
+    """What a killed process leaves behind: its store connection closed, no goodbye."""
+    group._client.close()
+
+
+def eventually(fn, limit_s: float = PROCESS_LIMIT_S):
+    """fn()'s first truthy result, polling: the store frees a claim a moment after the connection closes."""
+    deadline = time.monotonic() + limit_s
+    while not (result := fn()):
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
+    return result
+
+
+def join_while_claimed(make):
+    """make()'s result or error, retried while the error is the old connection's claim still being held."""
+    def attempt():
+        try:
+            return make()
+        except GroupError as exc:
+            return None if "twice" in str(exc) else exc
+    return eventually(attempt)
+
+
+def gather_ranks(groups) -> list:
+    return run_in_threads([lambda g=g: g.allgather_bytes(bytes([g.rank, g.membership_epoch])) for g in groups])
+
+
+# ----------------------------------------------------------------------------- store claims
+
+
+def test_claim_is_held_by_its_connection_and_released_when_it_closes():
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        a = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        b = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        assert a.claim("member/1", b"a") is True
+        assert b.claim("member/1", b"b") is False  # a holds it
+        assert b.get("member/1", timeout_s=1.0) == b"a"
+        a.close()
+        # The server frees the key once it has seen the connection close: wait for the key to go.
+        c = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        assert eventually(lambda: b.claim("member/1", b"b"))
+        assert c.get("member/1", timeout_s=1.0) == b"b"
+        # A set ends the claim: the key outlives its claimer.
+        c.set("member/1", b"set")
+        b.close()
+        assert c.get("member/1", timeout_s=1.0) == b"set"
+        assert c.claim("member/1") is False
+        c.close()
+
+
+def test_claim_of_a_client_that_dies_inside_a_wait_is_released():
+    """A rank killed while it waits in a collective: its store request is still being served."""
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        dying = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        other = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        assert dying.claim("member/2", b"x")
+        waiter = threading.Thread(target=lambda: _swallow(lambda: dying.wait(["never"], timeout_s=math.inf)),
+                                  daemon=True)
+        waiter.start()
+        eventually(lambda: server._num_busy == 1)  # the endless wait is inside the server
+        dying._sock.shutdown(socket.SHUT_RDWR)  # what the OS does to a killed process's socket
+        assert eventually(lambda: other.claim("member/2", b"y"))
+        waiter.join(PROCESS_LIMIT_S)
+        other.close()
+
+
+def _swallow(fn) -> None:
+    try:
+        fn()
+    except GroupError:
+        pass  # the dying side's wait ends with a lost connection
+
+
+# ----------------------------------------------------------------------------- renew and rejoin
+
+
+def test_replacement_takes_over_a_dead_rank_at_the_survivors_renew():
+    port = free_port()
+    groups = join(port, 3)
+    assert gather_ranks(groups) == [[b"\0\0", b"\1\0", b"\2\0"]] * 3
+    die(groups[2])
+    for g in groups[:2]:
+        g.timeout_s = SHORT_TIMEOUT_S
+    out = run_in_threads([lambda g=g: g.allgather_bytes(b"x") for g in groups[:2]])
+    for e in out:  # the survivors notice: the collective names the dead rank, and the group is broken
+        assert isinstance(e, GroupError) and f"waiting for ranks [2] of 3 (MASTER_ADDR=127.0.0.1, MASTER_PORT={port})" \
+            in str(e), out
+    with pytest.raises(GroupError, match="broken"):
+        groups[0].barrier()
+    for g in groups[:2]:
+        g.timeout_s = LONG_TIMEOUT_S
+    out = run_in_threads([groups[0].renew_membership, groups[1].renew_membership,
+                          lambda: TCPGroup(2, 3, master_port=port, timeout_s=LONG_TIMEOUT_S, rejoin=True)])
+    assert out[:2] == [[2], [2]], out
+    groups[2] = out[2]
+    assert isinstance(groups[2], TCPGroup) and [g.membership_epoch for g in groups] == [1, 1, 1]
+    # The repaired group's collectives include the newcomer, round after round.
+    assert gather_ranks(groups) == [[b"\0\1", b"\1\1", b"\2\1"]] * 3
+    run_in_threads([lambda g=g: g.barrier() for g in groups])
+    assert gather_ranks(groups) == [[b"\0\1", b"\1\1", b"\2\1"]] * 3
+    # A renewal with every rank alive changes nobody.
+    assert run_in_threads([g.renew_membership for g in groups]) == [[], [], []]
+    assert gather_ranks(groups) == [[b"\0\2", b"\1\2", b"\2\2"]] * 3
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
+def test_a_second_replacement_joins_the_next_epoch():
+    port = free_port()
+    groups = join(port, 3)
+    for victim in (1, 2):
+        die(groups[victim])
+        others = [g for g in groups if g.rank != victim]
+        out = run_in_threads([g.renew_membership for g in others] +
+                             [lambda v=victim: TCPGroup(v, 3, master_port=port, timeout_s=LONG_TIMEOUT_S, rejoin=True)])
+        assert out[:2] == [[victim], [victim]], out
+        groups[victim] = out[2]
+    assert [g.membership_epoch for g in groups] == [2, 2, 2]
+    assert gather_ranks(groups) == [[b"\0\2", b"\1\2", b"\2\2"]] * 3
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
+def test_renew_times_out_naming_the_missing_rank_and_can_be_retried():
+    port = free_port()
+    groups = join(port, 3)
+    die(groups[2])
+    for g in groups[:2]:
+        g.timeout_s = SHORT_TIMEOUT_S
+    out = run_in_threads([g.renew_membership for g in groups[:2]])
+    for e in out:
+        assert isinstance(e, GroupError), out
+        assert str(e).startswith(f"renew_membership #0 (epoch 1) timed out after {SHORT_TIMEOUT_S} s waiting for "
+                                 f"ranks [2] of 3 (MASTER_ADDR=127.0.0.1, MASTER_PORT={port}); a rank whose process "
+                                 f"died needs a replacement: start one with init_group(rank=..., rejoin=True)"), out
+    for g in groups[:2]:
+        g.timeout_s = LONG_TIMEOUT_S
+    out = run_in_threads([groups[0].renew_membership, groups[1].renew_membership,
+                          lambda: TCPGroup(2, 3, master_port=port, timeout_s=LONG_TIMEOUT_S, rejoin=True)])
+    assert out[:2] == [[2], [2]], out
+    groups[2] = out[2]
+    assert gather_ranks(groups) == [[b"\0\1", b"\1\1", b"\2\1"]] * 3
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
+def test_renew_repairs_a_group_broken_by_mismatched_collectives():
+    port = free_port()
+    groups = join(port, 2)
+    out = run_in_threads([groups[0].barrier, lambda: groups[1].allgather_bytes(b"x")])
+    assert all(isinstance(e, GroupError) and "other collectives" in str(e) for e in out), out
+    assert run_in_threads([g.renew_membership for g in groups]) == [[], []]
+    assert gather_ranks(groups) == [[b"\0\1", b"\1\1"]] * 2
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
+def test_rejoin_errors():
+    port = free_port()
+    with pytest.raises(ValueError, match="rejoin=True cannot take over rank 0: rank 0 serves the store"):
+        TCPGroup(0, 2, master_port=port, rejoin=True)
+    with pytest.raises(ValueError, match="rejoin=True cannot take over rank 0"):
+        init_group(rank=0, world_size=2, master_port=port, rejoin=True)
+    with pytest.raises(TypeError, match="rejoin must be a bool, got int"):
+        TCPGroup(1, 2, master_port=port, rejoin=1)
+    groups = join(port, 3)
+    # A live rank cannot be taken over; a rank that never joined has nothing to take over.
+    with pytest.raises(GroupError, match=r"rank 1 is still held by a live process after 0\.5 s .*only a rank whose "
+                                         r"process has exited"):
+        TCPGroup(1, 3, master_port=port, timeout_s=SHORT_TIMEOUT_S, rejoin=True)
+    die(groups[2])
+    # Coming back as a dead rank without saying so is refused (its peers are past the rendezvous).
+    error = join_while_claimed(lambda: TCPGroup(2, 3, master_port=port, timeout_s=SHORT_TIMEOUT_S))
+    assert isinstance(error, GroupError), error
+    assert "rank 2 joined the store" in str(error) and "before and that process has exited" in str(error)
+    assert "init_group(rejoin=True)" in str(error)
+    # The replacement waits for the survivors to renew; they never do here.
+    with pytest.raises(GroupError, match=r"renew_membership #0 \(epoch 1\) timed out after 0\.5 s waiting for ranks "
+                                         r"\[0, 1\] of 3 .*Buffer\.update_ep_member\(\)"):
+        TCPGroup(2, 3, master_port=port, timeout_s=SHORT_TIMEOUT_S, rejoin=True)
+    run_in_threads([lambda g=g: g.close(final_barrier=False) for g in groups[:2]])
+
+
+def test_rejoin_of_a_rank_that_never_joined_is_refused():
+    port = free_port()
+    server = TCPStoreServer("127.0.0.1", port)  # a store with no group in it
+    try:
+        with pytest.raises(GroupError, match=r"rank 1 never joined the group .* nothing to take over"):
+            TCPGroup(1, 2, master_port=port, timeout_s=SHORT_TIMEOUT_S, rejoin=True)
+    finally:
+        server.close()
+
+
+def test_init_group_rejoin_needs_the_tcp_store():
+    torch_dist = pytest.importorskip("torch.distributed")
+    store = torch_dist.HashStore()
+    with pytest.raises(ValueError, match=r"rejoin=True takes over a rank of mooncake_ep's TCP store group"):
+        init_group(store, rank=1, world_size=2, rejoin=True)
+
+
+def test_renew_membership_over_a_torch_store():
+    """Every store group has epochs: a renewal over a torch Store repairs it the same way."""
+    torch_dist = pytest.importorskip("torch.distributed")
+    store = torch_dist.HashStore()
+    groups = run_in_threads([lambda r=r: TorchStoreGroup(store, r, 2, timeout_s=LONG_TIMEOUT_S) for r in range(2)])
+    out = run_in_threads([groups[0].barrier, lambda: groups[1].allgather_bytes(b"x")])
+    assert all(isinstance(e, GroupError) for e in out), out
+    assert run_in_threads([g.renew_membership for g in groups]) == [[], []]
+    assert gather_ranks(groups) == [[b"\0\1", b"\1\1"]] * 2

@@ -1,0 +1,158 @@
+"""The checks every rank of a Buffer makes about the others (mooncake_ep/_handshake.py).
+
+CPU only: the rules on lists of configurations, then through Buffer construction and
+update_ep_member with LocalGroup ranks on the reference backend, where every rank must raise the
+same error and the group must stay usable for a correct Buffer afterwards. Processes are in
+test_buffer_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+import mooncake_ep as ep
+from mooncake_ep import _handshake, reference
+from mooncake_ep._handshake import CONSTRUCT, UPDATE, RankConfig
+
+T, H, R, E = 4, 128, 3, 6
+SIZE = ep.Buffer.get_ep_buffer_size_hint(T, H, R, E)
+
+
+def config(**fields) -> RankConfig:
+    return dataclasses.replace(RankConfig("0.1.0", CONSTRUCT, "reference", SIZE), **fields)
+
+
+def gpu(device: str, num_sms: int = 0, num_device_sms: int = 132, **fields) -> RankConfig:
+    return config(backend="cuda", device=device, device_name=f"cuda:0 (GPU {device}) on h", num_sms=num_sms,
+                  num_device_sms=num_device_sms, **fields)
+
+
+def on_every_rank(num_ranks: int, fn) -> list:
+    """fn(group) on LocalGroup threads; each rank's result or exception (so all ranks are seen)."""
+    out = [None] * num_ranks
+
+    def rank_fn(group):
+        try:
+            out[group.rank] = fn(group)
+        except (ValueError, RuntimeError) as exc:
+            out[group.rank] = exc
+
+    ep.LocalGroup(num_ranks, timeout_s=30.0).spawn(rank_fn)
+    return out
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+@pytest.mark.parametrize("configs,error,pattern", [
+    ([config(), config(version="0.2.0"), config()], ValueError,
+     r"Buffer: ranks disagree on mooncake_ep version \(ranks \[0, 2\]: '0\.1\.0', rank 1: '0\.2\.0'\); "
+     r"install the same mooncake_ep on every rank"),
+    ([config(), config(backend="cuda"), config()], ValueError,
+     r"ranks disagree on backend \(ranks \[0, 2\]: 'reference', rank 1: 'cuda'\); pass the same backend= .*'auto'"),
+    ([config(), config(), config(num_ep_buffer_bytes=SIZE + 1)], ValueError,
+     rf"ranks disagree on num_ep_buffer_bytes \(ranks \[0, 1\]: {SIZE}, rank 2: {SIZE + 1}\); size every rank's "
+     rf"buffer with Buffer.get_ep_buffer_size_hint"),
+    ([config(phase=UPDATE, num_dispatches=4), config(phase=UPDATE, num_dispatches=5), config()], ValueError,
+     r"ranks made different numbers of dispatches \(rank 0: 4, rank 1: 5\); every rank must call dispatch"),
+    ([config(phase=UPDATE), config(phase=UPDATE, num_pending_hooks=1), config()], RuntimeError,
+     r"ranks \[1\] have receive hooks pending; call them \(on every rank\) before update_ep_member"),
+])
+def test_mismatches_are_named(configs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        _handshake.check(configs, "Buffer")
+
+
+def test_matching_configs_pass_and_a_replacement_continues_the_count():
+    survivors = [config(phase=UPDATE, num_dispatches=7), config(phase=UPDATE, num_dispatches=7)]
+    configs = survivors[:1] + [config()] + survivors[1:]
+    _handshake.check(configs, "update_ep_member")
+    assert _handshake.running_dispatches(configs) == 7
+    assert _handshake.replaced_ranks(configs) == [1]
+    fresh = [config(), config()]
+    assert _handshake.running_dispatches(fresh) == 0 and _handshake.replaced_ranks(fresh) == []
+
+
+def test_num_sms_shares_each_gpu_among_its_ranks():
+    configs = [gpu("a"), gpu("a"), gpu("b"), gpu("a"), gpu("b", num_sms=60)]
+    assert [_handshake.num_sms_for(configs, r, "Buffer") for r in range(5)] == [44, 44, 66, 44, 60]
+
+
+def test_an_oversubscribed_gpu_is_refused_naming_its_ranks():
+    configs = [gpu("a", num_sms=100), gpu("a"), gpu("b")]
+    with pytest.raises(ValueError, match=re.escape(
+            "Buffer: the 2 ranks on cuda:0 (GPU a) on h need num_sms rank 0: 100, rank 1: 66, 166 SMs in all, the "
+            "device has 132: every rank's kernel must be resident at once, so use num_sms <= 66")):
+        _handshake.num_sms_for(configs, 2, "Buffer")  # rank 2 (on GPU b) raises too: every rank checks all
+
+
+def test_config_round_trips():
+    record = gpu("boot/0000:19:00.0", num_sms=8, phase=UPDATE, num_dispatches=3)
+    assert RankConfig.unpack(record.pack()) == record
+
+
+def test_same_configuration_check_raises_on_every_rank():
+    shapes = [(T, H, E), (T, H, E), (T, 2 * H, E)]
+    out = on_every_rank(3, lambda g: _handshake.check_same_configuration(g, *shapes[g.rank]))
+    for error in out:
+        assert isinstance(error, ValueError), out
+        assert str(error) == (f"dispatch: ranks disagree on (num_max_dispatch_tokens_per_rank, hidden, num_experts): "
+                              f"ranks [0, 1]: ({T}, {H}, {E}), rank 2: ({T}, {2 * H}, {E}); every rank must dispatch "
+                              f"the same configuration, or the kernels would read peers' workspaces at the wrong "
+                              f"offsets")
+    assert on_every_rank(3, lambda g: _handshake.check_same_configuration(g, T, H, E)) == [None] * 3
+
+
+# ----------------------------------------------------------------------------- through Buffer
+
+
+def step(buffer: ep.Buffer, rank: int, seed: int) -> np.ndarray:
+    """One bf16 dispatch and identity-expert combine; returns combined_x."""
+    rng = np.random.default_rng([seed, rank])
+    x = rng.standard_normal((T, H)).astype(reference.bfloat16)
+    topk = np.stack([rng.permutation(E)[:2] for _ in range(T)]).astype(np.int64)
+    weights = np.full((T, 2), 0.5, np.float32)
+    active = np.ones(R, np.int32)
+    recv_x, _, handle, _, _ = buffer.dispatch(x, topk, active, T, E, use_fp8=False)
+    combined, _, _ = buffer.combine(recv_x, topk, weights, active, -1, handle)
+    np.testing.assert_array_equal(combined.astype(np.float32), x.astype(np.float32))  # 0.5 x + 0.5 x
+    return combined
+
+
+def test_mismatched_buffer_size_raises_on_every_rank_and_the_group_stays_usable():
+    def rank_fn(group):
+        wrong = SIZE + 128 * (group.rank == 1)
+        with pytest.raises(ValueError, match=rf"Buffer: ranks disagree on num_ep_buffer_bytes \(ranks \[0, 2\]: "
+                                             rf"{SIZE}, rank 1: {SIZE + 128}\)"):
+            ep.Buffer(group, wrong, backend="reference")
+        buffer = ep.Buffer(group, SIZE, backend="reference")
+        step(buffer, group.rank, 0)
+        buffer.destroy()
+        return "ok"
+
+    assert ep.LocalGroup(R, timeout_s=30.0).spawn(rank_fn) == ["ok"] * R
+
+
+def test_update_ep_member_refuses_pending_hooks_on_every_rank():
+    def rank_fn(group):
+        buffer = ep.Buffer(group, SIZE, backend="reference")
+        x = np.zeros((1, H), reference.bfloat16)
+        topk = np.array([[group.rank * 2]], np.int64)
+        _, _, _, _, hook = buffer.dispatch(x, topk, np.ones(R, np.int32), T, E, use_fp8=False,
+                                           return_recv_hook=group.rank == 0)
+        if hook is not None:
+            with pytest.raises(RuntimeError, match=r"update_ep_member: ranks \[0\] have receive hooks pending"):
+                buffer.update_ep_member()
+            hook()
+        else:
+            with pytest.raises(RuntimeError, match=r"ranks \[0\] have receive hooks pending"):
+                buffer.update_ep_member()
+        assert buffer.update_ep_member() == []  # nothing pending, nobody replaced
+        step(buffer, group.rank, 1)
+        return "ok"
+
+    assert ep.LocalGroup(R, timeout_s=30.0).spawn(rank_fn) == ["ok"] * R
