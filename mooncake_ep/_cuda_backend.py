@@ -143,15 +143,18 @@ class CudaBackend:
     def connect(self) -> list[int]:
         """Exchange workspace addresses and write the route table (collective).
 
-        With ``ipc``, called again (``update_ep_member``), it waits for this rank's kernels, maps
-        the workspaces that changed (a replacement's), clears the flags the dead process left in
-        this workspace, and brings a replacement's step counters to the survivors'.
+        Every call brings a replacement's step counters to the survivors'. With ``ipc``, called
+        again (``update_ep_member``), it also waits for this rank's kernels, maps the workspaces
+        that changed (a replacement's) and clears the flags the dead process left in this one.
 
         Returns:
             The ranks whose workspace was replaced (ipc; empty otherwise and on the first call).
         """
         replaced: list[int] = []
         if self._ipc is None:
+            # In one process a replacement (a fresh Buffer of a rank that stopped) also starts its
+            # step counters at 0: it adopts the survivors' as across processes.
+            self._agree_on_kernels_and_steps()
             route = local_transport.connect(self.group, self.workspace)
         else:
             if self._connected:
@@ -174,7 +177,9 @@ class CudaBackend:
         """
         state = layout.HEADER_OFFSETS["state"]
         mine = {"digest": protocol_digest(self.sys_scope), "nvrtc": list(kernels.nvrtc_version()),
-                "steps": list(_STEPS.unpack(self.workspace.read(state, _STEPS.size))),
+                # peek: no device-wide sync, which in one process would wait for peers' kernels
+                # (the caller has nothing of its own in flight: see Buffer.update_ep_member).
+                "steps": list(_STEPS.unpack(self.workspace.peek(state, _STEPS.size))),
                 "agreed": sorted(self._agreed)}
         records = [json.loads(blob) for blob in self.group.allgather_bytes(json.dumps(mine).encode())]
         digests = {rank: record["digest"][:12] for rank, record in enumerate(records)}

@@ -10,6 +10,7 @@
 #   trace      per-block timestamps of every rank's kernels (scripts/trace_phases.py)
 #   ncu        Nsight Compute on one rank's kernels (a rank alone: ncu serialises kernels)
 #   host       host time of eager calls and its cProfile (scripts/profile_host.py)
+#   fault      time a survivor loses when a rank stops, against timeout_us (scripts/fault_latency.py)
 #   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
 set -uo pipefail
 out="${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE ...]}"
@@ -70,6 +71,9 @@ if has ncu; then
   step ncu 300 ncu --clock-control none -k regex:ll_ --launch-skip 8 --launch-count 4 --set detailed \
     -o "$out/ncu_one_rank" -f python3 scripts/trace_phases.py --ranks 1 --num-sms 16 --tokens 128 --experts 32 --replays 4
   ncu -i "$out/ncu_one_rank.ncu-rep" --page details >"$out/ncu_one_rank.txt" 2>&1
+fi
+if has fault; then
+  TAIL=20 step fault_latency 240 python3 scripts/fault_latency.py --json "$out/fault.json"
 fi
 if has host; then
   TAIL=40 step host_profile 180 python3 scripts/profile_host.py --json "$out/host.json"

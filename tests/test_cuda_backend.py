@@ -31,6 +31,7 @@ class HostWorkspace:
     def __init__(self, num_bytes: int, log: list, name: str, fill: int = 0):
         self.memory = bytearray([fill]) * num_bytes
         self.ptr = 0x5000_0000
+        self.device_id = 0
         self.num_bytes = num_bytes
         self.log, self.name = log, name
 
@@ -39,6 +40,8 @@ class HostWorkspace:
 
     def read(self, offset: int, num_bytes: int) -> bytes:
         return bytes(self.memory[offset:offset + num_bytes])
+
+    peek = read  # on the host there is no device to synchronise
 
     def free(self) -> None:
         self.log.append(f"free {self.name}")
@@ -219,6 +222,22 @@ def test_in_process_ranks_make_no_collective_for_a_configuration():
     assert workspace_layout.num_bytes == layout.compute_layout(2, 8, 4, 128).num_bytes
     assert backend.layout_table.read(0, layout.LAYOUT_SLOT_BYTES)[:len(workspace_layout.pack())] == \
         workspace_layout.pack()
+
+
+def test_a_replacement_in_the_same_process_also_adopts_the_survivors_steps():
+    """The local transport too: a fresh Buffer of an in-process rank that stopped starts at step 0."""
+    survivor_steps = (7, 3, 6, 2)
+    results = {}
+
+    def rank_fn(rank_group):
+        backend = stub_backend(rank_group, [])
+        if rank_group.rank == 0:
+            backend.workspace.write(STATE, STEPS.pack(*survivor_steps))
+        backend.connect()
+        results[rank_group.rank] = STEPS.unpack(backend.workspace.read(STATE, STEPS.size))
+
+    ep.LocalGroup(2, timeout_s=30.0).spawn(rank_fn)
+    assert results == {0: survivor_steps, 1: survivor_steps}
 
 
 # ----------------------------------------------------------------------------- teardown

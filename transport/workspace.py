@@ -95,6 +95,23 @@ class DeviceWorkspace:
                                      cupy.cuda.runtime.memcpyDeviceToHost)
         return buffer.raw
 
+    def peek(self, offset: int, num_bytes: int) -> bytes:
+        """Copy ``num_bytes`` at ``ptr + offset`` to the host without a device-wide sync.
+
+        cudaMemcpy on the legacy stream, which orders nothing on the non-blocking rank streams:
+        the caller makes sure no kernel writes those bytes meanwhile. (:meth:`read` synchronises
+        the device first, which in one process also waits for the other ranks' kernels.)
+        """
+        import ctypes
+
+        import cupy
+
+        buffer = ctypes.create_string_buffer(num_bytes)
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.runtime.memcpy(ctypes.addressof(buffer), self.ptr + offset, num_bytes,
+                                     cupy.cuda.runtime.memcpyDeviceToHost)
+        return buffer.raw
+
     def free(self) -> None:
         """Wait for this process's work on the device, then free the memory. Idempotent."""
         if self.ptr:
