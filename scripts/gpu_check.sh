@@ -44,11 +44,6 @@ if has warmup; then
     --experts 256 --ranks 8 --json "$out/warmup_cold.json"
   step buffer_construction 120 python3 scripts/time_construction.py --json "$out/construction.json"
 fi
-if has tests; then
-  args=(-m gpu -q -p no:cacheprovider --timeout 300 --tb=short -rf --durations=15)
-  [ -n "${PYTEST_K:-}" ] && args+=(-k "$PYTEST_K")
-  TAIL=30 step pytest_gpu 600 python3 -m pytest "${args[@]}" tests
-fi
 if has bench; then
   step bench_decode 300 "${bench[@]}" "${decode[@]}" --json "$out/bench_decode.json"
   step bench_one_rank 120 "${bench[@]}" --ranks 1 --tokens 128 --hidden 7168 --topk 8 --experts 32 --iters 100 \
@@ -65,6 +60,11 @@ if has trace; then
   step trace_tiny 120 python3 scripts/trace_phases.py --ranks 8 --num-sms 16 --tokens 8 --json "$out/trace_tiny.json"
   step trace_zero_copy 120 python3 scripts/trace_phases.py --ranks 8 --num-sms 16 --tokens 128 --zero-copy \
     --json "$out/trace_zero_copy.json"
+fi
+if has tests; then
+  args=(-m gpu -q -p no:cacheprovider --timeout 300 --tb=short -rf --durations=15)
+  [ -n "${PYTEST_K:-}" ] && args+=(-k "$PYTEST_K")
+  TAIL=30 step pytest_gpu "${PYTEST_LIMIT_S:-600}" python3 -m pytest "${args[@]}" tests
 fi
 if has ncu; then
   # One rank, 16 SMs, the per-rank work of the decode shape (1024 copies in, 1024 rows combined).
