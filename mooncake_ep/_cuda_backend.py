@@ -126,9 +126,10 @@ class CudaBackend:
         self._connected = False
         self._destroyed = False
         # Garbage collection cannot wait for the peers; it releases in the order that is safe for
-        # this process (mappings of the peers first, then its own memory) and says so.
+        # this process (mappings of the peers first, then its own memory) and says so. Ranks in
+        # this process keep the memory instead (see _release_unreachable).
         self._finalizer = weakref.finalize(self, _release_unreachable, group.rank, self._ipc, self.workspace,
-                                           self.layout_table)
+                                           self.layout_table, in_process and group.world_size > 1)
         self._finalizer.atexit = False
         with cupy.cuda.Device(device_id):
             self.comm_stream = cupy.cuda.Stream(non_blocking=True)
@@ -319,8 +320,19 @@ class CudaBackend:
             cupy.cuda.runtime.deviceSynchronize()
 
 
-def _release_unreachable(rank: int, ipc, workspace: DeviceWorkspace, layout_table: DeviceWorkspace) -> None:
-    """The finalizer of a CudaBackend dropped without destroy(): no collective can run here."""
+def _release_unreachable(rank: int, ipc, workspace: DeviceWorkspace, layout_table: DeviceWorkspace,
+                         has_in_process_peers: bool) -> None:
+    """The finalizer of a CudaBackend dropped without destroy(): no collective can run here.
+
+    With peers in this process the memory is kept until the process ends: freeing synchronises
+    the device, and collection runs on whichever thread allocates next, possibly while that rank's
+    peers' kernels wait for it: the free would stall them all until their timeouts masked it.
+    """
+    if has_in_process_peers:
+        logger.warning("mooncake_ep: the Buffer of in-process rank %d was garbage-collected without destroy(): "
+                       "its workspace (%d bytes) stays allocated until the process ends; call destroy() on every "
+                       "rank", rank, workspace.num_bytes)
+        return
     try:
         if ipc is not None:
             if ipc.exported:

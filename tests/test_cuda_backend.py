@@ -278,6 +278,16 @@ def test_garbage_collection_closes_the_peers_mappings_before_freeing(caplog):
     transport = RecordingTransport(log, [1, 2], [])
     with caplog.at_level(logging.WARNING, logger="mooncake_ep"):
         _cuda_backend._release_unreachable(3, transport, HostWorkspace(8, log, "workspace"),
-                                           HostWorkspace(8, log, "layout table"))
+                                           HostWorkspace(8, log, "layout table"), False)
     assert log == ["close", "free workspace", "free layout table"]
     assert "the Buffer of rank 3 was garbage-collected without destroy()" in caplog.text
+
+
+def test_garbage_collection_frees_nothing_while_ranks_of_this_process_may_run(caplog):
+    """Freeing synchronises the device: in one process it could stall peers' kernels waiting for us."""
+    log: list = []
+    with caplog.at_level(logging.WARNING, logger="mooncake_ep"):
+        _cuda_backend._release_unreachable(1, None, HostWorkspace(8, log, "workspace"),
+                                           HostWorkspace(8, log, "layout table"), True)
+    assert log == []
+    assert "stays allocated until the process ends" in caplog.text
