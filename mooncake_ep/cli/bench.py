@@ -4,7 +4,8 @@ In-process ranks share the visible GPUs (one GPU: all ranks on it, each with its
 ``--num-sms`` SMs). Kernel times come from one CUDA graph per phase that holds every rank's launch
 (a fork/join of the rank streams), replayed and timed with events on the origin stream: a phase's
 time is the time until the slowest rank finishes. Host time per call is measured separately on eager
-calls. Inputs rotate among ``--input-sets`` sets so that the L2 cache does not flatter small shapes.
+calls (results allocated by the call), inside each call only: the benchmark's own stream switches
+between ranks are left out. Inputs rotate among ``--input-sets`` sets so that the L2 cache does not flatter small shapes.
 
 The HBM floor of a phase is the fewest bytes it must move through device memory (dispatch: read
 each token once, write each copy once into recv_x; combine: read each expert output row once, write
@@ -292,17 +293,26 @@ def measure_cuda(args, progress) -> dict:
     rng = np.random.default_rng(args.seed)
     sets = make_input_sets(args, rng, [f"cuda:{d}" for d in devices], torch)
 
-    def dispatch_all(inputs, handles):
+    def dispatch_all(inputs, handles) -> float:
+        """Every rank's dispatch; returns the seconds spent inside the calls (not the stream switches)."""
+        inside = 0.0
         for r in range(args.ranks):
             with torch.cuda.stream(streams[r]):
+                start = time.perf_counter()
                 _, _, handles[r], _, _ = buffers[r].dispatch(inputs[r]["x"], inputs[r]["topk"], inputs[r]["active"],
                                                              args.tokens, args.experts, use_fp8=args.fp8)
+                inside += time.perf_counter() - start
+        return inside
 
-    def combine_all(inputs, handles, zero_copy):
+    def combine_all(inputs, handles, zero_copy) -> float:
+        inside = 0.0
         for r in range(args.ranks):
             with torch.cuda.stream(streams[r]):
+                start = time.perf_counter()
                 buffers[r].combine(None if zero_copy else inputs[r]["expert_out"], inputs[r]["topk"],
                                    inputs[r]["weights"], inputs[r]["active"], -1, handles[r], zero_copy=zero_copy)
+                inside += time.perf_counter() - start
+        return inside
 
     def forked(fn):
         """Run fn with every rank stream ordered after, and joined back into, the current stream."""
@@ -323,17 +333,14 @@ def measure_cuda(args, progress) -> dict:
         origin = torch.cuda.current_stream()
         for s in streams:
             s.wait_stream(origin)
-        start = time.perf_counter()
-        dispatch_all(inputs, handles)
-        middle = time.perf_counter()
-        combine_all(inputs, handles, False)
-        end = time.perf_counter()
+        dispatch_s = dispatch_all(inputs, handles)
+        combine_s = combine_all(inputs, handles, False)
         for s in streams:
             origin.wait_stream(s)
         torch.cuda.synchronize()
         if i >= args.warmup:
-            host["dispatch"].append((middle - start) / args.ranks * 1e6)
-            host["combine"].append((end - middle) / args.ranks * 1e6)
+            host["dispatch"].append(dispatch_s / args.ranks * 1e6)
+            host["combine"].append(combine_s / args.ranks * 1e6)
     progress.update(args.warmup + HOST_TIMED_CALLS)
 
     # One graph per (phase, input set); the combine graphs answer the dispatch graph of their set.
