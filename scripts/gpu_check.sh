@@ -5,7 +5,9 @@
 # Stages (default: tests bench warmup sanitizer):
 #   tests      pytest -m gpu (PYTEST_K selects with -k)
 #   bench      the decode-shape benchmark (with the torch baseline), one rank alone, a tiny payload
-#   sweep      the decode sweep over tokens per rank (1..512) with its plot, and a larger-T point
+#   sweep      the decode sweep over tokens per rank (1..512) with its plot, and T = 1024: the largest
+#              that fits 8 ranks on one GPU (the low-latency layout reserves R*T rows per expert:
+#              at T = 4096 it is 30 GB per rank)
 #   warmup     cold NVRTC compile of every variant, then Buffer construction with the cache warm
 #   trace      per-block timestamps of every rank's kernels (scripts/trace_phases.py)
 #   ncu        Nsight Compute on one rank's kernels (a rank alone: ncu serialises kernels)
@@ -54,6 +56,8 @@ fi
 if has sweep; then
   step bench_sweep 420 "${bench[@]}" "${decode[@]}" --iters 50 --warmup 5 --input-sets 2 --plot "$out/sweep.png" \
     --json "$out/bench_sweep.json"
+  step bench_t1024 240 "${bench[@]}" --ranks 8 --num-sms 16 --tokens 1024 --hidden 7168 --topk 8 --experts 256 \
+    --iters 50 --warmup 5 --input-sets 1 --no-baseline --json "$out/bench_t1024.json"
 fi
 if has trace; then
   step trace_decode 120 python3 scripts/trace_phases.py --ranks 8 --num-sms 16 --tokens 128 --json "$out/trace_decode.json"
