@@ -71,7 +71,7 @@ import numpy as np
 
 from mooncake_ep import _constants
 from mooncake_ep.buffer import Buffer
-from mooncake_ep.frameworks import jax_ops, jax_split
+from mooncake_ep.frameworks import jax_args, jax_ops, jax_split
 from mooncake_ep.frameworks.jax_ops import Handle, PendingCombine, PendingDispatch
 from mooncake_ep.group import LocalGroup
 
@@ -86,7 +86,7 @@ BufferArg = Buffer | Mapping[Any, Buffer]
 
 @dataclasses.dataclass(frozen=True)
 class _DispatchStatic:
-    ranks: jax_ops.Ranks
+    ranks: jax_args.Ranks
     num_max_dispatch_tokens_per_rank: int
     num_experts: int
     timeout_us: int
@@ -141,11 +141,11 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
             Buffer whose device holds several ranks.
     """
     where = "mooncake_ep.jax.dispatch"
-    ranks = jax_ops.as_ranks(where, buffer)
-    x, topk_idx, active_ranks = (jax_ops.as_jax(where, name, value) for name, value in
+    ranks = jax_args.as_ranks(where, buffer)
+    x, topk_idx, active_ranks = (jax_args.as_jax(where, name, value) for name, value in
                                  (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
     static = _DispatchStatic(ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
-                             round_scale, use_ue8m0, jax_ops.check_parity(where, parity), command_buffer_compatible)
+                             round_scale, use_ue8m0, jax_args.check_parity(where, parity), command_buffer_compatible)
     return _dispatch(static, x, topk_idx, active_ranks)
 
 
@@ -173,13 +173,13 @@ def _dispatch_bwd(static: _DispatchStatic, residuals, cotangents):
     grad_recv_x = grad_recv_x.astype(jnp.bfloat16)
     # The workspace keeps only the last dispatches' routing: rebuild it (fp8 halves the bytes; only the
     # routing is used), after the gradient exists, so it cannot be scheduled before the forward combine.
-    zeros = jax_ops.varying_like(jnp.zeros(x_shape, jnp.bfloat16), grad_recv_x)
+    zeros = jax_args.varying_like(jnp.zeros(x_shape, jnp.bfloat16), grad_recv_x)
     _, _, handle, active = jax_ops.dispatch(where, static.ranks, zeros, topk_idx, active,
                                             static.num_max_dispatch_tokens_per_rank, static.num_experts,
                                             **(static.options() | dict(use_fp8=True, round_scale=False,
                                                                        use_ue8m0=False)),
                                             after=(grad_recv_x,))
-    ones = jax_ops.varying_like(jnp.ones(topk_idx.shape, jnp.float32), grad_recv_x)
+    ones = jax_args.varying_like(jnp.ones(topk_idx.shape, jnp.float32), grad_recv_x)
     grad_x, _ = jax_ops.combine(where, static.ranks, grad_recv_x, topk_idx, ones, active, handle,
                                 timeout_us=static.timeout_us, renormalize=False,
                                 command_buffer_compatible=static.command_buffer_compatible)
@@ -194,8 +194,8 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
 
 @dataclasses.dataclass(frozen=True)
 class _CombineStatic:
-    ranks: jax_ops.Ranks
-    grad_ranks: jax_ops.Ranks | None
+    ranks: jax_args.Ranks
+    grad_ranks: jax_args.Ranks | None
     grad_parity: int
     timeout_us: int
     renormalize: bool
@@ -239,13 +239,13 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
         misplaced one, and the failure shows in the next step's ``active_ranks``.
     """
     where = "mooncake_ep.jax.combine"
-    ranks = jax_ops.as_ranks(where, buffer)
+    ranks = jax_args.as_ranks(where, buffer)
     jax_ops.check_handle(where, handle, ranks)
-    grad_ranks = None if grad_buffer is None else jax_ops.as_ranks(f"{where}: grad_buffer", grad_buffer)
+    grad_ranks = None if grad_buffer is None else jax_args.as_ranks(f"{where}: grad_buffer", grad_buffer)
     x, topk_idx, topk_weights, active_ranks = (
-        jax_ops.as_jax(where, name, value) for name, value in
+        jax_args.as_jax(where, name, value) for name, value in
         (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
-    static = _CombineStatic(ranks, grad_ranks, jax_ops.check_parity(where, grad_parity), timeout_us, renormalize,
+    static = _CombineStatic(ranks, grad_ranks, jax_args.check_parity(where, grad_parity), timeout_us, renormalize,
                             command_buffer_compatible)
     return _combine(static, x, topk_idx, topk_weights, active_ranks, handle)
 
@@ -300,7 +300,7 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
         # t*K layout with unit weights. recv passes through it, so the next op on grad_buffer (whose inputs
         # derive from recv) cannot be scheduled before it.
         padded = jnp.zeros(recv.shape, jnp.bfloat16).at[:, :num_rows].set(expert_out)
-        ones = jax_ops.varying_like(jnp.ones(routes.shape, jnp.float32), grad_y)
+        ones = jax_args.varying_like(jnp.ones(routes.shape, jnp.float32), grad_y)
         unsummed, _, recv = jax_ops.combine(where, static.grad_ranks, padded, routes, ones, grad_active, grad_handle,
                                             timeout_us=static.timeout_us, renormalize=False,
                                             command_buffer_compatible=static.command_buffer_compatible,
@@ -375,7 +375,7 @@ def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_to
     where = "mooncake_ep.jax.dispatch_send"
     if not isinstance(buffer, Buffer):
         raise TypeError(f"{where}: buffer must be one rank's mooncake_ep.Buffer, got {type(buffer).__name__}")
-    arrays = tuple(jax_ops.as_jax(where, name, value) for name, value in
+    arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
     options = dict(timeout_us=timeout_us, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                    parity=parity, command_buffer_compatible=command_buffer_compatible)
@@ -422,8 +422,8 @@ def combine_send(buffer: Buffer, x, topk_idx, topk_weights, active_ranks, handle
     where = "mooncake_ep.jax.combine_send"
     if not isinstance(buffer, Buffer):
         raise TypeError(f"{where}: buffer must be one rank's mooncake_ep.Buffer, got {type(buffer).__name__}")
-    jax_ops.check_handle(where, handle, jax_ops.Ranks(buffer))
-    arrays = tuple(jax_ops.as_jax(where, name, value) for name, value in
+    jax_ops.check_handle(where, handle, jax_args.Ranks(buffer))
+    arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
     options = dict(timeout_us=timeout_us, renormalize=renormalize, command_buffer_compatible=command_buffer_compatible)
     return _combine_send((buffer, tuple(sorted(options.items()))), *arrays, handle)

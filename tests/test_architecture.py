@@ -47,6 +47,7 @@ GLUE_NEVER = {
     "jax.py": {"torch", "cupy"},
     "jax_ops.py": {"torch", "cupy"},
     "jax_split.py": {"torch", "cupy"},
+    "jax_args.py": {"torch", "cupy"},
 }
 GLUE_NEVER_PACKAGE = {"kernels", "transport", "_cuda_backend", "_dlpack"}
 TRANSPORT_NEVER = {"buffer", "kernels", "tensor", "frameworks", "reference"}

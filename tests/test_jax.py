@@ -29,7 +29,7 @@ epj = pytest.importorskip("mooncake_ep.jax")
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from mooncake_ep.frameworks import jax_ops  # noqa: E402
+from mooncake_ep.frameworks import jax_args, jax_ops  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 GROUP_TIMEOUT_S = 30.0
@@ -598,7 +598,7 @@ def test_the_callback_launches_both_halves_on_xlas_stream_with_the_static_parity
     case, buffer, cuda = cuda_rank()
     T, E, H = case.num_max_tokens, case.num_experts, case.hidden
     x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topks[0], case.actives[0]))
-    config, specs = jax_ops.dispatch_config("test", jax_ops.Ranks(buffer), x, topk, active, T, E, timeout_us=250,
+    config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), x, topk, active, T, E, timeout_us=250,
                                             use_fp8=True, round_scale=False, use_ue8m0=False, parity=1,
                                             command_buffer_compatible=True)
     assert cuda.layouts == [(T, H, E)], "the layout is uploaded at trace time, before any recording"
@@ -635,7 +635,7 @@ def test_the_split_callbacks_launch_one_half_each():
     case, buffer, cuda = cuda_rank(ranks_on_device=4)
     T, E = case.num_max_tokens, case.num_experts
     x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topks[0], case.actives[0]))
-    config, specs = jax_ops.dispatch_config("test", jax_ops.Ranks(buffer), x, topk, active, T, E, timeout_us=-1,
+    config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), x, topk, active, T, E, timeout_us=-1,
                                             use_fp8=False, round_scale=False, use_ue8m0=False, parity=0,
                                             command_buffer_compatible=True)
     ins = [device_array(a) for a in (case.xs[0], case.topks[0], case.actives[0])]
@@ -653,9 +653,27 @@ def test_the_split_callbacks_launch_one_half_each():
 
 def test_a_cuda_buffer_refuses_cpu_buffers_and_the_wrong_gpu():
     case, buffer, _ = cuda_rank()
-    ranks = jax_ops.Ranks(buffer)
+    ranks = jax_args.Ranks(buffer)
     with pytest.raises(TypeError, match="the computation runs on the CPU, this Buffer runs its kernels on cuda:0"):
         ranks.select("test", (1, 0))
     with pytest.raises(TypeError, match="the arrays are on cuda:1, this Buffer's rank uses cuda:0"):
         ranks.select("test", (2, 1))
     assert ranks.select("test", (2, 0)) is buffer
+
+
+def test_buffer_mappings_compare_by_content_and_name_their_devices():
+    case = make_case(13, num_ranks=2)
+    devices = cpu_devices(2)
+    buffers = spawn(2, lambda g: reference_buffer(g, case))
+    forward = jax_args.as_ranks("t", {devices[0]: buffers[0], devices[1]: buffers[1]})
+    backward = jax_args.as_ranks("t", {devices[1]: buffers[1], devices[0]: buffers[0]})
+    assert forward == backward and hash(forward) == hash(backward)  # a handle is valid with either dict
+    assert forward.select("t", (1, 1)) is buffers[1]
+    with pytest.raises(ValueError, match="t: no Buffer for cpu:5; the mapping has cpu:0, cpu:1"):
+        forward.select("t", (1, 5))
+    with pytest.raises(TypeError, match="arrays are on cuda:0, this Buffer runs on the numpy reference backend"):
+        jax_args.Ranks(buffers[0]).select("t", (2, 0))
+    with pytest.raises(TypeError, match=r"buffer mapping must be \{jax.Device: Buffer\}"):
+        jax_args.as_ranks("t", {"cpu:0": buffers[0]})
+    with pytest.raises(ValueError, match="buffer mapping is empty"):
+        jax_args.as_ranks("t", {})

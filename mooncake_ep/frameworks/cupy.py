@@ -10,11 +10,11 @@ or decode them on the host with ``ml_dtypes``: ``cupy.asnumpy(recv_x).view(ml_dt
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray, numpy_dtype
+from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray
 
 if TYPE_CHECKING:
     import cupy

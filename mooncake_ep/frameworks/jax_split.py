@@ -16,6 +16,7 @@ import numpy as np
 
 from mooncake_ep import reference
 from mooncake_ep.buffer import Buffer
+from mooncake_ep.frameworks.jax_args import Ranks, varying_like
 from mooncake_ep.frameworks.jax_ops import (
     RECV,
     SEND,
@@ -24,7 +25,6 @@ from mooncake_ep.frameworks.jax_ops import (
     Handle,
     PendingCombine,
     PendingDispatch,
-    Ranks,
     _call,
     _CombineCallback,
     _dispatch_metadata,
@@ -38,7 +38,6 @@ from mooncake_ep.frameworks.jax_ops import (
     _write_dispatch,
     combine_config,
     dispatch_config,
-    varying_like,
 )
 from mooncake_ep.tensor import read_array
 
