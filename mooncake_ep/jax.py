@@ -231,7 +231,8 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
 
     Raises:
         TypeError, ValueError: at trace time, with :meth:`Buffer.combine`'s messages; when
-            differentiating without ``grad_buffer`` or with ``renormalize=True``.
+            differentiating without ``grad_buffer`` or with ``renormalize=True``; for a grad_buffer
+            that is the forward's, of another group size, or smaller than :func:`grad_buffer_size_hint`.
 
     Note:
         A rank that fails during the backward changes where later ranks' gradient rows land; the
@@ -241,7 +242,7 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
     where = "mooncake_ep.jax.combine"
     ranks = jax_args.as_ranks(where, buffer)
     jax_ops.check_handle(where, handle, ranks)
-    grad_ranks = None if grad_buffer is None else jax_args.as_ranks(f"{where}: grad_buffer", grad_buffer)
+    grad_ranks = None if grad_buffer is None else _check_grad_buffer(where, ranks, grad_buffer, handle)
     x, topk_idx, topk_weights, active_ranks = (
         jax_args.as_jax(where, name, value) for name, value in
         (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
@@ -322,6 +323,24 @@ def _values(tree):
     """A pytree of ``symbolic_zeros`` primals (each leaf a ``CustomVJPPrimal``) with the plain values."""
     return jax.tree_util.tree_map(lambda primal: primal.value, tree,
                                   is_leaf=lambda leaf: hasattr(leaf, "perturbed") and hasattr(leaf, "value"))
+
+
+def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg, handle: Handle) -> jax_args.Ranks:
+    """The Ranks of ``grad_buffer``: other Buffers of the same group, large enough for T * num_topk tokens."""
+    grad_ranks = jax_args.as_ranks(f"{where}: grad_buffer", grad_buffer)
+    config = handle.config
+    needed = grad_buffer_size_hint(config.num_max_dispatch_tokens_per_rank, config.hidden, config.num_ranks,
+                                   config.num_experts, config.num_topk)
+    if set(grad_ranks.buffers) & set(ranks.buffers) or grad_ranks.first.num_ranks != config.num_ranks:
+        raise ValueError(f"{where}: grad_buffer must be other Buffers of the same group ({config.num_ranks} ranks), "
+                         f"not the forward's")
+    small = [b.num_ep_buffer_bytes for b in grad_ranks.buffers if b.num_ep_buffer_bytes < needed]
+    if small:
+        raise ValueError(f"{where}: grad_buffer has {small[0]} bytes, the gradient needs {needed} "
+                         f"(grad_buffer_size_hint(T={config.num_max_dispatch_tokens_per_rank}, hidden={config.hidden}, "
+                         f"num_ranks={config.num_ranks}, num_experts={config.num_experts}, "
+                         f"num_topk={config.num_topk}))")
+    return grad_ranks
 
 
 def grad_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,

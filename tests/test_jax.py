@@ -510,9 +510,16 @@ def test_unsupported_transformations_name_the_alternative():
     with pytest.raises(TypeError, match=r"gradient of combine is a dispatch of num_tokens \* num_topk rows: pass "
                                         r"grad_buffer="):
         jax.grad(lambda w: epj.combine(buffer, recv, topk, w, active2, handle)[0].astype(jnp.float32).sum())(w)
+    grad_buffer = spawn(1, lambda g: reference_buffer(g, case, epj.grad_buffer_size_hint(T, case.hidden, 1, E,
+                                                                                         case.num_topk)))[0]
     with pytest.raises(TypeError, match=r"renormalize=True is not supported; normalise the weights in the router"):
         jax.grad(lambda w: epj.combine(buffer, recv, topk, w, active2, handle, renormalize=True,
-                                       grad_buffer=buffer)[0].astype(jnp.float32).sum())(w)
+                                       grad_buffer=grad_buffer)[0].astype(jnp.float32).sum())(w)
+    with pytest.raises(ValueError, match=r"grad_buffer must be other Buffers of the same group \(1 ranks\), not the "
+                                         r"forward's"):
+        epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=buffer)
+    with pytest.raises(ValueError, match=r"grad_buffer has \d+ bytes, the gradient needs \d+ \(grad_buffer_size_hint"):
+        epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=spawn(1, lambda g: reference_buffer(g, case))[0])
     with pytest.raises(TypeError, match=r"dispatch_send is not differentiable; for training use "
                                         r"mooncake_ep.jax.dispatch and mooncake_ep.jax.combine"):
         jax.grad(lambda x: epj.dispatch_send(buffer, x, topk, active, T, E).arrays[0].astype(jnp.float32).sum())(x)
