@@ -161,11 +161,11 @@ def _dispatch_fwd(static: _DispatchStatic, x, topk_idx, active_ranks):
                         "quantised); dispatch bf16 (use_fp8=False) for training and quantise inside the experts")
     out = _dispatch(static, x.value, topk_idx.value, active_ranks.value)
     _, _, _, active_out = out
-    return out, (x.value.shape, topk_idx.value, active_out)
+    return out, (topk_idx.value, active_out)
 
 
 def _dispatch_bwd(static: _DispatchStatic, residuals, cotangents):
-    x_shape, topk_idx, active = residuals
+    topk_idx, active = residuals
     grad_recv_x = cotangents[0]
     if isinstance(grad_recv_x, jax.custom_derivatives.SymbolicZero):
         return None, None, None
@@ -173,6 +173,7 @@ def _dispatch_bwd(static: _DispatchStatic, residuals, cotangents):
     grad_recv_x = grad_recv_x.astype(jnp.bfloat16)
     # The workspace keeps only the last dispatches' routing: rebuild it (fp8 halves the bytes; only the
     # routing is used), after the gradient exists, so it cannot be scheduled before the forward combine.
+    x_shape = (topk_idx.shape[0], grad_recv_x.shape[2])
     zeros = jax_args.varying_like(jnp.zeros(x_shape, jnp.bfloat16), grad_recv_x)
     _, _, handle, active = jax_ops.dispatch(where, static.ranks, zeros, topk_idx, active,
                                             static.num_max_dispatch_tokens_per_rank, static.num_experts,

@@ -377,8 +377,13 @@ def test_gradients_of_dispatch_and_combine_match_float64():
     epj.destroy_buffers(grad_buffers)
 
 
-def test_gradient_of_a_moe_layer_matches_the_dense_layer():
-    """jax.grad through dispatch -> per-expert matmul -> combine, against the same layer computed densely."""
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_gradient_of_moe_layers_matches_the_dense_layers(num_layers):
+    """jax.grad through dispatch -> per-expert matmul -> combine, against the same layers computed densely.
+
+    Two layers share the Buffers (and parity 0) in one program: their forward and backward steps
+    must stay paired on each Buffer, ordered by data alone.
+    """
     num_ranks = 2
     devices = cpu_devices(num_ranks)
     case, grad_size = grad_case(8, num_ranks)
@@ -389,10 +394,11 @@ def test_gradient_of_a_moe_layer_matches_the_dense_layer():
     weights_all = jnp.asarray(np.random.default_rng(9).standard_normal((E, H, H)).astype(np.float32) / np.sqrt(H))
 
     def moe(x, topk, w, active, expert_weights):
-        recv, _, handle, active = epj.dispatch(buffers, x, topk, active, T, E, use_fp8=False)
-        y = jnp.einsum("erh,ehk->erk", recv.astype(jnp.float32), expert_weights).astype(jnp.bfloat16)
-        out, _ = epj.combine(buffers, y, topk, w, active, handle, grad_buffer=grad_buffers)
-        return jnp.sum(out.astype(jnp.float32) ** 2)
+        for _ in range(num_layers):
+            recv, _, handle, active = epj.dispatch(buffers, x, topk, active, T, E, use_fp8=False)
+            y = jnp.einsum("erh,ehk->erk", recv.astype(jnp.float32), expert_weights).astype(jnp.bfloat16)
+            x, active = epj.combine(buffers, y, topk, w, active, handle, grad_buffer=grad_buffers)
+        return jnp.sum(x.astype(jnp.float32) ** 2)
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep"), P("ep"), P("ep")),
@@ -401,10 +407,12 @@ def test_gradient_of_a_moe_layer_matches_the_dense_layer():
         return jax.grad(moe, argnums=(0, 2, 4))(x, topk, w, active, expert_weights)
 
     def dense(x, topk, w, expert_weights):
-        ys = jnp.einsum("th,ehk->tek", x.astype(jnp.float32), expert_weights)
-        picked = jnp.take_along_axis(ys, jnp.maximum(topk, 0)[:, :, None], axis=1)
-        out = jnp.sum(jnp.where(topk[:, :, None] >= 0, w[:, :, None] * picked, 0), axis=1)
-        return jnp.sum(out ** 2)
+        x = x.astype(jnp.float32)
+        for _ in range(num_layers):
+            ys = jnp.einsum("th,ehk->tek", x, expert_weights)
+            picked = jnp.take_along_axis(ys, jnp.maximum(topk, 0)[:, :, None], axis=1)
+            x = jnp.sum(jnp.where(topk[:, :, None] >= 0, w[:, :, None] * picked, 0), axis=1)
+        return jnp.sum(x ** 2)
 
     g_x, g_w, g_experts = grads(*(sharded(mesh, a) for a in (case.xs, case.topks, case.weights, case.actives)),
                                 jax.device_put(weights_all, NamedSharding(mesh, P("ep"))))

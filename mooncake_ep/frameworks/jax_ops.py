@@ -398,7 +398,8 @@ def combine(where: str, ranks: Ranks, x, topk_idx, topk_weights, active_ranks, h
     aliases = {3: 1} | {len(operands) - len(through) + i: 2 + i for i in range(len(through))}
     combined, active, *passed = _call(where, _CombineCallback(where, config, SEND | RECV), out_specs, operands,
                                       aliases, config.command_buffer_compatible)
-    return (*varying_like((combined, active), x, topk_idx, topk_weights, active_ranks), *passed)
+    return (*varying_like((combined, active), x, topk_idx, topk_weights, active_ranks),
+            *(varying_like(out, source) for out, source in zip(passed, through)))
 
 
 @dataclasses.dataclass(frozen=True)
