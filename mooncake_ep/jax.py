@@ -144,6 +144,7 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
     ranks = jax_args.as_ranks(where, buffer)
     x, topk_idx, active_ranks = (jax_args.as_jax(where, name, value) for name, value in
                                  (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
+    jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, active_ranks=active_ranks)
     static = _DispatchStatic(ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
                              round_scale, use_ue8m0, jax_args.check_parity(where, parity), command_buffer_compatible)
     return _dispatch(static, x, topk_idx, active_ranks)
@@ -247,6 +248,7 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
     x, topk_idx, topk_weights, active_ranks = (
         jax_args.as_jax(where, name, value) for name, value in
         (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
+    jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, topk_weights=topk_weights, active_ranks=active_ranks)
     static = _CombineStatic(ranks, grad_ranks, jax_args.check_parity(where, grad_parity), timeout_us, renormalize,
                             command_buffer_compatible)
     return _combine(static, x, topk_idx, topk_weights, active_ranks, handle)

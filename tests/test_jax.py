@@ -662,8 +662,24 @@ def test_the_split_callbacks_launch_one_half_each():
     assert [(k, phases) for k, phases, _, _, _ in cuda.launches] == [("dispatch", 1), ("dispatch", 2)]
     assert cuda.launches[0][4]["active_ptr"] == sent.ptr and cuda.launches[1][4]["active_ptr"] == outs[-1].ptr
     # The fused op refuses several ranks on one GPU (one XLA stream) and names the split form.
+    # (Under jit: traced arrays have no device yet, so this is the first refusal.)
     with pytest.raises(ValueError, match=r"4 ranks of this Buffer's group share cuda:0.*use the split form"):
-        epj.dispatch(buffer, jnp.asarray(case.xs[0]), jnp.asarray(case.topks[0]), jnp.asarray(case.actives[0]), T, E)
+        jax.jit(lambda x, t, a: epj.dispatch(buffer, x, t, a, T, E))(
+            jnp.asarray(case.xs[0]), jnp.asarray(case.topks[0]), jnp.asarray(case.actives[0]))
+
+
+def test_eager_calls_check_the_arrays_devices_at_once():
+    case, buffer, _ = cuda_rank()
+    T, E = case.num_max_tokens, case.num_experts
+    args = [jnp.asarray(a[0]) for a in (case.xs, case.topks, case.actives)]
+    with pytest.raises(TypeError, match=r"mooncake_ep.jax.dispatch: x: the computation runs on the CPU, this Buffer "
+                                        r"runs its kernels on cuda:0; build a Buffer with backend='reference'"):
+        epj.dispatch(buffer, *args, T, E)
+    devices = cpu_devices(3)
+    mapping = {devices[0]: spawn(1, lambda g: reference_buffer(g, case))[0]}
+    on_two = [jax.device_put(a, devices[2]) for a in args]
+    with pytest.raises(ValueError, match=r"mooncake_ep.jax.dispatch: x: no Buffer for cpu:2; the mapping has cpu:0"):
+        epj.dispatch(mapping, *on_two, T, E)
 
 
 def test_a_cuda_buffer_refuses_cpu_buffers_and_the_wrong_gpu():

@@ -14,8 +14,8 @@ import numpy as np
 from mooncake_ep.buffer import Buffer
 from mooncake_ep.tensor import c_contiguous_strides
 
-__all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_parity", "varying_like", "DLPACK_CPU",
-           "DLPACK_CUDA"]
+__all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_devices", "check_parity", "varying_like",
+           "DLPACK_CPU", "DLPACK_CUDA"]
 
 # DLPack device types of XLA's buffers (kDLCPU, kDLCUDA).
 DLPACK_CPU, DLPACK_CUDA = 1, 2
@@ -164,6 +164,29 @@ def as_jax(where: str, name: str, value):
         return jnp.asarray(value)
     raise TypeError(f"{where}: {name} must be a jax.Array (or a numpy array), got {type(value).__module__}."
                     f"{type(value).__qualname__}; convert it with jax.dlpack.from_dlpack")
+
+
+def check_devices(where: str, ranks: Ranks, **arrays) -> None:
+    """For concrete arrays (eager calls), the checks the callback would make at run time, made now.
+
+    Under ``jax.jit`` the arrays are tracers whose devices are known only when XLA runs the op; the
+    callback then raises the same errors (inside XLA's runtime error).
+
+    Raises:
+        TypeError, ValueError: an array on a device no Buffer of ``ranks`` serves, as
+            :meth:`Ranks.select` says.
+    """
+    import jax
+
+    for name, array in arrays.items():
+        if isinstance(array, jax.core.Tracer) or not hasattr(array, "devices"):
+            continue
+        for device in array.devices():
+            if device.platform == "cpu":
+                key = (DLPACK_CPU, int(device.id))
+            else:
+                key = (DLPACK_CUDA, int(device.local_hardware_id))
+            ranks.select(f"{where}: {name}", key)
 
 
 def check_parity(where: str, parity) -> int:
