@@ -605,11 +605,11 @@ def cuda_rank(ranks_on_device: int = 1):
     case = make_case(12, num_ranks=1, num_experts=2, num_tokens=[3])
     buffer = spawn(1, lambda g: reference_buffer(g, case))[0]
     cuda = RecordingCuda(1)
-    buffer._cuda, buffer.backend, buffer._ranks_on_device = cuda, "cuda", ranks_on_device
+    buffer._cuda, buffer.backend, buffer._in_process_ranks_on_device = cuda, "cuda", ranks_on_device
     return case, buffer, cuda
 
 
-def test_the_callback_launches_both_halves_on_xlas_stream_with_the_static_parity():
+def test_the_callback_launches_on_xlas_stream_with_the_static_parity():
     case, buffer, cuda = cuda_rank()
     T, E, H = case.num_max_tokens, case.num_experts, case.hidden
     x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topks[0], case.actives[0]))
@@ -628,8 +628,9 @@ def test_the_callback_launches_both_halves_on_xlas_stream_with_the_static_parity
     for _ in range(2):  # a re-recording launches exactly the same, whatever the host counter says
         callback(FakeContext(), outs, *ins)
     assert buffer._num_dispatches == num_dispatches, "the host counter is not used"
+    # Both halves in one launch (as Buffer's synchronous dispatch), on XLA's stream, with the static parity.
     assert [(k, phases, parity, stream) for k, phases, parity, stream, _ in cuda.launches] == \
-        [("dispatch", 1, 1, 0x5EED), ("dispatch", 2, 1, 0x5EED)] * 2
+        [("dispatch", jax_ops.SEND | jax_ops.RECV, 1, 0x5EED)] * 2
     args = cuda.launches[0][4]
     assert args["x_ptr"] == ins[0].ptr and args["topk_ptr"] == ins[1].ptr
     assert args["active_ptr"] == outs[-1].ptr, "the kernels update the aliased output mask, not the input"
@@ -638,7 +639,7 @@ def test_the_callback_launches_both_halves_on_xlas_stream_with_the_static_parity
     # A stage other than EXECUTE (XLA preparing the handler) launches nothing.
     preparing = type("Ctx", (), {"stream": 1, "stage": type("S", (), {"name": "PREPARE"})()})()
     callback(preparing, outs, *ins)
-    assert len(cuda.launches) == 4
+    assert len(cuda.launches) == 2
     # Equal configurations give equal callbacks: an eager call finds JAX's compiled op again.
     assert callback == jax_ops._DispatchCallback("test", config, jax_ops.SEND | jax_ops.RECV)
     assert hash(callback) == hash(jax_ops._DispatchCallback("test", config, jax_ops.SEND | jax_ops.RECV))

@@ -123,7 +123,7 @@ class _AbstractView:
     dtype: str
     framework: str = "jax"
     device_type: str = "xla"
-    device_id: int = 0
+    device_id: int = -1
 
     @property
     def ndim(self) -> int:

@@ -87,6 +87,11 @@ class DispatchConfig:
         return self.ranks.first.num_ranks
 
     @property
+    def device_id(self) -> int:
+        """-1: the device is XLA's, unknown at trace time (the callback checks it), as for the views."""
+        return -1
+
+    @property
     def flags(self) -> dict:
         return dict(use_fp8=self.use_fp8, round_scale=self.round_scale, use_ue8m0=self.use_ue8m0)
 
@@ -258,7 +263,8 @@ def dispatch_config(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max
     for buffer in ranks.buffers:
         specs = buffer._check_dispatch(where, abstract_view(x), abstract_view(topk_idx), abstract_view(active_ranks),
                                        num_max_dispatch_tokens_per_rank, num_experts, timeout_us=timeout_us,
-                                       use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+                                       use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0).specs
+    specs = list(specs)
     config = DispatchConfig(ranks, int(x.shape[0]), int(x.shape[1]), int(topk_idx.shape[1]), int(num_experts),
                             int(num_max_dispatch_tokens_per_rank), bool(use_fp8), bool(round_scale),
                             bool(use_ue8m0), int(timeout_us), parity, bool(command_buffer_compatible))
@@ -269,9 +275,9 @@ def dispatch_config(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max
 
 def _check_one_rank_per_stream(where: str, ranks: Ranks) -> None:
     for buffer in ranks.buffers:
-        if buffer.backend == "cuda" and buffer._ranks_on_device > 1:
+        if buffer.backend == "cuda" and buffer._in_process_ranks_on_device > 1:
             raise ValueError(
-                f"{where}: {buffer._ranks_on_device} ranks of this Buffer's group share cuda:{buffer.device_id}, and "
+                f"{where}: {buffer._in_process_ranks_on_device} ranks of this Buffer's group share cuda:{buffer.device_id}, and "
                 f"XLA runs a device's work on one stream, where a rank's receive half would wait for a send queued "
                 f"behind it; use the split form: dispatch_send / combine_send for every rank, then dispatch_recv / "
                 f"combine_recv")
@@ -334,10 +340,8 @@ class _DispatchCallback:
             launch = buffer._dispatch_launcher(x_view, topk_view, active_view, recv_views, parity=c.parity,
                                                num_max_dispatch_tokens_per_rank=c.num_max_dispatch_tokens_per_rank,
                                                num_experts=c.num_experts, timeout_us=c.timeout_us, **c.flags)
-            stream = _stream(ctx)
-            for phase in (SEND, RECV):
-                if self.phases & phase:
-                    launch(phase, stream)
+            # Both halves in one launch when both are asked, as Buffer's synchronous calls do.
+            launch(self.phases, _stream(ctx))
             return
         buffer._check_dispatch(self.where, x_view, topk_view, active_view, c.num_max_dispatch_tokens_per_rank,
                                c.num_experts, timeout_us=c.timeout_us, **c.flags)
@@ -375,8 +379,9 @@ def combine_config(where: str, ranks: Ranks, x, topk_idx, topk_weights, active_r
     check_handle(where, handle, ranks)
     specs = None
     for buffer in ranks.buffers:
-        specs = buffer._check_combine(where, handle.config, abstract_view(x), abstract_view(topk_idx),
-                                      abstract_view(topk_weights), abstract_view(active_ranks), timeout_us=timeout_us)
+        specs = list(buffer._check_combine(where, handle.config, abstract_view(x), abstract_view(topk_idx),
+                                           abstract_view(topk_weights), abstract_view(active_ranks),
+                                           timeout_us=timeout_us).specs)
     return CombineConfig(handle.config, int(timeout_us), bool(renormalize), bool(command_buffer_compatible)), specs
 
 
@@ -433,10 +438,8 @@ class _CombineCallback:
                                               num_max_dispatch_tokens_per_rank=d.num_max_dispatch_tokens_per_rank,
                                               hidden=d.hidden, num_experts=d.num_experts, zero_copy=False,
                                               renormalize=c.renormalize, timeout_us=c.timeout_us)
-            stream = _stream(ctx)
-            for phase in (SEND, RECV):
-                if self.phases & phase:
-                    launch(phase, stream)
+            # Both halves in one launch when both are asked, as Buffer's synchronous calls do.
+            launch(self.phases, _stream(ctx))
             return
         metadata = _dispatch_metadata(self.where, handle_arrays[:1 + len(_METADATA)])
         gathered = buffer._reference.exchange(x_view.numpy().copy(), metadata, active_view.numpy().copy())
