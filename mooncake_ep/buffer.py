@@ -142,6 +142,9 @@ class Buffer:
         self._plans: dict[tuple, _Plan] = {}
         self._reference = ReferenceBackend(group)
         self._cuda = None
+        # In-process ranks of the group on this rank's GPU (set with the CUDA backend): they share one
+        # XLA stream, which the JAX ops must know (mooncake_ep.frameworks.jax_ops).
+        self._in_process_ranks_on_device = 1
         if num_sms is not None:
             _check_int("Buffer", "num_sms", num_sms, minimum=1)
         use_cuda = backend == "cuda" or (backend == "auto" and _gpu_available())
@@ -181,9 +184,26 @@ class Buffer:
 
         num_sms = _handshake.num_sms_for(configs, self.rank, "Buffer")
         ranks_here = sum(c.device == configs[self.rank].device for c in configs)
+        if getattr(self.group, "is_in_process", False):
+            self._in_process_ranks_on_device = ranks_here
         cache = kernels.KernelCache(kernel_cache_dir) if kernel_cache_dir is not None else None
         return _cuda_backend.CudaBackend(self.group, self.num_ep_buffer_bytes, self._device_id, num_sms, cache,
                                          all_on_one_device=ranks_here == self.num_ranks)
+
+    @property
+    def device_id(self) -> int:
+        """CUDA ordinal of this rank's workspace; -1 on the reference backend."""
+        return self._cuda.device_id if self._cuda is not None else -1
+
+    def _prepare(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Put a configuration's layout on the device now (see ``CudaBackend.layout_for``).
+
+        :meth:`dispatch` does this on first use; code that records its launches (the JAX ops, whose
+        ``buffer_callback`` may run inside an XLA command-buffer recording) calls it beforehand, at
+        trace time, where a synchronous copy (and, with ``ipc``, the configuration check) may run.
+        """
+        if self._cuda is not None:
+            self._cuda.layout_for(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     # --- sizing ---------------------------------------------------------------------------------
 
@@ -323,6 +343,24 @@ class Buffer:
         _check_out(where, out_views, specs, x_view)
         return _Plan(num_tokens, hidden, num_topk, tuple(specs))
 
+    def _check_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
+                        num_max_dispatch_tokens_per_rank: int, num_experts: int, *, timeout_us: int, use_fp8: bool,
+                        round_scale: bool, use_ue8m0: bool) -> _Plan:
+        """Every check :meth:`dispatch` makes of these arguments, for callers that allocate the results.
+
+        The JAX ops call it at trace time with shape-only views (a ``device_type`` that is neither
+        ``"cpu"`` nor ``"cuda"``, so no host data is read) to declare their results
+        (``plan.specs``), and again on the host buffers in their CPU callback. Changes no state.
+        """
+        _check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        _check_timeout(where, timeout_us)
+        _check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        plan = self._plan_dispatch(where, x_view, topk_view, active_view, None, num_max_dispatch_tokens_per_rank,
+                                   num_experts, use_fp8, use_ue8m0)
+        if x_view.device_type == "cpu":
+            _check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
+        return plan
+
     def _reference_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags):
         gathered = self._reference.exchange(x_view.numpy().copy(), topk_view.numpy().copy(), active_view.numpy().copy())
 
@@ -338,18 +376,37 @@ class Buffer:
 
     def _cuda_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags, timeout_us, async_finish,
                        return_recv_hook, stream_ptr):
+        launch = self._dispatch_launcher(x_view, topk_view, active_view, [view for view, _ in outputs],
+                                         parity=handle.parity,
+                                         num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank,
+                                         num_experts=handle.num_experts, timeout_us=timeout_us, **flags)
+        return self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
+
+    def _dispatch_launcher(self, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
+                           out_views: list, *, parity: int, num_max_dispatch_tokens_per_rank: int,
+                           num_experts: int, timeout_us: int, use_fp8: bool, round_scale: bool,
+                           use_ue8m0: bool) -> Callable[[int, int], None]:
+        """The kernel launch of one checked dispatch, as ``launch(phases, stream_ptr)``.
+
+        The one way to the dispatch kernels, for :meth:`dispatch` and for the JAX ops, whose
+        ``buffer_callback`` brings XLA's buffers and stream. It reads no host state and allocates
+        nothing, so it may run inside a CUDA-graph capture or an XLA command-buffer recording once
+        the configuration's layout is on the device (:meth:`_prepare`).
+
+        Args:
+            x_view, topk_view, active_view: checked inputs; the kernels update active_view in place.
+            out_views: recv_x, [recv_scales,] recv_count (anything with ``.ptr``).
+            parity: the workspace half; the caller chooses it (``Handle.parity``).
+        """
         cuda = self._cuda
-        workspace_layout, layout_ptr = cuda.layout_for(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
-                                                       handle.num_experts)
-        views = [view for view, _ in outputs]
-        recv_scales_ptr = views[1].ptr if flags["use_fp8"] else 0
-        common = dict(x_ptr=x_view.ptr, num_tokens=handle.num_tokens, topk_ptr=topk_view.ptr,
-                      topk_is_int64=topk_view.dtype == "int64", num_topk=handle.num_topk, active_ptr=active_view.ptr,
-                      recv_x_ptr=views[0].ptr, recv_scales_ptr=recv_scales_ptr, recv_count_ptr=views[-1].ptr,
-                      timeout_ns=_timeout_ns(timeout_us), **flags)
-        return self._launch_halves(
-            lambda phases, stream: cuda.launch_dispatch(phases, handle.parity, layout_ptr, stream_ptr=stream, **common),
-            async_finish, return_recv_hook, stream_ptr)
+        _, layout_ptr = cuda.layout_for(num_max_dispatch_tokens_per_rank, x_view.shape[1], num_experts)
+        recv_scales_ptr = out_views[1].ptr if use_fp8 else 0
+        common = dict(x_ptr=x_view.ptr, num_tokens=x_view.shape[0], topk_ptr=topk_view.ptr,
+                      topk_is_int64=topk_view.dtype == "int64", num_topk=topk_view.shape[1], active_ptr=active_view.ptr,
+                      recv_x_ptr=out_views[0].ptr, recv_scales_ptr=recv_scales_ptr, recv_count_ptr=out_views[-1].ptr,
+                      timeout_ns=_timeout_ns(timeout_us), use_fp8=use_fp8, round_scale=round_scale,
+                      use_ue8m0=use_ue8m0)
+        return lambda phases, stream: cuda.launch_dispatch(phases, parity, layout_ptr, stream_ptr=stream, **common)
 
     # --- combine --------------------------------------------------------------------------------
 
@@ -431,6 +488,16 @@ class Buffer:
         _check_out(where, out_views, specs, topk_view)
         return _Plan(handle.num_tokens, handle.hidden, handle.num_topk, specs)
 
+    def _check_combine(self, where: str, handle, x_view: ArrayView, topk_view: ArrayView, weights_view: ArrayView,
+                       active_view: ArrayView, *, timeout_us: int) -> _Plan:
+        """Every check :meth:`combine` makes of these arrays against a dispatch, for callers that allocate.
+
+        ``handle`` is a :class:`Handle` or anything with its shape fields and ``device_id`` (the JAX
+        ops pass their dispatch's configuration, device -1 at trace time). Changes no state.
+        """
+        _check_timeout(where, timeout_us)
+        return self._plan_combine(where, handle, topk_view, weights_view, active_view, x_view, None)
+
     def _reference_combine(self, handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy,
                            renormalize):
         expert_out = (handle.state["combine_buffer"] if zero_copy else x_view.numpy()).copy()
@@ -446,15 +513,30 @@ class Buffer:
 
     def _cuda_combine(self, handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy, renormalize,
                       timeout_us, async_finish, return_recv_hook, stream_ptr):
+        launch = self._combine_launcher(x_view, topk_view, weights_view, active_view, outputs[0][0],
+                                        parity=handle.parity,
+                                        num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank,
+                                        hidden=handle.hidden, num_experts=handle.num_experts, zero_copy=zero_copy,
+                                        renormalize=renormalize, timeout_us=timeout_us)
+        return self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
+
+    def _combine_launcher(self, x_view: ArrayView | None, topk_view: ArrayView, weights_view: ArrayView,
+                          active_view: ArrayView, combined_view, *, parity: int, num_max_dispatch_tokens_per_rank: int,
+                          hidden: int, num_experts: int, zero_copy: bool, renormalize: bool,
+                          timeout_us: int) -> Callable[[int, int], None]:
+        """The kernel launch of one checked combine, as ``launch(phases, stream_ptr)``.
+
+        The one way to the combine kernels, for :meth:`combine` and the JAX ops; like
+        :meth:`_dispatch_launcher` it reads no host state and allocates nothing. ``parity`` is the
+        parity of the dispatch whose routing this combine answers; ``x_view`` is None with zero_copy.
+        """
         cuda = self._cuda
-        _, layout_ptr = cuda.layout_for(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        _, layout_ptr = cuda.layout_for(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         common = dict(expert_out_ptr=0 if zero_copy else x_view.ptr, zero_copy=zero_copy,
-                      num_tokens=handle.num_tokens, topk_ptr=topk_view.ptr, topk_is_int64=topk_view.dtype == "int64",
-                      num_topk=handle.num_topk, weights_ptr=weights_view.ptr, active_ptr=active_view.ptr,
-                      combined_ptr=outputs[0][0].ptr, renormalize=renormalize, timeout_ns=_timeout_ns(timeout_us))
-        return self._launch_halves(
-            lambda phases, stream: cuda.launch_combine(phases, handle.parity, layout_ptr, stream_ptr=stream, **common),
-            async_finish, return_recv_hook, stream_ptr)
+                      num_tokens=topk_view.shape[0], topk_ptr=topk_view.ptr, topk_is_int64=topk_view.dtype == "int64",
+                      num_topk=topk_view.shape[1], weights_ptr=weights_view.ptr, active_ptr=active_view.ptr,
+                      combined_ptr=combined_view.ptr, renormalize=renormalize, timeout_ns=_timeout_ns(timeout_us))
+        return lambda phases, stream: cuda.launch_combine(phases, parity, layout_ptr, stream_ptr=stream, **common)
 
     def get_next_combine_buffer(self, handle: Handle):
         """The buffer to write expert outputs into for ``combine(..., zero_copy=True)``.
@@ -672,7 +754,7 @@ def _check_flags(where: str, *, use_fp8: bool = False, round_scale: bool = False
 
 def _check_array(where: str, name: str, view: ArrayView, *, dtypes: tuple[str, ...], ndim: int | None = None,
                  shape: tuple[int, ...] | None = None, like: ArrayView | None = None) -> None:
-    if view.dtype not in dtypes:
+    if view.dtype not in dtypes and not _is_raw_bits(view, dtypes):
         raise TypeError(f"{where}: {name} must be {' or '.join(dtypes)}, got {view.dtype}")
     if shape is not None and tuple(view.shape) != tuple(shape):
         raise ValueError(f"{where}: {name} must have shape {tuple(shape)}, got {tuple(view.shape)}")
@@ -684,6 +766,18 @@ def _check_array(where: str, name: str, view: ArrayView, *, dtypes: tuple[str, .
     if like is not None and (view.device_type, view.device_id) != (like.device_type, like.device_id):
         raise TypeError(f"{where}: {name} is on {view.device_type}:{view.device_id}, expected "
                         f"{like.device_type}:{like.device_id} like the other arrays")
+
+
+# Frameworks without bf16/fp8 dtypes: their callers hold such arrays as unsigned ints of the same
+# width, the raw bits (frameworks/cupy.py), and those are accepted where bf16/fp8 is expected.
+_RAW_BITS_FRAMEWORKS = ("cupy",)
+
+
+def _is_raw_bits(view: ArrayView, dtypes: tuple[str, ...]) -> bool:
+    if view.framework not in _RAW_BITS_FRAMEWORKS:
+        return False
+    raw_bits = frameworks.get(view.framework).RAW_BITS_DTYPES
+    return any(raw_bits.get(dtype) == view.dtype for dtype in dtypes)
 
 
 def _check_expert_ids(where: str, topk_view: ArrayView, num_experts: int, num_max_tokens: int) -> None:

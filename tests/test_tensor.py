@@ -367,7 +367,7 @@ def test_frameworks_empty_and_from_numpy(framework):
     converted = read_array(module.from_numpy(values, like), name="test: converted")
     assert converted.dtype == "bfloat16"
     np.testing.assert_array_equal(converted.numpy(), values)
-    if framework != "torch":  # torch's needs CUDA
+    if framework not in ("torch", "jax"):  # torch's needs CUDA; JAX has none outside XLA
         assert module.current_stream(0) == 0
 
 
@@ -376,12 +376,14 @@ def test_frameworks_refusals():
         frameworks.get("tensorflow")
     with pytest.raises(TypeError, match="GPU outputs are allocated by XLA"):
         frameworks.get("jax").empty((2,), "float32", "cuda", 0)
+    with pytest.raises(TypeError, match="call mooncake_ep.jax.dispatch / mooncake_ep.jax.combine"):
+        frameworks.get("jax").current_stream(0)
     with pytest.raises(TypeError, match="would cast to 32 bits"):
         frameworks.get("jax").from_numpy(np.zeros(2, np.int64), read_array(np.zeros(2), name="l"))
     with pytest.raises(TypeError, match="numpy.empty: device_type"):
         frameworks.get("numpy").empty((2,), "float32", "cuda", 0)
     cupy = frameworks.get("cupy")
-    with pytest.raises(TypeError, match="cupy.wrap: array.dtype bfloat16 cannot be imported"):
-        cupy.wrap(DeviceMemoryArray(0x1000, (2,), "bfloat16", "cuda", 0, None))
+    with pytest.raises(TypeError, match="cupy.wrap: array.device_type must be 'cuda' for cupy, got 'cpu'"):
+        cupy.wrap(DeviceMemoryArray(0x1000, (2,), "bfloat16", "cpu", 0, None))
     with pytest.raises(TypeError, match="cupy.empty: device_type must be 'cuda'"):
         cupy.empty((2,), "bfloat16", "cpu", 0)

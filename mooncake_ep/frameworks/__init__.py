@@ -9,6 +9,9 @@ imported only by :func:`get`, so ``import mooncake_ep`` imports no framework:
 - ``current_stream(device_id) -> int``: the framework's current CUDA stream handle.
 - ``wrap(array)``: the framework's array sharing a :class:`~mooncake_ep.tensor.DeviceMemoryArray`.
 
+The JAX ops (``jax_ops``, ``jax_split``, ``jax_args``) live here too, beside the JAX glue; they
+are reached through :mod:`mooncake_ep.jax`, not through :func:`get`.
+
 Example::
 
     view = read_array(x, name="dispatch: x")

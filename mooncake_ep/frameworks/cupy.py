@@ -1,17 +1,20 @@
 """cupy glue. This module is ``mooncake_ep.frameworks.cupy``; cupy is imported lazily.
 
-cupy has no bfloat16 and no float8 dtype: :func:`empty` and :func:`from_numpy` return bf16 as a
-``uint16`` array and fp8 e4m3fn as a ``uint8`` array of the same shape, holding the raw bits
-(``read_array`` reads those back as ``"uint16"`` / ``"uint8"``). :func:`wrap` refuses them.
+cupy has no bfloat16 and no float8 dtype, so bf16 travels as a ``uint16`` array and fp8 e4m3fn as a
+``uint8`` array of the same shape, holding the raw bits: :func:`empty`, :func:`from_numpy` and
+:func:`wrap` return that form, and :class:`mooncake_ep.Buffer` accepts it wherever a bf16/fp8 array is
+expected from a cupy caller (``x``, the expert outputs, ``out=``). To compute with the values, view
+the bits in a framework that has the dtype, e.g. ``torch.from_dlpack(recv_x).view(torch.float8_e4m3fn)``,
+or decode them on the host with ``ml_dtypes``: ``cupy.asnumpy(recv_x).view(ml_dtypes.float8_e4m3fn)``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray, numpy_dtype
+from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray
 
 if TYPE_CHECKING:
     import cupy
@@ -71,17 +74,16 @@ def current_stream(device_id: int) -> int:
 
 
 def wrap(array: DeviceMemoryArray) -> cupy.ndarray:
-    """Returns ``cupy.from_dlpack(array)``: a cupy array sharing the memory.
+    """Returns a cupy array sharing the memory (bf16/fp8 as raw-bits uint, like :func:`empty`).
 
     Raises:
-        TypeError: ``array.dtype`` is bf16 or fp8, which cupy cannot import; export the memory
-            as a ``"uint16"``/``"uint8"`` DeviceMemoryArray to get the raw bits, or wrap it in
-            torch or JAX.
+        TypeError: the memory is not on a CUDA device.
     """
     import cupy
 
-    if array.dtype in RAW_BITS_DTYPES:
-        raise TypeError(
-            f"cupy.wrap: array.dtype {array.dtype} cannot be imported by cupy (no such dtype); "
-            f"export it as {RAW_BITS_DTYPES[array.dtype]!r} raw bits or use torch/JAX")
+    _require_cuda(array.device_type, "cupy.wrap: array.device_type")
+    raw = RAW_BITS_DTYPES.get(array.dtype)
+    if raw is not None:
+        # cupy.from_dlpack refuses the bf16/fp8 type codes: export the same memory as unsigned ints.
+        array = DeviceMemoryArray(array.ptr, array.shape, raw, array.device_type, array.device_id, owner=array.owner)
     return cupy.from_dlpack(array)

@@ -1,8 +1,9 @@
-"""JAX glue for eager CPU arrays. This module is ``mooncake_ep.frameworks.jax``; JAX is imported
-lazily.
+"""JAX glue for eager CPU arrays through :class:`mooncake_ep.Buffer`. This module is
+``mooncake_ep.frameworks.jax``; JAX is imported lazily.
 
 JAX arrays are immutable, so nothing here allocates an output for a kernel to write on a GPU:
-there, outputs are the buffers XLA hands to ``buffer_callback`` (``mooncake_ep.jax``).
+there, outputs are the buffers XLA hands to ``buffer_callback``, and the ops that do that are
+:mod:`mooncake_ep.jax` (built in :mod:`mooncake_ep.frameworks.jax_ops`).
 """
 
 from __future__ import annotations
@@ -72,8 +73,15 @@ def from_numpy(arr: np.ndarray, like: ArrayView) -> jax.Array:
 
 
 def current_stream(device_id: int) -> int:
-    """Returns 0: JAX exposes no stream outside ``buffer_callback``, where XLA supplies it."""
-    return 0
+    """JAX has no current stream: XLA names its stream only inside ``buffer_callback``.
+
+    Raises:
+        TypeError: always; JAX GPU arrays go through ``mooncake_ep.jax`` (which runs in XLA's
+            stream), not through :class:`mooncake_ep.Buffer` methods.
+    """
+    raise TypeError(f"JAX arrays on cuda:{device_id} cannot be passed to Buffer.dispatch/combine: JAX has no "
+                    f"current stream outside XLA; call mooncake_ep.jax.dispatch / mooncake_ep.jax.combine, "
+                    f"which launch in XLA's stream (eagerly, under jax.jit or shard_map)")
 
 
 def wrap(array: DeviceMemoryArray) -> jax.Array:

@@ -1,0 +1,227 @@
+"""The arguments of the JAX ops: which Buffer runs where, the arrays, their trace-time views.
+
+Shared by :mod:`mooncake_ep.frameworks.jax_ops` and :mod:`mooncake_ep.jax`; JAX is imported lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mooncake_ep.buffer import Buffer
+from mooncake_ep.tensor import c_contiguous_strides
+
+__all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_devices", "check_parity", "varying_like",
+           "DLPACK_CPU", "DLPACK_CUDA"]
+
+# DLPack device types of XLA's buffers (kDLCPU, kDLCUDA).
+DLPACK_CPU, DLPACK_CUDA = 1, 2
+
+
+# --- which Buffer runs where ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """The Buffer an op runs on: one Buffer, or one per JAX device (``shard_map``).
+
+    Attributes:
+        single: the Buffer when one was given, else None.
+        by_device: ``((dlpack_device_type, device_id), Buffer)`` pairs of a per-device mapping.
+    """
+
+    single: Buffer | None
+    by_device: tuple[tuple[tuple[int, int], Buffer], ...] = ()
+
+    @property
+    def buffers(self) -> tuple[Buffer, ...]:
+        return (self.single,) if self.single is not None else tuple(b for _, b in self.by_device)
+
+    @property
+    def first(self) -> Buffer:
+        return self.buffers[0]
+
+    @property
+    def backend(self) -> str:
+        return self.first.backend
+
+    def select(self, where: str, device: tuple[int, int]) -> Buffer:
+        """The Buffer for XLA buffers on DLPack ``device``, checking that it can run there."""
+        kind, device_id = int(device[0]), int(device[1])
+        if self.single is not None:
+            buffer = self.single
+        else:
+            buffer = dict(self.by_device).get((kind, device_id))
+            if buffer is None:
+                known = ", ".join(_device_name(key) for key, _ in self.by_device)
+                raise ValueError(f"{where}: no Buffer for {_device_name((kind, device_id))}; the mapping has {known}")
+        if kind == DLPACK_CUDA and buffer.backend != "cuda":
+            raise TypeError(f"{where}: the arrays are on cuda:{device_id}, this Buffer runs on the numpy reference "
+                            f"backend; build it where a GPU is visible (backend='auto' or 'cuda')")
+        if kind == DLPACK_CUDA and buffer.device_id != device_id:
+            raise TypeError(f"{where}: the arrays are on cuda:{device_id}, this Buffer's rank uses "
+                            f"cuda:{buffer.device_id}")
+        if kind == DLPACK_CPU and buffer.backend == "cuda":
+            raise TypeError(f"{where}: the computation runs on the CPU, this Buffer runs its kernels on "
+                            f"cuda:{buffer.device_id}; build a Buffer with backend='reference' for JAX CPU arrays")
+        return buffer
+
+
+def _device_name(key: tuple[int, int]) -> str:
+    return f"{'cuda' if key[0] == DLPACK_CUDA else 'cpu'}:{key[1]}"
+
+
+def as_ranks(where: str, buffer: Buffer | Mapping[Any, Buffer]) -> Ranks:
+    """Reads the ``buffer`` argument of an op: a Buffer, or a mapping ``{jax.Device: Buffer}``.
+
+    Raises:
+        TypeError: neither, or a mapping's key is not a JAX device.
+        ValueError: an empty mapping, Buffers of groups of different sizes or backends, or a GPU
+            device mapped to a Buffer of another GPU.
+    """
+    if isinstance(buffer, Buffer):
+        return Ranks(buffer)
+    if not isinstance(buffer, Mapping):
+        raise TypeError(f"{where}: buffer must be a mooncake_ep.Buffer or a mapping {{jax.Device: Buffer}} (one "
+                        f"rank per device, for shard_map), got {type(buffer).__name__}")
+    if not buffer:
+        raise ValueError(f"{where}: buffer mapping is empty")
+    pairs = []
+    for device, value in buffer.items():
+        platform = getattr(device, "platform", None)
+        if platform not in ("cpu", "gpu", "cuda") or not isinstance(value, Buffer):
+            raise TypeError(f"{where}: buffer mapping must be {{jax.Device: Buffer}}, got {device!r}: "
+                            f"{type(value).__name__}")
+        if platform == "cpu":
+            key = (DLPACK_CPU, int(device.id))
+        else:
+            key = (DLPACK_CUDA, int(device.local_hardware_id))
+            if value.device_id != key[1]:
+                raise ValueError(f"{where}: {device} (cuda:{key[1]}) is mapped to a Buffer on cuda:{value.device_id}")
+        pairs.append((key, value))
+    ranks = Ranks(None, tuple(sorted(pairs, key=lambda pair: pair[0])))
+    if len({(b.num_ranks, b.backend) for b in ranks.buffers}) != 1:
+        raise ValueError(f"{where}: the Buffers of the mapping must be ranks of one group (same num_ranks and "
+                         f"backend), got {sorted({(b.num_ranks, b.backend) for b in ranks.buffers})}")
+    return ranks
+
+
+# --- trace-time arguments ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _AbstractView:
+    """A shape-only stand-in for an ArrayView, for the Buffer's checks at trace time.
+
+    Its device_type is neither "cpu" nor "cuda", so no check reads host data.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    framework: str = "jax"
+    device_type: str = "xla"
+    device_id: int = -1
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return c_contiguous_strides(self.shape)
+
+    is_contiguous = True
+
+
+def abstract_view(array) -> _AbstractView:
+    """The trace-time view of a JAX array or tracer: its shape and dtype name."""
+    return _AbstractView(tuple(int(n) for n in array.shape), np.dtype(array.dtype).name)
+
+
+def as_jax(where: str, name: str, value):
+    """A JAX array (or tracer) for an op argument, never a silent cast.
+
+    JAX arrays and tracers pass through. numpy arrays are converted, except float64 ones, which JAX
+    would turn into float32 without a word when ``jax_enable_x64`` is off (int64 becomes int32 the
+    same way; expert ids fit, so that is accepted).
+
+    Raises:
+        TypeError: a float64 numpy array, or an object of another framework (convert it with
+            ``jax.dlpack.from_dlpack``).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if isinstance(value, jax.Array):
+        return value
+    if isinstance(value, (np.ndarray, np.generic)):
+        if value.dtype == np.float64:
+            raise TypeError(f"{where}: {name} is a float64 numpy array, which JAX would cast silently; pass "
+                            f"float32")
+        return jnp.asarray(value)
+    raise TypeError(f"{where}: {name} must be a jax.Array (or a numpy array), got {type(value).__module__}."
+                    f"{type(value).__qualname__}; convert it with jax.dlpack.from_dlpack")
+
+
+def check_devices(where: str, ranks: Ranks, **arrays) -> None:
+    """For concrete arrays (eager calls), the checks the callback would make at run time, made now.
+
+    Under ``jax.jit`` the arrays are tracers whose devices are known only when XLA runs the op; the
+    callback then raises the same errors (inside XLA's runtime error).
+
+    Raises:
+        TypeError, ValueError: an array on a device no Buffer of ``ranks`` serves, as
+            :meth:`Ranks.select` says.
+    """
+    import jax
+
+    for name, array in arrays.items():
+        if isinstance(array, jax.core.Tracer) or not hasattr(array, "devices"):
+            continue
+        for device in array.devices():
+            if device.platform == "cpu":
+                key = (DLPACK_CPU, int(device.id))
+            else:
+                key = (DLPACK_CUDA, int(device.local_hardware_id))
+            ranks.select(f"{where}: {name}", key)
+
+
+def check_parity(where: str, parity) -> int:
+    if isinstance(parity, bool) or not isinstance(parity, (int, np.integer)) or parity not in (0, 1):
+        raise ValueError(f"{where}: parity must be 0 or 1 (the workspace half), got {parity!r}")
+    return int(parity)
+
+
+def varying_like(values, *likes):
+    """``values`` marked as varying over every ``shard_map`` axis any of ``likes`` varies over.
+
+    ``buffer_callback`` results carry no manual-axis type; inside ``shard_map`` they must vary like
+    the per-device inputs they come from (gradients are checked against the inputs' types).
+    """
+    import jax
+
+    axes = set()
+    for like in likes:
+        axes |= _varying_axes(like)
+
+    def cast(value):
+        missing = tuple(sorted(axes - _varying_axes(value), key=str))
+        if not missing:
+            return value
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(value, missing, to="varying")
+        return jax.lax.pvary(value, missing)  # JAX releases before pcast
+    return jax.tree_util.tree_map(cast, values)
+
+
+def _varying_axes(value) -> set:
+    import jax
+
+    aval = jax.typeof(value)
+    mat = getattr(aval, "mat", None)  # JAX >= 0.9: ManualAxisType(varying=...)
+    if mat is not None:
+        return set(mat.varying)
+    return set(getattr(aval, "vma", ()))  # earlier releases

@@ -1,0 +1,456 @@
+"""JAX ops of dispatch and combine on ``jax.experimental.buffer_callback``; JAX is imported lazily.
+
+This module builds the ops (the split form is in :mod:`mooncake_ep.frameworks.jax_split`);
+:mod:`mooncake_ep.jax` is their public face (gradients included). Each op
+is one ``buffer_callback`` whose result shapes are declared up front from the same checks
+:meth:`mooncake_ep.Buffer.dispatch` runs, so a bad argument fails at trace time with the eager
+message. The callback gets XLA's stream and buffers and either launches the kernels
+(``Buffer._dispatch_launcher``) or, for host buffers, runs the numpy reference.
+
+Example::
+
+    recv_x, recv_count, handle, active = dispatch(buffer, x, topk_idx, active, T, E, parity=0, ...)
+
+Per-call state and command buffers:
+    With ``command_buffer_compatible=True`` XLA may record the launches into a CUDA graph and run the
+    Python callback only when it records (again whenever its buffers' addresses change, per device,
+    at times no rank can predict). So nothing per call may come from the host: the kernels keep
+    their epochs in device memory, the layout of a configuration is uploaded at trace time
+    (``Buffer._prepare``), and the workspace half (``parity``) is a static attribute of the op fixed
+    at trace time, never the buffer's host counter, which would advance on one rank's re-recording
+    and not on another's, leaving them waiting on different halves. One parity for every call is
+    correct while each dispatch is followed by its combine before the next dispatch on the same
+    buffer; two dispatches whose handles are alive at once need different parities.
+
+Ordering:
+    XLA orders ops by data only. A combine takes its dispatch's ``recv_count``; each receive half of
+    the split form takes every rank's send-half outputs; ``after=`` adds operands an op must wait
+    for (the gradients use it). Every op has a side effect, so XLA neither drops nor merges it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from mooncake_ep import reference
+from mooncake_ep.frameworks.jax_args import Ranks, abstract_view, check_parity, varying_like
+from mooncake_ep.tensor import ArrayView, numpy_dtype, read_array
+
+__all__ = ["Handle", "PendingDispatch", "PendingCombine", "DispatchConfig", "CombineConfig", "dispatch", "combine",
+           "dispatch_config", "combine_config", "check_handle"]
+
+# Kernel phase bits (kPhaseSend / kPhaseRecv in kernels_cu/).
+SEND, RECV = 1, 2
+# Handle metadata the CPU path carries between its ops (reference.DispatchResult's routing fields).
+_METADATA = ("recv_src_rank", "recv_src_token", "recv_src_topk", "layout_range")
+
+
+# --- configurations (static: part of the traced program) --------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchConfig:
+    """Everything static about one dispatch (and so about the combine answering it).
+
+    Attributes:
+        ranks: the Buffer(s).
+        num_tokens, hidden, num_topk: x's and topk_idx's shapes.
+        num_experts, num_max_dispatch_tokens_per_rank: E and T.
+        use_fp8, round_scale, use_ue8m0: the format.
+        timeout_us: microseconds a receive waits for a peer; -1 forever.
+        parity: the workspace half, fixed at trace time (see the module docstring).
+        command_buffer_compatible: passed to ``buffer_callback``.
+    """
+
+    ranks: Ranks
+    num_tokens: int
+    hidden: int
+    num_topk: int
+    num_experts: int
+    num_max_dispatch_tokens_per_rank: int
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    timeout_us: int
+    parity: int
+    command_buffer_compatible: bool
+
+    @property
+    def backend(self) -> str:
+        return self.ranks.backend
+
+    @property
+    def num_ranks(self) -> int:
+        return self.ranks.first.num_ranks
+
+    @property
+    def device_id(self) -> int:
+        """-1: the device is XLA's, unknown at trace time (the callback checks it), as for the views."""
+        return -1
+
+    @property
+    def flags(self) -> dict:
+        return dict(use_fp8=self.use_fp8, round_scale=self.round_scale, use_ue8m0=self.use_ue8m0)
+
+    def metadata_specs(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """The CPU path's routing outputs: where each received row came from."""
+        if self.backend != "reference":
+            return []
+        num_local_experts = self.num_experts // self.num_ranks
+        rows = (num_local_experts, self.num_ranks * self.num_max_dispatch_tokens_per_rank)
+        return [(name, rows, "int32") for name in _METADATA[:3]] + \
+            [("layout_range", (num_local_experts, self.num_ranks, 2), "int32")]
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineConfig:
+    """Everything static about one combine: its dispatch's configuration and its own options."""
+
+    dispatch: DispatchConfig
+    timeout_us: int
+    renormalize: bool
+    command_buffer_compatible: bool
+
+
+def _register(cls):
+    import jax
+
+    jax.tree_util.register_pytree_node(cls, lambda h: (h.arrays, h.config), lambda c, a: cls(c, tuple(a)))
+    return cls
+
+
+class Handle:
+    """What a JAX combine needs from its dispatch: a pytree (static configuration, device arrays).
+
+    Attributes:
+        config: the :class:`DispatchConfig` (static, compared by value under ``jax.jit``).
+        recv_count: ``[num_local_experts]`` int32, the dispatch's received rows per local expert.
+        arrays: ``(recv_count,)`` on the GPU, where the routing stays in the workspace; on the CPU
+            also recv_src_rank, recv_src_token, recv_src_topk ``[num_local_experts, num_ranks * T]``
+            int32 and layout_range ``[num_local_experts, num_ranks, 2]`` int32.
+
+    Note:
+        The fields ``num_tokens``, ``hidden``, ... of the configuration are readable on the handle,
+        as on :class:`mooncake_ep.Handle`.
+    """
+
+    def __init__(self, config: DispatchConfig, arrays: tuple):
+        self.config = config
+        self.arrays = tuple(arrays)
+
+    @property
+    def recv_count(self):
+        return self.arrays[0]
+
+    def __getattr__(self, name: str):
+        if name in ("num_tokens", "hidden", "num_topk", "num_experts", "num_max_dispatch_tokens_per_rank",
+                    "parity"):
+            return getattr(self.config, name)
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"mooncake_ep.jax.Handle(num_tokens={c.num_tokens}, hidden={c.hidden}, num_topk={c.num_topk}, "
+                f"num_experts={c.num_experts}, T={c.num_max_dispatch_tokens_per_rank}, parity={c.parity})")
+
+
+class PendingDispatch:
+    """A dispatch whose send half is issued: give it, with every rank's, to :func:`dispatch_recv`.
+
+    A pytree: ``config`` static; ``arrays`` = (x, topk_idx, active_ranks after the send half).
+    """
+
+    def __init__(self, config: DispatchConfig, arrays: tuple):
+        self.config = config
+        self.arrays = tuple(arrays)
+
+
+class PendingCombine:
+    """A combine whose send half is issued: give it, with every rank's, to :func:`combine_recv`.
+
+    A pytree: ``config`` static; ``arrays`` = (x, topk_idx, topk_weights, active_ranks after the send
+    half, handle arrays).
+    """
+
+    def __init__(self, config: CombineConfig, arrays: tuple):
+        self.config = config
+        self.arrays = tuple(arrays)
+
+
+_registered = False
+
+
+def _register_pytrees() -> None:
+    global _registered
+    if not _registered:
+        for cls in (Handle, PendingDispatch, PendingCombine):
+            _register(cls)
+        _registered = True
+
+
+def _shapes(specs) -> list:
+    import jax
+
+    return [jax.ShapeDtypeStruct(tuple(shape), numpy_dtype(dtype)) for _, shape, dtype in specs]
+
+
+def _call(where: str, callback, specs, operands: Sequence, aliases: dict[int, int], command_buffer_compatible: bool):
+    """One ``buffer_callback`` launch of ``callback`` with result ``specs``; vmap refused by name."""
+    from jax.custom_batching import custom_vmap
+    from jax.experimental.buffer_callback import buffer_callback
+
+    op = buffer_callback(callback, _shapes(specs), has_side_effect=True, input_output_aliases=aliases,
+                         command_buffer_compatible=command_buffer_compatible)
+
+    @custom_vmap
+    def run(*args):
+        return tuple(op(*args))
+
+    @run.def_vmap
+    def _refuse_vmap(axis_size, in_batched, *args):
+        raise TypeError(f"{where}: jax.vmap is not supported (each call is one collective step of every rank); "
+                        f"map the ranks with shard_map, one device per rank, or use the split form "
+                        f"(dispatch_send / dispatch_recv) for several ranks on one device")
+    return list(run(*operands))
+
+
+def _stream(ctx) -> int:
+    stream = ctx.stream
+    return int(stream() if callable(stream) else stream)  # a method in JAX releases before 0.7
+
+
+def _executes(ctx) -> bool:
+    """Whether XLA asks for the work now (a handler may also be called to prepare or initialise)."""
+    stage = getattr(ctx, "stage", None)
+    stage = stage() if callable(stage) else stage
+    return stage is None or getattr(stage, "name", "EXECUTE") == "EXECUTE"
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoArray:
+    """The pointer of a result a half does not write (the kernels' send halves never touch it)."""
+
+    ptr: int = 0
+
+
+_NO_ARRAY = _NoArray()
+
+
+def _read(where: str, name: str, buffer) -> tuple[ArrayView, tuple[int, int]]:
+    """An XLA buffer as an ArrayView, and its DLPack device (which, unlike the view, tells CPU devices apart)."""
+    return read_array(buffer, name=f"{where}: {name}"), tuple(buffer.__dlpack_device__())
+
+
+def _write(view: ArrayView, value: np.ndarray) -> None:
+    view.numpy()[...] = value
+
+
+# --- dispatch ---------------------------------------------------------------------------------------
+
+
+def dispatch_config(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank: int,
+                    num_experts: int, *, timeout_us: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
+                    parity: int, command_buffer_compatible: bool) -> tuple[DispatchConfig, list]:
+    """Checks a dispatch at trace time; returns its configuration and result specs.
+
+    Also puts the configuration's layout on every Buffer's device, outside any recording.
+    """
+    parity = check_parity(where, parity)
+    specs = None
+    for buffer in ranks.buffers:
+        specs = buffer._check_dispatch(where, abstract_view(x), abstract_view(topk_idx), abstract_view(active_ranks),
+                                       num_max_dispatch_tokens_per_rank, num_experts, timeout_us=timeout_us,
+                                       use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0).specs
+    specs = list(specs)
+    config = DispatchConfig(ranks, int(x.shape[0]), int(x.shape[1]), int(topk_idx.shape[1]), int(num_experts),
+                            int(num_max_dispatch_tokens_per_rank), bool(use_fp8), bool(round_scale),
+                            bool(use_ue8m0), int(timeout_us), parity, bool(command_buffer_compatible))
+    for buffer in ranks.buffers:
+        buffer._prepare(config.num_max_dispatch_tokens_per_rank, config.hidden, config.num_experts)
+    return config, specs
+
+
+def _check_one_rank_per_stream(where: str, ranks: Ranks) -> None:
+    for buffer in ranks.buffers:
+        if buffer.backend == "cuda" and buffer._in_process_ranks_on_device > 1:
+            raise ValueError(
+                f"{where}: {buffer._in_process_ranks_on_device} ranks of this Buffer's group share cuda:{buffer.device_id}, and "
+                f"XLA runs a device's work on one stream, where a rank's receive half would wait for a send queued "
+                f"behind it; use the split form: dispatch_send / combine_send for every rank, then dispatch_recv / "
+                f"combine_recv")
+
+
+def dispatch(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank: int,
+             num_experts: int, *, timeout_us: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool, parity: int,
+             command_buffer_compatible: bool, after: Sequence = ()):
+    """Both halves of a dispatch in one op. See :func:`mooncake_ep.jax.dispatch` for the arguments.
+
+    Returns:
+        ``(recv_x, recv_count, handle, active_ranks)``; recv_x is a pair ``(x_fp8, scales)`` with fp8.
+    """
+    _register_pytrees()
+    _check_one_rank_per_stream(where, ranks)
+    config, specs = dispatch_config(where, ranks, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+                                    num_experts, timeout_us=timeout_us, use_fp8=use_fp8, round_scale=round_scale,
+                                    use_ue8m0=use_ue8m0, parity=parity,
+                                    command_buffer_compatible=command_buffer_compatible)
+    out_specs = specs + [("active_ranks", active_ranks.shape, "int32")] + config.metadata_specs()
+    outputs = _call(where, _DispatchCallback(where, config, SEND | RECV), out_specs,
+                    [x, topk_idx, active_ranks, *after], {2: len(specs)}, config.command_buffer_compatible)
+    outputs = varying_like(outputs, x, topk_idx, active_ranks)
+    return _dispatch_results(config, specs, outputs)
+
+
+def _dispatch_results(config: DispatchConfig, specs, outputs):
+    num_recv = len(specs) - 1
+    recv = tuple(outputs[:num_recv])
+    recv_count, active = outputs[num_recv], outputs[num_recv + 1]
+    handle = Handle(config, (recv_count, *outputs[num_recv + 2:]))
+    return (recv if config.use_fp8 else recv[0]), recv_count, handle, active
+
+
+@dataclasses.dataclass(frozen=True)
+class _DispatchCallback:
+    """The host side of a dispatch op (compared by value, so an eager call hits JAX's compile cache).
+
+    Operands: x, topk_idx, active_ranks, then ``after`` operands (ignored). Results: recv_x,
+    [recv_scales,] recv_count, active_ranks (aliasing the operand), [CPU routing metadata].
+    """
+
+    where: str
+    config: DispatchConfig
+    phases: int
+
+    def __call__(self, ctx, outs, x, topk_idx, active_ranks, *after) -> None:
+        if not _executes(ctx):
+            return
+        c = self.config
+        x_view, device = _read(self.where, "x", x)
+        topk_view, _ = _read(self.where, "topk_idx", topk_idx)
+        num_recv = 3 if c.use_fp8 else 2
+        out_views = [read_array(o, name=f"{self.where}: output") for o in outs]
+        if self.phases == SEND:  # the send half's only result is the mask; it writes no received rows
+            out_views = [_NO_ARRAY] * num_recv + out_views
+        recv_views, active_view = out_views[:num_recv], out_views[num_recv]
+        buffer = c.ranks.select(self.where, device)
+        if x_view.device_type == "cuda":
+            launch = buffer._dispatch_launcher(x_view, topk_view, active_view, recv_views, parity=c.parity,
+                                               num_max_dispatch_tokens_per_rank=c.num_max_dispatch_tokens_per_rank,
+                                               num_experts=c.num_experts, timeout_us=c.timeout_us, **c.flags)
+            # Both halves in one launch when both are asked, as Buffer's synchronous calls do.
+            launch(self.phases, _stream(ctx))
+            return
+        buffer._check_dispatch(self.where, x_view, topk_view, active_view, c.num_max_dispatch_tokens_per_rank,
+                               c.num_experts, timeout_us=c.timeout_us, **c.flags)
+        # One collective of the group (the send half), then this rank's reference computation.
+        gathered = buffer._reference.exchange(x_view.numpy().copy(), topk_view.numpy().copy(),
+                                              active_view.numpy().copy())
+        result = buffer._reference.dispatch(gathered, c.num_max_dispatch_tokens_per_rank, c.num_experts, **c.flags)
+        _write_dispatch(result, recv_views, active_view, out_views[num_recv + 1:], c.use_fp8)
+
+
+def _write_dispatch(result: reference.DispatchResult, recv_views, active_view, metadata_views, use_fp8) -> None:
+    values = [result.recv_x] + ([result.recv_scales] if use_fp8 else []) + [result.recv_count]
+    for view, value in zip(recv_views, values):
+        _write(view, value)
+    _write(active_view, result.active_ranks)
+    for view, name in zip(metadata_views, _METADATA):
+        _write(view, getattr(result, name))
+
+
+# --- combine ----------------------------------------------------------------------------------------
+
+
+def check_handle(where: str, handle, ranks: Ranks) -> None:
+    """Raises unless ``handle`` is a JAX dispatch handle made on ``ranks``."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"{where}: handle must be the mooncake_ep.jax.Handle of a dispatch, got "
+                        f"{type(handle).__name__}")
+    if handle.config.ranks != ranks:
+        raise ValueError(f"{where}: handle was made by a dispatch on another Buffer")
+
+
+def combine_config(where: str, ranks: Ranks, x, topk_idx, topk_weights, active_ranks, handle: Handle, *,
+                   timeout_us: int, renormalize: bool, command_buffer_compatible: bool) -> tuple[CombineConfig, list]:
+    """Checks a combine against its dispatch's handle at trace time; returns its configuration and specs."""
+    check_handle(where, handle, ranks)
+    specs = None
+    for buffer in ranks.buffers:
+        specs = list(buffer._check_combine(where, handle.config, abstract_view(x), abstract_view(topk_idx),
+                                           abstract_view(topk_weights), abstract_view(active_ranks),
+                                           timeout_us=timeout_us).specs)
+    return CombineConfig(handle.config, int(timeout_us), bool(renormalize), bool(command_buffer_compatible)), specs
+
+
+def combine(where: str, ranks: Ranks, x, topk_idx, topk_weights, active_ranks, handle: Handle, *, timeout_us: int,
+            renormalize: bool, command_buffer_compatible: bool, after: Sequence = (), through: Sequence = ()):
+    """Both halves of a combine in one op: ``(combined_x, active_ranks, *through)``.
+
+    See :func:`mooncake_ep.jax.combine`. ``through`` arrays come back unchanged (aliased, no copy
+    when nothing else reads them), so what is computed from them is ordered after this combine.
+    """
+    _register_pytrees()
+    _check_one_rank_per_stream(where, ranks)
+    config, specs = combine_config(where, ranks, x, topk_idx, topk_weights, active_ranks, handle,
+                                   timeout_us=timeout_us, renormalize=renormalize,
+                                   command_buffer_compatible=command_buffer_compatible)
+    out_specs = specs + [("active_ranks", active_ranks.shape, "int32")]
+    out_specs += [(f"through{i}", a.shape, np.dtype(a.dtype).name) for i, a in enumerate(through)]
+    operands = [x, topk_idx, topk_weights, active_ranks, *handle.arrays, *after, *through]
+    aliases = {3: 1} | {len(operands) - len(through) + i: 2 + i for i in range(len(through))}
+    combined, active, *passed = _call(where, _CombineCallback(where, config, SEND | RECV), out_specs, operands,
+                                      aliases, config.command_buffer_compatible)
+    return (*varying_like((combined, active), x, topk_idx, topk_weights, active_ranks),
+            *(varying_like(out, source) for out, source in zip(passed, through)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _CombineCallback:
+    """The host side of a combine op.
+
+    Operands: x, topk_idx, topk_weights, active_ranks, the handle's arrays, then ``after`` and
+    ``through`` operands (ignored). Results: combined_x, active_ranks (aliasing the operand), then the
+    ``through`` arrays (aliased, untouched).
+    """
+
+    where: str
+    config: CombineConfig
+    phases: int
+
+    def __call__(self, ctx, outs, x, topk_idx, topk_weights, active_ranks, *handle_arrays) -> None:
+        if not _executes(ctx):
+            return
+        c, d = self.config, self.config.dispatch
+        x_view, device = _read(self.where, "x", x)
+        topk_view, _ = _read(self.where, "topk_idx", topk_idx)
+        weights_view, _ = _read(self.where, "topk_weights", topk_weights)
+        out_views = [read_array(o, name=f"{self.where}: output") for o in outs[:2]]
+        if self.phases == SEND:  # the send half's only result is the mask; it writes no combined rows
+            out_views = [_NO_ARRAY] + out_views
+        combined_view, active_view = out_views[:2]
+        buffer = d.ranks.select(self.where, device)
+        if x_view.device_type == "cuda":
+            launch = buffer._combine_launcher(x_view, topk_view, weights_view, active_view, combined_view,
+                                              parity=d.parity,
+                                              num_max_dispatch_tokens_per_rank=d.num_max_dispatch_tokens_per_rank,
+                                              hidden=d.hidden, num_experts=d.num_experts, zero_copy=False,
+                                              renormalize=c.renormalize, timeout_us=c.timeout_us)
+            # Both halves in one launch when both are asked, as Buffer's synchronous calls do.
+            launch(self.phases, _stream(ctx))
+            return
+        metadata = _dispatch_metadata(self.where, handle_arrays[:1 + len(_METADATA)])
+        gathered = buffer._reference.exchange(x_view.numpy().copy(), metadata, active_view.numpy().copy())
+        combined, mask = buffer._reference.combine(gathered, topk_view.numpy().copy(), weights_view.numpy().copy(),
+                                                   renormalize=c.renormalize)
+        _write(combined_view, combined)
+        _write(active_view, mask)
+
+
+def _dispatch_metadata(where: str, arrays) -> reference.DispatchResult:
+    """The routing of a CPU dispatch, rebuilt from its handle's arrays (what a combine's peers need)."""
+    count, *routing = (_read(where, "handle", a)[0].numpy().copy() for a in arrays)
+    src_rank, src_token, src_topk, layout_range = routing
+    return reference.DispatchResult(np.empty(0), None, count, src_rank, src_token, src_topk, layout_range, np.empty(0))

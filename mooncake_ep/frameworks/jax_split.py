@@ -1,0 +1,225 @@
+"""The split form of the JAX ops: every rank's send half, then every rank's receive half.
+
+For several ranks on one device, where XLA runs all their work on one stream (DESIGN §7). A send
+half never waits on a peer; each receive half takes every rank's send-half results as operands, so
+XLA cannot schedule a receive before a send it would wait for. On the CPU the send half is nothing
+at all: each receive half computes the numpy reference from every rank's inputs, which XLA hands
+it as operands, so the ranks need no collective (and can run in one thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from mooncake_ep import reference
+from mooncake_ep.buffer import Buffer
+from mooncake_ep.frameworks.jax_args import Ranks, varying_like
+from mooncake_ep.frameworks.jax_ops import (
+    RECV,
+    SEND,
+    CombineConfig,
+    DispatchConfig,
+    Handle,
+    PendingCombine,
+    PendingDispatch,
+    _call,
+    _CombineCallback,
+    _dispatch_metadata,
+    _dispatch_results,
+    _DispatchCallback,
+    _executes,
+    _read,
+    _register_pytrees,
+    _stream,
+    _write,
+    _write_dispatch,
+    combine_config,
+    dispatch_config,
+)
+from mooncake_ep.tensor import read_array
+
+__all__ = ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]
+
+
+def dispatch_send(where: str, buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank: int,
+                  num_experts: int, **options) -> PendingDispatch:
+    """The send half of one rank's dispatch (never waits on a peer). See :mod:`mooncake_ep.jax`."""
+    _register_pytrees()
+    config, _ = dispatch_config(where, Ranks(buffer), x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+                                num_experts, **options)
+    if config.backend == "reference":
+        # The CPU receive half computes from every rank's inputs, handed over by XLA: nothing to send.
+        return PendingDispatch(config, (x, topk_idx, active_ranks))
+    (sent,) = _call(where, _DispatchCallback(where, config, SEND), [("active_ranks", active_ranks.shape, "int32")],
+                    [x, topk_idx, active_ranks], {2: 0}, config.command_buffer_compatible)
+    return PendingDispatch(config, (x, topk_idx, varying_like(sent, active_ranks)))
+
+
+def dispatch_recv(where: str, pending: Sequence[PendingDispatch]) -> list:
+    """The receive halves of every given rank's dispatch: ``[(recv_x, recv_count, handle, active_ranks)]``."""
+    _register_pytrees()
+    pending = _check_pending(where, pending, PendingDispatch, "dispatch_send")
+    base = pending[0].config
+    for p in pending:
+        c = p.config
+        if (c.num_max_dispatch_tokens_per_rank, c.hidden, c.num_experts, c.num_ranks, c.flags, c.parity) != \
+                (base.num_max_dispatch_tokens_per_rank, base.hidden, base.num_experts, base.num_ranks, base.flags,
+                 base.parity):
+            raise ValueError(f"{where}: every rank's dispatch must have the same T, hidden, num_experts, fp8 flags "
+                             f"and parity; rank {c.ranks.single.rank} differs from rank {base.ranks.single.rank}")
+    operands = [a for p in pending for a in p.arrays]
+    results = []
+    for index, p in enumerate(pending):
+        c = p.config
+        _, specs = dispatch_config(where, c.ranks, *p.arrays, c.num_max_dispatch_tokens_per_rank, c.num_experts,
+                                   timeout_us=c.timeout_us, **c.flags, parity=c.parity,
+                                   command_buffer_compatible=c.command_buffer_compatible)
+        out_specs = specs + [("active_ranks", (c.num_ranks,), "int32")] + c.metadata_specs()
+        callback = _DispatchRecvCallback(where, c, index, tuple(q.config.ranks.single.rank for q in pending))
+        outputs = _call(where, callback, out_specs, operands,
+                        {3 * index + 2: len(specs)}, c.command_buffer_compatible)
+        results.append(_dispatch_results(c, specs, varying_like(outputs, *p.arrays)))
+    return results
+
+
+def _check_pending(where: str, pending, kind: type, producer: str) -> list:
+    if isinstance(pending, (kind, str, bytes)) or not isinstance(pending, Sequence) or not pending:
+        raise TypeError(f"{where}: pending must be a non-empty list of the {producer} results of the ranks, got "
+                        f"{type(pending).__name__}")
+    pending = list(pending)
+    for p in pending:
+        if not isinstance(p, kind):
+            raise TypeError(f"{where}: pending must hold {producer} results, got {type(p).__name__}")
+    ranks = [p.config.ranks.single.rank if isinstance(p, PendingDispatch) else p.config.dispatch.ranks.single.rank
+             for p in pending]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{where}: pending holds rank(s) {sorted({r for r in ranks if ranks.count(r) > 1})} more "
+                         f"than once")
+    return pending
+
+
+@dataclasses.dataclass(frozen=True)
+class _DispatchRecvCallback:
+    """The receive half of rank ``index`` among the pending dispatches of ``ranks``.
+
+    Operands: (x, topk_idx, active_ranks) of every pending rank, in order. Results as
+    :class:`_DispatchCallback`'s, the mask aliasing this rank's.
+    """
+
+    where: str
+    config: DispatchConfig
+    index: int
+    ranks: tuple[int, ...]
+
+    def __call__(self, ctx, outs, *operands) -> None:
+        if not _executes(ctx):
+            return
+        c = self.config
+        triples = [[_read(self.where, name, a) for name, a in zip(("x", "topk_idx", "active_ranks"),
+                                                                  operands[3 * i:3 * i + 3])]
+                   for i in range(len(self.ranks))]
+        (x_view, device), (topk_view, _), _ = triples[self.index]
+        num_recv = 3 if c.use_fp8 else 2
+        out_views = [read_array(o, name=f"{self.where}: output") for o in outs]
+        recv_views, active_view = out_views[:num_recv], out_views[num_recv]
+        buffer = c.ranks.select(self.where, device)
+        if x_view.device_type == "cuda":
+            buffer._dispatch_launcher(x_view, topk_view, active_view, recv_views, parity=c.parity,
+                                      num_max_dispatch_tokens_per_rank=c.num_max_dispatch_tokens_per_rank,
+                                      num_experts=c.num_experts, timeout_us=c.timeout_us,
+                                      **c.flags)(RECV, _stream(ctx))
+            return
+        # CPU: every pending rank's inputs are operands, so the reference needs no collective. A rank
+        # of the group with no pending dispatch here never ran: it is masked, as on the GPU.
+        xs, topks = [None] * c.num_ranks, [None] * c.num_ranks
+        actives = [np.ones(c.num_ranks, np.int32)] * c.num_ranks
+        for ((xi, _), (ti, _), (ai, _)), rank in zip(triples, self.ranks):
+            buffer._check_dispatch(self.where, xi, ti, ai, c.num_max_dispatch_tokens_per_rank, c.num_experts,
+                                   timeout_us=c.timeout_us, **c.flags)
+            xs[rank], topks[rank], actives[rank] = xi.numpy(), ti.numpy(), ai.numpy()
+        result = reference.dispatch(buffer.rank, xs, topks, actives, c.num_max_dispatch_tokens_per_rank,
+                                    c.num_experts, **c.flags)
+        _write_dispatch(result, recv_views, active_view, out_views[num_recv + 1:], c.use_fp8)
+
+
+def combine_send(where: str, buffer: Buffer, x, topk_idx, topk_weights, active_ranks, handle: Handle,
+                 **options) -> PendingCombine:
+    """The send half of one rank's combine. See :mod:`mooncake_ep.jax`."""
+    _register_pytrees()
+    ranks = Ranks(buffer)
+    config, _ = combine_config(where, ranks, x, topk_idx, topk_weights, active_ranks, handle, **options)
+    if config.dispatch.backend == "reference":
+        return PendingCombine(config, (x, topk_idx, topk_weights, active_ranks, *handle.arrays))
+    (sent,) = _call(where, _CombineCallback(where, config, SEND), [("active_ranks", active_ranks.shape, "int32")],
+                    [x, topk_idx, topk_weights, active_ranks, *handle.arrays], {3: 0},
+                    config.command_buffer_compatible)
+    return PendingCombine(config, (x, topk_idx, topk_weights, varying_like(sent, active_ranks), *handle.arrays))
+
+
+def combine_recv(where: str, pending: Sequence[PendingCombine]) -> list:
+    """The receive halves of every given rank's combine: ``[(combined_x, active_ranks)]``."""
+    _register_pytrees()
+    pending = _check_pending(where, pending, PendingCombine, "combine_send")
+    parities = {p.config.dispatch.parity for p in pending}
+    if len(parities) != 1:
+        raise ValueError(f"{where}: every rank's combine must answer dispatches of the same parity, got {parities}")
+    sizes = [len(p.arrays) for p in pending]
+    operands = [a for p in pending for a in p.arrays]
+    results = []
+    offset = 0
+    for index, p in enumerate(pending):
+        c = p.config
+        callback = _CombineRecvCallback(where, c, index, tuple(sizes),
+                                        tuple(q.config.dispatch.ranks.single.rank for q in pending))
+        combined, active = _call(where, callback, [("combined_x", (c.dispatch.num_tokens, c.dispatch.hidden),
+                                                    "bfloat16"), ("active_ranks", (c.dispatch.num_ranks,), "int32")],
+                                 operands, {offset + 3: 1}, c.command_buffer_compatible)
+        offset += sizes[index]
+        results.append(tuple(varying_like((combined, active), *p.arrays[:4])))
+    return results
+
+
+@dataclasses.dataclass(frozen=True)
+class _CombineRecvCallback:
+    """The receive half of rank ``index``'s combine; operands: every pending rank's arrays, in order."""
+
+    where: str
+    config: CombineConfig
+    index: int
+    sizes: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def __call__(self, ctx, outs, *operands) -> None:
+        if not _executes(ctx):
+            return
+        c, d = self.config, self.config.dispatch
+        groups, offset = [], 0
+        for size in self.sizes:
+            groups.append(operands[offset:offset + size])
+            offset += size
+        x, topk_idx, topk_weights, active_ranks, *handle_arrays = groups[self.index]
+        x_view, device = _read(self.where, "x", x)
+        topk_view, _ = _read(self.where, "topk_idx", topk_idx)
+        weights_view, _ = _read(self.where, "topk_weights", topk_weights)
+        combined_view, active_view = (read_array(o, name=f"{self.where}: output") for o in outs)
+        buffer = d.ranks.select(self.where, device)
+        if x_view.device_type == "cuda":
+            buffer._combine_launcher(x_view, topk_view, weights_view, active_view, combined_view, parity=d.parity,
+                                     num_max_dispatch_tokens_per_rank=d.num_max_dispatch_tokens_per_rank,
+                                     hidden=d.hidden, num_experts=d.num_experts, zero_copy=False,
+                                     renormalize=c.renormalize, timeout_us=c.timeout_us)(RECV, _stream(ctx))
+            return
+        outs_by_rank, results, actives = [None] * d.num_ranks, [None] * d.num_ranks, \
+            [np.ones(d.num_ranks, np.int32)] * d.num_ranks
+        for group, rank in zip(groups, self.ranks):
+            xi, _, _, ai, *hi = group
+            outs_by_rank[rank] = _read(self.where, "x", xi)[0].numpy()
+            results[rank] = _dispatch_metadata(self.where, hi)
+            actives[rank] = _read(self.where, "active_ranks", ai)[0].numpy()
+        combined, mask = reference.combine(buffer.rank, outs_by_rank, results, topk_view.numpy(), weights_view.numpy(),
+                                           actives, renormalize=c.renormalize)
+        _write(combined_view, combined)
+        _write(active_view, mask)

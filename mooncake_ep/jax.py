@@ -1,0 +1,508 @@
+"""JAX dispatch and combine: eager, under ``jax.jit`` and ``shard_map``, differentiable.
+
+Each call is one ``jax.experimental.buffer_callback`` op that runs in XLA's stream: on a GPU it
+launches the kernels of :class:`mooncake_ep.Buffer` on XLA's buffers, on the CPU it runs the numpy
+reference on the host buffers. Result shapes are declared up front, so the ops trace, ``jit`` and
+record into XLA command buffers (``command_buffer_compatible=True``) like any JAX op.
+
+Example (one rank per device under ``shard_map``; ``buffers`` maps each device to its rank's
+Buffer, see :func:`make_buffers`)::
+
+    import mooncake_ep.jax as epj
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    def moe(x, topk_idx, topk_weights, active):
+        recv_x, recv_count, handle, active = epj.dispatch(buffers, x, topk_idx, active, T, E, use_fp8=False)
+        y = experts(recv_x)                       # [E_l, R*T, H] bf16, rows past recv_count ignored
+        out, active = epj.combine(buffers, y, topk_idx, topk_weights, active, handle)
+        return out
+
+Several ranks on one GPU share XLA's one stream for that device, where a receive half waiting for
+a peer would block the peer's send behind it. Use the split form there (DESIGN §7): every rank's
+send half, then every rank's receive half; a send half never waits, so the order cannot deadlock::
+
+    sent = [epj.dispatch_send(buffers[r], xs[r], topks[r], actives[r], T, E) for r in range(R)]
+    results = epj.dispatch_recv(sent)         # [(recv_x, recv_count, handle, active) per rank]
+
+Note:
+    **Parity.** The kernels keep their epochs in device memory, but which workspace half a call
+    uses is a launch argument. Under a command buffer the Python callback runs only when XLA
+    records (and again, per device, when buffer addresses change), so the half cannot come from
+    the Buffer's host counter: it is the static ``parity`` argument, fixed at trace time and equal
+    on every rank. ``parity=0`` everywhere is correct as long as each dispatch is followed by its
+    combine before the next dispatch on that Buffer; two dispatches whose handles are alive at once
+    (two micro-batches) need parities 0 and 1. Do not interleave these ops with a
+    :meth:`mooncake_ep.Buffer.dispatch` whose handle is still waiting for its combine.
+
+    **Order.** XLA orders the ops by data: a combine takes its dispatch's handle, and each
+    receive half takes every rank's send-half results. Keep the data flowing (pass the returned
+    ``active_ranks`` on) so two steps on one Buffer cannot be reordered.
+
+    **Gradients.** :func:`dispatch` (bf16) and :func:`combine` carry a ``jax.custom_vjp``. The
+    backward of combine is a dispatch of the rows ``w_k * grad_y[t]`` as ``t * K`` tokens, each
+    routed to its k-th expert, which land exactly where the forward's rows were; that needs a
+    second Buffer sized for ``T * K`` tokens (``grad_buffer=``, see :func:`grad_buffer_size_hint`).
+    The gradient of the routing weights, ``<expert_out[row(t, k)], grad_y[t]>``, is a combine of
+    the forward's expert outputs on that layout with unit weights (every row comes back unsummed).
+    The backward of dispatch is a combine of the gradient with unit weights; it first re-runs a
+    dispatch (fp8, of zeros) to rebuild the routing in the workspace, since the workspace keeps the
+    routing of the last dispatches only. Not supported: gradients of an fp8 dispatch, of
+    ``renormalize=True``, and of the split form (use :func:`dispatch` / :func:`combine`, one
+    rank per device); ``jax.vmap`` (use ``shard_map``) and forward-mode ``jax.jvp``.
+
+    **CPU.** On the CPU each rank's collective runs through its group (a :class:`LocalGroup` of
+    threads): the ranks must run at once, so give each rank its own JAX CPU device
+    (``jax.config.update("jax_num_cpu_devices", R)`` before JAX starts), as XLA runs one CPU
+    device's programs one at a time. The split form needs no collective on the CPU: every rank's
+    inputs reach each receive half as operands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mooncake_ep import _constants
+from mooncake_ep.buffer import Buffer
+from mooncake_ep.frameworks import jax_args, jax_ops, jax_split
+from mooncake_ep.frameworks.jax_ops import Handle, PendingCombine, PendingDispatch
+from mooncake_ep.group import LocalGroup
+
+__all__ = ["Handle", "PendingDispatch", "PendingCombine", "dispatch", "combine", "dispatch_send", "dispatch_recv",
+           "combine_send", "combine_recv", "grad_buffer_size_hint", "make_buffers", "destroy_buffers"]
+
+BufferArg = Buffer | Mapping[Any, Buffer]
+
+
+# --- dispatch ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _DispatchStatic:
+    ranks: jax_args.Ranks
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    timeout_us: int
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    parity: int
+    command_buffer_compatible: bool
+
+    def options(self) -> dict:
+        return dict(timeout_us=self.timeout_us, use_fp8=self.use_fp8, round_scale=self.round_scale,
+                    use_ue8m0=self.use_ue8m0, parity=self.parity,
+                    command_buffer_compatible=self.command_buffer_compatible)
+
+
+def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+             *, timeout_us: int = _constants.TIMEOUT_FOREVER, use_fp8: bool = True, round_scale: bool = False,
+             use_ue8m0: bool = False, parity: int = 0, command_buffer_compatible: bool = True):
+    """Send each token to the ranks owning its top-k experts; receive this rank's experts' tokens.
+
+    The JAX form of :meth:`mooncake_ep.Buffer.dispatch`: same arguments and checks, results as JAX
+    arrays, the updated mask returned instead of written in place. Differentiable w.r.t. ``x``
+    (bf16 only).
+
+    Args:
+        buffer: this rank's :class:`mooncake_ep.Buffer`, or ``{jax.Device: Buffer}`` with one rank per
+            device under ``shard_map`` (:func:`make_buffers`). On a GPU, the Buffer's device must be
+            the arrays' and hold no other rank of the group (else use the split form).
+        x: ``[num_tokens, hidden]`` bf16; num_tokens <= num_max_dispatch_tokens_per_rank, hidden a
+            multiple of 128.
+        topk_idx: ``[num_tokens, num_topk]`` int32 (int64 with ``jax_enable_x64``) global expert ids; -1 =
+            no expert. A numpy int64 array becomes int32 (JAX's canonicalisation; ids fit).
+        active_ranks: ``[num_ranks]`` int32, 1 = alive.
+        num_max_dispatch_tokens_per_rank: T, equal on every rank.
+        num_experts: E, a multiple of num_ranks.
+        timeout_us: microseconds a receive waits for a peer before masking it; -1 waits forever.
+        use_fp8, round_scale, use_ue8m0: as in :meth:`mooncake_ep.Buffer.dispatch`.
+        parity: the workspace half, 0 or 1, fixed at trace time (see the module note).
+        command_buffer_compatible: let XLA record the launches into a command buffer (CUDA graph).
+
+    Returns:
+        ``(recv_x, recv_count, handle, active_ranks)``: recv_x ``[num_local_experts, num_ranks * T,
+        hidden]`` bf16, or with use_fp8 ``(x_fp8 float8_e4m3fn [same], scales [num_local_experts,
+        num_ranks * T, hidden / 128] fp32)`` (int32 ``[..., ceil(hidden / 512)]`` with use_ue8m0); rows
+        ordered by source rank then token, rows past recv_count[e] undefined. recv_count
+        ``[num_local_experts]`` int32. handle: :class:`Handle`, for :func:`combine`. active_ranks
+        ``[num_ranks]`` int32, with 0 for the ranks this call timed out on.
+
+    Raises:
+        TypeError, ValueError: at trace time, with :meth:`Buffer.dispatch`'s messages; also for a
+            float64 numpy argument, an array of another framework, a parity outside {0, 1}, or a GPU
+            Buffer whose device holds several ranks.
+    """
+    where = "mooncake_ep.jax.dispatch"
+    ranks = jax_args.as_ranks(where, buffer)
+    x, topk_idx, active_ranks = (jax_args.as_jax(where, name, value) for name, value in
+                                 (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
+    jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, active_ranks=active_ranks)
+    static = _DispatchStatic(ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
+                             round_scale, use_ue8m0, jax_args.check_parity(where, parity), command_buffer_compatible)
+    return _dispatch(static, x, topk_idx, active_ranks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch(static: _DispatchStatic, x, topk_idx, active_ranks):
+    return jax_ops.dispatch("mooncake_ep.jax.dispatch", static.ranks, x, topk_idx, active_ranks,
+                            static.num_max_dispatch_tokens_per_rank, static.num_experts, **static.options())
+
+
+def _dispatch_fwd(static: _DispatchStatic, x, topk_idx, active_ranks):
+    if x.perturbed and static.use_fp8:
+        raise TypeError("mooncake_ep.jax.dispatch: the gradient of an fp8 dispatch is not supported (its rows are "
+                        "quantised); dispatch bf16 (use_fp8=False) for training and quantise inside the experts")
+    out = _dispatch(static, x.value, topk_idx.value, active_ranks.value)
+    _, _, _, active_out = out
+    return out, (topk_idx.value, active_out)
+
+
+def _dispatch_bwd(static: _DispatchStatic, residuals, cotangents):
+    topk_idx, active = residuals
+    grad_recv_x = cotangents[0]
+    if isinstance(grad_recv_x, jax.custom_derivatives.SymbolicZero):
+        return None, None, None
+    where = "mooncake_ep.jax.dispatch (gradient)"
+    grad_recv_x = grad_recv_x.astype(jnp.bfloat16)
+    # The workspace keeps only the last dispatches' routing: rebuild it (fp8 halves the bytes; only the
+    # routing is used), after the gradient exists, so it cannot be scheduled before the forward combine.
+    x_shape = (topk_idx.shape[0], grad_recv_x.shape[2])
+    zeros = jax_args.varying_like(jnp.zeros(x_shape, jnp.bfloat16), grad_recv_x)
+    _, _, handle, active = jax_ops.dispatch(where, static.ranks, zeros, topk_idx, active,
+                                            static.num_max_dispatch_tokens_per_rank, static.num_experts,
+                                            **(static.options() | dict(use_fp8=True, round_scale=False,
+                                                                       use_ue8m0=False)),
+                                            after=(grad_recv_x,))
+    ones = jax_args.varying_like(jnp.ones(topk_idx.shape, jnp.float32), grad_recv_x)
+    grad_x, _ = jax_ops.combine(where, static.ranks, grad_recv_x, topk_idx, ones, active, handle,
+                                timeout_us=static.timeout_us, renormalize=False,
+                                command_buffer_compatible=static.command_buffer_compatible)
+    return grad_x, None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
+
+
+# --- combine ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _CombineStatic:
+    ranks: jax_args.Ranks
+    grad_ranks: jax_args.Ranks | None
+    grad_parity: int
+    timeout_us: int
+    renormalize: bool
+    command_buffer_compatible: bool
+
+
+def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: Handle, *,
+            timeout_us: int = _constants.TIMEOUT_FOREVER, renormalize: bool = False,
+            grad_buffer: BufferArg | None = None, grad_parity: int = 0, command_buffer_compatible: bool = True):
+    """Bring expert outputs back to the tokens' ranks and sum them with the routing weights.
+
+    The JAX form of :meth:`mooncake_ep.Buffer.combine`. Differentiable w.r.t. ``x`` and
+    ``topk_weights`` when ``grad_buffer`` is given.
+
+    Args:
+        buffer: as given to the :func:`dispatch` of ``handle``.
+        x: ``[num_local_experts, num_ranks * T, hidden]`` bf16 expert outputs, rows laid out as recv_x.
+        topk_idx: ``[num_tokens, num_topk]`` the ids given to that dispatch.
+        topk_weights: ``[num_tokens, num_topk]`` float32 (float64 is refused, never cast).
+        active_ranks: ``[num_ranks]`` int32 (pass the mask dispatch returned).
+        handle: the :class:`Handle` returned by that dispatch.
+        timeout_us: microseconds to wait for an expert rank before masking it; -1 waits forever.
+        renormalize: scale each token's live weights so they sum to the sum of all its weights.
+        grad_buffer: for the gradient only: a Buffer (or mapping, like ``buffer``) of the same group
+            sized for ``T * num_topk`` tokens (:func:`grad_buffer_size_hint`), used by nothing else
+            while a backward runs.
+        grad_parity: the parity of the gradient's ops on grad_buffer.
+        command_buffer_compatible: as in :func:`dispatch`.
+
+    Returns:
+        ``(combined_x, active_ranks)``: combined_x ``[num_tokens, hidden]`` bf16, Σ_k w_k · x[row(t, k)]
+        over live experts, summed in fp32 and rounded once; active_ranks ``[num_ranks]`` int32.
+
+    Raises:
+        TypeError, ValueError: at trace time, with :meth:`Buffer.combine`'s messages; when
+            differentiating without ``grad_buffer`` or with ``renormalize=True``; for a grad_buffer
+            that is the forward's, of another group size, or smaller than :func:`grad_buffer_size_hint`.
+
+    Note:
+        A rank that fails during the backward changes where later ranks' gradient rows land; the
+        experts whose row counts then differ from the forward's get a zero gradient rather than a
+        misplaced one, and the failure shows in the next step's ``active_ranks``.
+    """
+    where = "mooncake_ep.jax.combine"
+    ranks = jax_args.as_ranks(where, buffer)
+    jax_ops.check_handle(where, handle, ranks)
+    grad_ranks = None if grad_buffer is None else _check_grad_buffer(where, ranks, grad_buffer, handle)
+    x, topk_idx, topk_weights, active_ranks = (
+        jax_args.as_jax(where, name, value) for name, value in
+        (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
+    jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, topk_weights=topk_weights, active_ranks=active_ranks)
+    static = _CombineStatic(ranks, grad_ranks, jax_args.check_parity(where, grad_parity), timeout_us, renormalize,
+                            command_buffer_compatible)
+    return _combine(static, x, topk_idx, topk_weights, active_ranks, handle)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine(static: _CombineStatic, x, topk_idx, topk_weights, active_ranks, handle):
+    return jax_ops.combine("mooncake_ep.jax.combine", static.ranks, x, topk_idx, topk_weights, active_ranks, handle,
+                           timeout_us=static.timeout_us, renormalize=static.renormalize,
+                           command_buffer_compatible=static.command_buffer_compatible)
+
+
+def _combine_fwd(static: _CombineStatic, x, topk_idx, topk_weights, active_ranks, handle):
+    where = "mooncake_ep.jax.combine"
+    if x.perturbed or topk_weights.perturbed:
+        if static.renormalize:
+            raise TypeError(f"{where}: the gradient of combine with renormalize=True is not supported; normalise the "
+                            f"weights in the router (differentiably) and combine with renormalize=False")
+        if static.grad_ranks is None:
+            raise TypeError(f"{where}: the gradient of combine is a dispatch of num_tokens * num_topk rows: pass "
+                            f"grad_buffer=, a Buffer of the same group sized with "
+                            f"mooncake_ep.jax.grad_buffer_size_hint(T, hidden, num_ranks, num_experts, num_topk)")
+    handle = _values(handle)
+    out = _combine(static, x.value, topk_idx.value, topk_weights.value, active_ranks.value, handle)
+    keep_x = x.value if topk_weights.perturbed else None
+    return out, (keep_x, topk_idx.value, topk_weights.value, out[1], handle, x.perturbed)
+
+
+def _combine_bwd(static: _CombineStatic, residuals, cotangents):
+    expert_out, topk_idx, topk_weights, active, handle, want_x = residuals
+    grad_y = cotangents[0]
+    if isinstance(grad_y, jax.custom_derivatives.SymbolicZero):
+        return None, None, None, None, None
+    where = "mooncake_ep.jax.combine (gradient)"
+    config = handle.config
+    num_tokens, num_topk, hidden = config.num_tokens, config.num_topk, config.hidden
+    num_rows = config.num_ranks * config.num_max_dispatch_tokens_per_rank
+    grad_y32 = grad_y.astype(jnp.float32)
+    # grad of expert row (t, k) is w_k * grad_y[t]: dispatch those t*K rows as t*K tokens, token t*K+k
+    # routed (top-1) to expert topk_idx[t, k]. A local expert then receives them in the order (source
+    # rank, t, k) of the forward's rows, with the same counts, so they land on the forward's rows.
+    rows = (topk_weights[:, :, None] * grad_y32[:, None, :]).astype(jnp.bfloat16).reshape(num_tokens * num_topk,
+                                                                                         hidden)
+    routes = topk_idx.reshape(num_tokens * num_topk, 1)
+    grad_T = config.num_max_dispatch_tokens_per_rank * num_topk
+    recv, count, grad_handle, grad_active = jax_ops.dispatch(
+        where, static.grad_ranks, rows, routes, active, grad_T, config.num_experts, timeout_us=static.timeout_us,
+        use_fp8=False, round_scale=False, use_ue8m0=False, parity=static.grad_parity,
+        command_buffer_compatible=static.command_buffer_compatible)
+    grad_w = None
+    if expert_out is not None:
+        # <expert_out[row(t, k)], grad_y[t]>: the forward's rows come back unsummed through a combine on the
+        # t*K layout with unit weights. recv passes through it, so the next op on grad_buffer (whose inputs
+        # derive from recv) cannot be scheduled before it.
+        padded = jnp.zeros(recv.shape, jnp.bfloat16).at[:, :num_rows].set(expert_out)
+        ones = jax_args.varying_like(jnp.ones(routes.shape, jnp.float32), grad_y)
+        unsummed, _, recv = jax_ops.combine(where, static.grad_ranks, padded, routes, ones, grad_active, grad_handle,
+                                            timeout_us=static.timeout_us, renormalize=False,
+                                            command_buffer_compatible=static.command_buffer_compatible,
+                                            through=(recv,))
+        grad_w = jnp.sum(unsummed.astype(jnp.float32).reshape(num_tokens, num_topk, hidden) * grad_y32[:, None, :],
+                         axis=-1)
+    grad_x = None
+    if want_x:
+        forward_count = handle.recv_count
+        valid = (jnp.arange(num_rows)[None, :] < count[:, None]) & (count == forward_count)[:, None]
+        grad_x = jnp.where(valid[:, :, None], recv[:, :num_rows], jnp.zeros((), jnp.bfloat16))
+    return grad_x, None, grad_w, None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd, symbolic_zeros=True)
+
+
+def _values(tree):
+    """A pytree of ``symbolic_zeros`` primals (each leaf a ``CustomVJPPrimal``) with the plain values."""
+    return jax.tree_util.tree_map(lambda primal: primal.value, tree,
+                                  is_leaf=lambda leaf: hasattr(leaf, "perturbed") and hasattr(leaf, "value"))
+
+
+def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg, handle: Handle) -> jax_args.Ranks:
+    """The Ranks of ``grad_buffer``: other Buffers of the same group, large enough for T * num_topk tokens."""
+    grad_ranks = jax_args.as_ranks(f"{where}: grad_buffer", grad_buffer)
+    config = handle.config
+    needed = grad_buffer_size_hint(config.num_max_dispatch_tokens_per_rank, config.hidden, config.num_ranks,
+                                   config.num_experts, config.num_topk)
+    if set(grad_ranks.buffers) & set(ranks.buffers) or grad_ranks.first.num_ranks != config.num_ranks:
+        raise ValueError(f"{where}: grad_buffer must be other Buffers of the same group ({config.num_ranks} ranks), "
+                         f"not the forward's")
+    small = [b.num_ep_buffer_bytes for b in grad_ranks.buffers if b.num_ep_buffer_bytes < needed]
+    if small:
+        raise ValueError(f"{where}: grad_buffer has {small[0]} bytes, the gradient needs {needed} "
+                         f"(grad_buffer_size_hint(T={config.num_max_dispatch_tokens_per_rank}, hidden={config.hidden}, "
+                         f"num_ranks={config.num_ranks}, num_experts={config.num_experts}, "
+                         f"num_topk={config.num_topk}))")
+    return grad_ranks
+
+
+def grad_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
+                          num_topk: int) -> int:
+    """Bytes of the ``grad_buffer`` of :func:`combine`: a Buffer for ``T * num_topk`` tokens.
+
+    Its receive layout holds ``num_local_experts * num_ranks * T * num_topk`` rows, num_topk times the
+    forward's: that is the cost of placing gradient rows exactly with the low-latency kernels.
+    """
+    if isinstance(num_topk, bool) or not isinstance(num_topk, (int, np.integer)) or not \
+            1 <= num_topk <= _constants.MAX_TOPK:
+        raise ValueError(f"grad_buffer_size_hint: num_topk must be an int in [1, {_constants.MAX_TOPK}], "
+                         f"got {num_topk!r}")
+    return Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank * num_topk, hidden, num_ranks,
+                                          num_experts)
+
+
+# --- the split form -----------------------------------------------------------------------------------
+
+
+def _no_gradient(name: str):
+    """A custom_vjp whose forward refuses differentiation, naming the differentiable ops."""
+
+    def decorate(fn):
+        wrapped = jax.custom_vjp(fn, nondiff_argnums=(0,))
+
+        def fwd(static, *args):
+            raise TypeError(f"mooncake_ep.jax.{name} is not differentiable; for training use mooncake_ep.jax.dispatch "
+                            f"and mooncake_ep.jax.combine (one rank per device, e.g. under shard_map)")
+
+        def bwd(static, residuals, cotangents):  # pragma: no cover - fwd always raises
+            raise AssertionError("unreachable")
+
+        wrapped.defvjp(fwd, bwd)
+        return wrapped
+    return decorate
+
+
+def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank: int,
+                  num_experts: int, *, timeout_us: int = _constants.TIMEOUT_FOREVER, use_fp8: bool = True,
+                  round_scale: bool = False, use_ue8m0: bool = False, parity: int = 0,
+                  command_buffer_compatible: bool = True) -> PendingDispatch:
+    """The send half of one rank's dispatch: stage its tokens and signal the peers; never waits.
+
+    Arguments as in :func:`dispatch` (``buffer`` is one rank's Buffer). Call it for every rank, then
+    :func:`dispatch_recv` with all the results. Not differentiable.
+
+    Returns:
+        A :class:`PendingDispatch` (a pytree of this rank's arrays).
+    """
+    where = "mooncake_ep.jax.dispatch_send"
+    if not isinstance(buffer, Buffer):
+        raise TypeError(f"{where}: buffer must be one rank's mooncake_ep.Buffer, got {type(buffer).__name__}")
+    arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
+                   (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
+    options = dict(timeout_us=timeout_us, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                   parity=parity, command_buffer_compatible=command_buffer_compatible)
+    return _dispatch_send((buffer, num_max_dispatch_tokens_per_rank, num_experts, tuple(sorted(options.items()))),
+                          *arrays)
+
+
+@_no_gradient("dispatch_send")
+def _dispatch_send(static, x, topk_idx, active_ranks):
+    buffer, num_max_tokens, num_experts, options = static
+    return jax_split.dispatch_send("mooncake_ep.jax.dispatch_send", buffer, x, topk_idx, active_ranks, num_max_tokens,
+                                 num_experts, **dict(options))
+
+
+def dispatch_recv(pending: Sequence[PendingDispatch]) -> list:
+    """The receive halves of the dispatches sent with :func:`dispatch_send`.
+
+    Args:
+        pending: every rank's :class:`PendingDispatch` of this step, each rank once (on the CPU a rank
+            missing here counts as one that never ran, and is masked).
+
+    Returns:
+        One ``(recv_x, recv_count, handle, active_ranks)`` per pending rank, in its order, as
+        :func:`dispatch` returns.
+    """
+    return _dispatch_recv(None, list(pending) if isinstance(pending, (list, tuple)) else pending)
+
+
+@_no_gradient("dispatch_recv")
+def _dispatch_recv(static, pending):
+    return jax_split.dispatch_recv("mooncake_ep.jax.dispatch_recv", pending)
+
+
+def combine_send(buffer: Buffer, x, topk_idx, topk_weights, active_ranks, handle: Handle, *,
+                 timeout_us: int = _constants.TIMEOUT_FOREVER, renormalize: bool = False,
+                 command_buffer_compatible: bool = True) -> PendingCombine:
+    """The send half of one rank's combine: publish its expert outputs; never waits.
+
+    Arguments as in :func:`combine` (``handle`` from :func:`dispatch_recv`). Not differentiable.
+
+    Returns:
+        A :class:`PendingCombine`, for :func:`combine_recv`.
+    """
+    where = "mooncake_ep.jax.combine_send"
+    if not isinstance(buffer, Buffer):
+        raise TypeError(f"{where}: buffer must be one rank's mooncake_ep.Buffer, got {type(buffer).__name__}")
+    jax_ops.check_handle(where, handle, jax_args.Ranks(buffer))
+    arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
+                   (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
+    options = dict(timeout_us=timeout_us, renormalize=renormalize, command_buffer_compatible=command_buffer_compatible)
+    return _combine_send((buffer, tuple(sorted(options.items()))), *arrays, handle)
+
+
+@_no_gradient("combine_send")
+def _combine_send(static, x, topk_idx, topk_weights, active_ranks, handle):
+    buffer, options = static
+    return jax_split.combine_send("mooncake_ep.jax.combine_send", buffer, x, topk_idx, topk_weights, active_ranks,
+                                handle, **dict(options))
+
+
+def combine_recv(pending: Sequence[PendingCombine]) -> list:
+    """The receive halves of the combines sent with :func:`combine_send`.
+
+    Returns:
+        One ``(combined_x, active_ranks)`` per pending rank, in its order.
+    """
+    return _combine_recv(None, list(pending) if isinstance(pending, (list, tuple)) else pending)
+
+
+@_no_gradient("combine_recv")
+def _combine_recv(static, pending):
+    return jax_split.combine_recv("mooncake_ep.jax.combine_recv", pending)
+
+
+# --- building the Buffers -------------------------------------------------------------------------------
+
+
+def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, **options) -> dict:
+    """One Buffer per JAX device, as ranks of one in-process group, rank ``i`` on ``devices[i]``.
+
+    Args:
+        devices: JAX devices in rank order (e.g. ``mesh.devices.flat`` of a 1-D mesh, whose axis index
+            is then the rank). GPUs get the kernels (``backend="cuda"``); CPU devices the reference.
+        num_ep_buffer_bytes: workspace bytes per rank (:meth:`Buffer.get_ep_buffer_size_hint`).
+        **options: more keyword arguments of :class:`mooncake_ep.Buffer` (``num_sms``, ...).
+
+    Returns:
+        ``{device: Buffer}``, for the ``buffer`` argument of the ops. Destroy the Buffers with
+        :func:`destroy_buffers`.
+    """
+    devices = list(devices)
+    platforms = {d.platform for d in devices}
+    if len(platforms) != 1:
+        raise ValueError(f"make_buffers: devices must share one platform, got {sorted(platforms)}")
+    on_gpu = platforms != {"cpu"}
+    group = LocalGroup(len(devices), devices=[d.local_hardware_id for d in devices] if on_gpu else None)
+    options.setdefault("backend", "cuda" if on_gpu else "reference")
+    buffers = group.spawn(lambda g: Buffer(g, num_ep_buffer_bytes, **options))
+    return dict(zip(devices, buffers))
+
+
+def destroy_buffers(buffers: Mapping[Any, Buffer]) -> None:
+    """Free the Buffers of :func:`make_buffers` (their destroy is a collective of the group)."""
+    by_rank = {b.rank: b for b in buffers.values()}
+    parent = getattr(next(iter(by_rank.values())).group, "local_group", None)
+    if parent is None or sorted(by_rank) != list(range(parent.num_ranks)):
+        raise TypeError("destroy_buffers: buffers must be the whole mapping returned by make_buffers")
+    parent.spawn(lambda g: by_rank[g.rank].destroy())

@@ -1,0 +1,221 @@
+"""torch autograd for dispatch and combine: a differentiable MoE layer on :class:`mooncake_ep.Buffer`.
+
+:func:`dispatch` and :func:`combine` are :meth:`Buffer.dispatch` / :meth:`Buffer.combine` (bf16,
+synchronous, on torch's current stream) as ``torch.autograd.Function`` s, on CUDA tensors (the
+kernels) and CPU tensors (the numpy reference) alike.
+
+Example::
+
+    import mooncake_ep.torch as ept
+
+    recv_x, recv_count, handle = ept.dispatch(buffer, x, topk_idx, active_ranks, T, E)
+    y = experts(recv_x)                        # [E_l, R*T, H] bf16; rows past recv_count are ignored
+    out = ept.combine(buffer, y, topk_idx, topk_weights, active_ranks, handle, grad_buffer=grad_buffer)
+    loss(out).backward()                       # gradients for x, the experts and topk_weights
+
+Gradients (every rank must run the same backward, since each step below is a collective):
+    - combine, w.r.t. the expert outputs: ``grad[row(t, k)] = w_k * grad_y[t]``, exactly, as a
+      dispatch on ``grad_buffer`` of the ``t * K`` rows ``w_k * grad_y[t]``, row ``t * K + k`` routed
+      (top-1) to expert ``topk_idx[t, k]``. A local expert receives them ordered by (source rank, t,
+      k), with the forward's counts, so each lands on the forward's row; rows past recv_count get 0.
+      ``grad_buffer`` is a Buffer of the same group sized for ``T * K`` tokens
+      (:func:`grad_buffer_size_hint`): its receive layout is K times the forward's.
+    - combine, w.r.t. topk_weights: ``grad_w[t, k] = <expert_out[row(t, k)], grad_y[t]>``, from a
+      combine on that same layout of the forward's expert outputs with unit weights: with one
+      expert per "token" nothing is summed, so every row comes back to its owner as it was.
+    - dispatch, w.r.t. x: ``grad_x[t] = Σ_k grad_recv_x[row(t, k)]``, a combine with unit weights.
+      The workspace keeps the routing of the last two dispatches only (and the combine kernels may
+      use a routing once), so the backward first re-runs the dispatch with zeros (fp8, half the
+      bytes) to rebuild it.
+
+    Cost per layer: forward 1 dispatch + 1 combine; backward 2 dispatches + 2 combines (1 + 1 when
+    topk_weights needs no gradient), all on torch's current stream, no host synchronisation.
+
+Note:
+    The autograd engine runs CUDA backward functions on its own thread per device, on the forward's
+    streams, so in-process ranks on one GPU issue their backward launches one after another from that
+    thread; launches do not wait, but a device allocation there can (see :class:`Buffer`): warm the
+    caching allocator with a first step.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from mooncake_ep import _constants
+from mooncake_ep.buffer import Buffer, Handle
+
+__all__ = ["dispatch", "combine", "grad_buffer_size_hint", "DispatchFunction", "CombineFunction"]
+
+# The forward recv_count of each dispatch handle, for the check in combine's backward (Handle is
+# frozen and belongs to buffer.py, so it is not stored on it).
+_forward_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def grad_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
+                          num_topk: int) -> int:
+    """Bytes of the ``grad_buffer`` of :func:`combine`: a Buffer for ``T * num_topk`` tokens."""
+    if isinstance(num_topk, bool) or not isinstance(num_topk, int) or not 1 <= num_topk <= _constants.MAX_TOPK:
+        raise ValueError(f"grad_buffer_size_hint: num_topk must be an int in [1, {_constants.MAX_TOPK}], "
+                         f"got {num_topk!r}")
+    return Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank * num_topk, hidden, num_ranks,
+                                          num_experts)
+
+
+def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ranks: torch.Tensor,
+             num_max_dispatch_tokens_per_rank: int, num_experts: int, *,
+             timeout_us: int = _constants.TIMEOUT_FOREVER) -> tuple[torch.Tensor, torch.Tensor, Handle]:
+    """A differentiable bf16 :meth:`Buffer.dispatch`.
+
+    Args:
+        buffer: this rank's Buffer.
+        x: ``[num_tokens, hidden]`` bf16 (may require grad), on the Buffer's device (or the CPU).
+        topk_idx: ``[num_tokens, num_topk]`` int64 (int32 accepted); -1 = no expert.
+        active_ranks: ``[num_ranks]`` int32, 1 = alive; updated in place, by the backward too.
+        num_max_dispatch_tokens_per_rank: T.
+        num_experts: E.
+        timeout_us: microseconds a receive waits for a peer; -1 waits forever.
+
+    Returns:
+        ``(recv_x, recv_count, handle)``: recv_x ``[num_local_experts, num_ranks * T, hidden]`` bf16
+        (differentiable; rows past recv_count[e] undefined), recv_count ``[num_local_experts]`` int32,
+        handle for :func:`combine`.
+    """
+    return DispatchFunction.apply(x, topk_idx, active_ranks, buffer, num_max_dispatch_tokens_per_rank,
+                                  num_experts, timeout_us)
+
+
+def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+            active_ranks: torch.Tensor, handle: Handle, *, grad_buffer: Buffer | None = None,
+            timeout_us: int = _constants.TIMEOUT_FOREVER) -> torch.Tensor:
+    """A differentiable :meth:`Buffer.combine` (w.r.t. the expert outputs and topk_weights).
+
+    Args:
+        buffer: the Buffer of the dispatch of ``handle``.
+        x: ``[num_local_experts, num_ranks * T, hidden]`` bf16 expert outputs, laid out as recv_x.
+        topk_idx: the ids given to that dispatch.
+        topk_weights: ``[num_tokens, num_topk]`` fp32 (may require grad).
+        active_ranks: ``[num_ranks]`` int32, updated in place.
+        handle: from :func:`dispatch` (or :meth:`Buffer.dispatch`).
+        grad_buffer: needed when x or topk_weights requires grad: a Buffer of the same group sized
+            with :func:`grad_buffer_size_hint` and used by nothing else during a backward.
+        timeout_us: microseconds to wait for an expert rank; -1 waits forever.
+
+    Returns:
+        combined_x ``[num_tokens, hidden]`` bf16.
+
+    Raises:
+        TypeError: a gradient is needed and grad_buffer is missing, or not a Buffer.
+        ValueError: grad_buffer is of another group size or too small.
+
+    Note:
+        A rank that fails during the backward moves the gradient rows of the ranks after it; the
+        experts whose row counts then differ from the forward's get a zero gradient rather than a
+        misplaced one, and active_ranks shows the failure.
+    """
+    return CombineFunction.apply(x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us)
+
+
+class DispatchFunction(torch.autograd.Function):
+    """``(x, topk_idx, active_ranks, buffer, T, E, timeout_us) -> (recv_x, recv_count, handle)``; see :func:`dispatch`."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, active_ranks, buffer, num_max_dispatch_tokens_per_rank, num_experts, timeout_us):
+        recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+                                                           num_experts, timeout_us, use_fp8=False)
+        _forward_counts[handle] = recv_count
+        ctx.mark_non_differentiable(recv_count)
+        ctx.save_for_backward(topk_idx)
+        # active_ranks is updated in place by every later call: keep the tensor, not a saved version.
+        ctx.active_ranks = active_ranks
+        ctx.config = (buffer, tuple(x.shape), num_max_dispatch_tokens_per_rank, num_experts, timeout_us)
+        return recv_x, recv_count, handle
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_count, grad_handle):
+        if grad_recv_x is None:
+            return (None,) * 7
+        (topk_idx,) = ctx.saved_tensors
+        buffer, x_shape, num_max_tokens, num_experts, timeout_us = ctx.config
+        device = grad_recv_x.device
+        # Rebuild this dispatch's routing in the workspace (only the routing is used: zeros, fp8).
+        zeros = torch.zeros(x_shape, dtype=torch.bfloat16, device=device)
+        _, _, handle, _, _ = buffer.dispatch(zeros, topk_idx, ctx.active_ranks, num_max_tokens, num_experts,
+                                             timeout_us, use_fp8=True)
+        ones = torch.ones(topk_idx.shape, dtype=torch.float32, device=device)
+        grad_x, _, _ = buffer.combine(grad_recv_x.to(torch.bfloat16).contiguous(), topk_idx, ones, ctx.active_ranks,
+                                      timeout_us, handle)
+        return grad_x, None, None, None, None, None, None
+
+
+class CombineFunction(torch.autograd.Function):
+    """``(x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us) -> combined_x``.
+
+    See :func:`combine`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us):
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_x or need_w:
+            _check_grad_buffer(buffer, grad_buffer, handle)
+        combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
+        ctx.save_for_backward(x if need_w else None, topk_idx, topk_weights)
+        ctx.active_ranks = active_ranks
+        ctx.config = (buffer, grad_buffer, handle, timeout_us)
+        ctx.forward_count = _forward_counts.get(handle)
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        expert_out, topk_idx, topk_weights = ctx.saved_tensors
+        buffer, grad_buffer, handle, timeout_us = ctx.config
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        num_tokens, num_topk, hidden = handle.num_tokens, handle.num_topk, handle.hidden
+        num_rows = buffer.num_ranks * handle.num_max_dispatch_tokens_per_rank
+        grad_y32 = grad_y.float()
+        # Row t*K+k is the gradient of expert row (t, k), routed top-1 to expert topk_idx[t, k].
+        rows = (topk_weights[:, :, None] * grad_y32[:, None, :]).to(torch.bfloat16).reshape(num_tokens * num_topk,
+                                                                                           hidden)
+        routes = topk_idx.reshape(num_tokens * num_topk, 1)
+        recv, count, grad_handle, _, _ = grad_buffer.dispatch(
+            rows, routes, ctx.active_ranks, handle.num_max_dispatch_tokens_per_rank * num_topk, handle.num_experts,
+            timeout_us, use_fp8=False)
+        grad_x = grad_w = None
+        if need_w:
+            padded = torch.zeros(recv.shape, dtype=torch.bfloat16, device=recv.device)
+            padded[:, :num_rows] = expert_out
+            ones = torch.ones(routes.shape, dtype=torch.float32, device=recv.device)
+            unsummed, _, _ = grad_buffer.combine(padded, routes, ones, ctx.active_ranks, timeout_us, grad_handle)
+            grad_w = (unsummed.float().view(num_tokens, num_topk, hidden) * grad_y32[:, None, :]).sum(-1)
+        if need_x:
+            rows_index = torch.arange(num_rows, device=recv.device)
+            valid = rows_index[None, :] < count[:, None]
+            if ctx.forward_count is not None:
+                valid &= (count == ctx.forward_count)[:, None]
+            grad_x = torch.where(valid[:, :, None], recv[:, :num_rows], torch.zeros((), dtype=recv.dtype,
+                                                                                     device=recv.device))
+        return grad_x, grad_w, None, None, None, None, None, None
+
+
+def _check_grad_buffer(buffer: Buffer, grad_buffer, handle) -> None:
+    where = "mooncake_ep.torch.combine"
+    if grad_buffer is None:
+        raise TypeError(f"{where}: the gradient of combine is a dispatch of num_tokens * num_topk rows: pass "
+                        f"grad_buffer=, a Buffer of the same group sized with "
+                        f"mooncake_ep.torch.grad_buffer_size_hint(T, hidden, num_ranks, num_experts, num_topk)")
+    if not isinstance(grad_buffer, Buffer):
+        raise TypeError(f"{where}: grad_buffer must be a mooncake_ep.Buffer, got {type(grad_buffer).__name__}")
+    if grad_buffer is buffer or grad_buffer.num_ranks != buffer.num_ranks:
+        raise ValueError(f"{where}: grad_buffer must be another Buffer of the same group ({buffer.num_ranks} ranks), "
+                         f"got {'the forward Buffer' if grad_buffer is buffer else f'{grad_buffer.num_ranks} ranks'}")
+    if not isinstance(handle, Handle):
+        raise TypeError(f"{where}: handle must be the Handle returned by dispatch, got {type(handle).__name__}")
+    needed = grad_buffer_size_hint(handle.num_max_dispatch_tokens_per_rank, handle.hidden, buffer.num_ranks,
+                                   handle.num_experts, handle.num_topk)
+    if grad_buffer.num_ep_buffer_bytes < needed:
+        raise ValueError(f"{where}: grad_buffer has {grad_buffer.num_ep_buffer_bytes} bytes, the gradient needs {needed} "
+                         f"(grad_buffer_size_hint(T={handle.num_max_dispatch_tokens_per_rank}, hidden={handle.hidden}, "
+                         f"num_ranks={buffer.num_ranks}, num_experts={handle.num_experts}, num_topk={handle.num_topk}))")

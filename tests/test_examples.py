@@ -1,0 +1,100 @@
+"""examples/jax_moe.py: the JAX MoE layer (and its gradient) against the dense layer.
+
+On the CPU the ranks are JAX CPU devices on the numpy reference (tests/conftest.py gives JAX several);
+on a GPU the same functions run the kernels: shard_map over the visible GPUs, and the split form
+with four ranks on GPU 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "jax_moe.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("jax_moe_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def inputs(example, num_ranks: int, tokens: int = 8, hidden: int = 256, experts: int = 8):
+    from mooncake_ep.reference import bfloat16
+
+    params = example.init_params(0, hidden, experts)
+    x = np.random.default_rng(1).standard_normal((num_ranks * tokens, hidden)).astype(bfloat16)
+    return params, x
+
+
+def gpus():
+    try:
+        return [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return []
+
+
+def assert_close(errors: dict, tolerance: float) -> None:
+    assert errors["ok"], f"relative errors above {tolerance}: {errors}"
+    # A layer that dropped or misrouted tokens would be off by O(1/top-k); these are bf16 roundings.
+    assert all(v < tolerance for k, v in errors.items() if k != "ok"), errors
+
+
+def test_shard_map_layer_and_gradient_match_the_dense_layer_on_the_cpu():
+    example = load_example()
+    devices = jax.devices("cpu")[:4]
+    if len(devices) < 4:
+        pytest.skip("needs 4 JAX CPU devices")
+    params, x = inputs(example, 4)
+    result = example.run_shard_map(devices, params, x, num_max_tokens=8, num_topk=2, train=True)
+    errors = example.check(result, params, x, 2)
+    assert set(errors) == {"out", "grad x", "grad experts", "grad router", "ok"}
+    assert_close(errors, example.TOLERANCE)
+
+
+def test_split_layer_matches_the_dense_layer_on_the_cpu():
+    example = load_example()
+    params, x = inputs(example, 4)
+    result = example.run_split(jax.devices("cpu")[0], 4, params, x, num_max_tokens=8, num_topk=2)
+    assert_close(example.check(result, params, x, 2), example.TOLERANCE)
+
+
+def test_a_wrong_layer_fails_the_check():
+    """The check is not vacuous: a layer that drops one expert's contribution fails it."""
+    example = load_example()
+    params, x = inputs(example, 1)
+    dense = np.asarray(example.dense_layer(jax.tree_util.tree_map(jax.numpy.asarray, params), jax.numpy.asarray(x), 2))
+    broken = dense.copy()
+    broken[0] = 0
+    assert not example.check({"out": broken}, params, x, 2)["ok"]
+
+
+def test_the_script_runs(capsys):
+    example = load_example()
+    assert example.main(["--mode", "split", "--ranks", "2", "--tokens", "4", "--hidden", "128", "--experts", "4"]) == 0
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpus(), reason="needs a CUDA GPU visible to JAX")
+def test_shard_map_layer_and_gradient_on_the_gpus():
+    example = load_example()
+    devices = gpus()
+    params, x = inputs(example, len(devices), experts=8 * len(devices))
+    result = example.run_shard_map(devices, params, x, num_max_tokens=8, num_topk=2, train=True)
+    assert_close(example.check(result, params, x, 2), example.TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpus(), reason="needs a CUDA GPU visible to JAX")
+def test_split_layer_with_four_ranks_on_one_gpu():
+    example = load_example()
+    params, x = inputs(example, 4)
+    result = example.run_split(gpus()[0], 4, params, x, num_max_tokens=8, num_topk=2)
+    assert_close(example.check(result, params, x, 2), example.TOLERANCE)

@@ -1,0 +1,745 @@
+"""torch, cupy and JAX callers on the GPU kernels, each element compared with reference.py.
+
+In-process ranks share GPU 0. Each case draws fresh random tokens (channel 0 = source rank + 1, exact in
+bf16, so a misrouted row names its source), poisons the outputs, and compares recv_count exactly, the
+valid rows of recv_x bit for bit (bf16, fp8 bytes, scales), combine within one bf16 rounding of the
+reference (the reference rounds once from fp32, as the kernel does).
+
+The caller's stream: a *gate* kernel holds the caller's stream until the host opens it, then writes the
+call's input. The host opens it only after the call returned, so a call that synchronised the host
+would leave the gate waiting until its timeout (reported in a status word, never a hang), and a call
+that ran on another stream would read the poisoned input instead of the gate's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mooncake_ep as ep
+from mooncake_ep import reference
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+TIMEOUT_US = 10_000_000  # a bug shows up as a masked rank after 10 s, never as a hang
+GATE_TIMEOUT_NS = 20_000_000_000  # how long a gate holds a stream if the host never opens it
+BF16_RTOL = 2.0**-7  # one bf16 rounding plus fp32 accumulation order
+NUM_SMS = 16  # per rank: leaves SMs for the gates and for JAX's own kernels
+FLAGS = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True),
+         "fp8-ue8m0": dict(use_fp8=True, round_scale=True, use_ue8m0=True)}
+
+GATE_SOURCE = r"""
+extern "C" __global__ void gate(const volatile int* flag, long long timeout_ns, const unsigned char* src,
+                                unsigned char* dst, long long num_bytes, int* status) {
+    __shared__ int opened;
+    if (threadIdx.x == 0) {
+        unsigned long long start, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+        opened = 1;
+        while (*flag == 0) {
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if (now - start > (unsigned long long)timeout_ns) { opened = 0; break; }
+        }
+        if (!opened) atomicExch(status, 1);
+    }
+    __syncthreads();
+    for (long long i = threadIdx.x; i < num_bytes; i += blockDim.x) dst[i] = src[i];
+}
+"""
+
+
+class Gate:
+    """Holds a stream until :meth:`open`, then copies ``num_bytes`` from src to dst on it."""
+
+    def __init__(self):
+        import ctypes
+
+        import cupy
+
+        self.cupy = cupy
+        self.kernel = cupy.RawKernel(GATE_SOURCE, "gate")
+        self.kernel.compile()
+        # Mapped pinned memory: with unified addressing the device reads it at the host address.
+        self.flag_ptr = cupy.cuda.runtime.hostAlloc(4, cupy.cuda.runtime.hostAllocMapped)
+        self.flag = np.ctypeslib.as_array((ctypes.c_int32 * 1).from_address(self.flag_ptr))
+        self.flag[0] = 0
+        self.status = cupy.zeros(1, cupy.int32)
+
+    def hold(self, stream_ptr: int, src_ptr: int, dst_ptr: int, num_bytes: int) -> None:
+        self.flag[0] = 0
+        args = (np.uint64(self.flag_ptr), np.int64(GATE_TIMEOUT_NS), np.uint64(src_ptr), np.uint64(dst_ptr),
+                np.int64(num_bytes), np.uint64(self.status.data.ptr))
+        self.kernel((1,), (256,), args, stream=self.cupy.cuda.ExternalStream(int(stream_ptr)))
+
+    def __del__(self):
+        if getattr(self, "flag_ptr", None):
+            self.cupy.cuda.runtime.freeHost(self.flag_ptr)
+
+    def open(self) -> None:
+        self.flag[0] = 1
+
+    def timed_out(self) -> bool:
+        return bool(self.status.get()[0])  # a sync: after the step only
+
+
+@dataclasses.dataclass
+class Case:
+    num_ranks: int = 2
+    num_experts: int = 8
+    hidden: int = 1024
+    num_topk: int = 4
+    num_max_tokens: int = 16
+    seed: int = 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def size(self) -> int:
+        return ep.Buffer.get_ep_buffer_size_hint(self.num_max_tokens, self.hidden, self.num_ranks, self.num_experts)
+
+
+def make_inputs(case: Case, num_tokens=None):
+    rng = np.random.default_rng(case.seed)
+    xs, topks, weights = [], [], []
+    for rank in range(case.num_ranks):
+        t = case.num_max_tokens if num_tokens is None else num_tokens[rank]
+        x = rng.standard_normal((t, case.hidden), dtype=np.float32) * 3
+        x[:, 0] = rank + 1
+        topk = np.array([rng.choice(case.num_experts, case.num_topk, replace=False) for _ in range(t)],
+                        np.int64).reshape(t, case.num_topk)
+        topk[rng.random(topk.shape) < 0.1] = -1
+        xs.append(x.astype(BF16))
+        topks.append(topk)
+        weights.append(rng.random((t, case.num_topk), dtype=np.float32))
+    return xs, topks, weights
+
+
+def to_torch(array: np.ndarray, device="cuda"):
+    if array.dtype == BF16:
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(array).to(device)
+
+
+def to_numpy(tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy().view(BF16)
+    if tensor.dtype == torch.float8_e4m3fn:
+        return tensor.view(torch.uint8).numpy().view(FP8)
+    return tensor.numpy()
+
+
+def expert_scale(case: Case, rank: int) -> np.ndarray:
+    """The experts of the tests multiply by (global expert id + 1) / E: [E_l] float32."""
+    return ((np.arange(case.num_local_experts) + rank * case.num_local_experts + 1) / case.num_experts).astype(np.float32)
+
+
+def dequantised(recv, flags: dict) -> np.ndarray:
+    """recv_x as float32 on the host, whatever its format."""
+    if not flags.get("use_fp8"):
+        return np.asarray(recv).astype(np.float32)
+    q, scales = (np.asarray(a) for a in recv)
+    num_local, rows, hidden = q.shape
+    values = reference.dequantize_fp8(q.reshape(-1, hidden), scales.reshape(num_local * rows, -1),
+                                      use_ue8m0=flags.get("use_ue8m0", False))
+    return values.reshape(q.shape)
+
+
+def host_experts(case: Case, rank: int, recv, flags: dict) -> np.ndarray:
+    return (dequantised(recv, flags) * expert_scale(case, rank)[:, None, None]).astype(BF16)
+
+
+def check(case: Case, xs, topks, weights, flags, results, actives=None) -> None:
+    """results[rank] = dict(recv=host recv_x (array or (q, scales)), count, y (expert outputs), combined)."""
+    actives = actives or [np.ones(case.num_ranks, np.int32)] * case.num_ranks
+    dispatched = [reference.dispatch(r, xs, topks, actives, case.num_max_tokens, case.num_experts, **flags)
+                  for r in range(case.num_ranks)]
+    for rank, (got, want) in enumerate(zip(results, dispatched)):
+        np.testing.assert_array_equal(got["count"], want.recv_count, err_msg=f"rank {rank}: recv_count")
+        q = got["recv"][0] if flags.get("use_fp8") else got["recv"]
+        for e, n in enumerate(want.recv_count):
+            np.testing.assert_array_equal(np.asarray(q)[e, :n].view(np.uint8), want.recv_x[e, :n].view(np.uint8),
+                                          err_msg=f"rank {rank} expert {e}: recv_x rows")
+            if flags.get("use_fp8"):
+                np.testing.assert_array_equal(np.asarray(got["recv"][1])[e, :n], want.recv_scales[e, :n],
+                                              err_msg=f"rank {rank} expert {e}: scales")
+    expert_outs = [np.asarray(r["y"]) for r in results]
+    for rank, got in enumerate(results):
+        want, _ = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
+        combined = np.asarray(got["combined"]).astype(np.float32)
+        assert np.isfinite(combined).all(), f"rank {rank}: combine left unwritten (NaN) elements"
+        np.testing.assert_allclose(combined, want.astype(np.float32), rtol=BF16_RTOL, atol=1e-3,
+                                   err_msg=f"rank {rank}: combined_x")
+
+
+def settle(group) -> None:
+    """Finish this rank's stream, then meet the other ranks (no allocation while a peer's kernel waits)."""
+    torch.cuda.current_stream().synchronize()
+    group.barrier()
+
+
+def local_group(case: Case) -> ep.LocalGroup:
+    return ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks, timeout_s=120)
+
+
+def torch_experts(case: Case, rank: int, recv, flags: dict):
+    if flags.get("use_fp8"):
+        q, scales = recv
+        values = q.float().reshape(q.shape[0], q.shape[1], -1, 128)
+        if flags.get("use_ue8m0"):
+            exponents = scales.contiguous().view(torch.uint8)[..., : case.hidden // 128].to(torch.int32)
+            scale = (exponents << 23).view(torch.float32)
+        else:
+            scale = scales
+        values = (values * scale[..., None]).reshape(q.shape)
+    else:
+        values = recv.float()
+    factor = torch.from_numpy(expert_scale(case, rank)).to(values.device)
+    return (values * factor[:, None, None]).to(torch.bfloat16)
+
+
+# --- torch --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag_id", ["bf16", "fp8"])
+def test_torch_calls_wait_for_the_callers_stream_and_do_not_block_the_host(flag_id):
+    flags = FLAGS[flag_id]
+    case = Case(seed=1)
+    xs, topks, weights = make_inputs(case)
+
+    def run(g):
+        r = g.rank
+        buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS)
+        stream = torch.cuda.current_stream()
+        assert stream.cuda_stream == g.stream_ptr
+        gate = Gate()
+        fresh_x, topk, w = to_torch(xs[r]), to_torch(topks[r]), to_torch(weights[r])
+        x = torch.full_like(fresh_x, float("nan"))
+        active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        # Warm-up: the configuration's layout goes to the device on first use (a host copy).
+        _, _, handle, _, _ = buffer.dispatch(fresh_x, topk, active, case.num_max_tokens, case.num_experts,
+                                             timeout_us=TIMEOUT_US, **flags)
+        warm_y = torch.zeros(case.num_local_experts, case.num_ranks * case.num_max_tokens, case.hidden,
+                             dtype=torch.bfloat16, device="cuda")
+        buffer.combine(warm_y, topk, w, active, TIMEOUT_US, handle)
+        settle(g)
+        gate.hold(stream.cuda_stream, fresh_x.data_ptr(), x.data_ptr(), x.numel() * 2)
+        recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
+                                                    timeout_us=TIMEOUT_US, **flags)
+        gate.open()
+        settle(g)
+        fresh_y = torch_experts(case, r, recv, flags)
+        y = torch.full_like(fresh_y, float("nan"))
+        settle(g)
+        gate.hold(stream.cuda_stream, fresh_y.data_ptr(), y.data_ptr(), y.numel() * 2)
+        combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle)
+        gate.open()
+        settle(g)
+        result = dict(recv=tuple(to_numpy(t) for t in recv) if flags["use_fp8"] else to_numpy(recv),
+                      count=to_numpy(count), y=to_numpy(fresh_y), combined=to_numpy(combined),
+                      blocked=gate.timed_out())
+        buffer.destroy()
+        return result
+
+    results = local_group(case).spawn(run)
+    assert not any(r["blocked"] for r in results), "a call synchronised the host with the caller's stream"
+    check(case, xs, topks, weights, flags, results)
+
+
+def test_torch_autograd_gradients_match_float64():
+    import mooncake_ep.torch as ept
+
+    case = Case(num_experts=4, hidden=256, num_topk=2, num_max_tokens=8, seed=2)
+    xs, topks, weights = make_inputs(case)
+    rng = np.random.default_rng(3)
+    rows = case.num_ranks * case.num_max_tokens
+    grad_recvs = [rng.standard_normal((case.num_local_experts, rows, case.hidden)).astype(BF16)
+                  for _ in range(case.num_ranks)]
+    expert_outs = [rng.standard_normal((case.num_local_experts, rows, case.hidden)).astype(BF16)
+                   for _ in range(case.num_ranks)]
+    grad_ys = [rng.standard_normal((case.num_max_tokens, case.hidden)).astype(BF16) for _ in range(case.num_ranks)]
+    grad_size = ept.grad_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts,
+                                          case.num_topk)
+
+    def run(g):
+        r = g.rank
+        buffer, grad_buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS), ep.Buffer(g, grad_size, num_sms=NUM_SMS)
+        topk, w0 = to_torch(topks[r]), to_torch(weights[r])
+        out = None
+        for step in range(2):  # the first warms torch's caching allocator (see mooncake_ep.torch's note)
+            active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+            x = to_torch(xs[r]).requires_grad_()
+            recv, count, handle = ept.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts,
+                                               timeout_us=TIMEOUT_US)
+            (recv.float() * to_torch(grad_recvs[r]).float()).sum().backward()
+            y = to_torch(expert_outs[r]).requires_grad_()
+            w = w0.clone().requires_grad_()
+            combined = ept.combine(buffer, y, topk, w, active, handle, grad_buffer=grad_buffer, timeout_us=TIMEOUT_US)
+            combined.backward(to_torch(grad_ys[r]))
+            settle(g)
+            out = (to_numpy(count), x.grad.float().cpu().numpy(), y.grad.float().cpu().numpy(), to_numpy(w.grad),
+                   to_numpy(active))
+        g.barrier()
+        buffer.destroy()
+        grad_buffer.destroy()
+        return out
+
+    results = local_group(case).spawn(run)
+    actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
+    dispatched = [reference.dispatch(r, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=False)
+                  for r in range(case.num_ranks)]
+    T, H, K = case.num_max_tokens, case.hidden, case.num_topk
+    want_x = [np.zeros((T, H)) for _ in range(case.num_ranks)]
+    want_y = [np.zeros((case.num_local_experts, rows, H)) for _ in range(case.num_ranks)]
+    want_w = [np.zeros((T, K)) for _ in range(case.num_ranks)]
+    for owner, res in enumerate(dispatched):
+        for e in range(case.num_local_experts):
+            for row in range(res.recv_count[e]):
+                src, t, k = (int(a[e, row]) for a in (res.recv_src_rank, res.recv_src_token, res.recv_src_topk))
+                want_x[src][t] += grad_recvs[owner][e, row].astype(np.float64)
+                want_y[owner][e, row] = float(weights[src][t, k]) * grad_ys[src][t].astype(np.float64)
+                want_w[src][t, k] = expert_outs[owner][e, row].astype(np.float64) @ grad_ys[src][t].astype(np.float64)
+    for r, (count, grad_x, grad_y, grad_w, active) in enumerate(results):
+        np.testing.assert_array_equal(count, dispatched[r].recv_count)
+        np.testing.assert_array_equal(active, np.ones(case.num_ranks))
+        np.testing.assert_allclose(grad_x, want_x[r], rtol=2.0**-8, atol=1e-5, err_msg=f"rank {r}: grad x")
+        np.testing.assert_allclose(grad_y, want_y[r], rtol=2.0**-8, atol=1e-5, err_msg=f"rank {r}: grad expert out")
+        for e, n in enumerate(dispatched[r].recv_count):
+            assert not grad_y[e, n:].any(), f"rank {r} expert {e}: rows past recv_count get no gradient"
+        np.testing.assert_allclose(grad_w, want_w[r], rtol=1e-4, atol=1e-3, err_msg=f"rank {r}: grad weights")
+
+
+def test_torch_bad_input_is_refused_and_the_buffer_still_works():
+    case = Case(num_ranks=1, num_experts=4, hidden=256, num_topk=2, num_max_tokens=8, seed=4)
+    xs, topks, weights = make_inputs(case)
+
+    def run(g):
+        buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS)
+        x, topk, w = to_torch(xs[0]), to_torch(topks[0]), to_torch(weights[0])
+        active = torch.ones(1, dtype=torch.int32, device="cuda")
+        args = (case.num_max_tokens, case.num_experts)
+        with pytest.raises(TypeError, match=r"dispatch: topk_idx is on cpu:0, expected cuda:0 like the other arrays"):
+            buffer.dispatch(x, topk.cpu(), active, *args)
+        with pytest.raises(ValueError, match=r"dispatch: x must be contiguous"):
+            buffer.dispatch(x.t().contiguous().t(), topk, active, *args)
+        with pytest.raises(TypeError, match=r"dispatch: x must be bfloat16, got float16"):
+            buffer.dispatch(x.half(), topk, active, *args)
+        if torch.cuda.device_count() > 1:
+            with pytest.raises(TypeError, match=r"arrays are on cuda:1, this Buffer's rank uses cuda:0"):
+                buffer.dispatch(x.to("cuda:1"), topk.to("cuda:1"), active.to("cuda:1"), *args)
+        recv, count, handle, _, _ = buffer.dispatch(x, topk, active, *args, timeout_us=TIMEOUT_US, use_fp8=False)
+        with pytest.raises(TypeError, match=r"combine: topk_weights must be float32, got float64"):
+            buffer.combine(recv, topk, w.double(), active, TIMEOUT_US, handle)
+        y = torch_experts(case, 0, recv, FLAGS["bf16"])
+        combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle)
+        torch.cuda.current_stream().synchronize()
+        result = dict(recv=to_numpy(recv), count=to_numpy(count), y=to_numpy(y), combined=to_numpy(combined))
+        buffer.destroy()
+        return result
+
+    check(case, xs, topks, weights, FLAGS["bf16"], local_group(case).spawn(run))
+
+
+# --- cupy ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag_id", list(FLAGS))
+def test_cupy_arrays_in_and_out_on_cupys_stream(flag_id):
+    """cupy callers pass and get raw bits: bf16 as uint16, fp8 as uint8 (cupy has neither dtype)."""
+    cupy = pytest.importorskip("cupy")
+    flags = FLAGS[flag_id]
+    case = Case(seed=5)
+    xs, topks, weights = make_inputs(case)
+
+    def run(g):
+        r = g.rank
+        buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS)
+        stream = cupy.cuda.get_current_stream()
+        assert stream.ptr == g.stream_ptr
+        gate = Gate()
+        fresh_x = cupy.asarray(xs[r].view(np.uint16))
+        x = cupy.full(fresh_x.shape, 0x7FC0, cupy.uint16)  # bf16 NaN
+        topk, w = cupy.asarray(topks[r]), cupy.asarray(weights[r])
+        active = cupy.ones(case.num_ranks, cupy.int32)
+        buffer.dispatch(fresh_x, topk, active, case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US, **flags)
+        stream.synchronize()
+        g.barrier()
+        gate.hold(stream.ptr, fresh_x.data.ptr, x.data.ptr, x.nbytes)
+        recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
+                                                    timeout_us=TIMEOUT_US, **flags)
+        gate.open()
+        if flags["use_fp8"]:
+            q, scales = recv
+            assert q.dtype == cupy.uint8 and scales.dtype == (cupy.int32 if flags.get("use_ue8m0") else cupy.float32)
+            host_recv = (cupy.asnumpy(q).view(FP8), cupy.asnumpy(scales))
+        else:
+            assert recv.dtype == cupy.uint16
+            host_recv = cupy.asnumpy(recv).view(BF16)
+        assert count.dtype == cupy.int32
+        stream.synchronize()
+        g.barrier()
+        y = cupy.asarray(host_experts(case, r, host_recv, flags).view(np.uint16))  # bf16 bits
+        combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle)
+        assert combined.dtype == cupy.uint16
+        stream.synchronize()
+        result = dict(recv=host_recv, count=cupy.asnumpy(count), y=cupy.asnumpy(y).view(BF16),
+                      combined=cupy.asnumpy(combined).view(BF16), blocked=gate.timed_out())
+        g.barrier()
+        buffer.destroy()
+        return result
+
+    results = local_group(case).spawn(run)
+    assert not any(r["blocked"] for r in results), "dispatch synchronised the host with cupy's stream"
+    check(case, xs, topks, weights, flags, results)
+
+
+def test_cupy_zero_copy_combine():
+    cupy = pytest.importorskip("cupy")
+    case = Case(seed=6)
+    xs, topks, weights = make_inputs(case)
+    flags = FLAGS["bf16"]
+
+    def run(g):
+        r = g.rank
+        buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS)
+        topk, w = cupy.asarray(topks[r]), cupy.asarray(weights[r])
+        active = cupy.ones(case.num_ranks, cupy.int32)
+        recv, count, handle, _, _ = buffer.dispatch(cupy.asarray(xs[r].view(np.uint16)), topk, active,
+                                                    case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US,
+                                                    use_fp8=False)
+        host_recv = cupy.asnumpy(recv).view(BF16)
+        y = host_experts(case, r, host_recv, flags)
+        target = buffer.get_next_combine_buffer(handle)
+        assert target.dtype == cupy.uint16 and target.shape == y.shape
+        target[...] = cupy.asarray(y.view(np.uint16))
+        cupy.cuda.get_current_stream().synchronize()
+        g.barrier()
+        combined, _, _ = buffer.combine(None, topk, w, active, TIMEOUT_US, handle, zero_copy=True)
+        result = dict(recv=host_recv, count=cupy.asnumpy(count), y=y, combined=cupy.asnumpy(combined).view(BF16))
+        g.barrier()
+        buffer.destroy()
+        return result
+
+    check(case, xs, topks, weights, flags, local_group(case).spawn(run))
+
+
+# --- JAX ----------------------------------------------------------------------------------------------
+
+
+def jax_gpu():
+    jax = pytest.importorskip("jax")
+    try:
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        pytest.skip("needs JAX with CUDA")
+    return jax, gpus
+
+
+def jax_experts(case: Case, rank: int, recv, flags: dict):
+    import jax
+    import jax.numpy as jnp
+
+    if flags.get("use_fp8"):
+        q, scales = recv
+        num_local, rows, hidden = q.shape
+        if flags.get("use_ue8m0"):
+            exponents = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(num_local, rows, -1)
+            scale = jax.lax.bitcast_convert_type(exponents[..., : hidden // 128].astype(jnp.uint32) << 23,
+                                                 jnp.float32)
+        else:
+            scale = scales
+        values = (q.astype(jnp.float32).reshape(num_local, rows, -1, 128) * scale[..., None]).reshape(q.shape)
+    else:
+        values = recv.astype(jnp.float32)
+    return (values * jnp.asarray(expert_scale(case, rank))[:, None, None]).astype(jnp.bfloat16)
+
+
+def split_step(jax, buffers, case: Case, flags: dict, gate=None):
+    """One jitted step of every rank on GPU 0 in the split form; with ``gate``, x comes from a gate kernel."""
+    import jax.numpy as jnp
+    from jax.experimental.buffer_callback import buffer_callback
+
+    import mooncake_ep.jax as epj
+
+    def gated(x):
+        """x, copied by a gate kernel on XLA's stream (as uint16: the array interface has no bf16)."""
+        def hold(ctx, out, source):
+            stream = ctx.stream() if callable(ctx.stream) else ctx.stream
+            src = source.__cuda_array_interface__["data"][0]
+            dst = out.__cuda_array_interface__["data"][0]
+            gate.hold(int(stream), src, dst, int(np.prod(source.shape)) * 2)
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
+        copied = buffer_callback(hold, jax.ShapeDtypeStruct(bits.shape, jnp.uint16), has_side_effect=True,
+                                 command_buffer_compatible=False)(bits)
+        return jax.lax.bitcast_convert_type(copied, jnp.bfloat16)
+
+    def step(xs, topks, weights, actives):
+        if gate is not None:
+            xs = [gated(x) for x in xs]
+        sent = [epj.dispatch_send(buffers[r], xs[r], topks[r], actives[r], case.num_max_tokens, case.num_experts,
+                                  timeout_us=TIMEOUT_US, **flags) for r in range(case.num_ranks)]
+        received = epj.dispatch_recv(sent)
+        ys = [jax_experts(case, r, recv, flags) for r, (recv, _, _, _) in enumerate(received)]
+        sent = [epj.combine_send(buffers[r], ys[r], topks[r], weights[r], active, handle, timeout_us=TIMEOUT_US)
+                for r, (_, _, handle, active) in enumerate(received)]
+        combined = epj.combine_recv(sent)
+        return [(recv, count) for recv, count, _, _ in received], ys, [out for out, _ in combined]
+
+    return jax.jit(step)
+
+
+def jax_results(case, flags, received, ys, combined):
+    results = []
+    for r in range(case.num_ranks):
+        recv, count = received[r]
+        host_recv = tuple(np.asarray(a) for a in recv) if flags["use_fp8"] else np.asarray(recv)
+        results.append(dict(recv=host_recv, count=np.asarray(count), y=np.asarray(ys[r]),
+                            combined=np.asarray(combined[r])))
+    return results
+
+
+def jax_inputs(jax, case, xs, topks, weights):
+    import jax.numpy as jnp
+
+    to32 = [t.astype(np.int32) for t in topks]
+    return ([jnp.asarray(x) for x in xs], [jnp.asarray(t) for t in to32], [jnp.asarray(w) for w in weights],
+            [jnp.ones(case.num_ranks, jnp.int32)] * case.num_ranks), to32
+
+
+def gpu_buffers(case: Case, num_sms=None) -> list:
+    group = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks, timeout_s=120)
+    return group, group.spawn(lambda g: ep.Buffer(g, case.size, num_sms=num_sms))
+
+
+@pytest.mark.parametrize("flag_id", list(FLAGS))
+def test_jax_split_form_on_one_gpu_equals_reference(flag_id):
+    jax, _ = jax_gpu()
+    flags = FLAGS[flag_id]
+    case = Case(num_ranks=4, num_experts=16, seed=7)
+    group, buffers = gpu_buffers(case)
+    step = split_step(jax, buffers, case, flags)
+    for seed in range(3):  # fresh inputs each step, one compiled program
+        case.seed = 100 + seed
+        xs, topks, weights = make_inputs(case, num_tokens=[16, 9, 16, 0])
+        args, topks32 = jax_inputs(jax, case, xs, topks, weights)
+        received, ys, combined = step(*args)
+        check(case, xs, topks32, weights, flags, jax_results(case, flags, received, ys, combined))
+    group.spawn(lambda g: buffers[g.rank].destroy())
+
+
+def test_jax_ops_wait_for_xlas_stream_and_do_not_block_the_host():
+    jax, _ = jax_gpu()
+    flags = FLAGS["fp8"]
+    case = Case(num_ranks=2, seed=8)
+    group, buffers = gpu_buffers(case, num_sms=NUM_SMS)
+    gate = Gate()
+    xs, topks, weights = make_inputs(case)
+    args, topks32 = jax_inputs(jax, case, xs, topks, weights)
+    split_step(jax, buffers, case, flags)(*args)  # warm-up: compile, upload the layout
+    step = split_step(jax, buffers, case, flags, gate=gate)
+    outputs = step(*args)  # returns once enqueued: the gate still holds XLA's stream
+    gate.open()
+    outputs = jax.block_until_ready(outputs)
+    assert not gate.timed_out(), "an op synchronised the host with XLA's stream"
+    check(case, xs, topks32, weights, flags, jax_results(case, flags, *outputs))
+    group.spawn(lambda g: buffers[g.rank].destroy())
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_jax_fused_ops_on_one_gpu_rank(jit):
+    jax, gpus = jax_gpu()
+    import mooncake_ep.jax as epj
+
+    flags = FLAGS["fp8"]
+    case = Case(num_ranks=1, num_experts=8, seed=9)
+    buffers = epj.make_buffers(gpus[:1], case.size)
+    xs, topks, weights = make_inputs(case, num_tokens=[11])
+    (x, topk, w, active), topks32 = jax_inputs(jax, case, xs, topks, weights)
+
+    def step(x, topk, w, active):
+        recv, count, handle, active = epj.dispatch(buffers, x, topk, active, case.num_max_tokens, case.num_experts,
+                                                   timeout_us=TIMEOUT_US, **flags)
+        y = jax_experts(case, 0, recv, flags)
+        combined, _ = epj.combine(buffers, y, topk, w, active, handle, timeout_us=TIMEOUT_US)
+        return recv, count, y, combined
+
+    run = jax.jit(step) if jit else step
+    recv, count, y, combined = run(x[0], topk[0], w[0], active[0])
+    check(case, xs, topks32, weights, flags, jax_results(case, flags, [(recv, count)], [y], [combined]))
+    epj.destroy_buffers(buffers)
+
+
+def test_jax_shard_map_over_several_gpus():
+    jax, gpus = jax_gpu()
+    if len(gpus) < 2:
+        pytest.skip("needs 2 GPUs visible to JAX")
+    import functools
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import mooncake_ep.jax as epj
+
+    flags = FLAGS["bf16"]
+    case = Case(num_ranks=len(gpus), num_experts=4 * len(gpus), seed=10)
+    buffers = epj.make_buffers(gpus, case.size)
+    mesh = jax.sharding.Mesh(np.array(gpus), ("ep",))
+    xs, topks, weights = make_inputs(case)
+    topks32 = [t.astype(np.int32) for t in topks]
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    def step(x, topk, w, active):
+        recv, count, handle, active = epj.dispatch(buffers, x, topk, active, case.num_max_tokens, case.num_experts,
+                                                   timeout_us=TIMEOUT_US, **flags)
+        rank = jax.lax.axis_index("ep")
+        y = jax.lax.switch(rank, [functools.partial(jax_experts, case, r, flags=flags)
+                                  for r in range(case.num_ranks)], recv)
+        combined, _ = epj.combine(buffers, y, topk, w, active, handle, timeout_us=TIMEOUT_US)
+        return recv, count, y, combined
+
+    put = lambda arrays: jax.device_put(np.concatenate(arrays), NamedSharding(mesh, P("ep")))  # noqa: E731
+    recv, count, y, combined = step(put(xs), put(topks32), put(weights),
+                                    put([np.ones(case.num_ranks, np.int32)] * case.num_ranks))
+    n, t = case.num_local_experts, case.num_max_tokens
+    results = [dict(recv=np.asarray(recv)[r * n:(r + 1) * n], count=np.asarray(count)[r * n:(r + 1) * n],
+                    y=np.asarray(y)[r * n:(r + 1) * n], combined=np.asarray(combined)[r * t:(r + 1) * t])
+               for r in range(case.num_ranks)]
+    check(case, xs, topks32, weights, flags, results)
+    epj.destroy_buffers(buffers)
+
+
+COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np, jax
+    import mooncake_ep as ep
+    from mooncake_ep import buffer as buffer_module
+    import test_gpu_frameworks as t
+
+    launches = []
+    real = buffer_module.Buffer._dispatch_launcher
+    def counting(self, *args, **kwargs):
+        launches.append(1)
+        return real(self, *args, **kwargs)
+    buffer_module.Buffer._dispatch_launcher = counting
+
+    flags = t.FLAGS["fp8"]
+    case = t.Case(num_ranks=4, num_experts=16)
+    group, buffers = t.gpu_buffers(case)
+    step = t.split_step(jax, buffers, case, flags)
+    failures = []
+
+    def run(name, args, case, xs, topks32, weights):
+        outputs = step(*args)
+        try:
+            t.check(case, xs, topks32, weights, flags, t.jax_results(case, flags, *outputs))
+        except AssertionError as error:
+            failures.append(f"{name}: {error}")
+
+    for seed in range(6):  # fresh values every step
+        case.seed = 200 + seed
+        xs, topks, weights = t.make_inputs(case)
+        args, topks32 = t.jax_inputs(jax, case, xs, topks, weights)
+        run(f"fresh step {seed}", args, case, xs, topks32, weights)
+    before = len(launches)
+    repeats = 6  # the same arrays again: the recorded graphs replay, with the epochs on the device
+    for index in range(repeats):
+        run(f"repeated step {index}", args, case, xs, topks32, weights)
+    group.spawn(lambda g: buffers[g.rank].destroy())
+    print(json.dumps(dict(failures=failures, repeated_calls=len(launches) - before,
+                          repeated_halves=2 * case.num_ranks * repeats)))
+""")
+
+
+def test_jax_under_xla_command_buffers_replays_correctly():
+    """XLA records the ops into CUDA graphs: the Python callback runs when it records, every replay is exact.
+
+    In a fresh process with command buffers enabled for custom calls (XLA_FLAGS), six steps with fresh
+    inputs and six more with the same arrays must equal the reference. In the repeated steps the dispatch
+    launcher (called only from the callback) must run fewer times than the 2 x ranks dispatch halves per
+    step: the replays happened without Python, so the epochs advanced on the device alone.
+    """
+    jax_gpu()
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1"
+                                      " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL").strip(),
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_SCRIPT, tests_dir], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["failures"] == [], report["failures"]
+    assert report["repeated_calls"] < report["repeated_halves"], (
+        f"the callback ran {report['repeated_calls']} times for {report['repeated_halves']} dispatch halves: XLA "
+        f"did not replay a recorded command buffer (check that this XLA honours "
+        f"--xla_gpu_enable_command_buffer=CUSTOM_CALL)")
+
+
+def test_jax_gpu_arrays_in_buffer_methods_name_mooncake_ep_jax():
+    jax, gpus = jax_gpu()
+    import jax.numpy as jnp
+
+    case = Case(num_ranks=1, num_experts=4, hidden=256, num_topk=2, num_max_tokens=8)
+    group = ep.LocalGroup(1, devices=[0])
+    buffer = group.spawn(lambda g: ep.Buffer(g, case.size))[0]
+    with jax.default_device(gpus[0]):
+        x = jnp.zeros((4, 256), jnp.bfloat16)
+        topk = jnp.zeros((4, 2), jnp.int32)
+        active = jnp.ones(1, jnp.int32)
+    with pytest.raises(TypeError, match=r"call mooncake_ep.jax.dispatch / mooncake_ep.jax.combine"):
+        buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts)
+    group.spawn(lambda g: buffer.destroy())
+
+
+# --- frameworks mixed ---------------------------------------------------------------------------------
+
+
+def test_torch_dispatch_jax_experts_torch_combine():
+    jax, gpus = jax_gpu()
+    import jax.numpy as jnp
+
+    flags = FLAGS["bf16"]
+    case = Case(seed=11)
+    xs, topks, weights = make_inputs(case)
+
+    def run(g):
+        r = g.rank
+        buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS)
+        x, topk, w = to_torch(xs[r]), to_torch(topks[r]), to_torch(weights[r])
+        active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
+                                                    timeout_us=TIMEOUT_US, **flags)
+        settle(g)
+        # JAX reads torch's recv_x through DLPack (ordered after torch's stream by the protocol), computes on
+        # its own stream, and torch reads the result back the same way.
+        factor = jnp.asarray(expert_scale(case, r))
+        y_jax = (jax.dlpack.from_dlpack(recv).astype(jnp.float32) * factor[:, None, None]).astype(jnp.bfloat16)
+        y = torch.from_dlpack(y_jax)
+        assert y.device == recv.device and y.dtype == torch.bfloat16
+        settle(g)
+        combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle)
+        settle(g)
+        result = dict(recv=to_numpy(recv), count=to_numpy(count), y=to_numpy(y), combined=to_numpy(combined))
+        buffer.destroy()
+        return result
+
+    check(case, xs, topks, weights, flags, local_group(case).spawn(run))

@@ -1,0 +1,711 @@
+"""mooncake_ep.jax on the CPU: the ops eagerly, under jax.jit and shard_map, the split form, gradients.
+
+Every result is compared with mooncake_ep.reference on the same global inputs: dispatch rows bit for
+bit up to recv_count, combine bit for bit (the CPU path is the reference), masks exactly. Inputs
+encode their origin (channel 0 = source rank, channel 1 = token, exact in bf16), so a misrouted row
+names its source. The GPU launch path of the ops (what the buffer_callback launches, on which stream,
+with which parity) is checked here too, on a recording stand-in for the CUDA backend.
+
+Each in-process rank has its own JAX CPU device (tests/conftest.py): XLA runs one device's programs
+one at a time, and the ranks' collectives must meet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mooncake_ep as ep
+from mooncake_ep import reference
+from mooncake_ep.tensor import DeviceMemoryArray
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+epj = pytest.importorskip("mooncake_ep.jax")
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from mooncake_ep.frameworks import jax_args, jax_ops  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+GROUP_TIMEOUT_S = 30.0
+FLAGS = {
+    "bf16": dict(use_fp8=False),
+    "fp8": dict(use_fp8=True),
+    "fp8-round": dict(use_fp8=True, round_scale=True),
+    "fp8-ue8m0": dict(use_fp8=True, round_scale=True, use_ue8m0=True),
+}
+
+
+def cpu_devices(n: int):
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        pytest.skip(f"needs {n} JAX CPU devices (tests/conftest.py sets jax_num_cpu_devices)")
+    return devices[:n]
+
+
+@dataclasses.dataclass
+class Case:
+    num_ranks: int
+    num_max_tokens: int
+    hidden: int
+    num_experts: int
+    num_topk: int
+    xs: list
+    topks: list
+    weights: list
+    actives: list
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def size(self) -> int:
+        return ep.Buffer.get_ep_buffer_size_hint(self.num_max_tokens, self.hidden, self.num_ranks, self.num_experts)
+
+
+def make_case(seed: int, num_ranks: int = 2, num_max_tokens: int = 4, hidden: int = 256, num_experts: int = 4,
+              num_topk: int = 2, num_tokens=None, actives=None) -> Case:
+    rng = np.random.default_rng(seed)
+    if num_tokens is None:
+        num_tokens = [num_max_tokens] + list(rng.integers(0, num_max_tokens + 1, size=num_ranks - 1))
+    xs, topks, weights = [], [], []
+    for rank, t in enumerate(num_tokens):
+        x = rng.standard_normal((t, hidden)).astype(np.float32)
+        x[:, 0], x[:, 1] = rank, np.arange(t)
+        xs.append(x.astype(BF16))
+        idx = np.array([rng.permutation(num_experts)[:num_topk] for _ in range(t)], np.int32).reshape(t, num_topk)
+        idx[rng.random(idx.shape) < 0.2] = -1
+        topks.append(idx)
+        weights.append(rng.uniform(-1, 1, size=(t, num_topk)).astype(np.float32))
+    actives = [np.array(a, np.int32) for a in (actives or [[1] * num_ranks] * num_ranks)]
+    return Case(num_ranks, num_max_tokens, hidden, num_experts, num_topk, xs, topks, weights, actives)
+
+
+def expert_fn(rank: int, recv, flags: dict):
+    """The experts, in jax.numpy: global expert e scales its (dequantised) rows by (e + 1) / 4."""
+    if flags.get("use_fp8", True):
+        q, scales = recv
+        num_local, rows, hidden = q.shape
+        if flags.get("use_ue8m0"):
+            exponents = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(num_local, rows, -1)
+            scale = jax.lax.bitcast_convert_type(exponents[..., : hidden // 128].astype(jnp.uint32) << 23, jnp.float32)
+        else:
+            scale = scales
+        values = (q.astype(jnp.float32).reshape(num_local, rows, -1, 128) * scale[..., None]).reshape(q.shape)
+    else:
+        values = recv.astype(jnp.float32)
+    num_local = values.shape[0]
+    factor = (rank * num_local + jnp.arange(num_local, dtype=jnp.float32) + 1) / 4
+    return (values * factor[:, None, None]).astype(jnp.bfloat16)
+
+
+def expert_fn_np(rank: int, result: reference.DispatchResult, flags: dict) -> np.ndarray:
+    recv = (result.recv_x, result.recv_scales) if flags.get("use_fp8", True) else result.recv_x
+    return np.asarray(expert_fn(rank, jax.tree_util.tree_map(jnp.asarray, recv), flags))
+
+
+def expected(case: Case, flags: dict, renormalize: bool = False):
+    results = [reference.dispatch(r, case.xs, case.topks, case.actives, case.num_max_tokens, case.num_experts,
+                                  **flags) for r in range(case.num_ranks)]
+    outs = [expert_fn_np(r, res, flags) for r, res in enumerate(results)]
+    masks = [res.active_ranks for res in results]
+    combined = [reference.combine(r, outs, results, case.topks[r], case.weights[r], masks, renormalize=renormalize)
+                for r in range(case.num_ranks)]
+    return results, combined
+
+
+def bits(a) -> np.ndarray:
+    a = np.ascontiguousarray(np.asarray(a))
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def check_rank(rank: int, want: reference.DispatchResult, recv, count, flags) -> None:
+    count = np.asarray(count)
+    np.testing.assert_array_equal(count, want.recv_count, err_msg=f"rank {rank}: recv_count")
+    q, scales = recv if flags.get("use_fp8", True) else (recv, None)
+    q = np.asarray(q)
+    assert q.shape == want.recv_x.shape and q.dtype == want.recv_x.dtype, f"rank {rank}"
+    for e, n in enumerate(want.recv_count):
+        np.testing.assert_array_equal(bits(q[e, :n]), bits(want.recv_x[e, :n]), err_msg=f"rank {rank} expert {e}")
+        if scales is not None:
+            np.testing.assert_array_equal(np.asarray(scales)[e, :n], want.recv_scales[e, :n],
+                                          err_msg=f"rank {rank} expert {e} scales")
+
+
+def spawn(num_ranks: int, fn):
+    return ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(fn)
+
+
+def reference_buffer(group, case: Case, num_bytes=None) -> ep.Buffer:
+    return ep.Buffer(group, case.size if num_bytes is None else num_bytes, backend="reference")
+
+
+# --- one rank per thread, each with its own CPU device: eager and jit ----------------------------------
+
+
+def rank_step(buffer, case: Case, rank: int, flags: dict, jit: bool):
+    def step(x, topk, weights, active):
+        recv, count, handle, active = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts,
+                                                   **flags)
+        y = expert_fn(rank, recv, flags)
+        combined, active = epj.combine(buffer, y, topk, weights, active, handle)
+        return recv, count, combined, active
+
+    run = jax.jit(step) if jit else step
+    with jax.default_device(jax.devices("cpu")[rank]):
+        args = [jnp.asarray(a) for a in (case.xs[rank], case.topks[rank], case.weights[rank], case.actives[rank])]
+        return jax.tree_util.tree_map(np.asarray, run(*args))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("flag_id", list(FLAGS))
+def test_dispatch_and_combine_equal_reference(flag_id, jit):
+    flags = FLAGS[flag_id]
+    case = make_case(1, num_ranks=3, num_experts=6, num_topk=3)
+    cpu_devices(3)
+    results = spawn(3, lambda g: rank_step(reference_buffer(g, case), case, g.rank, flags, jit))
+    dispatched, combined = expected(case, flags)
+    for rank, (recv, count, out, active) in enumerate(results):
+        check_rank(rank, dispatched[rank], recv, count, flags)
+        np.testing.assert_array_equal(bits(out), bits(combined[rank][0]), err_msg=f"rank {rank}: combined")
+        np.testing.assert_array_equal(active, combined[rank][1], err_msg=f"rank {rank}: mask")
+
+
+def test_the_mask_comes_back_and_the_input_is_untouched():
+    # Rank 0 masks rank 1; rank 1 does not know, times out on rank 0 (on the reference: at once) and masks it.
+    case = make_case(2, actives=[[1, 0], [1, 1]], num_tokens=[4, 4])
+    cpu_devices(2)
+
+    def rank_fn(group):
+        buffer = reference_buffer(group, case)
+        with jax.default_device(jax.devices("cpu")[group.rank]):
+            active = jnp.asarray(case.actives[group.rank])
+            _, _, _, returned = epj.dispatch(buffer, jnp.asarray(case.xs[group.rank]),
+                                             jnp.asarray(case.topks[group.rank]), active, case.num_max_tokens,
+                                             case.num_experts, use_fp8=False)
+            return np.asarray(active), np.asarray(returned)
+
+    dispatched, _ = expected(case, FLAGS["bf16"])
+    for rank, (passed, returned) in enumerate(spawn(2, rank_fn)):
+        np.testing.assert_array_equal(passed, case.actives[rank])
+        np.testing.assert_array_equal(returned, dispatched[rank].active_ranks)
+    assert list(dispatched[1].active_ranks) == [0, 1]  # the case exercises a change
+
+
+# --- shard_map: one device per rank, one program ------------------------------------------------------
+
+
+def sharded(mesh, arrays):
+    return jax.device_put(np.concatenate(arrays), NamedSharding(mesh, P("ep")))
+
+
+@pytest.mark.parametrize("flag_id", ["bf16", "fp8-ue8m0"])
+def test_shard_map_equals_reference(flag_id):
+    flags = FLAGS[flag_id]
+    num_ranks = 4
+    devices = cpu_devices(num_ranks)
+    # shard_map splits evenly: every rank has T tokens (the -1 entries still vary the counts).
+    case = make_case(3, num_ranks=num_ranks, num_experts=8, num_topk=3, num_tokens=[4] * num_ranks)
+    buffers = epj.make_buffers(devices, case.size)
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    def step(x, topk, weights, active):
+        recv, count, handle, active = epj.dispatch(buffers, x, topk, active, case.num_max_tokens, case.num_experts,
+                                                   **flags)
+        rank = jax.lax.axis_index("ep")
+        y = jax.lax.switch(rank, [functools.partial(expert_fn, r, flags=flags) for r in range(num_ranks)], recv)
+        combined, active = epj.combine(buffers, y, topk, weights, active, handle)
+        return recv, count, combined, active
+
+    recv, count, combined, active = step(*(sharded(mesh, a) for a in (case.xs, case.topks, case.weights,
+                                                                       case.actives)))
+    dispatched, want = expected(case, flags)
+    num_local, tokens = case.num_local_experts, case.num_max_tokens
+    for rank in range(num_ranks):
+        mine = slice(rank * num_local, (rank + 1) * num_local)
+        rank_recv = (recv[0][mine], recv[1][mine]) if flags["use_fp8"] else recv[mine]
+        check_rank(rank, dispatched[rank], rank_recv, count[mine], flags)
+        np.testing.assert_array_equal(bits(combined[rank * tokens:(rank + 1) * tokens]), bits(want[rank][0]),
+                                      err_msg=f"rank {rank}: combined")
+        np.testing.assert_array_equal(np.asarray(active)[rank * num_ranks:(rank + 1) * num_ranks], want[rank][1])
+    epj.destroy_buffers(buffers)
+
+
+# --- the split form: every rank in one program on one device -------------------------------------------
+
+
+def split_step(buffers, case: Case, flags: dict, ranks=None):
+    ranks = list(range(case.num_ranks)) if ranks is None else ranks
+
+    @jax.jit
+    def step(xs, topks, weights, actives):
+        sent = [epj.dispatch_send(buffers[r], xs[i], topks[i], actives[i], case.num_max_tokens, case.num_experts,
+                                  **flags) for i, r in enumerate(ranks)]
+        received = epj.dispatch_recv(sent)
+        sent = [epj.combine_send(buffers[r], expert_fn(r, recv, flags), topks[i], weights[i], active, handle)
+                for i, (r, (recv, _, handle, active)) in enumerate(zip(ranks, received))]
+        return received, epj.combine_recv(sent)
+
+    pick = lambda arrays: [jnp.asarray(arrays[r]) for r in ranks]  # noqa: E731
+    received, combined = step(pick(case.xs), pick(case.topks), pick(case.weights), pick(case.actives))
+    return [(r[0], r[1], r[3]) for r in received], combined
+
+
+@pytest.mark.parametrize("flag_id", ["bf16", "fp8", "fp8-ue8m0"])
+def test_split_form_in_one_program_equals_reference(flag_id):
+    flags = FLAGS[flag_id]
+    case = make_case(4, num_ranks=3, num_experts=6, num_topk=2, num_tokens=[4, 2, 0])
+    buffers = spawn(3, lambda g: reference_buffer(g, case))
+    received, combined = split_step(buffers, case, flags)
+    dispatched, want = expected(case, flags)
+    for rank in range(3):
+        recv, count, active = received[rank]
+        check_rank(rank, dispatched[rank], recv, count, flags)
+        np.testing.assert_array_equal(active, dispatched[rank].active_ranks)
+        np.testing.assert_array_equal(bits(combined[rank][0]), bits(want[rank][0]), err_msg=f"rank {rank}")
+        np.testing.assert_array_equal(combined[rank][1], want[rank][1])
+
+
+def test_split_form_without_a_rank_masks_it():
+    """A rank of the group that sends nothing is masked by the others, as a dead rank is on the GPU."""
+    case = make_case(5, num_ranks=3, num_experts=6, num_tokens=[4, 3, 4])
+    buffers = spawn(3, lambda g: reference_buffer(g, case))
+    received, _ = split_step(buffers, case, FLAGS["bf16"], ranks=[0, 2])
+    xs = [case.xs[0], None, case.xs[2]]
+    topks = [case.topks[0], None, case.topks[2]]
+    for index, rank in enumerate([0, 2]):
+        want = reference.dispatch(rank, xs, topks, case.actives, case.num_max_tokens, case.num_experts,
+                                  use_fp8=False)
+        recv, count, active = received[index]
+        check_rank(rank, want, recv, count, FLAGS["bf16"])
+        np.testing.assert_array_equal(active, [1, 0, 1])
+
+
+# --- gradients ------------------------------------------------------------------------------------------
+
+
+def grad_case(seed: int, num_ranks: int):
+    case = make_case(seed, num_ranks=num_ranks, num_max_tokens=4, hidden=128, num_experts=2 * num_ranks, num_topk=2,
+                     num_tokens=[4] * num_ranks)
+    grad_size = epj.grad_buffer_size_hint(case.num_max_tokens, case.hidden, num_ranks, case.num_experts,
+                                          case.num_topk)
+    return case, grad_size
+
+
+def test_gradients_of_dispatch_and_combine_match_float64():
+    """The vjp of each op against its float64 formula, with routing across 2 ranks (shard_map)."""
+    num_ranks = 2
+    devices = cpu_devices(num_ranks)
+    case, grad_size = grad_case(6, num_ranks)
+    buffers = epj.make_buffers(devices, case.size)
+    grad_buffers = epj.make_buffers(devices, grad_size)
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+    T, E, K, H = case.num_max_tokens, case.num_experts, case.num_topk, case.hidden
+    rng = np.random.default_rng(7)
+    num_rows = num_ranks * T
+    grad_recv = rng.standard_normal((num_ranks * case.num_local_experts, num_rows, H)).astype(BF16)
+    expert_out = rng.standard_normal((num_ranks * case.num_local_experts, num_rows, H)).astype(BF16)
+    grad_y = rng.standard_normal((num_ranks * T, H)).astype(BF16)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    def vjps(x, topk, weights, active, grad_recv, expert_out, grad_y):
+        # <op(...), cotangent> differentiated is the vjp of the op applied to the cotangent (bf16 cotangents
+        # survive the float32 products exactly).
+        def dispatched(x):
+            recv, count, handle, _ = epj.dispatch(buffers, x, topk, active, T, E, use_fp8=False)
+            return jnp.sum(recv.astype(jnp.float32) * grad_recv.astype(jnp.float32)), (count, handle)
+
+        grad_x, (count, handle) = jax.grad(dispatched, has_aux=True)(x)
+
+        def combined(y, w):
+            out, _ = epj.combine(buffers, y, topk, w, active, handle, grad_buffer=grad_buffers)
+            return jnp.sum(out.astype(jnp.float32) * grad_y.astype(jnp.float32))
+
+        grad_expert_out, grad_w = jax.grad(combined, argnums=(0, 1))(expert_out, weights)
+        return count, grad_x, grad_expert_out, grad_w
+
+    count, grad_x, grad_expert_out, grad_w = vjps(
+        *(sharded(mesh, a) for a in (case.xs, case.topks, case.weights, case.actives)),
+        *(sharded(mesh, np.split(a, num_ranks)) for a in (grad_recv, expert_out, grad_y)))
+    dispatched = [reference.dispatch(r, case.xs, case.topks, case.actives, T, E, use_fp8=False)
+                  for r in range(num_ranks)]
+    num_local = case.num_local_experts
+    grad_recv64 = grad_recv.astype(np.float64)
+    expert_out64 = expert_out.astype(np.float64)
+    for rank, res in enumerate(dispatched):
+        mine = slice(rank * num_local, (rank + 1) * num_local)
+        np.testing.assert_array_equal(np.asarray(count)[mine], res.recv_count)
+        # dispatch: grad_x[t] = sum_k grad_recv[row(t, k)] over the ranks holding (t, k); summed in fp32,
+        # rounded once to bf16: within one bf16 rounding (2^-8 relative) of the float64 sum.
+        want_x = np.zeros((T, H))
+        want_eo = np.zeros((num_local, num_rows, H))
+        want_w = np.zeros((T, K))
+        for owner in range(num_ranks):
+            for e in range(num_local):
+                for row in range(dispatched[owner].recv_count[e]):
+                    src, t, k = (int(a[e, row]) for a in (dispatched[owner].recv_src_rank,
+                                                          dispatched[owner].recv_src_token,
+                                                          dispatched[owner].recv_src_topk))
+                    g_row = grad_recv64[owner * num_local + e, row]
+                    if src == rank:
+                        want_x[t] += g_row
+                        want_w[t, k] = expert_out64[owner * num_local + e, row] @ grad_y.astype(np.float64)[
+                            rank * T + t]
+                    if owner == rank:
+                        want_eo[e, row] = case.weights[src][t, k] * grad_y.astype(np.float64)[src * T + t]
+        got_x = np.asarray(grad_x, np.float64)[rank * T:(rank + 1) * T]
+        np.testing.assert_allclose(got_x, want_x, rtol=2.0**-8, atol=1e-6, err_msg=f"rank {rank}: grad x")
+        # combine: grad of expert row (t, k) = w_k * grad_y[t] in bf16; rows past recv_count exactly 0.
+        got_eo = np.asarray(grad_expert_out, np.float64)[mine]
+        np.testing.assert_allclose(got_eo, want_eo, rtol=2.0**-8, atol=1e-6, err_msg=f"rank {rank}: grad expert_out")
+        for e, n in enumerate(res.recv_count):
+            assert not got_eo[e, n:].any(), f"rank {rank} expert {e}: rows past recv_count must get no gradient"
+        # weights: an fp32 dot product of bf16 rows (H = 128 terms): fp32 accumulation error only.
+        got_w = np.asarray(grad_w, np.float64)[rank * T:(rank + 1) * T]
+        np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-4, err_msg=f"rank {rank}: grad topk_weights")
+        assert np.all(got_w[case.topks[rank] < 0] == 0), "no gradient for -1 entries"
+    epj.destroy_buffers(buffers)
+    epj.destroy_buffers(grad_buffers)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_gradient_of_moe_layers_matches_the_dense_layers(num_layers):
+    """jax.grad through dispatch -> per-expert matmul -> combine, against the same layers computed densely.
+
+    Two layers share the Buffers (and parity 0) in one program: their forward and backward steps
+    must stay paired on each Buffer, ordered by data alone.
+    """
+    num_ranks = 2
+    devices = cpu_devices(num_ranks)
+    case, grad_size = grad_case(8, num_ranks)
+    buffers = epj.make_buffers(devices, case.size)
+    grad_buffers = epj.make_buffers(devices, grad_size)
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+    T, E, H = case.num_max_tokens, case.num_experts, case.hidden
+    weights_all = jnp.asarray(np.random.default_rng(9).standard_normal((E, H, H)).astype(np.float32) / np.sqrt(H))
+
+    def moe(x, topk, w, active, expert_weights):
+        for _ in range(num_layers):
+            recv, _, handle, active = epj.dispatch(buffers, x, topk, active, T, E, use_fp8=False)
+            y = jnp.einsum("erh,ehk->erk", recv.astype(jnp.float32), expert_weights).astype(jnp.bfloat16)
+            x, active = epj.combine(buffers, y, topk, w, active, handle, grad_buffer=grad_buffers)
+        return jnp.sum(x.astype(jnp.float32) ** 2)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep"), P("ep"), P("ep")),
+                       out_specs=(P("ep"), P("ep"), P("ep")))
+    def grads(x, topk, w, active, expert_weights):
+        return jax.grad(moe, argnums=(0, 2, 4))(x, topk, w, active, expert_weights)
+
+    def dense(x, topk, w, expert_weights):
+        x = x.astype(jnp.float32)
+        for _ in range(num_layers):
+            ys = jnp.einsum("th,ehk->tek", x, expert_weights)
+            picked = jnp.take_along_axis(ys, jnp.maximum(topk, 0)[:, :, None], axis=1)
+            x = jnp.sum(jnp.where(topk[:, :, None] >= 0, w[:, :, None] * picked, 0), axis=1)
+        return jnp.sum(x ** 2)
+
+    g_x, g_w, g_experts = grads(*(sharded(mesh, a) for a in (case.xs, case.topks, case.weights, case.actives)),
+                                jax.device_put(weights_all, NamedSharding(mesh, P("ep"))))
+    x_all, topk_all, w_all = (jnp.asarray(np.concatenate(a)) for a in (case.xs, case.topks, case.weights))
+    d_x, d_w, d_experts = jax.grad(dense, argnums=(0, 2, 3))(x_all, topk_all, w_all, weights_all)
+    # The MoE path rounds recv_x, the expert outputs and the gradient rows to bf16: a few bf16 ulps.
+    for got, want, name in ((g_x, d_x, "x"), (g_w, d_w, "topk_weights"), (g_experts, d_experts, "expert weights")):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(got, want, atol=0.02 * scale, err_msg=f"grad {name}")
+    epj.destroy_buffers(buffers)
+    epj.destroy_buffers(grad_buffers)
+
+
+# --- refusals: clear errors naming the argument, and the buffer still works ------------------------------
+
+
+def one_rank():
+    case = make_case(10, num_ranks=1, num_experts=2, num_tokens=[3])
+    buffer = spawn(1, lambda g: reference_buffer(g, case))[0]
+    args = [jnp.asarray(a[0]) for a in (case.xs, case.topks, case.actives)]
+    return case, buffer, args
+
+
+def test_float64_weights_are_refused_and_int64_ids_accepted():
+    case, buffer, (x, topk, active) = one_rank()
+    recv, _, handle, active = epj.dispatch(buffer, x, case.topks[0].astype(np.int64), active, case.num_max_tokens,
+                                           case.num_experts, use_fp8=False)
+    assert handle.config.num_topk == case.num_topk  # int64 numpy ids became int32 and were accepted
+    with pytest.raises(TypeError, match=r"mooncake_ep.jax.combine: topk_weights is a float64 numpy array, which JAX "
+                                        r"would cast silently; pass float32"):
+        epj.combine(buffer, recv, topk, case.weights[0].astype(np.float64), active, handle)
+    with jax.enable_x64(True):
+        with pytest.raises(TypeError, match=r"mooncake_ep.jax.combine: topk_weights must be float32, got float64"):
+            epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0], jnp.float64), active, handle)
+        # with x64 on, int64 ids stay int64 and are accepted as such
+        _, _, handle64, _ = epj.dispatch(buffer, x, jnp.asarray(case.topks[0], jnp.int64), active,
+                                         case.num_max_tokens, case.num_experts, use_fp8=False)
+    combined, _ = epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0]), active, handle)
+    assert combined.shape == (3, case.hidden)
+
+
+@pytest.mark.parametrize("mutate,error,pattern", [
+    (lambda a: a | dict(x=a["x"].astype(jnp.float32)), TypeError, r"mooncake_ep.jax.dispatch: x must be bfloat16, "
+                                                                  r"got float32"),
+    (lambda a: a | dict(x=jnp.zeros((3, 200), jnp.bfloat16)), ValueError,
+     r"x\.shape\[1\] \(hidden\) must be a multiple of 128, got 200"),
+    (lambda a: a | dict(topk_idx=a["topk_idx"].astype(jnp.float32)), TypeError,
+     r"topk_idx must be int64 or int32, got float32"),
+    (lambda a: a | dict(active_ranks=jnp.ones(2, jnp.int32)), ValueError,
+     r"active_ranks must have shape \(1,\), got \(2,\)"),
+    (lambda a: a | dict(num_max_dispatch_tokens_per_rank=2), ValueError, r"x has 3 tokens, more than"),
+    (lambda a: a | dict(parity=2), ValueError, r"parity must be 0 or 1 \(the workspace half\), got 2"),
+    (lambda a: a | dict(x=np.zeros((3, 256), np.float64)), TypeError, r"x is a float64 numpy array"),
+    (lambda a: a | dict(buffer=object()), TypeError, r"buffer must be a mooncake_ep.Buffer or a mapping"),
+    (lambda a: a | dict(use_ue8m0=True), ValueError, r"use_ue8m0=True needs use_fp8=True and round_scale=True"),
+], ids=["x-float32", "hidden", "topk-float", "active-shape", "too-many-tokens", "parity", "x-float64-numpy",
+        "not-a-buffer", "ue8m0-alone"])
+def test_bad_dispatch_is_refused_at_trace_time_and_the_buffer_still_works(mutate, error, pattern):
+    case, buffer, (x, topk, active) = one_rank()
+    good = dict(buffer=buffer, x=x, topk_idx=topk, active_ranks=active,
+                num_max_dispatch_tokens_per_rank=case.num_max_tokens, num_experts=case.num_experts)
+    bad = mutate(dict(good))
+    call = lambda a: epj.dispatch(**{k: v for k, v in a.items() if k != "parity" and k != "use_ue8m0"},  # noqa: E731
+                                  use_fp8=False, **{k: a[k] for k in ("parity", "use_ue8m0") if k in a})
+    with pytest.raises(error, match=pattern):
+        call(bad)
+    with pytest.raises(error, match=pattern):
+        jax.jit(lambda: call(bad))()
+    recv, count, _, _ = call(good)
+    dispatched = reference.dispatch(0, case.xs, case.topks, case.actives, case.num_max_tokens, case.num_experts,
+                                    use_fp8=False)
+    check_rank(0, dispatched, recv, count, FLAGS["bf16"])
+
+
+def test_arrays_of_other_frameworks_and_foreign_handles_are_refused():
+    torch = pytest.importorskip("torch")
+    case, buffer, (x, topk, active) = one_rank()
+    with pytest.raises(TypeError, match=r"x must be a jax.Array \(or a numpy array\), got torch.Tensor; convert it "
+                                        r"with jax.dlpack.from_dlpack"):
+        epj.dispatch(buffer, torch.zeros(3, case.hidden, dtype=torch.bfloat16), topk, active, case.num_max_tokens,
+                     case.num_experts)
+    recv, _, handle, active = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts,
+                                           use_fp8=False)
+    other = spawn(1, lambda g: reference_buffer(g, case))[0]
+    with pytest.raises(ValueError, match="handle was made by a dispatch on another Buffer"):
+        epj.combine(other, recv, topk, jnp.asarray(case.weights[0]), active, handle)
+    with pytest.raises(TypeError, match="handle must be the mooncake_ep.jax.Handle of a dispatch"):
+        epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0]), active, "handle")
+    with pytest.raises(ValueError, match=r"combine: x must have shape \(2, 4, 256\), got \(2, 3, 256\)"):
+        epj.combine(buffer, recv[:, :3], topk, jnp.asarray(case.weights[0]), active, handle)
+
+
+def test_unsupported_transformations_name_the_alternative():
+    case, buffer, (x, topk, active) = one_rank()
+    T, E = case.num_max_tokens, case.num_experts
+    with pytest.raises(TypeError, match=r"jax.vmap is not supported .* shard_map"):
+        jax.vmap(lambda x: epj.dispatch(buffer, x, topk, active, T, E, use_fp8=False)[0])(jnp.stack([x, x]))
+    with pytest.raises(TypeError, match=r"the gradient of an fp8 dispatch is not supported .*\(use_fp8=False\)"):
+        jax.grad(lambda x: epj.dispatch(buffer, x, topk, active, T, E)[0][1].sum())(x)
+    recv, _, handle, active2 = epj.dispatch(buffer, x, topk, active, T, E, use_fp8=False)
+    w = jnp.asarray(case.weights[0])
+    with pytest.raises(TypeError, match=r"gradient of combine is a dispatch of num_tokens \* num_topk rows: pass "
+                                        r"grad_buffer="):
+        jax.grad(lambda w: epj.combine(buffer, recv, topk, w, active2, handle)[0].astype(jnp.float32).sum())(w)
+    grad_buffer = spawn(1, lambda g: reference_buffer(g, case, epj.grad_buffer_size_hint(T, case.hidden, 1, E,
+                                                                                         case.num_topk)))[0]
+    with pytest.raises(TypeError, match=r"renormalize=True is not supported; normalise the weights in the router"):
+        jax.grad(lambda w: epj.combine(buffer, recv, topk, w, active2, handle, renormalize=True,
+                                       grad_buffer=grad_buffer)[0].astype(jnp.float32).sum())(w)
+    with pytest.raises(ValueError, match=r"grad_buffer must be other Buffers of the same group \(1 ranks\), not the "
+                                         r"forward's"):
+        epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=buffer)
+    with pytest.raises(ValueError, match=r"grad_buffer has \d+ bytes, the gradient needs \d+ \(grad_buffer_size_hint"):
+        epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=spawn(1, lambda g: reference_buffer(g, case))[0])
+    with pytest.raises(TypeError, match=r"dispatch_send is not differentiable; for training use "
+                                        r"mooncake_ep.jax.dispatch and mooncake_ep.jax.combine"):
+        jax.grad(lambda x: epj.dispatch_send(buffer, x, topk, active, T, E).arrays[0].astype(jnp.float32).sum())(x)
+    with pytest.raises(TypeError, match="custom_vjp"):  # JAX's own message for forward mode
+        jax.jvp(lambda x: epj.dispatch(buffer, x, topk, active, T, E, use_fp8=False)[0], (x,), (x,))
+    # Without differentiation the same calls are fine.
+    combined, _ = epj.combine(buffer, recv, topk, w, active2, handle)
+    assert combined.shape == (3, case.hidden)
+
+
+def test_split_form_refusals():
+    case = make_case(11, num_ranks=2, num_tokens=[2, 2])
+    buffers = spawn(2, lambda g: reference_buffer(g, case))
+    args = lambda r: (jnp.asarray(case.xs[r]), jnp.asarray(case.topks[r]), jnp.asarray(case.actives[r]))  # noqa: E731
+    sent = [epj.dispatch_send(buffers[r], *args(r), case.num_max_tokens, case.num_experts, use_fp8=False)
+            for r in range(2)]
+    with pytest.raises(ValueError, match=r"pending holds rank\(s\) \[0\] more than once"):
+        epj.dispatch_recv([sent[0], sent[0]])
+    with pytest.raises(TypeError, match="pending must be a non-empty list of the dispatch_send results"):
+        epj.dispatch_recv(sent[0])
+    odd = epj.dispatch_send(buffers[1], *args(1), case.num_max_tokens, case.num_experts, use_fp8=True)
+    with pytest.raises(ValueError, match="same T, hidden, num_experts, fp8 flags and parity"):
+        epj.dispatch_recv([sent[0], odd])
+    with pytest.raises(TypeError, match="buffer must be one rank's mooncake_ep.Buffer"):
+        epj.dispatch_send({jax.devices("cpu")[0]: buffers[0]}, *args(0), case.num_max_tokens, case.num_experts)
+    assert len(epj.dispatch_recv(sent)) == 2  # still usable
+
+
+def test_grad_buffer_size_hint_is_the_hint_for_t_times_k_tokens():
+    assert epj.grad_buffer_size_hint(8, 256, 2, 4, 3) == ep.Buffer.get_ep_buffer_size_hint(24, 256, 2, 4)
+    with pytest.raises(ValueError, match=r"num_topk must be an int in \[1, 16\], got 0"):
+        epj.grad_buffer_size_hint(8, 256, 2, 4, 0)
+
+
+# --- the GPU launch path of the ops, on a recording backend ----------------------------------------------
+
+
+class RecordingCuda:
+    """What Buffer uses of the CUDA backend, recording launches (as in test_buffer_launch.py)."""
+
+    device_id = 0
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks = num_ranks
+        self.launches = []
+        self.layouts = []
+
+    def layout_for(self, num_max_tokens, hidden, num_experts):
+        from mooncake_ep import layout
+
+        self.layouts.append((num_max_tokens, hidden, num_experts))
+        return layout.compute_layout(self.num_ranks, num_experts, num_max_tokens, hidden), 0x1000
+
+    def launch_dispatch(self, phases, parity, layout_ptr, *, stream_ptr, **args):
+        self.launches.append(("dispatch", phases, parity, stream_ptr, args))
+
+    def launch_combine(self, phases, parity, layout_ptr, *, stream_ptr, **args):
+        self.launches.append(("combine", phases, parity, stream_ptr, args))
+
+
+class FakeContext:
+    """buffer_callback's ExecutionContext: XLA's stream and the execution stage."""
+
+    stream = 0x5EED
+    stage = type("Stage", (), {"name": "EXECUTE"})()
+
+
+def device_array(array: np.ndarray) -> DeviceMemoryArray:
+    """Host memory that presents itself as cuda:0 memory, as XLA's GPU buffers do (kept alive by its owner)."""
+    array = np.ascontiguousarray(array)
+    return DeviceMemoryArray(array.ctypes.data, array.shape, np.dtype(array.dtype).name, "cuda", 0, owner=array)
+
+
+def cuda_rank(ranks_on_device: int = 1):
+    case = make_case(12, num_ranks=1, num_experts=2, num_tokens=[3])
+    buffer = spawn(1, lambda g: reference_buffer(g, case))[0]
+    cuda = RecordingCuda(1)
+    buffer._cuda, buffer.backend, buffer._in_process_ranks_on_device = cuda, "cuda", ranks_on_device
+    return case, buffer, cuda
+
+
+def test_the_callback_launches_on_xlas_stream_with_the_static_parity():
+    case, buffer, cuda = cuda_rank()
+    T, E, H = case.num_max_tokens, case.num_experts, case.hidden
+    x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topks[0], case.actives[0]))
+    config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), x, topk, active, T, E, timeout_us=250,
+                                            use_fp8=True, round_scale=False, use_ue8m0=False, parity=1,
+                                            command_buffer_compatible=True)
+    assert cuda.layouts == [(T, H, E)], "the layout is uploaded at trace time, before any recording"
+    assert [(name, shape) for name, shape, _ in specs] == [("recv_x", (2, T, H)), ("recv_scales", (2, T, H // 128)),
+                                                          ("recv_count", (2,))]
+    outs = [device_array(np.zeros(shape, dtype)) for _, shape, dtype in
+            [(n, s, np.dtype(ml_dtypes.float8_e4m3fn) if d == "float8_e4m3fn" else d) for n, s, d in specs]]
+    outs.append(device_array(case.actives[0].copy()))
+    ins = [device_array(a) for a in (case.xs[0], case.topks[0], case.actives[0])]
+    callback = jax_ops._DispatchCallback("test", config, jax_ops.SEND | jax_ops.RECV)
+    num_dispatches = buffer._num_dispatches
+    for _ in range(2):  # a re-recording launches exactly the same, whatever the host counter says
+        callback(FakeContext(), outs, *ins)
+    assert buffer._num_dispatches == num_dispatches, "the host counter is not used"
+    # Both halves in one launch (as Buffer's synchronous dispatch), on XLA's stream, with the static parity.
+    assert [(k, phases, parity, stream) for k, phases, parity, stream, _ in cuda.launches] == \
+        [("dispatch", jax_ops.SEND | jax_ops.RECV, 1, 0x5EED)] * 2
+    args = cuda.launches[0][4]
+    assert args["x_ptr"] == ins[0].ptr and args["topk_ptr"] == ins[1].ptr
+    assert args["active_ptr"] == outs[-1].ptr, "the kernels update the aliased output mask, not the input"
+    assert (args["recv_x_ptr"], args["recv_scales_ptr"], args["recv_count_ptr"]) == tuple(o.ptr for o in outs[:3])
+    assert args["timeout_ns"] == 250_000 and args["topk_is_int64"] is False
+    # A stage other than EXECUTE (XLA preparing the handler) launches nothing.
+    preparing = type("Ctx", (), {"stream": 1, "stage": type("S", (), {"name": "PREPARE"})()})()
+    callback(preparing, outs, *ins)
+    assert len(cuda.launches) == 2
+    # Equal configurations give equal callbacks: an eager call finds JAX's compiled op again.
+    assert callback == jax_ops._DispatchCallback("test", config, jax_ops.SEND | jax_ops.RECV)
+    assert hash(callback) == hash(jax_ops._DispatchCallback("test", config, jax_ops.SEND | jax_ops.RECV))
+
+
+def test_the_split_callbacks_launch_one_half_each():
+    from mooncake_ep.frameworks import jax_split
+
+    case, buffer, cuda = cuda_rank(ranks_on_device=4)
+    T, E = case.num_max_tokens, case.num_experts
+    x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topks[0], case.actives[0]))
+    config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), x, topk, active, T, E, timeout_us=-1,
+                                            use_fp8=False, round_scale=False, use_ue8m0=False, parity=0,
+                                            command_buffer_compatible=True)
+    ins = [device_array(a) for a in (case.xs[0], case.topks[0], case.actives[0])]
+    sent = device_array(case.actives[0].copy())
+    jax_ops._DispatchCallback("test", config, jax_ops.SEND)(FakeContext(), [sent], *ins)
+    outs = [device_array(np.zeros(shape, BF16 if d == "bfloat16" else d)) for _, shape, d in specs]
+    outs.append(device_array(case.actives[0].copy()))
+    jax_split._DispatchRecvCallback("test", config, 0, (0,))(FakeContext(), outs, ins[0], ins[1], sent)
+    assert [(k, phases) for k, phases, _, _, _ in cuda.launches] == [("dispatch", 1), ("dispatch", 2)]
+    assert cuda.launches[0][4]["active_ptr"] == sent.ptr and cuda.launches[1][4]["active_ptr"] == outs[-1].ptr
+    # The fused op refuses several ranks on one GPU (one XLA stream) and names the split form.
+    # (Under jit: traced arrays have no device yet, so this is the first refusal.)
+    with pytest.raises(ValueError, match=r"4 ranks of this Buffer's group share cuda:0.*use the split form"):
+        jax.jit(lambda x, t, a: epj.dispatch(buffer, x, t, a, T, E))(
+            jnp.asarray(case.xs[0]), jnp.asarray(case.topks[0]), jnp.asarray(case.actives[0]))
+
+
+def test_eager_calls_check_the_arrays_devices_at_once():
+    case, buffer, _ = cuda_rank()
+    T, E = case.num_max_tokens, case.num_experts
+    args = [jnp.asarray(a[0]) for a in (case.xs, case.topks, case.actives)]
+    with pytest.raises(TypeError, match=r"mooncake_ep.jax.dispatch: x: the computation runs on the CPU, this Buffer "
+                                        r"runs its kernels on cuda:0; build a Buffer with backend='reference'"):
+        epj.dispatch(buffer, *args, T, E)
+    devices = cpu_devices(3)
+    mapping = {devices[0]: spawn(1, lambda g: reference_buffer(g, case))[0]}
+    on_two = [jax.device_put(a, devices[2]) for a in args]
+    with pytest.raises(ValueError, match=r"mooncake_ep.jax.dispatch: x: no Buffer for cpu:2; the mapping has cpu:0"):
+        epj.dispatch(mapping, *on_two, T, E)
+
+
+def test_a_cuda_buffer_refuses_cpu_buffers_and_the_wrong_gpu():
+    case, buffer, _ = cuda_rank()
+    ranks = jax_args.Ranks(buffer)
+    with pytest.raises(TypeError, match="the computation runs on the CPU, this Buffer runs its kernels on cuda:0"):
+        ranks.select("test", (1, 0))
+    with pytest.raises(TypeError, match="the arrays are on cuda:1, this Buffer's rank uses cuda:0"):
+        ranks.select("test", (2, 1))
+    assert ranks.select("test", (2, 0)) is buffer
+
+
+def test_buffer_mappings_compare_by_content_and_name_their_devices():
+    case = make_case(13, num_ranks=2)
+    devices = cpu_devices(2)
+    buffers = spawn(2, lambda g: reference_buffer(g, case))
+    forward = jax_args.as_ranks("t", {devices[0]: buffers[0], devices[1]: buffers[1]})
+    backward = jax_args.as_ranks("t", {devices[1]: buffers[1], devices[0]: buffers[0]})
+    assert forward == backward and hash(forward) == hash(backward)  # a handle is valid with either dict
+    assert forward.select("t", (1, 1)) is buffers[1]
+    with pytest.raises(ValueError, match="t: no Buffer for cpu:5; the mapping has cpu:0, cpu:1"):
+        forward.select("t", (1, 5))
+    with pytest.raises(TypeError, match="arrays are on cuda:0, this Buffer runs on the numpy reference backend"):
+        jax_args.Ranks(buffers[0]).select("t", (2, 0))
+    with pytest.raises(TypeError, match=r"buffer mapping must be \{jax.Device: Buffer\}"):
+        jax_args.as_ranks("t", {"cpu:0": buffers[0]})
+    with pytest.raises(ValueError, match="buffer mapping is empty"):
+        jax_args.as_ranks("t", {})

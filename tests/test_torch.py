@@ -1,0 +1,209 @@
+"""mooncake_ep.torch on the CPU: the autograd functions' gradients against float64 formulas.
+
+The ranks are threads of a LocalGroup with CPU tensors, so the Buffers run the numpy reference; the
+backward's dispatches and combines are real collectives of the group. Each gradient is checked
+against its formula evaluated in float64 from the forward's routing (reference.dispatch), and a
+whole MoE layer against the same layer computed densely by torch in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mooncake_ep as ep
+from mooncake_ep import reference
+
+torch = pytest.importorskip("torch")
+ept = pytest.importorskip("mooncake_ep.torch")
+
+GROUP_TIMEOUT_S = 30.0
+BF16_RTOL = 2.0**-8  # one bf16 rounding
+
+
+def make_inputs(seed: int, num_ranks: int, num_max_tokens: int, hidden: int, num_experts: int, num_topk: int,
+                num_tokens=None):
+    rng = np.random.default_rng(seed)
+    num_tokens = num_tokens or [num_max_tokens] * num_ranks
+    xs, topks, weights = [], [], []
+    for rank, t in enumerate(num_tokens):
+        x = rng.standard_normal((t, hidden)).astype(np.float32)
+        x[:, 0] = rank
+        xs.append(torch.from_numpy(x).to(torch.bfloat16))
+        idx = np.array([rng.permutation(num_experts)[:num_topk] for _ in range(t)], np.int64).reshape(t, num_topk)
+        idx[rng.random(idx.shape) < 0.2] = -1
+        topks.append(torch.from_numpy(idx))
+        weights.append(torch.from_numpy(rng.uniform(-1, 1, size=(t, num_topk)).astype(np.float32)))
+    return xs, topks, weights
+
+
+def to_np(t):
+    t = t.detach()
+    return t.view(torch.uint16).numpy().view(reference.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def buffers(group, T, H, E, K):
+    R = group.world_size
+    return (ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(T, H, R, E), backend="reference"),
+            ep.Buffer(group, ept.grad_buffer_size_hint(T, H, R, E, K), backend="reference"))
+
+
+@pytest.mark.parametrize("num_ranks,num_tokens", [(2, [4, 4]), (3, [4, 1, 0])], ids=["R2", "R3-uneven"])
+def test_gradients_match_float64_formulas(num_ranks, num_tokens):
+    T, H, E, K = 4, 128, 2 * num_ranks, 2
+    xs, topks, weights = make_inputs(1, num_ranks, T, H, E, K, num_tokens)
+    rng = np.random.default_rng(2)
+    num_local, num_rows = E // num_ranks, num_ranks * T
+    grad_recvs = [torch.from_numpy(rng.standard_normal((num_local, num_rows, H)).astype(np.float32)).bfloat16()
+                  for _ in range(num_ranks)]
+    expert_outs = [torch.from_numpy(rng.standard_normal((num_local, num_rows, H)).astype(np.float32)).bfloat16()
+                   for _ in range(num_ranks)]
+    grad_ys = [torch.from_numpy(rng.standard_normal((t, H)).astype(np.float32)).bfloat16() for t in num_tokens]
+
+    def rank_fn(group):
+        r = group.rank
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        active = torch.ones(num_ranks, dtype=torch.int32)
+        x = xs[r].clone().requires_grad_()
+        recv, count, handle = ept.dispatch(buffer, x, topks[r], active, T, E)
+        assert recv.requires_grad and not count.requires_grad
+        (recv.float() * grad_recvs[r].float()).sum().backward()
+        y = expert_outs[r].clone().requires_grad_()
+        w = weights[r].clone().requires_grad_()
+        out = ept.combine(buffer, y, topks[r], w, active, handle, grad_buffer=grad_buffer)
+        out.backward(grad_ys[r])
+        return to_np(count), x.grad.float().numpy(), y.grad.float().numpy(), w.grad.numpy(), active.numpy().copy()
+
+    results = ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+    np_xs = [to_np(x) for x in xs]
+    np_topks = [t.numpy() for t in topks]
+    actives = [np.ones(num_ranks, np.int32)] * num_ranks
+    dispatched = [reference.dispatch(r, np_xs, np_topks, actives, T, E, use_fp8=False) for r in range(num_ranks)]
+    want_x = [np.zeros((t, H)) for t in num_tokens]
+    want_y = [np.zeros((num_local, num_rows, H)) for _ in range(num_ranks)]
+    want_w = [np.zeros((t, K)) for t in num_tokens]
+    for owner, res in enumerate(dispatched):
+        for e in range(num_local):
+            for row in range(res.recv_count[e]):
+                src, t, k = (int(a[e, row]) for a in (res.recv_src_rank, res.recv_src_token, res.recv_src_topk))
+                want_x[src][t] += to_np(grad_recvs[owner])[e, row].astype(np.float64)
+                want_y[owner][e, row] = weights[src].double()[t, k].item() * to_np(grad_ys[src])[t].astype(np.float64)
+                want_w[src][t, k] = to_np(expert_outs[owner])[e, row].astype(np.float64) @ \
+                    to_np(grad_ys[src])[t].astype(np.float64)
+    for r, (count, grad_x, grad_y, grad_w, active) in enumerate(results):
+        np.testing.assert_array_equal(count, dispatched[r].recv_count)
+        np.testing.assert_array_equal(active, np.ones(num_ranks))
+        # dispatch: a sum of bf16 rows in fp32, rounded once to bf16.
+        np.testing.assert_allclose(grad_x, want_x[r], rtol=BF16_RTOL, atol=1e-6, err_msg=f"rank {r}: grad x")
+        # combine: w_k * grad_y[t] rounded to bf16, and exactly 0 past recv_count.
+        np.testing.assert_allclose(grad_y, want_y[r], rtol=BF16_RTOL, atol=1e-6, err_msg=f"rank {r}: grad expert out")
+        for e, n in enumerate(dispatched[r].recv_count):
+            assert not grad_y[e, n:].any(), f"rank {r} expert {e}: rows past recv_count get no gradient"
+        # weights: fp32 dot products of H bf16 products.
+        np.testing.assert_allclose(grad_w, want_w[r], rtol=1e-5, atol=1e-4, err_msg=f"rank {r}: grad weights")
+        assert np.all(grad_w[np_topks[r] < 0] == 0)
+
+
+def test_a_moe_layer_trains_like_the_dense_layer():
+    num_ranks, T, H, E, K = 2, 4, 128, 4, 2
+    xs, topks, weights = make_inputs(3, num_ranks, T, H, E, K)
+    expert_weights = torch.from_numpy(np.random.default_rng(4).standard_normal((E, H, H)).astype(np.float32)) / H**0.5
+    num_local = E // num_ranks
+
+    def rank_fn(group):
+        r = group.rank
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        active = torch.ones(num_ranks, dtype=torch.int32)
+        mine = expert_weights[r * num_local:(r + 1) * num_local].clone().requires_grad_()
+        x, w = xs[r].clone().requires_grad_(), weights[r].clone().requires_grad_()
+        for _ in range(2):  # two steps on the same Buffers: the backward leaves them reusable
+            for t in (x, w, mine):
+                t.grad = None
+            recv, _, handle = ept.dispatch(buffer, x, topks[r], active, T, E)
+            y = torch.einsum("erh,ehk->erk", recv.float(), mine).bfloat16()
+            out = ept.combine(buffer, y, topks[r], w, active, handle, grad_buffer=grad_buffer)
+            (out.float() ** 2).sum().backward()
+        return x.grad.float(), w.grad, mine.grad
+
+    results = ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+    x_all = torch.cat(xs).double().requires_grad_()
+    w_all = torch.cat(weights).double().requires_grad_()
+    experts_all = expert_weights.double().requires_grad_()
+    topk_all = torch.cat(topks)
+    ys = torch.einsum("th,ehk->tek", x_all, experts_all)
+    picked = ys[torch.arange(len(topk_all))[:, None], topk_all.clamp(min=0)]
+    out = (torch.where(topk_all[:, :, None] >= 0, w_all[:, :, None] * picked, 0)).sum(1)
+    (out ** 2).sum().backward()
+    got_x = torch.cat([r[0] for r in results]).double()
+    got_w = torch.cat([r[1] for r in results]).double()
+    got_experts = torch.cat([r[2] for r in results]).double()
+    # bf16 roundings of recv_x, expert outputs and gradient rows: within a few bf16 ulps of the scale.
+    for got, want, name in ((got_x, x_all.grad, "x"), (got_w, w_all.grad, "weights"),
+                            (got_experts, experts_all.grad, "experts")):
+        torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0, msg=f"grad {name}")
+
+
+def test_only_the_needed_gradients_are_computed():
+    """Weights without grad: combine's backward is one dispatch, and no grad_w; x alone likewise."""
+    num_ranks, T, H, E, K = 2, 2, 128, 2, 1
+    xs, topks, weights = make_inputs(5, num_ranks, T, H, E, K)
+
+    def rank_fn(group):
+        r = group.rank
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        active = torch.ones(num_ranks, dtype=torch.int32)
+        recv, _, handle = ept.dispatch(buffer, xs[r], topks[r], active, T, E)
+        y = recv.clone().requires_grad_()
+        calls = []
+        real = grad_buffer.combine
+        grad_buffer.combine = lambda *a, **k: calls.append("combine") or real(*a, **k)
+        ept.combine(buffer, y, topks[r], weights[r], active, handle, grad_buffer=grad_buffer).float().sum().backward()
+        assert y.grad is not None and calls == []
+        recv, _, handle = ept.dispatch(buffer, xs[r], topks[r], active, T, E)
+        w = weights[r].clone().requires_grad_()
+        ept.combine(buffer, recv, topks[r], w, active, handle, grad_buffer=grad_buffer).float().sum().backward()
+        assert w.grad is not None and calls == ["combine"]
+        # Nothing needs a gradient: no grad_buffer needed at all.
+        recv, _, handle = ept.dispatch(buffer, xs[r], topks[r], active, T, E)
+        return ept.combine(buffer, recv, topks[r], weights[r], active, handle).shape
+
+    assert ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [(T, H)] * num_ranks
+
+
+def test_refusals_name_the_argument_and_leave_the_buffer_usable():
+    T, H, E, K = 3, 128, 2, 2
+    xs, topks, weights = make_inputs(6, 1, T, H, E, K)
+
+    def rank_fn(group):
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        small = ep.Buffer(group, buffer.num_ep_buffer_bytes, backend="reference")
+        active = torch.ones(1, dtype=torch.int32)
+        with pytest.raises(TypeError, match=r"dispatch: x must be bfloat16, got float32"):
+            ept.dispatch(buffer, xs[0].float().requires_grad_(), topks[0], active, T, E)
+        with pytest.raises(ValueError, match=r"dispatch: x must be contiguous"):
+            ept.dispatch(buffer, xs[0].repeat(1, 2)[:, ::2], topks[0], active, T, E)
+        with pytest.raises(TypeError, match=r"dispatch: active_ranks must be int32, got int64"):
+            ept.dispatch(buffer, xs[0], topks[0], active.long(), T, E)
+        recv, _, handle = ept.dispatch(buffer, xs[0], topks[0], active, T, E)
+        y = recv.clone().requires_grad_()
+        with pytest.raises(TypeError, match=r"mooncake_ep.torch.combine: the gradient of combine is a dispatch of "
+                                            r"num_tokens \* num_topk rows: pass grad_buffer="):
+            ept.combine(buffer, y, topks[0], weights[0], active, handle)
+        with pytest.raises(ValueError, match=r"grad_buffer must be another Buffer of the same group"):
+            ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=buffer)
+        with pytest.raises(ValueError, match=r"grad_buffer has \d+ bytes, the gradient needs \d+ "
+                                             r"\(grad_buffer_size_hint\(T=3, hidden=128"):
+            ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=small)
+        with pytest.raises(TypeError, match=r"combine: topk_weights must be float32, got float64"):
+            ept.combine(buffer, y, topks[0], weights[0].double(), active, handle, grad_buffer=grad_buffer)
+        out = ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=grad_buffer)
+        out.float().sum().backward()
+        return y.grad.shape
+
+    assert ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [(1 * 2, 3, H)]
+
+
+def test_grad_buffer_size_hint():
+    assert ept.grad_buffer_size_hint(8, 256, 2, 4, 3) == ep.Buffer.get_ep_buffer_size_hint(24, 256, 2, 4)
+    with pytest.raises(ValueError, match=r"num_topk must be an int in \[1, 16\], got 17"):
+        ept.grad_buffer_size_hint(8, 256, 2, 4, 17)
