@@ -332,6 +332,9 @@ def _release_unreachable(rank: int, ipc, workspace: DeviceWorkspace, layout_tabl
         logger.warning("mooncake_ep: the Buffer of in-process rank %d was garbage-collected without destroy(): "
                        "its workspace (%d bytes) stays allocated until the process ends; call destroy() on every "
                        "rank", rank, workspace.num_bytes)
+        # The workspaces' own finalizers would free them as soon as this one lets go of them.
+        workspace.abandon()
+        layout_table.abandon()
         return
     try:
         if ipc is not None:

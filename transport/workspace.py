@@ -112,6 +112,15 @@ class DeviceWorkspace:
                                      cupy.cuda.runtime.memcpyDeviceToHost)
         return buffer.raw
 
+    def abandon(self) -> None:
+        """Never free this memory (until the process ends): garbage collection will not either.
+
+        For the owner that cannot know when freeing is safe: freeing synchronises the device, and
+        collection runs on whichever thread allocates next, which in one process may be a rank
+        whose peers' kernels are waiting for it.
+        """
+        self._finalizer.detach()
+
     def free(self) -> None:
         """Wait for this process's work on the device, then free the memory. Idempotent."""
         if self.ptr:
