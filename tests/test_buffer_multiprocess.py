@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _ep_processes import bits, expert_fn  # one definition for both process tests
+
 from mooncake_ep import reference
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -69,23 +71,6 @@ def make_inputs(seed: int, num_ranks: int) -> dict[str, list[np.ndarray]]:
         topk_idxs.append(idx)
         weights.append(rng.uniform(-1, 1, size=(t, NUM_TOPK)).astype(np.float32))
     return {"xs": xs, "topk_idxs": topk_idxs, "weights": weights}
-
-
-def expert_fn(rank: int, recv_x: np.ndarray, recv_scales: np.ndarray | None) -> np.ndarray:
-    """The experts of a rank: global expert e multiplies its (dequantized) rows by (e + 1) / 4."""
-    num_local_experts, num_rows, hidden = recv_x.shape
-    if recv_scales is None:
-        values = recv_x.astype(np.float32)
-    else:
-        values = reference.dequantize_fp8(recv_x.reshape(-1, hidden), recv_scales.reshape(num_local_experts * num_rows, -1),
-                                          use_ue8m0=False).reshape(recv_x.shape)
-    factor = (rank * num_local_experts + np.arange(num_local_experts, dtype=np.float32) + 1) / 4
-    return (values * factor[:, None, None]).astype(reference.bfloat16)
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    """The raw bits of an array, so bf16/fp8 save to .npz and NaN and -0.0 compare exactly."""
-    return np.ascontiguousarray(a).view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
 def worker_main(argv: list[str]) -> None:
