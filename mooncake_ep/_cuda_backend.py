@@ -106,12 +106,12 @@ class CudaBackend:
 
         in_process = getattr(group, "is_in_process", False)
         self.group = group
-        # Every peer can dereference this process's device addresses: combine reads the caller's
-        # expert outputs where they are instead of copying them into the workspace first.
-        self.direct_peer_reads = bool(getattr(group, "is_in_process", False)) or group.world_size == 1
         self.device_id = device_id
         self.num_sms = num_sms
         self.transport = "local" if in_process or group.world_size == 1 else "ipc"
+        # With local, every peer can dereference this process's device addresses: combine reads
+        # the caller's expert outputs where they are instead of copying them into the workspace.
+        self.direct_peer_reads = self.transport == "local"
         # In one process on one GPU, GPU-scope ordering is enough (kernels_cu/ptx.cuh); ranks in
         # other processes, even on this GPU, need system scope.
         self.sys_scope = not (all_on_one_device and in_process)
