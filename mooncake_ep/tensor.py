@@ -342,6 +342,37 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
     return ArrayView(obj, obj.data_ptr(), tuple(obj.shape), obj.stride(), dtype, device_type, device_id, "torch", obj)
 
 
+_cupy_module: list[Any] = []  # cupy, once one of its arrays has been seen
+
+
+def _read_cupy(obj: Any, name: str, stream: int | None) -> ArrayView | None:
+    """Fast path: pointer and layout straight from a cupy array. None: use DLPack instead.
+
+    cupy's ``__dlpack__`` records and waits on an event per export (~20 us); as for torch, the fast
+    path orders nothing and is taken only when the caller launches on cupy's current stream.
+    """
+    if not _cupy_module:
+        import cupy
+
+        _cupy_module.append(cupy)
+    cupy = _cupy_module[0]
+    if not isinstance(obj, cupy.ndarray):
+        return None
+    dtype = _NUMPY_TO_NAME.get(obj.dtype) if obj.dtype.isnative else None
+    if dtype is None:
+        raise TypeError(f"{name} must have one of the dtypes {DTYPES} in native byte order, "
+                        f"got cupy dtype {obj.dtype.str} ({obj.dtype})")
+    device_id = obj.device.id
+    if stream is not None and stream != -1 and not _same_stream(cupy.cuda.get_current_stream(device_id).ptr, stream):
+        return None
+    itemsize = obj.dtype.itemsize
+    if any(s % itemsize for s in obj.strides):
+        raise ValueError(f"{name} must have strides that are multiples of its itemsize "
+                         f"({itemsize}), got {obj.strides} bytes")
+    return ArrayView(obj, obj.data.ptr, obj.shape, tuple(s // itemsize for s in obj.strides), dtype, "cuda",
+                     device_id, "cupy", obj)
+
+
 def _view_from_capsule(capsule: Any, obj: Any, name: str, framework: str) -> ArrayView:
     """Reads a DLPack capsule and consumes it; the returned view owns the managed tensor."""
     opened = _dlpack.open_capsule(capsule, name)
@@ -361,7 +392,7 @@ def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
     """Reads any array (numpy, torch, JAX, cupy, any DLPack producer) without copying.
 
     Args:
-        obj: the array. numpy arrays and torch tensors are read directly; anything else through
+        obj: the array. numpy arrays, torch tensors and cupy arrays are read directly; anything else through
             ``obj.__dlpack__`` (a bare DLPack capsule is accepted and consumed too).
         name: call and argument for error messages, e.g. ``"dispatch: x"``.
         stream: the CUDA stream (``cudaStream_t`` as an int) the caller will launch on; 0 is the
@@ -378,16 +409,21 @@ def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
         ValueError: ``stream`` is not an int >= -1.
 
     Note:
-        The torch fast path orders nothing: it is used when ``stream`` is None or is torch's
-        current stream on the tensor's device; otherwise the tensor goes through DLPack.
+        The torch and cupy fast paths order nothing: they are used when ``stream`` is None or is
+        the framework's current stream on the array's device; otherwise the array goes through DLPack.
     """
     if stream is not None and (not isinstance(stream, int) or stream < -1):
         raise ValueError(f"{name}: stream must be None or a CUDA stream handle (int >= -1), "
                          f"got {stream!r}")
     if isinstance(obj, np.ndarray):
         return _read_numpy(obj, name)
-    if type(obj).__module__.startswith("torch"):
+    module = type(obj).__module__
+    if module.startswith("torch"):
         view = _read_torch(obj, name, stream)
+        if view is not None:
+            return view
+    elif module.startswith("cupy"):
+        view = _read_cupy(obj, name, stream)
         if view is not None:
             return view
     if _dlpack.is_capsule(obj):

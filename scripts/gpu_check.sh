@@ -3,7 +3,7 @@
 # stages, each with its own time limit; logs and JSON go to OUTDIR. Exits non-zero if any failed.
 #   usage: scripts/gpu_check.sh OUTDIR [STAGE ...]
 # Stages (default: tests bench warmup sanitizer):
-#   tests      pytest -m gpu (PYTEST_K selects with -k)
+#   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S)
 #   bench      the decode-shape benchmark (with the torch baseline), one rank alone, a tiny payload
 #   sweep      the decode sweep over tokens per rank (1..512) with its plot, and T = 1024: the largest
 #              that fits 8 ranks on one GPU (the low-latency layout reserves R*T rows per expert:
@@ -11,7 +11,7 @@
 #   warmup     cold NVRTC compile of every variant, then Buffer construction with the cache warm
 #   trace      per-block timestamps of every rank's kernels (scripts/trace_phases.py)
 #   ncu        Nsight Compute on one rank's kernels (a rank alone: ncu serialises kernels)
-#   host       host time of eager calls and its cProfile (scripts/profile_host.py)
+#   host       host time per call for torch, cupy and JAX, eager and graph / jit (scripts/profile_host.py)
 #   fault      time a survivor loses when a rank stops, against timeout_us (scripts/fault_latency.py)
 #   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
 set -uo pipefail
@@ -66,9 +66,17 @@ if has trace; then
     --json "$out/trace_zero_copy.json"
 fi
 if has tests; then
-  args=(-m gpu -q -p no:cacheprovider --timeout 300 --tb=short -rf --durations=15)
-  [ -n "${PYTEST_K:-}" ] && args+=(-k "$PYTEST_K")
-  TAIL=30 step pytest_gpu "${PYTEST_LIMIT_S:-600}" python3 -m pytest "${args[@]}" tests
+  # One pytest per file, each with its own limit, so a hang costs one file and not the rest; a test
+  # past --timeout gets its threads' stacks dumped (thread method: works while C code holds the GIL).
+  # Failures are appended to pytest_failures.log as they happen (tests/conftest.py).
+  export MOONCAKE_EP_FAILURE_LOG="$out/pytest_failures.log"
+  files="${PYTEST_FILES:-test_gpu_low_latency test_gpu_faults test_gpu_ipc test_gpu_frameworks test_examples test_bench test_cli}"
+  for file in $files; do
+    args=(-m gpu -q -p no:cacheprovider -p no:warnings --timeout "${PYTEST_TIMEOUT_S:-90}" --timeout-method thread
+          --tb=short -rf --durations=5 --junitxml "$out/$file.xml")
+    [ -n "${PYTEST_K:-}" ] && args+=(-k "$PYTEST_K")
+    TAIL=8 step "$file" "${PYTEST_FILE_LIMIT_S:-240}" python3 -m pytest "${args[@]}" "tests/$file.py"
+  done
 fi
 if has ncu; then
   # One rank, 16 SMs, the per-rank work of the decode shape (1024 copies in, 1024 rows combined).
@@ -80,7 +88,10 @@ if has fault; then
   TAIL=20 step fault_latency 240 python3 scripts/fault_latency.py --json "$out/fault.json"
 fi
 if has host; then
-  TAIL=40 step host_profile 180 python3 scripts/profile_host.py --json "$out/host.json"
+  TAIL=40 step host_profile 240 python3 scripts/profile_host.py --frameworks torch cupy jax --profile \
+    --json "$out/host.json"
+  TAIL=3 step host_jax_no_command_buffers 120 python3 scripts/profile_host.py --frameworks jax --calls 300 --steps 300 \
+    --no-command-buffers --json "$out/host_jax_plain.json"
 fi
 if has sanitizer; then
   for tool in memcheck racecheck; do

@@ -1,10 +1,23 @@
-"""Host (Python) time of eager dispatch and combine calls, and where it goes (cProfile).
+"""Host (Python) time of dispatch and combine calls per framework, eager and in a graph / jit.
 
-One rank with the whole GPU, torch CUDA tensors, the decode shape's per-rank arrays: the host cost
-of a call does not depend on the other ranks. Times N calls with results allocated by the call
-and with ``out=``, then profiles the allocating calls.
+One rank with the whole GPU and the decode shape's per-rank work (T = 128 tokens of H = 7168, top-8 of
+32 local experts: 1024 copies in, 1024 rows combined): the host cost of a call does not depend on the
+other ranks. fp8 dispatch, bf16 combine. Per framework:
 
-    python scripts/profile_host.py --calls 2000 --json host.json
+- ``torch`` / ``cupy`` eager: p50 host time of a dispatch and of a combine call, with results
+  allocated by the call and with ``out=``;
+- ``torch`` graph: a dispatch -> combine step captured with ``torch.cuda.graph``; the host time of
+  ``replay()`` and the step time (``--steps`` replays back to back, wall time / steps);
+- ``jax`` eager: the host time of ``mooncake_ep.jax.dispatch`` and ``combine`` called op by op;
+- ``jax`` jit: the same step under ``jax.jit``: host time of the call (it returns before the GPU is
+  done) and the step time as for the graph. The target: within 10% of the torch graph's step time.
+  By default XLA records the step into a command buffer (a CUDA graph, ``--xla_gpu_enable_command_buffer``
+  with custom calls), so the Python callbacks run only when it records; ``--no-command-buffers``
+  measures the plain path, where every execution calls back into Python.
+
+``--profile`` adds a cProfile of torch's allocating eager calls (where the microseconds go).
+
+    python scripts/profile_host.py --frameworks torch cupy jax --json host.json
 """
 
 from __future__ import annotations
@@ -13,73 +26,257 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
+import statistics
 import time
+from collections.abc import Callable
+
+import numpy as np
 
 import mooncake_ep as ep
+from mooncake_ep.cli.gpu import gpu_status
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with torch and cupy
+
+
+def p50_us(call: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``call()`` in microseconds (the GPU work it queues is not waited for)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def step_us(call: Callable[[], object], wait: Callable[[], object], steps: int) -> float:
+    """Wall time per call of ``steps`` calls back to back, waited for at the end: the step time."""
+    wait()
+    start = time.perf_counter()
+    for _ in range(steps):
+        call()
+    wait()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+class Shape:
+    def __init__(self, args: argparse.Namespace):
+        self.tokens, self.hidden, self.topk, self.experts = args.tokens, args.hidden, args.topk, args.experts
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((self.tokens, self.hidden), dtype=np.float32)
+        self.topk_idx = np.stack([rng.permutation(self.experts)[: self.topk] for _ in range(self.tokens)])
+        self.weights = rng.random((self.tokens, self.topk), dtype=np.float32)
+        self.expert_out = rng.standard_normal((self.experts, self.tokens, self.hidden), dtype=np.float32)
+
+
+def eager_times(buffer: ep.Buffer, shape: Shape, arrays: dict, outs: dict, repeats: int) -> dict:
+    """Host time of eager dispatch and combine calls, allocating and with ``out=``."""
+    report = {}
+    for key, with_out in (("allocating", False), ("out", True)):
+        state = {}
+
+        def dispatch():
+            state["handle"] = buffer.dispatch(arrays["x"], arrays["topk"], arrays["active"], shape.tokens,
+                                              shape.experts, out=outs["dispatch"] if with_out else None)[2]
+
+        def combine():
+            buffer.combine(arrays["expert_out"], arrays["topk"], arrays["weights"], arrays["active"],
+                           handle=state["handle"], out=outs["combine"] if with_out else None)
+
+        def call_pair():
+            dispatch()
+            combine()
+
+        for _ in range(50):
+            call_pair()
+        arrays["sync"]()
+        # Time each call of a pair: a dispatch's handle must be combined before the dispatch after next.
+        dispatch_times, combine_times = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dispatch()
+            middle = time.perf_counter()
+            combine()
+            dispatch_times.append(middle - start)
+            combine_times.append(time.perf_counter() - middle)
+        arrays["sync"]()
+        report[key] = {"dispatch_us_p50": statistics.median(dispatch_times) * 1e6,
+                       "combine_us_p50": statistics.median(combine_times) * 1e6}
+    return report
+
+
+def torch_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dict:
+    import torch
+
+    def to(a, dtype):
+        return torch.from_numpy(a).cuda().to(dtype)
+
+    arrays = dict(x=to(shape.x, torch.bfloat16), topk=to(shape.topk_idx, torch.int64),
+                  weights=to(shape.weights, torch.float32), active=torch.ones(1, dtype=torch.int32, device="cuda"),
+                  expert_out=to(shape.expert_out, torch.bfloat16), sync=torch.cuda.synchronize)
+    e, t, h = shape.experts, shape.tokens, shape.hidden
+    outs = dict(dispatch=((torch.empty(e, t, h, device="cuda", dtype=torch.float8_e4m3fn),
+                           torch.empty(e, t, h // 128, device="cuda")),
+                          torch.empty(e, dtype=torch.int32, device="cuda")),
+                combine=torch.empty(t, h, device="cuda", dtype=torch.bfloat16))
+    report = {"eager": eager_times(buffer, shape, arrays, outs, args.calls)}
+
+    def step():
+        handle = buffer.dispatch(arrays["x"], arrays["topk"], arrays["active"], t, e, out=outs["dispatch"])[2]
+        buffer.combine(arrays["expert_out"], arrays["topk"], arrays["weights"], arrays["active"], handle=handle,
+                       out=outs["combine"])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # plans and allocations happen outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(20):
+        graph.replay()
+    report["graph"] = {"replay_us_p50": p50_us(graph.replay, args.calls),
+                       "step_us": step_us(graph.replay, torch.cuda.synchronize, args.steps)}
+    report["eager_step_us"] = step_us(step, torch.cuda.synchronize, args.steps)
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        eager_times(buffer, shape, arrays, outs, args.calls)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        report["profile"] = text.getvalue()
+    return report
+
+
+def cupy_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dict:
+    import cupy
+    import ml_dtypes
+
+    def bf16_bits(a):  # cupy has no bfloat16: it carries the raw bits as uint16
+        return cupy.asarray(a.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+    arrays = dict(x=bf16_bits(shape.x), topk=cupy.asarray(shape.topk_idx.astype(np.int64)),
+                  weights=cupy.asarray(shape.weights), active=cupy.ones(1, dtype=cupy.int32),
+                  expert_out=bf16_bits(shape.expert_out),
+                  sync=cupy.cuda.Device().synchronize)
+    e, t, h = shape.experts, shape.tokens, shape.hidden
+    outs = dict(dispatch=((cupy.empty((e, t, h), dtype=cupy.uint8), cupy.empty((e, t, h // 128), dtype=cupy.float32)),
+                          cupy.empty(e, dtype=cupy.int32)),
+                combine=cupy.empty((t, h), dtype=cupy.uint16))
+    return {"eager": eager_times(buffer, shape, arrays, outs, args.calls)}
+
+
+def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import mooncake_ep.jax as epj
+
+    device = jax.devices("gpu")[0]
+    put = lambda a, dtype: jax.device_put(jnp.asarray(a, dtype), device)  # noqa: E731
+    x, topk, weights = put(shape.x, jnp.bfloat16), put(shape.topk_idx, jnp.int32), put(shape.weights, jnp.float32)
+    active, expert_out = put(np.ones(1), jnp.int32), put(shape.expert_out, jnp.bfloat16)
+    t, e = shape.tokens, shape.experts
+    state = {}
+
+    def dispatch():
+        _, _, state["handle"], state["active"] = epj.dispatch(buffer, x, topk, active, t, e)
+
+    def combine():
+        state["out"], _ = epj.combine(buffer, expert_out, topk, weights, state["active"], state["handle"])
+
+    def step(x, topk, weights, active, expert_out):
+        _, _, handle, active = epj.dispatch(buffer, x, topk, active, t, e)
+        return epj.combine(buffer, expert_out, topk, weights, active, handle)
+
+    jitted = jax.jit(step)
+    wait = lambda: jax.block_until_ready(state.get("out"))  # noqa: E731
+
+    def jit_call():
+        state["out"] = jitted(x, topk, weights, active, expert_out)
+
+    for _ in range(20):
+        dispatch()
+        combine()
+        jit_call()
+    wait()
+    dispatch_times, combine_times = [], []
+    for _ in range(args.calls):
+        start = time.perf_counter()
+        dispatch()
+        middle = time.perf_counter()
+        combine()
+        dispatch_times.append(middle - start)
+        combine_times.append(time.perf_counter() - middle)
+    wait()
+    return {"eager": {"dispatch_us_p50": statistics.median(dispatch_times) * 1e6,
+                      "combine_us_p50": statistics.median(combine_times) * 1e6},
+            "jit": {"call_us_p50": p50_us(jit_call, args.calls), "step_us": step_us(jit_call, wait, args.steps)}}
+
+
+REPORTS = {"torch": torch_report, "cupy": cupy_report, "jax": jax_report}
+
+
+def summary(name: str, report: dict) -> list[str]:
+    lines = []
+    for key, eager in report["eager"].items() if name != "jax" else [("eager", report["eager"])]:
+        lines.append(f"{name:>5} {key:>10}: dispatch {eager['dispatch_us_p50']:6.1f} us, "
+                     f"combine {eager['combine_us_p50']:6.1f} us (host, p50)")
+    if "graph" in report:
+        g = report["graph"]
+        lines.append(f"{name:>5}      graph: replay {g['replay_us_p50']:6.1f} us (host), step {g['step_us']:6.1f} us;"
+                     f" eager step {report['eager_step_us']:6.1f} us")
+    if "jit" in report:
+        j = report["jit"]
+        lines.append(f"{name:>5}        jit: call {j['call_us_p50']:6.1f} us (host), step {j['step_us']:6.1f} us")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frameworks", nargs="+", choices=sorted(REPORTS), default=["torch", "cupy", "jax"])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--calls", type=int, default=2000, help="timed calls per measurement")
+    parser.add_argument("--steps", type=int, default=500, help="back-to-back steps for a step time")
+    parser.add_argument("--profile", action="store_true", help="cProfile torch's allocating eager calls")
+    parser.add_argument("--no-command-buffers", dest="command_buffers", action="store_false",
+                        help="JAX: no XLA command buffers (every execution runs the Python callbacks)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.command_buffers:  # read when JAX starts its GPU backend, which happens later, in jax_report
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1"
+                                   " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL").strip()
+    usable, reason = gpu_status()
+    if not usable:
+        parser.exit(2, f"profile_host.py measures the GPU path: {reason}\n")
 
-    import torch
-
+    shape = Shape(args)
     group = ep.LocalGroup(1, devices=[0])
     size = ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, 1, args.experts)
     (buffer,) = group.spawn(lambda g: ep.Buffer(g, size))
-    x = torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
-    topk = torch.stack([torch.randperm(args.experts, device="cuda")[: args.topk] for _ in range(args.tokens)])
-    weights = torch.rand(args.tokens, args.topk, device="cuda")
-    active = torch.ones(1, dtype=torch.int32, device="cuda")
-    recv_x = torch.empty(args.experts, args.tokens, args.hidden, device="cuda", dtype=torch.float8_e4m3fn)
-    recv_scales = torch.empty(args.experts, args.tokens, args.hidden // 128, device="cuda")
-    recv_count = torch.empty(args.experts, dtype=torch.int32, device="cuda")
-    expert_out = torch.randn(args.experts, args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
-    combined = torch.empty(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
-
-    def step(with_out: bool) -> tuple[float, float]:
-        start = time.perf_counter()
-        _, _, handle, _, _ = buffer.dispatch(x, topk, active, args.tokens, args.experts,
-                                             out=((recv_x, recv_scales), recv_count) if with_out else None)
-        middle = time.perf_counter()
-        buffer.combine(expert_out, topk, weights, active, -1, handle, out=combined if with_out else None)
-        end = time.perf_counter()
-        return middle - start, end - middle
-
     report = {"config": vars(args)}
-    for with_out in (False, True):
-        for _ in range(50):
-            step(with_out)
-        torch.cuda.synchronize()
-        times = [step(with_out) for _ in range(args.calls)]
-        torch.cuda.synchronize()
-        times.sort(key=lambda t: t[0] + t[1])
-        dispatch_us = sorted(t[0] for t in times)[len(times) // 2] * 1e6
-        combine_us = sorted(t[1] for t in times)[len(times) // 2] * 1e6
-        key = "out" if with_out else "allocating"
-        report[key] = {"dispatch_us_p50": dispatch_us, "combine_us_p50": combine_us}
-        print(f"{key:>10}: dispatch {dispatch_us:.1f} us, combine {combine_us:.1f} us per call (host, p50)")
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(args.calls):
-        step(False)
-    profiler.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-    print(text.getvalue())
-    report["profile"] = text.getvalue()
+    try:
+        for name in args.frameworks:
+            report[name] = REPORTS[name](buffer, shape, args)
+            print("\n".join(summary(name, report[name])), flush=True)
+    finally:
+        group.spawn(lambda g: buffer.destroy())
+    if "profile" in report.get("torch", {}):
+        print(report["torch"]["profile"])
+    print("\n".join(line for name in args.frameworks for line in summary(name, report[name])))
+    if "torch" in report and "jax" in report:
+        ratio = report["jax"]["jit"]["step_us"] / report["torch"]["graph"]["step_us"]
+        report["jax_jit_over_torch_graph_step"] = ratio
+        print(f"jax jit step / torch graph step: {ratio:.3f} (target <= 1.10)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-    group.spawn(lambda g: buffer.destroy())
 
 
 if __name__ == "__main__":

@@ -24,3 +24,15 @@ except ImportError:  # JAX is optional; its tests skip
 
 if jax is not None:
     jax.config.update("jax_num_cpu_devices", NUM_JAX_CPU_DEVICES)
+
+
+def pytest_runtest_logreport(report):
+    """With MOONCAKE_EP_FAILURE_LOG set, append each failure's report to that file as it happens.
+
+    scripts/gpu_check.sh sets it: a run killed by its time limit (a hang) still leaves the
+    tracebacks of the failures before it, which pytest would only have printed at the end.
+    """
+    path = os.environ.get("MOONCAKE_EP_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as log:
+            log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
