@@ -18,6 +18,8 @@ import numpy as np
 from mooncake_ep import _constants, _handshake, frameworks, layout, reference
 from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, read_array
+from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, check_array, check_expert_ids, check_experts, check_flags,
+                                    check_hidden, check_int, check_mutable, check_out, check_timeout, read_out)
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -124,7 +126,7 @@ class Buffer:
             if not hasattr(group, attribute):
                 raise TypeError(f"Buffer: group must provide rank, world_size, allgather_bytes and barrier; "
                                 f"{type(group).__name__} has no {attribute!r}")
-        _check_int("Buffer", "num_ep_buffer_bytes", num_ep_buffer_bytes, minimum=1)
+        check_int("Buffer", "num_ep_buffer_bytes", num_ep_buffer_bytes, minimum=1)
         if backend not in ("auto", "cuda", "reference"):
             raise ValueError(f"Buffer: backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
         if group.world_size > _constants.MAX_RANKS:
@@ -146,7 +148,7 @@ class Buffer:
         # XLA stream, which the JAX ops must know (mooncake_ep.frameworks.jax_ops).
         self._in_process_ranks_on_device = 1
         if num_sms is not None:
-            _check_int("Buffer", "num_sms", num_sms, minimum=1)
+            check_int("Buffer", "num_sms", num_sms, minimum=1)
         use_cuda = backend == "cuda" or (backend == "auto" and _gpu_available())
         self._device_id = self._choose_device() if use_cuda else None
         self._num_sms_asked = num_sms or 0
@@ -224,10 +226,10 @@ class Buffer:
             num_experts: E, a multiple of R.
         """
         where = "get_ep_buffer_size_hint"
-        _check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-        _check_hidden(where, "hidden", hidden)
-        _check_int(where, "num_ranks", num_ranks, minimum=1, maximum=_constants.MAX_RANKS)
-        _check_experts(where, num_experts, num_ranks)
+        check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        check_hidden(where, "hidden", hidden)
+        check_int(where, "num_ranks", num_ranks, minimum=1, maximum=_constants.MAX_RANKS)
+        check_experts(where, num_experts, num_ranks)
         return layout.compute_layout(num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden).num_bytes
 
     # --- dispatch -------------------------------------------------------------------------------
@@ -276,12 +278,12 @@ class Buffer:
         order = _dlpack_stream(x_view, stream_ptr)
         topk_view = read_array(topk_idx, name="dispatch: topk_idx", stream=order)
         active_view = read_array(active_ranks, name="dispatch: active_ranks", stream=order)
-        _check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+        check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                      async_finish=async_finish, return_recv_hook=return_recv_hook)
-        _check_mutable(where, x_view, out, return_recv_hook)
-        _check_timeout(where, timeout_us)
-        _check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-        out_views = _read_out(where, out, use_fp8, order)
+        check_mutable(where, x_view, out, return_recv_hook)
+        check_timeout(where, timeout_us)
+        check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        out_views = read_out(where, out, use_fp8, order)
         key = ("dispatch", _signature(x_view), _signature(topk_view), _signature(active_view),
                num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
                None if out_views is None else tuple(_signature(view) for view, _ in out_views))
@@ -291,7 +293,7 @@ class Buffer:
                                        num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0)
             self._remember(key, plan, x_view)
         if x_view.device_type == "cpu":  # values of host arrays: read every call
-            _check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
+            check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
         parity = self._num_dispatches % layout.NUM_PARITIES
         if parity in self._pending_hooks:
             raise RuntimeError(f"{where}: the dispatch two calls ago still waits for its hook(); call it first "
@@ -317,14 +319,14 @@ class Buffer:
     def _plan_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
                        out_views, num_max_tokens: int, num_experts: int, use_fp8: bool, use_ue8m0: bool) -> _Plan:
         """Check everything about a dispatch that its arrays' layouts decide; return what the call needs."""
-        _check_experts(where, num_experts, self.num_ranks)
-        _check_array(where, "x", x_view, dtypes=("bfloat16",), ndim=2)
+        check_experts(where, num_experts, self.num_ranks)
+        check_array(where, "x", x_view, dtypes=("bfloat16",), ndim=2)
         num_tokens, hidden = x_view.shape
-        _check_hidden(where, "x.shape[1] (hidden)", hidden)
+        check_hidden(where, "x.shape[1] (hidden)", hidden)
         if num_tokens > num_max_tokens:
             raise ValueError(f"{where}: x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{num_max_tokens}")
-        _check_array(where, "topk_idx", topk_view, dtypes=("int64", "int32"), ndim=2, like=x_view)
+        check_array(where, "topk_idx", topk_view, dtypes=("int64", "int32"), ndim=2, like=x_view)
         if topk_view.shape[0] != num_tokens:
             raise ValueError(f"{where}: topk_idx has {topk_view.shape[0]} rows, x has {num_tokens} tokens")
         num_topk = topk_view.shape[1]
@@ -340,7 +342,7 @@ class Buffer:
         if use_fp8:
             specs.append(("recv_scales", scale_shape, "int32" if use_ue8m0 else "float32"))
         specs.append(("recv_count", (num_local_experts,), "int32"))
-        _check_out(where, out_views, specs, x_view)
+        check_out(where, out_views, specs, x_view)
         return _Plan(num_tokens, hidden, num_topk, tuple(specs))
 
     def _check_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
@@ -352,13 +354,13 @@ class Buffer:
         ``"cpu"`` nor ``"cuda"``, so no host data is read) to declare their results
         (``plan.specs``), and again on the host buffers in their CPU callback. Changes no state.
         """
-        _check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
-        _check_timeout(where, timeout_us)
-        _check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        check_timeout(where, timeout_us)
+        check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         plan = self._plan_dispatch(where, x_view, topk_view, active_view, None, num_max_dispatch_tokens_per_rank,
                                    num_experts, use_fp8, use_ue8m0)
         if x_view.device_type == "cpu":
-            _check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
+            check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
         return plan
 
     def _reference_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags):
@@ -439,9 +441,9 @@ class Buffer:
         order = _dlpack_stream(topk_view, stream_ptr)
         weights_view = read_array(topk_weights, name="combine: topk_weights", stream=order)
         active_view = read_array(active_ranks, name="combine: active_ranks", stream=order)
-        _check_flags(where, async_finish=async_finish, return_recv_hook=return_recv_hook)
-        _check_mutable(where, topk_view, out, return_recv_hook)
-        _check_timeout(where, timeout_us)
+        check_flags(where, async_finish=async_finish, return_recv_hook=return_recv_hook)
+        check_mutable(where, topk_view, out, return_recv_hook)
+        check_timeout(where, timeout_us)
         if zero_copy and handle.backend == "reference" and "combine_buffer" not in handle.state:
             raise ValueError(f"{where}: zero_copy=True reads the expert outputs from get_next_combine_buffer(handle); "
                              f"call it and write them there first, or pass x with zero_copy=False")
@@ -475,17 +477,17 @@ class Buffer:
         """Check everything about a combine that its arrays' layouts decide; return what the call needs."""
         num_local_experts = handle.num_experts // self.num_ranks
         expected = (handle.num_tokens, handle.num_topk)
-        _check_array(where, "topk_idx", topk_view, dtypes=("int64", "int32"), shape=expected)
-        _check_array(where, "topk_weights", weights_view, dtypes=("float32",), shape=expected, like=topk_view)
+        check_array(where, "topk_idx", topk_view, dtypes=("int64", "int32"), shape=expected)
+        check_array(where, "topk_weights", weights_view, dtypes=("float32",), shape=expected, like=topk_view)
         self._check_active(where, active_view, topk_view)
         if (topk_view.device_id if topk_view.device_type == "cuda" else -1) != handle.device_id:
             raise TypeError(f"{where}: topk_idx is on {topk_view.device_type}:{topk_view.device_id}, the dispatch "
                             f"of handle ran on {'cpu' if handle.device_id < 0 else f'cuda:{handle.device_id}'}")
         if x_view is not None:
             shape = (num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-            _check_array(where, "x", x_view, dtypes=("bfloat16",), shape=shape, like=topk_view)
+            check_array(where, "x", x_view, dtypes=("bfloat16",), shape=shape, like=topk_view)
         specs = (("combined_x", (handle.num_tokens, handle.hidden), "bfloat16"),)
-        _check_out(where, out_views, specs, topk_view)
+        check_out(where, out_views, specs, topk_view)
         return _Plan(handle.num_tokens, handle.hidden, handle.num_topk, specs)
 
     def _check_combine(self, where: str, handle, x_view: ArrayView, topk_view: ArrayView, weights_view: ArrayView,
@@ -495,7 +497,7 @@ class Buffer:
         ``handle`` is a :class:`Handle` or anything with its shape fields and ``device_id`` (the JAX
         ops pass their dispatch's configuration, device -1 at trace time). Changes no state.
         """
-        _check_timeout(where, timeout_us)
+        check_timeout(where, timeout_us)
         return self._plan_combine(where, handle, topk_view, weights_view, active_view, x_view, None)
 
     def _reference_combine(self, handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy,
@@ -690,7 +692,7 @@ class Buffer:
         self._plans[key] = plan
 
     def _check_active(self, where: str, view: ArrayView, like: ArrayView) -> None:
-        _check_array(where, "active_ranks", view, dtypes=("int32",), shape=(self.num_ranks,), like=like)
+        check_array(where, "active_ranks", view, dtypes=("int32",), shape=(self.num_ranks,), like=like)
 
     def _check_size(self, where: str, num_max_tokens: int, hidden: int, num_experts: int) -> None:
         needed = layout.compute_layout(self.num_ranks, num_experts, num_max_tokens, hidden).num_bytes
@@ -713,90 +715,6 @@ class Buffer:
             raise RuntimeError(f"{where}: the dispatch of this handle has not received yet: call its hook() first")
 
 
-# --- argument checks (shared by every call; each names the call and the argument) -------------------
-
-
-def _check_int(where: str, name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{where}: {name} must be <= {maximum}, got {value}")
-
-
-def _check_hidden(where: str, name: str, hidden) -> None:
-    _check_int(where, name, hidden, minimum=1)
-    if hidden % _constants.HIDDEN_ALIGNMENT:
-        raise ValueError(f"{where}: {name} must be a multiple of {_constants.HIDDEN_ALIGNMENT}, got {hidden}")
-
-
-def _check_experts(where: str, num_experts, num_ranks: int) -> None:
-    _check_int(where, "num_experts", num_experts, minimum=1, maximum=_constants.MAX_EXPERTS)
-    if num_experts % num_ranks:
-        raise ValueError(f"{where}: num_experts must be a multiple of num_ranks={num_ranks}, got {num_experts}")
-
-
-def _check_timeout(where: str, timeout_us) -> None:
-    _check_int(where, "timeout_us", timeout_us, minimum=_constants.TIMEOUT_FOREVER)
-
-
-def _check_flags(where: str, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False,
-                 async_finish: bool = False, return_recv_hook: bool = False) -> None:
-    if async_finish and return_recv_hook:
-        raise ValueError(f"{where}: async_finish and return_recv_hook are exclusive")
-    if use_ue8m0 and not (use_fp8 and round_scale):
-        raise ValueError(f"{where}: use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 stores "
-                         f"power-of-two scales)")
-    if round_scale and not use_fp8:
-        raise ValueError(f"{where}: round_scale=True needs use_fp8=True")
-
-
-def _check_array(where: str, name: str, view: ArrayView, *, dtypes: tuple[str, ...], ndim: int | None = None,
-                 shape: tuple[int, ...] | None = None, like: ArrayView | None = None) -> None:
-    if view.dtype not in dtypes and not _is_raw_bits(view, dtypes):
-        raise TypeError(f"{where}: {name} must be {' or '.join(dtypes)}, got {view.dtype}")
-    if shape is not None and tuple(view.shape) != tuple(shape):
-        raise ValueError(f"{where}: {name} must have shape {tuple(shape)}, got {tuple(view.shape)}")
-    if ndim is not None and view.ndim != ndim:
-        raise ValueError(f"{where}: {name} must be {ndim}-dimensional, got shape {tuple(view.shape)}")
-    if not view.is_contiguous:
-        raise ValueError(f"{where}: {name} must be contiguous (row-major), got strides {view.strides}; "
-                         f"pass a contiguous copy")
-    if like is not None and (view.device_type, view.device_id) != (like.device_type, like.device_id):
-        raise TypeError(f"{where}: {name} is on {view.device_type}:{view.device_id}, expected "
-                        f"{like.device_type}:{like.device_id} like the other arrays")
-
-
-# Frameworks without bf16/fp8 dtypes: their callers hold such arrays as unsigned ints of the same
-# width, the raw bits (frameworks/cupy.py), and those are accepted where bf16/fp8 is expected.
-_RAW_BITS_FRAMEWORKS = ("cupy",)
-
-
-def _is_raw_bits(view: ArrayView, dtypes: tuple[str, ...]) -> bool:
-    if view.framework not in _RAW_BITS_FRAMEWORKS:
-        return False
-    raw_bits = frameworks.get(view.framework).RAW_BITS_DTYPES
-    return any(raw_bits.get(dtype) == view.dtype for dtype in dtypes)
-
-
-def _check_expert_ids(where: str, topk_view: ArrayView, num_experts: int, num_max_tokens: int) -> None:
-    ids = topk_view.numpy()
-    bad = (ids < _constants.NO_EXPERT) | (ids >= num_experts)
-    if bad.any():
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{where}: topk_idx entries must be -1 or in [0, {num_experts}), got {int(ids[first])} "
-                         f"at {first}")
-    # recv_x holds num_ranks * T rows per expert, so each rank may send an expert at most T copies:
-    # always true when each token's experts are distinct, broken by a token naming one twice.
-    copies = np.bincount(ids[ids >= 0].astype(np.int64), minlength=num_experts)
-    if copies.max(initial=0) > num_max_tokens:
-        expert = int(np.argmax(copies))
-        raise ValueError(f"{where}: topk_idx sends {int(copies[expert])} copies to expert {expert}, more than "
-                         f"num_max_dispatch_tokens_per_rank={num_max_tokens} (recv_x has num_ranks * T rows per "
-                         f"expert); give each token distinct experts")
-
-
 class _Plan(NamedTuple):
     """What a checked call needs, decided by its arrays' layouts and arguments (see Buffer._plans)."""
 
@@ -815,29 +733,6 @@ def _signature(view: ArrayView) -> tuple:
     return view.shape, view.strides, view.dtype, view.device_type, view.device_id, view.framework
 
 
-def _read_out(where: str, out, nested_fp8: bool, stream: int | None) -> list[tuple[ArrayView, Any]] | None:
-    """Read the arrays of a dispatch's ``out=`` (``None``: the call allocates its results)."""
-    if out is None:
-        return None
-    flat = list(out)
-    if nested_fp8:
-        if len(flat) != 2 or not isinstance(flat[0], (tuple, list)) or len(flat[0]) != 2:
-            raise TypeError(f"{where}: out must be ((recv_x, recv_scales), recv_count) with use_fp8")
-        flat = [flat[0][0], flat[0][1], flat[1]]
-    names = ("recv_x", "recv_scales", "recv_count") if nested_fp8 else ("recv_x", "recv_count")
-    if len(flat) != len(names):
-        raise TypeError(f"{where}: out must hold {len(names)} arrays ({', '.join(names)}), got {len(flat)}")
-    return [(read_array(obj, name=f"{where}: out {name}", stream=stream), obj) for obj, name in zip(flat, names)]
-
-
-def _check_out(where: str, out_views, specs, like: ArrayView) -> None:
-    """Check ``out=`` arrays against the result specs (nothing to check when the call allocates)."""
-    if out_views is None:
-        return
-    for (view, _), (name, shape, dtype) in zip(out_views, specs):
-        _check_array(where, f"out {name}", view, dtypes=(dtype,), shape=shape, like=like)
-
-
 def _dlpack_stream(first: ArrayView, stream_ptr: int) -> int | None:
     """The stream to hand DLPack producers of the call's other arrays.
 
@@ -854,22 +749,9 @@ def _timeout_ns(timeout_us: int) -> int:
     return -1 if timeout_us < 0 else int(timeout_us) * 1000
 
 
-# Frameworks whose arrays are immutable: results are built after the computation, never written
-# into later (no hook, no out=), and active_ranks is not updated in place.
-_IMMUTABLE_FRAMEWORKS = ("jax",)
-
-
-def _check_mutable(where: str, view: ArrayView, out, return_recv_hook: bool) -> None:
-    if view.framework not in _IMMUTABLE_FRAMEWORKS:
-        return
-    if return_recv_hook or out is not None:
-        raise TypeError(f"{where}: {view.framework} arrays are immutable, so return_recv_hook=True and out= cannot "
-                        f"fill them later; call without them (or pass torch, cupy or numpy arrays)")
-
-
 def _caller_arrays(outputs, like: ArrayView) -> list:
     """The results as the caller's framework holds them (immutable frameworks get them built now)."""
-    if like.framework not in _IMMUTABLE_FRAMEWORKS:
+    if like.framework not in IMMUTABLE_FRAMEWORKS:
         return [obj for _, obj in outputs]
     fw = frameworks.get(like.framework)
     return [fw.from_numpy(view.numpy(), like) for view, _ in outputs]
@@ -882,7 +764,7 @@ def _write_mask(view: ArrayView, mask: np.ndarray) -> None:
         An immutable (JAX) array is never written, even when its memory is reachable: the caller
         keeps the mask it passed.
     """
-    if view.framework in _IMMUTABLE_FRAMEWORKS:
+    if view.framework in IMMUTABLE_FRAMEWORKS:
         return
     array = view.numpy()
     if array.flags.writeable:

@@ -29,7 +29,8 @@ FRAMEWORK_FRONTS = {"jax.py": {"jax", "jaxlib"}, "torch.py": {"torch"}}
 NEVER = {
     "reference.py": {"buffer", "tensor", "kernels", "transport", "frameworks", "group", "layout", "_cuda_backend"},
     "group.py": {"buffer", "tensor", "kernels", "transport", "frameworks", "reference", "layout"},
-    "tensor.py": {"buffer", "kernels", "transport", "frameworks", "group", "reference"},
+    "validation.py": {"buffer", "kernels", "transport", "group", "reference", "layout", "_cuda_backend"},
+    "tensor.py": {"buffer", "validation", "kernels", "transport", "frameworks", "group", "reference"},
     "_dlpack.py": {"buffer", "kernels", "transport", "frameworks", "group", "reference", "tensor"},
     "kernels.py": {"buffer", "tensor", "transport", "frameworks", "group", "reference"},
     "layout.py": {"buffer", "tensor", "kernels", "transport", "frameworks", "group", "reference"},

@@ -1,0 +1,135 @@
+"""Argument checks of the public calls: each raises naming the call and the argument.
+
+The layer between :mod:`mooncake_ep.buffer` (the public API) and the tensor boundary: it reads
+:class:`~mooncake_ep.tensor.ArrayView` s and plain arguments, never launches anything, and keeps no
+state, so a refused call leaves the Buffer as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mooncake_ep import _constants, frameworks
+from mooncake_ep.tensor import ArrayView, read_array
+
+__all__ = ["check_int", "check_hidden", "check_experts", "check_timeout", "check_flags", "check_array",
+           "check_expert_ids", "read_out", "check_out", "check_mutable", "is_raw_bits", "IMMUTABLE_FRAMEWORKS"]
+
+
+def check_int(where: str, name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{where}: {name} must be <= {maximum}, got {value}")
+
+
+def check_hidden(where: str, name: str, hidden) -> None:
+    check_int(where, name, hidden, minimum=1)
+    if hidden % _constants.HIDDEN_ALIGNMENT:
+        raise ValueError(f"{where}: {name} must be a multiple of {_constants.HIDDEN_ALIGNMENT}, got {hidden}")
+
+
+def check_experts(where: str, num_experts, num_ranks: int) -> None:
+    check_int(where, "num_experts", num_experts, minimum=1, maximum=_constants.MAX_EXPERTS)
+    if num_experts % num_ranks:
+        raise ValueError(f"{where}: num_experts must be a multiple of num_ranks={num_ranks}, got {num_experts}")
+
+
+def check_timeout(where: str, timeout_us) -> None:
+    check_int(where, "timeout_us", timeout_us, minimum=_constants.TIMEOUT_FOREVER)
+
+
+def check_flags(where: str, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False,
+                 async_finish: bool = False, return_recv_hook: bool = False) -> None:
+    if async_finish and return_recv_hook:
+        raise ValueError(f"{where}: async_finish and return_recv_hook are exclusive")
+    if use_ue8m0 and not (use_fp8 and round_scale):
+        raise ValueError(f"{where}: use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 stores "
+                         f"power-of-two scales)")
+    if round_scale and not use_fp8:
+        raise ValueError(f"{where}: round_scale=True needs use_fp8=True")
+
+
+def check_array(where: str, name: str, view: ArrayView, *, dtypes: tuple[str, ...], ndim: int | None = None,
+                 shape: tuple[int, ...] | None = None, like: ArrayView | None = None) -> None:
+    if view.dtype not in dtypes and not is_raw_bits(view, dtypes):
+        raise TypeError(f"{where}: {name} must be {' or '.join(dtypes)}, got {view.dtype}")
+    if shape is not None and tuple(view.shape) != tuple(shape):
+        raise ValueError(f"{where}: {name} must have shape {tuple(shape)}, got {tuple(view.shape)}")
+    if ndim is not None and view.ndim != ndim:
+        raise ValueError(f"{where}: {name} must be {ndim}-dimensional, got shape {tuple(view.shape)}")
+    if not view.is_contiguous:
+        raise ValueError(f"{where}: {name} must be contiguous (row-major), got strides {view.strides}; "
+                         f"pass a contiguous copy")
+    if like is not None and (view.device_type, view.device_id) != (like.device_type, like.device_id):
+        raise TypeError(f"{where}: {name} is on {view.device_type}:{view.device_id}, expected "
+                        f"{like.device_type}:{like.device_id} like the other arrays")
+
+
+# Frameworks without bf16/fp8 dtypes: their callers hold such arrays as unsigned ints of the same
+# width, the raw bits (frameworks/cupy.py), and those are accepted where bf16/fp8 is expected.
+RAW_BITS_FRAMEWORKS = ("cupy",)
+
+
+def is_raw_bits(view: ArrayView, dtypes: tuple[str, ...]) -> bool:
+    if view.framework not in RAW_BITS_FRAMEWORKS:
+        return False
+    raw_bits = frameworks.get(view.framework).RAW_BITS_DTYPES
+    return any(raw_bits.get(dtype) == view.dtype for dtype in dtypes)
+
+
+def check_expert_ids(where: str, topk_view: ArrayView, num_experts: int, num_max_tokens: int) -> None:
+    ids = topk_view.numpy()
+    bad = (ids < _constants.NO_EXPERT) | (ids >= num_experts)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{where}: topk_idx entries must be -1 or in [0, {num_experts}), got {int(ids[first])} "
+                         f"at {first}")
+    # recv_x holds num_ranks * T rows per expert, so each rank may send an expert at most T copies:
+    # always true when each token's experts are distinct, broken by a token naming one twice.
+    copies = np.bincount(ids[ids >= 0].astype(np.int64), minlength=num_experts)
+    if copies.max(initial=0) > num_max_tokens:
+        expert = int(np.argmax(copies))
+        raise ValueError(f"{where}: topk_idx sends {int(copies[expert])} copies to expert {expert}, more than "
+                         f"num_max_dispatch_tokens_per_rank={num_max_tokens} (recv_x has num_ranks * T rows per "
+                         f"expert); give each token distinct experts")
+
+
+def read_out(where: str, out, nested_fp8: bool, stream: int | None) -> list[tuple[ArrayView, Any]] | None:
+    """Read the arrays of a dispatch's ``out=`` (``None``: the call allocates its results)."""
+    if out is None:
+        return None
+    flat = list(out)
+    if nested_fp8:
+        if len(flat) != 2 or not isinstance(flat[0], (tuple, list)) or len(flat[0]) != 2:
+            raise TypeError(f"{where}: out must be ((recv_x, recv_scales), recv_count) with use_fp8")
+        flat = [flat[0][0], flat[0][1], flat[1]]
+    names = ("recv_x", "recv_scales", "recv_count") if nested_fp8 else ("recv_x", "recv_count")
+    if len(flat) != len(names):
+        raise TypeError(f"{where}: out must hold {len(names)} arrays ({', '.join(names)}), got {len(flat)}")
+    return [(read_array(obj, name=f"{where}: out {name}", stream=stream), obj) for obj, name in zip(flat, names)]
+
+
+def check_out(where: str, out_views, specs, like: ArrayView) -> None:
+    """Check ``out=`` arrays against the result specs (nothing to check when the call allocates)."""
+    if out_views is None:
+        return
+    for (view, _), (name, shape, dtype) in zip(out_views, specs):
+        check_array(where, f"out {name}", view, dtypes=(dtype,), shape=shape, like=like)
+
+
+# Frameworks whose arrays are immutable: results are built after the computation, never written
+# into later (no hook, no out=), and active_ranks is not updated in place.
+IMMUTABLE_FRAMEWORKS = ("jax",)
+
+
+def check_mutable(where: str, view: ArrayView, out, return_recv_hook: bool) -> None:
+    if view.framework not in IMMUTABLE_FRAMEWORKS:
+        return
+    if return_recv_hook or out is not None:
+        raise TypeError(f"{where}: {view.framework} arrays are immutable, so return_recv_hook=True and out= cannot "
+                        f"fill them later; call without them (or pass torch, cupy or numpy arrays)")
