@@ -51,11 +51,17 @@ def route(router, x, num_topk: int):
     return topk_idx.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
-def experts_apply(local_experts, recv_x):
-    """Each local expert's matrix on the rows it received: ``[E_l, rows, H]`` bf16 -> bf16."""
+def experts_apply(local_experts, recv_x, recv_count):
+    """Each local expert's matrix on the rows it received: ``[E_l, rows, H]`` bf16 -> bf16.
+
+    Rows past ``recv_count[e]`` hold whatever the workspace had (NaN included): they are zeroed on
+    the way in and out, or the experts' gradient (a sum over every row) would pick them up.
+    """
     import jax.numpy as jnp
 
-    return jnp.einsum("erh,ehk->erk", recv_x.astype(jnp.float32), local_experts).astype(jnp.bfloat16)
+    received = (jnp.arange(recv_x.shape[1])[None, :] < recv_count[:, None])[..., None]
+    x = jnp.where(received, recv_x.astype(jnp.float32), 0.0)
+    return jnp.where(received, jnp.einsum("erh,ehk->erk", x, local_experts), 0.0).astype(jnp.bfloat16)
 
 
 def moe_layer(buffer, grad_buffer, params_local, x, active, *, num_max_tokens: int, num_experts: int,
@@ -64,9 +70,9 @@ def moe_layer(buffer, grad_buffer, params_local, x, active, *, num_max_tokens: i
     import mooncake_ep.jax as epj
 
     topk_idx, weights = route(params_local["router"], x, num_topk)
-    recv_x, _, handle, active = epj.dispatch(buffer, x, topk_idx, active, num_max_tokens, num_experts,
-                                             use_fp8=False)
-    y = experts_apply(params_local["experts"], recv_x)
+    recv_x, recv_count, handle, active = epj.dispatch(buffer, x, topk_idx, active, num_max_tokens, num_experts,
+                                                      use_fp8=False)
+    y = experts_apply(params_local["experts"], recv_x, recv_count)
     return epj.combine(buffer, y, topk_idx, weights, active, handle, grad_buffer=grad_buffer)
 
 
@@ -158,9 +164,9 @@ def run_split(device, num_ranks: int, params, tokens, *, num_max_tokens: int, nu
         sent = [epj.dispatch_send(buffers[r], xs[r], routes[r][0], actives[r], num_max_tokens, num_experts,
                                   use_fp8=False) for r in range(num_ranks)]
         received = epj.dispatch_recv(sent)
-        sent = [epj.combine_send(buffers[r], experts_apply(params["experts"][r * num_local:(r + 1) * num_local], recv),
-                                 routes[r][0], routes[r][1], active, handle)
-                for r, (recv, _, handle, active) in enumerate(received)]
+        sent = [epj.combine_send(buffers[r], experts_apply(params["experts"][r * num_local:(r + 1) * num_local], recv,
+                                                           count), routes[r][0], routes[r][1], active, handle)
+                for r, (recv, count, handle, active) in enumerate(received)]
         return jnp.concatenate([out for out, _ in epj.combine_recv(sent)])
 
     with jax.default_device(device):

@@ -120,6 +120,7 @@ class CudaBackend:
         self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id)
         self._ipc = ipc_transport.IpcTransport(group, self.workspace) if self.transport == "ipc" else None
         self._layouts: dict[tuple[int, int, int], tuple[layout.WorkspaceLayout, int]] = {}
+        self._pending_layouts: list[tuple[int, bytes]] = []  # (offset in layout_table, packed layout)
         # Configurations (T, hidden, num_experts) every member has agreed on (ipc). A replacement
         # adopts the survivors' at connect, so no rank checks one that the others skip.
         self._agreed: set[tuple[int, int, int]] = set()
@@ -205,8 +206,8 @@ class CudaBackend:
         """The layout of a configuration and the device address of its packed copy.
 
         Note:
-            The first call of a configuration uploads it (a synchronous copy: make it before any
-            graph capture). With ``ipc`` it is also a collective: every rank checks that every
+            The first call of a configuration computes it; the next launch writes it ahead of
+            itself on its stream (:meth:`upload_layouts`). With ``ipc`` it is also a collective: every rank checks that every
             rank uses the same (T, hidden, num_experts) and raises ValueError otherwise, because
             a kernel finds a region of a peer's workspace at its own offset. In-process ranks are
             one program and skip it. The trade-off: a configuration first used after a rank died
@@ -227,15 +228,40 @@ class CudaBackend:
             raise ValueError(f"Buffer: more than {MAX_LAYOUTS} distinct (T, hidden, num_experts) configurations")
         workspace_layout = layout.compute_layout(self.group.world_size, num_experts, num_max_tokens, hidden)
         offset = len(self._layouts) * layout.LAYOUT_SLOT_BYTES
-        # A synchronous copy, once per configuration: call each shape once before capturing a graph.
-        self.layout_table.write(offset, workspace_layout.pack())
+        # Written by the next launch, on its stream (see upload_layouts), never here: a synchronous
+        # copy inside a call waits behind the kernels of in-process peers that wait for this rank.
+        self._pending_layouts.append((offset, workspace_layout.pack()))
         self._layouts[key] = (workspace_layout, self.layout_table.ptr + offset)
         return self._layouts[key]
+
+    def upload_layouts(self, stream_ptr: int | None) -> None:
+        """Write the configurations' layouts that :meth:`layout_for` made since the last upload.
+
+        Args:
+            stream_ptr: the stream of the launch about to read them: the copies go there, ahead of
+                it, and the host does not wait. Inside a graph capture they are recorded into the
+                graph and stay pending, so an eager launch after the capture copies them too.
+                ``None``: copy synchronously now (outside any call and recording, e.g. at JAX
+                trace time).
+        """
+        import cupy
+
+        if stream_ptr is None:
+            for offset, packed in self._pending_layouts:
+                self.layout_table.write(offset, packed)
+            self._pending_layouts.clear()
+            return
+        for offset, packed in self._pending_layouts:
+            self.layout_table.write_on_stream(offset, packed, stream_ptr)
+        if not cupy.cuda.runtime.streamIsCapturing(stream_ptr):
+            self._pending_layouts.clear()
 
     def launch_dispatch(self, phases: int, parity: int, layout_ptr: int, *, x_ptr: int, num_tokens: int,
                         topk_ptr: int, topk_is_int64: bool, num_topk: int, active_ptr: int, recv_x_ptr: int,
                         recv_scales_ptr: int, recv_count_ptr: int, timeout_ns: int, use_fp8: bool,
                         round_scale: bool, use_ue8m0: bool, stream_ptr: int) -> None:
+        if self._pending_layouts:
+            self.upload_layouts(stream_ptr)
         launcher = self.launchers[kernels.dispatch_launcher_name(use_fp8, round_scale, use_ue8m0)]
         launcher(self.num_sms, (phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, x_ptr, num_tokens,
                                 topk_ptr, topk_is_int64, num_topk, active_ptr, recv_x_ptr, recv_scales_ptr,
@@ -245,6 +271,8 @@ class CudaBackend:
                        num_tokens: int, topk_ptr: int, topk_is_int64: bool, num_topk: int, weights_ptr: int,
                        active_ptr: int, combined_ptr: int, renormalize: bool, timeout_ns: int,
                        stream_ptr: int) -> None:
+        if self._pending_layouts:
+            self.upload_layouts(stream_ptr)
         self.launchers["combine"](self.num_sms, (
             phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, expert_out_ptr,
             self._combine_source(zero_copy), num_tokens, topk_ptr, topk_is_int64, num_topk, weights_ptr, active_ptr,

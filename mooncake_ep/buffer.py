@@ -200,12 +200,14 @@ class Buffer:
     def _prepare(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Put a configuration's layout on the device now (see ``CudaBackend.layout_for``).
 
-        :meth:`dispatch` does this on first use; code that records its launches (the JAX ops, whose
-        ``buffer_callback`` may run inside an XLA command-buffer recording) calls it beforehand, at
-        trace time, where a synchronous copy (and, with ``ipc``, the configuration check) may run.
+        :meth:`dispatch` has it copied by its first launch, on the launch stream; code that records
+        its launches (the JAX ops, whose ``buffer_callback`` may run inside an XLA command-buffer
+        recording) calls this beforehand, at trace time, where a synchronous copy (and, with ``ipc``,
+        the configuration check) may run.
         """
         if self._cuda is not None:
             self._cuda.layout_for(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            self._cuda.upload_layouts(None)
 
     # --- sizing ---------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import weakref
 import pytest
 
 import mooncake_ep as ep
-from mooncake_ep import _constants, _cuda_backend, layout
+from mooncake_ep import _constants, _cuda_backend, kernels, layout
 from mooncake_ep._cuda_backend import CudaBackend
 from mooncake_ep.group import GroupError
 
@@ -42,6 +42,10 @@ class HostWorkspace:
         return bytes(self.memory[offset:offset + num_bytes])
 
     peek = read  # on the host there is no device to synchronise
+
+    def write_on_stream(self, offset: int, data: bytes, stream_ptr: int) -> None:
+        self.log.append(f"write {self.name} on stream {stream_ptr:#x}")
+        self.write(offset, data)
 
     def free(self) -> None:
         self.log.append(f"free {self.name}")
@@ -108,7 +112,7 @@ def stub_backend(group, log: list, transport=None, workspace_fill: int = 0) -> C
     backend.layout_table = HostWorkspace(_cuda_backend.MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, log, "layout table")
     backend._ipc = transport
     backend.transport = "local" if transport is None else "ipc"
-    backend._layouts, backend._agreed = {}, set()
+    backend._layouts, backend._agreed, backend._pending_layouts = {}, set(), []
     backend._connected, backend._destroyed = False, False
     backend._finalizer = weakref.finalize(backend, lambda: None)
     backend._synchronize = lambda: log.append("synchronize")
@@ -223,8 +227,34 @@ def test_in_process_ranks_make_no_collective_for_a_configuration():
     backend = stub_backend(NoCollectives([]), [])
     workspace_layout, address = backend.layout_for(4, 128, 8)
     assert workspace_layout.num_bytes == layout.compute_layout(2, 8, 4, 128).num_bytes
+    backend.upload_layouts(None)
     assert backend.layout_table.read(0, layout.LAYOUT_SLOT_BYTES)[:len(workspace_layout.pack())] == \
         workspace_layout.pack()
+
+
+def test_a_new_configuration_is_written_by_the_next_launch_on_its_stream(monkeypatch):
+    """Never by a synchronous copy inside the call: that can wait behind in-process peers' kernels
+    that wait for this rank (seen on the H200: six of eight ranks stuck in the copy until timeout)."""
+    import cupy
+
+    log: list = []
+    backend = stub_backend(RecordingGroup(log), log)
+    backend.num_sms = 4
+    backend.launchers = {kernels.dispatch_launcher_name(False, False, False):
+                         lambda num_blocks, args, stream: log.append(f"launch on {stream:#x}")}
+    capturing = [True, False]
+    monkeypatch.setattr(cupy.cuda.runtime, "streamIsCapturing", lambda stream: capturing.pop(0))
+    workspace_layout, layout_ptr = backend.layout_for(4, 128, 8)
+    assert log == [] and backend.layout_table.read(0, 8) == bytes(8), "nothing is copied inside layout_for"
+    arguments = dict(x_ptr=1, num_tokens=1, topk_ptr=2, topk_is_int64=True, num_topk=1, active_ptr=3, recv_x_ptr=4,
+                     recv_scales_ptr=0, recv_count_ptr=5, timeout_ns=-1, use_fp8=False, round_scale=False,
+                     use_ue8m0=False)
+    backend.launch_dispatch(3, 0, layout_ptr, stream_ptr=0xA0, **arguments)  # inside a capture: stays pending
+    backend.launch_dispatch(3, 0, layout_ptr, stream_ptr=0xB0, **arguments)
+    backend.launch_dispatch(3, 0, layout_ptr, stream_ptr=0xB0, **arguments)
+    assert log == ["write layout table on stream 0xa0", "launch on 0xa0", "write layout table on stream 0xb0",
+                   "launch on 0xb0", "launch on 0xb0"]
+    assert backend.layout_table.read(0, len(workspace_layout.pack())) == workspace_layout.pack()
 
 
 def test_a_replacement_in_the_same_process_also_adopts_the_survivors_steps():

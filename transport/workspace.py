@@ -58,6 +58,7 @@ class DeviceWorkspace:
 
         self.num_bytes = int(num_bytes)
         self.device_id = int(device_id)
+        self._staged: list = []  # pinned host copies of write_on_stream, kept for their copies and graphs
         with cupy.cuda.Device(self.device_id):
             try:
                 self.ptr = int(cupy.cuda.runtime.malloc(self.num_bytes))
@@ -81,6 +82,24 @@ class DeviceWorkspace:
             cupy.cuda.runtime.memcpy(self.ptr + offset, ctypes.addressof(buffer), len(data),
                                      cupy.cuda.runtime.memcpyHostToDevice)
             _settle_legacy_stream()
+
+    def write_on_stream(self, offset: int, data: bytes, stream_ptr: int) -> None:
+        """Copy host bytes to ``ptr + offset`` in the order of ``stream_ptr`` (cudaMemcpyAsync).
+
+        For writes inside a call: the host never waits, where a synchronous copy can wait behind
+        kernels of in-process peers that wait for this very rank. The bytes are staged in pinned
+        memory the workspace keeps (the copy may also be recorded into a CUDA graph and replayed).
+        """
+        import ctypes
+
+        import cupy
+
+        staged = cupy.cuda.alloc_pinned_memory(len(data))
+        ctypes.memmove(staged.ptr, data, len(data))
+        self._staged.append(staged)
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.runtime.memcpyAsync(self.ptr + offset, staged.ptr, len(data),
+                                          cupy.cuda.runtime.memcpyHostToDevice, stream_ptr)
 
     def read(self, offset: int, num_bytes: int) -> bytes:
         """Copy ``num_bytes`` at ``ptr + offset`` to the host (synchronously; for tests and tools)."""
