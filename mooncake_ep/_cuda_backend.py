@@ -117,7 +117,7 @@ class CudaBackend:
         self.sys_scope = not (all_on_one_device and in_process)
         self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache, self.sys_scope)
         self.workspace = DeviceWorkspace(num_ep_buffer_bytes, device_id)
-        self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id)
+        self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id, host_mirror=True)
         self._ipc = ipc_transport.IpcTransport(group, self.workspace) if self.transport == "ipc" else None
         self._layouts: dict[tuple[int, int, int], tuple[layout.WorkspaceLayout, int]] = {}
         self._pending_layouts: list[tuple[int, bytes]] = []  # (offset in layout_table, packed layout)

@@ -194,6 +194,25 @@ def settle(group) -> None:
     group.barrier()
 
 
+def ready(group) -> None:
+    """Before a rank's first collective call: grow torch's and cupy's pools, then settle.
+
+    In-process ranks share the GPU, and what synchronises the device (cudaMalloc of a growing pool,
+    pinned allocations such as Gate's, module loads) waits, inside one rank's call, behind peers'
+    kernels that wait for that rank: they time out and mask it. So the calls' allocations must find
+    their memory cached on this rank's stream, and everything else happen before the barrier.
+    """
+    import cupy
+
+    # Large blocks (> 1 MB) come from one cached segment; torch serves smaller ones from 2 MB
+    # segments of its small pool, so several of those are cached too.
+    blocks = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda")]
+    blocks += [torch.empty(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(16)]
+    pooled = cupy.empty(64 << 20, dtype=cupy.uint8)
+    del blocks, pooled
+    settle(group)
+
+
 def local_group(case: Case) -> ep.LocalGroup:
     return ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks, timeout_s=120)
 
@@ -232,6 +251,7 @@ def test_torch_calls_wait_for_the_callers_stream_and_do_not_block_the_host(flag_
         fresh_x, topk, w = to_torch(xs[r]), to_torch(topks[r]), to_torch(weights[r])
         x = torch.full_like(fresh_x, float("nan"))
         active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        ready(g)
         # Warm-up: the configuration's layout goes to the device on first use (a host copy).
         _, _, handle, _, _ = buffer.dispatch(fresh_x, topk, active, case.num_max_tokens, case.num_experts,
                                              timeout_us=TIMEOUT_US, **flags)
@@ -377,6 +397,7 @@ def test_cupy_arrays_in_and_out_on_cupys_stream(flag_id):
         x = cupy.full(fresh_x.shape, 0x7FC0, cupy.uint16)  # bf16 NaN
         topk, w = cupy.asarray(topks[r]), cupy.asarray(weights[r])
         active = cupy.ones(case.num_ranks, cupy.int32)
+        ready(g)
         buffer.dispatch(fresh_x, topk, active, case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US, **flags)
         stream.synchronize()
         g.barrier()
@@ -420,6 +441,7 @@ def test_cupy_zero_copy_combine():
         buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS)
         topk, w = cupy.asarray(topks[r]), cupy.asarray(weights[r])
         active = cupy.ones(case.num_ranks, cupy.int32)
+        ready(g)
         recv, count, handle, _, _ = buffer.dispatch(cupy.asarray(xs[r].view(np.uint16)), topk, active,
                                                     case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US,
                                                     use_fp8=False)
@@ -726,6 +748,7 @@ def test_torch_dispatch_jax_experts_torch_combine():
         buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS)
         x, topk, w = to_torch(xs[r]), to_torch(topks[r]), to_torch(weights[r])
         active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        ready(g)
         recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
                                                     timeout_us=TIMEOUT_US, **flags)
         settle(g)

@@ -46,6 +46,7 @@ class DeviceWorkspace:
     Args:
         num_bytes: size of the allocation.
         device_id: the CUDA device.
+        host_mirror: also pin ``num_bytes`` of host memory, for :meth:`write_on_stream`.
 
     Note:
         A workspace dropped without :meth:`free` is freed when it is garbage-collected (not at
@@ -53,12 +54,13 @@ class DeviceWorkspace:
         be freed while another process still maps it: the transports decide when that is.
     """
 
-    def __init__(self, num_bytes: int, device_id: int):
+    def __init__(self, num_bytes: int, device_id: int, *, host_mirror: bool = False):
         import cupy
 
         self.num_bytes = int(num_bytes)
         self.device_id = int(device_id)
-        self._staged: list = []  # pinned host copies of write_on_stream, kept for their copies and graphs
+        # Pinned host memory for write_on_stream, allocated now: page-locking synchronises the device.
+        self._mirror = cupy.cuda.alloc_pinned_memory(self.num_bytes) if host_mirror else None
         with cupy.cuda.Device(self.device_id):
             try:
                 self.ptr = int(cupy.cuda.runtime.malloc(self.num_bytes))
@@ -86,19 +88,23 @@ class DeviceWorkspace:
     def write_on_stream(self, offset: int, data: bytes, stream_ptr: int) -> None:
         """Copy host bytes to ``ptr + offset`` in the order of ``stream_ptr`` (cudaMemcpyAsync).
 
-        For writes inside a call: the host never waits, where a synchronous copy can wait behind
-        kernels of in-process peers that wait for this very rank. The bytes are staged in pinned
-        memory the workspace keeps (the copy may also be recorded into a CUDA graph and replayed).
+        For writes inside a call: the host never waits, where a synchronous copy, or a pinned
+        allocation, can wait behind kernels of in-process peers that wait for this very rank. The
+        bytes go through the pinned mirror allocated at construction (``host_mirror=True``); keep
+        the bytes at an offset unchanged once written, as a CUDA graph may have recorded the copy.
+
+        Raises:
+            RuntimeError: the workspace was built without a host mirror.
         """
         import ctypes
 
         import cupy
 
-        staged = cupy.cuda.alloc_pinned_memory(len(data))
-        ctypes.memmove(staged.ptr, data, len(data))
-        self._staged.append(staged)
+        if self._mirror is None:
+            raise RuntimeError("DeviceWorkspace.write_on_stream needs a workspace built with host_mirror=True")
+        ctypes.memmove(self._mirror.ptr + offset, data, len(data))
         with cupy.cuda.Device(self.device_id):
-            cupy.cuda.runtime.memcpyAsync(self.ptr + offset, staged.ptr, len(data),
+            cupy.cuda.runtime.memcpyAsync(self.ptr + offset, self._mirror.ptr + offset, len(data),
                                           cupy.cuda.runtime.memcpyHostToDevice, stream_ptr)
 
     def read(self, offset: int, num_bytes: int) -> bytes:
