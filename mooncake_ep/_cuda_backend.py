@@ -270,18 +270,26 @@ class CudaBackend:
     def launch_combine(self, phases: int, parity: int, layout_ptr: int, *, expert_out_ptr: int, zero_copy: bool,
                        num_tokens: int, topk_ptr: int, topk_is_int64: bool, num_topk: int, weights_ptr: int,
                        active_ptr: int, combined_ptr: int, renormalize: bool, timeout_ns: int,
-                       stream_ptr: int) -> None:
+                       stream_ptr: int, direct_reads: bool = True) -> None:
+        """Launch the combine kernel. ``direct_reads=False`` copies the expert outputs into the
+        workspace even where peers could read them in place (see :meth:`_combine_source`)."""
         if self._pending_layouts:
             self.upload_layouts(stream_ptr)
         self.launchers["combine"](self.num_sms, (
             phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, expert_out_ptr,
-            self._combine_source(zero_copy), num_tokens, topk_ptr, topk_is_int64, num_topk, weights_ptr, active_ptr,
+            self._combine_source(zero_copy, direct_reads), num_tokens, topk_ptr, topk_is_int64, num_topk, weights_ptr, active_ptr,
             combined_ptr, renormalize, timeout_ns), stream_ptr)
 
-    def _combine_source(self, zero_copy: bool) -> int:
+    def _combine_source(self, zero_copy: bool, direct_reads: bool) -> int:
+        """Where token owners read this rank's expert outputs (kSource* in ll_combine.cu).
+
+        Direct reads make the receive half wait until every owner has read: right for ranks whose
+        receive halves run at once, a deadlock for receive halves queued one after another on one
+        stream (the JAX split form), which therefore asks for the copy.
+        """
         if zero_copy:
             return SOURCE_WORKSPACE
-        return SOURCE_DIRECT if self.direct_peer_reads else SOURCE_COPY
+        return SOURCE_DIRECT if self.direct_peer_reads and direct_reads else SOURCE_COPY
 
     # --- streams and events -------------------------------------------------------------------
 

@@ -113,11 +113,14 @@ class Buffer:
         each (T, hidden, num_experts) is a collective as well, checking that every rank uses the
         same one (see ``CudaBackend.layout_for``).
 
-        In-process ranks sharing one GPU: a device allocation (a framework growing its memory pool,
-        or dispatch/combine allocating results when ``out=`` is not given) can wait behind kernels
-        that are themselves waiting for the allocating rank, until ``timeout_us`` masks it. Allocate
-        ahead (``out=``, a warmed pool) or capture the step in a graph; separate processes do not
-        share this hazard.
+        In-process ranks sharing one GPU: whatever synchronises the device (cudaMalloc of a
+        framework growing its memory pool, or dispatch/combine allocating results when ``out=`` is
+        not given; pinned host allocations; module loads) waits, on one rank's thread, behind peers'
+        kernels that are themselves waiting for that rank, until ``timeout_us`` masks it. Allocate
+        ahead (``out=``, a warmed pool) and keep such calls between steps, or capture the step in a
+        graph; separate processes do not share this hazard. The calls themselves make none: a new
+        configuration's layout is copied ahead of the launch on its stream, from pinned memory
+        allocated at construction.
     """
 
     def __init__(self, group, num_ep_buffer_bytes: int, *, num_sms: int | None = None, backend: str = "auto",
@@ -527,19 +530,22 @@ class Buffer:
     def _combine_launcher(self, x_view: ArrayView | None, topk_view: ArrayView, weights_view: ArrayView,
                           active_view: ArrayView, combined_view, *, parity: int, num_max_dispatch_tokens_per_rank: int,
                           hidden: int, num_experts: int, zero_copy: bool, renormalize: bool,
-                          timeout_us: int) -> Callable[[int, int], None]:
+                          timeout_us: int, direct_reads: bool = True) -> Callable[[int, int], None]:
         """The kernel launch of one checked combine, as ``launch(phases, stream_ptr)``.
 
         The one way to the combine kernels, for :meth:`combine` and the JAX ops; like
         :meth:`_dispatch_launcher` it reads no host state and allocates nothing. ``parity`` is the
         parity of the dispatch whose routing this combine answers; ``x_view`` is None with zero_copy.
+        ``direct_reads=False``: peers never read ``x_view`` in place (both halves of a combine must
+        agree; the JAX split form, whose receive halves share one stream, needs it).
         """
         cuda = self._cuda
         _, layout_ptr = cuda.layout_for(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         common = dict(expert_out_ptr=0 if zero_copy else x_view.ptr, zero_copy=zero_copy,
                       num_tokens=topk_view.shape[0], topk_ptr=topk_view.ptr, topk_is_int64=topk_view.dtype == "int64",
                       num_topk=topk_view.shape[1], weights_ptr=weights_view.ptr, active_ptr=active_view.ptr,
-                      combined_ptr=combined_view.ptr, renormalize=renormalize, timeout_ns=_timeout_ns(timeout_us))
+                      combined_ptr=combined_view.ptr, renormalize=renormalize, timeout_ns=_timeout_ns(timeout_us),
+                      direct_reads=direct_reads)
         return lambda phases, stream: cuda.launch_combine(phases, parity, layout_ptr, stream_ptr=stream, **common)
 
     def get_next_combine_buffer(self, handle: Handle):

@@ -46,6 +46,9 @@ class RecordingCuda:
     def layout_for(self, num_max_tokens, hidden, num_experts):
         return layout.compute_layout(R, num_experts, num_max_tokens, hidden), 0x1000
 
+    def upload_layouts(self, stream_ptr):
+        pass
+
     def launch_dispatch(self, phases, parity, layout_ptr, *, stream_ptr, **args):
         self.launches.append(Launch("dispatch", phases, parity, stream_ptr, args))
 

@@ -324,3 +324,15 @@ def test_garbage_collection_frees_nothing_while_ranks_of_this_process_may_run(ca
                                            HostWorkspace(8, log, "layout table"), True)
     assert log == ["abandon workspace", "abandon layout table"]  # nor may their own finalizers free them
     assert "stays allocated until the process ends" in caplog.text
+
+
+def test_combine_reads_in_place_only_where_asked_and_possible():
+    """Direct reads make a receive half wait for every reader: the JAX split form, whose receive
+    halves queue on one stream, asks for the copy (it hung on the H200 before it did)."""
+    backend = stub_backend(RecordingGroup([]), [])
+    backend.direct_peer_reads = True
+    assert backend._combine_source(zero_copy=False, direct_reads=True) == _cuda_backend.SOURCE_DIRECT
+    assert backend._combine_source(zero_copy=False, direct_reads=False) == _cuda_backend.SOURCE_COPY
+    assert backend._combine_source(zero_copy=True, direct_reads=True) == _cuda_backend.SOURCE_WORKSPACE
+    backend.direct_peer_reads = False  # ipc: peers cannot read the caller's memory
+    assert backend._combine_source(zero_copy=False, direct_reads=True) == _cuda_backend.SOURCE_COPY

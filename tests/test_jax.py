@@ -581,6 +581,9 @@ class RecordingCuda:
         self.layouts.append((num_max_tokens, hidden, num_experts))
         return layout.compute_layout(self.num_ranks, num_experts, num_max_tokens, hidden), 0x1000
 
+    def upload_layouts(self, stream_ptr):
+        self.layouts.append(("uploaded", stream_ptr))
+
     def launch_dispatch(self, phases, parity, layout_ptr, *, stream_ptr, **args):
         self.launches.append(("dispatch", phases, parity, stream_ptr, args))
 
@@ -616,7 +619,8 @@ def test_the_callback_launches_on_xlas_stream_with_the_static_parity():
     config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), x, topk, active, T, E, timeout_us=250,
                                             use_fp8=True, round_scale=False, use_ue8m0=False, parity=1,
                                             command_buffer_compatible=True)
-    assert cuda.layouts == [(T, H, E)], "the layout is uploaded at trace time, before any recording"
+    assert cuda.layouts == [(T, H, E), ("uploaded", None)], \
+        "the layout is uploaded at trace time (synchronously), before any recording"
     assert [(name, shape) for name, shape, _ in specs] == [("recv_x", (2, T, H)), ("recv_scales", (2, T, H // 128)),
                                                           ("recv_count", (2,))]
     outs = [device_array(np.zeros(shape, dtype)) for _, shape, dtype in
@@ -662,6 +666,25 @@ def test_the_split_callbacks_launch_one_half_each():
     jax_split._DispatchRecvCallback("test", config, 0, (0,))(FakeContext(), outs, ins[0], ins[1], sent)
     assert [(k, phases) for k, phases, _, _, _ in cuda.launches] == [("dispatch", 1), ("dispatch", 2)]
     assert cuda.launches[0][4]["active_ptr"] == sent.ptr and cuda.launches[1][4]["active_ptr"] == outs[-1].ptr
+    # The split combine never lets peers read the expert outputs in place: that makes a receive half
+    # wait until every peer has read, and the peers' receive halves queue behind it on this stream.
+    handle = jax_ops.Handle(config, (outs[-2],))
+    y = np.ones((E, T, case.hidden), BF16)
+    weights = case.weights[0]
+    combine_config, _ = jax_ops.combine_config(
+        "test", jax_args.Ranks(buffer), jax.ShapeDtypeStruct(y.shape, y.dtype), topk,
+        jax.ShapeDtypeStruct(weights.shape, weights.dtype), active, handle,
+        timeout_us=-1, renormalize=False, command_buffer_compatible=True)
+    combine_ins = [device_array(a) for a in (y, case.topks[0], weights, case.actives[0])] + [outs[-2]]
+    combined = device_array(np.zeros((case.xs[0].shape[0], case.hidden), BF16))
+    jax_ops._CombineCallback("test", combine_config, jax_ops.SEND, direct_reads=False)(
+        FakeContext(), [sent], *combine_ins)
+    jax_split._CombineRecvCallback("test", combine_config, 0, (len(combine_ins),), (0,))(
+        FakeContext(), [combined, sent], *combine_ins)
+    jax_ops._CombineCallback("test", combine_config, jax_ops.SEND | jax_ops.RECV)(
+        FakeContext(), [combined, sent], *combine_ins)
+    combines = [(phases, args["direct_reads"]) for k, phases, _, _, args in cuda.launches if k == "combine"]
+    assert combines == [(1, False), (2, False), (3, True)]
     # The fused op refuses several ranks on one GPU (one XLA stream) and names the split form.
     # (Under jit: traced arrays have no device yet, so this is the first refusal.)
     with pytest.raises(ValueError, match=r"4 ranks of this Buffer's group share cuda:0.*use the split form"):

@@ -419,6 +419,9 @@ class _CombineCallback:
     where: str
     config: CombineConfig
     phases: int
+    # False in the split form: its receive halves queue on one stream, where the wait of direct
+    # reads (every owner must have read before a receive half ends) would never end.
+    direct_reads: bool = True
 
     def __call__(self, ctx, outs, x, topk_idx, topk_weights, active_ranks, *handle_arrays) -> None:
         if not _executes(ctx):
@@ -437,7 +440,8 @@ class _CombineCallback:
                                               parity=d.parity,
                                               num_max_dispatch_tokens_per_rank=d.num_max_dispatch_tokens_per_rank,
                                               hidden=d.hidden, num_experts=d.num_experts, zero_copy=False,
-                                              renormalize=c.renormalize, timeout_us=c.timeout_us)
+                                              renormalize=c.renormalize, timeout_us=c.timeout_us,
+                                              direct_reads=self.direct_reads)
             # Both halves in one launch when both are asked, as Buffer's synchronous calls do.
             launch(self.phases, _stream(ctx))
             return

@@ -153,7 +153,7 @@ def combine_send(where: str, buffer: Buffer, x, topk_idx, topk_weights, active_r
     config, _ = combine_config(where, ranks, x, topk_idx, topk_weights, active_ranks, handle, **options)
     if config.dispatch.backend == "reference":
         return PendingCombine(config, (x, topk_idx, topk_weights, active_ranks, *handle.arrays))
-    (sent,) = _call(where, _CombineCallback(where, config, SEND), [("active_ranks", active_ranks.shape, "int32")],
+    (sent,) = _call(where, _CombineCallback(where, config, SEND, direct_reads=False), [("active_ranks", active_ranks.shape, "int32")],
                     [x, topk_idx, topk_weights, active_ranks, *handle.arrays], {3: 0},
                     config.command_buffer_compatible)
     return PendingCombine(config, (x, topk_idx, topk_weights, varying_like(sent, active_ranks), *handle.arrays))
@@ -210,7 +210,8 @@ class _CombineRecvCallback:
             buffer._combine_launcher(x_view, topk_view, weights_view, active_view, combined_view, parity=d.parity,
                                      num_max_dispatch_tokens_per_rank=d.num_max_dispatch_tokens_per_rank,
                                      hidden=d.hidden, num_experts=d.num_experts, zero_copy=False,
-                                     renormalize=c.renormalize, timeout_us=c.timeout_us)(RECV, _stream(ctx))
+                                     renormalize=c.renormalize, timeout_us=c.timeout_us,
+                                     direct_reads=False)(RECV, _stream(ctx))
             return
         outs_by_rank, results, actives = [None] * d.num_ranks, [None] * d.num_ranks, \
             [np.ones(d.num_ranks, np.int32)] * d.num_ranks
