@@ -207,10 +207,10 @@ class CudaBackend:
 
         Note:
             The first call of a configuration computes it; the next launch writes it ahead of
-            itself on its stream (:meth:`upload_layouts`). With ``ipc`` it is also a collective: every rank checks that every
-            rank uses the same (T, hidden, num_experts) and raises ValueError otherwise, because
-            a kernel finds a region of a peer's workspace at its own offset. In-process ranks are
-            one program and skip it. The trade-off: a configuration first used after a rank died
+            itself on its stream (:meth:`upload_layouts`). With ``ipc`` it is also a collective:
+            every rank checks that every rank uses the same (T, hidden, num_experts) and raises
+            ValueError otherwise, because a kernel finds a region of a peer's workspace at its own
+            offset. In-process ranks are one program and skip it. The trade-off: a configuration first used after a rank died
             waits for the group's timeout and raises GroupError instead of masking that rank, and
             a rank calling a configuration it already used while a peer calls a new one is not
             caught here (that peer waits in the check; use one sequence of calls on every rank).
@@ -277,8 +277,8 @@ class CudaBackend:
             self.upload_layouts(stream_ptr)
         self.launchers["combine"](self.num_sms, (
             phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, expert_out_ptr,
-            self._combine_source(zero_copy, direct_reads), num_tokens, topk_ptr, topk_is_int64, num_topk, weights_ptr, active_ptr,
-            combined_ptr, renormalize, timeout_ns), stream_ptr)
+            self._combine_source(zero_copy, direct_reads), num_tokens, topk_ptr, topk_is_int64, num_topk, weights_ptr,
+            active_ptr, combined_ptr, renormalize, timeout_ns), stream_ptr)
 
     def _combine_source(self, zero_copy: bool, direct_reads: bool) -> int:
         """Where token owners read this rank's expert outputs (kSource* in ll_combine.cu).

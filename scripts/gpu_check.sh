@@ -70,7 +70,8 @@ if has tests; then
   # past --timeout gets its threads' stacks dumped (thread method: works while C code holds the GIL).
   # Failures are appended to pytest_failures.log as they happen (tests/conftest.py).
   export MOONCAKE_EP_FAILURE_LOG="$out/pytest_failures.log"
-  files="${PYTEST_FILES:-test_gpu_low_latency test_gpu_faults test_gpu_ipc test_gpu_frameworks test_examples test_bench test_cli}"
+  default_files="test_gpu_low_latency test_gpu_faults test_gpu_ipc test_gpu_frameworks test_examples test_bench test_cli"
+  files="${PYTEST_FILES:-$default_files}"
   for file in $files; do
     args=(-m gpu -q -p no:cacheprovider -p no:warnings --timeout "${PYTEST_TIMEOUT_S:-90}" --timeout-method thread
           --tb=short -rf --durations=5 --junitxml "$out/$file.xml")

@@ -153,7 +153,8 @@ def combine_send(where: str, buffer: Buffer, x, topk_idx, topk_weights, active_r
     config, _ = combine_config(where, ranks, x, topk_idx, topk_weights, active_ranks, handle, **options)
     if config.dispatch.backend == "reference":
         return PendingCombine(config, (x, topk_idx, topk_weights, active_ranks, *handle.arrays))
-    (sent,) = _call(where, _CombineCallback(where, config, SEND, direct_reads=False), [("active_ranks", active_ranks.shape, "int32")],
+    (sent,) = _call(where, _CombineCallback(where, config, SEND, direct_reads=False),
+                    [("active_ranks", active_ranks.shape, "int32")],
                     [x, topk_idx, topk_weights, active_ranks, *handle.arrays], {3: 0},
                     config.command_buffer_compatible)
     return PendingCombine(config, (x, topk_idx, topk_weights, varying_like(sent, active_ranks), *handle.arrays))
