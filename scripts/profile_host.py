@@ -212,9 +212,19 @@ def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dic
         dispatch_times.append(middle - start)
         combine_times.append(time.perf_counter() - middle)
     wait()
+    # How often the ops' Python callbacks still run per jitted step: each one builds a launch
+    # (Buffer._*_launcher). With command buffers replaying, it is ~0; every execution, 2.
+    launches = []
+    for name in ("_dispatch_launcher", "_combine_launcher"):
+        real = getattr(buffer, name)
+        setattr(buffer, name, lambda *a, _real=real, **k: launches.append(1) or _real(*a, **k))
+    jit = {"call_us_p50": p50_us(jit_call, args.calls), "step_us": step_us(jit_call, wait, args.steps)}
+    for name in ("_dispatch_launcher", "_combine_launcher"):
+        delattr(buffer, name)
+    jit["callbacks_per_step"] = len(launches) / (args.calls + args.steps)
     return {"eager": {"dispatch_us_p50": statistics.median(dispatch_times) * 1e6,
                       "combine_us_p50": statistics.median(combine_times) * 1e6},
-            "jit": {"call_us_p50": p50_us(jit_call, args.calls), "step_us": step_us(jit_call, wait, args.steps)}}
+            "jit": jit}
 
 
 REPORTS = {"torch": torch_report, "cupy": cupy_report, "jax": jax_report}
@@ -231,7 +241,8 @@ def summary(name: str, report: dict) -> list[str]:
                      f" eager step {report['eager_step_us']:6.1f} us")
     if "jit" in report:
         j = report["jit"]
-        lines.append(f"{name:>5}        jit: call {j['call_us_p50']:6.1f} us (host), step {j['step_us']:6.1f} us")
+        lines.append(f"{name:>5}        jit: call {j['call_us_p50']:6.1f} us (host), step {j['step_us']:6.1f} us, "
+                     f"{j['callbacks_per_step']:.2f} Python callbacks per step")
     return lines
 
 
