@@ -252,7 +252,7 @@ def test_torch_calls_wait_for_the_callers_stream_and_do_not_block_the_host(flag_
         x = torch.full_like(fresh_x, float("nan"))
         active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
         ready(g)
-        # Warm-up: the configuration's layout goes to the device on first use (a host copy).
+        # Warm-up: the first call of a configuration plans it and queues its layout copy.
         _, _, handle, _, _ = buffer.dispatch(fresh_x, topk, active, case.num_max_tokens, case.num_experts,
                                              timeout_us=TIMEOUT_US, **flags)
         warm_y = torch.zeros(case.num_local_experts, case.num_ranks * case.num_max_tokens, case.hidden,
