@@ -60,6 +60,26 @@ def step_us(call: Callable[[], object], wait: Callable[[], object], steps: int) 
     return (time.perf_counter() - start) / steps * 1e6
 
 
+def pair_p50_us(dispatch: Callable[[], object], combine: Callable[[], object], wait: Callable[[], object],
+                repeats: int) -> dict:
+    """Median host time of each call of ``repeats`` dispatch-then-combine pairs, in microseconds.
+
+    Pairs, because a dispatch's handle must be combined before the dispatch after next.
+    """
+    wait()
+    dispatch_times, combine_times = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dispatch()
+        middle = time.perf_counter()
+        combine()
+        dispatch_times.append(middle - start)
+        combine_times.append(time.perf_counter() - middle)
+    wait()
+    return {"dispatch_us_p50": statistics.median(dispatch_times) * 1e6,
+            "combine_us_p50": statistics.median(combine_times) * 1e6}
+
+
 class Shape:
     def __init__(self, args: argparse.Namespace):
         self.tokens, self.hidden, self.topk, self.experts = args.tokens, args.hidden, args.topk, args.experts
@@ -84,25 +104,10 @@ def eager_times(buffer: ep.Buffer, shape: Shape, arrays: dict, outs: dict, repea
             buffer.combine(arrays["expert_out"], arrays["topk"], arrays["weights"], arrays["active"],
                            handle=state["handle"], out=outs["combine"] if with_out else None)
 
-        def call_pair():
-            dispatch()
-            combine()
-
         for _ in range(50):
-            call_pair()
-        arrays["sync"]()
-        # Time each call of a pair: a dispatch's handle must be combined before the dispatch after next.
-        dispatch_times, combine_times = [], []
-        for _ in range(repeats):
-            start = time.perf_counter()
             dispatch()
-            middle = time.perf_counter()
             combine()
-            dispatch_times.append(middle - start)
-            combine_times.append(time.perf_counter() - middle)
-        arrays["sync"]()
-        report[key] = {"dispatch_us_p50": statistics.median(dispatch_times) * 1e6,
-                       "combine_us_p50": statistics.median(combine_times) * 1e6}
+        report[key] = pair_p50_us(dispatch, combine, arrays["sync"], repeats)
     return report
 
 
@@ -202,16 +207,7 @@ def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dic
         dispatch()
         combine()
         jit_call()
-    wait()
-    dispatch_times, combine_times = [], []
-    for _ in range(args.calls):
-        start = time.perf_counter()
-        dispatch()
-        middle = time.perf_counter()
-        combine()
-        dispatch_times.append(middle - start)
-        combine_times.append(time.perf_counter() - middle)
-    wait()
+    eager = pair_p50_us(dispatch, combine, wait, args.calls)
     # How often the ops' Python callbacks still run per jitted step: each one builds a launch
     # (Buffer._*_launcher). With command buffers replaying, it is ~0; every execution, 2.
     launches = []
@@ -222,9 +218,7 @@ def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dic
     for name in ("_dispatch_launcher", "_combine_launcher"):
         delattr(buffer, name)
     jit["callbacks_per_step"] = len(launches) / (args.calls + args.steps)
-    return {"eager": {"dispatch_us_p50": statistics.median(dispatch_times) * 1e6,
-                      "combine_us_p50": statistics.median(combine_times) * 1e6},
-            "jit": jit}
+    return {"eager": eager, "jit": jit}
 
 
 REPORTS = {"torch": torch_report, "cupy": cupy_report, "jax": jax_report}
