@@ -19,12 +19,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from _cases import BF16, Case, bits, make_case, reference_step  # one definition for both in-process tests
+
 import mooncake_ep as ep
 from mooncake_ep import reference
 from mooncake_ep.buffer import EventOverlap, Handle
 from mooncake_ep.tensor import read_array
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 # Seconds a collective waits in these tests: a call that communicated on one rank only fails fast.
 GROUP_TIMEOUT_S = 20.0
@@ -35,51 +36,6 @@ FP8_ROUND_FLAGS = dict(use_fp8=True, round_scale=True)
 UE8M0_FLAGS = dict(use_fp8=True, round_scale=True, use_ue8m0=True)
 ALL_FLAGS = [BF16_FLAGS, FP8_FLAGS, FP8_ROUND_FLAGS, UE8M0_FLAGS]
 FLAG_IDS = ["bf16", "fp8", "fp8-round", "fp8-ue8m0"]
-
-
-@dataclasses.dataclass
-class Case:
-    """Global inputs of one dispatch + combine step (per-rank lists)."""
-
-    num_ranks: int
-    num_max_tokens: int
-    hidden: int
-    num_experts: int
-    num_topk: int
-    xs: list[np.ndarray]
-    topk_idxs: list[np.ndarray]
-    weights: list[np.ndarray]
-    actives: list[np.ndarray]
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.num_experts // self.num_ranks
-
-    @property
-    def size_hint(self) -> int:
-        return ep.Buffer.get_ep_buffer_size_hint(self.num_max_tokens, self.hidden, self.num_ranks, self.num_experts)
-
-
-def make_case(seed: int, num_ranks: int = 2, num_max_tokens: int = 4, hidden: int = 256, num_experts: int = 4,
-              num_topk: int = 2, num_tokens: list[int] | None = None, actives: list[list[int]] | None = None,
-              topk_dtype=np.int64) -> Case:
-    rng = np.random.default_rng(seed)
-    if num_tokens is None:
-        num_tokens = list(rng.integers(0, num_max_tokens + 1, size=num_ranks))
-        num_tokens[0] = num_max_tokens  # full on one rank; others random (0 included)
-    xs, topk_idxs, weights = [], [], []
-    for rank, t in enumerate(num_tokens):
-        x = rng.standard_normal((t, hidden)).astype(np.float32)
-        x[:, 0], x[:, 1] = rank, np.arange(t)
-        xs.append(x.astype(BF16))
-        idx = np.array([rng.permutation(num_experts)[:num_topk] for _ in range(t)], np.int64).reshape(t, num_topk)
-        idx[rng.random(idx.shape) < 0.2] = -1
-        topk_idxs.append(idx.astype(topk_dtype))
-        weights.append(rng.uniform(-1, 1, size=(t, num_topk)).astype(np.float32))
-    if actives is None:
-        actives = [[1] * num_ranks for _ in range(num_ranks)]
-    actives = [np.array(a, np.int32) for a in actives]
-    return Case(num_ranks, num_max_tokens, hidden, num_experts, num_topk, xs, topk_idxs, weights, actives)
 
 
 def expert_fn(rank: int, recv_x: np.ndarray, recv_scales: np.ndarray | None, flags: dict) -> np.ndarray:
@@ -103,16 +59,9 @@ class Expected:
 
 
 def expected_step(case: Case, flags: dict, renormalize: bool = False) -> list[Expected]:
-    results = [reference.dispatch(r, case.xs, case.topk_idxs, case.actives, case.num_max_tokens, case.num_experts,
-                                  **flags) for r in range(case.num_ranks)]
-    outs = [expert_fn(r, res.recv_x, res.recv_scales, flags) for r, res in enumerate(results)]
-    masks = [res.active_ranks for res in results]  # the buffer writes them back; combine gets them
-    expected = []
-    for r, res in enumerate(results):
-        combined, mask = reference.combine(r, outs, results, case.topk_idxs[r], case.weights[r], masks,
-                                           renormalize=renormalize)
-        expected.append(Expected(res, combined, mask))
-    return expected
+    results, combined = reference_step(case, flags, lambda r, res, f: expert_fn(r, res.recv_x, res.recv_scales, f),
+                                       renormalize)
+    return [Expected(res, *rank_combined) for res, rank_combined in zip(results, combined)]
 
 
 # --- framework conversion ---------------------------------------------------------------------------
@@ -160,11 +109,6 @@ def framework_type(framework: str) -> type:
     import jax
 
     return jax.Array
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    """The raw bits of an array, so NaN poison and -0.0 compare exactly."""
-    return np.ascontiguousarray(a).view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
 def poisoned(shape, dtype) -> np.ndarray:

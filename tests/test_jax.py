@@ -12,12 +12,14 @@ one at a time, and the ranks' collectives must meet.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import ml_dtypes
 import numpy as np
 import pytest
+
+import _cases
+from _cases import BF16, Case, bits, reference_step  # one definition for both in-process tests
 
 import mooncake_ep as ep
 from mooncake_ep import reference
@@ -31,7 +33,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mooncake_ep.frameworks import jax_args, jax_ops  # noqa: E402
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 GROUP_TIMEOUT_S = 30.0
 FLAGS = {
     "bf16": dict(use_fp8=False),
@@ -48,43 +49,9 @@ def cpu_devices(n: int):
     return devices[:n]
 
 
-@dataclasses.dataclass
-class Case:
-    num_ranks: int
-    num_max_tokens: int
-    hidden: int
-    num_experts: int
-    num_topk: int
-    xs: list
-    topks: list
-    weights: list
-    actives: list
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.num_experts // self.num_ranks
-
-    @property
-    def size(self) -> int:
-        return ep.Buffer.get_ep_buffer_size_hint(self.num_max_tokens, self.hidden, self.num_ranks, self.num_experts)
-
-
-def make_case(seed: int, num_ranks: int = 2, num_max_tokens: int = 4, hidden: int = 256, num_experts: int = 4,
-              num_topk: int = 2, num_tokens=None, actives=None) -> Case:
-    rng = np.random.default_rng(seed)
-    if num_tokens is None:
-        num_tokens = [num_max_tokens] + list(rng.integers(0, num_max_tokens + 1, size=num_ranks - 1))
-    xs, topks, weights = [], [], []
-    for rank, t in enumerate(num_tokens):
-        x = rng.standard_normal((t, hidden)).astype(np.float32)
-        x[:, 0], x[:, 1] = rank, np.arange(t)
-        xs.append(x.astype(BF16))
-        idx = np.array([rng.permutation(num_experts)[:num_topk] for _ in range(t)], np.int32).reshape(t, num_topk)
-        idx[rng.random(idx.shape) < 0.2] = -1
-        topks.append(idx)
-        weights.append(rng.uniform(-1, 1, size=(t, num_topk)).astype(np.float32))
-    actives = [np.array(a, np.int32) for a in (actives or [[1] * num_ranks] * num_ranks)]
-    return Case(num_ranks, num_max_tokens, hidden, num_experts, num_topk, xs, topks, weights, actives)
+def make_case(seed: int, **kwargs) -> Case:
+    """A case with int32 ids (x64 is off in JAX), its token counts drawn as this file always drew them."""
+    return _cases.make_case(seed, topk_dtype=np.int32, draw_rank0_count=False, **kwargs)
 
 
 def expert_fn(rank: int, recv, flags: dict):
@@ -111,18 +78,7 @@ def expert_fn_np(rank: int, result: reference.DispatchResult, flags: dict) -> np
 
 
 def expected(case: Case, flags: dict, renormalize: bool = False):
-    results = [reference.dispatch(r, case.xs, case.topks, case.actives, case.num_max_tokens, case.num_experts,
-                                  **flags) for r in range(case.num_ranks)]
-    outs = [expert_fn_np(r, res, flags) for r, res in enumerate(results)]
-    masks = [res.active_ranks for res in results]
-    combined = [reference.combine(r, outs, results, case.topks[r], case.weights[r], masks, renormalize=renormalize)
-                for r in range(case.num_ranks)]
-    return results, combined
-
-
-def bits(a) -> np.ndarray:
-    a = np.ascontiguousarray(np.asarray(a))
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+    return reference_step(case, flags, expert_fn_np, renormalize)
 
 
 def check_rank(rank: int, want: reference.DispatchResult, recv, count, flags) -> None:
@@ -143,7 +99,7 @@ def spawn(num_ranks: int, fn):
 
 
 def reference_buffer(group, case: Case, num_bytes=None) -> ep.Buffer:
-    return ep.Buffer(group, case.size if num_bytes is None else num_bytes, backend="reference")
+    return ep.Buffer(group, case.size_hint if num_bytes is None else num_bytes, backend="reference")
 
 
 # --- one rank per thread, each with its own CPU device: eager and jit ----------------------------------
@@ -159,7 +115,7 @@ def rank_step(buffer, case: Case, rank: int, flags: dict, jit: bool):
 
     run = jax.jit(step) if jit else step
     with jax.default_device(jax.devices("cpu")[rank]):
-        args = [jnp.asarray(a) for a in (case.xs[rank], case.topks[rank], case.weights[rank], case.actives[rank])]
+        args = [jnp.asarray(a) for a in (case.xs[rank], case.topk_idxs[rank], case.weights[rank], case.actives[rank])]
         return jax.tree_util.tree_map(np.asarray, run(*args))
 
 
@@ -187,7 +143,7 @@ def test_the_mask_comes_back_and_the_input_is_untouched():
         with jax.default_device(jax.devices("cpu")[group.rank]):
             active = jnp.asarray(case.actives[group.rank])
             _, _, _, returned = epj.dispatch(buffer, jnp.asarray(case.xs[group.rank]),
-                                             jnp.asarray(case.topks[group.rank]), active, case.num_max_tokens,
+                                             jnp.asarray(case.topk_idxs[group.rank]), active, case.num_max_tokens,
                                              case.num_experts, use_fp8=False)
             return np.asarray(active), np.asarray(returned)
 
@@ -212,7 +168,7 @@ def test_shard_map_equals_reference(flag_id):
     devices = cpu_devices(num_ranks)
     # shard_map splits evenly: every rank has T tokens (the -1 entries still vary the counts).
     case = make_case(3, num_ranks=num_ranks, num_experts=8, num_topk=3, num_tokens=[4] * num_ranks)
-    buffers = epj.make_buffers(devices, case.size)
+    buffers = epj.make_buffers(devices, case.size_hint)
     mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
 
     @jax.jit
@@ -225,7 +181,7 @@ def test_shard_map_equals_reference(flag_id):
         combined, active = epj.combine(buffers, y, topk, weights, active, handle)
         return recv, count, combined, active
 
-    recv, count, combined, active = step(*(sharded(mesh, a) for a in (case.xs, case.topks, case.weights,
+    recv, count, combined, active = step(*(sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.weights,
                                                                        case.actives)))
     dispatched, want = expected(case, flags)
     num_local, tokens = case.num_local_experts, case.num_max_tokens
@@ -255,7 +211,7 @@ def split_step(buffers, case: Case, flags: dict, ranks=None):
         return received, epj.combine_recv(sent)
 
     pick = lambda arrays: [jnp.asarray(arrays[r]) for r in ranks]  # noqa: E731
-    received, combined = step(pick(case.xs), pick(case.topks), pick(case.weights), pick(case.actives))
+    received, combined = step(pick(case.xs), pick(case.topk_idxs), pick(case.weights), pick(case.actives))
     return [(r[0], r[1], r[3]) for r in received], combined
 
 
@@ -280,7 +236,7 @@ def test_split_form_without_a_rank_masks_it():
     buffers = spawn(3, lambda g: reference_buffer(g, case))
     received, _ = split_step(buffers, case, FLAGS["bf16"], ranks=[0, 2])
     xs = [case.xs[0], None, case.xs[2]]
-    topks = [case.topks[0], None, case.topks[2]]
+    topks = [case.topk_idxs[0], None, case.topk_idxs[2]]
     for index, rank in enumerate([0, 2]):
         want = reference.dispatch(rank, xs, topks, case.actives, case.num_max_tokens, case.num_experts,
                                   use_fp8=False)
@@ -305,7 +261,7 @@ def test_gradients_of_dispatch_and_combine_match_float64():
     num_ranks = 2
     devices = cpu_devices(num_ranks)
     case, grad_size = grad_case(6, num_ranks)
-    buffers = epj.make_buffers(devices, case.size)
+    buffers = epj.make_buffers(devices, case.size_hint)
     grad_buffers = epj.make_buffers(devices, grad_size)
     mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
     T, E, K, H = case.num_max_tokens, case.num_experts, case.num_topk, case.hidden
@@ -334,9 +290,9 @@ def test_gradients_of_dispatch_and_combine_match_float64():
         return count, grad_x, grad_expert_out, grad_w
 
     count, grad_x, grad_expert_out, grad_w = vjps(
-        *(sharded(mesh, a) for a in (case.xs, case.topks, case.weights, case.actives)),
+        *(sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.weights, case.actives)),
         *(sharded(mesh, np.split(a, num_ranks)) for a in (grad_recv, expert_out, grad_y)))
-    dispatched = [reference.dispatch(r, case.xs, case.topks, case.actives, T, E, use_fp8=False)
+    dispatched = [reference.dispatch(r, case.xs, case.topk_idxs, case.actives, T, E, use_fp8=False)
                   for r in range(num_ranks)]
     num_local = case.num_local_experts
     grad_recv64 = grad_recv.astype(np.float64)
@@ -372,7 +328,7 @@ def test_gradients_of_dispatch_and_combine_match_float64():
         # weights: an fp32 dot product of bf16 rows (H = 128 terms): fp32 accumulation error only.
         got_w = np.asarray(grad_w, np.float64)[rank * T:(rank + 1) * T]
         np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-4, err_msg=f"rank {rank}: grad topk_weights")
-        assert np.all(got_w[case.topks[rank] < 0] == 0), "no gradient for -1 entries"
+        assert np.all(got_w[case.topk_idxs[rank] < 0] == 0), "no gradient for -1 entries"
     epj.destroy_buffers(buffers)
     epj.destroy_buffers(grad_buffers)
 
@@ -387,7 +343,7 @@ def test_gradient_of_moe_layers_matches_the_dense_layers(num_layers):
     num_ranks = 2
     devices = cpu_devices(num_ranks)
     case, grad_size = grad_case(8, num_ranks)
-    buffers = epj.make_buffers(devices, case.size)
+    buffers = epj.make_buffers(devices, case.size_hint)
     grad_buffers = epj.make_buffers(devices, grad_size)
     mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
     T, E, H = case.num_max_tokens, case.num_experts, case.hidden
@@ -414,9 +370,9 @@ def test_gradient_of_moe_layers_matches_the_dense_layers(num_layers):
             x = jnp.sum(jnp.where(topk[:, :, None] >= 0, w[:, :, None] * picked, 0), axis=1)
         return jnp.sum(x ** 2)
 
-    g_x, g_w, g_experts = grads(*(sharded(mesh, a) for a in (case.xs, case.topks, case.weights, case.actives)),
+    g_x, g_w, g_experts = grads(*(sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.weights, case.actives)),
                                 jax.device_put(weights_all, NamedSharding(mesh, P("ep"))))
-    x_all, topk_all, w_all = (jnp.asarray(np.concatenate(a)) for a in (case.xs, case.topks, case.weights))
+    x_all, topk_all, w_all = (jnp.asarray(np.concatenate(a)) for a in (case.xs, case.topk_idxs, case.weights))
     d_x, d_w, d_experts = jax.grad(dense, argnums=(0, 2, 3))(x_all, topk_all, w_all, weights_all)
     # The MoE path rounds recv_x, the expert outputs and the gradient rows to bf16: a few bf16 ulps.
     for got, want, name in ((g_x, d_x, "x"), (g_w, d_w, "topk_weights"), (g_experts, d_experts, "expert weights")):
@@ -433,13 +389,13 @@ def test_gradient_of_moe_layers_matches_the_dense_layers(num_layers):
 def one_rank():
     case = make_case(10, num_ranks=1, num_experts=2, num_tokens=[3])
     buffer = spawn(1, lambda g: reference_buffer(g, case))[0]
-    args = [jnp.asarray(a[0]) for a in (case.xs, case.topks, case.actives)]
+    args = [jnp.asarray(a[0]) for a in (case.xs, case.topk_idxs, case.actives)]
     return case, buffer, args
 
 
 def test_float64_weights_are_refused_and_int64_ids_accepted():
     case, buffer, (x, topk, active) = one_rank()
-    recv, _, handle, active = epj.dispatch(buffer, x, case.topks[0].astype(np.int64), active, case.num_max_tokens,
+    recv, _, handle, active = epj.dispatch(buffer, x, case.topk_idxs[0].astype(np.int64), active, case.num_max_tokens,
                                            case.num_experts, use_fp8=False)
     assert handle.config.num_topk == case.num_topk  # int64 numpy ids became int32 and were accepted
     with pytest.raises(TypeError, match=r"mooncake_ep.jax.combine: topk_weights is a float64 numpy array, which JAX "
@@ -449,7 +405,7 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
         with pytest.raises(TypeError, match=r"mooncake_ep.jax.combine: topk_weights must be float32, got float64"):
             epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0], jnp.float64), active, handle)
         # with x64 on, int64 ids stay int64 and are accepted as such
-        _, _, handle64, _ = epj.dispatch(buffer, x, jnp.asarray(case.topks[0], jnp.int64), active,
+        _, _, handle64, _ = epj.dispatch(buffer, x, jnp.asarray(case.topk_idxs[0], jnp.int64), active,
                                          case.num_max_tokens, case.num_experts, use_fp8=False)
     combined, _ = epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0]), active, handle)
     assert combined.shape == (3, case.hidden)
@@ -483,7 +439,7 @@ def test_bad_dispatch_is_refused_at_trace_time_and_the_buffer_still_works(mutate
     with pytest.raises(error, match=pattern):
         jax.jit(lambda: call(bad))()
     recv, count, _, _ = call(good)
-    dispatched = reference.dispatch(0, case.xs, case.topks, case.actives, case.num_max_tokens, case.num_experts,
+    dispatched = reference.dispatch(0, case.xs, case.topk_idxs, case.actives, case.num_max_tokens, case.num_experts,
                                     use_fp8=False)
     check_rank(0, dispatched, recv, count, FLAGS["bf16"])
 
@@ -541,7 +497,8 @@ def test_unsupported_transformations_name_the_alternative():
 def test_split_form_refusals():
     case = make_case(11, num_ranks=2, num_tokens=[2, 2])
     buffers = spawn(2, lambda g: reference_buffer(g, case))
-    args = lambda r: (jnp.asarray(case.xs[r]), jnp.asarray(case.topks[r]), jnp.asarray(case.actives[r]))  # noqa: E731
+    args = lambda r: (jnp.asarray(case.xs[r]), jnp.asarray(case.topk_idxs[r]),  # noqa: E731
+                      jnp.asarray(case.actives[r]))
     sent = [epj.dispatch_send(buffers[r], *args(r), case.num_max_tokens, case.num_experts, use_fp8=False)
             for r in range(2)]
     with pytest.raises(ValueError, match=r"pending holds rank\(s\) \[0\] more than once"):
@@ -615,7 +572,7 @@ def cuda_rank(ranks_on_device: int = 1):
 def test_the_callback_launches_on_xlas_stream_with_the_static_parity():
     case, buffer, cuda = cuda_rank()
     T, E, H = case.num_max_tokens, case.num_experts, case.hidden
-    x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topks[0], case.actives[0]))
+    x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topk_idxs[0], case.actives[0]))
     config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), x, topk, active, T, E, timeout_us=250,
                                             use_fp8=True, round_scale=False, use_ue8m0=False, parity=1,
                                             command_buffer_compatible=True)
@@ -626,7 +583,7 @@ def test_the_callback_launches_on_xlas_stream_with_the_static_parity():
     outs = [device_array(np.zeros(shape, dtype)) for _, shape, dtype in
             [(n, s, np.dtype(ml_dtypes.float8_e4m3fn) if d == "float8_e4m3fn" else d) for n, s, d in specs]]
     outs.append(device_array(case.actives[0].copy()))
-    ins = [device_array(a) for a in (case.xs[0], case.topks[0], case.actives[0])]
+    ins = [device_array(a) for a in (case.xs[0], case.topk_idxs[0], case.actives[0])]
     callback = jax_ops._DispatchCallback("test", config, jax_ops.SEND | jax_ops.RECV)
     num_dispatches = buffer._num_dispatches
     for _ in range(2):  # a re-recording launches exactly the same, whatever the host counter says
@@ -654,11 +611,11 @@ def test_the_split_callbacks_launch_one_half_each():
 
     case, buffer, cuda = cuda_rank(ranks_on_device=4)
     T, E = case.num_max_tokens, case.num_experts
-    x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topks[0], case.actives[0]))
+    x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topk_idxs[0], case.actives[0]))
     config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), x, topk, active, T, E, timeout_us=-1,
                                             use_fp8=False, round_scale=False, use_ue8m0=False, parity=0,
                                             command_buffer_compatible=True)
-    ins = [device_array(a) for a in (case.xs[0], case.topks[0], case.actives[0])]
+    ins = [device_array(a) for a in (case.xs[0], case.topk_idxs[0], case.actives[0])]
     sent = device_array(case.actives[0].copy())
     jax_ops._DispatchCallback("test", config, jax_ops.SEND)(FakeContext(), [sent], *ins)
     outs = [device_array(np.zeros(shape, BF16 if d == "bfloat16" else d)) for _, shape, d in specs]
@@ -675,7 +632,7 @@ def test_the_split_callbacks_launch_one_half_each():
         "test", jax_args.Ranks(buffer), jax.ShapeDtypeStruct(y.shape, y.dtype), topk,
         jax.ShapeDtypeStruct(weights.shape, weights.dtype), active, handle,
         timeout_us=-1, renormalize=False, command_buffer_compatible=True)
-    combine_ins = [device_array(a) for a in (y, case.topks[0], weights, case.actives[0])] + [outs[-2]]
+    combine_ins = [device_array(a) for a in (y, case.topk_idxs[0], weights, case.actives[0])] + [outs[-2]]
     combined = device_array(np.zeros((case.xs[0].shape[0], case.hidden), BF16))
     jax_ops._CombineCallback("test", combine_config, jax_ops.SEND, direct_reads=False)(
         FakeContext(), [sent], *combine_ins)
@@ -689,13 +646,13 @@ def test_the_split_callbacks_launch_one_half_each():
     # (Under jit: traced arrays have no device yet, so this is the first refusal.)
     with pytest.raises(ValueError, match=r"4 ranks of this Buffer's group share cuda:0.*use the split form"):
         jax.jit(lambda x, t, a: epj.dispatch(buffer, x, t, a, T, E))(
-            jnp.asarray(case.xs[0]), jnp.asarray(case.topks[0]), jnp.asarray(case.actives[0]))
+            jnp.asarray(case.xs[0]), jnp.asarray(case.topk_idxs[0]), jnp.asarray(case.actives[0]))
 
 
 def test_eager_calls_check_the_arrays_devices_at_once():
     case, buffer, _ = cuda_rank()
     T, E = case.num_max_tokens, case.num_experts
-    args = [jnp.asarray(a[0]) for a in (case.xs, case.topks, case.actives)]
+    args = [jnp.asarray(a[0]) for a in (case.xs, case.topk_idxs, case.actives)]
     with pytest.raises(TypeError, match=r"mooncake_ep.jax.dispatch: x: the computation runs on the CPU, this Buffer "
                                         r"runs its kernels on cuda:0; build a Buffer with backend='reference'"):
         epj.dispatch(buffer, *args, T, E)
