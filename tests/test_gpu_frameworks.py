@@ -198,7 +198,7 @@ def ready(group) -> None:
     """Before a rank's first collective call: grow torch's and cupy's pools, then settle.
 
     In-process ranks share the GPU, and what synchronises the device (cudaMalloc of a growing pool,
-    pinned allocations such as Gate's, module loads) waits, inside one rank's call, behind peers'
+    pinned allocations such as Gate's or cupy.asarray's staging of a host array, module loads) waits, inside one rank's call, behind peers'
     kernels that wait for that rank: they time out and mask it. So the calls' allocations must find
     their memory cached on this rank's stream, and everything else happen before the barrier.
     """
@@ -441,8 +441,9 @@ def test_cupy_zero_copy_combine():
         buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS)
         topk, w = cupy.asarray(topks[r]), cupy.asarray(weights[r])
         active = cupy.ones(case.num_ranks, cupy.int32)
+        x = cupy.asarray(xs[r].view(np.uint16))  # before ready(): cupy stages host copies in pinned memory
         ready(g)
-        recv, count, handle, _, _ = buffer.dispatch(cupy.asarray(xs[r].view(np.uint16)), topk, active,
+        recv, count, handle, _, _ = buffer.dispatch(x, topk, active,
                                                     case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US,
                                                     use_fp8=False)
         host_recv = cupy.asnumpy(recv).view(BF16)
