@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -175,6 +176,11 @@ def worker_main(argv: list[str]) -> None:
     shape, long_timeout_s, mask_timeout = Shape.from_arg(argv[4]), float(argv[5]), float(argv[6])
     report: dict = {"scenario": scenario}
     rank = int(os.environ["RANK"])
+    if backend == "cuda":
+        # As applications do: torch first, then CUDA through cupy (the Buffer). Imported later, in
+        # mask(), torch's own import failed in the first test of test_gpu_ipc.py in three GPU runs
+        # (its schema parser read "annotate(str tag)" as "annotate(strtag)"); cause not found.
+        import torch  # noqa: F401
     try:
         group = ep.init_group(timeout_s=long_timeout_s, rejoin=scenario == "replacement")
         num_ranks = group.world_size
@@ -237,6 +243,7 @@ def worker_main(argv: list[str]) -> None:
         report["ok"] = True
     except (ep.GroupError, ep.TransportError, ValueError, RuntimeError) as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc()
     _write_report(out_dir, rank, scenario, report)
 
 
