@@ -56,6 +56,9 @@ MAX_SWEEP_TOKENS = 4096
 PROGRESS_DELAY_S = 2.0
 # Host iterations timed for host time per call on the GPU path (after --warmup untimed ones).
 HOST_TIMED_CALLS = 20
+# Microseconds a call waits for a peer. Finite, so that a stall ends as a masked rank and an error
+# (check_no_rank_masked) instead of a hang; healthy calls take microseconds.
+KERNEL_TIMEOUT_US = 10_000_000
 
 
 class ByBackend:
@@ -179,8 +182,10 @@ def make_input_sets(args, rng: np.random.Generator, devices: list[str], torch) -
                 x=torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16),
                 topk=torch.from_numpy(topk).to(device),
                 weights=torch.rand(args.tokens, args.topk, device=device),
-                expert_out=torch.randn(num_local, args.ranks * args.tokens, args.hidden,
-                                       device=device).to(torch.bfloat16),
+                # Drawn in bf16: an fp32 draw would cache twice the bytes in torch's pool (7.5 GB per
+                # rank at T = 1024), which later allocations then free with a device-wide cudaFree.
+                expert_out=torch.randn(num_local, args.ranks * args.tokens, args.hidden, device=device,
+                                       dtype=torch.bfloat16),
                 active=torch.ones(args.ranks, dtype=torch.int32, device=device),
                 routes=topk,
             ))
@@ -300,7 +305,8 @@ def measure_cuda(args, progress) -> dict:
             with torch.cuda.stream(streams[r]):
                 start = time.perf_counter()
                 _, _, handles[r], _, _ = buffers[r].dispatch(inputs[r]["x"], inputs[r]["topk"], inputs[r]["active"],
-                                                             args.tokens, args.experts, use_fp8=args.fp8)
+                                                             args.tokens, args.experts, KERNEL_TIMEOUT_US,
+                                                             use_fp8=args.fp8)
                 inside += time.perf_counter() - start
         return inside
 
@@ -310,7 +316,8 @@ def measure_cuda(args, progress) -> dict:
             with torch.cuda.stream(streams[r]):
                 start = time.perf_counter()
                 buffers[r].combine(None if zero_copy else inputs[r]["expert_out"], inputs[r]["topk"],
-                                   inputs[r]["weights"], inputs[r]["active"], -1, handles[r], zero_copy=zero_copy)
+                                   inputs[r]["weights"], inputs[r]["active"], KERNEL_TIMEOUT_US, handles[r],
+                                   zero_copy=zero_copy)
                 inside += time.perf_counter() - start
         return inside
 
@@ -382,6 +389,7 @@ def measure_cuda(args, progress) -> dict:
     for phase in graphs:
         kernel[phase] = percentiles(time_phase(phase))
         progress.update(args.warmup + args.iters)
+    check_no_rank_masked(sets, torch)
 
     # The torch baseline, after every kernel is done (no kernel waits while it allocates).
     baseline_stats = None
@@ -408,7 +416,25 @@ def measure_cuda(args, progress) -> dict:
                           num_sms_per_rank=buffers[0]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
                           copies=mean_copies(sets), host=host, kernel=kernel, baseline_stats=baseline_stats)
     group.spawn(lambda g: buffers[g.rank].destroy())
+    sets.clear()  # the closures above hold these names: empty them rather than del
+    graphs.clear()
+    del src, dst
+    torch.cuda.empty_cache()  # the next point of a sweep starts with the memory this one cached
     return report
+
+
+def check_no_rank_masked(sets: list[list[dict]], torch) -> None:
+    """Every rank stayed active: a masked rank means a call waited more than KERNEL_TIMEOUT_US, and
+    the times would measure that timeout, not the kernels."""
+    torch.cuda.synchronize()
+    for per_rank in sets:
+        for r, inputs in enumerate(per_rank):
+            masked = (inputs["active"] == 0).nonzero().flatten().tolist()
+            if masked:
+                raise RuntimeError(f"bench: rank {r} masked ranks {masked} (a call waited more than "
+                                   f"{KERNEL_TIMEOUT_US} us for them). In-process ranks share the GPU: a "
+                                   f"device-wide synchronisation inside one rank's call (a pool's cudaFree when "
+                                   f"memory runs short) stalls the peers waiting for that rank")
 
 
 def measure_reference(args, progress) -> dict:
