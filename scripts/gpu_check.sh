@@ -5,9 +5,10 @@
 # Stages (default: tests bench warmup sanitizer):
 #   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S)
 #   bench      the decode-shape benchmark (with the torch baseline), one rank alone, a tiny payload
-#   sweep      the decode sweep over tokens per rank (1..512) with its plot, and T = 1024: the largest
-#              that fits 8 ranks on one GPU (the low-latency layout reserves R*T rows per expert:
-#              at T = 4096 it is 30 GB per rank)
+#   sweep      the decode shape's sweep over tokens per rank (1..1024: the largest that fits 8 ranks on
+#              one GPU; one input set, for memory) with the plot; the prefill shape (T = 4096) on 2 ranks
+#              x 64 SMs, the most that fit (the low-latency workspace reserves T*E rows of H per rank:
+#              30 GB at T = 4096, and the caller's expert outputs 15 GB more)
 #   warmup     cold NVRTC compile of every variant, then Buffer construction with the cache warm
 #   trace      per-block timestamps of every rank's kernels (scripts/trace_phases.py)
 #   ncu        Nsight Compute on one rank's kernels (a rank alone: ncu serialises kernels)
@@ -54,10 +55,10 @@ if has bench; then
     --iters 100 --no-baseline --json "$out/bench_tiny.json"
 fi
 if has sweep; then
-  step bench_sweep 420 "${bench[@]}" "${decode[@]}" --iters 50 --warmup 5 --input-sets 2 --plot "$out/sweep.png" \
-    --json "$out/bench_sweep.json"
-  step bench_t1024 240 "${bench[@]}" --ranks 8 --num-sms 16 --tokens 1024 --hidden 7168 --topk 8 --experts 256 \
-    --iters 50 --warmup 5 --input-sets 1 --no-baseline --json "$out/bench_t1024.json"
+  step bench_sweep 330 "${bench[@]}" "${decode[@]}" --iters 50 --warmup 5 --input-sets 1 --plot "$out/sweep.png" \
+    --sweep-tokens 1,2,4,8,16,32,64,128,256,512,1024 --json "$out/bench_sweep.json"
+  step bench_prefill 150 "${bench[@]}" --ranks 2 --num-sms 64 --tokens 4096 --hidden 7168 --topk 8 --experts 256 \
+    --iters 20 --warmup 3 --input-sets 1 --json "$out/bench_prefill.json"
 fi
 if has trace; then
   step trace_decode 120 python3 scripts/trace_phases.py --ranks 8 --num-sms 16 --tokens 128 --json "$out/trace_decode.json"

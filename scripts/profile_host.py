@@ -145,6 +145,23 @@ def torch_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> d
     report["graph"] = {"replay_us_p50": p50_us(graph.replay, args.calls),
                        "step_us": step_us(graph.replay, torch.cuda.synchronize, args.steps)}
     report["eager_step_us"] = step_us(step, torch.cuda.synchronize, args.steps)
+
+    def layers():  # the MoE layers of one forward: each combine's output is the next dispatch's input
+        x = arrays["x"]
+        for _ in range(args.layers):
+            handle = buffer.dispatch(x, arrays["topk"], arrays["active"], t, e, out=outs["dispatch"])[2]
+            buffer.combine(arrays["expert_out"], arrays["topk"], arrays["weights"], arrays["active"], handle=handle,
+                           out=outs["combine"])
+            x = outs["combine"]
+
+    with torch.cuda.stream(side):
+        layers()
+    torch.cuda.current_stream().wait_stream(side)
+    layered = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(layered):
+        layers()
+    layered.replay()
+    report["graph"]["layer_us"] = step_us(layered.replay, torch.cuda.synchronize, args.steps) / args.layers
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
@@ -197,6 +214,17 @@ def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dic
         _, _, handle, active = epj.dispatch(buffer, x, topk, active, t, e)
         return epj.combine(buffer, expert_out, topk, weights, active, handle)
 
+    def layers(x, topk, weights, active, expert_out):  # as torch_report's layers(), in one program
+        for _ in range(args.layers):
+            _, _, handle, active = epj.dispatch(buffer, x, topk, active, t, e)
+            x, active = epj.combine(buffer, expert_out, topk, weights, active, handle)
+        return x, active
+
+    def plain_layers(x, topk, weights, active, expert_out):  # XLA alone: one small fusion per layer
+        for _ in range(args.layers):
+            x = (x * weights[:, :1].astype(x.dtype) + expert_out[0]).astype(x.dtype)
+        return x, active
+
     jitted = jax.jit(step)
     wait = lambda: jax.block_until_ready(state.get("out"))  # noqa: E731
 
@@ -215,9 +243,20 @@ def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dic
         real = getattr(buffer, name)
         setattr(buffer, name, lambda *a, _real=real, **k: launches.append(1) or _real(*a, **k))
     jit = {"call_us_p50": p50_us(jit_call, args.calls), "step_us": step_us(jit_call, wait, args.steps)}
+    jit["callbacks_per_step"] = len(launches) / (args.calls + args.steps)
+    for key, fn in (("layer", layers), ("plain_xla_layer", plain_layers)):
+        program = jax.jit(fn)
+
+        def program_call(program=program):
+            state["out"] = program(x, topk, weights, active, expert_out)[0]
+
+        for _ in range(20):  # traces, compiles and records
+            program_call()
+        launches.clear()
+        jit[f"{key}_us"] = step_us(program_call, wait, args.steps) / args.layers
+        jit[f"{key}_callbacks"] = len(launches) / (args.steps * args.layers)
     for name in ("_dispatch_launcher", "_combine_launcher"):
         delattr(buffer, name)
-    jit["callbacks_per_step"] = len(launches) / (args.calls + args.steps)
     return {"eager": eager, "jit": jit}
 
 
@@ -232,11 +271,12 @@ def summary(name: str, report: dict) -> list[str]:
     if "graph" in report:
         g = report["graph"]
         lines.append(f"{name:>5}      graph: replay {g['replay_us_p50']:6.1f} us (host), step {g['step_us']:6.1f} us;"
-                     f" eager step {report['eager_step_us']:6.1f} us")
+                     f" eager step {report['eager_step_us']:6.1f} us; per layer of a layered graph {g['layer_us']:6.1f} us")
     if "jit" in report:
         j = report["jit"]
         lines.append(f"{name:>5}        jit: call {j['call_us_p50']:6.1f} us (host), step {j['step_us']:6.1f} us, "
-                     f"{j['callbacks_per_step']:.2f} Python callbacks per step")
+                     f"{j['callbacks_per_step']:.2f} Python callbacks per step; per layer of a layered program "
+                     f"{j['layer_us']:6.1f} us (XLA alone, a fusion per layer: {j['plain_xla_layer_us']:6.1f} us)")
     return lines
 
 
@@ -249,6 +289,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per measurement")
     parser.add_argument("--steps", type=int, default=500, help="back-to-back steps for a step time")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="MoE layers in one graph / jitted program, for the per-layer step time")
     parser.add_argument("--profile", action="store_true", help="cProfile torch's allocating eager calls")
     parser.add_argument("--no-command-buffers", dest="command_buffers", action="store_false",
                         help="JAX: no XLA command buffers (every execution runs the Python callbacks)")
@@ -279,6 +321,9 @@ def main() -> None:
         ratio = report["jax"]["jit"]["step_us"] / report["torch"]["graph"]["step_us"]
         report["jax_jit_over_torch_graph_step"] = ratio
         print(f"jax jit step / torch graph step: {ratio:.3f} (target <= 1.10)")
+        layer_ratio = report["jax"]["jit"]["layer_us"] / report["torch"]["graph"]["layer_us"]
+        report["jax_jit_over_torch_graph_layer"] = layer_ratio
+        print(f"per layer of {args.layers}-layer programs, jax jit / torch graph: {layer_ratio:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
