@@ -55,9 +55,9 @@ if has bench; then
     --iters 100 --no-baseline --json "$out/bench_tiny.json"
 fi
 if has sweep; then
-  step bench_sweep 330 "${bench[@]}" "${decode[@]}" --iters 50 --warmup 5 --input-sets 1 --plot "$out/sweep.png" \
+  step bench_sweep 240 "${bench[@]}" "${decode[@]}" --iters 50 --warmup 5 --input-sets 1 --plot "$out/sweep.png" \
     --sweep-tokens 1,2,4,8,16,32,64,128,256,512,1024 --json "$out/bench_sweep.json"
-  step bench_prefill 150 "${bench[@]}" --ranks 2 --num-sms 64 --tokens 4096 --hidden 7168 --topk 8 --experts 256 \
+  step bench_prefill 120 "${bench[@]}" --ranks 2 --num-sms 64 --tokens 4096 --hidden 7168 --topk 8 --experts 256 \
     --iters 20 --warmup 3 --input-sets 1 --json "$out/bench_prefill.json"
 fi
 if has trace; then
