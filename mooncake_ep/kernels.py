@@ -194,17 +194,20 @@ def compile_kernel(key: KernelKey) -> bytes:
         (compile_result,) = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])
         result, log_size = nvrtc.nvrtcGetProgramLogSize(program)
         _check_nvrtc(result, "nvrtcGetProgramLogSize")
-        log = b" " * log_size
+        # NVRTC writes into the buffer it is given: a fresh bytearray, never a bytes object, which
+        # is immutable and may be shared (b" " * 1 is CPython's one cached b" ", and an empty log
+        # is one NUL: writing it there turned every b" " of the process into b"\0").
+        log = bytearray(log_size)
         (result,) = nvrtc.nvrtcGetProgramLog(program, log)
-        log_text = log.rstrip(b"\0 ").decode(errors="replace").strip()
+        log_text = bytes(log).rstrip(b"\0 ").decode(errors="replace").strip()
         if compile_result != nvrtc.nvrtcResult.NVRTC_SUCCESS or "warning" in log_text:
             raise KernelCompileError(key, log_text or str(compile_result))
         result, cubin_size = nvrtc.nvrtcGetCUBINSize(program)
         _check_nvrtc(result, "nvrtcGetCUBINSize")
-        cubin = b" " * cubin_size
+        cubin = bytearray(cubin_size)
         (result,) = nvrtc.nvrtcGetCUBIN(program, cubin)
         _check_nvrtc(result, "nvrtcGetCUBIN")
-        return cubin
+        return bytes(cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(program)
 

@@ -176,11 +176,6 @@ def worker_main(argv: list[str]) -> None:
     shape, long_timeout_s, mask_timeout = Shape.from_arg(argv[4]), float(argv[5]), float(argv[6])
     report: dict = {"scenario": scenario}
     rank = int(os.environ["RANK"])
-    if backend == "cuda":
-        # As applications do: torch first, then CUDA through cupy (the Buffer). Imported later, in
-        # mask(), torch's own import failed in the first test of test_gpu_ipc.py in three GPU runs
-        # (its schema parser read "annotate(str tag)" as "annotate(strtag)"); cause not found.
-        import torch  # noqa: F401
     try:
         group = ep.init_group(timeout_s=long_timeout_s, rejoin=scenario == "replacement")
         num_ranks = group.world_size

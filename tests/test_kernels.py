@@ -540,3 +540,15 @@ def test_bad_input_in_a_subprocess_exits_non_zero(tmp_path):
     assert "--hidden must be a multiple of 128, got 1000" in proc.stderr
     proc = run_cli("warmup", "--arch", "sm_5x", "--cache-dir", str(tmp_path / "c"))
     assert proc.returncode == 2 and "sm_5x" in proc.stderr
+
+
+@needs_nvrtc
+def test_compiling_in_process_leaves_the_interpreters_shared_bytes_intact():
+    """NVRTC writes its log and cubin into the buffers it is handed. Handed bytes objects, it wrote an
+    empty log's NUL into CPython's one cached b" " (what b" " * 1 returns), and every b" " of the
+    process read b"\\0" after the first cold compile (seen as torn npz headers and torch schema
+    parse errors in the GPU ipc tests)."""
+    space = bytes([32])  # CPython's cached single-byte object: the one a write would have hit
+    cubin = kernels.compile_kernel(kernels.combine_key(ARCH))
+    assert isinstance(cubin, bytes) and cubin.startswith(ELF_MAGIC)
+    assert space == b"\x20" and ord(b" ") == 32 and b"a b".split(b" ") == [b"a", b"b"]
