@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -464,9 +465,7 @@ class Launcher:
 
         if not arg_format or set(arg_format) - set(_ARG_SLOT_FORMATS):
             raise ValueError(f"Launcher: arg_format must be codes among {sorted(_ARG_SLOT_FORMATS)}, got {arg_format!r}")
-        self._module = cupy.cuda.function.Module()
-        self._module.load(cubin)
-        self._function = self._module.get_function(name)
+        self._function = _loaded_function(cubin, name, cupy.cuda.runtime.getDevice())
         self._function_ptr = self._function.ptr
         self._launch = driver.launchKernel
         self.name = name
@@ -483,6 +482,28 @@ class Launcher:
         self._packer.pack_into(self._slots, 0, *args)
         self._launch(self._function_ptr, num_blocks, 1, 1, self.num_threads, 1, 1, 0, stream_ptr,
                      self._pointers_address, 0)
+
+
+# Modules loaded in this process, by (cubin digest, device): loaded once, never unloaded. A Buffer's
+# own module would be unloaded when the Buffer is collected, and collection runs on whichever thread
+# allocates next: in-process ranks, that can be a rank whose peers' kernels are waiting for its
+# launch, while cuModuleUnload waits for the device (or, worse, does not).
+_modules: dict[tuple[str, int], object] = {}
+_modules_lock = threading.Lock()
+
+
+def _loaded_function(cubin: bytes, name: str, device_id: int):
+    """``name`` of ``cubin`` loaded on ``device_id`` (the current device), shared by every Launcher."""
+    import cupy
+
+    key = (hashlib.sha256(cubin).hexdigest(), device_id)
+    with _modules_lock:
+        module = _modules.get(key)
+        if module is None:
+            module = cupy.cuda.function.Module()
+            module.load(cubin)
+            _modules[key] = module
+    return module.get_function(name)
 
 
 # Each kernel parameter gets an 8-byte slot; cuLaunchKernel copies the parameter's own size from it.
