@@ -25,7 +25,13 @@ Per-call state and command buffers:
 Ordering:
     XLA orders ops by data only. A combine takes its dispatch's ``recv_count``; each receive half of
     the split form takes every rank's send-half outputs; ``after=`` adds operands an op must wait
-    for (the gradients use it). Every op has a side effect, so XLA neither drops nor merges it.
+    for (the gradients use it). The ops of one rank per device declare no side effect: a jitted
+    function holding an effect loses JAX's C++ dispatch path and pays the Python one on every call
+    (~170 µs on the H200's host, 7x the GPU time of a decode step). So XLA may drop an op whose
+    results nothing reads (on every rank that runs the program alike), and merge two ops of one
+    configuration and the same operands, which only a program that does not pass ``active_ranks``
+    on from step to step can hold. The split form keeps the effect (see
+    :mod:`mooncake_ep.frameworks.jax_split`).
 """
 
 from __future__ import annotations
@@ -197,12 +203,13 @@ def _shapes(specs) -> list:
     return [jax.ShapeDtypeStruct(tuple(shape), numpy_dtype(dtype)) for _, shape, dtype in specs]
 
 
-def _call(where: str, callback, specs, operands: Sequence, aliases: dict[int, int], command_buffer_compatible: bool):
+def _call(where: str, callback, specs, operands: Sequence, aliases: dict[int, int], command_buffer_compatible: bool,
+          has_side_effect: bool = False):
     """One ``buffer_callback`` launch of ``callback`` with result ``specs``; vmap refused by name."""
     from jax.custom_batching import custom_vmap
     from jax.experimental.buffer_callback import buffer_callback
 
-    op = buffer_callback(callback, _shapes(specs), has_side_effect=True, input_output_aliases=aliases,
+    op = buffer_callback(callback, _shapes(specs), has_side_effect=has_side_effect, input_output_aliases=aliases,
                          command_buffer_compatible=command_buffer_compatible)
 
     @custom_vmap

@@ -5,6 +5,13 @@ half never waits on a peer; each receive half takes every rank's send-half resul
 XLA cannot schedule a receive before a send it would wait for. On the CPU the send half is nothing
 at all: each receive half computes the numpy reference from every rank's inputs, which XLA hands
 it as operands, so the ranks need no collective (and can run in one thread).
+
+Every op here declares a side effect, which keeps the ops in program order on the device: the send
+halves of all ranks, then all receive halves. The operands alone order every receive after the
+sends it reads, but without the effect one H200 run of ``test_jax_split_form_on_one_gpu_equals_reference``
+lost whole ranks to timeouts (a rerun in a fresh process passed; the cause is not pinned down).
+The price, JAX's Python dispatch path on every call of the jitted function, is paid only by
+programs that hold several ranks on one device.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ def dispatch_send(where: str, buffer: Buffer, x, topk_idx, active_ranks, num_max
         # The CPU receive half computes from every rank's inputs, handed over by XLA: nothing to send.
         return PendingDispatch(config, (x, topk_idx, active_ranks))
     (sent,) = _call(where, _DispatchCallback(where, config, SEND), [("active_ranks", active_ranks.shape, "int32")],
-                    [x, topk_idx, active_ranks], {2: 0}, config.command_buffer_compatible)
+                    [x, topk_idx, active_ranks], {2: 0}, config.command_buffer_compatible, has_side_effect=True)
     return PendingDispatch(config, (x, topk_idx, varying_like(sent, active_ranks)))
 
 
@@ -80,7 +87,7 @@ def dispatch_recv(where: str, pending: Sequence[PendingDispatch]) -> list:
         out_specs = specs + [("active_ranks", (c.num_ranks,), "int32")] + c.metadata_specs()
         callback = _DispatchRecvCallback(where, c, index, tuple(q.config.ranks.single.rank for q in pending))
         outputs = _call(where, callback, out_specs, operands,
-                        {3 * index + 2: len(specs)}, c.command_buffer_compatible)
+                        {3 * index + 2: len(specs)}, c.command_buffer_compatible, has_side_effect=True)
         results.append(_dispatch_results(c, specs, varying_like(outputs, *p.arrays)))
     return results
 
@@ -156,7 +163,7 @@ def combine_send(where: str, buffer: Buffer, x, topk_idx, topk_weights, active_r
     (sent,) = _call(where, _CombineCallback(where, config, SEND, direct_reads=False),
                     [("active_ranks", active_ranks.shape, "int32")],
                     [x, topk_idx, topk_weights, active_ranks, *handle.arrays], {3: 0},
-                    config.command_buffer_compatible)
+                    config.command_buffer_compatible, has_side_effect=True)
     return PendingCombine(config, (x, topk_idx, topk_weights, varying_like(sent, active_ranks), *handle.arrays))
 
 
@@ -177,7 +184,8 @@ def combine_recv(where: str, pending: Sequence[PendingCombine]) -> list:
                                         tuple(q.config.dispatch.ranks.single.rank for q in pending))
         combined, active = _call(where, callback, [("combined_x", (c.dispatch.num_tokens, c.dispatch.hidden),
                                                     "bfloat16"), ("active_ranks", (c.dispatch.num_ranks,), "int32")],
-                                 operands, {offset + 3: 1}, c.command_buffer_compatible)
+                                 operands, {offset + 3: 1}, c.command_buffer_compatible,
+                                 has_side_effect=True)
         offset += sizes[index]
         results.append(tuple(varying_like((combined, active), *p.arrays[:4])))
     return results
