@@ -11,6 +11,8 @@ other ranks. fp8 dispatch, bf16 combine. Per framework:
 - ``jax`` eager: the host time of ``mooncake_ep.jax.dispatch`` and ``combine`` called op by op;
 - ``jax`` jit: the same step under ``jax.jit``: host time of the call (it returns before the GPU is
   done) and the step time as for the graph. The target: within 10% of the torch graph's step time.
+  For scale, the same for XLA alone: a program of one fusion on the same operands (what any
+  execution costs), and per layer of programs of ``--layers`` layers, with and without our ops.
   By default XLA records the step into a command buffer (a CUDA graph, ``--xla_gpu_enable_command_buffer``
   with custom calls), so the Python callbacks run only when it records; ``--no-command-buffers``
   measures the plain path, where every execution calls back into Python.
@@ -220,10 +222,13 @@ def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dic
             x, active = epj.combine(buffer, expert_out, topk, weights, active, handle)
         return x, active
 
-    def plain_layers(x, topk, weights, active, expert_out):  # XLA alone: one small fusion per layer
-        for _ in range(args.layers):
+    def plain_layers(x, topk, weights, active, expert_out, num_layers=args.layers):  # XLA alone: a fusion per layer
+        for _ in range(num_layers):
             x = (x * weights[:, :1].astype(x.dtype) + expert_out[0]).astype(x.dtype)
         return x, active
+
+    def plain_step(x, topk, weights, active, expert_out):  # XLA's own cost of executing a program of these operands
+        return plain_layers(x, topk, weights, active, expert_out, num_layers=1)
 
     jitted = jax.jit(step)
     wait = lambda: jax.block_until_ready(state.get("out"))  # noqa: E731
@@ -244,7 +249,8 @@ def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dic
         setattr(buffer, name, lambda *a, _real=real, **k: launches.append(1) or _real(*a, **k))
     jit = {"call_us_p50": p50_us(jit_call, args.calls), "step_us": step_us(jit_call, wait, args.steps)}
     jit["callbacks_per_step"] = len(launches) / (args.calls + args.steps)
-    for key, fn in (("layer", layers), ("plain_xla_layer", plain_layers)):
+    for key, fn, num_layers in (("layer", layers, args.layers), ("plain_xla_layer", plain_layers, args.layers),
+                                ("plain_xla_step", plain_step, 1)):
         program = jax.jit(fn)
 
         def program_call(program=program):
@@ -253,8 +259,10 @@ def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dic
         for _ in range(20):  # traces, compiles and records
             program_call()
         launches.clear()
-        jit[f"{key}_us"] = step_us(program_call, wait, args.steps) / args.layers
-        jit[f"{key}_callbacks"] = len(launches) / (args.steps * args.layers)
+        jit[f"{key}_us"] = step_us(program_call, wait, args.steps) / num_layers
+        jit[f"{key}_callbacks"] = len(launches) / (args.steps * num_layers)
+    # The host time of a call of the one-fusion program: what XLA itself spends per execution.
+    jit["plain_xla_call_us_p50"] = p50_us(program_call, args.calls)
     for name in ("_dispatch_launcher", "_combine_launcher"):
         delattr(buffer, name)
     return {"eager": eager, "jit": jit}
@@ -277,6 +285,8 @@ def summary(name: str, report: dict) -> list[str]:
         lines.append(f"{name:>5}        jit: call {j['call_us_p50']:6.1f} us (host), step {j['step_us']:6.1f} us, "
                      f"{j['callbacks_per_step']:.2f} Python callbacks per step; per layer of a layered program "
                      f"{j['layer_us']:6.1f} us (XLA alone, a fusion per layer: {j['plain_xla_layer_us']:6.1f} us)")
+        lines.append(f"{name:>5}   XLA alone: a one-fusion program of the same operands: call "
+                     f"{j['plain_xla_call_us_p50']:6.1f} us (host), step {j['plain_xla_step_us']:6.1f} us")
     return lines
 
 
