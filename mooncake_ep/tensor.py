@@ -304,7 +304,8 @@ def _read_numpy(obj: np.ndarray, name: str) -> ArrayView:
 
 
 _torch_dtypes: dict[Any, str] = {}
-_torch_module: list[Any] = []  # torch, once a tensor has been seen (imported lazily, then cached)
+# [torch, its current-stream getter], once a tensor has been seen (imported lazily, then cached)
+_torch_module: list[Any] = []
 
 
 def _same_stream(current: int, stream: int) -> bool:
@@ -312,14 +313,31 @@ def _same_stream(current: int, stream: int) -> bool:
     return (current or 1) == (stream or 1)
 
 
-def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
-    """Fast path: pointer and layout straight from the tensor. None: use DLPack instead."""
+def _torch():
     if not _torch_module:
         import torch
 
         _torch_module.append(torch)
         _torch_dtypes.update({getattr(torch, n): n for n in DTYPES})
-    torch = _torch_module[0]
+        # The raw handle without building a torch.cuda.Stream (microseconds, once per array of
+        # a call); the public spelling where a build lacks it.
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:
+            def raw(device_id: int) -> int:
+                return torch.cuda.current_stream(device_id).cuda_stream
+        _torch_module.append(raw)
+    return _torch_module[0]
+
+
+def torch_current_stream(device_id: int) -> int:
+    """torch's current CUDA stream handle on ``device_id`` (0 = legacy default)."""
+    _torch()
+    return _torch_module[1](device_id)
+
+
+def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
+    """Fast path: pointer and layout straight from the tensor. None: use DLPack instead."""
+    torch = _torch()
     if not isinstance(obj, torch.Tensor):
         return None
     if obj.layout is not torch.strided:
@@ -331,8 +349,7 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
         device_id = obj.get_device()
         # DLPack would make `stream` wait for torch's current stream; the fast path orders
         # nothing, so it is taken only when the caller launches on that very stream.
-        if stream is not None and stream != -1 and not _same_stream(
-                torch.cuda.current_stream(device_id).cuda_stream, stream):
+        if stream is not None and stream != -1 and not _same_stream(_torch_module[1](device_id), stream):
             return None
         device_type = "cuda"
     elif obj.device.type == "cpu":

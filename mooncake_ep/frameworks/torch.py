@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray
+from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray, torch_current_stream
 
 if TYPE_CHECKING:
     import torch
@@ -74,14 +74,7 @@ def from_numpy(arr: np.ndarray, like: ArrayView) -> torch.Tensor:
 
 def current_stream(device_id: int) -> int:
     """Returns torch's current CUDA stream handle on ``device_id`` (0 = legacy default)."""
-    import torch
-
-    # The raw handle without building a torch.cuda.Stream (a microsecond per call); the public
-    # spelling where a build lacks it.
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(device_id)
-    return torch.cuda.current_stream(device_id).cuda_stream
+    return torch_current_stream(device_id)
 
 
 def wrap(array: DeviceMemoryArray) -> torch.Tensor:
