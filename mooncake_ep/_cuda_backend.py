@@ -115,7 +115,9 @@ class CudaBackend:
         # In one process on one GPU, GPU-scope ordering is enough (kernels_cu/ptx.cuh); ranks in
         # other processes, even on this GPU, need system scope.
         self.sys_scope = not (all_on_one_device and in_process)
-        self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache, self.sys_scope)
+        self._runtime = cupy.cuda.runtime
+        with cupy.cuda.Device(device_id):  # the modules load into this device's context
+            self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache, self.sys_scope)
         self.workspace = DeviceWorkspace(num_ep_buffer_bytes, device_id)
         self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id, host_mirror=True)
         self._ipc = ipc_transport.IpcTransport(group, self.workspace) if self.transport == "ipc" else None
@@ -260,12 +262,16 @@ class CudaBackend:
                         topk_ptr: int, topk_is_int64: bool, num_topk: int, active_ptr: int, recv_x_ptr: int,
                         recv_scales_ptr: int, recv_count_ptr: int, timeout_ns: int, use_fp8: bool,
                         round_scale: bool, use_ue8m0: bool, stream_ptr: int) -> None:
-        if self._pending_layouts:
-            self.upload_layouts(stream_ptr)
-        launcher = self.launchers[kernels.dispatch_launcher_name(use_fp8, round_scale, use_ue8m0)]
-        launcher(self.num_sms, (phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, x_ptr, num_tokens,
-                                topk_ptr, topk_is_int64, num_topk, active_ptr, recv_x_ptr, recv_scales_ptr,
-                                recv_count_ptr, timeout_ns), stream_ptr)
+        previous = self._make_current()
+        try:
+            if self._pending_layouts:
+                self.upload_layouts(stream_ptr)
+            launcher = self.launchers[kernels.dispatch_launcher_name(use_fp8, round_scale, use_ue8m0)]
+            launcher(self.num_sms, (phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, x_ptr, num_tokens,
+                                    topk_ptr, topk_is_int64, num_topk, active_ptr, recv_x_ptr, recv_scales_ptr,
+                                    recv_count_ptr, timeout_ns), stream_ptr)
+        finally:
+            self._restore_device(previous)
 
     def launch_combine(self, phases: int, parity: int, layout_ptr: int, *, expert_out_ptr: int, zero_copy: bool,
                        num_tokens: int, topk_ptr: int, topk_is_int64: bool, num_topk: int, weights_ptr: int,
@@ -273,12 +279,32 @@ class CudaBackend:
                        stream_ptr: int, direct_reads: bool = True) -> None:
         """Launch the combine kernel. ``direct_reads=False`` copies the expert outputs into the
         workspace even where peers could read them in place (see :meth:`_combine_source`)."""
-        if self._pending_layouts:
-            self.upload_layouts(stream_ptr)
-        self.launchers["combine"](self.num_sms, (
-            phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, expert_out_ptr,
-            self._combine_source(zero_copy, direct_reads), num_tokens, topk_ptr, topk_is_int64, num_topk, weights_ptr,
-            active_ptr, combined_ptr, renormalize, timeout_ns), stream_ptr)
+        previous = self._make_current()
+        try:
+            if self._pending_layouts:
+                self.upload_layouts(stream_ptr)
+            self.launchers["combine"](self.num_sms, (
+                phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, expert_out_ptr,
+                self._combine_source(zero_copy, direct_reads), num_tokens, topk_ptr, topk_is_int64, num_topk,
+                weights_ptr, active_ptr, combined_ptr, renormalize, timeout_ns), stream_ptr)
+        finally:
+            self._restore_device(previous)
+
+    def _make_current(self) -> int:
+        """Make this rank's device current for a launch; returns the device to restore after it.
+
+        The kernels were loaded in this device's context and the stream is this device's, but the
+        calling thread may hold another device (an engine's thread, a callback's): the launch would
+        fail after the call had advanced its step counters.
+        """
+        previous = self._runtime.getDevice()
+        if previous != self.device_id:
+            self._runtime.setDevice(self.device_id)
+        return previous
+
+    def _restore_device(self, previous: int) -> None:
+        if previous != self.device_id:
+            self._runtime.setDevice(previous)
 
     def _combine_source(self, zero_copy: bool, direct_reads: bool) -> int:
         """Where token owners read this rank's expert outputs (kSource* in ll_combine.cu).

@@ -103,10 +103,25 @@ class CountingGroup:
         self._group.barrier()
 
 
+class FakeRuntime:
+    """cupy.cuda.runtime's current device, for a thread: getDevice / setDevice (logged)."""
+
+    def __init__(self, log: list, current: int = 0):
+        self.log, self.current = log, current
+
+    def getDevice(self) -> int:  # noqa: N802 - cupy's names
+        return self.current
+
+    def setDevice(self, device: int) -> None:  # noqa: N802
+        self.log.append(f"set device {device}")
+        self.current = device
+
+
 def stub_backend(group, log: list, transport=None, workspace_fill: int = 0) -> CudaBackend:
     backend = object.__new__(CudaBackend)
     backend.group = group
     backend.device_id = 0
+    backend._runtime = FakeRuntime(log)
     backend.sys_scope = True
     backend.workspace = HostWorkspace(layout.header_bytes(), log, "workspace", workspace_fill)
     backend.layout_table = HostWorkspace(_cuda_backend.MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, log, "layout table")
@@ -255,6 +270,41 @@ def test_a_new_configuration_is_written_by_the_next_launch_on_its_stream(monkeyp
     assert log == ["write layout table on stream 0xa0", "launch on 0xa0", "write layout table on stream 0xb0",
                    "launch on 0xb0", "launch on 0xb0"]
     assert backend.layout_table.read(0, len(workspace_layout.pack())) == workspace_layout.pack()
+
+
+def test_a_launch_runs_on_the_ranks_device_and_gives_the_caller_its_own_back():
+    """A thread holding another device (an engine's, a callback's) launches in the rank's context."""
+    log: list = []
+    backend = stub_backend(RecordingGroup(log), log)
+    backend.device_id, backend.num_sms = 1, 4
+    runtime = backend._runtime
+    backend.launchers = {kernels.dispatch_launcher_name(False, False, False):
+                         lambda num_blocks, args, stream: log.append(f"dispatch on device {runtime.current}"),
+                         "combine": lambda num_blocks, args, stream: log.append(f"combine on device {runtime.current}")}
+    backend.direct_peer_reads = True
+    dispatch = dict(x_ptr=1, num_tokens=1, topk_ptr=2, topk_is_int64=True, num_topk=1, active_ptr=3, recv_x_ptr=4,
+                    recv_scales_ptr=0, recv_count_ptr=5, timeout_ns=-1, use_fp8=False, round_scale=False,
+                    use_ue8m0=False)
+    combine = dict(expert_out_ptr=1, zero_copy=False, num_tokens=1, topk_ptr=2, topk_is_int64=True, num_topk=1,
+                   weights_ptr=3, active_ptr=4, combined_ptr=5, renormalize=False, timeout_ns=-1)
+    runtime.current = 0
+    backend.launch_dispatch(3, 0, 0, stream_ptr=0xA0, **dispatch)
+    backend.launch_combine(3, 0, 0, stream_ptr=0xA0, **combine)
+    assert log == ["set device 1", "dispatch on device 1", "set device 0",
+                   "set device 1", "combine on device 1", "set device 0"]
+    assert runtime.current == 0
+    log.clear()
+    runtime.current = 1  # already the rank's device: no switch
+    backend.launch_dispatch(3, 0, 0, stream_ptr=0xA0, **dispatch)
+    assert log == ["dispatch on device 1"]
+
+    def failing(num_blocks, args, stream):
+        raise RuntimeError("launch failed")
+    backend.launchers["combine"] = failing
+    runtime.current = 0
+    with pytest.raises(RuntimeError, match="launch failed"):
+        backend.launch_combine(3, 0, 0, stream_ptr=0xA0, **combine)
+    assert runtime.current == 0, "a failed launch gives the caller its device back too"
 
 
 def test_a_replacement_in_the_same_process_also_adopts_the_survivors_steps():
