@@ -749,15 +749,13 @@ def _signature(view: ArrayView) -> tuple:
 
 
 def _dlpack_stream(first: ArrayView, stream_ptr: int) -> int | None:
-    """The stream to hand DLPack producers of the call's other arrays.
+    """The stream to hand the producers of the call's other arrays: the launch stream (None for host arrays).
 
-    torch arrays are read without DLPack, and the launch stream is torch's current stream already,
-    so no ordering is asked for (that saves a current-stream query per array); other CUDA
-    producers make the launch stream wait for their pending writes.
+    torch and cupy arrays on that very stream (their framework's current one) are read directly;
+    other CUDA producers, and torch or cupy arrays whose current stream is another, make the launch
+    stream wait for their pending writes through DLPack.
     """
-    if first.framework == "torch" or first.device_type == "cpu":
-        return None
-    return stream_ptr
+    return None if first.device_type == "cpu" else stream_ptr
 
 
 def _timeout_ns(timeout_us: int) -> int:
