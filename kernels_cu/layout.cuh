@@ -26,7 +26,9 @@
 //   recv_range[P]          [E_l][R] int2: (first row, rows) of source rank r in local expert e_l
 //   combine_x[P]           [E_l][R*T][H] bf16: expert outputs, read by the token owners in combine
 // The first six are laid out independently of the configuration, so epochs survive a change of
-// shape; the rest depend on (T, H, E, R).
+// shape; the rest depend on (T, H, E, R) and lie parity-major: parity p's in the p-th half of the
+// workspace past the header, whatever the configuration, so the call before, which peers may still
+// be reading, never shares a byte with this one, even when its (T, H, E) differed.
 #pragma once
 
 #include "types.cuh"

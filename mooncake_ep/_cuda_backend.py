@@ -228,7 +228,8 @@ class CudaBackend:
             return found
         if len(self._layouts) >= MAX_LAYOUTS:
             raise ValueError(f"Buffer: more than {MAX_LAYOUTS} distinct (T, hidden, num_experts) configurations")
-        workspace_layout = layout.compute_layout(self.group.world_size, num_experts, num_max_tokens, hidden)
+        workspace_layout = layout.compute_layout(self.group.world_size, num_experts, num_max_tokens, hidden,
+                                                 self.workspace.num_bytes)
         offset = len(self._layouts) * layout.LAYOUT_SLOT_BYTES
         # Written by the next launch, on its stream (see upload_layouts), never here: a synchronous
         # copy inside a call waits behind the kernels of in-process peers that wait for this rank.

@@ -121,18 +121,25 @@ class WorkspaceLayout:
 
 
 @functools.lru_cache(maxsize=256)
-def compute_layout(num_ranks: int, num_experts: int, num_max_tokens: int, hidden: int) -> WorkspaceLayout:
-    """Lay out the workspace for R ranks, E experts, T tokens per rank and hidden H."""
+def compute_layout(num_ranks: int, num_experts: int, num_max_tokens: int, hidden: int,
+                   num_workspace_bytes: int | None = None) -> WorkspaceLayout:
+    """Lay out the workspace for R ranks, E experts, T tokens per rank and hidden H.
+
+    Parity-major: after the header, the regions of parity 0, then those of parity 1. Given the
+    Buffer's ``num_workspace_bytes``, parity p's regions start at the header plus p times half of
+    what follows it, whatever the configuration: a call of one configuration and the next of
+    another, which may still be read by peers, never share a byte. Regions of one parity are
+    reused two calls later, when every peer is done with them, whatever the configurations.
+
+    Args:
+        num_workspace_bytes: the workspace size of the Buffer; None: parity 1 follows parity 0
+            directly (the size :meth:`mooncake_ep.Buffer.get_ep_buffer_size_hint` reports).
+
+    Raises:
+        ValueError: the configuration does not fit in ``num_workspace_bytes``.
+    """
     num_local_experts = num_experts // num_ranks
     offsets: dict = {name: value for name, value in HEADER_OFFSETS.items() if name != "end"}
-    cursor = header_bytes()
-
-    def take(num_bytes: int) -> int:
-        nonlocal cursor
-        start = cursor
-        cursor = _align(cursor + num_bytes)
-        return start
-
     sizes = {
         "send_x": num_max_tokens * 2 * hidden,
         "send_scales": num_max_tokens * (hidden // FP8_BLOCK) * 4,
@@ -142,6 +149,17 @@ def compute_layout(num_ranks: int, num_experts: int, num_max_tokens: int, hidden
         "recv_range": num_local_experts * num_ranks * 8,
         "combine_x": num_local_experts * num_ranks * num_max_tokens * hidden * 2,
     }
+    relative, parity_bytes = {}, 0
     for name in _PER_PARITY:
-        offsets[name] = tuple(take(sizes[name]) for _ in range(NUM_PARITIES))
-    return WorkspaceLayout(num_ranks, num_experts, num_max_tokens, hidden, offsets, cursor)
+        relative[name] = parity_bytes
+        parity_bytes = _align(parity_bytes + sizes[name])
+    num_bytes = header_bytes() + NUM_PARITIES * parity_bytes
+    half = parity_bytes
+    if num_workspace_bytes is not None:
+        half = (num_workspace_bytes - header_bytes()) // NUM_PARITIES // WORKSPACE_ALIGNMENT * WORKSPACE_ALIGNMENT
+        if parity_bytes > half:
+            raise ValueError(f"compute_layout: (R={num_ranks}, E={num_experts}, T={num_max_tokens}, H={hidden}) needs "
+                             f"{num_bytes} workspace bytes, the workspace has {num_workspace_bytes}")
+    for name in _PER_PARITY:
+        offsets[name] = tuple(header_bytes() + parity * half + relative[name] for parity in range(NUM_PARITIES))
+    return WorkspaceLayout(num_ranks, num_experts, num_max_tokens, hidden, offsets, num_bytes)

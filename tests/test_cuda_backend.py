@@ -124,6 +124,8 @@ def stub_backend(group, log: list, transport=None, workspace_fill: int = 0) -> C
     backend._runtime = FakeRuntime(log)
     backend.sys_scope = True
     backend.workspace = HostWorkspace(layout.header_bytes(), log, "workspace", workspace_fill)
+    # Layouts are laid out in this many bytes; only the header, all the tests touch, has memory.
+    backend.workspace.num_bytes = 1 << 30
     backend.layout_table = HostWorkspace(_cuda_backend.MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, log, "layout table")
     backend._ipc = transport
     backend.transport = "local" if transport is None else "ipc"

@@ -185,3 +185,38 @@ def test_pack_is_the_struct_the_kernels_read():
     assert record["num_bytes"] == workspace.num_bytes
     for name, offset in workspace.offsets.items():
         np.testing.assert_array_equal(record[name], offset, err_msg=name)
+
+
+# Configurations of one model a Buffer may serve one after another (R = 8, E = 256): decode,
+# a prefill chunk, another hidden size.
+SHARED_BUFFER = [(8, 256, 128, 7168), (8, 256, 16, 4096), (8, 256, 300, 2048)]
+
+
+def test_consecutive_configurations_never_share_bytes_between_parities():
+    """A call of one configuration and the next, of another and the other parity, are disjoint.
+
+    The previous call may still be read by peers when the next one stages its tokens: with a
+    layout per configuration packed from the header, (T = 16, H = 4096)'s parity 1 would lie in
+    the middle of (T = 128, H = 7168)'s parity 0.
+    """
+    num_bytes = max(ep.Buffer.get_ep_buffer_size_hint(t, h, r, e) for r, e, t, h in SHARED_BUFFER) + 4096
+    layouts = [layout.compute_layout(*config, num_workspace_bytes=num_bytes) for config in SHARED_BUFFER]
+    for workspace in layouts:
+        spans = regions(workspace)
+        assert spans[-1][0] + spans[-1][1] <= num_bytes
+    for first in layouts:
+        for second in layouts:
+            for start, size, name in regions(first):
+                if not name.endswith("[0]") or name.split("[")[0] not in layout._PER_PARITY:
+                    continue
+                for other_start, other_size, other_name in regions(second):
+                    if other_name.endswith("[1]") and other_name.split("[")[0] in layout._PER_PARITY:
+                        assert start + size <= other_start or other_start + other_size <= start, \
+                            f"{first.hidden}'s {name} overlaps {second.hidden}'s {other_name}"
+
+
+def test_a_configuration_too_large_for_the_workspace_is_refused():
+    needed = ep.Buffer.get_ep_buffer_size_hint(128, 7168, 8, 256)
+    layout.compute_layout(8, 256, 128, 7168, num_workspace_bytes=needed)  # exactly the hint fits
+    with pytest.raises(ValueError, match="needs .* workspace bytes"):
+        layout.compute_layout(8, 256, 128, 7168, num_workspace_bytes=needed - 1)
