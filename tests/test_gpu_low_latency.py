@@ -307,18 +307,23 @@ def test_dead_rank_is_masked(case):
     check_case(case)
 
 
-def test_repeated_steps_and_fresh_inputs():
-    """Ten steps on one buffer alternate parities and epochs; every step equals the reference."""
-    case = Case(4, 32, 1024, 4, use_fp8=True)
-    size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
-    group = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks)
-    inputs = [make_inputs(dataclasses.replace(case, seed=seed)) for seed in range(10)]
+def test_repeated_steps_alternating_configurations():
+    """Ten steps on one buffer alternate parities and epochs, and two configurations (T, H) in an
+    order that puts each on both parities and after either; fresh inputs every step, each equal to
+    the reference. The buffer holds both with room to spare, so each configuration's parity 1 lies
+    past its own parity 0's end (layout.compute_layout with the workspace size)."""
+    configs = [Case(4, 32, 1024, 4, use_fp8=True), Case(4, 32, 2048, 4, num_max_tokens=16, use_fp8=True)]
+    order = [0, 1, 1, 0, 0, 1, 0, 1, 1, 0]
+    size = 2 * max(ep.Buffer.get_ep_buffer_size_hint(c.num_max_tokens, c.hidden, c.num_ranks, c.num_experts)
+                   for c in configs)
+    group = ep.LocalGroup(configs[0].num_ranks, devices=[0] * configs[0].num_ranks)
+    steps = [(configs[c], make_inputs(dataclasses.replace(configs[c], seed=seed))) for seed, c in enumerate(order)]
 
     def run(g):
         buffer = ep.Buffer(g, size)
-        active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        active = torch.ones(g.world_size, dtype=torch.int32, device="cuda")
         outputs = []
-        for xs, topks, weights in inputs:
+        for case, (xs, topks, weights) in steps:
             x, topk, w = to_torch(xs[g.rank]), to_torch(topks[g.rank]), to_torch(weights[g.rank])
             settle(g)
             recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
@@ -335,18 +340,21 @@ def test_repeated_steps_and_fresh_inputs():
         return outputs
 
     results = group.spawn(run)
-    actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
-    for step, (xs, topks, weights) in enumerate(inputs):
+    for step, (case, (xs, topks, weights)) in enumerate(steps):
+        actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
         dispatched = [reference.dispatch(r, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=True)
                       for r in range(case.num_ranks)]
         expert_outs = [results[r][step][2] for r in range(case.num_ranks)]
         for rank in range(case.num_ranks):
             count, q, _, combined = results[rank][step]
-            np.testing.assert_array_equal(count, dispatched[rank].recv_count, err_msg=f"step {step} rank {rank}")
+            where = f"step {step} (T={case.num_max_tokens}, H={case.hidden}) rank {rank}"
+            np.testing.assert_array_equal(count, dispatched[rank].recv_count, err_msg=where)
             for e, n in enumerate(count):
-                np.testing.assert_array_equal(q[e, :n].view(np.uint8), dispatched[rank].recv_x[e, :n].view(np.uint8))
+                np.testing.assert_array_equal(q[e, :n].view(np.uint8), dispatched[rank].recv_x[e, :n].view(np.uint8),
+                                              err_msg=where)
             want, _ = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
-            np.testing.assert_allclose(combined.astype(np.float32), want.astype(np.float32), rtol=BF16_RTOL, atol=1e-3)
+            np.testing.assert_allclose(combined.astype(np.float32), want.astype(np.float32), rtol=BF16_RTOL, atol=1e-3,
+                                       err_msg=where)
 
 
 def test_cuda_graph_replay_with_fresh_inputs():
