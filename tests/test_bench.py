@@ -8,6 +8,7 @@ No assertion is about elapsed time; the process limit only turns a hang into a f
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -19,14 +20,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mooncake_ep import _constants, cli, reference  # noqa: E402 - after the torch skip
-from mooncake_ep.cli import baseline  # noqa: E402
+from mooncake_ep.cli import baseline, bench  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROCESS_LIMIT_S = 120.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PHASE_KEYS = {"p50_us", "p90_us", "p99_us", "floor_us", "ratio_to_floor", "deepep_gbps_per_rank", "baseline_p50_us",
               "speedup_vs_baseline"}
-TOP_KEYS = {"date", "device", "config", "copy_bandwidth_gbps", "host_us_per_call", "phases"}
+TOP_KEYS = {"date", "device", "config", "copy_bandwidth_gbps", "host_us_per_call", "phases", "load"}
 # Small shapes: (ranks, tokens T, hidden, top-k, experts).
 SHAPES = [(2, 8, 256, 4, 8), (3, 5, 128, 2, 9), (4, 6, 384, 3, 16)]
 
@@ -150,6 +151,27 @@ def abs_weighted_sum(dispatch_results, expert_outs, weights: np.ndarray, rank: i
 # --- the command -----------------------------------------------------------------------------------
 
 
+def test_expert_load_counts_copies_per_expert_and_per_owning_rank():
+    # 2 ranks x 2 local experts; set 0: expert 0 twice, 1 once, 3 once (-1 ignored); set 1: even.
+    uneven = [np.array([[0, 1], [0, -1]]), np.array([[3, -1]])]
+    even = [np.array([[0, 1]]), np.array([[2, 3]])]
+    load = bench.expert_load([uneven, even], num_experts=4, num_ranks=2)
+    # set 0: per expert (2, 1, 0, 1), mean 1 -> 2.0; per rank (3, 1), mean 2 -> 1.5, busiest 3 copies.
+    assert load == pytest.approx({"expert_max_over_mean": (2.0 + 1.0) / 2, "rank_max_over_mean": (1.5 + 1.0) / 2,
+                                  "max_copies_per_rank": (3 + 2) / 2})
+    assert bench.expert_load([[np.full((2, 1), -1)]], num_experts=4, num_ranks=2)["rank_max_over_mean"] == 1.0
+
+
+def test_k_hot_routing_loads_the_hot_experts_rank():
+    args = argparse.Namespace(experts=64, topk=4, routing="k_hot", hot_fraction=1.0, hot_experts=8, alpha=1.2)
+    routes = [bench.route(np.random.default_rng(seed), args, 32) for seed in range(4)]
+    hot = bench.expert_load([routes], num_experts=64, num_ranks=8)
+    args.routing = "uniform"
+    uniform = bench.expert_load([[bench.route(np.random.default_rng(seed), args, 32) for seed in range(4)]], 64, 8)
+    assert hot["rank_max_over_mean"] == pytest.approx(8.0)  # every copy on rank 0's 8 experts
+    assert uniform["rank_max_over_mean"] < 2.0
+
+
 def check_schema(report: dict, *, with_baseline: bool, backend: str = "reference") -> None:
     assert TOP_KEYS <= report.keys(), sorted(report)
     on_gpu = backend == "cuda"
@@ -158,6 +180,9 @@ def check_schema(report: dict, *, with_baseline: bool, backend: str = "reference
     assert set(report["host_us_per_call"]) == {"dispatch", "combine"}
     assert all(v > 0 for v in report["host_us_per_call"].values())
     assert set(report["phases"]) == {"dispatch", "combine", "combine_zero_copy", "step"}
+    load = report["load"]
+    assert load["expert_max_over_mean"] >= 1.0 and load["rank_max_over_mean"] >= 1.0
+    assert load["max_copies_per_rank"] >= report["copies"] / report["config"]["ranks"]
     for phase, row in report["phases"].items():
         assert PHASE_KEYS <= row.keys(), (phase, sorted(row))
         assert 0 < row["p50_us"] <= row["p90_us"] <= row["p99_us"], (phase, row)

@@ -10,6 +10,8 @@ between ranks are left out. Inputs rotate among ``--input-sets`` sets so that th
 The HBM floor of a phase is the fewest bytes it must move through device memory (dispatch: read
 each token once, write each copy once into recv_x; combine: read each expert output row once, write
 each combined token once), divided by the device-to-device copy bandwidth measured in the same run.
+``load`` says how unevenly the routing falls: the busiest expert's and the busiest rank's copies over
+the mean (a phase waits for the busiest rank).
 
 Baseline (``--baseline``, on by default): the same dispatch and combine written with plain torch
 operations (mooncake_ep.cli.baseline: sort by expert, index_select, per-rank copies, index_add_),
@@ -195,6 +197,35 @@ def make_input_sets(args, rng: np.random.Generator, devices: list[str], torch) -
 
 def mean_copies(sets: list[list[dict]]) -> float:
     return float(np.mean([sum(int((inp["routes"] >= 0).sum()) for inp in per_rank) for per_rank in sets]))
+
+
+def set_load(args, sets: list[list[dict]]) -> dict:
+    """:func:`expert_load` of the input sets' routes."""
+    return expert_load([[inp["routes"] for inp in per_rank] for per_rank in sets], args.experts, args.ranks)
+
+
+def expert_load(routes_per_set: list[list[np.ndarray]], num_experts: int, num_ranks: int) -> dict:
+    """How unevenly the copies fall on experts and on the ranks that own them, over the input sets.
+
+    Args:
+        routes_per_set: per input set, every rank's ``[tokens, topk]`` expert ids (-1: no expert).
+
+    Returns:
+        ``expert_max_over_mean``: copies of the busiest expert over the mean per expert;
+        ``rank_max_over_mean``: copies received by the busiest rank over the mean per rank (the
+        busiest rank's receive is what a phase waits for); ``max_copies_per_rank``: that rank's
+        copies; each the mean over the input sets (1.0 = perfectly even).
+    """
+    experts, ranks, busiest = [], [], []
+    for routes in routes_per_set:
+        ids = np.concatenate([r.reshape(-1) for r in routes])
+        per_expert = np.bincount(ids[ids >= 0], minlength=num_experts).astype(np.float64)
+        per_rank = per_expert.reshape(num_ranks, num_experts // num_ranks).sum(axis=1)
+        experts.append(per_expert.max() / per_expert.mean() if per_expert.any() else 1.0)
+        ranks.append(per_rank.max() / per_rank.mean() if per_rank.any() else 1.0)
+        busiest.append(per_rank.max())
+    return {"expert_max_over_mean": float(np.mean(experts)), "rank_max_over_mean": float(np.mean(ranks)),
+            "max_copies_per_rank": float(np.mean(busiest))}
 
 
 # --- the torch baseline ------------------------------------------------------------------------
@@ -414,7 +445,8 @@ def measure_cuda(args, progress) -> dict:
 
     report = build_report(args, backend="cuda", timer="cuda_events", device=torch.cuda.get_device_name(0),
                           num_sms_per_rank=buffers[0]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
-                          copies=mean_copies(sets), host=host, kernel=kernel, baseline_stats=baseline_stats)
+                          copies=mean_copies(sets), load=set_load(args, sets), host=host, kernel=kernel,
+                          baseline_stats=baseline_stats)
     group.spawn(lambda g: buffers[g.rank].destroy())
     sets.clear()  # the closures above hold these names: empty them rather than del
     graphs.clear()
@@ -495,14 +527,14 @@ def measure_reference(args, progress) -> dict:
         baseline_stats = time_baseline(args, sets, lambda: HostTimer(args.iters), progress)
     report = build_report(args, backend="reference", timer="host",
                           device=f"CPU ({platform.machine() or 'unknown'}, {os.cpu_count()} cores)",
-                          num_sms_per_rank=None, copy_bandwidth=None, copies=mean_copies(sets), host=host,
-                          kernel=kernel, baseline_stats=baseline_stats)
+                          num_sms_per_rank=None, copy_bandwidth=None, copies=mean_copies(sets),
+                          load=set_load(args, sets), host=host, kernel=kernel, baseline_stats=baseline_stats)
     group.spawn(lambda g: buffers[g.rank].destroy())
     return report
 
 
 def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_rank: int | None,
-                 copy_bandwidth: float | None, copies: float, host: dict, kernel: dict,
+                 copy_bandwidth: float | None, copies: float, load: dict, host: dict, kernel: dict,
                  baseline_stats: dict | None) -> dict:
     """The JSON report; ``copy_bandwidth`` (bytes/s) None means no floor (the reference backend)."""
     floor_bytes, deepep_bytes = bytes_moved(args, copies)
@@ -516,6 +548,7 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
         "copies": copies,
+        "load": load,
         "host_us_per_call": {k: float(np.median(v)) for k, v in host.items()},
         "baseline": baseline_stats,
         "phases": {},
@@ -564,6 +597,9 @@ def print_report(report: dict) -> None:
               f"{_cell(row['floor_us'], 10, 1)}{_cell(row['ratio_to_floor'], 7, 2)}{row['deepep_gbps_per_rank']:>11.1f}"
               f"{_cell(row['baseline_p50_us'], 10, 1)}{_cell(row['speedup_vs_baseline'], 9, 2)}")
     print("host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in report["host_us_per_call"].items()))
+    load = report["load"]
+    print(f"load: busiest expert {load['expert_max_over_mean']:.2f}x the mean, busiest rank "
+          f"{load['rank_max_over_mean']:.2f}x ({load['max_copies_per_rank']:.0f} copies)")
 
 
 def plot_sweep(path: str, report: dict, points: list[dict]) -> None:
