@@ -263,16 +263,10 @@ class CudaBackend:
                         topk_ptr: int, topk_is_int64: bool, num_topk: int, active_ptr: int, recv_x_ptr: int,
                         recv_scales_ptr: int, recv_count_ptr: int, timeout_ns: int, use_fp8: bool,
                         round_scale: bool, use_ue8m0: bool, stream_ptr: int) -> None:
-        previous = self._make_current()
-        try:
-            if self._pending_layouts:
-                self.upload_layouts(stream_ptr)
-            launcher = self.launchers[kernels.dispatch_launcher_name(use_fp8, round_scale, use_ue8m0)]
-            launcher(self.num_sms, (phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, x_ptr, num_tokens,
-                                    topk_ptr, topk_is_int64, num_topk, active_ptr, recv_x_ptr, recv_scales_ptr,
-                                    recv_count_ptr, timeout_ns), stream_ptr)
-        finally:
-            self._restore_device(previous)
+        self._launch(self.launchers[kernels.dispatch_launcher_name(use_fp8, round_scale, use_ue8m0)],
+                     (phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, x_ptr, num_tokens, topk_ptr,
+                      topk_is_int64, num_topk, active_ptr, recv_x_ptr, recv_scales_ptr, recv_count_ptr, timeout_ns),
+                     stream_ptr)
 
     def launch_combine(self, phases: int, parity: int, layout_ptr: int, *, expert_out_ptr: int, zero_copy: bool,
                        num_tokens: int, topk_ptr: int, topk_is_int64: bool, num_topk: int, weights_ptr: int,
@@ -280,32 +274,28 @@ class CudaBackend:
                        stream_ptr: int, direct_reads: bool = True) -> None:
         """Launch the combine kernel. ``direct_reads=False`` copies the expert outputs into the
         workspace even where peers could read them in place (see :meth:`_combine_source`)."""
-        previous = self._make_current()
-        try:
-            if self._pending_layouts:
-                self.upload_layouts(stream_ptr)
-            self.launchers["combine"](self.num_sms, (
-                phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, expert_out_ptr,
-                self._combine_source(zero_copy, direct_reads), num_tokens, topk_ptr, topk_is_int64, num_topk,
-                weights_ptr, active_ptr, combined_ptr, renormalize, timeout_ns), stream_ptr)
-        finally:
-            self._restore_device(previous)
+        self._launch(self.launchers["combine"],
+                     (phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, expert_out_ptr,
+                      self._combine_source(zero_copy, direct_reads), num_tokens, topk_ptr, topk_is_int64, num_topk,
+                      weights_ptr, active_ptr, combined_ptr, renormalize, timeout_ns), stream_ptr)
 
-    def _make_current(self) -> int:
-        """Make this rank's device current for a launch; returns the device to restore after it.
+    def _launch(self, launcher, args: tuple, stream_ptr: int) -> None:
+        """Write pending layouts ahead of the launch, then launch, with this rank's device current.
 
         The kernels were loaded in this device's context and the stream is this device's, but the
         calling thread may hold another device (an engine's thread, a callback's): the launch would
-        fail after the call had advanced its step counters.
+        fail after the call had advanced its step counters. The caller's device is given back.
         """
         previous = self._runtime.getDevice()
         if previous != self.device_id:
             self._runtime.setDevice(self.device_id)
-        return previous
-
-    def _restore_device(self, previous: int) -> None:
-        if previous != self.device_id:
-            self._runtime.setDevice(previous)
+        try:
+            if self._pending_layouts:
+                self.upload_layouts(stream_ptr)
+            launcher(self.num_sms, args, stream_ptr)
+        finally:
+            if previous != self.device_id:
+                self._runtime.setDevice(previous)
 
     def _combine_source(self, zero_copy: bool, direct_reads: bool) -> int:
         """Where token owners read this rank's expert outputs (kSource* in ll_combine.cu).
