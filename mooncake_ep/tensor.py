@@ -304,8 +304,8 @@ def _read_numpy(obj: np.ndarray, name: str) -> ArrayView:
 
 
 _torch_dtypes: dict[Any, str] = {}
-# [torch, its current-stream getter], once a tensor has been seen (imported lazily, then cached)
-_torch_module: list[Any] = []
+_torch_module: list[Any] = []  # torch, once a tensor has been seen (imported lazily, then cached)
+_torch_stream: list[Any] = []  # its current-stream getter, cached with it
 
 
 def _same_stream(current: int, stream: int) -> bool:
@@ -317,7 +317,6 @@ def _torch():
     if not _torch_module:
         import torch
 
-        _torch_module.append(torch)
         _torch_dtypes.update({getattr(torch, n): n for n in DTYPES})
         # The raw handle without building a torch.cuda.Stream (microseconds, once per array of
         # a call); the public spelling where a build lacks it.
@@ -325,14 +324,15 @@ def _torch():
         if raw is None:
             def raw(device_id: int) -> int:
                 return torch.cuda.current_stream(device_id).cuda_stream
-        _torch_module.append(raw)
+        _torch_stream.append(raw)
+        _torch_module.append(torch)  # last: a thread that sees torch finds the rest set too
     return _torch_module[0]
 
 
 def torch_current_stream(device_id: int) -> int:
     """torch's current CUDA stream handle on ``device_id`` (0 = legacy default)."""
     _torch()
-    return _torch_module[1](device_id)
+    return _torch_stream[0](device_id)
 
 
 def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
@@ -349,7 +349,7 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
         device_id = obj.get_device()
         # DLPack would make `stream` wait for torch's current stream; the fast path orders
         # nothing, so it is taken only when the caller launches on that very stream.
-        if stream is not None and stream != -1 and not _same_stream(_torch_module[1](device_id), stream):
+        if stream is not None and stream != -1 and not _same_stream(_torch_stream[0](device_id), stream):
             return None
         device_type = "cuda"
     elif obj.device.type == "cpu":
