@@ -2,9 +2,10 @@
 //
 // Only builds with EP_TRACE=1 record anything (scripts/trace_phases.py makes them); every other
 // build compiles EP_TRACE_POINT to nothing. A traced module holds one array in device memory,
-//   ep_trace[EP_TRACE_NUM_POINTS][EP_TRACE_MAX_BLOCKS]   u64 %globaltimer (ns)
+//   ep_trace[EP_TRACE_MAX_RANKS][EP_TRACE_NUM_POINTS][EP_TRACE_MAX_BLOCKS]   u64 %globaltimer (ns)
 // written by thread 0 of each block at each named point of a kernel, overwritten by every launch:
-// read after a replay, it is that replay's timeline. %globaltimer is common to all SMs, so points of
+// read after a replay, it is that replay's timeline. Indexed by the kernel's `rank` argument: the
+// in-process ranks of one device share one loaded module (kernels.py), hence one array. %globaltimer is common to all SMs, so points of
 // different blocks and of different ranks' kernels can be compared. Points, in both protocols:
 //   0 send entry   1 send work done   2 flags stored (last block)   3 receive entry
 //   4 flags seen   5 receive plan ready   6 rows done   7 receive exit (last block)
@@ -19,13 +20,15 @@
 #if EP_TRACE
 #define EP_TRACE_NUM_POINTS 8
 #define EP_TRACE_MAX_BLOCKS 256
+#define EP_TRACE_MAX_RANKS 8
 extern "C" {
-__device__ uint64_t ep_trace[EP_TRACE_NUM_POINTS][EP_TRACE_MAX_BLOCKS];  // unmangled: found by name
+__device__ uint64_t ep_trace[EP_TRACE_MAX_RANKS][EP_TRACE_NUM_POINTS][EP_TRACE_MAX_BLOCKS];  // found by name
 }
-#define EP_TRACE_POINT(point)                                              \
-    do {                                                                   \
-        if (threadIdx.x == 0 && blockIdx.x < EP_TRACE_MAX_BLOCKS)          \
-            ep_trace[(point)][blockIdx.x] = ep::global_timer_ns();         \
+// Uses the kernel's `rank`; ranks past EP_TRACE_MAX_RANKS record nothing.
+#define EP_TRACE_POINT(point)                                                                 \
+    do {                                                                                      \
+        if (threadIdx.x == 0 && blockIdx.x < EP_TRACE_MAX_BLOCKS && rank < EP_TRACE_MAX_RANKS) \
+            ep_trace[rank][(point)][blockIdx.x] = ep::global_timer_ns();                      \
     } while (0)
 #else
 #define EP_TRACE_POINT(point) \

@@ -22,7 +22,7 @@ from mooncake_ep import kernels
 
 POINTS = ("send_entry", "send_done", "flags_stored", "recv_entry", "flags_seen", "plan_ready", "rows_done",
           "recv_exit")
-NUM_POINTS, MAX_BLOCKS = 8, 256  # kernels_cu/trace.cuh
+NUM_POINTS, MAX_BLOCKS, MAX_RANKS = 8, 256, 8  # kernels_cu/trace.cuh
 
 
 def traced_macros(original):
@@ -33,13 +33,28 @@ def traced_macros(original):
 
 def trace_address(launcher) -> tuple[int, int]:
     """Device address and size of the ``ep_trace`` array of the launcher's module."""
+    return module_trace_address(launcher._function.module.ptr)
+
+
+def module_trace_address(module_ptr: int) -> tuple[int, int]:
+    """Device address and size of the ``ep_trace`` array of a loaded module (a ``CUmodule``)."""
     from cuda.bindings import driver
 
-    err, dptr, size = driver.cuModuleGetGlobal(driver.CUmodule(launcher._module.ptr), b"ep_trace")
+    err, dptr, size = driver.cuModuleGetGlobal(driver.CUmodule(module_ptr), b"ep_trace")
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuModuleGetGlobal(ep_trace): {err}")
-    assert size == NUM_POINTS * MAX_BLOCKS * 8, size
+    assert size == MAX_RANKS * NUM_POINTS * MAX_BLOCKS * 8, size
     return int(dptr), int(size)
+
+
+def clear_all_traces() -> None:
+    """Zero the trace of every module this process loaded (kernels._modules)."""
+    import cupy
+
+    for module in kernels._modules.values():
+        address, size = module_trace_address(module.ptr)
+        cupy.cuda.runtime.memset(address, 0, size)
+    cupy.cuda.runtime.deviceSynchronize()
 
 
 def clear_trace(launcher) -> None:
@@ -50,14 +65,15 @@ def clear_trace(launcher) -> None:
     cupy.cuda.runtime.deviceSynchronize()
 
 
-def read_trace(launcher) -> np.ndarray:
-    """``[NUM_POINTS, MAX_BLOCKS]`` u64 timestamps (ns) of the launcher's module; 0 = not written."""
+def read_trace(launcher, rank: int) -> np.ndarray:
+    """``[NUM_POINTS, MAX_BLOCKS]`` u64 timestamps (ns) of ``rank``'s launches of the launcher's
+    module (in-process ranks of one device share it); 0 = not written."""
     import cupy
 
     address, size = trace_address(launcher)
-    host = np.zeros((NUM_POINTS, MAX_BLOCKS), dtype=np.uint64)
+    host = np.zeros((MAX_RANKS, NUM_POINTS, MAX_BLOCKS), dtype=np.uint64)
     cupy.cuda.runtime.memcpy(host.ctypes.data, address, size, cupy.cuda.runtime.memcpyDeviceToHost)
-    return host
+    return host[rank]
 
 
 def summarize(trace: np.ndarray, num_blocks: int, t0: int) -> dict:
@@ -91,6 +107,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.ranks > MAX_RANKS:
+        parser.error(f"--ranks: the trace holds at most {MAX_RANKS} ranks (EP_TRACE_MAX_RANKS)")
 
     import torch
 
@@ -160,7 +178,7 @@ def main() -> None:
     for name in ("dispatch", "combine"):
         graphs[name].replay()
     torch.cuda.synchronize()
-    traces = {name: [read_trace(launcher) for launcher in launchers[name]] for name in launchers}
+    traces = {name: [read_trace(launcher, r) for r, launcher in enumerate(launchers[name])] for name in launchers}
     num_blocks = buffers[0]._cuda.num_sms
     report = {"config": vars(args), "num_sms": num_blocks, "event_us_p50": {k: float(np.median(v)) for k, v in event_us.items()},
               "phases": {}}

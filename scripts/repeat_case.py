@@ -1,0 +1,143 @@
+"""Run low-latency test cases over and over and, when one fails, show what every rank saw.
+
+For failures that come and go (in-process ranks racing on one GPU). Runs the cases of
+tests/test_gpu_low_latency.py whose ids contain one of ``--cases`` (in the file's order), ``--repeat``
+times over. Every Buffer, just before it is destroyed, once every rank's kernels are done, dumps
+from its workspace: the step counters, and the dispatch and combine flags its peers stored into it
+(step and payload per parity and source). With ``--trace`` (kernels built with EP_TRACE=1) it also
+dumps the %globaltimer points of its last dispatch and combine (kernels_cu/trace.cuh), relative to
+the earliest dispatch entry of any rank in that case. A failing case prints its assertion and its
+dumps; ``--json`` keeps everything. A development tool, not part of the library.
+
+    python scripts/repeat_case.py --cases async --repeat 20 --trace --json repeat.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import struct
+import sys
+import time
+import traceback
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+
+from mooncake_ep import _constants, _cuda_backend, kernels, layout  # noqa: E402
+
+
+def dump_workspace(cuda, trace: bool) -> dict:
+    """Steps and flags of this rank's workspace (no kernel of any rank runs: see destroy below)."""
+    state = struct.unpack("<12I", cuda.workspace.peek(layout.HEADER_OFFSETS["state"], 48))
+    names = ("dispatch_step", "combine_step", "dispatch_send_done", "dispatch_recv_done", "combine_send_done",
+             "combine_recv_done")
+    out = {"rank": cuda.group.rank, "state": {n: list(state[2 * i: 2 * i + 2]) for i, n in enumerate(names)}}
+    num_ranks = cuda.group.world_size
+    for region in ("dispatch_flag", "combine_flag", "combine_ack"):
+        raw = cuda.workspace.peek(layout.HEADER_OFFSETS[region], layout.NUM_PARITIES * _constants.MAX_RANKS * 8)
+        flags = np.frombuffer(raw, dtype=np.uint64).reshape(layout.NUM_PARITIES, _constants.MAX_RANKS)[:, :num_ranks]
+        out[region] = [[[int(f >> np.uint64(32)), int(f & np.uint64(0xFFFFFFFF))] for f in row] for row in flags]
+    if trace:
+        import trace_phases
+
+        for name, launcher in cuda.launchers.items():
+            if name == "combine" or name.startswith("dispatch"):
+                points = trace_phases.read_trace(launcher, cuda.group.rank)[:, : cuda.num_sms]
+                if points.any():
+                    out["trace_" + ("combine" if name == "combine" else "dispatch")] = points
+    return out
+
+
+def relative_to_first_entry(ranks: list[dict]) -> None:
+    """Replace each rank's trace arrays by [earliest, latest] block per point, in us from the
+    earliest dispatch send entry of any rank (None: no block wrote the point)."""
+    import trace_phases
+
+    entries = [d["trace_dispatch"][0] for d in ranks if "trace_dispatch" in d]
+    written = [e[e > 0] for e in entries if (e > 0).any()]
+    t0 = int(min(w.min() for w in written)) if written else 0
+    for d in ranks:
+        for key in ("trace_dispatch", "trace_combine"):
+            if key not in d:
+                continue
+            points = {}
+            for name, row in zip(trace_phases.POINTS, d[key]):
+                row = row[row > 0].astype(np.int64)
+                points[name] = [round((int(row.min()) - t0) / 1e3, 1), round((int(row.max()) - t0) / 1e3, 1)] \
+                    if row.size else None
+            d[key] = points
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="async", help="comma-separated substrings of test ids")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--trace", action="store_true", help="build the kernels with EP_TRACE=1")
+    parser.add_argument("--timeout-us", type=int, default=1_000_000,
+                        help="the cases' timeout, unless theirs is shorter (the fault cases')")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    import test_gpu_low_latency as t
+
+    if args.trace:
+        import trace_phases
+
+        kernels._common_macros = trace_phases.traced_macros(kernels._common_macros)
+    dumps: list[dict] = []
+    original_destroy = _cuda_backend.CudaBackend.destroy
+
+    def destroy(self, raise_group_error: bool = True) -> None:
+        if not self._destroyed:
+            self._synchronize()
+            self.group.barrier()  # every rank's kernels are done: the flags are final
+            dumps.append(dump_workspace(self, args.trace))
+        original_destroy(self, raise_group_error)
+
+    _cuda_backend.CudaBackend.destroy = destroy
+    wanted = [w for w in args.cases.split(",") if w]
+    cases = [dataclasses.replace(c, timeout_us=min(c.timeout_us, args.timeout_us))
+             for c in t.GRID + t.MODES + t.FAULTS if any(w in t._case_id(c) for w in wanted)]
+    if not cases:
+        parser.error(f"--cases {args.cases}: no test id matches")
+    results = []
+    for repetition in range(args.repeat):
+        for case in cases:
+            dumps.clear()
+            if args.trace:
+                trace_phases.clear_all_traces()
+            start = time.perf_counter()
+            try:
+                t.check_case(case)
+                error = None
+            except Exception:  # noqa: BLE001 - a diagnostic: keep going and report
+                error = traceback.format_exc(limit=3)
+            elapsed = time.perf_counter() - start
+            ranks = sorted(dumps, key=lambda d: d["rank"])
+            if args.trace:
+                relative_to_first_entry(ranks)
+            result = {"repetition": repetition, "case": t._case_id(case), "ok": error is None,
+                      "seconds": round(elapsed, 3), "error": error, "ranks": ranks}
+            results.append(result)
+            print(f"{repetition:3d} {t._case_id(case)}: {'ok' if error is None else 'FAILED'} in {elapsed:.3f} s",
+                  flush=True)
+            if error is not None:
+                print(error)
+                for d in ranks:
+                    print(json.dumps(d))
+    failed = sum(not r["ok"] for r in results)
+    print(f"{failed} of {len(results)} runs failed")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
