@@ -11,7 +11,7 @@ from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray, torch_curre
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["empty", "from_numpy", "current_stream", "wrap"]
+__all__ = ["empty", "from_numpy", "current_stream", "wrap", "record_stream"]
 
 # numpy dtypes torch.from_numpy refuses (ml_dtypes) -> unsigned int of the same width; the
 # tensor is then reinterpreted with Tensor.view(dtype), which copies nothing.
@@ -82,3 +82,25 @@ def wrap(array: DeviceMemoryArray) -> torch.Tensor:
     import torch
 
     return torch.from_dlpack(array)
+
+
+# torch stream objects of the streams record_stream was given, by (handle, device): one each, made
+# on first use (a Buffer's communication stream lives as long as the Buffer).
+_external_streams: dict[tuple[int, int], Any] = {}
+
+
+def record_stream(tensors, stream_ptr: int, device_id: int) -> None:
+    """Tell torch's caching allocator that work on ``stream_ptr`` uses ``tensors``.
+
+    For calls that run on another stream than the one the tensors were allocated on (async_finish
+    runs on the Buffer's communication stream): a tensor the caller drops is then not handed to a
+    new allocation on its own stream before that work is done (``Tensor.record_stream``).
+    """
+    import torch
+
+    stream = _external_streams.get((stream_ptr, device_id))
+    if stream is None:
+        stream = torch.cuda.ExternalStream(stream_ptr, device=torch.device("cuda", device_id))
+        _external_streams[(stream_ptr, device_id)] = stream
+    for tensor in tensors:
+        tensor.record_stream(stream)
