@@ -127,6 +127,13 @@ def settle(group) -> None:
     group.barrier()
 
 
+def finish_call(event, hook) -> None:
+    """The receive half of a hook-mode call, then the caller's stream joined to an async call's event."""
+    if hook is not None:
+        hook()
+    event.current_stream_wait()
+
+
 def run_rank(group, case: Case, xs, topks, weights, size):
     rank = group.rank
     buffer = ep.Buffer(group, size)
@@ -162,9 +169,7 @@ def run_rank(group, case: Case, xs, topks, weights, size):
     recv, count, handle, event, hook = buffer.dispatch(
         x, topk, active, case.num_max_tokens, case.num_experts, timeout_us=case.timeout_us, use_fp8=case.use_fp8,
         round_scale=case.round_scale, use_ue8m0=case.use_ue8m0, out=(recv_out, recv_count), **flags)
-    if hook is not None:
-        hook()
-    event.current_stream_wait()
+    finish_call(event, hook)
     active_after_dispatch = to_numpy(active)
     settle(group)
     y = expert_function(recv, case, rank)
@@ -181,9 +186,7 @@ def run_rank(group, case: Case, xs, topks, weights, size):
         return dict(result, y=None, combined=None, active=active_after_dispatch)
     combined, event, hook = buffer.combine(expert_out, topk, w, active, case.timeout_us, handle, zero_copy=case.zero_copy,
                                            out=combined, renormalize=case.renormalize, **flags)
-    if hook is not None:
-        hook()
-    event.current_stream_wait()
+    finish_call(event, hook)
     stream.synchronize()
     result.update(y=to_numpy(y), combined=to_numpy(combined), active=to_numpy(active))
     if case.dead_rank is not None:
@@ -307,6 +310,65 @@ def test_dead_rank_is_masked(case):
     check_case(case)
 
 
+def test_async_results_dropped_early_keep_their_memory_until_the_kernel_is_done():
+    """async_finish: the caller drops recv_x and the event while the kernel (on the communication
+    stream) still waits for a peer; torch's allocator must not hand recv_x's memory to a new tensor
+    on the caller's stream before the kernel is done (the results are recorded on that stream).
+
+    Rank 1 dispatches only after rank 0 has allocated again (a barrier), so rank 0's kernel is
+    certainly still running then. Rank 0 works on a stream of its own with no cached memory, where
+    torch would otherwise give the freed block back at once (the same address)."""
+    case = Case(2, 8, 1024, 2, mode="async")
+    xs, topks, weights = make_inputs(case)
+    size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
+    group = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks)
+    recv_shape = (case.num_experts // case.num_ranks, case.num_ranks * case.num_max_tokens, case.hidden)
+
+    def run(g):
+        buffer = ep.Buffer(g, size)
+        active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        x, topk = to_torch(xs[g.rank]), to_torch(topks[g.rank])
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # its first segment is allocated now, while no kernel runs
+            spare = torch.empty(recv_shape, dtype=torch.bfloat16, device="cuda")
+            del spare
+        settle(g)
+        reallocated_at_dropped_address = None
+        with torch.cuda.stream(stream):
+            if g.rank == 1:
+                g.barrier()
+            recv, count, _, event, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
+                                                       timeout_us=TIMEOUT_US, use_fp8=False, async_finish=True)
+            if g.rank == 0:
+                dropped = recv.data_ptr()
+                del recv, event
+                fresh = torch.empty(recv_shape, dtype=torch.bfloat16, device="cuda")
+                reallocated_at_dropped_address = fresh.data_ptr() == dropped
+                g.barrier()
+                result = None
+            else:
+                event.current_stream_wait()
+                result = to_numpy(recv)
+        torch.cuda.synchronize()
+        outcome = (reallocated_at_dropped_address, to_numpy(count), result, to_numpy(active))
+        g.barrier()
+        buffer.destroy()
+        return outcome
+
+    results = group.spawn(run)
+    actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
+    expected = [reference.dispatch(r, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=False)
+                for r in range(case.num_ranks)]
+    assert results[0][0] is False, "recv_x's memory went to a new tensor while the kernel could still write it"
+    for rank, (_, count, _, active) in enumerate(results):
+        np.testing.assert_array_equal(count, expected[rank].recv_count, err_msg=f"rank {rank} recv_count")
+        np.testing.assert_array_equal(active, np.ones(case.num_ranks, np.int32), err_msg=f"rank {rank} mask")
+    for local_expert, num_rows in enumerate(expected[1].recv_count):
+        np.testing.assert_array_equal(results[1][2][local_expert, :num_rows].view(np.uint16),
+                                      expected[1].recv_x[local_expert, :num_rows].view(np.uint16))
+
+
 def test_repeated_steps_alternating_configurations():
     """Ten steps on one buffer alternate parities and epochs, and two configurations (T, H) in an
     order that puts each on both parities and after either; fresh inputs every step, each equal to
@@ -357,9 +419,12 @@ def test_repeated_steps_alternating_configurations():
                                        err_msg=where)
 
 
-def test_cuda_graph_replay_with_fresh_inputs():
-    """A captured dispatch -> expert -> combine step, replayed 100 times with new inputs, equals the reference."""
-    case = Case(4, 32, 512, 4, num_max_tokens=16, use_fp8=True)
+@pytest.mark.parametrize("mode", ["sync", "async", "hook"])
+def test_cuda_graph_replay_with_fresh_inputs(mode):
+    """A captured dispatch -> expert -> combine step, replayed 100 times with new inputs, equals the
+    reference, in every mode (async: the communication stream forked into the capture and joined back)."""
+    case = Case(4, 32, 512, 4, num_max_tokens=16, use_fp8=True, mode=mode)
+    flags = dict(async_finish=mode == "async", return_recv_hook=mode == "hook")
     num_replays = 100
     size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
     group = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks)
@@ -382,10 +447,12 @@ def test_cuda_graph_replay_with_fresh_inputs():
         static_x, static_topk, static_w = to_torch(xs[g.rank]), to_torch(topks[g.rank]), to_torch(weights[g.rank])
 
         def step():
-            recv, count, handle, _, _ = buffer.dispatch(static_x, static_topk, active, case.num_max_tokens,
-                                                        case.num_experts, timeout_us=TIMEOUT_US)
+            recv, count, handle, event, hook = buffer.dispatch(static_x, static_topk, active, case.num_max_tokens,
+                                                               case.num_experts, timeout_us=TIMEOUT_US, **flags)
+            finish_call(event, hook)
             y = expert_function(recv, case, g.rank)
-            combined, _, _ = buffer.combine(y, static_topk, static_w, active, TIMEOUT_US, handle)
+            combined, event, hook = buffer.combine(y, static_topk, static_w, active, TIMEOUT_US, handle, **flags)
+            finish_call(event, hook)
             return count, y, combined
 
         settle(g)
