@@ -15,6 +15,9 @@
 #   host       host time per call for torch, cupy and JAX, eager and graph / jit (scripts/profile_host.py)
 #   fault      time a survivor loses when a rank stops, against timeout_us (scripts/fault_latency.py)
 #   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
+#   modes      the decode benchmark in the other modes: async and hook (graphs), sync eager (no graph)
+#   repeat     the async and hook test cases, 20 times over, traced, with every rank's flags dumped on a
+#              failure (scripts/repeat_case.py)
 set -uo pipefail
 out="${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE ...]}"
 shift
@@ -53,6 +56,17 @@ if has bench; then
     --no-baseline --json "$out/bench_one_rank.json"
   step bench_tiny 120 "${bench[@]}" --ranks 8 --num-sms 16 --tokens 8 --hidden 7168 --topk 8 --experts 256 \
     --iters 100 --no-baseline --json "$out/bench_tiny.json"
+fi
+if has modes; then
+  for mode in async hook; do
+    step "bench_$mode" 200 "${bench[@]}" "${decode[@]}" --mode "$mode" --iters 100 --no-baseline \
+      --json "$out/bench_$mode.json"
+  done
+  step bench_eager 200 "${bench[@]}" "${decode[@]}" --no-graph --iters 100 --no-baseline --json "$out/bench_eager.json"
+fi
+if has repeat; then
+  TAIL=30 step repeat_async 300 python3 scripts/repeat_case.py --cases async,hook --repeat "${REPEAT:-20}" --trace \
+    --json "$out/repeat.json"
 fi
 if has sweep; then
   step bench_sweep 240 "${bench[@]}" "${decode[@]}" --iters 50 --warmup 5 --input-sets 1 --plot "$out/sweep.png" \

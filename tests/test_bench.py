@@ -177,7 +177,8 @@ def check_schema(report: dict, *, with_baseline: bool, backend: str = "reference
     on_gpu = backend == "cuda"
     assert report["backend"] == backend and report["timer"] == ("cuda_events" if on_gpu else "host")
     assert (report["copy_bandwidth_gbps"] is not None) is on_gpu
-    assert set(report["host_us_per_call"]) == {"dispatch", "combine"}
+    hooks = {"dispatch_hook", "combine_hook"} if report["config"]["mode"] == "hook" else set()
+    assert set(report["host_us_per_call"]) == {"dispatch", "combine"} | hooks
     assert all(v > 0 for v in report["host_us_per_call"].values())
     assert set(report["phases"]) == {"dispatch", "combine", "combine_zero_copy", "step"}
     load = report["load"]
@@ -235,6 +236,18 @@ def test_bench_plot_writes_a_png(tmp_path):
         assert point["phases"]["dispatch"]["p50_us"] > 0 and point["phases"]["combine"]["baseline_p50_us"] > 0
 
 
+@pytest.mark.parametrize("mode", ["async", "hook"])
+def test_bench_reference_runs_each_mode(tmp_path, mode):
+    path = tmp_path / "bench.json"
+    proc = run_bench("--backend", "reference", "--mode", mode, "--no-baseline", "--json", str(path), "--iters", "2",
+                     "--warmup", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"mode {mode}, eager calls" in proc.stdout
+    report = json.loads(path.read_text())
+    check_schema(report, with_baseline=False)
+    assert (report["config"]["mode"], report["config"]["graph"]) == (mode, False)
+
+
 def test_bench_bad_flag_exits_2():
     proc = run_bench("--no-such-flag")
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -254,6 +267,8 @@ def test_bench_bad_flag_exits_2():
     (["--num-sms", "4"], "--num-sms"),
     (["--routing", "k_hot", "--hot-experts", "99"], "--hot-experts"),
     (["--plot", "/no/such/dir/x.png"], "does not exist"),
+    (["--mode", "eager"], "invalid choice"),
+    (["--graph"], "no CUDA graphs"),
 ])
 def test_bench_bad_usage_exits_2_with_the_reason(argv, message, capsys):
     assert cli.main(["bench", "--backend", "reference", *argv]) == 2
@@ -263,7 +278,7 @@ def test_bench_bad_usage_exits_2_with_the_reason(argv, message, capsys):
 def test_bench_help_shows_the_new_flags_and_backend_defaults(capsys):
     assert cli.main(["bench", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
-    for flag in ("--baseline", "--no-baseline", "--plot", "--sweep-tokens", "--backend"):
+    for flag in ("--baseline", "--no-baseline", "--plot", "--sweep-tokens", "--backend", "--mode", "--no-graph"):
         assert flag in out
     assert "(default: 8 on a GPU, 2 on the reference backend)" in out
     assert "(default: 1,2,4,8,16,32,64,128,256,512)" in out
@@ -308,6 +323,21 @@ def test_baseline_on_cuda_is_the_baseline_on_cpu(shape, use_fp8):
     for want, got in zip(combined_cpu, combined_gpu):
         # index_add_ on CUDA adds in any order: fp32 sums agree to a few 2^-24, bf16 to one step (2^-7).
         torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2.0 ** -7, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU with cupy and CUDA torch")
+@pytest.mark.parametrize("mode, graph", [("async", "--graph"), ("hook", "--graph"), ("sync", "--no-graph"),
+                                         ("async", "--no-graph")])
+def test_bench_cuda_each_mode(tmp_path, mode, graph):
+    path = tmp_path / "bench.json"
+    proc = run_bench("--backend", "cuda", "--ranks", "4", "--tokens", "8", "--hidden", "256", "--topk", "2",
+                     "--experts", "8", "--iters", "5", "--warmup", "2", "--no-baseline", "--mode", mode, graph,
+                     "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    check_schema(report, with_baseline=False, backend="cuda")
+    assert (report["config"]["mode"], report["config"]["graph"]) == (mode, graph == "--graph")
 
 
 @pytest.mark.gpu

@@ -3,9 +3,14 @@
 In-process ranks share the visible GPUs (one GPU: all ranks on it, each with its own stream and
 ``--num-sms`` SMs). Kernel times come from one CUDA graph per phase that holds every rank's launch
 (a fork/join of the rank streams), replayed and timed with events on the origin stream: a phase's
-time is the time until the slowest rank finishes. Host time per call is measured separately on eager
-calls (results allocated by the call), inside each call only: the benchmark's own stream switches
-between ranks are left out. Inputs rotate among ``--input-sets`` sets so that the L2 cache does not flatter small shapes.
+time is the time until the slowest rank finishes. ``--no-graph`` times the same calls made eagerly,
+every rank's from this one thread: the time then includes the host issuing ranks one after another.
+``--mode`` picks how the calls run: ``sync`` on the caller's stream, ``async`` with ``async_finish``
+(the communication stream, joined back through the returned event), ``hook`` with
+``return_recv_hook`` (every rank's send half, then every rank's receive hook). Host time per call is
+measured separately on eager calls (results allocated by the call), inside each call only: the
+benchmark's own stream switches between ranks are left out; in hook mode the hooks are reported
+apart (``dispatch_hook``, ``combine_hook``). Inputs rotate among ``--input-sets`` sets so that the L2 cache does not flatter small shapes.
 
 The HBM floor of a phase is the fewest bytes it must move through device memory (dispatch: read
 each token once, write each copy once into recv_x; combine: read each expert output row once, write
@@ -61,6 +66,12 @@ HOST_TIMED_CALLS = 20
 # Microseconds a call waits for a peer. Finite, so that a stall ends as a masked rank and an error
 # (check_no_rank_masked) instead of a hang; healthy calls take microseconds.
 KERNEL_TIMEOUT_US = 10_000_000
+MODES = ("sync", "async", "hook")
+
+
+def call_flags(mode: str) -> dict:
+    """The dispatch/combine keyword arguments of a --mode."""
+    return dict(async_finish=mode == "async", return_recv_hook=mode == "hook")
 
 
 class ByBackend:
@@ -102,6 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=shape("experts"), help="experts in all, a multiple of --ranks")
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="fp8 dispatch")
     parser.add_argument("--num-sms", type=int, default=None, help="SMs per rank (default: the GPU shared evenly)")
+    parser.add_argument("--mode", choices=MODES, default="sync",
+                        help="sync: on the caller's stream; async: async_finish=True (the communication stream, "
+                             "joined back by the event); hook: return_recv_hook=True (every rank's send half, "
+                             "then every rank's hook)")
+    parser.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="time replays of one CUDA graph per phase (default on a GPU); --no-graph: eager "
+                             "calls, every rank's launches issued from this thread")
     parser.add_argument("--routing", choices=("uniform", "zipf", "k_hot"), default="uniform")
     parser.add_argument("--alpha", type=float, default=1.2, help="zipf exponent")
     parser.add_argument("--hot-fraction", type=float, default=0.5, help="k_hot: share of tokens that go hot")
@@ -329,28 +347,55 @@ def measure_cuda(args, progress) -> dict:
     rng = np.random.default_rng(args.seed)
     sets = make_input_sets(args, rng, [f"cuda:{d}" for d in devices], torch)
 
-    def dispatch_all(inputs, handles) -> float:
-        """Every rank's dispatch; returns the seconds spent inside the calls (not the stream switches)."""
+    flags = call_flags(args.mode)
+
+    def finish_all(pending) -> float:
+        """Every rank's receive hook (hook mode), then its stream joined to the call's event (async).
+        Holds each call's results until then: async outputs are written on the communication stream.
+        Returns the seconds spent inside the hooks."""
         inside = 0.0
-        for r in range(args.ranks):
+        for r, (event, hook, _results) in enumerate(pending):
             with torch.cuda.stream(streams[r]):
-                start = time.perf_counter()
-                _, _, handles[r], _, _ = buffers[r].dispatch(inputs[r]["x"], inputs[r]["topk"], inputs[r]["active"],
-                                                             args.tokens, args.experts, KERNEL_TIMEOUT_US,
-                                                             use_fp8=args.fp8)
-                inside += time.perf_counter() - start
+                if hook is not None:
+                    start = time.perf_counter()
+                    hook()
+                    inside += time.perf_counter() - start
+                event.current_stream_wait()
         return inside
 
-    def combine_all(inputs, handles, zero_copy) -> float:
-        inside = 0.0
+    def dispatch_all(inputs, handles) -> tuple[float, float]:
+        """Every rank's dispatch; returns the seconds spent inside the calls and inside the hooks
+        (not the stream switches)."""
+        inside, pending = 0.0, []
         for r in range(args.ranks):
             with torch.cuda.stream(streams[r]):
                 start = time.perf_counter()
-                buffers[r].combine(None if zero_copy else inputs[r]["expert_out"], inputs[r]["topk"],
-                                   inputs[r]["weights"], inputs[r]["active"], KERNEL_TIMEOUT_US, handles[r],
-                                   zero_copy=zero_copy)
+                recv_x, recv_count, handles[r], event, hook = buffers[r].dispatch(
+                    inputs[r]["x"], inputs[r]["topk"], inputs[r]["active"], args.tokens, args.experts,
+                    KERNEL_TIMEOUT_US, use_fp8=args.fp8, **flags)
                 inside += time.perf_counter() - start
-        return inside
+                pending.append((event, hook, (recv_x, recv_count)))
+        return inside, finish_all(pending)
+
+    def combine_all(inputs, handles, zero_copy) -> tuple[float, float]:
+        inside, pending = 0.0, []
+        for r in range(args.ranks):
+            with torch.cuda.stream(streams[r]):
+                start = time.perf_counter()
+                combined, event, hook = buffers[r].combine(
+                    None if zero_copy else inputs[r]["expert_out"], inputs[r]["topk"], inputs[r]["weights"],
+                    inputs[r]["active"], KERNEL_TIMEOUT_US, handles[r], zero_copy=zero_copy, **flags)
+                inside += time.perf_counter() - start
+                pending.append((event, hook, combined))
+        return inside, finish_all(pending)
+
+    def run_phase(phase: str, inputs, handles) -> None:
+        if phase in ("dispatch", "step"):
+            dispatch_all(inputs, handles)
+        if phase in ("combine", "step"):
+            combine_all(inputs, handles, False)
+        if phase == "combine_zero_copy":
+            combine_all(inputs, handles, True)
 
     def forked(fn):
         """Run fn with every rank stream ordered after, and joined back into, the current stream."""
@@ -363,9 +408,11 @@ def measure_cuda(args, progress) -> dict:
 
     # Eager warm-up (uploads each configuration's layout) and host time per call.
     handles = [None] * args.ranks
-    forked(lambda: (dispatch_all(sets[0], handles), combine_all(sets[0], handles, False)))
+    forked(lambda: run_phase("step", sets[0], handles))
     torch.cuda.synchronize()
     host = {"dispatch": [], "combine": []}
+    if args.mode == "hook":
+        host.update(dispatch_hook=[], combine_hook=[])
     for i in range(args.warmup + HOST_TIMED_CALLS):
         inputs = sets[i % len(sets)]
         origin = torch.cuda.current_stream()
@@ -377,26 +424,31 @@ def measure_cuda(args, progress) -> dict:
             origin.wait_stream(s)
         torch.cuda.synchronize()
         if i >= args.warmup:
-            host["dispatch"].append(dispatch_s / args.ranks * 1e6)
-            host["combine"].append(combine_s / args.ranks * 1e6)
+            for phase, (call_s, hook_s) in (("dispatch", dispatch_s), ("combine", combine_s)):
+                host[phase].append(call_s / args.ranks * 1e6)
+                if args.mode == "hook":
+                    host[phase + "_hook"].append(hook_s / args.ranks * 1e6)
     progress.update(args.warmup + HOST_TIMED_CALLS)
 
-    # One graph per (phase, input set); the combine graphs answer the dispatch graph of their set.
-    pool = torch.cuda.graph_pool_handle()
-    graphs = {"dispatch": [], "combine": [], "combine_zero_copy": [], "step": []}
-    for inputs in sets:
-        set_handles = [None] * args.ranks
-        for phase in graphs:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                if phase == "dispatch":
-                    forked(lambda: dispatch_all(inputs, set_handles))
-                elif phase == "step":
-                    forked(lambda: (dispatch_all(inputs, set_handles), combine_all(inputs, set_handles, False)))
-                else:
-                    forked(lambda: combine_all(inputs, set_handles, phase == "combine_zero_copy"))
-            graphs[phase].append(graph)
-    torch.cuda.synchronize()
+    # --graph: one graph per (phase, input set); the combine graphs answer the dispatch graph of
+    # their set. --no-graph: the same calls, eager.
+    graphs = {phase: [] for phase in PHASES}
+    set_handles = [[None] * args.ranks for _ in sets]
+    if args.graph:
+        pool = torch.cuda.graph_pool_handle()
+        for k, inputs in enumerate(sets):
+            for phase in graphs:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    forked(lambda: run_phase(phase, inputs, set_handles[k]))
+                graphs[phase].append(graph)
+        torch.cuda.synchronize()
+
+    def replay(phase: str, k: int) -> None:
+        if args.graph:
+            graphs[phase][k].replay()
+        else:
+            forked(lambda: run_phase(phase, sets[k], set_handles[k]))
 
     def time_phase(phase: str) -> list[float]:
         times = []
@@ -405,10 +457,10 @@ def measure_cuda(args, progress) -> dict:
         for i in range(args.warmup + args.iters):
             k = i % len(sets)
             if phase.startswith("combine"):
-                graphs["dispatch"][k].replay()  # combine answers this set's dispatch
+                replay("dispatch", k)  # combine answers this set's dispatch
             if i >= args.warmup:
                 starts[i - args.warmup].record()
-            graphs[phase][k].replay()
+            replay(phase, k)
             if i >= args.warmup:
                 ends[i - args.warmup].record()
         torch.cuda.synchronize()
@@ -484,44 +536,67 @@ def measure_reference(args, progress) -> dict:
     buffers = group.spawn(lambda g: ep.Buffer(g, size, backend="reference"))
     sets = make_input_sets(args, np.random.default_rng(args.seed), ["cpu"] * args.ranks, torch)
 
-    def rank_loop(g, phase: str) -> tuple[list[float], list[float]]:
+    flags = call_flags(args.mode)
+
+    def finish(event, hook) -> float:
+        """The receive hook (hook mode) and the event; returns the seconds inside the hook."""
+        start = time.perf_counter()
+        if hook is not None:
+            hook()
+        event.current_stream_wait()
+        return time.perf_counter() - start
+
+    def rank_loop(g, phase: str) -> tuple[list[float], list[float], list[float]]:
         buffer = buffers[g.rank]
-        phase_us, call_us = [], []
+        phase_us, call_us, hook_us = [], [], []
         for i in range(args.warmup + args.iters):
             inp = sets[i % len(sets)][g.rank]
 
-            def dispatch():
-                return buffer.dispatch(inp["x"], inp["topk"], inp["active"], args.tokens, args.experts,
-                                       use_fp8=args.fp8)[2]
+            def dispatch() -> tuple:
+                result = buffer.dispatch(inp["x"], inp["topk"], inp["active"], args.tokens, args.experts,
+                                         use_fp8=args.fp8, **flags)
+                return result[2], result[3], result[4]
+
+            def combine(zero_copy: bool) -> tuple:
+                _, event, hook = buffer.combine(None if zero_copy else inp["expert_out"], inp["topk"], inp["weights"],
+                                                inp["active"], -1, handle, zero_copy=zero_copy, **flags)
+                return event, hook
 
             if phase.startswith("combine"):
-                handle = dispatch()  # untimed: the dispatch this combine answers
+                handle, event, hook = dispatch()  # untimed: the dispatch this combine answers
+                finish(event, hook)
                 if phase == "combine_zero_copy":
                     buffer.get_next_combine_buffer(handle).copy_(inp["expert_out"])
             g.barrier()
             start = time.perf_counter()
+            hook_s = 0.0
             if phase in ("dispatch", "step"):
-                handle = dispatch()
-            if phase in ("combine", "step"):
-                buffer.combine(inp["expert_out"], inp["topk"], inp["weights"], inp["active"], -1, handle)
-            if phase == "combine_zero_copy":
-                buffer.combine(None, inp["topk"], inp["weights"], inp["active"], -1, handle, zero_copy=True)
-            call_end = time.perf_counter()
+                handle, event, hook = dispatch()
+                call_s = time.perf_counter() - start
+                hook_s += finish(event, hook)
+            if phase != "dispatch":
+                call_start = time.perf_counter()
+                event, hook = combine(phase == "combine_zero_copy")
+                call_s = time.perf_counter() - call_start  # a step's host time is not reported
+                hook_s += finish(event, hook)
             g.barrier()
             end = time.perf_counter()
             if i >= args.warmup:
                 phase_us.append((end - start) * 1e6)
-                call_us.append((call_end - start) * 1e6)
+                call_us.append(call_s * 1e6)
+                hook_us.append(hook_s * 1e6)
             if g.rank == 0:
                 progress.update(1)
-        return phase_us, call_us
+        return phase_us, call_us, hook_us
 
     kernel, host = {}, {}
     for phase in PHASES:
         per_rank = group.spawn(rank_loop, phase)
-        kernel[phase] = percentiles(np.max([times for times, _ in per_rank], axis=0).tolist())
+        kernel[phase] = percentiles(np.max([times for times, _, _ in per_rank], axis=0).tolist())
         if phase in ("dispatch", "combine"):
-            host[phase] = [t for _, calls in per_rank for t in calls]
+            host[phase] = [t for _, calls, _ in per_rank for t in calls]
+            if args.mode == "hook":
+                host[phase + "_hook"] = [t for _, _, hooks in per_rank for t in hooks]
     baseline_stats = None
     if args.baseline:
         baseline_stats = time_baseline(args, sets, lambda: HostTimer(args.iters), progress)
@@ -544,7 +619,8 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "backend": backend,
         "timer": timer,
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
-                                                 "routing", "iters", "input_sets", "warmup", "seed", "baseline")},
+                                                 "mode", "graph", "routing", "iters", "input_sets", "warmup", "seed",
+                                                 "baseline")},
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
         "copies": copies,
@@ -578,7 +654,8 @@ def _cell(value: float | None, width: int, digits: int) -> str:
 def print_report(report: dict) -> None:
     c = report["config"]
     shape = (f"T={c['tokens']}, H={c['hidden']}, top-{c['topk']} of {c['experts']}, "
-             f"{'fp8' if c['fp8'] else 'bf16'} dispatch, routing {c['routing']}")
+             f"{'fp8' if c['fp8'] else 'bf16'} dispatch, routing {c['routing']}, mode {c['mode']}, "
+             f"{'CUDA graphs' if c['graph'] else 'eager calls'}")
     if report["backend"] == "cuda":
         print(f"{report['device']}: {c['ranks']} ranks x {report['num_sms_per_rank']} SMs, {shape}; "
               f"copy bandwidth {report['copy_bandwidth_gbps']:.0f} GB/s")
@@ -692,6 +769,10 @@ def run(args) -> int:
             setattr(args, name, value.resolve(backend))
     if backend == "reference" and args.num_sms is not None:
         raise UsageError("--num-sms sets the kernels' SMs per rank; the reference backend has none")
+    if backend == "reference" and args.graph:
+        raise UsageError("--graph: the reference backend has no CUDA graphs (its calls are numpy on the host)")
+    if args.graph is None:
+        args.graph = backend == "cuda"
     check_args(args)
     if args.plot is not None:
         try:
