@@ -248,6 +248,18 @@ def test_bench_reference_runs_each_mode(tmp_path, mode):
     assert (report["config"]["mode"], report["config"]["graph"]) == (mode, False)
 
 
+def test_bench_launch_runs_one_rank_per_process(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = run_bench("--backend", "reference", "--launch", "2", "--iters", "2", "--warmup", "1", "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "launching 2 processes" in proc.stdout and "all 2 processes passed" in proc.stdout
+    assert proc.stdout.count("phase ") == 1  # rank 0 alone reports
+    report = json.loads(path.read_text())
+    check_schema(report, with_baseline=False)
+    assert (report["config"]["ranks"], report["config"]["group"], report["config"]["baseline"]) == (2, "processes",
+                                                                                                   False)
+
+
 def test_bench_bad_flag_exits_2():
     proc = run_bench("--no-such-flag")
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -268,6 +280,9 @@ def test_bench_bad_flag_exits_2():
     (["--routing", "k_hot", "--hot-experts", "99"], "--hot-experts"),
     (["--plot", "/no/such/dir/x.png"], "does not exist"),
     (["--mode", "eager"], "invalid choice"),
+    (["--launch", "2", "--group", "init"], "leave out --group"),
+    (["--launch", "2", "--ranks", "4"], "must match --launch"),
+    (["--launch", "0"], "--launch must be >= 1"),
     (["--graph"], "no CUDA graphs"),
 ])
 def test_bench_bad_usage_exits_2_with_the_reason(argv, message, capsys):
@@ -338,6 +353,19 @@ def test_bench_cuda_each_mode(tmp_path, mode, graph):
     report = json.loads(path.read_text())
     check_schema(report, with_baseline=False, backend="cuda")
     assert (report["config"]["mode"], report["config"]["graph"]) == (mode, graph == "--graph")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU with cupy and CUDA torch")
+def test_bench_cuda_launch_two_processes(tmp_path):
+    """One rank per process (ipc on one GPU: the processes time-slice it, so the times mean little)."""
+    path = tmp_path / "bench.json"
+    proc = run_bench("--backend", "cuda", "--launch", "2", "--tokens", "8", "--hidden", "256", "--topk", "2",
+                     "--experts", "8", "--iters", "5", "--warmup", "2", "--mode", "async", "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    check_schema(report, with_baseline=False, backend="cuda")
+    assert (report["config"]["group"], report["config"]["ranks"]) == ("processes", 2)
 
 
 @pytest.mark.gpu

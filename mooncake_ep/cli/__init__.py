@@ -101,6 +101,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
                             format="%(levelname)s %(name)s: %(message)s")
+    # What followed the command's name: a command that starts copies of itself (--launch) passes it on.
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args.command_argv = raw[raw.index(args.command) + 1:]
     where = f"{parser.prog} {args.command}"
     try:
         return int(args.run(args))

@@ -41,12 +41,13 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import numpy as np
 
 import mooncake_ep as ep
-from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
+from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, launch
 from mooncake_ep.cli.gpu import gpu_status
 
 DEFAULTS_DECODE = dict(ranks=8, tokens=128, hidden=7168, topk=8, experts=256)
@@ -106,7 +107,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--backend", choices=("auto", "cuda", "reference"), default="auto",
                         help="auto: the GPU kernels if a GPU is usable, else the numpy reference (host wall time)")
-    parser.add_argument("--ranks", type=int, default=shape("ranks"), help="in-process ranks")
+    parser.add_argument("--ranks", type=int, default=shape("ranks"),
+                        help="in-process ranks; with --launch or --group init the ranks are processes, and --ranks, "
+                             "if given, must match their number")
+    parser.add_argument("--launch", type=int, metavar="N",
+                        help="run N processes on this host, one rank each (RANK, WORLD_SIZE, MASTER_ADDR, "
+                             "MASTER_PORT set as torchrun does), instead of in-process ranks; rank 0 reports")
+    parser.add_argument("--group", choices=("local", "init"), default="local",
+                        help="local: in-process ranks; init: this process is one rank of a job whose launcher set "
+                             "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (mooncake_ep.init_group()), e.g. "
+                             "torchrun --nproc-per-node 8 -m mooncake_ep bench --group init")
     parser.add_argument("--tokens", type=int, default=shape("tokens"), help="tokens per rank (T)")
     parser.add_argument("--hidden", type=int, default=shape("hidden"), help="hidden size, a multiple of 128")
     parser.add_argument("--topk", type=int, default=shape("topk"), help="experts per token")
@@ -189,8 +199,10 @@ def bytes_moved(args, copies: float) -> tuple[dict, dict]:
     return floor_bytes, deepep_bytes
 
 
-def make_input_sets(args, rng: np.random.Generator, devices: list[str], torch) -> list[list[dict]]:
-    """``--input-sets`` sets of every rank's inputs (tokens, routing, weights, expert outputs) on ``devices``."""
+def make_input_sets(args, rng: np.random.Generator, devices: list[str | None], torch) -> list[list[dict]]:
+    """``--input-sets`` sets of every rank's inputs (tokens, routing, weights, expert outputs) on
+    ``devices``. A rank whose device is None (another process's) gets its routes only: every process
+    draws the same routes, and the load statistics count them all."""
     num_local = args.experts // args.ranks
     sets = []
     for _ in range(args.input_sets):
@@ -198,6 +210,9 @@ def make_input_sets(args, rng: np.random.Generator, devices: list[str], torch) -
         for r in range(args.ranks):
             device = devices[r]
             topk = route(rng, args, args.tokens)
+            if device is None:
+                per_rank.append(dict(routes=topk))
+                continue
             per_rank.append(dict(
                 x=torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16),
                 topk=torch.from_numpy(topk).to(device),
@@ -332,20 +347,37 @@ def time_baseline(args, sets: list[list[dict]], make_timer, progress) -> dict:
 # --- measurements --------------------------------------------------------------------------------
 
 
-def measure_cuda(args, progress) -> dict:
-    """The report of one configuration on the GPU kernels (CUDA events)."""
+def measure_cuda(args, progress, group=None) -> dict:
+    """The report of one configuration on the GPU kernels (CUDA events).
+
+    ``group`` None: every rank in this process (a LocalGroup on the visible GPUs, all issued from
+    this thread). A group: this process is one of its ranks (on the current device, with a stream of
+    its own); every iteration starts at a barrier of the group, each rank times its own calls, and an
+    iteration's time is the slowest rank's. Returns the report on rank 0 (None on the others).
+    """
     import torch
 
-    num_gpus = torch.cuda.device_count()
-    devices = [r % num_gpus for r in range(args.ranks)]
-    group = ep.LocalGroup(args.ranks, devices=devices)
     size = ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, args.ranks, args.experts)
-    buffers = group.spawn(lambda g: ep.Buffer(g, size, num_sms=args.num_sms))
-    streams = [torch.cuda.ExternalStream(group.rank_group(r).stream_ptr, device=f"cuda:{devices[r]}")
-               for r in range(args.ranks)]
+    if group is None:
+        num_gpus = torch.cuda.device_count()
+        devices = [r % num_gpus for r in range(args.ranks)]
+        local_group = ep.LocalGroup(args.ranks, devices=devices)
+        local_ranks = list(range(args.ranks))
+        buffers = dict(enumerate(local_group.spawn(lambda g: ep.Buffer(g, size, num_sms=args.num_sms))))
+        streams = {r: torch.cuda.ExternalStream(local_group.rank_group(r).stream_ptr, device=f"cuda:{devices[r]}")
+                   for r in local_ranks}
+        num_copying_gpus = min(num_gpus, args.ranks)
+    else:
+        device = torch.cuda.current_device()
+        devices = [device if r == group.rank else None for r in range(args.ranks)]
+        local_ranks = [group.rank]
+        buffers = {group.rank: ep.Buffer(group, size, num_sms=args.num_sms)}
+        streams = {group.rank: torch.cuda.Stream()}
+        places = group.allgather_bytes(f"{platform.node()}:{device}".encode())
+        num_copying_gpus = len(set(places))
 
     rng = np.random.default_rng(args.seed)
-    sets = make_input_sets(args, rng, [f"cuda:{d}" for d in devices], torch)
+    sets = make_input_sets(args, rng, [None if d is None else f"cuda:{d}" for d in devices], torch)
 
     flags = call_flags(args.mode)
 
@@ -354,7 +386,7 @@ def measure_cuda(args, progress) -> dict:
         Holds each call's results until then: async outputs are written on the communication stream.
         Returns the seconds spent inside the hooks."""
         inside = 0.0
-        for r, (event, hook, _results) in enumerate(pending):
+        for r, event, hook, _results in pending:
             with torch.cuda.stream(streams[r]):
                 if hook is not None:
                     start = time.perf_counter()
@@ -367,26 +399,26 @@ def measure_cuda(args, progress) -> dict:
         """Every rank's dispatch; returns the seconds spent inside the calls and inside the hooks
         (not the stream switches)."""
         inside, pending = 0.0, []
-        for r in range(args.ranks):
+        for r in local_ranks:
             with torch.cuda.stream(streams[r]):
                 start = time.perf_counter()
                 recv_x, recv_count, handles[r], event, hook = buffers[r].dispatch(
                     inputs[r]["x"], inputs[r]["topk"], inputs[r]["active"], args.tokens, args.experts,
                     KERNEL_TIMEOUT_US, use_fp8=args.fp8, **flags)
                 inside += time.perf_counter() - start
-                pending.append((event, hook, (recv_x, recv_count)))
+                pending.append((r, event, hook, (recv_x, recv_count)))
         return inside, finish_all(pending)
 
     def combine_all(inputs, handles, zero_copy) -> tuple[float, float]:
         inside, pending = 0.0, []
-        for r in range(args.ranks):
+        for r in local_ranks:
             with torch.cuda.stream(streams[r]):
                 start = time.perf_counter()
                 combined, event, hook = buffers[r].combine(
                     None if zero_copy else inputs[r]["expert_out"], inputs[r]["topk"], inputs[r]["weights"],
                     inputs[r]["active"], KERNEL_TIMEOUT_US, handles[r], zero_copy=zero_copy, **flags)
                 inside += time.perf_counter() - start
-                pending.append((event, hook, combined))
+                pending.append((r, event, hook, combined))
         return inside, finish_all(pending)
 
     def run_phase(phase: str, inputs, handles) -> None:
@@ -400,10 +432,10 @@ def measure_cuda(args, progress) -> dict:
     def forked(fn):
         """Run fn with every rank stream ordered after, and joined back into, the current stream."""
         origin = torch.cuda.current_stream()
-        for s in streams:
+        for s in streams.values():
             s.wait_stream(origin)
         fn()
-        for s in streams:
+        for s in streams.values():
             origin.wait_stream(s)
 
     # Eager warm-up (uploads each configuration's layout) and host time per call.
@@ -415,19 +447,14 @@ def measure_cuda(args, progress) -> dict:
         host.update(dispatch_hook=[], combine_hook=[])
     for i in range(args.warmup + HOST_TIMED_CALLS):
         inputs = sets[i % len(sets)]
-        origin = torch.cuda.current_stream()
-        for s in streams:
-            s.wait_stream(origin)
-        dispatch_s = dispatch_all(inputs, handles)
-        combine_s = combine_all(inputs, handles, False)
-        for s in streams:
-            origin.wait_stream(s)
+        times = []
+        forked(lambda: times.extend((dispatch_all(inputs, handles), combine_all(inputs, handles, False))))
         torch.cuda.synchronize()
         if i >= args.warmup:
-            for phase, (call_s, hook_s) in (("dispatch", dispatch_s), ("combine", combine_s)):
-                host[phase].append(call_s / args.ranks * 1e6)
+            for phase, (call_s, hook_s) in zip(("dispatch", "combine"), times):
+                host[phase].append(call_s / len(local_ranks) * 1e6)
                 if args.mode == "hook":
-                    host[phase + "_hook"].append(hook_s / args.ranks * 1e6)
+                    host[phase + "_hook"].append(hook_s / len(local_ranks) * 1e6)
     progress.update(args.warmup + HOST_TIMED_CALLS)
 
     # --graph: one graph per (phase, input set); the combine graphs answer the dispatch graph of
@@ -451,22 +478,26 @@ def measure_cuda(args, progress) -> dict:
             forked(lambda: run_phase(phase, sets[k], set_handles[k]))
 
     def time_phase(phase: str) -> list[float]:
-        times = []
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
         for i in range(args.warmup + args.iters):
             k = i % len(sets)
             if phase.startswith("combine"):
                 replay("dispatch", k)  # combine answers this set's dispatch
+            if group is not None:
+                torch.cuda.synchronize()
+                group.barrier()  # the ranks start each iteration together
             if i >= args.warmup:
                 starts[i - args.warmup].record()
             replay(phase, k)
             if i >= args.warmup:
                 ends[i - args.warmup].record()
         torch.cuda.synchronize()
-        for start, end in zip(starts, ends):
-            times.append(start.elapsed_time(end) * 1e3)
-        return times
+        times = [start.elapsed_time(end) * 1e3 for start, end in zip(starts, ends)]
+        if group is None:
+            return times
+        every_rank = [json.loads(blob) for blob in group.allgather_bytes(json.dumps(times).encode())]
+        return np.max(every_rank, axis=0).tolist()  # an iteration lasts until its slowest rank is done
 
     kernel = {}
     for phase in graphs:
@@ -474,14 +505,15 @@ def measure_cuda(args, progress) -> dict:
         progress.update(args.warmup + args.iters)
     check_no_rank_masked(sets, torch)
 
-    # The torch baseline, after every kernel is done (no kernel waits while it allocates).
+    # The torch baseline, after every kernel is done (no kernel waits while it allocates). It
+    # issues every rank's work from one process: not with ranks in processes.
     baseline_stats = None
-    if args.baseline:
+    if args.baseline and group is None:
         baseline_stats = time_baseline(args, sets, lambda: CudaEventTimer(torch, sets, args.iters), progress)
 
     # Device-to-device copy bandwidth, bytes read + written, on a buffer far larger than L2.
     copy_bytes = 1 << 30
-    src = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda:0").random_()
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=f"cuda:{devices[local_ranks[0]]}").random_()
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
@@ -492,14 +524,20 @@ def measure_cuda(args, progress) -> dict:
     end.record()
     torch.cuda.synchronize()
     copy_bandwidth = 2 * copy_bytes * 10 / (start.elapsed_time(end) * 1e-3)
-    if num_gpus > 1 and args.ranks > 1:
-        copy_bandwidth *= min(num_gpus, args.ranks)  # every GPU copies at once
+    copy_bandwidth *= num_copying_gpus  # every GPU copies at once
 
-    report = build_report(args, backend="cuda", timer="cuda_events", device=torch.cuda.get_device_name(0),
-                          num_sms_per_rank=buffers[0]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
+    if group is not None:  # every rank's host times
+        host = {phase: [t for blob in group.allgather_bytes(json.dumps(times).encode()) for t in json.loads(blob)]
+                for phase, times in host.items()}
+    report = build_report(args, backend="cuda", timer="cuda_events",
+                          device=torch.cuda.get_device_name(devices[local_ranks[0]]),
+                          num_sms_per_rank=buffers[local_ranks[0]]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
                           copies=mean_copies(sets), load=set_load(args, sets), host=host, kernel=kernel,
                           baseline_stats=baseline_stats)
-    group.spawn(lambda g: buffers[g.rank].destroy())
+    if group is None:
+        local_group.spawn(lambda g: buffers[g.rank].destroy())
+    else:
+        buffers[group.rank].destroy()
     sets.clear()  # the closures above hold these names: empty them rather than del
     graphs.clear()
     del src, dst
@@ -513,6 +551,8 @@ def check_no_rank_masked(sets: list[list[dict]], torch) -> None:
     torch.cuda.synchronize()
     for per_rank in sets:
         for r, inputs in enumerate(per_rank):
+            if "active" not in inputs:
+                continue  # another process's rank
             masked = (inputs["active"] == 0).nonzero().flatten().tolist()
             if masked:
                 raise RuntimeError(f"bench: rank {r} masked ranks {masked} (a call waited more than "
@@ -521,20 +561,26 @@ def check_no_rank_masked(sets: list[list[dict]], torch) -> None:
                                    f"memory runs short) stalls the peers waiting for that rank")
 
 
-def measure_reference(args, progress) -> dict:
+def measure_reference(args, progress, group=None) -> dict:
     """The report of one configuration on the numpy reference backend (host wall time).
 
-    Each rank is a thread of one spawn per phase; every iteration starts at a barrier and ends at
-    one, so a phase's time is the time until the slowest rank finishes, as on the GPU. Host time
-    per call is the median of each rank's own dispatch and (copy-mode) combine calls: on this
-    backend the call does the whole work, so it is close to the phase time.
+    Each rank is a thread of one spawn per phase (``group`` None), or this process is one rank of
+    ``group``; every iteration starts at a barrier and ends at one, so a phase's time is the time
+    until the slowest rank finishes, as on the GPU. Host time per call is the median of each rank's
+    own dispatch and (copy-mode) combine calls: on this backend the call does the whole work, so it
+    is close to the phase time. Every rank returns the same report.
     """
     import torch
 
-    group = ep.LocalGroup(args.ranks)
     size = ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, args.ranks, args.experts)
-    buffers = group.spawn(lambda g: ep.Buffer(g, size, backend="reference"))
-    sets = make_input_sets(args, np.random.default_rng(args.seed), ["cpu"] * args.ranks, torch)
+    if group is None:
+        local_group = ep.LocalGroup(args.ranks)
+        buffers = local_group.spawn(lambda g: ep.Buffer(g, size, backend="reference"))
+        devices = ["cpu"] * args.ranks
+    else:
+        buffers = {group.rank: ep.Buffer(group, size, backend="reference")}
+        devices = ["cpu" if r == group.rank else None for r in range(args.ranks)]
+    sets = make_input_sets(args, np.random.default_rng(args.seed), devices, torch)
 
     flags = call_flags(args.mode)
 
@@ -589,22 +635,30 @@ def measure_reference(args, progress) -> dict:
                 progress.update(1)
         return phase_us, call_us, hook_us
 
+    def every_rank(phase: str) -> list:
+        if group is None:
+            return local_group.spawn(rank_loop, phase)
+        return [json.loads(blob) for blob in group.allgather_bytes(json.dumps(rank_loop(group, phase)).encode())]
+
     kernel, host = {}, {}
     for phase in PHASES:
-        per_rank = group.spawn(rank_loop, phase)
+        per_rank = every_rank(phase)
         kernel[phase] = percentiles(np.max([times for times, _, _ in per_rank], axis=0).tolist())
         if phase in ("dispatch", "combine"):
             host[phase] = [t for _, calls, _ in per_rank for t in calls]
             if args.mode == "hook":
                 host[phase + "_hook"] = [t for _, _, hooks in per_rank for t in hooks]
     baseline_stats = None
-    if args.baseline:
+    if args.baseline and group is None:  # it runs every rank's work in one process
         baseline_stats = time_baseline(args, sets, lambda: HostTimer(args.iters), progress)
     report = build_report(args, backend="reference", timer="host",
                           device=f"CPU ({platform.machine() or 'unknown'}, {os.cpu_count()} cores)",
                           num_sms_per_rank=None, copy_bandwidth=None, copies=mean_copies(sets),
                           load=set_load(args, sets), host=host, kernel=kernel, baseline_stats=baseline_stats)
-    group.spawn(lambda g: buffers[g.rank].destroy())
+    if group is None:
+        local_group.spawn(lambda g: buffers[g.rank].destroy())
+    else:
+        buffers[group.rank].destroy()
     return report
 
 
@@ -754,15 +808,60 @@ def check_args(args) -> None:
 
 
 def run(args) -> int:
-    import torch
+    if args.launch is not None:
+        if args.group != "local":
+            raise UsageError("--launch starts processes that join with --group init themselves; leave out --group")
+        if args.launch < 1:
+            raise UsageError(f"--launch must be >= 1, got {args.launch}")
+        if not isinstance(args.ranks, ByBackend) and args.ranks != args.launch:
+            raise UsageError(f"--ranks ({args.ranks}) must match --launch ({args.launch}), or be left out")
+        return launch.launch("bench", child_argv(args), args.launch)
+    backend, why = choose_backend(args.backend)
+    if args.group == "local":
+        return run_ranks(args, backend, why, None)
+    group = ep.init_group(timeout_s=launch.GROUP_TIMEOUT_S,
+                          device=launch.use_process_device() if backend == "cuda" else None)
+    finished = False
+    try:
+        if not isinstance(args.ranks, ByBackend) and args.ranks != group.world_size:
+            raise UsageError(f"--ranks ({args.ranks}) must match the group's {group.world_size} ranks, or be left out")
+        args.ranks = group.world_size
+        code = run_ranks(args, backend, why, group)
+        finished = True
+        return code
+    finally:
+        close = getattr(group, "close", None)  # the Group protocol has no close; every init_group group does
+        if close is not None:
+            close(final_barrier=finished)  # leaving on an error: the peers may never reach a final barrier
 
-    if args.backend == "reference":
-        backend, why = "reference", "asked for"
-    else:
-        usable, why = gpu_status()
-        if args.backend == "cuda" and not usable:
-            raise UsageError(f"--backend cuda: {why}")
-        backend = "cuda" if usable else "reference"
+
+def child_argv(args) -> list[str]:
+    """The command line of one process of ``--launch``: this command's flags, as one rank (--group init)."""
+    flags, skip = [], False
+    for token in args.command_argv:
+        if skip:
+            skip = False
+        elif token == "--launch":
+            skip = True  # and its value
+        elif not token.startswith("--launch="):
+            flags.append(token)
+    return [sys.executable, "-m", "mooncake_ep", *["-v"] * getattr(args, "verbose", 0), "bench", *flags,
+            "--group", "init"]
+
+
+def choose_backend(requested: str) -> tuple[str, str]:
+    """``(backend, why)`` for ``--backend``; UsageError for ``cuda`` without a usable GPU."""
+    if requested == "reference":
+        return "reference", "asked for"
+    usable, why = gpu_status()
+    if requested == "cuda" and not usable:
+        raise UsageError(f"--backend cuda: {why}")
+    return ("cuda" if usable else "reference"), why
+
+
+def run_ranks(args, backend: str, why: str, group) -> int:
+    """Measure (every point of a sweep too) and report: in-process ranks, or this process's rank of
+    ``group``, where rank 0 prints and writes the files."""
     for name in DEFAULTS_DECODE:
         value = getattr(args, name)
         if isinstance(value, ByBackend):
@@ -774,6 +873,7 @@ def run(args) -> int:
     if args.graph is None:
         args.graph = backend == "cuda"
     check_args(args)
+    reporting = group is None or group.rank == 0
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401 - only checked here, before a long run, and used at the end
@@ -784,8 +884,14 @@ def run(args) -> int:
         from tqdm import tqdm
     except ImportError:
         tqdm = _NoProgress
-    if backend == "reference":
+    if not reporting:
+        tqdm = _NoProgress
+    if backend == "reference" and reporting:
         print(f"bench: the reference backend ({why}): host wall time of numpy code, not the kernels")
+    if group is not None and args.baseline:
+        args.baseline = False
+        if reporting:
+            print("bench: no torch baseline with ranks in processes (it issues every rank's work from one process)")
 
     measure = measure_cuda if backend == "cuda" else measure_reference
 
@@ -796,21 +902,25 @@ def run(args) -> int:
             replays += args.warmup + HOST_TIMED_CALLS
         progress = tqdm(total=replays, desc=f"bench T={tokens}", unit="call", leave=False, delay=PROGRESS_DELAY_S)
         try:
-            return measure(point, progress)
+            return measure(point, progress, group)
         finally:
             progress.close()
 
     report = measured(args.tokens)
-    print_report(report)
+    report["config"]["group"] = "local" if group is None else "processes"
+    if reporting:
+        print_report(report)
     if args.plot is not None:
         points = []
         for tokens in tqdm(args.sweep_tokens, desc="bench sweep", unit="point"):
             phases = report["phases"] if tokens == args.tokens else measured(tokens)["phases"]
             points.append({"tokens": tokens, "phases": phases})
         report["sweep"] = points
-        plot_sweep(args.plot, report, points)
-        print(f"plot of {len(points)} points (tokens per rank {', '.join(map(str, args.sweep_tokens))}): {args.plot}")
-    if args.json:
+        if reporting:
+            plot_sweep(args.plot, report, points)
+            print(f"plot of {len(points)} points (tokens per rank {', '.join(map(str, args.sweep_tokens))}): "
+                  f"{args.plot}")
+    if args.json and reporting:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return EXIT_OK

@@ -25,18 +25,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 import mooncake_ep
 from mooncake_ep import reference
-from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
+from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, launch
 from mooncake_ep.cli.gpu import gpu_status
 
 # Relative error (Frobenius norm of the difference over that of the dense result) a rank may show.
@@ -47,16 +43,6 @@ DEFAULT_TOLERANCE = 2e-2
 DEFAULT_TIMEOUT_US = 10_000_000
 # In-process ranks when --ranks is not given.
 DEFAULT_RANKS = 4
-# Seconds a launched process waits for its peers, to join and in each collective: long enough for N
-# processes to import numpy and build the weights on a loaded host, short enough to end a broken run.
-GROUP_TIMEOUT_S = 120.0
-# Once one launched process has failed, seconds the others get to finish and report before they are
-# stopped (a peer waiting for the failed one would otherwise wait GROUP_TIMEOUT_S).
-LAUNCH_GRACE_S = 10.0
-# How often the launcher looks at its processes.
-_LAUNCH_POLL_S = 0.05
-# Where launched processes meet: this host only.
-_LAUNCH_ADDR = "127.0.0.1"
 
 # Independent random streams, all derived from --seed (numpy SeedSequence entropy lists), so the
 # weights are the same on every rank and in every run, whatever the rank count or backend.
@@ -228,7 +214,7 @@ def _cuda_rank_step(group, config: DemoConfig, weights: Weights, tolerance: floa
     """torch CUDA tensors on the GPU kernels; the expert is ``recv_x[e, :count] @ W_e`` in float32.
 
     LocalGroup.spawn made this rank's device and its own stream current for torch (threads), or
-    _use_process_device made its device current (processes, on the default stream).
+    launch.use_process_device made its device current (processes, on the default stream).
 
     Note:
         In-process ranks share one GPU and their kernels wait for each other. A device allocation (torch's
@@ -429,8 +415,8 @@ def _run_threads(args: argparse.Namespace) -> int:
 def _run_process_rank(args: argparse.Namespace) -> int:
     """One rank of a multi-process run: join, run the step, gather every rank's result on rank 0."""
     backend, why = _choose_backend(args.backend)
-    device = _use_process_device() if backend == "cuda" else None
-    group = mooncake_ep.init_group(timeout_s=GROUP_TIMEOUT_S, device=device)
+    device = launch.use_process_device() if backend == "cuda" else None
+    group = mooncake_ep.init_group(timeout_s=launch.GROUP_TIMEOUT_S, device=device)
     finished = False
     try:
         code = _process_rank_step(group, args, backend, why)
@@ -440,18 +426,6 @@ def _run_process_rank(args: argparse.Namespace) -> int:
         close = getattr(group, "close", None)  # the Group protocol has no close; every init_group group does
         if close is not None:
             close(final_barrier=finished)  # leaving on an error: the peers may never reach a final barrier
-
-
-def _use_process_device() -> int:
-    """This process's GPU: LOCAL_RANK (set by torchrun and --launch) modulo the GPUs it sees, made
-    current for torch and cupy. Several processes may share one GPU; they time-slice it."""
-    import cupy
-    import torch
-
-    device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    torch.cuda.set_device(device)
-    cupy.cuda.Device(device).use()
-    return device
 
 
 def _process_rank_step(group: mooncake_ep.Group, args: argparse.Namespace, backend: str, why: str) -> int:
@@ -471,12 +445,6 @@ def _process_rank_step(group: mooncake_ep.Group, args: argparse.Namespace, backe
     return EXIT_OK if all(r.passed for r in results) else EXIT_FAILURE
 
 
-def _free_port(host: str) -> int:
-    """A port free now; another program may take it before rank 0 binds it (rank 0 then says so)."""
-    with socket.create_server((host, 0)) as probe:
-        return probe.getsockname()[1]
-
-
 def _rank_argv(args: argparse.Namespace, config: DemoConfig) -> list[str]:
     """The command line of one launched process: this demo's flags, as one rank (--group init)."""
     argv = [sys.executable, "-m", "mooncake_ep", *["-v"] * getattr(args, "verbose", 0), "demo", "--group", "init",
@@ -488,57 +456,8 @@ def _rank_argv(args: argparse.Namespace, config: DemoConfig) -> list[str]:
 
 def _run_launcher(args: argparse.Namespace) -> int:
     """``--launch N``: start N rank processes on this host, wait for all, pass only if all passed."""
-    num_processes = args.launch
-    if num_processes < 1:
-        raise UsageError(f"--launch must be >= 1, got {num_processes}")
-    config = _make_config(args, num_processes, "--launch")
+    if args.launch < 1:
+        raise UsageError(f"--launch must be >= 1, got {args.launch}")
+    config = _make_config(args, args.launch, "--launch")
     _choose_backend(args.backend)  # --backend cuda without a GPU: refused here
-    port = _free_port(_LAUNCH_ADDR)
-    argv = _rank_argv(args, config)
-    # The children import the mooncake_ep this process runs, wherever it was imported from.
-    package_root = str(Path(mooncake_ep.__file__).resolve().parent.parent)
-    python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    print(f"mooncake_ep demo: launching {num_processes} processes, store at {_LAUNCH_ADDR}:{port}")
-    sys.stdout.flush()
-    procs = []
-    try:
-        for rank in range(num_processes):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR=_LAUNCH_ADDR, MASTER_PORT=str(port),
-                       PYTHONPATH=python_path)
-            procs.append(subprocess.Popen(argv, env=env))
-        codes = _wait_for_processes(procs)
-    finally:
-        for proc in procs:  # interrupted, or a failure while starting: leave nothing behind
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    failed = {rank: code for rank, code in enumerate(codes) if code != 0}
-    if failed:
-        print("FAIL: " + ", ".join(f"rank {rank} {_describe_exit(code)}" for rank, code in failed.items()))
-        return EXIT_FAILURE
-    print(f"all {num_processes} processes passed")
-    return EXIT_OK
-
-
-def _wait_for_processes(procs: list[subprocess.Popen]) -> list[int]:
-    """Every process's exit code. Once one fails, the others get LAUNCH_GRACE_S, then are stopped."""
-    stop_at = None
-    while True:
-        codes = [proc.poll() for proc in procs]
-        if all(code is not None for code in codes):
-            return codes
-        if stop_at is None and any(code not in (None, 0) for code in codes):
-            stop_at = time.monotonic() + LAUNCH_GRACE_S
-        if stop_at is not None and time.monotonic() > stop_at:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
-            return [proc.wait() for proc in procs]
-        time.sleep(_LAUNCH_POLL_S)
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        return f"was stopped by signal {-code}"
-    return f"exited {code}"
+    return launch.launch("demo", _rank_argv(args, config), args.launch)

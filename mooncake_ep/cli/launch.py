@@ -1,0 +1,110 @@
+"""Ranks as processes on this host, for the commands' ``--launch N`` and ``--group init``.
+
+``launch(argv, N)`` starts N copies of a command line with the environment torchrun gives (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), each of which
+joins through ``mooncake_ep.init_group()``, and passes only if every process exits 0.
+:func:`use_process_device` is what one such process does first on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import mooncake_ep
+from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
+
+# Seconds a launched process waits for its peers, to join and in each collective: long enough for N
+# processes to import their libraries and build their inputs on a loaded host, short enough to end a
+# broken run.
+GROUP_TIMEOUT_S = 120.0
+# Once one launched process has failed, seconds the others get to finish and report before they are
+# stopped (a peer waiting for the failed one would otherwise wait GROUP_TIMEOUT_S).
+LAUNCH_GRACE_S = 10.0
+# How often the launcher looks at its processes.
+_LAUNCH_POLL_S = 0.05
+# Where launched processes meet: this host only.
+LAUNCH_ADDR = "127.0.0.1"
+
+
+def free_port(host: str) -> int:
+    """A port free now; another program may take it before rank 0 binds it (rank 0 then says so)."""
+    with socket.create_server((host, 0)) as probe:
+        return probe.getsockname()[1]
+
+
+def use_process_device() -> int:
+    """This process's GPU: LOCAL_RANK (set by torchrun and --launch) modulo the GPUs it sees, made
+    current for torch and cupy. Several processes may share one GPU; they time-slice it."""
+    import cupy
+    import torch
+
+    device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    cupy.cuda.Device(device).use()
+    return device
+
+
+def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
+    """Run ``argv`` as ``num_processes`` rank processes on this host; EXIT_OK only if all exit 0.
+
+    Args:
+        command: the command's name, for what is printed.
+        argv: one process's command line (each gets its rank in the environment).
+        num_processes: the ranks, >= 1 (UsageError otherwise).
+    """
+    if num_processes < 1:
+        raise UsageError(f"--launch must be >= 1, got {num_processes}")
+    port = free_port(LAUNCH_ADDR)
+    # The children import the mooncake_ep this process runs, wherever it was imported from.
+    package_root = str(Path(mooncake_ep.__file__).resolve().parent.parent)
+    python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    print(f"mooncake_ep {command}: launching {num_processes} processes, store at {LAUNCH_ADDR}:{port}")
+    sys.stdout.flush()
+    procs = []
+    try:
+        for rank in range(num_processes):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR=LAUNCH_ADDR, MASTER_PORT=str(port),
+                       PYTHONPATH=python_path)
+            procs.append(subprocess.Popen(list(argv), env=env))
+        codes = _wait_for_processes(procs)
+    finally:
+        for proc in procs:  # interrupted, or a failure while starting: leave nothing behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    failed = {rank: code for rank, code in enumerate(codes) if code != 0}
+    if failed:
+        print("FAIL: " + ", ".join(f"rank {rank} {_describe_exit(code)}" for rank, code in failed.items()))
+        return EXIT_FAILURE
+    print(f"all {num_processes} processes passed")
+    return EXIT_OK
+
+
+def _wait_for_processes(procs: list[subprocess.Popen]) -> list[int]:
+    """Every process's exit code. Once one fails, the others get LAUNCH_GRACE_S, then are stopped."""
+    stop_at = None
+    while True:
+        codes = [proc.poll() for proc in procs]
+        if all(code is not None for code in codes):
+            return codes
+        if stop_at is None and any(code not in (None, 0) for code in codes):
+            stop_at = time.monotonic() + LAUNCH_GRACE_S
+        if stop_at is not None and time.monotonic() > stop_at:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            return [proc.wait() for proc in procs]
+        time.sleep(_LAUNCH_POLL_S)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was stopped by signal {-code}"
+    return f"exited {code}"
