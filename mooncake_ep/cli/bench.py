@@ -18,6 +18,12 @@ each combined token once), divided by the device-to-device copy bandwidth measur
 ``load`` says how unevenly the routing falls: the busiest expert's and the busiest rank's copies over
 the mean (a phase waits for the busiest rank).
 
+Ranks as processes: ``--launch N`` starts N processes on this host, one rank each, joined through
+``mooncake_ep.init_group()`` (on a GPU each uses ``LOCAL_RANK`` modulo the visible GPUs, the ``ipc``
+transport between them); ``--group init`` is one such process, for a launcher such as torchrun. Each
+rank times its own calls on its own stream, every iteration starting at a barrier of the group, and
+an iteration lasts until the slowest rank is done; rank 0 reports. There is no baseline there.
+
 Baseline (``--baseline``, on by default): the same dispatch and combine written with plain torch
 operations (mooncake_ep.cli.baseline: sort by expert, index_select, per-rank copies, index_add_),
 timed in the same run on the same input sets. It reads its counts on the host, so it cannot be
@@ -353,7 +359,7 @@ def measure_cuda(args, progress, group=None) -> dict:
     ``group`` None: every rank in this process (a LocalGroup on the visible GPUs, all issued from
     this thread). A group: this process is one of its ranks (on the current device, with a stream of
     its own); every iteration starts at a barrier of the group, each rank times its own calls, and an
-    iteration's time is the slowest rank's. Returns the report on rank 0 (None on the others).
+    iteration's time is the slowest rank's. Every rank returns the same report.
     """
     import torch
 
