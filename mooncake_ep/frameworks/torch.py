@@ -85,8 +85,9 @@ def wrap(array: DeviceMemoryArray) -> torch.Tensor:
 
 
 # torch stream objects of the streams record_stream was given, by (handle, device): one each, made
-# on first use (a Buffer's communication stream lives as long as the Buffer).
+# on first use. Emptied when it grows past this many (Buffers come and go; a handle may be reused).
 _external_streams: dict[tuple[int, int], Any] = {}
+_MAX_EXTERNAL_STREAMS = 64
 
 
 def record_stream(tensors, stream_ptr: int, device_id: int) -> None:
@@ -100,6 +101,8 @@ def record_stream(tensors, stream_ptr: int, device_id: int) -> None:
 
     stream = _external_streams.get((stream_ptr, device_id))
     if stream is None:
+        if len(_external_streams) >= _MAX_EXTERNAL_STREAMS:
+            _external_streams.clear()
         stream = torch.cuda.ExternalStream(stream_ptr, device=torch.device("cuda", device_id))
         _external_streams[(stream_ptr, device_id)] = stream
     for tensor in tensors:
