@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import struct
+import threading
 import weakref
 
 
@@ -41,6 +42,36 @@ _DIGEST_ARCH = "sm_90"
 # The step counters at the front of ep::State (kernels_cu/layout.cuh): dispatch_step[2] and
 # combine_step[2], u32 each. The block-finish counters after them are reset by every call.
 _STEPS = struct.Struct("<4I")
+
+# Communication streams (async_finish), per device: made once, handed from a destroyed Buffer to the
+# next, never destroyed. torch's allocator records an event on every stream a tensor was recorded on
+# (Buffer._finish does, for async calls) when that tensor is freed, which may be after its Buffer is
+# gone: a destroyed stream there crashes the process. Reuse also keeps the streams this process
+# makes few, each on a hardware queue of its own (mooncake_ep.group: HARDWARE_QUEUES_VAR).
+_idle_comm_streams: dict[int, list] = {}
+_all_comm_streams: list = []  # every one made: a Buffer collected without destroy() must not free its own
+_comm_streams_lock = threading.Lock()
+
+
+def _take_comm_stream(device_id: int):
+    """An idle communication stream of ``device_id``, or a new non-blocking one."""
+    import cupy
+
+    with _comm_streams_lock:
+        idle = _idle_comm_streams.setdefault(device_id, [])
+        if idle:
+            return idle.pop()
+    with cupy.cuda.Device(device_id):
+        stream = cupy.cuda.Stream(non_blocking=True)
+    with _comm_streams_lock:
+        _all_comm_streams.append(stream)
+    return stream
+
+
+def _return_comm_stream(device_id: int, stream) -> None:
+    """Give a stream with no work left on it to the next Buffer of ``device_id``."""
+    with _comm_streams_lock:
+        _idle_comm_streams.setdefault(device_id, []).append(stream)
 
 
 def device_sm_count(device_id: int) -> int:
@@ -134,8 +165,7 @@ class CudaBackend:
         self._finalizer = weakref.finalize(self, _release_unreachable, group.rank, self._ipc, self.workspace,
                                            self.layout_table, in_process and group.world_size > 1)
         self._finalizer.atexit = False
-        with cupy.cuda.Device(device_id):
-            self.comm_stream = cupy.cuda.Stream(non_blocking=True)
+        self.comm_stream = _take_comm_stream(device_id)
         try:
             self.connect()
         except BaseException:
@@ -353,6 +383,7 @@ class CudaBackend:
                 self._ipc.close()  # idempotent; here for an exception above
             self.workspace.free()
             self.layout_table.free()
+            _return_comm_stream(self.device_id, self.comm_stream)  # idle: this process's work is done
         if failure is not None and raise_group_error:
             raise failure
 

@@ -117,6 +117,14 @@ class FakeRuntime:
         self.current = device
 
 
+@pytest.fixture(autouse=True)
+def idle_comm_streams(monkeypatch) -> dict:
+    """The process's idle communication streams, emptied for each test (stand-ins go there)."""
+    idle: dict = {}
+    monkeypatch.setattr(_cuda_backend, "_idle_comm_streams", idle)
+    return idle
+
+
 def stub_backend(group, log: list, transport=None, workspace_fill: int = 0) -> CudaBackend:
     backend = object.__new__(CudaBackend)
     backend.group = group
@@ -133,6 +141,7 @@ def stub_backend(group, log: list, transport=None, workspace_fill: int = 0) -> C
     backend._connected, backend._destroyed = False, False
     backend._finalizer = weakref.finalize(backend, lambda: None)
     backend._synchronize = lambda: log.append("synchronize")
+    backend.comm_stream = f"communication stream of {id(backend):#x}"
     return backend
 
 
@@ -334,6 +343,18 @@ def test_destroy_waits_barriers_closes_barriers_then_frees_and_is_idempotent():
     backend.destroy()
     backend.destroy()
     assert log == ["synchronize", "barrier", "close", "barrier", "close", "free workspace", "free layout table"]
+
+
+def test_destroy_hands_the_communication_stream_to_the_next_buffer_of_its_device(idle_comm_streams):
+    """torch may record events on it after the Buffer is gone (async results freed later): the
+    stream lives on, idle, and the next Buffer of the device takes it instead of making one."""
+    log: list = []
+    backend = stub_backend(RecordingGroup(log), log)
+    backend.destroy()
+    backend.destroy()  # idempotent: handed back once
+    assert idle_comm_streams == {0: [backend.comm_stream]}
+    assert _cuda_backend._take_comm_stream(0) == backend.comm_stream
+    assert idle_comm_streams == {0: []}
 
 
 def test_destroy_with_the_local_transport_needs_one_barrier():
