@@ -165,7 +165,10 @@ class CudaBackend:
         self._finalizer = weakref.finalize(self, _release_unreachable, group.rank, self._ipc, self.workspace,
                                            self.layout_table, in_process and group.world_size > 1)
         self._finalizer.atexit = False
-        self.comm_stream = _take_comm_stream(device_id)
+        # In-process ranks use the one their group made beside their own stream (LocalGroup._make_streams).
+        group_stream = getattr(group, "comm_stream", None)
+        self._owns_comm_stream = group_stream is None
+        self.comm_stream = _take_comm_stream(device_id) if group_stream is None else group_stream
         try:
             self.connect()
         except BaseException:
@@ -383,7 +386,8 @@ class CudaBackend:
                 self._ipc.close()  # idempotent; here for an exception above
             self.workspace.free()
             self.layout_table.free()
-            _return_comm_stream(self.device_id, self.comm_stream)  # idle: this process's work is done
+            if self._owns_comm_stream:
+                _return_comm_stream(self.device_id, self.comm_stream)  # idle: this process's work is done
         if failure is not None and raise_group_error:
             raise failure
 

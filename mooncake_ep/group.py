@@ -488,6 +488,12 @@ class LocalRankGroup:
         return f"LocalRankGroup(rank={self.rank}, world_size={self.world_size}, device={self.device})"
 
     @property
+    def comm_stream(self) -> Any:
+        """This rank's communication stream (a ``cupy.cuda.Stream``, made with its own stream by
+        ``spawn``; None without devices): the Buffers of this rank run ``async_finish`` calls there."""
+        return self.local_group._comm_streams[self.rank]
+
+    @property
     def stream_ptr(self) -> int | None:
         """Address (``cudaStream_t``) of this rank's own stream, set current by ``spawn``.
 
@@ -529,6 +535,10 @@ class LocalRankGroup:
             raise GroupError(f"{label} on rank {self.rank}: ranks called other collectives in the same "
                              f"round {odd}; every rank must make the same sequence of collective calls")
         return [d for _, d in slots]
+
+
+# Communication streams of every LocalGroup made in this process: never destroyed (_make_streams).
+_kept_streams: list[Any] = []
 
 
 class LocalGroup:
@@ -573,6 +583,7 @@ class LocalGroup:
         self._spawn_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._streams: list[Any] = [None] * num_ranks  # cupy.cuda.Stream per rank
+        self._comm_streams: list[Any] = [None] * num_ranks  # and each rank's communication stream
         self._torch_streams: list[Any] = [None] * num_ranks  # torch.cuda.ExternalStream per rank
         self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
 
@@ -622,6 +633,8 @@ class LocalGroup:
             raise GroupError(f"LocalGroup.spawn: threads of an earlier spawn are still running {stuck}; "
                              f"make a new LocalGroup")
         self._reset(timeout)
+        if self.devices is not None:
+            self._make_streams()
         n = self.num_ranks
         results: list[Any] = [None] * n
         errors: list[BaseException | None] = [None] * n
@@ -677,6 +690,35 @@ class LocalGroup:
             exc.add_note(f"ranks {alive} had not returned after {timeout} s and were left running")
         raise exc
 
+    def _make_streams(self) -> None:
+        """Every rank's stream, then every rank's communication stream, made here on one thread, one
+        after another, at the first spawn; kept for later spawns, and the communication streams for
+        the process's life.
+
+        CUDA runs a context's streams on a few hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless
+        set; at most 32), handing them out in turn as streams are made. Work on one queue starts in
+        order, so an in-process rank whose kernel waits for a peer would hold back that peer's work
+        queued behind it, until the wait times out. Made in one run, the ranks' streams get queues of
+        their own (so do their communication streams, or at worst their own rank's), as long as 2R
+        (R for a rank's stream alone) fits in the queues. Made in each rank's thread, interleaved
+        with other streams, they did not always: async_finish calls timed out on healthy ranks.
+        The communication streams are never destroyed: torch records events on a stream a tensor
+        was recorded on when the tensor is freed, which may be after this group is gone.
+        """
+        if self._streams[0] is not None:
+            return
+        try:
+            import cupy
+        except ImportError as exc:
+            raise GroupError(f"LocalGroup.spawn: devices={list(self.devices)} needs cupy to set each "
+                             f"rank's device and stream; install mooncake_ep[cuda12] (or [cuda13]), or "
+                             f"pass devices=None") from exc
+        for streams in (self._streams, self._comm_streams):
+            for rank, device in enumerate(self.devices):
+                with cupy.cuda.Device(device):
+                    streams[rank] = cupy.cuda.Stream(non_blocking=True)
+        _kept_streams.extend(self._comm_streams)
+
     def _reset(self, timeout: float) -> None:
         """Fresh collective state for a new spawn (a failed spawn leaves the barrier broken)."""
         self._active_timeout_s = timeout
@@ -706,23 +748,16 @@ class LocalGroup:
 
 def _use_rank_device_and_stream(group: LocalGroup, rank: int) -> None:
     """In rank ``rank``'s thread: make its device current, and its own stream current for cupy
-    and torch. The streams are created on first use and kept on ``group`` for later spawns.
+    and torch (made by ``LocalGroup._make_streams``; the torch stream object on first use).
 
     Both libraries keep the current device and stream per thread, so this touches no other rank.
     """
+    import cupy
+
     assert group.devices is not None  # internal invariant: only called with devices
     device = group.devices[rank]
-    try:
-        import cupy
-    except ImportError as exc:
-        raise GroupError(f"LocalGroup.spawn: devices={list(group.devices)} needs cupy to set each "
-                         f"rank's device and stream; install mooncake_ep[cuda12] (or [cuda13]), or "
-                         f"pass devices=None") from exc
     cupy.cuda.Device(device).use()
     stream = group._streams[rank]
-    if stream is None:
-        stream = cupy.cuda.Stream(non_blocking=True)  # on the device made current above
-        group._streams[rank] = stream
     stream.use()
     try:
         import torch

@@ -142,6 +142,7 @@ def stub_backend(group, log: list, transport=None, workspace_fill: int = 0) -> C
     backend._finalizer = weakref.finalize(backend, lambda: None)
     backend._synchronize = lambda: log.append("synchronize")
     backend.comm_stream = f"communication stream of {id(backend):#x}"
+    backend._owns_comm_stream = True
     return backend
 
 

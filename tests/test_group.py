@@ -149,6 +149,8 @@ def _fake_cuda_modules(monkeypatch, with_torch: bool) -> list:
     calls: list = []
     counter = iter(range(1000, 2000))
 
+    entered: list[int] = []  # devices of the `with cupy.cuda.Device(d):` blocks open now
+
     class Device:
         def __init__(self, d):
             self.d = d
@@ -156,10 +158,17 @@ def _fake_cuda_modules(monkeypatch, with_torch: bool) -> list:
         def use(self):
             calls.append(("cupy.device", threading.current_thread().name, self.d))
 
+        def __enter__(self):
+            entered.append(self.d)
+
+        def __exit__(self, *exc_info):
+            entered.pop()
+
     class Stream:
         def __init__(self, non_blocking=False):
             assert non_blocking
             self.ptr = next(counter)
+            calls.append(("cupy.new_stream", threading.current_thread().name, (self.ptr, entered[-1])))
 
         def use(self):
             calls.append(("cupy.stream", threading.current_thread().name, self.ptr))
@@ -194,6 +203,12 @@ def test_local_spawn_sets_each_rank_device_and_own_stream(monkeypatch, with_torc
     ptrs = [p for _, _, p in first]
     assert len(set(ptrs)) == 3, "each rank must get its own stream"
     assert second == ptrs, "streams are made once per LocalGroup and reused"
+    # Every rank's stream, then every rank's communication stream, one after another on the spawning
+    # thread (so that they get hardware queues of their own), each on its rank's device.
+    comm = [group.rank_group(r).comm_stream.ptr for r in range(3)]
+    made = [c[2] for c in calls if c[0] == "cupy.new_stream"]
+    assert made == [(p, d) for p, d in zip(ptrs + comm, [0, 1, 1] * 2)]
+    assert {c[1] for c in calls if c[0] == "cupy.new_stream"} == {threading.current_thread().name}
     for thread, device, ptr in first:
         mine = [c[0] + ":" + str(c[2]) for c in calls if c[1] == thread]
         assert f"cupy.device:{device}" in mine and f"cupy.stream:{ptr}" in mine and f"cupy.sync:{ptr}" in mine
