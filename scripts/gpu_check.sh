@@ -15,9 +15,10 @@
 #   host       host time per call for torch, cupy and JAX, eager and graph / jit (scripts/profile_host.py)
 #   fault      time a survivor loses when a rank stops, against timeout_us (scripts/fault_latency.py)
 #   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
-#   modes      the decode benchmark in the other modes: async and hook (graphs), sync eager (no graph)
+#   modes      the decode benchmark in the other modes: async and hook (graphs), sync eager (no graph),
+#              and with 32 hardware queues instead of the driver's default 8
 #   repeat     the async and hook test cases, 20 times over, traced, with every rank's flags dumped on a
-#              failure (scripts/repeat_case.py)
+#              failure (scripts/repeat_case.py), with 8 and with 32 hardware work queues
 set -uo pipefail
 out="${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE ...]}"
 shift
@@ -63,10 +64,18 @@ if has modes; then
       --json "$out/bench_$mode.json"
   done
   step bench_eager 200 "${bench[@]}" "${decode[@]}" --no-graph --iters 100 --no-baseline --json "$out/bench_eager.json"
+  # 32 hardware queues against the driver's default 8 (bench_decode): 32 cost 8-9 us more a phase on call 7.
+  CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_32_queues 200 "${bench[@]}" "${decode[@]}" --iters 100 --no-baseline \
+    --json "$out/bench_32_queues.json"
 fi
 if has repeat; then
-  TAIL=30 step repeat_async 300 python3 scripts/repeat_case.py --cases async,hook --repeat "${REPEAT:-20}" --trace \
-    --json "$out/repeat.json"
+  # With the driver's default 8 hardware work queues, then with 32 (CUDA_DEVICE_MAX_CONNECTIONS):
+  # streams beyond the count share a queue, where one rank's waiting kernel can hold back another
+  # rank's work (see LocalGroup._make_streams).
+  CUDA_DEVICE_MAX_CONNECTIONS=8 TAIL=30 step repeat_8_queues 300 python3 scripts/repeat_case.py --cases async,hook \
+    --repeat "${REPEAT:-20}" --trace --json "$out/repeat_8.json"
+  CUDA_DEVICE_MAX_CONNECTIONS=32 TAIL=30 step repeat_32_queues 300 python3 scripts/repeat_case.py --cases async,hook \
+    --repeat "${REPEAT:-20}" --trace --json "$out/repeat_32.json"
 fi
 if has sweep; then
   step bench_sweep 240 "${bench[@]}" "${decode[@]}" --iters 50 --warmup 5 --input-sets 1 --plot "$out/sweep.png" \
