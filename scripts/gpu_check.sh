@@ -71,11 +71,11 @@ fi
 if has repeat; then
   # With the driver's default 8 hardware work queues, then with 32 (CUDA_DEVICE_MAX_CONNECTIONS):
   # streams beyond the count share a queue, where one rank's waiting kernel can hold back another
-  # rank's work (see LocalGroup._make_streams).
-  CUDA_DEVICE_MAX_CONNECTIONS=8 TAIL=30 step repeat_8_queues 300 python3 scripts/repeat_case.py --cases async,hook \
-    --repeat "${REPEAT:-20}" --trace --json "$out/repeat_8.json"
-  CUDA_DEVICE_MAX_CONNECTIONS=32 TAIL=30 step repeat_32_queues 300 python3 scripts/repeat_case.py --cases async,hook \
-    --repeat "${REPEAT:-20}" --trace --json "$out/repeat_32.json"
+  # rank's work (see LocalGroup._make_streams). REPEAT_QUEUES picks the counts.
+  for queues in ${REPEAT_QUEUES:-8 32}; do
+    CUDA_DEVICE_MAX_CONNECTIONS=$queues TAIL=30 step "repeat_${queues}_queues" 300 python3 scripts/repeat_case.py \
+      --cases async,hook --repeat "${REPEAT:-20}" --trace --json "$out/repeat_$queues.json"
+  done
 fi
 if has sweep; then
   step bench_sweep 240 "${bench[@]}" "${decode[@]}" --iters 50 --warmup 5 --input-sets 1 --plot "$out/sweep.png" \
