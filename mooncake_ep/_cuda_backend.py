@@ -46,8 +46,8 @@ _STEPS = struct.Struct("<4I")
 # Communication streams (async_finish), per device: made once, handed from a destroyed Buffer to the
 # next, never destroyed. torch's allocator records an event on every stream a tensor was recorded on
 # (Buffer._finish does, for async calls) when that tensor is freed, which may be after its Buffer is
-# gone: a destroyed stream there crashes the process. Reuse also keeps the streams this process
-# makes few, each on a hardware queue of its own (mooncake_ep.group: HARDWARE_QUEUES_VAR).
+# gone: a destroyed stream there crashes the process. Reuse keeps the streams made few. (In-process
+# ranks use their LocalGroup's instead: see LocalGroup._make_streams for why.)
 _idle_comm_streams: dict[int, list] = {}
 _all_comm_streams: list = []  # every one made: a Buffer collected without destroy() must not free its own
 _comm_streams_lock = threading.Lock()
