@@ -10,7 +10,8 @@ every rank's from this one thread: the time then includes the host issuing ranks
 ``return_recv_hook`` (every rank's send half, then every rank's receive hook). Host time per call is
 measured separately on eager calls (results allocated by the call), inside each call only: the
 benchmark's own stream switches between ranks are left out; in hook mode the hooks are reported
-apart (``dispatch_hook``, ``combine_hook``). Inputs rotate among ``--input-sets`` sets so that the L2 cache does not flatter small shapes.
+apart (``dispatch_hook``, ``combine_hook``). Inputs rotate among ``--input-sets`` sets so that the
+L2 cache does not flatter small shapes.
 
 The HBM floor of a phase is the fewest bytes it must move through device memory (dispatch: read
 each token once, write each copy once into recv_x; combine: read each expert output row once, write
