@@ -260,6 +260,12 @@ def test_bench_launch_runs_one_rank_per_process(tmp_path):
                                                                                                    False)
 
 
+def test_launch_passes_this_command_s_flags_to_each_process_without_launch():
+    args = argparse.Namespace(verbose=1, command_argv=["--launch", "4", "--tokens", "8", "--launch=4", "--no-fp8"])
+    argv = bench.child_argv(args)
+    assert argv[1:] == ["-m", "mooncake_ep", "-v", "bench", "--tokens", "8", "--no-fp8", "--group", "init"]
+
+
 def test_bench_bad_flag_exits_2():
     proc = run_bench("--no-such-flag")
     assert proc.returncode == 2, proc.stdout + proc.stderr
