@@ -117,13 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=shape("ranks"),
                         help="in-process ranks; with --launch or --group init the ranks are processes, and --ranks, "
                              "if given, must match their number")
-    parser.add_argument("--launch", type=int, metavar="N",
-                        help="run N processes on this host, one rank each (RANK, WORLD_SIZE, MASTER_ADDR, "
-                             "MASTER_PORT set as torchrun does), instead of in-process ranks; rank 0 reports")
-    parser.add_argument("--group", choices=("local", "init"), default="local",
-                        help="local: in-process ranks; init: this process is one rank of a job whose launcher set "
-                             "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (mooncake_ep.init_group()), e.g. "
-                             "torchrun --nproc-per-node 8 -m mooncake_ep bench --group init")
+    launch.add_arguments(parser, "bench")
     parser.add_argument("--tokens", type=int, default=shape("tokens"), help="tokens per rank (T)")
     parser.add_argument("--hidden", type=int, default=shape("hidden"), help="hidden size, a multiple of 128")
     parser.add_argument("--topk", type=int, default=shape("topk"), help="experts per token")
@@ -816,10 +810,7 @@ def check_args(args) -> None:
 
 def run(args) -> int:
     if args.launch is not None:
-        if args.group != "local":
-            raise UsageError("--launch starts processes that join with --group init themselves; leave out --group")
-        if args.launch < 1:
-            raise UsageError(f"--launch must be >= 1, got {args.launch}")
+        launch.check_launch(args)
         if not isinstance(args.ranks, ByBackend) and args.ranks != args.launch:
             raise UsageError(f"--ranks ({args.ranks}) must match --launch ({args.launch}), or be left out")
         return launch.launch("bench", child_argv(args), args.launch)

@@ -55,13 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=argparse.SUPPRESS, metavar="N",
                         help=f"ranks as threads of this process (default: {DEFAULT_RANKS}); with --launch or "
                              f"--group init the ranks are processes, and --ranks, if given, must match their number")
-    parser.add_argument("--launch", type=int, metavar="N",
-                        help="run N processes on this host, one rank each, instead of threads (RANK, WORLD_SIZE, "
-                             "MASTER_ADDR, MASTER_PORT set as torchrun does, on a free port)")
-    parser.add_argument("--group", choices=("local", "init"), default="local",
-                        help="local: the ranks are threads of this process; init: this process is one rank "
-                             "of a job whose launcher set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
-                             "(mooncake_ep.init_group()); --launch starts such processes")
+    launch.add_arguments(parser, "demo")
     parser.add_argument("--experts", type=int, default=32, metavar="N", help="experts in all, a multiple of --ranks")
     parser.add_argument("--topk", type=int, default=4, metavar="K", help="experts per token")
     parser.add_argument("--hidden", type=int, default=1024, metavar="H", help="hidden size, a multiple of 128")
@@ -383,8 +377,7 @@ def _report(config: DemoConfig, backend: str, results: list[RankResult], elapsed
 
 def run(args: argparse.Namespace) -> int:
     if args.launch is not None:
-        if args.group != "local":
-            raise UsageError("--launch starts processes that join with --group init itself; leave out --group")
+        launch.check_launch(args)
         return _run_launcher(args)
     if args.group == "init":
         return _run_process_rank(args)
@@ -456,8 +449,6 @@ def _rank_argv(args: argparse.Namespace, config: DemoConfig) -> list[str]:
 
 def _run_launcher(args: argparse.Namespace) -> int:
     """``--launch N``: start N rank processes on this host, wait for all, pass only if all passed."""
-    if args.launch < 1:
-        raise UsageError(f"--launch must be >= 1, got {args.launch}")
     config = _make_config(args, args.launch, "--launch")
     _choose_backend(args.backend)  # --backend cuda without a GPU: refused here
     return launch.launch("demo", _rank_argv(args, config), args.launch)

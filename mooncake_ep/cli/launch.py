@@ -8,6 +8,7 @@ joins through ``mooncake_ep.init_group()``, and passes only if every process exi
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
@@ -30,6 +31,27 @@ LAUNCH_GRACE_S = 10.0
 _LAUNCH_POLL_S = 0.05
 # Where launched processes meet: this host only.
 LAUNCH_ADDR = "127.0.0.1"
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """``--launch N`` and ``--group {local,init}``, for a command whose ranks may be processes."""
+    parser.add_argument("--launch", type=int, metavar="N",
+                        help="run N processes on this host, one rank each, instead of threads of this process "
+                             "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set as torchrun does, on a free port); "
+                             "rank 0 reports")
+    parser.add_argument("--group", choices=("local", "init"), default="local",
+                        help="local: the ranks are threads of this process; init: this process is one rank of a "
+                             "job whose launcher set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
+                             f"(mooncake_ep.init_group()), e.g. torchrun --nproc-per-node 8 -m mooncake_ep {command} "
+                             "--group init; --launch starts such processes")
+
+
+def check_launch(args: argparse.Namespace) -> None:
+    """UsageError for a ``--launch`` that cannot run: with ``--group``, or fewer than one process."""
+    if args.group != "local":
+        raise UsageError("--launch starts processes that join with --group init themselves; leave out --group")
+    if args.launch < 1:
+        raise UsageError(f"--launch must be >= 1, got {args.launch}")
 
 
 def free_port(host: str) -> int:
@@ -56,10 +78,8 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     Args:
         command: the command's name, for what is printed.
         argv: one process's command line (each gets its rank in the environment).
-        num_processes: the ranks, >= 1 (UsageError otherwise).
+        num_processes: the ranks, >= 1 (:func:`check_launch`).
     """
-    if num_processes < 1:
-        raise UsageError(f"--launch must be >= 1, got {num_processes}")
     port = free_port(LAUNCH_ADDR)
     # The children import the mooncake_ep this process runs, wherever it was imported from.
     package_root = str(Path(mooncake_ep.__file__).resolve().parent.parent)
