@@ -57,14 +57,6 @@ def clear_all_traces() -> None:
     cupy.cuda.runtime.deviceSynchronize()
 
 
-def clear_trace(launcher) -> None:
-    import cupy
-
-    address, size = trace_address(launcher)
-    cupy.cuda.runtime.memset(address, 0, size)
-    cupy.cuda.runtime.deviceSynchronize()
-
-
 def read_trace(launcher, rank: int) -> np.ndarray:
     """``[NUM_POINTS, MAX_BLOCKS]`` u64 timestamps (ns) of ``rank``'s launches of the launcher's
     module (in-process ranks of one device share it); 0 = not written."""
@@ -173,8 +165,7 @@ def main() -> None:
     dispatch_name = kernels.dispatch_launcher_name(args.fp8, False, False)
     launchers = {"dispatch": [b._cuda.launchers[dispatch_name] for b in buffers],
                  "combine": [b._cuda.launchers["combine"] for b in buffers]}
-    for launcher in launchers["dispatch"] + launchers["combine"]:
-        clear_trace(launcher)
+    clear_all_traces()
     for name in ("dispatch", "combine"):
         graphs[name].replay()
     torch.cuda.synchronize()
