@@ -317,7 +317,7 @@ class Buffer:
             receive = self._cuda_dispatch(handle, x_view, topk_view, active_view, outputs, flags, timeout_us,
                                           async_finish, return_recv_hook, stream_ptr)
         event, hook = self._finish(handle, receive, async_finish, return_recv_hook, stream_ptr, x_view,
-                                   [x_view, topk_view, active_view] + [view for view, _ in outputs])
+                                   (x_view, topk_view, active_view), outputs)
         objects = _caller_arrays(outputs, x_view)
         recv_x = (objects[0], objects[1]) if use_fp8 else objects[0]
         return recv_x, objects[-1], handle, event, hook
@@ -476,7 +476,7 @@ class Buffer:
             receive = self._cuda_combine(handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy,
                                          renormalize, timeout_us, async_finish, return_recv_hook, stream_ptr)
         event, hook = self._finish(None, receive, async_finish, return_recv_hook, stream_ptr, topk_view,
-                                   [x_view, topk_view, weights_view, active_view, outputs[0][0]])
+                                   (x_view, topk_view, weights_view, active_view), outputs)
         return _caller_arrays(outputs, topk_view)[0], event, hook
 
     def _plan_combine(self, where: str, handle: Handle, topk_view: ArrayView, weights_view: ArrayView,
@@ -651,11 +651,11 @@ class Buffer:
         return None
 
     def _finish(self, handle, receive, async_finish, return_recv_hook, stream_ptr, like: ArrayView,
-                views: list[ArrayView | None]):
+                inputs: tuple[ArrayView | None, ...], outputs: list[tuple[ArrayView, Any]]):
         """Run or defer the receive half; build the event and the hook.
 
         With async_finish the kernel runs on the communication stream, not the one the caller's
-        arrays (``views``, inputs and results) were made on. As DeepEP does, the arrays are kept
+        arrays (``inputs``, and the views of ``outputs``) were made on. As DeepEP does, the arrays are kept
         alive by the event (``EventOverlap.extra``), and torch tensors are also recorded on the
         communication stream, so that torch's allocator does not give a dropped one's memory to new
         work on the caller's stream before the kernel is done with it.
@@ -682,13 +682,14 @@ class Buffer:
         if async_finish and like.device_type == "cuda":
             cuda = self._cuda
             done = cuda.record_event(cuda.comm_stream.ptr)
-            tensors = [view.obj for view in views if view is not None and view.framework == "torch"]
+            views = [view for view in inputs if view is not None] + [view for view, _ in outputs]
+            tensors = [view.obj for view in views if view.framework == "torch"]
             if tensors:
                 frameworks.get("torch").record_stream(tensors, cuda.comm_stream.ptr, cuda.device_id)
 
             def wait() -> None:
                 cuda.stream_wait(frameworks.get(like.framework).current_stream(like.device_id), done)
-            return EventOverlap(wait, extra=tuple(view.keepalive for view in views if view is not None)), None
+            return EventOverlap(wait, extra=tuple(view.keepalive for view in views)), None
         return EventOverlap(), None
 
     def _allocate(self, specs, like: ArrayView) -> list[tuple[ArrayView, Any]]:
