@@ -9,6 +9,11 @@
 // someone else, or `timeout_ns` (>= 0) elapses on %globaltimer. On expiry it writes
 // active_ranks[peer] = 0, which the caller sees in its tensor afterwards. It never traps.
 //
+// decide_source gives every block of a receiving grid the same answer for one source: the first
+// block to see the flag (or to time out) writes the call's verdict, and every later reader takes it,
+// so no two blocks of one call disagree on whether a source is live (which would leave rows or
+// counts written for a source that other blocks skipped).
+//
 // signal_ranks and wait_ranks are the two ends used by every protocol: one thread per peer, so R
 // flags cost one store (or one wait) of latency, not R. A flag lives at the same offset of every
 // workspace: flags[parity * EP_MAX_RANKS + writer_rank] of the receiving rank.
@@ -40,6 +45,42 @@ __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint32_t step, i
             atomicExch(active_ranks + peer, 0);
             return false;
         }
+    }
+}
+
+constexpr int kSourceDead = 0;
+constexpr int kSourceLive = 1;
+constexpr int kSourceUndecided = -1;
+
+// The verdict of this call (`step`) on source `src`: kSourceLive once its flag carries `step`,
+// kSourceDead when it was masked before (active_ranks) or `timeout_ns` (>= 0) passed since
+// `start_ns` without it; with wait = false, kSourceUndecided when neither is true yet. The first
+// caller to reach a conclusion stores it in `verdict` (u64 pack(step, live), compare-and-swap:
+// one winner) and every caller returns the stored one. A dead verdict writes active_ranks[src] = 0.
+// A live verdict is published after a fence, so a reader that takes it (acquire) is ordered after
+// the source's release store as if it had read the flag itself.
+__device__ __forceinline__ int decide_source(uint64_t* verdict, const uint64_t* flag, uint32_t step, int* active_ranks,
+                                             int src, int64_t timeout_ns, uint64_t start_ns, bool wait) {
+    while (true) {
+        const uint64_t seen = ld_acquire_sys(verdict);
+        if (flag_step(seen) == step) return static_cast<int>(flag_payload(seen));
+        int conclusion;
+        if (flag_step(ld_acquire_sys(flag)) == step) {
+            conclusion = kSourceLive;
+        } else if (ld_volatile(active_ranks + src) == 0 ||
+                   (timeout_ns >= 0 && static_cast<int64_t>(global_timer_ns() - start_ns) > timeout_ns)) {
+            conclusion = kSourceDead;
+        } else {
+            if (!wait) return kSourceUndecided;
+            continue;
+        }
+        fence_acq_rel_sys();
+        const unsigned long long proposal = pack_flag(step, static_cast<uint32_t>(conclusion));
+        if (atomicCAS(reinterpret_cast<unsigned long long*>(verdict), seen, proposal) == seen) {
+            if (conclusion == kSourceDead) atomicExch(active_ranks + src, 0);
+            return conclusion;
+        }
+        // Another block concluded first: take its verdict on the next pass.
     }
 }
 

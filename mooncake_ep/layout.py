@@ -38,6 +38,7 @@ LAYOUT_DTYPE = np.dtype(
             "send_row_bytes",
             "state",
             "dispatch_flag",
+            "dispatch_verdict",
             "combine_flag",
             "combine_ack",
             "combine_source",
@@ -59,6 +60,7 @@ def _header_offsets() -> dict[str, int]:
     offsets, cursor = {}, 0
     for name, num_bytes in (("state", STATE_BYTES),
                             ("dispatch_flag", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
+                            ("dispatch_verdict", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
                             ("combine_flag", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
                             ("combine_ack", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
                             ("combine_source", NUM_PARITIES * SOURCE_BYTES),
