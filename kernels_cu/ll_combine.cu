@@ -13,8 +13,9 @@
 //   Send half (never waits on a peer), on the expert rank:
 //     - copy rows if kSourceCopy (the valid rows are recv_range of the dispatch);
 //     - block 0 writes combine_source[parity] (expert_out for kSourceDirect, else 0);
-//     - the last block to finish stores, one thread per destination, with st.release,
-//       combine_flag[parity][rank] = pack(step, 1) in every rank active_ranks marks alive.
+//     - one block stores, one thread per destination, with st.release, combine_flag[parity][rank] =
+//       pack(step, 1) in every rank active_ranks marks alive: the last block to finish its copies
+//       for kSourceCopy, else block 0 (nothing but its combine_source to publish).
 //   Receive half, on the token owner:
 //     - threads d < R of every block wait for combine_flag[parity][d] (timed; a rank that times out
 //       is written 0 in active_ranks and its experts are left out), then read d's combine_source;
@@ -152,7 +153,18 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
             at<uint64_t>(workspace, layout.combine_source)[parity] =
                 source == kSourceDirect ? reinterpret_cast<uint64_t>(expert_out) : 0ull;
         EP_TRACE_POINT(1);
-        if (finish_block(&state->combine_send_done[parity], &s_is_last)) {
+        // With copied rows every block's copies are published, so the grid's last block signals.
+        // Otherwise block 0's combine_source is the one thing this half writes (the rows were written
+        // by kernels before this one on the stream): block 0 signals after its own barrier, and the
+        // last rank to launch does not also wait for a grid-wide counter.
+        bool signal;
+        if (source == kSourceCopy) {
+            signal = finish_block(&state->combine_send_done[parity], &s_is_last);
+        } else {
+            signal = blockIdx.x == 0;
+            if (signal) __syncthreads();
+        }
+        if (signal) {
             signal_ranks(route, layout.combine_flag, parity * EP_MAX_RANKS + rank, num_ranks, active_ranks,
                          pack_flag(step, 1u));
             EP_TRACE_POINT(2);
