@@ -27,7 +27,7 @@ PROCESS_LIMIT_S = 120.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PHASE_KEYS = {"p50_us", "p90_us", "p99_us", "floor_us", "ratio_to_floor", "deepep_gbps_per_rank", "baseline_p50_us",
               "speedup_vs_baseline"}
-TOP_KEYS = {"date", "device", "config", "copy_bandwidth_gbps", "host_us_per_call", "phases", "load"}
+TOP_KEYS = {"date", "device", "config", "copy_bandwidth_gbps", "write_bandwidth_gbps", "host_us_per_call", "phases", "load"}
 # Small shapes: (ranks, tokens T, hidden, top-k, experts).
 SHAPES = [(2, 8, 256, 4, 8), (3, 5, 128, 2, 9), (4, 6, 384, 3, 16)]
 
@@ -177,6 +177,7 @@ def check_schema(report: dict, *, with_baseline: bool, backend: str = "reference
     on_gpu = backend == "cuda"
     assert report["backend"] == backend and report["timer"] == ("cuda_events" if on_gpu else "host")
     assert (report["copy_bandwidth_gbps"] is not None) is on_gpu
+    assert (report["write_bandwidth_gbps"] is not None) is on_gpu
     hooks = {"dispatch_hook", "combine_hook"} if report["config"]["mode"] == "hook" else set()
     assert set(report["host_us_per_call"]) == {"dispatch", "combine"} | hooks
     assert all(v > 0 for v in report["host_us_per_call"].values())

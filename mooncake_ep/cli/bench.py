@@ -512,20 +512,8 @@ def measure_cuda(args, progress, group=None) -> dict:
     if args.baseline and group is None:
         baseline_stats = time_baseline(args, sets, lambda: CudaEventTimer(torch, sets, args.iters), progress)
 
-    # Device-to-device copy bandwidth, bytes read + written, on a buffer far larger than L2.
-    copy_bytes = 1 << 30
-    src = torch.empty(copy_bytes, dtype=torch.uint8, device=f"cuda:{devices[local_ranks[0]]}").random_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    copy_bandwidth = 2 * copy_bytes * 10 / (start.elapsed_time(end) * 1e-3)
-    copy_bandwidth *= num_copying_gpus  # every GPU copies at once
+    copy_bandwidth, write_bandwidth = (b * num_copying_gpus  # every GPU copies at once
+                                       for b in measure_bandwidth(torch, f"cuda:{devices[local_ranks[0]]}"))
 
     if group is not None:  # every rank's host times
         host = {phase: [t for blob in group.allgather_bytes(json.dumps(times).encode()) for t in json.loads(blob)]
@@ -533,6 +521,7 @@ def measure_cuda(args, progress, group=None) -> dict:
     report = build_report(args, backend="cuda", timer="cuda_events",
                           device=torch.cuda.get_device_name(devices[local_ranks[0]]),
                           num_sms_per_rank=buffers[local_ranks[0]]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
+                          write_bandwidth=write_bandwidth,
                           copies=mean_copies(sets), load=set_load(args, sets), host=host, kernel=kernel,
                           baseline_stats=baseline_stats)
     if group is None:
@@ -541,7 +530,6 @@ def measure_cuda(args, progress, group=None) -> dict:
         buffers[group.rank].destroy()
     sets.clear()  # the closures above hold these names: empty them rather than del
     graphs.clear()
-    del src, dst
     torch.cuda.empty_cache()  # the next point of a sweep starts with the memory this one cached
     return report
 
@@ -654,7 +642,7 @@ def measure_reference(args, progress, group=None) -> dict:
         baseline_stats = time_baseline(args, sets, lambda: HostTimer(args.iters), progress)
     report = build_report(args, backend="reference", timer="host",
                           device=f"CPU ({platform.machine() or 'unknown'}, {os.cpu_count()} cores)",
-                          num_sms_per_rank=None, copy_bandwidth=None, copies=mean_copies(sets),
+                          num_sms_per_rank=None, copy_bandwidth=None, write_bandwidth=None, copies=mean_copies(sets),
                           load=set_load(args, sets), host=host, kernel=kernel, baseline_stats=baseline_stats)
     if group is None:
         local_group.spawn(lambda g: buffers[g.rank].destroy())
@@ -663,10 +651,34 @@ def measure_reference(args, progress, group=None) -> dict:
     return report
 
 
+def measure_bandwidth(torch, device: str, num_bytes: int = 1 << 30, repeats: int = 10) -> tuple[float, float]:
+    """(copy, write) bandwidth of one GPU in bytes/s, on a buffer far larger than L2: a device copy
+    counted as bytes read + written (the floors' unit), and a fill, which only writes (dispatch's
+    copies are mostly writes to recv_x: the fill says how fast those can go)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+
+    def seconds(fn) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+
+    copy = 2 * num_bytes * repeats / seconds(lambda: dst.copy_(src))
+    write = num_bytes * repeats / seconds(lambda: dst.fill_(0x5A))
+    return copy, write
+
+
 def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_rank: int | None,
-                 copy_bandwidth: float | None, copies: float, load: dict, host: dict, kernel: dict,
-                 baseline_stats: dict | None) -> dict:
-    """The JSON report; ``copy_bandwidth`` (bytes/s) None means no floor (the reference backend)."""
+                 copy_bandwidth: float | None, write_bandwidth: float | None, copies: float, load: dict, host: dict,
+                 kernel: dict, baseline_stats: dict | None) -> dict:
+    """The JSON report; ``copy_bandwidth`` (bytes/s) None means no floor (the reference backend).
+    ``write_bandwidth`` (bytes/s) is context only: the floors use the copy bandwidth."""
     floor_bytes, deepep_bytes = bytes_moved(args, copies)
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -678,6 +690,7 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
                                                  "baseline")},
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
+        "write_bandwidth_gbps": None if write_bandwidth is None else write_bandwidth / 1e9,
         "copies": copies,
         "load": load,
         "host_us_per_call": {k: float(np.median(v)) for k, v in host.items()},
@@ -713,7 +726,8 @@ def print_report(report: dict) -> None:
              f"{'CUDA graphs' if c['graph'] else 'eager calls'}")
     if report["backend"] == "cuda":
         print(f"{report['device']}: {c['ranks']} ranks x {report['num_sms_per_rank']} SMs, {shape}; "
-              f"copy bandwidth {report['copy_bandwidth_gbps']:.0f} GB/s")
+              f"copy bandwidth {report['copy_bandwidth_gbps']:.0f} GB/s (write only "
+              f"{report['write_bandwidth_gbps']:.0f} GB/s)")
     else:
         print(f"reference backend (numpy) on {report['device']}: {c['ranks']} ranks, {shape}; times are host wall "
               f"time (time.perf_counter), not kernel time; no HBM floor")
