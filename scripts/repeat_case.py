@@ -6,8 +6,11 @@ times over. Every Buffer, just before it is destroyed, once every rank's kernels
 from its workspace: the step counters, and the dispatch and combine flags its peers stored into it
 (step and payload per parity and source). With ``--trace`` (kernels built with EP_TRACE=1) it also
 dumps the %globaltimer points of its last dispatch and combine (kernels_cu/trace.cuh), relative to
-the earliest dispatch entry of any rank in that case. A failing case prints its assertion and its
-dumps; ``--json`` keeps everything. A development tool, not part of the library.
+the earliest dispatch entry of any rank in that case. It also keeps a host timeline: when each
+rank's dispatch and combine calls began and returned, and every garbage collection, in us from
+the earliest dispatch call of the case (a rank launched late by its host thread shows there; one
+launched on time but started late by the GPU does not). A failing case prints its assertion and
+its dumps; ``--json`` keeps everything. A development tool, not part of the library.
 
     python scripts/repeat_case.py --cases async --repeat 20 --trace --json repeat.json
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import struct
@@ -29,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-from mooncake_ep import _constants, _cuda_backend, kernels, layout  # noqa: E402
+from mooncake_ep import _constants, _cuda_backend, buffer, kernels, layout  # noqa: E402
 
 
 def dump_workspace(cuda, trace: bool) -> dict:
@@ -74,6 +78,43 @@ def relative_to_first_entry(ranks: list[dict]) -> None:
             d[key] = points
 
 
+class HostTimeline:
+    """Host times of every rank's dispatch / combine calls and of every garbage collection."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int]] = []  # (what, start ns, end ns)
+        self._gc_start = 0
+        for name in ("dispatch", "combine"):
+            setattr(buffer.Buffer, name, self._timed(getattr(buffer.Buffer, name), name))
+        gc.callbacks.append(self._on_gc)
+
+    def _timed(self, method, name: str):
+        timeline = self
+
+        def call(self, *args, **kwargs):
+            start = time.monotonic_ns()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                timeline.events.append((f"rank {self.rank} {name}", start, time.monotonic_ns()))
+
+        return call
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.monotonic_ns()
+        else:
+            self.events.append((f"gc generation {info['generation']}", self._gc_start, time.monotonic_ns()))
+
+    def take(self) -> list[list]:
+        """This case's events, [what, start us, end us] from the earliest dispatch call, and clear."""
+        starts = [start for what, start, _ in self.events if what.endswith("dispatch")]
+        t0 = min(starts) if starts else 0
+        events = sorted(self.events, key=lambda e: e[1])
+        self.events = []
+        return [[what, round((start - t0) / 1e3, 1), round((end - t0) / 1e3, 1)] for what, start, end in events]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="async", help="comma-separated substrings of test ids")
@@ -101,6 +142,7 @@ def main() -> int:
         original_destroy(self, raise_group_error)
 
     _cuda_backend.CudaBackend.destroy = destroy
+    timeline = HostTimeline()
     wanted = [w for w in args.cases.split(",") if w]
     cases = [dataclasses.replace(c, timeout_us=min(c.timeout_us, args.timeout_us))
              for c in t.GRID + t.MODES + t.FAULTS if any(w in t._case_id(c) for w in wanted)]
@@ -110,6 +152,7 @@ def main() -> int:
     for repetition in range(args.repeat):
         for case in cases:
             dumps.clear()
+            timeline.take()
             if args.trace:
                 trace_phases.clear_all_traces()
             start = time.perf_counter()
@@ -123,7 +166,7 @@ def main() -> int:
             if args.trace:
                 relative_to_first_entry(ranks)
             result = {"repetition": repetition, "case": t._case_id(case), "ok": error is None,
-                      "seconds": round(elapsed, 3), "error": error, "ranks": ranks}
+                      "seconds": round(elapsed, 3), "error": error, "ranks": ranks, "host": timeline.take()}
             results.append(result)
             print(f"{repetition:3d} {t._case_id(case)}: {'ok' if error is None else 'FAILED'} in {elapsed:.3f} s",
                   flush=True)
@@ -131,6 +174,7 @@ def main() -> int:
                 print(error)
                 for d in ranks:
                     print(json.dumps(d))
+                print("host:", json.dumps(result["host"]))
     failed = sum(not r["ok"] for r in results)
     print(f"{failed} of {len(results)} runs failed")
     if args.json:
