@@ -17,9 +17,9 @@
 //   Receive half, in batches of sources, in rank order (the output order is source-major within
 //   each local expert, so a source's rows can be placed once the sources before it are known):
 //     - a batch is the first source not yet planned, waited for (acquire, %globaltimer timeout from
-//       the receive entry), and every later source already decided, polled once. decide_source
-//       gives every block the same verdict; a source that timed out is written 0 in active_ranks
-//       and contributes no rows. Staggered sources (ranks sharing one GPU) are copied as they
+//       the receive entry), and every later source already decided, polled once after that wait.
+//       decide_source gives every block the same verdict; a source masked in active_ranks, or one
+//       that timed out (then written 0 there), contributes no rows. Staggered sources (ranks sharing one GPU) are copied as they
 //       come, while later ones still stage; sources that arrive together form one batch;
 //     - each block reads, from every live source of the batch, how many copies it has for each
 //       local expert and where they start in its send_list; a pair's rows start after the rows
@@ -342,11 +342,16 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             // already decided, polled once. Sources arrive staggered (one GPU) or together (a rank
             // per GPU): early ones are copied while late ones stage, and the batches merge when
             // everything is there.
+            // The others are polled after the wait, so that sources which landed during it join.
             const int num_open = num_ranks - first_src;
-            if (threadIdx.x < num_open)
+            if (threadIdx.x == 0)
+                s_verdict[0] = decide_source(verdicts + first_src, flags + first_src, step, active_ranks, first_src,
+                                             timeout_ns, start_ns, true);
+            __syncthreads();
+            if (threadIdx.x > 0 && threadIdx.x < num_open)
                 s_verdict[threadIdx.x] = decide_source(verdicts + first_src + threadIdx.x, flags + first_src + threadIdx.x,
                                                        step, active_ranks, first_src + threadIdx.x, timeout_ns,
-                                                       start_ns, threadIdx.x == 0);
+                                                       start_ns, false);
             __syncthreads();
             int batch = 1;
             while (batch < num_open && s_verdict[batch] != kSourceUndecided) ++batch;

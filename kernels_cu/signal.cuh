@@ -64,11 +64,14 @@ __device__ __forceinline__ int decide_source(uint64_t* verdict, const uint64_t* 
     while (true) {
         const uint64_t seen = ld_acquire_sys(verdict);
         if (flag_step(seen) == step) return static_cast<int>(flag_payload(seen));
+        // The mask first: a source this rank masked (before this call, or through a verdict of this
+        // call) is dead even if its flag carries the step (it may not know it is masked).
         int conclusion;
-        if (flag_step(ld_acquire_sys(flag)) == step) {
+        if (ld_volatile(active_ranks + src) == 0) {
+            conclusion = kSourceDead;
+        } else if (flag_step(ld_acquire_sys(flag)) == step) {
             conclusion = kSourceLive;
-        } else if (ld_volatile(active_ranks + src) == 0 ||
-                   (timeout_ns >= 0 && static_cast<int64_t>(global_timer_ns() - start_ns) > timeout_ns)) {
+        } else if (timeout_ns >= 0 && static_cast<int64_t>(global_timer_ns() - start_ns) > timeout_ns) {
             conclusion = kSourceDead;
         } else {
             if (!wait) return kSourceUndecided;

@@ -310,6 +310,43 @@ def test_dead_rank_is_masked(case):
     check_case(case)
 
 
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_source_masked_only_by_its_receiver_delivers_nothing(use_fp8):
+    """Rank 0 passes rank 2 as masked; rank 2 does not know and sends to rank 0 anyway, flag and all.
+    Rank 0 must take none of its rows however early that flag lands (the mask is read before the
+    flag), and rank 2, which rank 0 never signals, times out on rank 0: the reference's view."""
+    case = Case(4, 32, 1024, 4, use_fp8=use_fp8, timeout_us=FAULT_TIMEOUT_US, seed=3)
+    xs, topks, _ = make_inputs(case)
+    actives = [np.array(row, np.int32) for row in ([1, 1, 0, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1])]
+    to_rank_0 = (topks[2] >= 0) & (topks[2] < case.num_experts // case.num_ranks)
+    assert to_rank_0.any(), "the seed must give rank 2 tokens for rank 0's experts"
+    size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
+
+    def run(group):
+        buffer = ep.Buffer(group, size)
+        active = to_torch(actives[group.rank])
+        settle(group)
+        recv, count, _, _, _ = buffer.dispatch(to_torch(xs[group.rank]), to_torch(topks[group.rank]), active,
+                                               case.num_max_tokens, case.num_experts, timeout_us=case.timeout_us,
+                                               use_fp8=use_fp8)
+        torch.cuda.current_stream().synchronize()
+        rows = to_numpy(recv[0] if use_fp8 else recv)
+        result = dict(rows=rows, count=to_numpy(count), active=to_numpy(active))
+        buffer.destroy()
+        return result
+
+    results = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks).spawn(run)
+    for rank, got in enumerate(results):
+        want = reference.dispatch(rank, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=use_fp8)
+        np.testing.assert_array_equal(got["count"], want.recv_count, err_msg=f"rank {rank} recv_count")
+        for local_expert, count in enumerate(want.recv_count):
+            np.testing.assert_array_equal(got["rows"][local_expert, :count].view(np.uint8),
+                                          want.recv_x[local_expert, :count].view(np.uint8),
+                                          err_msg=f"rank {rank} local expert {local_expert}")
+        np.testing.assert_array_equal(got["active"], want.active_ranks, err_msg=f"rank {rank} active_ranks")
+    assert results[2]["active"][0] == 0, "rank 2 timed out on rank 0, which never signalled it"
+
+
 def test_async_results_dropped_early_keep_their_memory_until_the_kernel_is_done():
     """async_finish: the caller drops recv_x and the event while the kernel (on the communication
     stream) still waits for a peer; torch's allocator must not hand recv_x's memory to a new tensor
