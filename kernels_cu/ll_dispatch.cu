@@ -19,8 +19,9 @@
 //     - a batch is the first source not yet planned, waited for (acquire, %globaltimer timeout from
 //       the receive entry), and every later source already decided, polled once after that wait.
 //       decide_source gives every block the same verdict; a source masked in active_ranks, or one
-//       that timed out (then written 0 there), contributes no rows. Staggered sources (ranks sharing one GPU) are copied as they
-//       come, while later ones still stage; sources that arrive together form one batch;
+//       that timed out (then written 0 there), contributes no rows. Staggered sources (ranks
+//       sharing one GPU) are copied as they come, while later ones still stage; sources that
+//       arrive together form one batch;
 //     - each block reads, from every live source of the batch, how many copies it has for each
 //       local expert and where they start in its send_list; a pair's rows start after the rows
 //       that earlier sources sent to the same expert (s_running): the output order of reference.py
@@ -339,10 +340,9 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
 
         while (first_src < num_ranks) {
             // The batch: the first unplanned source, waited for, and every source after it that is
-            // already decided, polled once. Sources arrive staggered (one GPU) or together (a rank
-            // per GPU): early ones are copied while late ones stage, and the batches merge when
-            // everything is there.
-            // The others are polled after the wait, so that sources which landed during it join.
+            // already decided, polled once after that wait (so sources that landed during it join).
+            // Sources arrive staggered (one GPU) or together (a rank per GPU): early ones are copied
+            // while late ones stage, and the batches merge when everything is there.
             const int num_open = num_ranks - first_src;
             if (threadIdx.x == 0)
                 s_verdict[0] = decide_source(verdicts + first_src, flags + first_src, step, active_ranks, first_src,

@@ -202,6 +202,21 @@ def assert_context_healthy() -> None:
     torch.cuda.synchronize()
 
 
+def assert_dispatch_equal(rank: int, recv, count: np.ndarray, active: np.ndarray, expected, use_fp8: bool) -> None:
+    """One rank's dispatch (recv: rows, or (rows, scales) with fp8) against reference.dispatch's: every
+    valid row bit for bit, its scales, the counts and the mask after the call."""
+    np.testing.assert_array_equal(count, expected.recv_count, err_msg=f"rank {rank} recv_count")
+    rows = recv[0] if use_fp8 else recv
+    for local_expert, num_rows in enumerate(expected.recv_count):
+        np.testing.assert_array_equal(rows[local_expert, :num_rows].view(np.uint8),
+                                      expected.recv_x[local_expert, :num_rows].view(np.uint8),
+                                      err_msg=f"rank {rank} local expert {local_expert} recv_x rows")
+        if use_fp8:
+            np.testing.assert_array_equal(recv[1][local_expert, :num_rows], expected.recv_scales[local_expert, :num_rows],
+                                          err_msg=f"rank {rank} local expert {local_expert} scales")
+    np.testing.assert_array_equal(active, expected.active_ranks, err_msg=f"rank {rank} active_ranks after dispatch")
+
+
 def check_case(case: Case):
     xs, topks, weights = make_inputs(case)
     size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
@@ -219,21 +234,9 @@ def check_case(case: Case):
         for rank, ok in enumerate(dispatched_ok)
     ]
     for rank, (result, expected) in enumerate(zip(results, dispatched)):
-        if result is None:
-            continue
-        np.testing.assert_array_equal(result["count"], expected.recv_count, err_msg=f"rank {rank} recv_count")
-        for local_expert, count in enumerate(expected.recv_count):
-            got = result["recv"][0] if case.use_fp8 else result["recv"]
-            want = expected.recv_x
-            np.testing.assert_array_equal(got[local_expert, :count].view(np.uint8),
-                                          want[local_expert, :count].view(np.uint8),
-                                          err_msg=f"rank {rank} local expert {local_expert} recv_x rows")
-            if case.use_fp8:
-                np.testing.assert_array_equal(result["recv"][1][local_expert, :count],
-                                              expected.recv_scales[local_expert, :count],
-                                              err_msg=f"rank {rank} local expert {local_expert} scales")
-        np.testing.assert_array_equal(result["active_after_dispatch"], expected.active_ranks,
-                                      err_msg=f"rank {rank} active_ranks after dispatch")
+        if result is not None:
+            assert_dispatch_equal(rank, result["recv"], result["count"], result["active_after_dispatch"], expected,
+                                  case.use_fp8)
 
     # None for a rank that never combined: its experts are left out, and it is masked.
     expert_outs = [r["y"] if r is not None else None for r in results]
@@ -330,20 +333,15 @@ def test_a_source_masked_only_by_its_receiver_delivers_nothing(use_fp8):
                                                case.num_max_tokens, case.num_experts, timeout_us=case.timeout_us,
                                                use_fp8=use_fp8)
         torch.cuda.current_stream().synchronize()
-        rows = to_numpy(recv[0] if use_fp8 else recv)
-        result = dict(rows=rows, count=to_numpy(count), active=to_numpy(active))
+        result = dict(recv=tuple(to_numpy(t) for t in recv) if use_fp8 else to_numpy(recv), count=to_numpy(count),
+                      active=to_numpy(active))
         buffer.destroy()
         return result
 
     results = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks).spawn(run)
     for rank, got in enumerate(results):
         want = reference.dispatch(rank, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=use_fp8)
-        np.testing.assert_array_equal(got["count"], want.recv_count, err_msg=f"rank {rank} recv_count")
-        for local_expert, count in enumerate(want.recv_count):
-            np.testing.assert_array_equal(got["rows"][local_expert, :count].view(np.uint8),
-                                          want.recv_x[local_expert, :count].view(np.uint8),
-                                          err_msg=f"rank {rank} local expert {local_expert}")
-        np.testing.assert_array_equal(got["active"], want.active_ranks, err_msg=f"rank {rank} active_ranks")
+        assert_dispatch_equal(rank, got["recv"], got["count"], got["active"], want, use_fp8)
     assert results[2]["active"][0] == 0, "rank 2 timed out on rank 0, which never signalled it"
 
 
