@@ -92,7 +92,9 @@ __device__ __forceinline__ bool finish_block(uint32_t* counter, int* s_is_last) 
 
 // One warp copies num_vectors 16-byte vectors, kCopyUnroll loads in flight per lane before the first
 // store. Loads bypass L1 (.cg): the source may be a peer's buffer written by a kernel running now.
+// kStreamStores: the destination is a result only later kernels read (st_once).
 constexpr int kCopyUnroll = 8;
+template <bool kStreamStores = false>
 __device__ __forceinline__ void warp_copy(const int4* src, int4* dst, int num_vectors) {
     const int lane = threadIdx.x % kWarpSize;
     for (int base = 0; base < num_vectors; base += kCopyUnroll * kWarpSize) {
@@ -105,7 +107,10 @@ __device__ __forceinline__ void warp_copy(const int4* src, int4* dst, int num_ve
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u) {
             const int v = base + u * kWarpSize + lane;
-            if (v < num_vectors) dst[v] = vectors[u];
+            if (v < num_vectors) {
+                if (kStreamStores) st_once(dst + v, vectors[u]);
+                else dst[v] = vectors[u];
+            }
         }
     }
 }

@@ -80,7 +80,7 @@ __device__ __forceinline__ void combine_slice(const int4* const (&rows)[EP_MAX_T
 #pragma unroll
             for (int u = 0; u < kVectorsPerLane; ++u) {
                 const int v = first + u * kWarpSize;
-                if (((valid_mask >> (group + k)) & 1u) && v < num_vectors) vectors[k][u] = ld_cg_int4(rows[group + k] + v);
+                if (((valid_mask >> (group + k)) & 1u) && v < num_vectors) vectors[k][u] = ld_once_int4(rows[group + k] + v);
             }
 #pragma unroll
         for (int k = 0; k < kRowGroup; ++k) {

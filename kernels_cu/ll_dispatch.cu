@@ -183,7 +183,7 @@ __device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t
 #pragma unroll
         for (int u = 0; u < kStageUnroll; ++u) {
             const int column = first + u * kWarpSize + lane;
-            vectors[u] = column < vectors_per_row ? __ldg(row + column) : make_int4(0, 0, 0, 0);
+            vectors[u] = column < vectors_per_row ? ld_input_int4(row + column) : make_int4(0, 0, 0, 0);
         }
         uint2* q_row = reinterpret_cast<uint2*>(send_x + token * send_row_bytes);
         float* scale_row = send_scales + static_cast<int64_t>(token) * (hidden / EP_FP8_BLOCK);
@@ -224,7 +224,7 @@ __device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t
 #pragma unroll
         for (int u = 0; u < kStageUnroll; ++u) {
             const int v = base + u * num_threads;
-            if (v < num_vectors) vectors[u] = __ldg(x + v);
+            if (v < num_vectors) vectors[u] = ld_input_int4(x + v);
         }
 #pragma unroll
         for (int u = 0; u < kStageUnroll; ++u) {
@@ -252,13 +252,13 @@ __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* sr
             const int j = 4 * w + b;
             if (j < num_scales) word |= ue8m0_byte(ld_cg_float(src_scale_row + j)) << (8 * b);
         }
-        static_cast<uint32_t*>(dst_scale_row)[w] = word;
+        st_once(static_cast<uint32_t*>(dst_scale_row) + w, word);
     }
 #else
-    for (int j = lane; j < num_scales; j += kWarpSize) static_cast<float*>(dst_scale_row)[j] = ld_cg_float(src_scale_row + j);
+    for (int j = lane; j < num_scales; j += kWarpSize) st_once(static_cast<float*>(dst_scale_row) + j, ld_cg_float(src_scale_row + j));
 #endif
 #endif
-    warp_copy(reinterpret_cast<const int4*>(src_row), reinterpret_cast<int4*>(dst_row),
+    warp_copy<true>(reinterpret_cast<const int4*>(src_row), reinterpret_cast<int4*>(dst_row),
               row_bytes / static_cast<int>(sizeof(int4)));
 }
 

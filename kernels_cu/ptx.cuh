@@ -10,6 +10,9 @@
 //   ld_cg_*                           loads that bypass L1: data written by another kernel that runs
 //                                     at the same time (a peer rank) must never come from a stale
 //                                     L1 line, and must never use the read-only (.nc) path.
+//   ld_input_int4, ld_once_int4,      bulk rows with the cache policy that suits each (below); only
+//   st_once                           the caller's own input, which no kernel writes meanwhile, is
+//                                     read on the .nc path.
 //   global_timer_ns                   %globaltimer, a nanosecond clock common to all SMs.
 //
 // Scope: EP_SYS_SCOPE=1 (peers on other GPUs or in other processes) orders at .sys scope; when
@@ -55,5 +58,37 @@ __device__ __forceinline__ int4 ld_cg_int4(const int4* ptr) { return __ldcg(ptr)
 __device__ __forceinline__ int ld_cg_int(const int* ptr) { return __ldcg(ptr); }
 __device__ __forceinline__ float ld_cg_float(const float* ptr) { return __ldcg(ptr); }
 __device__ __forceinline__ uint64_t ld_cg_u64(const uint64_t* ptr) { return __ldcg(reinterpret_cast<const unsigned long long*>(ptr)); }
+
+// Cache policies of the bulk rows (chosen by A/B on the H200, scripts/ab_kernels.py, 2026-12-03:
+// together decode dispatch 55 -> 48 us, combine 64 -> 60 us, the same run; docs/performance.md).
+//
+// ld_input_int4: the caller's tokens (dispatch's x), read once and written by no kernel while this
+// one runs (the caller's stream ordered their writes before the launch): the read-only path, no L1
+// allocation, 256-byte L2 fetches.
+__device__ __forceinline__ int4 ld_input_int4(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+    return v;
+}
+
+// ld_once_int4: rows read once, after an acquire, that another kernel wrote (combine's expert
+// outputs, a peer's): a weak load that allocates nothing in L1 (so no stale line can serve it, as
+// with .cg) and has L2 fetch 256 bytes a miss. Not for rows other readers take again from L2 (the
+// staged rows of dispatch: 256-byte fetches made its copies 10% slower).
+__device__ __forceinline__ int4 ld_once_int4(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.global.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+    return v;
+}
+
+// st_once: results written once and read only by later kernels (dispatch's recv_x rows and
+// scales): streaming stores (.cs, evict-first in L2), so that the 60 MB a decode dispatch writes do
+// not push out of L2 the staged rows that every receiver is still reading.
+template <typename T>
+__device__ __forceinline__ void st_once(T* ptr, const T& value) {
+    __stcs(ptr, value);
+}
 
 }  // namespace ep
