@@ -15,6 +15,7 @@
 #   host       host time per call for torch, cupy and JAX, eager and graph / jit (scripts/profile_host.py)
 #   fault      time a survivor loses when a rank stops, against timeout_us (scripts/fault_latency.py)
 #   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
+#   ab         kernel variants (AB_VARIANTS, extra NVRTC macros) benchmarked side by side on the decode shape
 #   modes      the decode benchmark in the other modes: async and hook (graphs), sync eager (no graph),
 #              and with 32 hardware queues instead of the driver's default 8
 #   repeat     the async and hook test cases, 20 times over, traced, with every rank's flags dumped on a
@@ -57,6 +58,15 @@ if has bench; then
     --no-baseline --json "$out/bench_one_rank.json"
   step bench_tiny 120 "${bench[@]}" --ranks 8 --num-sms 16 --tokens 8 --hidden 7168 --topk 8 --experts 256 \
     --iters 100 --no-baseline --json "$out/bench_tiny.json"
+fi
+if has ab; then
+  # Kernel variants side by side (scripts/ab_kernels.py): AB_VARIANTS is a space-separated list of
+  # NAME:MACRO=VALUE,... (repeat the first at the end to see the drift), on the decode shape.
+  read -ra ab_variants <<<"${AB_VARIANTS:-base:}"
+  ab_flags=()
+  for variant in "${ab_variants[@]}"; do ab_flags+=(--variant "$variant"); done
+  TAIL=$((${#ab_variants[@]} + 2)) step ab 540 python3 scripts/ab_kernels.py "${ab_flags[@]}" --json "$out/ab.json" -- \
+    "${decode[@]}" --iters "${AB_ITERS:-100}" --no-baseline
 fi
 if has modes; then
   for mode in async hook; do

@@ -1,0 +1,78 @@
+"""Kernel variants side by side: the same benchmark, once per set of extra NVRTC macros, in one process.
+
+Times are noisy between machines and drift within one; comparing variants is only meaningful
+inside one run, interleaved, with a variant repeated to show the drift. Each variant patches the
+macros every kernel is compiled with (as scripts/trace_phases.py does for EP_TRACE), runs
+``python -m mooncake_ep bench`` with the given flags, and the p50 of every phase is tabulated.
+A development tool for choosing between kernel versions; nothing here is part of the library.
+
+    python scripts/ab_kernels.py --variant base: --variant try:EP_TRY=1 --variant base: \\
+        --json ab.json -- --ranks 8 --num-sms 16 --tokens 128 --iters 100 --no-baseline
+
+where the sources under test pick their variant with ``#if EP_TRY`` (a macro of the experiment only:
+the chosen variant is written in without it before it is committed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+from mooncake_ep import kernels
+from mooncake_ep.cli import main as cli_main
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, int]]:
+    """``NAME:MACRO=VALUE,MACRO=VALUE`` (no macros after the colon: the unpatched kernels)."""
+    name, _, spec = text.partition(":")
+    if not name:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: NAME:MACRO=VALUE,... expected")
+    macros = {}
+    for item in filter(None, spec.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("EP_"):
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: {item!r} is not EP_MACRO=VALUE")
+        macros[key] = int(value)
+    return name, macros
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", type=parse_variant, action="append", required=True,
+                        help="NAME:MACRO=VALUE,...; repeat it (a name may come back, to show drift)")
+    parser.add_argument("--json", default=None, help="write every run's bench report here")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the bench flags")
+    args = parser.parse_args()
+    bench_args = [a for a in args.bench_args if a != "--"]
+
+    original = kernels._common_macros
+    runs = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for i, (name, macros) in enumerate(args.variant):
+            kernels._common_macros = lambda sys_scope, extra=macros: original(sys_scope) | extra
+            path = os.path.join(scratch, f"{i}.json")
+            print(f"== variant {name} {macros}", flush=True)
+            code = cli_main(["bench", *bench_args, "--json", path])
+            if code != 0:
+                raise SystemExit(f"variant {name}: bench exited {code}")
+            with open(path) as f:
+                runs.append({"name": name, "macros": macros, "report": json.load(f)})
+    kernels._common_macros = original
+
+    phases = list(runs[0]["report"]["phases"])
+    print(f"{'variant':<12}" + "".join(f"{p:>20}" for p in phases))
+    for run in runs:
+        cells = []
+        for phase in phases:
+            stats = run["report"]["phases"][phase]
+            cells.append(f"{stats['p50_us']:>9.1f} ({stats.get('ratio_to_floor') or 0:.2f}x)".rjust(20))
+        print(f"{run['name']:<12}" + "".join(cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
