@@ -20,6 +20,7 @@ torch tensor arrives, for its fast path.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
@@ -336,13 +337,13 @@ def torch_current_stream(device_id: int) -> int:
 
 
 def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
-    """Fast path: pointer and layout straight from the tensor. None: use DLPack instead."""
-    torch = _torch()
-    if not isinstance(obj, torch.Tensor):
-        return None
-    if obj.layout is not torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {obj.layout}")
+    """Fast path: pointer and layout straight from the tensor. None: use DLPack instead.
+
+    Reached only for subclasses of torch.Tensor (see :func:`_reader_of`), so torch is loaded.
+    """
     dtype = _torch_dtypes.get(obj.dtype)
+    if obj.layout is not _torch_module[0].strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {obj.layout}")
     if dtype is None:
         raise TypeError(f"{name} must have one of the dtypes {DTYPES}, got {obj.dtype}")
     if obj.is_cuda:
@@ -351,12 +352,10 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
         # nothing, so it is taken only when the caller launches on that very stream.
         if stream is not None and stream != -1 and not _same_stream(_torch_stream[0](device_id), stream):
             return None
-        device_type = "cuda"
-    elif obj.device.type == "cpu":
-        device_type, device_id = "cpu", 0
-    else:
+        return ArrayView(obj, obj.data_ptr(), tuple(obj.shape), obj.stride(), dtype, "cuda", device_id, "torch", obj)
+    if obj.device.type != "cpu":
         raise TypeError(f"{name} must be on a CPU or CUDA device, got torch device {obj.device}")
-    return ArrayView(obj, obj.data_ptr(), tuple(obj.shape), obj.stride(), dtype, device_type, device_id, "torch", obj)
+    return ArrayView(obj, obj.data_ptr(), tuple(obj.shape), obj.stride(), dtype, "cpu", 0, "torch", obj)
 
 
 _cupy_module: list[Any] = []  # cupy, once one of its arrays has been seen
@@ -432,21 +431,41 @@ def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
     if stream is not None and (not isinstance(stream, int) or stream < -1):
         raise ValueError(f"{name}: stream must be None or a CUDA stream handle (int >= -1), "
                          f"got {stream!r}")
-    if isinstance(obj, np.ndarray):
-        return _read_numpy(obj, name)
-    module = type(obj).__module__
-    if module.startswith("torch"):
-        view = _read_torch(obj, name, stream)
-        if view is not None:
-            return view
-    elif module.startswith("cupy"):
-        view = _read_cupy(obj, name, stream)
-        if view is not None:
-            return view
+    kind = type(obj)
+    reader = _READERS.get(kind)
+    if reader is None:
+        reader = _READERS[kind] = _reader_of(kind)
+    view = reader(obj, name, stream)
+    if view is not None:
+        return view
     if _dlpack.is_capsule(obj):
         return _view_from_capsule(obj, obj, name, "dlpack")
     capsule = _dlpack.request_capsule(obj, name, stream)
     return _view_from_capsule(capsule, obj, name, _framework_of(obj))
+
+
+def _no_fast_path(obj: Any, name: str, stream: int | None) -> None:
+    return None
+
+
+def _read_numpy_array(obj: np.ndarray, name: str, stream: int | None) -> ArrayView:
+    return _read_numpy(obj, name)
+
+
+def _reader_of(kind: type) -> Callable[[Any, str, int | None], ArrayView | None]:
+    """The fast-path reader of arrays of type ``kind`` (it may still answer None: use DLPack)."""
+    if issubclass(kind, np.ndarray):
+        return _read_numpy_array
+    module = kind.__module__
+    if module.startswith("torch") and issubclass(kind, _torch().Tensor):
+        return _read_torch
+    if module.startswith("cupy"):
+        return _read_cupy
+    return _no_fast_path
+
+
+# Reader by exact array type, filled as types are first seen: one dict lookup per array read.
+_READERS: dict[type, Callable[[Any, str, int | None], ArrayView | None]] = {}
 
 
 # ---------------------------------------------------------------------------------------------
