@@ -358,7 +358,30 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
     return ArrayView(obj, obj.data_ptr(), tuple(obj.shape), obj.stride(), dtype, "cpu", 0, "torch", obj)
 
 
-_cupy_module: list[Any] = []  # cupy, once one of its arrays has been seen
+def _cupy():
+    import cupy  # imported when the first cupy array arrives; cached by Python from then on
+
+    return cupy
+
+
+def _element_strides(byte_strides: tuple[int, ...], itemsize: int, name: str) -> tuple[int, ...]:
+    """Strides in elements of an array whose strides are in bytes (cupy's), remembered per layout."""
+    key = (byte_strides, itemsize)
+    strides = _ELEMENT_STRIDES.get(key)
+    if strides is None:
+        if any(s % itemsize for s in byte_strides):
+            raise ValueError(f"{name} must have strides that are multiples of its itemsize "
+                             f"({itemsize}), got {byte_strides} bytes")
+        strides = tuple(s // itemsize for s in byte_strides)
+        if len(_ELEMENT_STRIDES) >= _MAX_ELEMENT_STRIDES:
+            _ELEMENT_STRIDES.clear()
+        _ELEMENT_STRIDES[key] = strides
+    return strides
+
+
+# (byte strides, itemsize) -> element strides: a call's arrays have a few layouts, seen again and again.
+_ELEMENT_STRIDES: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+_MAX_ELEMENT_STRIDES = 1024
 
 
 def _read_cupy(obj: Any, name: str, stream: int | None) -> ArrayView | None:
@@ -366,26 +389,17 @@ def _read_cupy(obj: Any, name: str, stream: int | None) -> ArrayView | None:
 
     cupy's ``__dlpack__`` records and waits on an event per export (~20 us); as for torch, the fast
     path orders nothing and is taken only when the caller launches on cupy's current stream.
+    Reached only for subclasses of cupy.ndarray (see :func:`_reader_of`), so cupy is loaded.
     """
-    if not _cupy_module:
-        import cupy
-
-        _cupy_module.append(cupy)
-    cupy = _cupy_module[0]
-    if not isinstance(obj, cupy.ndarray):
-        return None
-    dtype = _NUMPY_TO_NAME.get(obj.dtype) if obj.dtype.isnative else None
+    dtype = _NUMPY_TO_NAME.get(obj.dtype)  # a byte-swapped dtype is not equal to any of ours
     if dtype is None:
         raise TypeError(f"{name} must have one of the dtypes {DTYPES} in native byte order, "
                         f"got cupy dtype {obj.dtype.str} ({obj.dtype})")
-    device_id = obj.device.id
-    if stream is not None and stream != -1 and not _same_stream(cupy.cuda.get_current_stream(device_id).ptr, stream):
+    memory = obj.data
+    device_id = memory.device_id
+    if stream is not None and stream != -1 and not _same_stream(_cupy().cuda.get_current_stream(device_id).ptr, stream):
         return None
-    itemsize = obj.dtype.itemsize
-    if any(s % itemsize for s in obj.strides):
-        raise ValueError(f"{name} must have strides that are multiples of its itemsize "
-                         f"({itemsize}), got {obj.strides} bytes")
-    return ArrayView(obj, obj.data.ptr, obj.shape, tuple(s // itemsize for s in obj.strides), dtype, "cuda",
+    return ArrayView(obj, memory.ptr, obj.shape, _element_strides(obj.strides, obj.itemsize, name), dtype, "cuda",
                      device_id, "cupy", obj)
 
 
@@ -459,7 +473,7 @@ def _reader_of(kind: type) -> Callable[[Any, str, int | None], ArrayView | None]
     module = kind.__module__
     if module.startswith("torch") and issubclass(kind, _torch().Tensor):
         return _read_torch
-    if module.startswith("cupy"):
+    if module.startswith("cupy") and issubclass(kind, _cupy().ndarray):
         return _read_cupy
     return _no_fast_path
 

@@ -162,6 +162,39 @@ def test_torch_fast_path():
         assert read_array(torch.zeros(2, dtype=dtype), name="test: x").dtype == name
 
 
+def cupy_over_host(shape, dtype, strides=None):
+    """A cupy array over host memory: its fast path reads only the pointer and the layout, so no
+    GPU is needed as long as nothing dereferences it. Skips where cupy cannot build one."""
+    cupy = pytest.importorskip("cupy")
+    storage = np.zeros(4096, np.uint8)
+    try:
+        memory = cupy.cuda.UnownedMemory(storage.ctypes.data, storage.nbytes, storage, device_id=0)
+        return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 64), strides=strides)
+    except Exception as exc:  # noqa: BLE001 - whatever this cupy build refuses without a driver
+        pytest.skip(f"cupy cannot describe host memory here: {exc}")
+
+
+def test_cupy_fast_path_layouts():
+    x = cupy_over_host((3, 4), np.uint16)
+    view = read_array(x, name="test: x")
+    assert (view.framework, view.device_type, view.device_id) == ("cupy", "cuda", 0)
+    assert (view.ptr, view.shape, view.strides, view.dtype) == (x.data.ptr, (3, 4), (4, 1), "uint16")
+    transposed = read_array(x.T, name="test: x")  # the same layout again: element strides remembered
+    assert (transposed.shape, transposed.strides, transposed.is_contiguous) == ((4, 3), (1, 4), False)
+    assert read_array(x.T, name="test: x").strides == (1, 4)
+    assert read_array(x[1:], name="test: x").ptr == x.data.ptr + 4 * 2
+    assert read_array(cupy_over_host((2, 2), np.float32), name="test: x").strides == (2, 1)
+
+
+def test_cupy_fast_path_refusals():
+    with pytest.raises(ValueError, match=r"^dispatch: x must have strides that are multiples of its itemsize \(2\)"):
+        read_array(cupy_over_host((3,), np.uint16, strides=(3,)), name="dispatch: x")
+    with pytest.raises(TypeError, match=r"^dispatch: x must have one of the dtypes.*native byte order.*>u2"):
+        read_array(cupy_over_host((3,), np.dtype(">u2")), name="dispatch: x")
+    with pytest.raises(TypeError, match=r"^dispatch: x must have one of the dtypes.*complex64"):
+        read_array(cupy_over_host((3,), np.complex64), name="dispatch: x")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.bool])
 def test_torch_through_dlpack(dtype):
     x = (torch.arange(24) % 64).reshape(4, 6).to(dtype)
