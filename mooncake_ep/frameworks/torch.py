@@ -40,10 +40,20 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
     Raises:
         TypeError: ``dtype`` or ``device_type`` is not supported.
     """
-    import torch
+    found = _EMPTY_ARGS.get((dtype, device_type, device_id))
+    if found is None:
+        import torch
 
-    return torch.empty(tuple(shape), dtype=_torch_dtype(dtype, "torch.empty: dtype"),
-                       device=_device(device_type, device_id, "torch.empty: device_type"))
+        found = (torch.empty, _torch_dtype(dtype, "torch.empty: dtype"),
+                 torch.device(_device(device_type, device_id, "torch.empty: device_type")))
+        _EMPTY_ARGS[(dtype, device_type, device_id)] = found
+    make, torch_dtype, device = found
+    return make(shape, dtype=torch_dtype, device=device)
+
+
+# (dtype, device_type, device_id) -> (torch.empty, torch dtype, torch.device): each call allocates its
+# results, and parsing "cuda:N" and looking the dtype up every time costs a microsecond a result.
+_EMPTY_ARGS: dict[tuple[str, str, int], tuple] = {}
 
 
 def from_numpy(arr: np.ndarray, like: ArrayView) -> torch.Tensor:
