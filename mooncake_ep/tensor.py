@@ -19,6 +19,7 @@ torch tensor arrives, for its fast path.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -358,8 +359,9 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
     return ArrayView(obj, obj.data_ptr(), tuple(obj.shape), obj.stride(), dtype, "cpu", 0, "torch", obj)
 
 
+@functools.cache
 def _cupy():
-    import cupy  # imported when the first cupy array arrives; cached by Python from then on
+    import cupy  # when the first cupy array arrives
 
     return cupy
 
@@ -448,6 +450,8 @@ def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
     kind = type(obj)
     reader = _READERS.get(kind)
     if reader is None:
+        if len(_READERS) >= _MAX_READERS:  # types made on the fly must not pile up
+            _READERS.clear()
         reader = _READERS[kind] = _reader_of(kind)
     view = reader(obj, name, stream)
     if view is not None:
@@ -480,6 +484,7 @@ def _reader_of(kind: type) -> Callable[[Any, str, int | None], ArrayView | None]
 
 # Reader by exact array type, filled as types are first seen: one dict lookup per array read.
 _READERS: dict[type, Callable[[Any, str, int | None], ArrayView | None]] = {}
+_MAX_READERS = 256
 
 
 # ---------------------------------------------------------------------------------------------
