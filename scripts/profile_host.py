@@ -63,23 +63,35 @@ def step_us(call: Callable[[], object], wait: Callable[[], object], steps: int) 
 
 
 def pair_p50_us(dispatch: Callable[[], object], combine: Callable[[], object], wait: Callable[[], object],
-                repeats: int) -> dict:
+                repeats: int, rounds: int = 1) -> dict:
     """Median host time of each call of ``repeats`` dispatch-then-combine pairs, in microseconds.
 
-    Pairs, because a dispatch's handle must be combined before the dispatch after next.
+    Pairs, because a dispatch's handle must be combined before the dispatch after next. The pairs
+    run in ``rounds`` rounds: besides the median of every call, the least disturbed round's median
+    (``*_us_best_round``) and each round's (``*_us_rounds``). The H200 hosts are shared: the same
+    code's median moved 27-60 us between runs a few seconds apart, and a round that the machine's
+    other work slowed down shows as an outlier instead of shifting the whole number.
     """
     wait()
-    dispatch_times, combine_times = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dispatch()
-        middle = time.perf_counter()
-        combine()
-        dispatch_times.append(middle - start)
-        combine_times.append(time.perf_counter() - middle)
-    wait()
+    dispatch_times, combine_times, per_round = [], [], []
+    per_round_calls = max(1, repeats // rounds)
+    for _ in range(rounds):
+        first = len(dispatch_times)
+        for _ in range(per_round_calls):
+            start = time.perf_counter()
+            dispatch()
+            middle = time.perf_counter()
+            combine()
+            dispatch_times.append(middle - start)
+            combine_times.append(time.perf_counter() - middle)
+        wait()
+        per_round.append((statistics.median(dispatch_times[first:]) * 1e6,
+                          statistics.median(combine_times[first:]) * 1e6))
+    best = min(per_round)  # rounds whose dispatch was least disturbed; combine follows it closely
     return {"dispatch_us_p50": statistics.median(dispatch_times) * 1e6,
-            "combine_us_p50": statistics.median(combine_times) * 1e6}
+            "combine_us_p50": statistics.median(combine_times) * 1e6,
+            "dispatch_us_best_round": best[0], "combine_us_best_round": best[1],
+            "dispatch_us_rounds": [r[0] for r in per_round], "combine_us_rounds": [r[1] for r in per_round]}
 
 
 class Shape:
@@ -92,7 +104,7 @@ class Shape:
         self.expert_out = rng.standard_normal((self.experts, self.tokens, self.hidden), dtype=np.float32)
 
 
-def eager_times(buffer: ep.Buffer, shape: Shape, arrays: dict, outs: dict, repeats: int) -> dict:
+def eager_times(buffer: ep.Buffer, shape: Shape, arrays: dict, outs: dict, repeats: int, rounds: int) -> dict:
     """Host time of eager dispatch and combine calls, allocating and with ``out=``."""
     report = {}
     for key, with_out in (("allocating", False), ("out", True)):
@@ -109,7 +121,7 @@ def eager_times(buffer: ep.Buffer, shape: Shape, arrays: dict, outs: dict, repea
         for _ in range(50):
             dispatch()
             combine()
-        report[key] = pair_p50_us(dispatch, combine, arrays["sync"], repeats)
+        report[key] = pair_p50_us(dispatch, combine, arrays["sync"], repeats, rounds)
     return report
 
 
@@ -127,7 +139,7 @@ def torch_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> d
                            torch.empty(e, t, h // 128, device="cuda")),
                           torch.empty(e, dtype=torch.int32, device="cuda")),
                 combine=torch.empty(t, h, device="cuda", dtype=torch.bfloat16))
-    report = {"eager": eager_times(buffer, shape, arrays, outs, args.calls)}
+    report = {"eager": eager_times(buffer, shape, arrays, outs, args.calls, args.rounds)}
 
     def step():
         handle = buffer.dispatch(arrays["x"], arrays["topk"], arrays["active"], t, e, out=outs["dispatch"])[2]
@@ -167,7 +179,7 @@ def torch_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> d
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
-        eager_times(buffer, shape, arrays, outs, args.calls)
+        eager_times(buffer, shape, arrays, outs, args.calls, args.rounds)
         profiler.disable()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
@@ -190,7 +202,7 @@ def cupy_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> di
     outs = dict(dispatch=((cupy.empty((e, t, h), dtype=cupy.uint8), cupy.empty((e, t, h // 128), dtype=cupy.float32)),
                           cupy.empty(e, dtype=cupy.int32)),
                 combine=cupy.empty((t, h), dtype=cupy.uint16))
-    return {"eager": eager_times(buffer, shape, arrays, outs, args.calls)}
+    return {"eager": eager_times(buffer, shape, arrays, outs, args.calls, args.rounds)}
 
 
 def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dict:
@@ -240,7 +252,7 @@ def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dic
         dispatch()
         combine()
         jit_call()
-    eager = pair_p50_us(dispatch, combine, wait, args.calls)
+    eager = pair_p50_us(dispatch, combine, wait, args.calls, args.rounds)
     # How often the ops' Python callbacks still run per jitted step: each one builds a launch
     # (Buffer._*_launcher). With command buffers replaying, it is ~0; every execution, 2.
     launches = []
@@ -275,7 +287,9 @@ def summary(name: str, report: dict) -> list[str]:
     lines = []
     for key, eager in report["eager"].items() if name != "jax" else [("eager", report["eager"])]:
         lines.append(f"{name:>5} {key:>10}: dispatch {eager['dispatch_us_p50']:6.1f} us, "
-                     f"combine {eager['combine_us_p50']:6.1f} us (host, p50)")
+                     f"combine {eager['combine_us_p50']:6.1f} us (host, p50; best of "
+                     f"{len(eager['dispatch_us_rounds'])} rounds {eager['dispatch_us_best_round']:.1f} / "
+                     f"{eager['combine_us_best_round']:.1f} us)")
     if "graph" in report:
         g = report["graph"]
         lines.append(f"{name:>5}      graph: replay {g['replay_us_p50']:6.1f} us (host), step {g['step_us']:6.1f} us;"
@@ -298,6 +312,8 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per measurement")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="eager calls run in this many rounds; the least disturbed round's median is reported too")
     parser.add_argument("--steps", type=int, default=500, help="back-to-back steps for a step time")
     parser.add_argument("--layers", type=int, default=8,
                         help="MoE layers in one graph / jitted program, for the per-layer step time")
