@@ -25,15 +25,16 @@ from mooncake_ep.cli import main as cli_main
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:
-    """``NAME:MACRO=VALUE,MACRO=VALUE`` (no macros after the colon: the unpatched kernels)."""
+    """``NAME:MACRO=VALUE,MACRO=VALUE`` with integer values (no macros after the colon: the unpatched
+    kernels)."""
     name, _, spec = text.partition(":")
     if not name:
         raise argparse.ArgumentTypeError(f"--variant {text!r}: NAME:MACRO=VALUE,... expected")
     macros = {}
     for item in filter(None, spec.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or not key.startswith("EP_"):
-            raise argparse.ArgumentTypeError(f"--variant {text!r}: {item!r} is not EP_MACRO=VALUE")
+        if not sep or not key.startswith("EP_") or not value.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: {item!r} is not EP_MACRO=INTEGER")
         macros[key] = int(value)
     return name, macros
 

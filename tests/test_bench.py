@@ -385,3 +385,31 @@ def test_bench_cuda_small_shape_writes_the_json_schema(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check_schema(json.loads(path.read_text()), with_baseline=True, backend="cuda")
     assert png.read_bytes()[:len(PNG_SIGNATURE)] == PNG_SIGNATURE
+
+
+# --- scripts/ab_kernels.py: variants of the benchmark side by side ------------------------------------
+
+
+def test_ab_kernels_runs_each_variant_and_tabulates(tmp_path):
+    """On the reference backend the macros change nothing; what is checked is the plumbing: one bench
+    report per variant, in order, with its macros, and the table."""
+    out = tmp_path / "ab.json"
+    result = subprocess.run([sys.executable, "scripts/ab_kernels.py", "--variant", "base:", "--variant",
+                             "try:EP_TRY=1,EP_OTHER=2", "--variant", "base:", "--json", str(out), "--",
+                             "--iters", "2", "--warmup", "0"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=PROCESS_LIMIT_S)
+    assert result.returncode == 0, result.stderr
+    runs = json.loads(out.read_text())
+    assert [(r["name"], r["macros"]) for r in runs] == [("base", {}), ("try", {"EP_TRY": 1, "EP_OTHER": 2}),
+                                                        ("base", {})]
+    assert all(set(r["report"]["phases"]) == set(bench.PHASES) for r in runs)
+    table = result.stdout.splitlines()[-4:]
+    assert table[0].split() == ["variant", *bench.PHASES] and [row.split()[0] for row in table[1:]] == [
+        "base", "try", "base"]
+
+
+@pytest.mark.parametrize("text", ["", ":EP_TRY=1", "x:TRY=1", "x:EP_TRY", "x:EP_TRY=one"])
+def test_ab_kernels_refuses_malformed_variants(text):
+    result = subprocess.run([sys.executable, "scripts/ab_kernels.py", "--variant", text], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=PROCESS_LIMIT_S)
+    assert result.returncode == 2 and "--variant" in result.stderr
