@@ -61,26 +61,36 @@ __device__ __forceinline__ uint64_t ld_cg_u64(const uint64_t* ptr) { return __ld
 
 // Cache policies of the bulk rows (chosen by A/B on the H200, scripts/ab_kernels.py, 2026-12-03:
 // together decode dispatch 55 -> 48 us, combine 64 -> 60 us, the same run; docs/performance.md).
+// The 256-byte L2 fetch size needs sm_80; older GPUs get the plain .nc / .cg loads.
 //
 // ld_input_int4: the caller's tokens (dispatch's x), read once and written by no kernel while this
 // one runs (the caller's stream ordered their writes before the launch): the read-only path, no L1
 // allocation, 256-byte L2 fetches.
 __device__ __forceinline__ int4 ld_input_int4(const int4* ptr) {
+#if __CUDA_ARCH__ >= 800
     int4 v;
     asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
     return v;
+#else
+    return __ldg(ptr);
+#endif
 }
 
-// ld_once_int4: rows read once, after an acquire, that another kernel wrote (combine's expert
-// outputs, a peer's): a weak load that allocates nothing in L1 (so no stale line can serve it, as
-// with .cg) and has L2 fetch 256 bytes a miss. Not for rows other readers take again from L2 (the
-// staged rows of dispatch: 256-byte fetches made its copies 10% slower).
+// ld_once_int4: rows read once that another kernel wrote (combine's expert outputs, a peer's): a
+// weak load with no L1 allocation and 256-byte L2 fetches. Like ld_cg_*, it may only follow an
+// acquire of the writer's flag in this block (then a barrier): the acquire, not the allocation
+// hint, is what keeps a stale L1 line from serving it. Not for rows other readers take again from
+// L2 (dispatch's staged rows: 256-byte fetches made its copies 10% slower).
 __device__ __forceinline__ int4 ld_once_int4(const int4* ptr) {
+#if __CUDA_ARCH__ >= 800
     int4 v;
     asm volatile("ld.global.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
     return v;
+#else
+    return __ldcg(ptr);
+#endif
 }
 
 // st_once: results written once and read only by later kernels (dispatch's recv_x rows and

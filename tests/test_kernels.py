@@ -92,6 +92,16 @@ def cubin_of(warm: Warm, key: kernels.KernelKey) -> bytes:
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80"])
+def test_every_variant_compiles_for_older_gpus(arch):
+    """Hopper-era cache hints (the 256-byte L2 fetch size) fall back below sm_80: a Buffer on a T4 or
+    an A100 must still build. (sm_70 is left out: this NVRTC warns that it is deprecated, and
+    compile_kernel refuses any warning.)"""
+    for key in kernels.low_latency_keys(arch, sys_scope=True):
+        assert kernels.compile_kernel(key)[:4] == ELF_MAGIC, key
+
+
+@needs_nvrtc
 def test_every_variant_compiles_without_error_or_warning(warm):
     # compile_kernel raises KernelCompileError on an NVRTC error and on any warning in the log.
     failures = [f"{k['file']} {k['macros']}:\n{k['log']}" for k in warm.report.get("kernels", [])
