@@ -24,6 +24,11 @@ from mooncake_ep import kernels
 from mooncake_ep.cli import main as cli_main
 
 
+# Macros the library sets for every kernel, or per dispatch mode: the host launches to match them,
+# so a variant may not change them (the mode macros would be overwritten anyway).
+RESERVED_MACROS = frozenset(kernels._common_macros(True)) | {"EP_USE_FP8", "EP_ROUND_SCALE", "EP_USE_UE8M0"}
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:
     """``NAME:MACRO=VALUE,MACRO=VALUE`` with integer values (no macros after the colon: the unpatched
     kernels)."""
@@ -35,6 +40,9 @@ def parse_variant(text: str) -> tuple[str, dict[str, int]]:
         key, sep, value = item.partition("=")
         if not sep or not key.startswith("EP_") or not value.lstrip("-").isdigit():
             raise argparse.ArgumentTypeError(f"--variant {text!r}: {item!r} is not EP_MACRO=INTEGER")
+        if key in RESERVED_MACROS:
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: {key} is set by the library (the host launches "
+                                             f"to match it); use a macro of the experiment's own")
         macros[key] = int(value)
     return name, macros
 
@@ -47,6 +55,9 @@ def main() -> None:
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then the bench flags")
     args = parser.parse_args()
     bench_args = [a for a in args.bench_args if a != "--"]
+    if any(a.split("=")[0] in ("--launch", "--group") for a in bench_args):
+        # Ranks in other processes compile their own kernels, without this process's patched macros.
+        parser.error("the bench must run its ranks in this process: --launch and --group are not supported")
 
     original = kernels._common_macros
     runs = []

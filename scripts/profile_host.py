@@ -67,17 +67,18 @@ def pair_p50_us(dispatch: Callable[[], object], combine: Callable[[], object], w
     """Median host time of each call of ``repeats`` dispatch-then-combine pairs, in microseconds.
 
     Pairs, because a dispatch's handle must be combined before the dispatch after next. The pairs
-    run in ``rounds`` rounds: besides the median of every call, the least disturbed round's median
-    (``*_us_best_round``) and each round's (``*_us_rounds``). The H200 hosts are shared: the same
-    code's median moved 27-60 us between runs a few seconds apart, and a round that the machine's
-    other work slowed down shows as an outlier instead of shifting the whole number.
+    run in ``rounds`` rounds (1 <= rounds <= repeats) of nearly equal size: besides the median of
+    every call, each round's median (``*_us_rounds``) and the least disturbed one of each call
+    (``*_us_best_round``). The H200 hosts are shared: the same code's median moved 27-60 us between
+    runs seconds apart, and a round that the machine's other work slowed down then shows as an
+    outlier instead of shifting the whole number.
     """
     wait()
-    dispatch_times, combine_times, per_round = [], [], []
-    per_round_calls = max(1, repeats // rounds)
-    for _ in range(rounds):
+    dispatch_times, combine_times = [], []
+    dispatch_rounds, combine_rounds = [], []
+    for size in (repeats // rounds + (r < repeats % rounds) for r in range(rounds)):
         first = len(dispatch_times)
-        for _ in range(per_round_calls):
+        for _ in range(size):
             start = time.perf_counter()
             dispatch()
             middle = time.perf_counter()
@@ -85,13 +86,12 @@ def pair_p50_us(dispatch: Callable[[], object], combine: Callable[[], object], w
             dispatch_times.append(middle - start)
             combine_times.append(time.perf_counter() - middle)
         wait()
-        per_round.append((statistics.median(dispatch_times[first:]) * 1e6,
-                          statistics.median(combine_times[first:]) * 1e6))
-    best = min(per_round)  # rounds whose dispatch was least disturbed; combine follows it closely
+        dispatch_rounds.append(statistics.median(dispatch_times[first:]) * 1e6)
+        combine_rounds.append(statistics.median(combine_times[first:]) * 1e6)
     return {"dispatch_us_p50": statistics.median(dispatch_times) * 1e6,
             "combine_us_p50": statistics.median(combine_times) * 1e6,
-            "dispatch_us_best_round": best[0], "combine_us_best_round": best[1],
-            "dispatch_us_rounds": [r[0] for r in per_round], "combine_us_rounds": [r[1] for r in per_round]}
+            "dispatch_us_best_round": min(dispatch_rounds), "combine_us_best_round": min(combine_rounds),
+            "dispatch_us_rounds": dispatch_rounds, "combine_us_rounds": combine_rounds}
 
 
 class Shape:
@@ -322,6 +322,8 @@ def main() -> None:
                         help="JAX: no XLA command buffers (every execution runs the Python callbacks)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if not 1 <= args.rounds <= args.calls:
+        parser.error(f"--rounds must be in [1, --calls={args.calls}], got {args.rounds}")
     if args.command_buffers:  # read when JAX starts its GPU backend, which happens later, in jax_report
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1"
                                    " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL").strip()

@@ -408,8 +408,13 @@ def test_ab_kernels_runs_each_variant_and_tabulates(tmp_path):
         "base", "try", "base"]
 
 
-@pytest.mark.parametrize("text", ["", ":EP_TRY=1", "x:TRY=1", "x:EP_TRY", "x:EP_TRY=one"])
-def test_ab_kernels_refuses_malformed_variants(text):
-    result = subprocess.run([sys.executable, "scripts/ab_kernels.py", "--variant", text], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=PROCESS_LIMIT_S)
-    assert result.returncode == 2 and "--variant" in result.stderr
+@pytest.mark.parametrize("argv", [["--variant", ""], ["--variant", ":EP_TRY=1"], ["--variant", "x:TRY=1"],
+                                  ["--variant", "x:EP_TRY"], ["--variant", "x:EP_TRY=one"],
+                                  ["--variant", "x:EP_NUM_THREADS=256"], ["--variant", "x:EP_USE_FP8=0"],
+                                  ["--variant", "x:", "--", "--launch", "2"], ["--variant", "x:", "--", "--group=init"]])
+def test_ab_kernels_refuses_what_it_cannot_measure(argv):
+    result = subprocess.run([sys.executable, "scripts/ab_kernels.py", *argv], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=PROCESS_LIMIT_S)
+    error = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and error.startswith("ab_kernels.py: error: "), result.stderr
+    assert ("argument --variant" in error) != ("in this process" in error), error
