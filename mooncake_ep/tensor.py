@@ -289,8 +289,9 @@ def _device_from_dlpack(device_type: int, device_id: int, name: str) -> tuple[st
     return ours, (int(device_id) if ours == "cuda" else 0)
 
 
-def _read_numpy(obj: np.ndarray, name: str) -> ArrayView:
+def _read_numpy(obj: np.ndarray, name: str, stream: int | None = None) -> ArrayView:
     # No DLPack: numpy refuses to export ml_dtypes (bf16/fp8) and read-only arrays through it.
+    # `stream` is the readers' common signature (see _reader_of); host memory orders nothing.
     dtype = _NUMPY_TO_NAME.get(obj.dtype) if obj.dtype.isnative else None
     if dtype is None:
         raise TypeError(f"{name} must have one of the dtypes {DTYPES} in native byte order, "
@@ -466,14 +467,10 @@ def _no_fast_path(obj: Any, name: str, stream: int | None) -> None:
     return None
 
 
-def _read_numpy_array(obj: np.ndarray, name: str, stream: int | None) -> ArrayView:
-    return _read_numpy(obj, name)
-
-
 def _reader_of(kind: type) -> Callable[[Any, str, int | None], ArrayView | None]:
     """The fast-path reader of arrays of type ``kind`` (it may still answer None: use DLPack)."""
     if issubclass(kind, np.ndarray):
-        return _read_numpy_array
+        return _read_numpy
     module = kind.__module__
     if module.startswith("torch") and issubclass(kind, _torch().Tensor):
         return _read_torch
