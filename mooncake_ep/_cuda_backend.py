@@ -18,7 +18,7 @@ import logging
 import struct
 import threading
 import weakref
-
+from collections.abc import Callable
 
 from mooncake_ep import _constants, _handshake, kernels, layout
 from mooncake_ep.group import GroupError
@@ -292,25 +292,29 @@ class CudaBackend:
         if not cupy.cuda.runtime.streamIsCapturing(stream_ptr):
             self._pending_layouts.clear()
 
-    def launch_dispatch(self, phases: int, parity: int, layout_ptr: int, *, x_ptr: int, num_tokens: int,
-                        topk_ptr: int, topk_is_int64: bool, num_topk: int, active_ptr: int, recv_x_ptr: int,
-                        recv_scales_ptr: int, recv_count_ptr: int, timeout_ns: int, use_fp8: bool,
-                        round_scale: bool, use_ue8m0: bool, stream_ptr: int) -> None:
-        self._launch(self.launchers[kernels.dispatch_launcher_name(use_fp8, round_scale, use_ue8m0)],
-                     (phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, x_ptr, num_tokens, topk_ptr,
-                      topk_is_int64, num_topk, active_ptr, recv_x_ptr, recv_scales_ptr, recv_count_ptr, timeout_ns),
-                     stream_ptr)
+    def dispatch_launch(self, parity: int, layout_ptr: int, *, x_ptr: int, num_tokens: int, topk_ptr: int,
+                        topk_is_int64: bool, num_topk: int, active_ptr: int, recv_x_ptr: int, recv_scales_ptr: int,
+                        recv_count_ptr: int, timeout_ns: int, use_fp8: bool, round_scale: bool,
+                        use_ue8m0: bool) -> Callable[[int, int], None]:
+        """The launch of one dispatch, as ``launch(phases, stream_ptr)``: the arguments are bound once
+        here, so that launching (once, or twice in hook mode) only packs them."""
+        launcher = self.launchers[kernels.dispatch_launcher_name(use_fp8, round_scale, use_ue8m0)]
+        args = (parity, layout_ptr, self.workspace.ptr, self.group.rank, x_ptr, num_tokens, topk_ptr, topk_is_int64,
+                num_topk, active_ptr, recv_x_ptr, recv_scales_ptr, recv_count_ptr, timeout_ns)
+        return lambda phases, stream_ptr: self._launch(launcher, (phases, *args), stream_ptr)
 
-    def launch_combine(self, phases: int, parity: int, layout_ptr: int, *, expert_out_ptr: int, zero_copy: bool,
-                       num_tokens: int, topk_ptr: int, topk_is_int64: bool, num_topk: int, weights_ptr: int,
-                       active_ptr: int, combined_ptr: int, renormalize: bool, timeout_ns: int,
-                       stream_ptr: int, direct_reads: bool = True) -> None:
-        """Launch the combine kernel. ``direct_reads=False`` copies the expert outputs into the
-        workspace even where peers could read them in place (see :meth:`_combine_source`)."""
-        self._launch(self.launchers["combine"],
-                     (phases, parity, layout_ptr, self.workspace.ptr, self.group.rank, expert_out_ptr,
-                      self._combine_source(zero_copy, direct_reads), num_tokens, topk_ptr, topk_is_int64, num_topk,
-                      weights_ptr, active_ptr, combined_ptr, renormalize, timeout_ns), stream_ptr)
+    def combine_launch(self, parity: int, layout_ptr: int, *, expert_out_ptr: int, zero_copy: bool, num_tokens: int,
+                       topk_ptr: int, topk_is_int64: bool, num_topk: int, weights_ptr: int, active_ptr: int,
+                       combined_ptr: int, renormalize: bool, timeout_ns: int,
+                       direct_reads: bool = True) -> Callable[[int, int], None]:
+        """The launch of one combine, as ``launch(phases, stream_ptr)`` (see :meth:`dispatch_launch`).
+        ``direct_reads=False`` copies the expert outputs into the workspace even where peers could read
+        them in place (see :meth:`_combine_source`)."""
+        launcher = self.launchers["combine"]
+        args = (parity, layout_ptr, self.workspace.ptr, self.group.rank, expert_out_ptr,
+                self._combine_source(zero_copy, direct_reads), num_tokens, topk_ptr, topk_is_int64, num_topk,
+                weights_ptr, active_ptr, combined_ptr, renormalize, timeout_ns)
+        return lambda phases, stream_ptr: self._launch(launcher, (phases, *args), stream_ptr)
 
     def _launch(self, launcher, args: tuple, stream_ptr: int) -> None:
         """Write pending layouts ahead of the launch, then launch, with this rank's device current.

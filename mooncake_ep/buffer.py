@@ -328,12 +328,16 @@ class Buffer:
                         else "reference", x_view.framework, x_view.device_id if x_view.device_type == "cuda" else -1,
                         state={"received": False})
         self._num_dispatches += 1
-        flags = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
         if x_view.device_type == "cpu":
-            receive = self._reference_dispatch(handle, x_view, topk_view, active_view, outputs, flags)
+            receive = self._reference_dispatch(handle, x_view, topk_view, active_view, outputs,
+                                               dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
         else:
-            receive = self._cuda_dispatch(handle, x_view, topk_view, active_view, outputs, flags, timeout_us,
-                                          async_finish, return_recv_hook, stream_ptr)
+            launch = self._dispatch_launcher(x_view, topk_view, active_view, [view for view, _ in outputs],
+                                             parity=handle.parity,
+                                             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                                             num_experts=num_experts, timeout_us=timeout_us, use_fp8=use_fp8,
+                                             round_scale=round_scale, use_ue8m0=use_ue8m0)
+            receive = self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
         event, hook = self._finish(handle, receive, async_finish, return_recv_hook, stream_ptr, x_view,
                                    (x_view, topk_view, active_view), outputs)
         objects = _caller_arrays(outputs, x_view)
@@ -400,14 +404,6 @@ class Buffer:
             handle.state["result"] = result
         return receive
 
-    def _cuda_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags, timeout_us, async_finish,
-                       return_recv_hook, stream_ptr):
-        launch = self._dispatch_launcher(x_view, topk_view, active_view, [view for view, _ in outputs],
-                                         parity=handle.parity,
-                                         num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank,
-                                         num_experts=handle.num_experts, timeout_us=timeout_us, **flags)
-        return self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
-
     def _dispatch_launcher(self, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
                            out_views: list, *, parity: int, num_max_dispatch_tokens_per_rank: int,
                            num_experts: int, timeout_us: int, use_fp8: bool, round_scale: bool,
@@ -427,12 +423,12 @@ class Buffer:
         cuda = self._cuda
         _, layout_ptr = cuda.layout_for(num_max_dispatch_tokens_per_rank, x_view.shape[1], num_experts)
         recv_scales_ptr = out_views[1].ptr if use_fp8 else 0
-        common = dict(x_ptr=x_view.ptr, num_tokens=x_view.shape[0], topk_ptr=topk_view.ptr,
-                      topk_is_int64=topk_view.dtype == "int64", num_topk=topk_view.shape[1], active_ptr=active_view.ptr,
-                      recv_x_ptr=out_views[0].ptr, recv_scales_ptr=recv_scales_ptr, recv_count_ptr=out_views[-1].ptr,
-                      timeout_ns=_timeout_ns(timeout_us), use_fp8=use_fp8, round_scale=round_scale,
-                      use_ue8m0=use_ue8m0)
-        return lambda phases, stream: cuda.launch_dispatch(phases, parity, layout_ptr, stream_ptr=stream, **common)
+        return cuda.dispatch_launch(parity, layout_ptr, x_ptr=x_view.ptr, num_tokens=x_view.shape[0],
+                                    topk_ptr=topk_view.ptr, topk_is_int64=topk_view.dtype == "int64",
+                                    num_topk=topk_view.shape[1], active_ptr=active_view.ptr, recv_x_ptr=out_views[0].ptr,
+                                    recv_scales_ptr=recv_scales_ptr, recv_count_ptr=out_views[-1].ptr,
+                                    timeout_ns=_timeout_ns(timeout_us), use_fp8=use_fp8, round_scale=round_scale,
+                                    use_ue8m0=use_ue8m0)
 
     # --- combine --------------------------------------------------------------------------------
 
@@ -491,8 +487,12 @@ class Buffer:
             receive = self._reference_combine(handle, x_view, topk_view, weights_view, active_view, outputs,
                                               zero_copy, renormalize)
         else:
-            receive = self._cuda_combine(handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy,
-                                         renormalize, timeout_us, async_finish, return_recv_hook, stream_ptr)
+            launch = self._combine_launcher(x_view, topk_view, weights_view, active_view, outputs[0][0],
+                                            parity=handle.parity,
+                                            num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank,
+                                            hidden=handle.hidden, num_experts=handle.num_experts, zero_copy=zero_copy,
+                                            renormalize=renormalize, timeout_us=timeout_us)
+            receive = self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
         event, hook = self._finish(None, receive, async_finish, return_recv_hook, stream_ptr, topk_view,
                                    (x_view, topk_view, weights_view, active_view), outputs)
         return _caller_arrays(outputs, topk_view)[0], event, hook
@@ -538,15 +538,6 @@ class Buffer:
             _write_mask(active_view, mask)
         return receive
 
-    def _cuda_combine(self, handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy, renormalize,
-                      timeout_us, async_finish, return_recv_hook, stream_ptr):
-        launch = self._combine_launcher(x_view, topk_view, weights_view, active_view, outputs[0][0],
-                                        parity=handle.parity,
-                                        num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank,
-                                        hidden=handle.hidden, num_experts=handle.num_experts, zero_copy=zero_copy,
-                                        renormalize=renormalize, timeout_us=timeout_us)
-        return self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
-
     def _combine_launcher(self, x_view: ArrayView | None, topk_view: ArrayView, weights_view: ArrayView,
                           active_view: ArrayView, combined_view, *, parity: int, num_max_dispatch_tokens_per_rank: int,
                           hidden: int, num_experts: int, zero_copy: bool, renormalize: bool,
@@ -561,12 +552,12 @@ class Buffer:
         """
         cuda = self._cuda
         _, layout_ptr = cuda.layout_for(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        common = dict(expert_out_ptr=0 if zero_copy else x_view.ptr, zero_copy=zero_copy,
-                      num_tokens=topk_view.shape[0], topk_ptr=topk_view.ptr, topk_is_int64=topk_view.dtype == "int64",
-                      num_topk=topk_view.shape[1], weights_ptr=weights_view.ptr, active_ptr=active_view.ptr,
-                      combined_ptr=combined_view.ptr, renormalize=renormalize, timeout_ns=_timeout_ns(timeout_us),
-                      direct_reads=direct_reads)
-        return lambda phases, stream: cuda.launch_combine(phases, parity, layout_ptr, stream_ptr=stream, **common)
+        return cuda.combine_launch(parity, layout_ptr, expert_out_ptr=0 if zero_copy else x_view.ptr,
+                                   zero_copy=zero_copy, num_tokens=topk_view.shape[0], topk_ptr=topk_view.ptr,
+                                   topk_is_int64=topk_view.dtype == "int64", num_topk=topk_view.shape[1],
+                                   weights_ptr=weights_view.ptr, active_ptr=active_view.ptr,
+                                   combined_ptr=combined_view.ptr, renormalize=renormalize,
+                                   timeout_ns=_timeout_ns(timeout_us), direct_reads=direct_reads)
 
     def get_next_combine_buffer(self, handle: Handle):
         """The buffer to write expert outputs into for ``combine(..., zero_copy=True)``.

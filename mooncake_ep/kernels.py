@@ -530,4 +530,10 @@ def load_low_latency_kernels(arch: str, cache: KernelCache | None = None, sys_sc
 
 
 def dispatch_launcher_name(use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> str:
-    return f"dispatch/{int(use_fp8)}/{int(round_scale)}/{int(use_ue8m0)}"
+    """The key of a dispatch variant in :func:`load_low_latency_kernels`' result."""
+    return _DISPATCH_LAUNCHER_NAMES[bool(use_fp8), bool(round_scale), bool(use_ue8m0)]
+
+
+# Looked up, not formatted, on every call: an f-string of three flags costs a quarter of a microsecond.
+_DISPATCH_LAUNCHER_NAMES = {(fp8, round_scale, ue8m0): f"dispatch/{int(fp8)}/{int(round_scale)}/{int(ue8m0)}"
+                            for fp8 in (False, True) for round_scale in (False, True) for ue8m0 in (False, True)}

@@ -111,7 +111,14 @@ def read_out(where: str, out, nested_fp8: bool, stream: int | None) -> list[tupl
     names = ("recv_x", "recv_scales", "recv_count") if nested_fp8 else ("recv_x", "recv_count")
     if len(flat) != len(names):
         raise TypeError(f"{where}: out must hold {len(names)} arrays ({', '.join(names)}), got {len(flat)}")
-    return [(read_array(obj, name=f"{where}: out {name}", stream=stream), obj) for obj, name in zip(flat, names)]
+    labels = _OUT_LABELS.get((where, nested_fp8))
+    if labels is None:
+        labels = _OUT_LABELS[where, nested_fp8] = tuple(f"{where}: out {name}" for name in names)
+    return [(read_array(obj, name=label, stream=stream), obj) for obj, label in zip(flat, labels)]
+
+
+# The error-message names of the out= arrays, by (call, fp8): made once, not formatted every call.
+_OUT_LABELS: dict[tuple[str, bool], tuple[str, ...]] = {}
 
 
 def check_out(where: str, out_views, specs, like: ArrayView) -> None:

@@ -49,11 +49,15 @@ class RecordingCuda:
     def upload_layouts(self, stream_ptr):
         pass
 
-    def launch_dispatch(self, phases, parity, layout_ptr, *, stream_ptr, **args):
-        self.launches.append(Launch("dispatch", phases, parity, stream_ptr, args))
+    def dispatch_launch(self, parity, layout_ptr, **args):
+        def launch(phases, stream_ptr):
+            self.launches.append(Launch("dispatch", phases, parity, stream_ptr, args))
+        return launch
 
-    def launch_combine(self, phases, parity, layout_ptr, *, stream_ptr, **args):
-        self.launches.append(Launch("combine", phases, parity, stream_ptr, args))
+    def combine_launch(self, parity, layout_ptr, **args):
+        def launch(phases, stream_ptr):
+            self.launches.append(Launch("combine", phases, parity, stream_ptr, args))
+        return launch
 
     def record_event(self, stream_ptr):
         return ("event", stream_ptr)

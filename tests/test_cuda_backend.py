@@ -259,7 +259,7 @@ def test_in_process_ranks_make_no_collective_for_a_configuration():
         workspace_layout.pack()
 
 
-# Arguments of a bf16 launch_dispatch, pointers made up: the stubs never dereference them.
+# Arguments of a bf16 dispatch_launch, pointers made up: the stubs never dereference them.
 DISPATCH_ARGUMENTS = dict(x_ptr=1, num_tokens=1, topk_ptr=2, topk_is_int64=True, num_topk=1, active_ptr=3,
                           recv_x_ptr=4, recv_scales_ptr=0, recv_count_ptr=5, timeout_ns=-1, use_fp8=False,
                           round_scale=False, use_ue8m0=False)
@@ -279,9 +279,9 @@ def test_a_new_configuration_is_written_by_the_next_launch_on_its_stream(monkeyp
     monkeypatch.setattr(cupy.cuda.runtime, "streamIsCapturing", lambda stream: capturing.pop(0))
     workspace_layout, layout_ptr = backend.layout_for(4, 128, 8)
     assert log == [] and backend.layout_table.read(0, 8) == bytes(8), "nothing is copied inside layout_for"
-    backend.launch_dispatch(3, 0, layout_ptr, stream_ptr=0xA0, **DISPATCH_ARGUMENTS)  # inside a capture: stays pending
-    backend.launch_dispatch(3, 0, layout_ptr, stream_ptr=0xB0, **DISPATCH_ARGUMENTS)
-    backend.launch_dispatch(3, 0, layout_ptr, stream_ptr=0xB0, **DISPATCH_ARGUMENTS)
+    backend.dispatch_launch(0, layout_ptr, **DISPATCH_ARGUMENTS)(3, 0xA0)  # inside a capture: stays pending
+    backend.dispatch_launch(0, layout_ptr, **DISPATCH_ARGUMENTS)(3, 0xB0)
+    backend.dispatch_launch(0, layout_ptr, **DISPATCH_ARGUMENTS)(3, 0xB0)
     assert log == ["write layout table on stream 0xa0", "launch on 0xa0", "write layout table on stream 0xb0",
                    "launch on 0xb0", "launch on 0xb0"]
     assert backend.layout_table.read(0, len(workspace_layout.pack())) == workspace_layout.pack()
@@ -300,14 +300,14 @@ def test_a_launch_runs_on_the_ranks_device_and_gives_the_caller_its_own_back():
     combine = dict(expert_out_ptr=1, zero_copy=False, num_tokens=1, topk_ptr=2, topk_is_int64=True, num_topk=1,
                    weights_ptr=3, active_ptr=4, combined_ptr=5, renormalize=False, timeout_ns=-1)
     runtime.current = 0
-    backend.launch_dispatch(3, 0, 0, stream_ptr=0xA0, **DISPATCH_ARGUMENTS)
-    backend.launch_combine(3, 0, 0, stream_ptr=0xA0, **combine)
+    backend.dispatch_launch(0, 0, **DISPATCH_ARGUMENTS)(3, 0xA0)
+    backend.combine_launch(0, 0, **combine)(3, 0xA0)
     assert log == ["set device 1", "dispatch on device 1", "set device 0",
                    "set device 1", "combine on device 1", "set device 0"]
     assert runtime.current == 0
     log.clear()
     runtime.current = 1  # already the rank's device: no switch
-    backend.launch_dispatch(3, 0, 0, stream_ptr=0xA0, **DISPATCH_ARGUMENTS)
+    backend.dispatch_launch(0, 0, **DISPATCH_ARGUMENTS)(3, 0xA0)
     assert log == ["dispatch on device 1"]
 
     def failing(num_blocks, args, stream):
@@ -315,7 +315,7 @@ def test_a_launch_runs_on_the_ranks_device_and_gives_the_caller_its_own_back():
     backend.launchers["combine"] = failing
     runtime.current = 0
     with pytest.raises(RuntimeError, match="launch failed"):
-        backend.launch_combine(3, 0, 0, stream_ptr=0xA0, **combine)
+        backend.combine_launch(0, 0, **combine)(3, 0xA0)
     assert runtime.current == 0, "a failed launch gives the caller its device back too"
 
 

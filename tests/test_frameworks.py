@@ -88,11 +88,15 @@ class RecordingCuda:
     def layout_for(self, num_max_tokens, hidden, num_experts):
         return layout.compute_layout(1, num_experts, num_max_tokens, hidden), 0x1000
 
-    def launch_dispatch(self, phases, parity, layout_ptr, *, stream_ptr, **args):
-        self.launches.append(("dispatch", phases, stream_ptr, args))
+    def dispatch_launch(self, parity, layout_ptr, **args):
+        def launch(phases, stream_ptr):
+            self.launches.append(("dispatch", phases, stream_ptr, args))
+        return launch
 
-    def launch_combine(self, phases, parity, layout_ptr, *, stream_ptr, **args):
-        self.launches.append(("combine", phases, stream_ptr, args))
+    def combine_launch(self, parity, layout_ptr, **args):
+        def launch(phases, stream_ptr):
+            self.launches.append(("combine", phases, stream_ptr, args))
+        return launch
 
 
 def test_cupy_raw_bits_are_accepted_as_bf16_and_fp8(monkeypatch):

@@ -541,11 +541,15 @@ class RecordingCuda:
     def upload_layouts(self, stream_ptr):
         self.layouts.append(("uploaded", stream_ptr))
 
-    def launch_dispatch(self, phases, parity, layout_ptr, *, stream_ptr, **args):
-        self.launches.append(("dispatch", phases, parity, stream_ptr, args))
+    def dispatch_launch(self, parity, layout_ptr, **args):
+        def launch(phases, stream_ptr):
+            self.launches.append(("dispatch", phases, parity, stream_ptr, args))
+        return launch
 
-    def launch_combine(self, phases, parity, layout_ptr, *, stream_ptr, **args):
-        self.launches.append(("combine", phases, parity, stream_ptr, args))
+    def combine_launch(self, parity, layout_ptr, **args):
+        def launch(phases, stream_ptr):
+            self.launches.append(("combine", phases, parity, stream_ptr, args))
+        return launch
 
 
 class FakeContext:
