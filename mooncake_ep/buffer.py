@@ -122,7 +122,13 @@ class Buffer:
         kernel_cache_dir: where compiled kernels are cached (default: see :mod:`mooncake_ep.kernels`).
 
     Note:
-        Every rank must call dispatch and combine in the same order: they are collectives.
+        Every rank must call dispatch and combine in the same order: they are collectives. A
+        rank's calls on one Buffer run one after another on the device: two of them in flight at
+        once on different streams (say a combine on a side stream while the next runs on the main
+        one, with no event between them) share the workspace half of their parity and its step
+        counter, and are not supported, as with DeepEP's Buffer. Order them with an event (for an
+        ``async_finish`` call, its ``event.current_stream_wait()`` before the next call), or use a
+        Buffer per stream.
 
         Construction is collective too: every rank sends its configuration (version, backend,
         num_ep_buffer_bytes, GPU and num_sms) and a mismatch raises on every rank. On the GPU,
