@@ -418,3 +418,23 @@ def test_ab_kernels_refuses_what_it_cannot_measure(argv):
     error = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and error.startswith("ab_kernels.py: error: "), result.stderr
     assert ("argument --variant" in error) != ("in this process" in error), error
+
+
+# --- scripts/profile_host_stand_in.py: the GPU path's host time on any machine -------------------------
+
+
+def test_profile_host_stand_in_times_the_gpu_paths_calls(tmp_path):
+    """It must keep driving Buffer's CUDA branch (not the reference one) as buffer.py and
+    _cuda_backend.py change: each round's p50 of both calls is reported."""
+    out = tmp_path / "host.json"
+    result = subprocess.run([sys.executable, "scripts/profile_host_stand_in.py", "--calls", "40", "--rounds", "2",
+                             "--ranks", "2", "--experts", "8", "--hidden", "256", "--tokens", "4", "--json", str(out)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=PROCESS_LIMIT_S)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    for name in ("dispatch", "combine"):
+        assert len(report[f"{name}_us_rounds"]) == 2 and all(t > 0 for t in report[f"{name}_us_rounds"])
+        assert report[f"{name}_us_best_round"] == min(report[f"{name}_us_rounds"])
+    assert report["launches"] == {"dispatch": 1 + 40, "combine": 40}, "every call launched its kernel"
+    assert [line.split()[:2] for line in result.stdout.splitlines()] == [["dispatch", "out=:"], ["combine", "out=:"]]
+
