@@ -2,6 +2,8 @@
 # One call on a fresh GPU machine (no network): install without dependencies, then the chosen
 # stages, each with its own time limit; logs and JSON go to OUTDIR. Exits non-zero if any failed.
 #   usage: scripts/gpu_check.sh OUTDIR [STAGE ...]
+# PACK_TO=FILE.tar.gz also packs OUTDIR into one archive at the end (for callers that can fetch only
+# a few files back).
 # Stages (default: tests bench warmup sanitizer):
 #   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S)
 #   bench      the decode-shape benchmark (with the torch baseline), one rank alone, a tiny payload
@@ -99,6 +101,9 @@ if has trace; then
   step trace_tiny 120 python3 scripts/trace_phases.py --ranks 8 --num-sms 16 --tokens 8 --json "$out/trace_tiny.json"
   step trace_zero_copy 120 python3 scripts/trace_phases.py --ranks 8 --num-sms 16 --tokens 128 --zero-copy \
     --json "$out/trace_zero_copy.json"
+  # A rank per GPU has no launch stagger: one rank with every SM shows the fixed cost of its phases.
+  step trace_one_rank 120 python3 scripts/trace_phases.py --ranks 1 --tokens 128 --experts 32 \
+    --json "$out/trace_one_rank.json"
 fi
 if has tests; then
   # One pytest per file, each with its own limit, so a hang costs one file and not the rest; a test
@@ -144,5 +149,8 @@ if has sanitizer; then
     step "sanitizer_$tool" 300 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 python3 -m pytest -q \
       -p no:cacheprovider tests/test_gpu_low_latency.py -k "${sanitizer_cases[$tool]}"
   done
+fi
+if [ -n "${PACK_TO:-}" ]; then
+  tar czf "$PACK_TO" -C "$out" . || status=1
 fi
 exit $status
