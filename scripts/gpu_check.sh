@@ -2,8 +2,8 @@
 # One call on a fresh GPU machine (no network): install without dependencies, then the chosen
 # stages, each with its own time limit; logs and JSON go to OUTDIR. Exits non-zero if any failed.
 #   usage: scripts/gpu_check.sh OUTDIR [STAGE ...]
-# PACK_TO=FILE.tar.gz also packs OUTDIR into one archive at the end (for callers that can fetch only
-# a few files back).
+# PACK_TO=FILE.tar.gz (outside OUTDIR) also packs OUTDIR into one archive at the end (for callers that
+# can fetch only a few files back).
 # Stages (default: tests bench warmup sanitizer):
 #   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S)
 #   bench      the decode-shape benchmark (with the torch baseline), one rank alone, a tiny payload
