@@ -296,12 +296,8 @@ def _read_numpy(obj: np.ndarray, name: str, stream: int | None = None) -> ArrayV
     if dtype is None:
         raise TypeError(f"{name} must have one of the dtypes {DTYPES} in native byte order, "
                         f"got numpy dtype {obj.dtype.str} ({obj.dtype})")
-    itemsize = obj.dtype.itemsize
-    if any(s % itemsize for s in obj.strides):
-        raise ValueError(f"{name} must have strides that are multiples of its itemsize "
-                         f"({itemsize}), got {obj.strides} bytes")
     return ArrayView(obj=obj, ptr=obj.__array_interface__["data"][0], shape=obj.shape,
-                     strides=tuple(s // itemsize for s in obj.strides), dtype=dtype,
+                     strides=_element_strides(obj.strides, obj.dtype.itemsize, name), dtype=dtype,
                      device_type="cpu", device_id=0, framework="numpy", keepalive=obj,
                      readonly=not obj.flags.writeable)
 
@@ -309,7 +305,6 @@ def _read_numpy(obj: np.ndarray, name: str, stream: int | None = None) -> ArrayV
 _torch_dtypes: dict[Any, str] = {}
 _torch_module: list[Any] = []  # torch, once a tensor has been seen (imported lazily, then cached)
 _torch_stream: list[Any] = []  # its current-stream getter, cached with it
-_torch_strided: list[Any] = []  # torch.strided, cached with it
 
 
 def _same_stream(current: int, stream: int) -> bool:
@@ -329,7 +324,6 @@ def _torch():
             def raw(device_id: int) -> int:
                 return torch.cuda.current_stream(device_id).cuda_stream
         _torch_stream.append(raw)
-        _torch_strided.append(torch.strided)
         _torch_module.append(torch)  # last: a thread that sees torch finds the rest set too
     return _torch_module[0]
 
@@ -346,16 +340,15 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
     Reached only for subclasses of torch.Tensor (see :func:`_reader_of`), so torch is loaded.
     """
     dtype = _torch_dtypes.get(obj.dtype)
-    if obj.layout is not _torch_strided[0]:
+    if obj.layout is not _torch_module[0].strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {obj.layout}")
     if dtype is None:
         raise TypeError(f"{name} must have one of the dtypes {DTYPES}, got {obj.dtype}")
     if obj.is_cuda:
         device_id = obj.get_device()
         # DLPack would make `stream` wait for torch's current stream; the fast path orders
-        # nothing, so it is taken only when the caller launches on that very stream (handles 0
-        # and 1 both name the legacy default stream: _same_stream, inlined on this hot path).
-        if stream is not None and stream != -1 and (_torch_stream[0](device_id) or 1) != (stream or 1):
+        # nothing, so it is taken only when the caller launches on that very stream.
+        if stream is not None and stream != -1 and not _same_stream(_torch_stream[0](device_id), stream):
             return None
         return ArrayView(obj, obj.data_ptr(), tuple(obj.shape), obj.stride(), dtype, "cuda", device_id, "torch", obj)
     if obj.device.type != "cpu":
