@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--zero-copy", action="store_true", help="trace the zero-copy combine")
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--graph-root", action=argparse.BooleanOptionalAction, default=True,
+                        help="fork each graph from one node of its own (the benchmark's default)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.ranks > MAX_RANKS:
@@ -122,8 +124,12 @@ def main() -> None:
             active=torch.ones(args.ranks, dtype=torch.int32, device="cuda")))
     handles = [None] * args.ranks
 
-    def forked(fn):
+    root_marker = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def forked(fn, root=False):
         origin = torch.cuda.current_stream()
+        if root:  # one node ahead of the fork, as the benchmark's --graph-root
+            root_marker.zero_()
         for s in streams:
             s.wait_stream(origin)
         fn()
@@ -148,7 +154,7 @@ def main() -> None:
     for name, fn in (("dispatch", dispatch_all), ("combine", combine_all)):
         graphs[name] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[name]):
-            forked(fn)
+            forked(fn, root=args.graph_root)
     torch.cuda.synchronize()
     event_us = {"dispatch": [], "combine": []}
     for _ in range(args.replays):

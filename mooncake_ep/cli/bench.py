@@ -131,6 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                         help="time replays of one CUDA graph per phase (default on a GPU); --no-graph: eager "
                              "calls, every rank's launches issued from this thread")
+    parser.add_argument("--graph-root", action=argparse.BooleanOptionalAction, default=True,
+                        help="start each captured fork of the rank streams from one node; --no-graph-root: "
+                             "every rank's first launch is a root node of the graph (0.7-1.4 us later each)")
     parser.add_argument("--routing", choices=("uniform", "zipf", "k_hot"), default="uniform")
     parser.add_argument("--alpha", type=float, default=1.2, help="zipf exponent")
     parser.add_argument("--hot-fraction", type=float, default=0.5, help="k_hot: share of tokens that go hot")
@@ -430,9 +433,17 @@ def measure_cuda(args, progress, group=None) -> dict:
         if phase == "combine_zero_copy":
             combine_all(inputs, handles, True)
 
-    def forked(fn):
-        """Run fn with every rank stream ordered after, and joined back into, the current stream."""
+    # The node every captured fork starts from (--graph-root): a graph whose rank launches are all root
+    # nodes starts them 0.7-1.4 us apart, as the GPU resolves each root's wait on the work before the
+    # graph one at a time; forked from one node they start 0.16 us apart (docs/performance.md, (12)).
+    root_marker = torch.zeros(1, dtype=torch.int32, device=torch.cuda.current_device())
+
+    def forked(fn, root: bool = False):
+        """Run fn with every rank stream ordered after, and joined back into, the current stream;
+        ``root``: after one node of its own on the current stream."""
         origin = torch.cuda.current_stream()
+        if root:
+            root_marker.zero_()
         for s in streams.values():
             s.wait_stream(origin)
         fn()
@@ -468,7 +479,7 @@ def measure_cuda(args, progress, group=None) -> dict:
             for phase in graphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    forked(lambda: run_phase(phase, inputs, set_handles[k]))
+                    forked(lambda: run_phase(phase, inputs, set_handles[k]), root=args.graph_root)
                 graphs[phase].append(graph)
         torch.cuda.synchronize()
 
@@ -686,7 +697,7 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "backend": backend,
         "timer": timer,
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
-                                                 "mode", "graph", "routing", "iters", "input_sets", "warmup", "seed",
+                                                 "mode", "graph", "graph_root", "routing", "iters", "input_sets", "warmup", "seed",
                                                  "baseline")},
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
