@@ -19,8 +19,8 @@
 #   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
 #   ab         kernel variants (AB_VARIANTS, extra NVRTC macros) benchmarked side by side on the decode shape
 #   modes      the decode benchmark in the other modes: async and hook (graphs), sync eager (no graph),
-#              without the graph's root node (--no-graph-root), and with 32 hardware queues instead of
-#              the driver's default 8
+#              without the graph's own nodes around the fork/join (--graph-ends none), and with 32
+#              hardware queues instead of the driver's default 8
 #   repeat     the async and hook test cases, 20 times over, traced, with every rank's flags dumped on a
 #              failure (scripts/repeat_case.py), with 8 and with 32 hardware work queues
 set -uo pipefail
@@ -77,9 +77,9 @@ if has modes; then
       --json "$out/bench_$mode.json"
   done
   step bench_eager 200 "${bench[@]}" "${decode[@]}" --no-graph --iters 100 --no-baseline --json "$out/bench_eager.json"
-  # Every rank's launch a root node of the graph (the benchmark's structure before --graph-root).
-  step bench_no_graph_root 200 "${bench[@]}" "${decode[@]}" --no-graph-root --iters 100 --no-baseline \
-    --json "$out/bench_no_graph_root.json"
+  # Every rank's launch a root and a leaf of the graph (the benchmark's graphs before --graph-ends).
+  step bench_graph_ends_none 200 "${bench[@]}" "${decode[@]}" --graph-ends none --iters 100 --no-baseline \
+    --json "$out/bench_graph_ends_none.json"
   # 32 hardware queues against the driver's default 8 (bench_decode): 32 cost 8-9 us more a phase on call 7.
   CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_32_queues 200 "${bench[@]}" "${decode[@]}" --iters 100 --no-baseline \
     --json "$out/bench_32_queues.json"

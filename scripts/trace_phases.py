@@ -97,8 +97,8 @@ def main() -> None:
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--zero-copy", action="store_true", help="trace the zero-copy combine")
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--graph-root", action=argparse.BooleanOptionalAction, default=True,
-                        help="fork each graph from one node of its own (the benchmark's default)")
+    parser.add_argument("--graph-ends", choices=("none", "root", "both"), default="both",
+                        help="nodes of the graph's own around each fork/join, as the benchmark's --graph-ends")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.ranks > MAX_RANKS:
@@ -124,17 +124,19 @@ def main() -> None:
             active=torch.ones(args.ranks, dtype=torch.int32, device="cuda")))
     handles = [None] * args.ranks
 
-    root_marker = torch.zeros(1, dtype=torch.int32, device="cuda")
+    end_markers = torch.zeros(2, dtype=torch.int32, device="cuda")
 
-    def forked(fn, root=False):
+    def forked(fn, ends="none"):  # as the benchmark's
         origin = torch.cuda.current_stream()
-        if root:  # one node ahead of the fork, as the benchmark's --graph-root
-            root_marker.zero_()
+        if ends != "none":
+            end_markers[0].zero_()
         for s in streams:
             s.wait_stream(origin)
         fn()
         for s in streams:
             origin.wait_stream(s)
+        if ends == "both":
+            end_markers[1].zero_()
 
     def dispatch_all():
         for r, inp in enumerate(inputs):
@@ -154,7 +156,7 @@ def main() -> None:
     for name, fn in (("dispatch", dispatch_all), ("combine", combine_all)):
         graphs[name] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[name]):
-            forked(fn, root=args.graph_root)
+            forked(fn, ends=args.graph_ends)
     torch.cuda.synchronize()
     event_us = {"dispatch": [], "combine": []}
     for _ in range(args.replays):

@@ -75,6 +75,8 @@ HOST_TIMED_CALLS = 20
 # (check_no_rank_masked) instead of a hang; healthy calls take microseconds.
 KERNEL_TIMEOUT_US = 10_000_000
 MODES = ("sync", "async", "hook")
+# Nodes of the graph's own at the ends of each captured fork/join (--graph-ends).
+GRAPH_ENDS = ("none", "root", "both")
 
 
 def call_flags(mode: str) -> dict:
@@ -131,9 +133,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                         help="time replays of one CUDA graph per phase (default on a GPU); --no-graph: eager "
                              "calls, every rank's launches issued from this thread")
-    parser.add_argument("--graph-root", action=argparse.BooleanOptionalAction, default=True,
-                        help="start each captured fork of the rank streams from one node; --no-graph-root: "
-                             "every rank's first launch is a root node of the graph (0.7-1.4 us later each)")
+    parser.add_argument("--graph-ends", choices=GRAPH_ENDS, default="both",
+                        help="nodes of its own at the ends of each captured fork/join of the rank streams: "
+                             "root (one before the fork), both (and one after the join), or none (every "
+                             "rank's first launch a root of the graph: they start 0.7-1.4 us apart each)")
     parser.add_argument("--routing", choices=("uniform", "zipf", "k_hot"), default="uniform")
     parser.add_argument("--alpha", type=float, default=1.2, help="zipf exponent")
     parser.add_argument("--hot-fraction", type=float, default=0.5, help="k_hot: share of tokens that go hot")
@@ -433,22 +436,26 @@ def measure_cuda(args, progress, group=None) -> dict:
         if phase == "combine_zero_copy":
             combine_all(inputs, handles, True)
 
-    # The node every captured fork starts from (--graph-root): a graph whose rank launches are all root
-    # nodes starts them 0.7-1.4 us apart, as the GPU resolves each root's wait on the work before the
-    # graph one at a time; forked from one node they start 0.16 us apart (docs/performance.md, (12)).
-    root_marker = torch.zeros(1, dtype=torch.int32, device=torch.cuda.current_device())
+    # The nodes a captured fork starts from and joins into (--graph-ends): a graph whose rank launches
+    # are all roots starts them 0.7-1.4 us apart, as the GPU resolves each root's wait on the work
+    # before the graph one at a time; forked from one node they start 0.16 us apart, and a graph that
+    # ends in one node is done sooner than one with a leaf per rank (docs/performance.md, (12)).
+    end_markers = torch.zeros(2, dtype=torch.int32, device=torch.cuda.current_device())
 
-    def forked(fn, root: bool = False):
+    def forked(fn, ends: str = "none"):
         """Run fn with every rank stream ordered after, and joined back into, the current stream;
-        ``root``: after one node of its own on the current stream."""
+        ``ends``: with a node of its own on the current stream before the fork (``root``), and
+        after the join too (``both``)."""
         origin = torch.cuda.current_stream()
-        if root:
-            root_marker.zero_()
+        if ends != "none":
+            end_markers[0].zero_()
         for s in streams.values():
             s.wait_stream(origin)
         fn()
         for s in streams.values():
             origin.wait_stream(s)
+        if ends == "both":
+            end_markers[1].zero_()
 
     # Eager warm-up (uploads each configuration's layout) and host time per call.
     handles = [None] * args.ranks
@@ -479,7 +486,7 @@ def measure_cuda(args, progress, group=None) -> dict:
             for phase in graphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    forked(lambda: run_phase(phase, inputs, set_handles[k]), root=args.graph_root)
+                    forked(lambda: run_phase(phase, inputs, set_handles[k]), ends=args.graph_ends)
                 graphs[phase].append(graph)
         torch.cuda.synchronize()
 
@@ -697,8 +704,8 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "backend": backend,
         "timer": timer,
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
-                                                 "mode", "graph", "graph_root", "routing", "iters", "input_sets", "warmup", "seed",
-                                                 "baseline")},
+                                                 "mode", "graph", "graph_ends", "routing", "iters", "input_sets",
+                                                 "warmup", "seed", "baseline")},
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
         "write_bandwidth_gbps": None if write_bandwidth is None else write_bandwidth / 1e9,
