@@ -192,6 +192,8 @@ def main() -> None:
                     if i >= 10:
                         event_us.append(start.elapsed_time(end) * 1e3)
                         entry = stamps.cpu().numpy()
+                        if kernel in KERNELS and not entry.all():
+                            raise RuntimeError(f"{kernel}, {shape}: a branch's kernel did not stamp its entry")
                         spreads.append(np.sort(entry - entry.min()) / 1e3)
                 row = {"kernel": kernel, "graph": shape, "replay": replay, "event_us_p50": statistics.median(event_us),
                        "entry_us_p50": None if kernel not in KERNELS else np.median(spreads, axis=0).round(2).tolist()}

@@ -19,6 +19,7 @@ import numpy as np
 
 import mooncake_ep as ep
 from mooncake_ep import kernels
+from mooncake_ep.cli import bench
 
 POINTS = ("send_entry", "send_done", "flags_stored", "recv_entry", "flags_seen", "plan_ready", "rows_done",
           "recv_exit")
@@ -97,7 +98,7 @@ def main() -> None:
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--zero-copy", action="store_true", help="trace the zero-copy combine")
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--graph-ends", choices=("none", "root", "both"), default="both",
+    parser.add_argument("--graph-ends", choices=bench.GRAPH_ENDS, default="both",
                         help="nodes of the graph's own around each fork/join, as the benchmark's --graph-ends")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -126,17 +127,8 @@ def main() -> None:
 
     end_markers = torch.zeros(2, dtype=torch.int32, device="cuda")
 
-    def forked(fn, ends="none"):  # as the benchmark's
-        origin = torch.cuda.current_stream()
-        if ends != "none":
-            end_markers[0].zero_()
-        for s in streams:
-            s.wait_stream(origin)
-        fn()
-        for s in streams:
-            origin.wait_stream(s)
-        if ends == "both":
-            end_markers[1].zero_()
+    def forked(fn, ends="none"):
+        bench.fork_join(torch, streams, fn, ends, end_markers)
 
     def dispatch_all():
         for r, inp in enumerate(inputs):

@@ -364,6 +364,46 @@ def test_bench_cuda_each_mode(tmp_path, mode, graph):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU with cupy and CUDA torch")
+@pytest.mark.parametrize("ends", ["none", "root"])  # "both", the default, runs in every other test
+def test_bench_cuda_each_graph_shape(tmp_path, ends):
+    path = tmp_path / "bench.json"
+    proc = run_bench("--backend", "cuda", "--ranks", "4", "--tokens", "8", "--hidden", "256", "--topk", "2",
+                     "--experts", "8", "--iters", "5", "--warmup", "2", "--no-baseline", "--graph-ends", ends,
+                     "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    check_schema(report, with_baseline=False, backend="cuda")
+    assert report["config"]["graph_ends"] == ends
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU with cupy and CUDA torch")
+def test_graph_fork_stagger_reports_every_branch(tmp_path):
+    """The reproducer of docs/performance.md (12): one row per (kernel, graph, replay), an entry time
+    per branch for the stamping kernels (none for ours, which return before stamping)."""
+    out = tmp_path / "stagger.json"
+    result = subprocess.run([sys.executable, "scripts/graph_fork_stagger.py", "--ranks", "4", "--replays", "3",
+                             "--kernels", "trivial", "poll15us", "ll_combine", "--graphs", "unrooted", "rooted+sink",
+                             "--json", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=PROCESS_LIMIT_S)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kernel"], r["graph"], r["replay"]) for r in rows] == [
+        (kernel, graph, replay) for kernel in ("trivial", "poll15us", "ll_combine")
+        for graph in ("unrooted", "rooted+sink") for replay in ("idle", "queued")]
+    for row in rows:
+        assert row["event_us_p50"] > 0
+        if row["kernel"] == "ll_combine":
+            assert row["entry_us_p50"] is None
+        else:  # sorted offsets from the first branch's start: every branch stamped
+            entries = row["entry_us_p50"]
+            assert len(entries) == 4 and entries[0] == 0 and entries == sorted(entries), row
+    # A 15 us poll in every branch: the replay lasts at least that long.
+    assert all(r["event_us_p50"] >= 15 for r in rows if r["kernel"] == "poll15us")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU with cupy and CUDA torch")
 def test_bench_cuda_launch_two_processes(tmp_path):
     """One rank per process (ipc on one GPU: the processes time-slice it, so the times mean little)."""
     path = tmp_path / "bench.json"

@@ -50,6 +50,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -354,6 +355,28 @@ def time_baseline(args, sets: list[list[dict]], make_timer, progress) -> dict:
 # --- measurements --------------------------------------------------------------------------------
 
 
+def fork_join(torch, streams: list, fn: Callable[[], None], ends: str = "none", end_markers=None) -> None:
+    """Run fn with every stream of ``streams`` ordered after, and joined back into, the current stream.
+
+    ``ends`` (:data:`GRAPH_ENDS`): with a node of its own on the current stream before the fork
+    (``root``), and after the join too (``both``), each writing one int32 of ``end_markers`` (a
+    device array of 2). Captured in a graph whose every rank launch is a root, the GPU starts the
+    rank launches 0.7-1.4 us apart, resolving each root's wait on the work before the graph one at
+    a time; forked from one node they start 0.16 us apart, and a graph that ends in one node is done
+    sooner than one with a leaf per rank (docs/performance.md, (12)).
+    """
+    origin = torch.cuda.current_stream()
+    if ends != "none":
+        end_markers[0].zero_()
+    for stream in streams:
+        stream.wait_stream(origin)
+    fn()
+    for stream in streams:
+        origin.wait_stream(stream)
+    if ends == "both":
+        end_markers[1].zero_()
+
+
 def measure_cuda(args, progress, group=None) -> dict:
     """The report of one configuration on the GPU kernels (CUDA events).
 
@@ -436,26 +459,10 @@ def measure_cuda(args, progress, group=None) -> dict:
         if phase == "combine_zero_copy":
             combine_all(inputs, handles, True)
 
-    # The nodes a captured fork starts from and joins into (--graph-ends): a graph whose rank launches
-    # are all roots starts them 0.7-1.4 us apart, as the GPU resolves each root's wait on the work
-    # before the graph one at a time; forked from one node they start 0.16 us apart, and a graph that
-    # ends in one node is done sooner than one with a leaf per rank (docs/performance.md, (12)).
     end_markers = torch.zeros(2, dtype=torch.int32, device=torch.cuda.current_device())
 
     def forked(fn, ends: str = "none"):
-        """Run fn with every rank stream ordered after, and joined back into, the current stream;
-        ``ends``: with a node of its own on the current stream before the fork (``root``), and
-        after the join too (``both``)."""
-        origin = torch.cuda.current_stream()
-        if ends != "none":
-            end_markers[0].zero_()
-        for s in streams.values():
-            s.wait_stream(origin)
-        fn()
-        for s in streams.values():
-            origin.wait_stream(s)
-        if ends == "both":
-            end_markers[1].zero_()
+        fork_join(torch, list(streams.values()), fn, ends, end_markers)
 
     # Eager warm-up (uploads each configuration's layout) and host time per call.
     handles = [None] * args.ranks
