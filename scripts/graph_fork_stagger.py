@@ -11,7 +11,7 @@ events. It varies what might matter:
   receiver waiting); a 15 us spin on the timer alone; and our own ll_dispatch / ll_combine launched
   with ``phases = 0`` (they return at once; graph time only, they stamp nothing);
 - the graph: every branch's kernel a root node (``unrooted``), or the fork from one node of its own
-  (``rooted``, a 1-thread kernel on the origin stream first), or rooted with one node after the
+  (``rooted``, a one-warp kernel on the origin stream first), or rooted with one node after the
   join too (``rooted+sink``);
 - the replay: after the previous one finished (``idle``), or queued behind it (``queued``), as the
   benchmark replays.
@@ -91,6 +91,7 @@ __global__ void node(int* marker) { *marker = 0; }
 }
 """
 KERNELS = ("trivial", "registers128", "shared34k", "poll15us", "spin15us")
+OURS = ("ll_dispatch", "ll_combine")  # launched with phases = 0
 GRAPHS = ("unrooted", "rooted", "rooted+sink")
 REPLAYS = ("idle", "queued")
 
@@ -118,7 +119,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8, help="graph branches")
     parser.add_argument("--blocks", type=int, default=16, help="blocks per kernel (SMs per rank)")
     parser.add_argument("--replays", type=int, default=50, help="timed replays per case (after 10 untimed)")
-    parser.add_argument("--kernels", nargs="+", default=list(KERNELS) + ["ll_dispatch", "ll_combine"])
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS + OURS, default=list(KERNELS + OURS))
     parser.add_argument("--graphs", nargs="+", choices=GRAPHS, default=list(GRAPHS))
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -134,7 +135,8 @@ def main() -> None:
     launchers = {name: [FunctionLauncher(module.get_function(name).kernel, "QiQQ", threads) for _ in range(args.ranks)]
                  for name in KERNELS}
     node = [FunctionLauncher(module.get_function("node").kernel, "Q", 32) for _ in range(2)]
-    ours = [kernels.load_low_latency_kernels(_cuda_backend.device_arch(torch.cuda.current_device()), sys_scope=False)
+    arch = _cuda_backend.device_arch(torch.cuda.current_device())
+    ours = [kernels.load_low_latency_kernels(arch, sys_scope=False) if set(OURS) & set(args.kernels) else None
             for _ in range(args.ranks)]
     stamps = torch.zeros(args.ranks, dtype=torch.int64, device="cuda")
     src = torch.randint(0, 1 << 20, (args.blocks * 28 * threads * 4,), dtype=torch.int32, device="cuda")

@@ -137,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graph-ends", choices=GRAPH_ENDS, default="both",
                         help="nodes of its own at the ends of each captured fork/join of the rank streams: "
                              "root (one before the fork), both (and one after the join), or none (every "
-                             "rank's first launch a root of the graph: they start 0.7-1.4 us apart each)")
+                             "rank's first launch a root of the graph: they start 0.7-1.6 us apart each)")
     parser.add_argument("--routing", choices=("uniform", "zipf", "k_hot"), default="uniform")
     parser.add_argument("--alpha", type=float, default=1.2, help="zipf exponent")
     parser.add_argument("--hot-fraction", type=float, default=0.5, help="k_hot: share of tokens that go hot")
@@ -361,7 +361,7 @@ def fork_join(torch, streams: list, fn: Callable[[], None], ends: str = "none", 
     ``ends`` (:data:`GRAPH_ENDS`): with a node of its own on the current stream before the fork
     (``root``), and after the join too (``both``), each writing one int32 of ``end_markers`` (a
     device array of 2). Captured in a graph whose every rank launch is a root, the GPU starts the
-    rank launches 0.7-1.4 us apart, resolving each root's wait on the work before the graph one at
+    rank launches 0.7-1.6 us apart, resolving each root's wait on the work before the graph one at
     a time; forked from one node they start 0.16 us apart, and a graph that ends in one node is done
     sooner than one with a leaf per rank (docs/performance.md, (12)).
     """
