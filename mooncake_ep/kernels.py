@@ -457,16 +457,27 @@ class Launcher:
     """
 
     def __init__(self, cubin: bytes, name: str, arg_format: str, num_threads: int = NUM_THREADS):
+        import cupy
+
+        _check_arg_format(arg_format)
+        self._bind(_loaded_function(cubin, name, cupy.cuda.runtime.getDevice()), name, arg_format, num_threads)
+
+    @classmethod
+    def for_function(cls, function, name: str, arg_format: str, num_threads: int = NUM_THREADS) -> Launcher:
+        """A Launcher of a function something else loaded (a cupy ``Function``, e.g. of a ``RawModule``)."""
+        _check_arg_format(arg_format)
+        launcher = cls.__new__(cls)
+        launcher._bind(function, name, arg_format, num_threads)
+        return launcher
+
+    def _bind(self, function, name: str, arg_format: str, num_threads: int) -> None:
         import ctypes
         import struct
 
-        import cupy
         from cupy_backends.cuda.api import driver
 
-        if not arg_format or set(arg_format) - set(_ARG_SLOT_FORMATS):
-            raise ValueError(f"Launcher: arg_format must be codes among {sorted(_ARG_SLOT_FORMATS)}, got {arg_format!r}")
-        self._function = _loaded_function(cubin, name, cupy.cuda.runtime.getDevice())
-        self._function_ptr = self._function.ptr
+        self._function = function
+        self._function_ptr = function.ptr
         self._launch = driver.launchKernel
         self.name = name
         self.num_threads = num_threads
@@ -482,6 +493,11 @@ class Launcher:
         self._packer.pack_into(self._slots, 0, *args)
         self._launch(self._function_ptr, num_blocks, 1, 1, self.num_threads, 1, 1, 0, stream_ptr,
                      self._pointers_address, 0)
+
+
+def _check_arg_format(arg_format: str) -> None:
+    if not arg_format or set(arg_format) - set(_ARG_SLOT_FORMATS):
+        raise ValueError(f"Launcher: arg_format must be codes among {sorted(_ARG_SLOT_FORMATS)}, got {arg_format!r}")
 
 
 # Modules loaded in this process, by (cubin digest, device): loaded once, never unloaded. A Buffer's

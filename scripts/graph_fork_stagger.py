@@ -24,10 +24,8 @@ A development tool: it needs a GPU, torch and cupy; nothing here is part of the 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
-import struct
 
 import numpy as np
 
@@ -96,24 +94,6 @@ GRAPHS = ("unrooted", "rooted", "rooted+sink")
 REPLAYS = ("idle", "queued")
 
 
-class FunctionLauncher(kernels.Launcher):
-    """kernels.Launcher's argument packing and launch, for a function cupy already loaded."""
-
-    def __init__(self, function, arg_format: str, num_threads: int):  # noqa: D107 (no cubin to load)
-        from cupy_backends.cuda.api import driver
-
-        self._function = function
-        self._function_ptr = function.ptr
-        self._launch = driver.launchKernel
-        self.name, self.num_threads, self.arg_format = "", num_threads, arg_format
-        self._packer = struct.Struct("<" + "".join(kernels._ARG_SLOT_FORMATS[code] for code in arg_format))
-        self._slots = ctypes.create_string_buffer(self._packer.size)
-        base = ctypes.addressof(self._slots)
-        self._pointers = (ctypes.c_void_p * len(arg_format))(
-            *(base + kernels._ARG_SLOT_BYTES * i for i in range(len(arg_format))))
-        self._pointers_address = ctypes.addressof(self._pointers)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=8, help="graph branches")
@@ -132,9 +112,9 @@ def main() -> None:
     torch.cuda.init()
     module = cupy.RawModule(code=SOURCE, options=("-std=c++17",))
     threads = kernels.NUM_THREADS
-    launchers = {name: [FunctionLauncher(module.get_function(name).kernel, "QiQQ", threads) for _ in range(args.ranks)]
-                 for name in KERNELS}
-    node = [FunctionLauncher(module.get_function("node").kernel, "Q", 32) for _ in range(2)]
+    launchers = {name: [kernels.Launcher.for_function(module.get_function(name).kernel, name, "QiQQ", threads)
+                        for _ in range(args.ranks)] for name in KERNELS}
+    node = [kernels.Launcher.for_function(module.get_function("node").kernel, "node", "Q", 32) for _ in range(2)]
     arch = _cuda_backend.device_arch(torch.cuda.current_device())
     ours = [kernels.load_low_latency_kernels(arch, sys_scope=False) if set(OURS) & set(args.kernels) else None
             for _ in range(args.ranks)]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import struct
 import time
 import types
 from collections.abc import Callable
@@ -45,17 +44,15 @@ class HostTensorReportingCuda(torch.Tensor):
         return 0
 
 
-class PackingLauncher(kernels.Launcher):
-    """A Launcher whose kernel launch only counts: the arguments are still packed."""
+def packing_launcher(arg_format: str) -> kernels.Launcher:
+    """A Launcher of no kernel: the arguments are packed as for a real one; the launch only counts."""
+    launcher = kernels.Launcher.for_function(types.SimpleNamespace(ptr=0), "stand-in", arg_format)
+    launcher.launches = 0
 
-    def __init__(self, arg_format: str):  # noqa: D107 - no module to load
-        self._packer = struct.Struct("<" + "".join(kernels._ARG_SLOT_FORMATS[code] for code in arg_format))
-        self._slots = bytearray(self._packer.size)
-        self._function_ptr, self._pointers_address, self.num_threads = 0, 0, kernels.NUM_THREADS
-        self.launches = 0
-
-    def _launch(self, *args) -> None:
-        self.launches += 1
+    def count(*args) -> None:
+        launcher.launches += 1
+    launcher._launch = count
+    return launcher
 
 
 class _RankView:
@@ -78,9 +75,9 @@ def stand_in_buffer(num_ranks: int, num_tokens: int, hidden: int, num_experts: i
                        backend="reference")
     cuda = object.__new__(_cuda_backend.CudaBackend)
     cuda.group, cuda.device_id, cuda.num_sms, cuda.direct_peer_reads = group, 0, 16, True
-    cuda.launchers = {kernels.dispatch_launcher_name(*mode): PackingLauncher(kernels.DISPATCH_ARG_FORMAT)
+    cuda.launchers = {kernels.dispatch_launcher_name(*mode): packing_launcher(kernels.DISPATCH_ARG_FORMAT)
                       for mode in kernels.DISPATCH_MODES}
-    cuda.launchers["combine"] = PackingLauncher(kernels.COMBINE_ARG_FORMAT)
+    cuda.launchers["combine"] = packing_launcher(kernels.COMBINE_ARG_FORMAT)
     cuda.workspace = types.SimpleNamespace(ptr=1 << 32, num_bytes=buffer.num_ep_buffer_bytes)
     cuda.layout_table = types.SimpleNamespace(ptr=2 << 32)
     cuda._ipc, cuda._layouts, cuda._pending_layouts, cuda._agreed = None, {}, [], set()

@@ -9,13 +9,16 @@ No assertion is about elapsed time; the process limit only turns a hang into a f
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -154,6 +157,27 @@ def _entry_point_codes(file: str, name: str) -> str:
 def test_launch_formats_match_the_kernel_signatures(file, name, fmt):
     """The Launcher packs what the kernel declares: a wrong slot would pass garbage, never fail loudly."""
     assert _entry_point_codes(file, name) == fmt
+
+
+def test_launcher_packs_one_8_byte_slot_per_parameter_and_launches_through_the_pointer_array():
+    """A Launcher of a function loaded elsewhere (the path every Launcher's packing shares): the
+    struct codes land in their slots, and the driver gets the function, grid, block and the slots."""
+    pytest.importorskip("cupy_backends.cuda.api.driver")
+    launcher = kernels.Launcher.for_function(types.SimpleNamespace(ptr=0x1234), "k", "iQq", num_threads=64)
+    launches = []
+    launcher._launch = lambda *args: launches.append(args)
+    launcher(3, (7, 2**40, -3), 5)
+    assert bytes(launcher._slots) == struct.pack("<i4xQq", 7, 2**40, -3)
+    assert launches == [(0x1234, 3, 1, 1, 64, 1, 1, 0, 5, launcher._pointers_address, 0)]
+    slot_addresses = [ctypes.cast(launcher._pointers, ctypes.POINTER(ctypes.c_void_p))[i] for i in range(3)]
+    assert slot_addresses == [ctypes.addressof(launcher._slots) + 8 * i for i in range(3)]
+
+
+@pytest.mark.parametrize("arg_format", ["", "iQx"])
+def test_launcher_refuses_an_unknown_parameter_code(arg_format):
+    pytest.importorskip("cupy_backends.cuda.api.driver")
+    with pytest.raises(ValueError, match="arg_format must be codes among"):
+        kernels.Launcher.for_function(types.SimpleNamespace(ptr=1), "k", arg_format)
 
 
 @needs_nvrtc
