@@ -38,7 +38,9 @@ class Case:
     use_fp8: bool = False
     round_scale: bool = False
     use_ue8m0: bool = False
-    mode: str = "sync"  # sync | async | hook
+    # sync | async | hook | mixed (even ranks hook, odd ranks sync: both kinds of launch in one call,
+    # each rank's send half and receive half meeting peers of the other kind)
+    mode: str = "sync"
     zero_copy: bool = False
     routing: str = "uniform"  # uniform | skewed | repeated (some tokens name one expert twice)
     renormalize: bool = False
@@ -165,7 +167,8 @@ def run_rank(group, case: Case, xs, topks, weights, size):
     recv_count = torch.full((num_local,), -1, dtype=torch.int32, device="cuda")
     combined = torch.full((x.shape[0], case.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     settle(group)
-    flags = dict(async_finish=case.mode == "async", return_recv_hook=case.mode == "hook")
+    flags = dict(async_finish=case.mode == "async",
+                 return_recv_hook=case.mode == "hook" or (case.mode == "mixed" and rank % 2 == 0))
     recv, count, handle, event, hook = buffer.dispatch(
         x, topk, active, case.num_max_tokens, case.num_experts, timeout_us=case.timeout_us, use_fp8=case.use_fp8,
         round_scale=case.round_scale, use_ue8m0=case.use_ue8m0, out=(recv_out, recv_count), **flags)
@@ -279,6 +282,10 @@ MODES = [
     Case(4, 32, 1024, 4, renormalize=True),
     Case(4, 32, 1024, 4, copy_source=True),
     Case(4, 32, 2048, 8, mode="hook", copy_source=True, use_fp8=True),
+    Case(4, 32, 1024, 4, mode="mixed"),
+    # 9 scale blocks a row: the last UE8M0 word of each row is three quarters padding.
+    Case(4, 32, 1152, 4, mode="mixed", use_fp8=True, round_scale=True, use_ue8m0=True),
+    Case(3, 24, 1152, 4, use_fp8=True, round_scale=True, use_ue8m0=True, routing="skewed"),
 ]
 FAULT_TIMEOUT_US = 50_000  # the survivors' calls return this long after the rank stopped; well above the
 # skew of the ranks' launches (threads of one interpreter: a GIL switch interval is 5 ms)
