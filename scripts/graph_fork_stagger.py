@@ -128,11 +128,12 @@ def main() -> None:
     def launch(kernel: str, rank: int, stream) -> None:
         if kernel in KERNELS:
             launchers[kernel][rank](args.blocks, (stamps.data_ptr(), rank, src.data_ptr(), dst.data_ptr()), stream)
-        elif kernel == "ll_dispatch":  # phases = 0: reads the (zero) layout and returns
-            ours[rank]["dispatch/1/0/0"](args.blocks, (0, 0, zeros.data_ptr(), zeros.data_ptr(), rank) + (0,) * 10,
-                                          stream)
-        else:
-            ours[rank]["combine"](args.blocks, (0, 0, zeros.data_ptr(), zeros.data_ptr(), rank) + (0,) * 11, stream)
+            return
+        # Ours with phases = 0: it reads the (zero) layout and returns.
+        name, arg_format = (("dispatch/1/0/0", kernels.DISPATCH_ARG_FORMAT) if kernel == "ll_dispatch"
+                            else ("combine", kernels.COMBINE_ARG_FORMAT))
+        head = (0, 0, zeros.data_ptr(), zeros.data_ptr(), rank)
+        ours[rank][name](args.blocks, head + (0,) * (len(arg_format) - len(head)), stream)
 
     def capture(kernel: str, shape: str):
         def step() -> None:
