@@ -6,7 +6,9 @@
 # can fetch only a few files back).
 # Stages (default: tests bench warmup sanitizer):
 #   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S)
-#   bench      the decode-shape benchmark (with the torch baseline), one rank alone, a tiny payload
+#   bench      the decode-shape benchmark (with the torch baseline), the same with combine reading the
+#              expert outputs from the workspace (the protocol of ranks in other processes), one rank
+#              alone, a tiny payload
 #   sweep      the decode shape's sweep over tokens per rank (1..1024: the largest that fits 8 ranks on
 #              one GPU; one input set, for memory) with the plot; the prefill shape's (T = 512..4096) on
 #              2 ranks x 64 SMs, the most that fit (the low-latency workspace reserves T*E rows of H per rank:
@@ -57,6 +59,8 @@ if has warmup; then
 fi
 if has bench; then
   step bench_decode 300 "${bench[@]}" "${decode[@]}" --json "$out/bench_decode.json"
+  step bench_workspace_reads 200 "${bench[@]}" "${decode[@]}" --peer-reads workspace --iters 100 --no-baseline \
+    --json "$out/bench_workspace_reads.json"
   step bench_one_rank 120 "${bench[@]}" --ranks 1 --tokens 128 --hidden 7168 --topk 8 --experts 32 --iters 100 \
     --no-baseline --json "$out/bench_one_rank.json"
   step bench_tiny 120 "${bench[@]}" --ranks 8 --num-sms 16 --tokens 8 --hidden 7168 --topk 8 --experts 256 \

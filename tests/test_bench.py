@@ -412,6 +412,20 @@ def test_bench_cuda_each_graph_shape(tmp_path, ends):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU with cupy and CUDA torch")
+def test_bench_cuda_workspace_peer_reads(tmp_path):
+    """The combine protocol of ranks in other processes, on in-process ranks (docs/performance.md)."""
+    path = tmp_path / "bench.json"
+    proc = run_bench("--backend", "cuda", "--ranks", "4", "--tokens", "8", "--hidden", "256", "--topk", "2",
+                     "--experts", "8", "--iters", "5", "--warmup", "2", "--no-baseline", "--peer-reads", "workspace",
+                     "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    check_schema(report, with_baseline=False, backend="cuda")
+    assert report["config"]["peer_reads"] == "workspace"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU with cupy and CUDA torch")
 def test_graph_fork_stagger_reports_every_branch(tmp_path):
     """The reproducer of docs/performance.md (12): one row per (kernel, graph, replay), an entry time
     per branch for the stamping kernels (none for ours, which return before stamping)."""

@@ -138,6 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nodes of its own at the ends of each captured fork/join of the rank streams: "
                              "root (one before the fork), both (and one after the join), or none (every "
                              "rank's first launch a root of the graph: they start 0.7-1.6 us apart each)")
+    parser.add_argument("--peer-reads", choices=("in-place", "workspace"), default="in-place",
+                        help="where combine's token owners read the expert outputs of ranks in this process: "
+                             "in-place (the caller's array), or workspace (copied there first, as ranks in other "
+                             "processes need); dispatch always reads the tokens its sources staged")
     parser.add_argument("--routing", choices=("uniform", "zipf", "k_hot"), default="uniform")
     parser.add_argument("--alpha", type=float, default=1.2, help="zipf exponent")
     parser.add_argument("--hot-fraction", type=float, default=0.5, help="k_hot: share of tokens that go hot")
@@ -405,6 +409,9 @@ def measure_cuda(args, progress, group=None) -> dict:
         streams = {group.rank: torch.cuda.Stream()}
         places = group.allgather_bytes(f"{platform.node()}:{device}".encode())
         num_copying_gpus = len(set(places))
+    if args.peer_reads == "workspace":  # the protocol of the ipc transport, on these ranks
+        for buffer in buffers.values():
+            buffer._cuda.direct_peer_reads = False
 
     rng = np.random.default_rng(args.seed)
     sets = make_input_sets(args, rng, [None if d is None else f"cuda:{d}" for d in devices], torch)
@@ -711,8 +718,8 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "backend": backend,
         "timer": timer,
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
-                                                 "mode", "graph", "graph_ends", "routing", "iters", "input_sets",
-                                                 "warmup", "seed", "baseline")},
+                                                 "mode", "graph", "graph_ends", "peer_reads", "routing", "iters",
+                                                 "input_sets", "warmup", "seed", "baseline")},
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
         "write_bandwidth_gbps": None if write_bandwidth is None else write_bandwidth / 1e9,
