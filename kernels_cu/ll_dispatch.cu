@@ -14,24 +14,20 @@
 //       per 128-channel block, the fp32 scales to send_scales;
 //     - the last block to finish stores, one thread per destination, with st.release,
 //       dispatch_flag[parity][rank] = pack(step, num_tokens) in every rank active_ranks marks alive.
-//   Receive half, in batches of sources, in rank order (the output order is source-major within
-//   each local expert, so a source's rows can be placed once the sources before it are known):
-//     - a batch is the first source not yet planned, waited for (acquire, %globaltimer timeout from
-//       the receive entry), and every later source already decided, polled once after that wait.
-//       decide_source gives every block the same verdict; a source masked in active_ranks, or one
-//       that timed out (then written 0 there), contributes no rows. Staggered sources (ranks
-//       sharing one GPU) are copied as they come, while later ones still stage; sources that
-//       arrive together form one batch;
-//     - each block reads, from every live source of the batch, how many copies it has for each
-//       local expert and where they start in its send_list; a pair's rows start after the rows
-//       that earlier sources sent to the same expert (s_running): the output order of reference.py
-//       (source rank, then token, then k);
-//     - the batch's rows are numbered on from the previous batch's; warp w of W copies the rows
-//       numbered w modulo W: one load per lane finds the source tokens of its next 32 rows, then
-//       each row (and its scales; packed to UE8M0 when asked) is copied from the source's send_x
-//       into recv_x[e_l][row];
-//     - block 0 writes recv_range per batch and recv_count after the last (the handle combine
-//       reads); the last block to finish stores step into state.dispatch_step[parity].
+//   Receive half:
+//     - thread r of every block waits for source r's flag (acquire, %globaltimer timeout from its
+//       start) and takes the call's verdict on it, all sources in one round: decide_source gives
+//       every block the same verdict; a source masked in active_ranks, or one that timed out (then
+//       written 0 there), contributes no rows;
+//     - each block reads, from every live source, how many copies it has for each local expert and
+//       where they start in its send_list; a pair's rows start after the rows that earlier sources
+//       sent to the same expert: the output order of reference.py (source rank, then token, then k);
+//     - the rows are numbered over the grid in that order; warp w of W copies the rows numbered w
+//       modulo W: one load per lane finds the source tokens of its next 32 rows, then each row (and
+//       its scales; packed to UE8M0 when asked) is copied from the source's send_x into
+//       recv_x[e_l][row];
+//     - block 0 writes recv_range and recv_count (the handle combine reads); the last block to
+//       finish stores step into state.dispatch_step[parity].
 // Epoch: step = state.dispatch_step[parity] + 1, read by every block at entry; nothing but device
 //        memory carries state between calls, so a captured graph replays correctly.
 // Residency: a block that finished its send part waits for every source's last block, its own
@@ -70,7 +66,7 @@ constexpr int kListTokens = 128;
 constexpr int kListWords = kListTokens / kWarpSize;  // bitmap words per expert row
 constexpr int kScanChunk = kListTokens * EP_MAX_TOPK;  // copies of one chunk, staged in shared memory
 static_assert(kListTokens % kWarpSize == 0, "a bitmap row is whole words");
-static_assert(kListWords >= 2, "the receive half keeps two arrays of EP_MAX_EXPERTS ints in the bitmap");
+static_assert(kListWords >= 1, "the receive half keeps an array of EP_MAX_EXPERTS ints in the bitmap");
 
 // One warp ranks a chunk's copies (s_chunk: experts in, slots out) in order; s_counts running.
 __device__ __forceinline__ void rank_chunk_serially(int* s_chunk, int chunk_size, int* s_counts) {
@@ -277,7 +273,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
     __shared__ int s_flat[kScanChunk > EP_MAX_EXPERTS ? kScanChunk : EP_MAX_EXPERTS];
     __shared__ uint32_t s_bits[EP_MAX_EXPERTS * kListWords];  // send: tokens of each expert, one chunk
     __shared__ int s_scratch[kWarpSize + 1];
-    __shared__ int s_verdict[EP_MAX_RANKS];  // recv: decide_source of the open sources
+    __shared__ int s_verdict[EP_MAX_RANKS];  // recv: decide_source of every source
     __shared__ int s_flag;
     __shared__ int s_is_last;
 
@@ -325,107 +321,80 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         uint64_t* verdicts = at<uint64_t>(workspace, layout.dispatch_verdict) + parity * EP_MAX_RANKS;
         const uint64_t* flags = at<uint64_t>(workspace, layout.dispatch_flag) + parity * EP_MAX_RANKS;
         int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
-        // The send half's shared arrays are free now: s_bits holds each pair's first row inside its
-        // expert (s_base) and each local expert's rows so far (s_running, one owner thread per expert).
+        // The send half's bitmap is free now: it holds each pair's first row inside its expert.
         int* s_base = reinterpret_cast<int*>(s_bits);
-        int* s_running = s_base + EP_MAX_EXPERTS;
-        for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) s_running[e] = 0;
-        const uint64_t start_ns = global_timer_ns();
         const int out_row_bytes = EP_USE_FP8 ? hidden : hidden * 2;
         const int out_scale_stride = EP_USE_UE8M0 ? (num_scales + 3) / 4 : num_scales;
         const int num_warps_total = gridDim.x * kNumWarps;
         const int global_warp = blockIdx.x * kNumWarps + warp;
-        int first_src = 0;       // sources before it are planned and their rows copied by this block
-        int64_t rows_before = 0;  // rows of those sources: where the next batch's row numbering starts
 
-        while (first_src < num_ranks) {
-            // The batch: the first unplanned source, waited for, and every source after it that is
-            // already decided, polled once after that wait (so sources that landed during it join).
-            // Sources arrive staggered (one GPU) or together (a rank per GPU): early ones are copied
-            // while late ones stage, and the batches merge when everything is there.
-            const int num_open = num_ranks - first_src;
-            if (threadIdx.x == 0)
-                s_verdict[0] = decide_source(verdicts + first_src, flags + first_src, step, active_ranks, first_src,
-                                             timeout_ns, start_ns, true);
-            __syncthreads();
-            if (threadIdx.x > 0 && threadIdx.x < num_open)
-                s_verdict[threadIdx.x] = decide_source(verdicts + first_src + threadIdx.x, flags + first_src + threadIdx.x,
-                                                       step, active_ranks, first_src + threadIdx.x, timeout_ns,
-                                                       start_ns, false);
-            __syncthreads();
-            int batch = 1;
-            while (batch < num_open && s_verdict[batch] != kSourceUndecided) ++batch;
-            if (first_src == 0) EP_TRACE_POINT(4);
+        // Every source at once, a thread each: its wait and the call's verdict on it, in one round.
+        if (threadIdx.x < num_ranks)
+            s_verdict[threadIdx.x] = decide_source(verdicts + threadIdx.x, flags + threadIdx.x, step, active_ranks,
+                                                   threadIdx.x, timeout_ns, global_timer_ns());
+        __syncthreads();
+        EP_TRACE_POINT(4);
 
-            // (source, local expert) pairs of the batch, source-major: counts from each source's own
-            // prefix; the first row of a pair inside its expert from the expert's rows so far.
-            const int num_pairs = batch * num_local_experts;
-            for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
-                const int b = i / num_local_experts, local_expert = i - b * num_local_experts;
-                const int src = first_src + b;
-                int count = 0, start = 0;
-                if (s_verdict[b] == kSourceLive) {
-                    const int* offsets = reinterpret_cast<const int*>(route[src] + layout.send_expert_offset[parity]);
-                    const int expert = rank * num_local_experts + local_expert;
-                    start = ld_cg_int(offsets + expert);
-                    count = ld_cg_int(offsets + expert + 1) - start;
-                }
-                s_counts[i] = count;
-                s_start[i] = start;
-                s_flat[i] = count;
+        // (source, local expert) pairs, source-major: counts from each source's own prefix; the
+        // first row of a pair inside its expert after the rows of the sources before it.
+        const int num_pairs = num_ranks * num_local_experts;
+        for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
+            const int src = i / num_local_experts, local_expert = i - src * num_local_experts;
+            int count = 0, start = 0;
+            if (s_verdict[src] == kSourceLive) {
+                const int* offsets = reinterpret_cast<const int*>(route[src] + layout.send_expert_offset[parity]);
+                const int expert = rank * num_local_experts + local_expert;
+                start = ld_cg_int(offsets + expert);
+                count = ld_cg_int(offsets + expert + 1) - start;
             }
-            __syncthreads();
-            for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) {
-                int rows = s_running[e];
-                for (int b = 0; b < batch; ++b) {
-                    const int i = b * num_local_experts + e;
-                    s_base[i] = rows;
-                    rows += s_counts[i];
-                    if (blockIdx.x == 0) recv_range[e * num_ranks + first_src + b] = make_int2(s_base[i], s_counts[i]);
-                }
-                s_running[e] = rows;
-                if (blockIdx.x == 0 && first_src + batch == num_ranks) recv_count[e] = rows;
+            s_counts[i] = count;
+            s_start[i] = start;
+            s_flat[i] = count;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) {
+            int rows = 0;
+            for (int src = 0; src < num_ranks; ++src) {
+                const int i = src * num_local_experts + e;
+                s_base[i] = rows;
+                rows += s_counts[i];
+                if (blockIdx.x == 0) recv_range[e * num_ranks + src] = make_int2(s_base[i], s_counts[i]);
             }
-            // The scan's barriers also publish s_base to the block.
-            const int batch_rows = block_exclusive_scan(s_flat, num_pairs, s_scratch);
-            if (first_src == 0) EP_TRACE_POINT(5);
+            if (blockIdx.x == 0) recv_count[e] = rows;
+        }
+        // The scan's barriers also publish s_base to the block.
+        const int num_rows = block_exclusive_scan(s_flat, num_pairs, s_scratch);
+        EP_TRACE_POINT(5);
 
-            // Rows of the batch are numbered rows_before + n over the whole grid, so successive
-            // batches start where the last left off: warp g copies the rows whose number is g
-            // modulo the grid's warps. Lane j looks up the warp's row base + j * num_warps_total.
-            const int first_n = static_cast<int>(((global_warp - rows_before) % num_warps_total + num_warps_total) %
-                                                 num_warps_total);
-            for (int base = first_n; base < batch_rows; base += kWarpSize * num_warps_total) {
-                const int my_n = base + lane * num_warps_total;
-                int my_src = 0, my_token = 0;
-                int64_t my_out_row = 0;
-                if (my_n < batch_rows) {
-                    const int pair = upper_bound(s_flat, num_pairs, my_n) - 1;
-                    const int b = pair / num_local_experts, local_expert = pair - b * num_local_experts;
-                    const int j = my_n - s_flat[pair];
-                    my_src = first_src + b;
-                    const int* send_list = reinterpret_cast<const int*>(route[my_src] + layout.send_list[parity]);
-                    my_token = ld_cg_int(send_list + s_start[pair] + j) / num_topk;
-                    my_out_row = local_expert * num_rows_per_expert + s_base[pair] + j;
-                }
-                const int rows_here = min(kWarpSize, (batch_rows - base + num_warps_total - 1) / num_warps_total);
-                for (int i = 0; i < rows_here; ++i) {
-                    const int src = __shfl_sync(kFullMask, my_src, i);
-                    const int token = __shfl_sync(kFullMask, my_token, i);
-                    const int64_t out_row = __shfl_sync(kFullMask, my_out_row, i);
-                    const uint8_t* src_row = reinterpret_cast<const uint8_t*>(route[src] + layout.send_x[parity]) +
-                                             token * layout.send_row_bytes;
-                    const float* src_scales = reinterpret_cast<const float*>(route[src] + layout.send_scales[parity]) +
-                                              static_cast<int64_t>(token) * num_scales;
-                    void* out_scales = EP_USE_FP8 ? static_cast<void*>(static_cast<uint8_t*>(recv_scales) +
-                                                                      out_row * out_scale_stride * 4)
-                                                  : nullptr;
-                    copy_row(src_row, src_scales, recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scales);
-                }
+        // Rows are numbered n over the whole grid in pair order: warp g copies the rows whose number
+        // is g modulo the grid's warps. Lane j looks up the warp's row base + j * num_warps_total.
+        for (int base = global_warp; base < num_rows; base += kWarpSize * num_warps_total) {
+            const int my_n = base + lane * num_warps_total;
+            int my_src = 0, my_token = 0;
+            int64_t my_out_row = 0;
+            if (my_n < num_rows) {
+                const int pair = upper_bound(s_flat, num_pairs, my_n) - 1;
+                const int local_expert = pair % num_local_experts;
+                const int j = my_n - s_flat[pair];
+                my_src = pair / num_local_experts;
+                const int* send_list = reinterpret_cast<const int*>(route[my_src] + layout.send_list[parity]);
+                my_token = ld_cg_int(send_list + s_start[pair] + j) / num_topk;
+                my_out_row = local_expert * num_rows_per_expert + s_base[pair] + j;
             }
-            rows_before += batch_rows;
-            first_src += batch;
-            __syncthreads();  // every warp is done with this batch's plan before the next overwrites it
+            const int rows_here = min(kWarpSize, (num_rows - base + num_warps_total - 1) / num_warps_total);
+            for (int i = 0; i < rows_here; ++i) {
+                const int src = __shfl_sync(kFullMask, my_src, i);
+                const int token = __shfl_sync(kFullMask, my_token, i);
+                const int64_t out_row = __shfl_sync(kFullMask, my_out_row, i);
+                const uint8_t* src_row = reinterpret_cast<const uint8_t*>(route[src] + layout.send_x[parity]) +
+                                         token * layout.send_row_bytes;
+                const float* src_scales = reinterpret_cast<const float*>(route[src] + layout.send_scales[parity]) +
+                                          static_cast<int64_t>(token) * num_scales;
+                void* out_scales = EP_USE_FP8 ? static_cast<void*>(static_cast<uint8_t*>(recv_scales) +
+                                                                  out_row * out_scale_stride * 4)
+                                              : nullptr;
+                copy_row(src_row, src_scales, recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scales);
+            }
         }
         EP_TRACE_POINT(6);
         if (finish_block(&state->dispatch_recv_done[parity], &s_is_last) && threadIdx.x == 0) {

@@ -9,7 +9,7 @@
 // different blocks and of different ranks' kernels can be compared. Points, in both protocols:
 //   0 send entry   1 send work done   2 flags stored (last block)   3 receive entry
 //   4 flags seen   5 receive plan ready   6 rows done   7 receive exit (last block)
-// (dispatch receives in batches of sources: 4 and 5 are those of its first batch).
+// (dispatch waits for every source in one round: 4 is when the last verdict is in).
 #pragma once
 
 #include "ptx.cuh"
