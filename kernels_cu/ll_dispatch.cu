@@ -66,7 +66,6 @@ constexpr int kListTokens = 128;
 constexpr int kListWords = kListTokens / kWarpSize;  // bitmap words per expert row
 constexpr int kScanChunk = kListTokens * EP_MAX_TOPK;  // copies of one chunk, staged in shared memory
 static_assert(kListTokens % kWarpSize == 0, "a bitmap row is whole words");
-static_assert(kListWords >= 1, "the receive half keeps an array of EP_MAX_EXPERTS ints in the bitmap");
 
 // One warp ranks a chunk's copies (s_chunk: experts in, slots out) in order; s_counts running.
 __device__ __forceinline__ void rank_chunk_serially(int* s_chunk, int chunk_size, int* s_counts) {
@@ -271,7 +270,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
     __shared__ int s_start[EP_MAX_EXPERTS];       // recv: first send_list entry per (e_l, src)
     // recv: first received row per (e_l, src), all experts; send: a chunk of the copies being ranked
     __shared__ int s_flat[kScanChunk > EP_MAX_EXPERTS ? kScanChunk : EP_MAX_EXPERTS];
-    __shared__ uint32_t s_bits[EP_MAX_EXPERTS * kListWords];  // send: tokens of each expert, one chunk
+    __shared__ uint32_t s_bits[EP_MAX_EXPERTS * kListWords];  // send: tokens of each expert, one chunk; recv: s_base
     __shared__ int s_scratch[kWarpSize + 1];
     __shared__ int s_verdict[EP_MAX_RANKS];  // recv: decide_source of every source
     __shared__ int s_flag;

@@ -54,9 +54,9 @@ constexpr int kSourceLive = 1;
 // The verdict of this call (`step`) on source `src`, waited for: kSourceLive once its flag carries
 // `step`, kSourceDead when it was masked before (active_ranks) or `timeout_ns` (>= 0) passed since
 // `start_ns` without it. The first caller to reach a conclusion stores it in `verdict` (u64
-// pack(step, live), compare-and-swap: one winner) and every caller returns the stored one. A dead verdict writes active_ranks[src] = 0.
-// A live verdict is published after a fence, so a reader that takes it (acquire) is ordered after
-// the source's release store as if it had read the flag itself.
+// pack(step, live), compare-and-swap: one winner) and every caller returns the stored one. A dead
+// verdict writes active_ranks[src] = 0. A live verdict is published after a fence, so a reader that
+// takes it (acquire) is ordered after the source's release store as if it had read the flag itself.
 __device__ __forceinline__ int decide_source(uint64_t* verdict, const uint64_t* flag, uint32_t step, int* active_ranks,
                                              int src, int64_t timeout_ns, uint64_t start_ns) {
     while (true) {
