@@ -3,6 +3,7 @@
 //   warp_inclusive_scan        shfl_up scan of one int per lane
 //   block_exclusive_scan       in-place exclusive prefix of a shared array of any length; all
 //                              threads of the block call it; returns the total
+//   warp_exclusive_scan        the same, by one warp, while the rest of the block does other work
 //   upper_bound                first index whose value is > key in a non-decreasing shared array
 //   finish_block               the block finish counter: returns true in every thread of the last
 //                              block of the grid to finish a phase, with every earlier block's
@@ -59,6 +60,25 @@ __device__ int block_exclusive_scan(int* values, int count, int* warp_sums) {
         __syncthreads();
     }
     return carry;
+}
+
+// One warp: lane l scans a contiguous segment of `values` serially, the segment sums are scanned across
+// the lanes. Returns the total in every lane; the values are visible to the warp after it returns.
+__device__ int warp_exclusive_scan(int* values, int count) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int per_lane = (count + kWarpSize - 1) / kWarpSize;
+    const int begin = min(count, lane * per_lane), end = min(count, begin + per_lane);
+    int sum = 0;
+    for (int i = begin; i < end; ++i) sum += values[i];
+    const int inclusive = warp_inclusive_scan(sum);
+    int running = inclusive - sum;
+    for (int i = begin; i < end; ++i) {
+        const int value = values[i];
+        values[i] = running;
+        running += value;
+    }
+    __syncwarp();
+    return __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
 }
 
 __device__ __forceinline__ int upper_bound(const int* values, int count, int key) {

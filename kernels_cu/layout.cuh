@@ -8,7 +8,8 @@
 //
 // Regions (P = 2 parities, so two calls can be in flight, e.g. two micro-batches in hook mode;
 // R ranks, E experts, E_l = E / R, T = num_max_dispatch_tokens_per_rank, H hidden, K_max = 16):
-//   state                  State, written only by this rank (epochs and block finish counters)
+//   state                  State, written only by this rank (epochs, block finish counters, and the
+//                          staging counter peers read in dispatch)
 //   dispatch_flag[P][R]    u64, written by peer r: "my staged tokens for this step are ready"
 //   dispatch_verdict[P][R] u64, written by this rank's receiving blocks: the call's one decision
 //                          on whether source r delivered or was masked (signal.cuh, decide_source)
@@ -42,10 +43,13 @@ constexpr int kNumParities = 2;
 struct State {
     uint32_t dispatch_step[kNumParities];  // epoch of the last completed dispatch per parity
     uint32_t combine_step[kNumParities];
-    uint32_t dispatch_send_done[kNumParities];  // blocks that finished the phase in the current call
-    uint32_t dispatch_recv_done[kNumParities];
+    // dispatch: blocks of this rank that published their part of the send half (the lists, or their
+    // staged tokens), summed over every call; peers wait for it to reach dispatch_staged_target.
+    uint32_t dispatch_staged[kNumParities];
+    uint32_t dispatch_recv_done[kNumParities];  // blocks that finished the phase in the current call
     uint32_t combine_send_done[kNumParities];
     uint32_t combine_recv_done[kNumParities];
+    uint32_t dispatch_staged_target[kNumParities];  // dispatch_staged once the current call's send half is out
 };
 
 struct Layout {

@@ -5,32 +5,42 @@
 //
 // Protocol (pull): a rank stages its own tokens once and the receivers copy the rows they need.
 //   Send half (never waits on a peer):
-//     - block 0 ranks this rank's copies in (token, k) order (a shared bitmap per 128 tokens and
-//       popc, see build_send_lists) and writes, in its own workspace,
-//       send_slot[token*K+k] (position among this rank's copies to that expert), send_expert_offset
-//       (exclusive prefix per expert) and send_list (token*K+k grouped by expert);
-//     - the other blocks stage the tokens into send_x, spread over every warp so that a few tokens
-//       still keep every SM busy: bf16 copied as 16-byte vectors; fp8 quantised with a half-warp
-//       per 128-channel block, the fp32 scales to send_scales;
-//     - the last block to finish stores, one thread per destination, with st.release,
-//       dispatch_flag[parity][rank] = pack(step, num_tokens) in every rank active_ranks marks alive.
+//     - block 0 counts this rank's copies per expert and writes send_expert_offset (the exclusive
+//       prefix), then stores, one thread per destination, with st.release,
+//       dispatch_flag[parity][rank] = pack(step, target) in every rank active_ranks marks alive: the
+//       routing flag, out ~2 us into the call. target is the value state.dispatch_staged reaches once
+//       this call's send half is out (below);
+//     - block 0 then ranks the copies in (token, k) order (a shared bitmap per 128 tokens and popc,
+//       see build_send_lists) and writes send_slot[token*K+k] (position among this rank's copies to
+//       that expert) and send_list (token*K+k grouped by expert);
+//     - the other blocks stage the tokens into send_x, spread over their staging warps so that a few
+//       tokens still keep every SM busy: bf16 copied as 16-byte vectors; fp8 quantised with a
+//       half-warp per 128-channel block, the fp32 scales to send_scales;
+//     - block 0 after its lists, and every staging block after its staging, adds 1 to
+//       state.dispatch_staged[parity] with release semantics (a running count, never reset).
 //   Receive half:
-//     - thread r of every block waits for source r's flag (acquire, %globaltimer timeout from its
-//       start) and takes the call's verdict on it, all sources in one round: decide_source gives
-//       every block the same verdict; a source masked in active_ranks, or one that timed out (then
-//       written 0 there), contributes no rows;
-//     - each block reads, from every live source, how many copies it has for each local expert and
-//       where they start in its send_list; a pair's rows start after the rows that earlier sources
-//       sent to the same expert: the output order of reference.py (source rank, then token, then k);
-//     - the rows are numbered over the grid in that order; warp w of W copies the rows numbered w
+//     - the planning warp (the block's last warp; in a launch of both halves it works while the
+//       other warps stage) waits, lane r for source r, for the routing flag (acquire, %globaltimer
+//       timeout from its start) and takes the call's verdict on it: decide_source gives every block
+//       the same verdict; a source masked in active_ranks, or one that timed out (then written 0
+//       there), contributes no rows;
+//     - it reads, from every live source, how many copies it has for each local expert and where
+//       they start in its send_list; a pair's rows start after the rows that earlier sources sent to
+//       the same expert: the output order of reference.py (source rank, then token, then k);
+//     - then thread r of the block waits for source r's dispatch_staged to reach its target: its
+//       lists and every staged row are then readable. A live source whose count does not get there
+//       in time (it stopped after its routing flag) is masked, and its rows, already counted, are
+//       written as zeros (fp8: scale 0);
+//     - the rows are numbered over the grid in pair order; warp w of W copies the rows numbered w
 //       modulo W: one load per lane finds the source tokens of its next 32 rows, then each row (and
 //       its scales; packed to UE8M0 when asked) is copied from the source's send_x into
 //       recv_x[e_l][row];
 //     - block 0 writes recv_range and recv_count (the handle combine reads); the last block to
 //       finish stores step into state.dispatch_step[parity].
 // Epoch: step = state.dispatch_step[parity] + 1, read by every block at entry; nothing but device
-//        memory carries state between calls, so a captured graph replays correctly.
-// Residency: a block that finished its send part waits for every source's last block, its own
+//        memory carries state between calls, so a captured graph replays correctly. The staging
+//        count needs none: each call's target is past every earlier call's.
+// Residency: a block that finished its send part waits for every source's blocks, its own
 //        kernel's included, so all blocks of all ranks' kernels must be resident at once: the
 //        Buffer's num_sms budget (one block per SM) guarantees it.
 // Reuse: the staged rows of parity p are rewritten two calls later, after every receiver finished
@@ -54,7 +64,8 @@ constexpr int kPhaseRecv = 2;
 constexpr int kNumWarps = EP_NUM_THREADS / kWarpSize;
 constexpr int kChannelsPerVector = 8;  // bf16 channels in one 16-byte vector
 
-// Block 0: slots, per-expert prefix and the expert-grouped list of this rank's copies.
+// Block 0: the per-expert prefix, published at once by the routing flag, then the slots and the
+// expert-grouped list of this rank's copies.
 //
 // slot(t, k) = the number of copies to expert e = topk[t][k] that come before (t, k) in (token, k)
 // order. Tokens are ranked kListTokens at a time: every copy sets bit t of its expert's row in a
@@ -84,9 +95,12 @@ __device__ __forceinline__ void rank_chunk_serially(int* s_chunk, int chunk_size
     }
 }
 
-__device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int parity, const void* topk_idx,
-                                 int topk_is_int64, int num_tokens, int num_topk, int* s_counts, int* s_chunk,
-                                 uint32_t* s_bits, int* s_flag, int* s_scratch) {
+// Every thread of block 0 calls it; it ends with a barrier, after which the block's writes of
+// send_slot and send_list are done (the caller then publishes them).
+__device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const uint64_t* route, int parity, int rank,
+                                 uint32_t step, uint32_t staged_target, const int* active_ranks, const void* topk_idx,
+                                 int topk_is_int64, int num_tokens, int num_topk, int* s_offset, int* s_running,
+                                 int* s_chunk, uint32_t* s_bits, int* s_flag, int* s_scratch) {
     const int warp = threadIdx.x / kWarpSize;
     const int num_experts = static_cast<int>(layout.num_experts);
     int* send_slot = at<int>(workspace, layout.send_slot[parity]);
@@ -94,7 +108,24 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int p
     int* send_expert_offset = at<int>(workspace, layout.send_expert_offset[parity]);
     const int num_copies = num_tokens * num_topk;
 
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) s_counts[e] = 0;
+    // Copies per expert and their prefix, then the routing flag: receivers plan from the prefix
+    // while the slots, the list and the staging are still being written.
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) s_offset[e] = s_running[e] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_copies; i += blockDim.x) {
+        const int expert = read_expert(topk_idx, topk_is_int64, i, num_experts);
+        if (expert >= 0) atomicAdd(s_offset + expert, 1);
+    }
+    __syncthreads();
+    const int total = block_exclusive_scan(s_offset, num_experts, s_scratch);
+    if (threadIdx.x == 0) s_offset[num_experts] = total;
+    __syncthreads();
+    for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) send_expert_offset[e] = s_offset[e];
+    __syncthreads();  // every thread's offsets are ordered before the release stores
+    signal_ranks(route, layout.dispatch_flag, parity * EP_MAX_RANKS + rank, static_cast<int>(layout.num_ranks),
+                 active_ranks, pack_flag(step, staged_target));
+    EP_TRACE_POINT(2);
+
     for (int first_token = 0; first_token < num_tokens; first_token += kListTokens) {
         const int chunk_tokens = min(kListTokens, num_tokens - first_token);
         const int chunk_size = chunk_tokens * num_topk, chunk = first_token * num_topk;
@@ -114,9 +145,14 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int p
         }
         __syncthreads();
         if (*s_flag) {
-            if (warp == 0) rank_chunk_serially(s_chunk, chunk_size, s_counts);
+            if (warp == 0) rank_chunk_serially(s_chunk, chunk_size, s_running);
             __syncthreads();
-            for (int i = threadIdx.x; i < chunk_size; i += blockDim.x) send_slot[chunk + i] = s_chunk[i];
+            for (int i = threadIdx.x; i < chunk_size; i += blockDim.x) {
+                const int slot = s_chunk[i];
+                send_slot[chunk + i] = slot;
+                if (slot >= 0)
+                    send_list[s_offset[read_expert(topk_idx, topk_is_int64, chunk + i, num_experts)] + slot] = chunk + i;
+            }
             continue;
         }
         for (int i = threadIdx.x; i < chunk_size; i += blockDim.x) {
@@ -125,29 +161,94 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, int p
             if (expert >= 0) {
                 const int token = i / num_topk;
                 const uint32_t* row = s_bits + expert * kListWords;
-                slot = s_counts[expert] + __popc(row[token / kWarpSize] & ((1u << (token % kWarpSize)) - 1u));
+                slot = s_running[expert] + __popc(row[token / kWarpSize] & ((1u << (token % kWarpSize)) - 1u));
                 for (int w = 0; w < token / kWarpSize; ++w) slot += __popc(row[w]);
+                send_list[s_offset[expert] + slot] = chunk + i;
             }
             send_slot[chunk + i] = slot;
         }
-        __syncthreads();  // every slot read the counts before they move on
+        __syncthreads();  // every slot read the running counts before they move on
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
             int count = 0;
 #pragma unroll
             for (int w = 0; w < kListWords; ++w) count += __popc(s_bits[e * kListWords + w]);
-            s_counts[e] += count;
+            s_running[e] += count;
         }
     }
     __syncthreads();
-    const int total = block_exclusive_scan(s_counts, num_experts, s_scratch);
-    if (threadIdx.x == 0) s_counts[num_experts] = total;
-    __syncthreads();
-    for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) send_expert_offset[e] = s_counts[e];
-    // send_slot was written by this block above: visible to it after the barrier.
-    for (int i = threadIdx.x; i < num_copies; i += blockDim.x) {
-        const int expert = read_expert(topk_idx, topk_is_int64, i, num_experts);
-        if (expert >= 0) send_list[s_counts[expert] + send_slot[i]] = i;
+}
+
+// The planning warp of a receiving block: every source's verdict (lane r for source r), then the
+// plan in shared memory. Per (source, local expert) pair, source-major: its rows (s_counts, and
+// s_flat, scanned into the pair's first row in the grid's numbering), its first send_list entry
+// (s_start) and its first row inside its expert (s_base); s_target: the staging count each live
+// source announced. Block 0 also writes recv_range and recv_count. Returns the rows to copy, in
+// every lane; the arrays are visible to the block after its next barrier.
+constexpr int kPlanLoads = 8;  // offsets a lane loads before it stores the first
+__device__ int plan_receive(const Layout& layout, uint8_t* workspace, const uint64_t* route, int parity, int rank,
+                            uint32_t step, int* active_ranks, int64_t timeout_ns, uint64_t start_ns, int* recv_count,
+                            int* s_verdict, uint32_t* s_target, int* s_counts, int* s_start, int* s_flat, int* s_base,
+                            int* s_offsets) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int num_ranks = static_cast<int>(layout.num_ranks);
+    const int num_local_experts = static_cast<int>(layout.num_local_experts);
+    uint64_t* verdicts = at<uint64_t>(workspace, layout.dispatch_verdict) + parity * EP_MAX_RANKS;
+    const uint64_t* flags = at<uint64_t>(workspace, layout.dispatch_flag) + parity * EP_MAX_RANKS;
+    int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
+
+    for (int src = lane; src < num_ranks; src += kWarpSize) {
+        const int verdict = decide_source(verdicts + src, flags + src, step, active_ranks, src, timeout_ns, start_ns);
+        s_verdict[src] = verdict;
+        // A live verdict was taken on this step's flag, which stays until our next call on this parity.
+        s_target[src] = verdict == kSourceLive ? flag_payload(ld_acquire_sys(flags + src)) : 0u;
     }
+    __syncwarp();
+    EP_TRACE_POINT_WARP(4);
+
+    // Each live source's prefix over this rank's experts (E_l + 1 entries; zeros for the others),
+    // kPlanLoads loads in flight per lane: one round trip, not one per pair.
+    const int offsets_per_source = num_local_experts + 1;
+    const int num_offsets = num_ranks * offsets_per_source;
+    for (int base = 0; base < num_offsets; base += kPlanLoads * kWarpSize) {
+        int values[kPlanLoads];
+#pragma unroll
+        for (int u = 0; u < kPlanLoads; ++u) {
+            const int i = base + u * kWarpSize + lane;
+            const int src = i / offsets_per_source;
+            values[u] = 0;
+            if (i < num_offsets && s_verdict[src] == kSourceLive) {
+                const int* offsets = reinterpret_cast<const int*>(route[src] + layout.send_expert_offset[parity]);
+                values[u] = ld_cg_int(offsets + rank * num_local_experts + i - src * offsets_per_source);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kPlanLoads; ++u) {
+            const int i = base + u * kWarpSize + lane;
+            if (i < num_offsets) s_offsets[i] = values[u];
+        }
+    }
+    __syncwarp();
+    const int num_pairs = num_ranks * num_local_experts;
+    for (int i = lane; i < num_pairs; i += kWarpSize) {
+        const int src = i / num_local_experts;
+        const int* offsets = s_offsets + src * offsets_per_source + (i - src * num_local_experts);
+        s_start[i] = offsets[0];
+        s_counts[i] = s_flat[i] = offsets[1] - offsets[0];
+    }
+    __syncwarp();
+    for (int e = lane; e < num_local_experts; e += kWarpSize) {
+        int rows = 0;
+        for (int src = 0; src < num_ranks; ++src) {
+            const int i = src * num_local_experts + e;
+            s_base[i] = rows;
+            rows += s_counts[i];
+            if (blockIdx.x == 0) recv_range[e * num_ranks + src] = make_int2(s_base[i], s_counts[i]);
+        }
+        if (blockIdx.x == 0) recv_count[e] = rows;
+    }
+    const int num_rows = warp_exclusive_scan(s_flat, num_pairs);
+    EP_TRACE_POINT_WARP(5);
+    return num_rows;
 }
 
 #if EP_USE_FP8
@@ -257,6 +358,16 @@ __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* sr
               row_bytes / static_cast<int>(sizeof(int4)));
 }
 
+// One warp writes a received row, and its scales, as zeros: the row of a source that stopped after
+// its routing flag (counted, never staged). fp8 scale 0 (UE8M0 byte 0) dequantises to 0 as well.
+__device__ __forceinline__ void zero_row(uint8_t* dst_row, void* dst_scale_row, int row_bytes, int num_scale_words) {
+    const int lane = threadIdx.x % kWarpSize;
+    if (EP_USE_FP8)
+        for (int w = lane; w < num_scale_words; w += kWarpSize) st_once(static_cast<uint32_t*>(dst_scale_row) + w, 0u);
+    for (int v = lane; v < row_bytes / static_cast<int>(sizeof(int4)); v += kWarpSize)
+        st_once(reinterpret_cast<int4*>(dst_row) + v, make_int4(0, 0, 0, 0));
+}
+
 }  // namespace ep
 
 using namespace ep;
@@ -266,15 +377,22 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             const int4* __restrict__ x, int num_tokens, const void* __restrict__ topk_idx, int topk_is_int64,
             int num_topk, int* active_ranks, uint8_t* recv_x, void* recv_scales, int* recv_count,
             long long timeout_ns) {
-    __shared__ int s_counts[EP_MAX_EXPERTS + 1];  // send: per-expert counts; recv: rows per (e_l, src)
-    __shared__ int s_start[EP_MAX_EXPERTS];       // recv: first send_list entry per (e_l, src)
-    // recv: first received row per (e_l, src), all experts; send: a chunk of the copies being ranked
+    // send: block 0's per-expert prefix; recv: rows per (source, local expert) pair
+    __shared__ int s_counts[EP_MAX_EXPERTS + 1];
+    __shared__ int s_start[EP_MAX_EXPERTS];  // send: block 0's running counts; recv: first send_list entry per pair
+    // send: a chunk of block 0's copies being ranked; recv: each pair's first row over the grid
     __shared__ int s_flat[kScanChunk > EP_MAX_EXPERTS ? kScanChunk : EP_MAX_EXPERTS];
-    __shared__ uint32_t s_bits[EP_MAX_EXPERTS * kListWords];  // send: tokens of each expert, one chunk; recv: s_base
+    // send: block 0's tokens of each expert, one chunk; recv: s_base, then the sources' prefixes
+    __shared__ uint32_t s_bits[EP_MAX_EXPERTS * kListWords];
     __shared__ int s_scratch[kWarpSize + 1];
-    __shared__ int s_verdict[EP_MAX_RANKS];  // recv: decide_source of every source
+    __shared__ int s_verdict[EP_MAX_RANKS];   // recv: decide_source of every source
+    __shared__ uint32_t s_target[EP_MAX_RANKS];  // recv: the staging count each live source announced
+    __shared__ int s_staged[EP_MAX_RANKS];    // recv: the source's rows are readable (else written as zeros)
+    __shared__ int s_num_rows;
     __shared__ int s_flag;
     __shared__ int s_is_last;
+    static_assert(EP_MAX_EXPERTS * kListWords >= 2 * EP_MAX_EXPERTS + EP_MAX_RANKS,
+                  "s_bits holds the pairs' bases and every source's prefix");
 
     const Layout& layout = *layout_ptr;
     State* state = at<State>(workspace, layout.state);
@@ -284,86 +402,79 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int hidden = static_cast<int>(layout.hidden);
     const int num_scales = static_cast<int>(layout.num_scales);
+    // In a launch of both halves the last warp plans the receive half while the others stage.
+    constexpr int kPlanWarp = kNumWarps - 1;
+    const int num_stage_warps = (phases & kPhaseRecv) ? kNumWarps - 1 : kNumWarps;
 
     if (phases & kPhaseSend) {
         EP_TRACE_POINT(0);
         // Block 0 builds the lists (and, when the grid has one block, then stages too); the other
-        // blocks stage.
-        if (blockIdx.x == 0)
-            build_send_lists(layout, workspace, parity, topk_idx, topk_is_int64, num_tokens, num_topk, s_counts, s_flat,
-                             s_bits, &s_flag, s_scratch);
-        if (blockIdx.x > 0 || gridDim.x == 1) {
-            const int num_stage_blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
+        // blocks stage. Each adds 1 to dispatch_staged when its part is out: target is the count
+        // after this call's.
+        const int num_stage_blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
+        if (blockIdx.x == 0) {
+            const uint32_t staged_target = state->dispatch_staged_target[parity] + 1u + num_stage_blocks;
+            build_send_lists(layout, workspace, route, parity, rank, step, staged_target, active_ranks, topk_idx,
+                             topk_is_int64, num_tokens, num_topk, s_counts, s_start, s_flat, s_bits, &s_flag,
+                             s_scratch);
+            if (threadIdx.x == 0) {
+                state->dispatch_staged_target[parity] = staged_target;
+                red_add_release(&state->dispatch_staged[parity], 1u);
+            }
+            EP_TRACE_POINT(1);
+        }
+        if ((blockIdx.x > 0 || gridDim.x == 1) && warp < num_stage_warps) {
             const int stage_block = gridDim.x > 1 ? blockIdx.x - 1 : 0;
 #if EP_USE_FP8
             stage_tokens(x, at<uint8_t>(workspace, layout.send_x[parity]), at<float>(workspace, layout.send_scales[parity]),
-                         layout.send_row_bytes, num_tokens, hidden, stage_block * kNumWarps + warp,
-                         num_stage_blocks * kNumWarps);
+                         layout.send_row_bytes, num_tokens, hidden, stage_block * num_stage_warps + warp,
+                         num_stage_blocks * num_stage_warps);
 #else
             stage_tokens(x, at<uint8_t>(workspace, layout.send_x[parity]), nullptr, layout.send_row_bytes, num_tokens,
-                         hidden, stage_block * EP_NUM_THREADS + threadIdx.x, num_stage_blocks * EP_NUM_THREADS);
+                         hidden, (stage_block * num_stage_warps + warp) * kWarpSize + lane,
+                         num_stage_blocks * num_stage_warps * kWarpSize);
 #endif
-        }
-        EP_TRACE_POINT(1);
-        // Every block's staging and the lists are ordered before the release stores.
-        if (finish_block(&state->dispatch_send_done[parity], &s_is_last)) {
-            signal_ranks(route, layout.dispatch_flag, parity * EP_MAX_RANKS + rank, num_ranks, active_ranks,
-                         pack_flag(step, static_cast<uint32_t>(num_tokens)));
-            EP_TRACE_POINT(2);
+            // The staging warps' rows are ordered before thread 0's release increment.
+            named_barrier(1, num_stage_warps * kWarpSize);
+            if (threadIdx.x == 0) red_add_release(&state->dispatch_staged[parity], 1u);
+            EP_TRACE_POINT(1);
         }
     }
 
     if (phases & kPhaseRecv) {
         EP_TRACE_POINT(3);
+        const uint64_t start_ns = global_timer_ns();
         const int num_local_experts = static_cast<int>(layout.num_local_experts);
         const int64_t num_rows_per_expert = static_cast<int64_t>(num_ranks) * layout.num_max_tokens;
-        uint64_t* verdicts = at<uint64_t>(workspace, layout.dispatch_verdict) + parity * EP_MAX_RANKS;
-        const uint64_t* flags = at<uint64_t>(workspace, layout.dispatch_flag) + parity * EP_MAX_RANKS;
-        int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
-        // The send half's bitmap is free now: it holds each pair's first row inside its expert.
         int* s_base = reinterpret_cast<int*>(s_bits);
         const int out_row_bytes = EP_USE_FP8 ? hidden : hidden * 2;
         const int out_scale_stride = EP_USE_UE8M0 ? (num_scales + 3) / 4 : num_scales;
         const int num_warps_total = gridDim.x * kNumWarps;
         const int global_warp = blockIdx.x * kNumWarps + warp;
-
-        // Every source at once, a thread each: its wait and the call's verdict on it, in one round.
-        if (threadIdx.x < num_ranks)
-            s_verdict[threadIdx.x] = decide_source(verdicts + threadIdx.x, flags + threadIdx.x, step, active_ranks,
-                                                   threadIdx.x, timeout_ns, global_timer_ns());
-        __syncthreads();
-        EP_TRACE_POINT(4);
-
-        // (source, local expert) pairs, source-major: counts from each source's own prefix; the
-        // first row of a pair inside its expert after the rows of the sources before it.
         const int num_pairs = num_ranks * num_local_experts;
-        for (int i = threadIdx.x; i < num_pairs; i += blockDim.x) {
-            const int src = i / num_local_experts, local_expert = i - src * num_local_experts;
-            int count = 0, start = 0;
+
+        if (warp == kPlanWarp) {
+            const int num_rows = plan_receive(layout, workspace, route, parity, rank, step, active_ranks, timeout_ns,
+                                              start_ns, recv_count, s_verdict, s_target, s_counts, s_start, s_flat,
+                                              s_base, s_base + EP_MAX_EXPERTS);
+            if (lane == 0) s_num_rows = num_rows;
+        }
+        __syncthreads();  // the plan; in a staging block, also this block's staging
+        // Every live source's send half, a thread each, in one round: its lists and staged rows
+        // are readable once its count reaches the target its routing flag announced.
+        if (threadIdx.x < num_ranks) {
+            const int src = threadIdx.x;
+            bool staged = false;
             if (s_verdict[src] == kSourceLive) {
-                const int* offsets = reinterpret_cast<const int*>(route[src] + layout.send_expert_offset[parity]);
-                const int expert = rank * num_local_experts + local_expert;
-                start = ld_cg_int(offsets + expert);
-                count = ld_cg_int(offsets + expert + 1) - start;
+                const State* src_state = reinterpret_cast<const State*>(route[src] + layout.state);
+                staged = wait_count(src_state->dispatch_staged + parity, s_target[src], active_ranks, src, timeout_ns,
+                                    start_ns);
             }
-            s_counts[i] = count;
-            s_start[i] = start;
-            s_flat[i] = count;
+            s_staged[src] = staged;
         }
         __syncthreads();
-        for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) {
-            int rows = 0;
-            for (int src = 0; src < num_ranks; ++src) {
-                const int i = src * num_local_experts + e;
-                s_base[i] = rows;
-                rows += s_counts[i];
-                if (blockIdx.x == 0) recv_range[e * num_ranks + src] = make_int2(s_base[i], s_counts[i]);
-            }
-            if (blockIdx.x == 0) recv_count[e] = rows;
-        }
-        // The scan's barriers also publish s_base to the block.
-        const int num_rows = block_exclusive_scan(s_flat, num_pairs, s_scratch);
-        EP_TRACE_POINT(5);
+        EP_TRACE_POINT(8);
+        const int num_rows = s_num_rows;
 
         // Rows are numbered n over the whole grid in pair order: warp g copies the rows whose number
         // is g modulo the grid's warps. Lane j looks up the warp's row base + j * num_warps_total.
@@ -376,8 +487,10 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                 const int local_expert = pair % num_local_experts;
                 const int j = my_n - s_flat[pair];
                 my_src = pair / num_local_experts;
-                const int* send_list = reinterpret_cast<const int*>(route[my_src] + layout.send_list[parity]);
-                my_token = ld_cg_int(send_list + s_start[pair] + j) / num_topk;
+                if (s_staged[my_src]) {
+                    const int* send_list = reinterpret_cast<const int*>(route[my_src] + layout.send_list[parity]);
+                    my_token = ld_cg_int(send_list + s_start[pair] + j) / num_topk;
+                }
                 my_out_row = local_expert * num_rows_per_expert + s_base[pair] + j;
             }
             const int rows_here = min(kWarpSize, (num_rows - base + num_warps_total - 1) / num_warps_total);
@@ -385,13 +498,17 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                 const int src = __shfl_sync(kFullMask, my_src, i);
                 const int token = __shfl_sync(kFullMask, my_token, i);
                 const int64_t out_row = __shfl_sync(kFullMask, my_out_row, i);
+                void* out_scales = EP_USE_FP8 ? static_cast<void*>(static_cast<uint8_t*>(recv_scales) +
+                                                                  out_row * out_scale_stride * 4)
+                                              : nullptr;
+                if (!s_staged[src]) {
+                    zero_row(recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, out_scale_stride);
+                    continue;
+                }
                 const uint8_t* src_row = reinterpret_cast<const uint8_t*>(route[src] + layout.send_x[parity]) +
                                          token * layout.send_row_bytes;
                 const float* src_scales = reinterpret_cast<const float*>(route[src] + layout.send_scales[parity]) +
                                           static_cast<int64_t>(token) * num_scales;
-                void* out_scales = EP_USE_FP8 ? static_cast<void*>(static_cast<uint8_t*>(recv_scales) +
-                                                                  out_row * out_scale_stride * 4)
-                                              : nullptr;
                 copy_row(src_row, src_scales, recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scales);
             }
         }

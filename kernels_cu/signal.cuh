@@ -14,6 +14,10 @@
 // so no two blocks of one call disagree on whether a source is live (which would leave rows or
 // counts written for a source that other blocks skipped).
 //
+// wait_count waits for a peer's counter to reach a target it published (a cumulative count that
+// never resets, so it needs no epoch: the target of each step is past every earlier step's), with
+// the same mask and timeout rules as wait_flag.
+//
 // signal_ranks and wait_ranks are the two ends used by every protocol: one thread per peer, so R
 // flags cost one store (or one wait) of latency, not R. A flag lives at the same offset of every
 // workspace: flags[parity * EP_MAX_RANKS + writer_rank] of the receiving rank.
@@ -40,6 +44,21 @@ __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint32_t step, i
             return true;
         }
         // Another wait in this call (or another call) may already have given up on this peer.
+        if (ld_volatile(active_ranks + peer) == 0) return false;
+        if (timeout_ns >= 0 && static_cast<int64_t>(global_timer_ns() - start_ns) > timeout_ns) {
+            atomicExch(active_ranks + peer, 0);
+            return false;
+        }
+    }
+}
+
+// Returns true once *counter - target >= 0 (modulo 2^32: the counter may wrap), acquired; false when
+// the peer is (now) masked or `timeout_ns` (>= 0) passed since `start_ns`, then writing
+// active_ranks[peer] = 0 itself.
+__device__ __forceinline__ bool wait_count(const uint32_t* counter, uint32_t target, int* active_ranks, int peer,
+                                           int64_t timeout_ns, uint64_t start_ns) {
+    while (true) {
+        if (static_cast<int32_t>(ld_acquire_u32(counter) - target) >= 0) return true;
         if (ld_volatile(active_ranks + peer) == 0) return false;
         if (timeout_ns >= 0 && static_cast<int64_t>(global_timer_ns() - start_ns) > timeout_ns) {
             atomicExch(active_ranks + peer, 0);

@@ -7,9 +7,11 @@
 // read after a replay, it is that replay's timeline. Indexed by the kernel's `rank` argument: the
 // in-process ranks of one device share one loaded module (kernels.py), hence one array. %globaltimer is common to all SMs, so points of
 // different blocks and of different ranks' kernels can be compared. Points, in both protocols:
-//   0 send entry   1 send work done   2 flags stored (last block)   3 receive entry
-//   4 flags seen   5 receive plan ready   6 rows done   7 receive exit (last block)
-// (dispatch waits for every source in one round: 4 is when the last verdict is in).
+//   0 send entry   1 send work done   2 flags stored   3 receive entry
+//   4 flags seen   5 receive plan ready   6 rows done   7 receive exit (last block)   8 staging seen
+// Dispatch: 1 is block 0's lists or a block's staging; 2 block 0's routing flags; 4 and 5 are the
+// planning warp's (every source's verdict in, the plan in shared memory); 8 every source's staging
+// seen, after which the rows are copied. Combine: 2 is the signalling block's; it records no 8.
 #pragma once
 
 #include "ptx.cuh"
@@ -19,7 +21,7 @@
 #endif
 
 #if EP_TRACE
-#define EP_TRACE_NUM_POINTS 8
+#define EP_TRACE_NUM_POINTS 9
 #define EP_TRACE_MAX_BLOCKS 256
 #define EP_TRACE_MAX_RANKS 8
 extern "C" {
@@ -31,8 +33,17 @@ __device__ uint64_t ep_trace[EP_TRACE_MAX_RANKS][EP_TRACE_NUM_POINTS][EP_TRACE_M
         if (threadIdx.x == 0 && blockIdx.x < EP_TRACE_MAX_BLOCKS && rank < EP_TRACE_MAX_RANKS) \
             ep_trace[rank][(point)][blockIdx.x] = ep::global_timer_ns();                      \
     } while (0)
+// The same, recorded by lane 0 of the warp that reaches it (a point only one warp passes).
+#define EP_TRACE_POINT_WARP(point)                                                                        \
+    do {                                                                                                  \
+        if (threadIdx.x % 32 == 0 && blockIdx.x < EP_TRACE_MAX_BLOCKS && rank < EP_TRACE_MAX_RANKS)        \
+            ep_trace[rank][(point)][blockIdx.x] = ep::global_timer_ns();                                  \
+    } while (0)
 #else
 #define EP_TRACE_POINT(point) \
     do {                      \
+    } while (0)
+#define EP_TRACE_POINT_WARP(point) \
+    do {                           \
     } while (0)
 #endif

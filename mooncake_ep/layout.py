@@ -15,8 +15,8 @@ import numpy as np
 from mooncake_ep._constants import FP8_BLOCK, MAX_RANKS, MAX_TOPK, WORKSPACE_ALIGNMENT
 
 NUM_PARITIES = 2
-# ep::State: six arrays of NUM_PARITIES u32 (epochs and block finish counters).
-STATE_BYTES = 6 * NUM_PARITIES * 4
+# ep::State: seven arrays of NUM_PARITIES u32 (epochs, block finish counters, the staging counter and its target).
+STATE_BYTES = 7 * NUM_PARITIES * 4
 FLAG_BYTES = 8
 ROUTE_ENTRY_BYTES = 8
 SOURCE_BYTES = 8  # one u64 address per parity

@@ -22,8 +22,8 @@ from mooncake_ep import kernels
 from mooncake_ep.cli import bench
 
 POINTS = ("send_entry", "send_done", "flags_stored", "recv_entry", "flags_seen", "plan_ready", "rows_done",
-          "recv_exit")
-NUM_POINTS, MAX_BLOCKS, MAX_RANKS = 8, 256, 8  # kernels_cu/trace.cuh
+          "recv_exit", "staging_seen")
+NUM_POINTS, MAX_BLOCKS, MAX_RANKS = 9, 256, 8  # kernels_cu/trace.cuh
 
 
 def traced_macros(original):
