@@ -43,8 +43,8 @@ constexpr int kNumParities = 2;
 struct State {
     uint32_t dispatch_step[kNumParities];  // epoch of the last completed dispatch per parity
     uint32_t combine_step[kNumParities];
-    // dispatch: blocks of this rank that published their part of the send half (the lists, or their
-    // staged tokens), summed over every call; peers wait for it to reach dispatch_staged_target.
+    // dispatch: parts of this rank's send half published (block 0's lists, each staging warp's
+    // rows), summed over every call; peers wait for it to reach dispatch_staged_target.
     uint32_t dispatch_staged[kNumParities];
     uint32_t dispatch_recv_done[kNumParities];  // blocks that finished the phase in the current call
     uint32_t combine_send_done[kNumParities];

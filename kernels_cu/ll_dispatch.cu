@@ -16,7 +16,7 @@
 //     - the other blocks stage the tokens into send_x, spread over their staging warps so that a few
 //       tokens still keep every SM busy: bf16 copied as 16-byte vectors; fp8 quantised with a
 //       half-warp per 128-channel block, the fp32 scales to send_scales;
-//     - block 0 after its lists, and every staging block after its staging, adds 1 to
+//     - block 0 after its lists, and every staging warp after its rows, adds 1 to
 //       state.dispatch_staged[parity] with release semantics (a running count, never reset).
 //   Receive half:
 //     - the planning warp (the block's last warp; in a launch of both halves it works while the
@@ -409,11 +409,12 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
     if (phases & kPhaseSend) {
         EP_TRACE_POINT(0);
         // Block 0 builds the lists (and, when the grid has one block, then stages too); the other
-        // blocks stage. Each adds 1 to dispatch_staged when its part is out: target is the count
-        // after this call's.
+        // blocks stage. Block 0 after its lists, and every staging warp after its rows, adds 1 to
+        // dispatch_staged: target is the count after this call's.
         const int num_stage_blocks = gridDim.x > 1 ? gridDim.x - 1 : 1;
         if (blockIdx.x == 0) {
-            const uint32_t staged_target = state->dispatch_staged_target[parity] + 1u + num_stage_blocks;
+            const uint32_t staged_target =
+                state->dispatch_staged_target[parity] + 1u + static_cast<uint32_t>(num_stage_blocks * num_stage_warps);
             build_send_lists(layout, workspace, route, parity, rank, step, staged_target, active_ranks, topk_idx,
                              topk_is_int64, num_tokens, num_topk, s_counts, s_start, s_flat, s_bits, &s_flag,
                              s_scratch);
@@ -434,9 +435,10 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                          hidden, (stage_block * num_stage_warps + warp) * kWarpSize + lane,
                          num_stage_blocks * num_stage_warps * kWarpSize);
 #endif
-            // The staging warps' rows are ordered before thread 0's release increment.
-            named_barrier(1, num_stage_warps * kWarpSize);
-            if (threadIdx.x == 0) red_add_release(&state->dispatch_staged[parity], 1u);
+            // Each staging warp publishes its own rows: no barrier among the staging warps, which
+            // the planning warp, busy meanwhile, could not join.
+            __syncwarp();
+            if (lane == 0) red_add_release(&state->dispatch_staged[parity], 1u);
             EP_TRACE_POINT(1);
         }
     }

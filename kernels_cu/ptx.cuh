@@ -8,10 +8,9 @@
 //   fence_acq_rel_sys                 the fence half of a release/acquire pattern built on relaxed
 //                                     atomics (block finish counters).
 //   ld_acquire_u32 / red_add_release  a counter that publishes what its adders wrote: each adder's
-//                                     release increment orders its writes (and, through a barrier,
-//                                     its block's) before any acquire load that sees the sum.
-//   named_barrier                     a barrier for the first `num_threads` threads of the block,
-//                                     while the other warps do something else.
+//                                     release increment orders its writes (and, through a barrier or
+//                                     __syncwarp, its block's or warp's) before any acquire load
+//                                     that sees the sum.
 //   ld_cg_*                           loads that bypass L1: data written by another kernel that runs
 //                                     at the same time (a peer rank) must never come from a stale
 //                                     L1 line, and must never use the read-only (.nc) path.
@@ -59,11 +58,6 @@ __device__ __forceinline__ uint32_t ld_acquire_u32(const uint32_t* ptr) {
 
 __device__ __forceinline__ void red_add_release(uint32_t* ptr, uint32_t value) {
     asm volatile("red.release." EP_SCOPE ".global.add.u32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
-}
-
-// Barrier 0 is __syncthreads'; num_threads is a multiple of the warp size.
-__device__ __forceinline__ void named_barrier(int barrier, int num_threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(num_threads) : "memory");
 }
 
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel." EP_SCOPE ";" ::: "memory"); }

@@ -40,8 +40,10 @@ MAX_LAYOUTS = 64
 # different GPU generations run different cubins of the same protocol, and may work together.
 _DIGEST_ARCH = "sm_90"
 # The step counters at the front of ep::State (kernels_cu/layout.cuh): dispatch_step[2] and
-# combine_step[2], u32 each. The block-finish counters after them are reset by every call.
+# combine_step[2], u32 each. The fields after them are reset by every call, or, like dispatch's
+# staging count and its target, consistent with each other in any workspace, a fresh one included.
 _STEPS = struct.Struct("<4I")
+assert layout.STATE_FIELDS[:2] == ("dispatch_step", "combine_step") and layout.NUM_PARITIES == 2
 
 # Communication streams (async_finish), per device: made once, handed from a destroyed Buffer to the
 # next, never destroyed. torch's allocator records an event on every stream a tensor was recorded on

@@ -15,8 +15,11 @@ import numpy as np
 from mooncake_ep._constants import FP8_BLOCK, MAX_RANKS, MAX_TOPK, WORKSPACE_ALIGNMENT
 
 NUM_PARITIES = 2
-# ep::State: seven arrays of NUM_PARITIES u32 (epochs, block finish counters, the staging counter and its target).
-STATE_BYTES = 7 * NUM_PARITIES * 4
+# ep::State, field by field: each an array of NUM_PARITIES u32 (epochs, block finish counters, dispatch's
+# staging count and the count its current call announced).
+STATE_FIELDS = ("dispatch_step", "combine_step", "dispatch_staged", "dispatch_recv_done", "combine_send_done",
+                "combine_recv_done", "dispatch_staged_target")
+STATE_BYTES = len(STATE_FIELDS) * NUM_PARITIES * 4
 FLAG_BYTES = 8
 ROUTE_ENTRY_BYTES = 8
 SOURCE_BYTES = 8  # one u64 address per parity
@@ -74,6 +77,11 @@ def _header_offsets() -> dict[str, int]:
 HEADER_OFFSETS = _header_offsets()
 # Where the route table lies: the same for every configuration, so it is written once.
 ROUTE_OFFSET = HEADER_OFFSETS["route"]
+
+
+def state_offset(field: str, parity: int) -> int:
+    """Byte offset of ``State.field[parity]`` in the workspace."""
+    return HEADER_OFFSETS["state"] + (STATE_FIELDS.index(field) * NUM_PARITIES + parity) * 4
 
 
 def header_bytes() -> int:

@@ -40,9 +40,9 @@ def dump_workspace(cuda, trace: bool) -> dict:
     """Steps and flags of this rank's workspace (no kernel of any rank runs: see destroy below)."""
     state = struct.unpack(f"<{layout.STATE_BYTES // 4}I", cuda.workspace.peek(layout.HEADER_OFFSETS["state"],
                                                                             layout.STATE_BYTES))
-    names = ("dispatch_step", "combine_step", "dispatch_staged", "dispatch_recv_done", "combine_send_done",
-             "combine_recv_done", "dispatch_staged_target")
-    out = {"rank": cuda.group.rank, "state": {n: list(state[2 * i: 2 * i + 2]) for i, n in enumerate(names)}}
+    per_field = layout.NUM_PARITIES
+    out = {"rank": cuda.group.rank,
+           "state": {n: list(state[per_field * i: per_field * (i + 1)]) for i, n in enumerate(layout.STATE_FIELDS)}}
     num_ranks = cuda.group.world_size
     for region in ("dispatch_flag", "dispatch_verdict", "combine_flag", "combine_ack"):
         raw = cuda.workspace.peek(layout.HEADER_OFFSETS[region], layout.NUM_PARITIES * _constants.MAX_RANKS * 8)

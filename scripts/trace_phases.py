@@ -26,9 +26,9 @@ POINTS = ("send_entry", "send_done", "flags_stored", "recv_entry", "flags_seen",
 NUM_POINTS, MAX_BLOCKS, MAX_RANKS = 9, 256, 8  # kernels_cu/trace.cuh
 
 
-def traced_macros(original):
+def traced_macros(original, extra: dict | None = None):
     def macros(sys_scope: bool) -> dict:
-        return original(sys_scope) | {"EP_TRACE": 1}
+        return original(sys_scope) | (extra or {}) | {"EP_TRACE": 1}
     return macros
 
 
@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--graph-ends", choices=bench.GRAPH_ENDS, default="both",
                         help="nodes of the graph's own around each fork/join, as the benchmark's --graph-ends")
+    parser.add_argument("--macro", action="append", default=[], metavar="NAME=VALUE",
+                        help="an extra NVRTC macro for every kernel (a variant under test, as scripts/ab_kernels.py)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.ranks > MAX_RANKS:
@@ -107,7 +109,8 @@ def main() -> None:
 
     import torch
 
-    kernels._common_macros = traced_macros(kernels._common_macros)
+    extra = dict(item.split("=", 1) for item in args.macro)
+    kernels._common_macros = traced_macros(kernels._common_macros, extra)
     group = ep.LocalGroup(args.ranks, devices=[0] * args.ranks)
     size = ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, args.ranks, args.experts)
     buffers = group.spawn(lambda g: ep.Buffer(g, size, num_sms=args.num_sms))

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import struct
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import mooncake_ep as ep
-from mooncake_ep import reference
+from mooncake_ep import layout, reference
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -350,6 +351,82 @@ def test_a_source_masked_only_by_its_receiver_delivers_nothing(use_fp8):
         want = reference.dispatch(rank, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=use_fp8)
         assert_dispatch_equal(rank, got["recv"], got["count"], got["active"], want, use_fp8)
     assert results[2]["active"][0] == 0, "rank 2 timed out on rank 0, which never signalled it"
+
+
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_fp8):
+    """Rank 1's routing flag arrives, but the staging count it announces is never reached: the test
+    raises rank 1's recorded target by hand, standing for a rank that stopped between the two. Every
+    rank (rank 1 too, which receives from itself) waits for it until its timeout, masks it, and
+    writes its rows, already counted, as zeros; every other row, and every count, is the reference's.
+    Then the three others dispatch and combine again without rank 1, and equal the reference."""
+    case = Case(4, 32, 1024, 4, use_fp8=use_fp8, timeout_us=FAULT_TIMEOUT_US, seed=6)  # rank 1: 26 tokens
+    stalled = 1
+    xs, topks, weights = make_inputs(case)
+    assert (topks[stalled] >= 0).any(), "the seed must give rank 1 copies to send"
+    size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
+
+    def dispatched(buffer, rank, active):
+        recv, count, handle, _, _ = buffer.dispatch(to_torch(xs[rank]), to_torch(topks[rank]), active,
+                                                    case.num_max_tokens, case.num_experts, timeout_us=case.timeout_us,
+                                                    use_fp8=use_fp8)
+        torch.cuda.current_stream().synchronize()
+        return recv, dict(recv=tuple(to_numpy(t) for t in recv) if use_fp8 else to_numpy(recv), count=to_numpy(count),
+                          active=to_numpy(active)), handle
+
+    def run(group):
+        buffer = ep.Buffer(group, size)
+        if group.rank == stalled:
+            for parity in range(layout.NUM_PARITIES):
+                offset = layout.state_offset("dispatch_staged_target", parity)
+                (target,) = struct.unpack("<I", buffer._cuda.workspace.peek(offset, 4))
+                buffer._cuda.workspace.write(offset, struct.pack("<I", (target + (1 << 20)) % (1 << 32)))
+        active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        settle(group)
+        _, first, _ = dispatched(buffer, group.rank, active)
+        settle(group)
+        second = None
+        if group.rank != stalled:
+            recv, second, handle = dispatched(buffer, group.rank, active)
+            y = expert_function(recv, case, group.rank)
+            combined, _, _ = buffer.combine(y, to_torch(topks[group.rank]), to_torch(weights[group.rank]), active,
+                                            case.timeout_us, handle)
+            torch.cuda.current_stream().synchronize()
+            second.update(y=to_numpy(y), combined=to_numpy(combined), active=to_numpy(active))
+        buffer.destroy()
+        return first, second
+
+    results = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks).spawn(run)
+    all_live = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
+    masked = np.ones(case.num_ranks, np.int32)
+    masked[stalled] = 0
+    zeroed_rows = 0
+    for rank, (got, _) in enumerate(results):
+        want = reference.dispatch(rank, xs, topks, all_live, case.num_max_tokens, case.num_experts, use_fp8=use_fp8)
+        from_stalled = want.recv_src_rank == stalled
+        zeroed_rows += int(from_stalled.sum())
+        want.recv_x[from_stalled] = np.zeros((), want.recv_x.dtype)
+        if use_fp8:
+            want.recv_scales[from_stalled] = 0
+        want.active_ranks = masked
+        assert_dispatch_equal(rank, got["recv"], got["count"], got["active"], want, use_fp8)
+    assert zeroed_rows > 0, "the seed must route rank 1's tokens somewhere"
+
+    survivors_xs = [None if r == stalled else x for r, x in enumerate(xs)]
+    survivors_topks = [None if r == stalled else t for r, t in enumerate(topks)]
+    masks = [masked] * case.num_ranks
+    wants = [None if r == stalled else reference.dispatch(r, survivors_xs, survivors_topks, masks, case.num_max_tokens,
+                                                          case.num_experts, use_fp8=use_fp8)
+             for r in range(case.num_ranks)]
+    expert_outs = [None if second is None else second["y"] for _, second in results]
+    for rank, (_, got) in enumerate(results):
+        if rank == stalled:
+            continue
+        assert_dispatch_equal(rank, got["recv"], got["count"], masked, wants[rank], use_fp8)
+        combined, mask = reference.combine(rank, expert_outs, wants, topks[rank], weights[rank], masks)
+        np.testing.assert_allclose(got["combined"].astype(np.float32), combined.astype(np.float32), rtol=BF16_RTOL,
+                                   atol=1e-3, err_msg=f"rank {rank} combined_x after the masked call")
+        np.testing.assert_array_equal(got["active"], mask, err_msg=f"rank {rank} active_ranks after combine")
 
 
 def test_async_results_dropped_early_keep_their_memory_until_the_kernel_is_done():

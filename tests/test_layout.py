@@ -41,6 +41,8 @@ def header_layout(tmp_path_factory) -> dict[str, tuple[int, int]]:
         pytest.skip("no host C++ compiler (g++, c++ or clang++) on PATH: cannot check layout.cuh offsets")
     lines = [f'    print("{name}", offsetof(ep::Layout, {name}), sizeof(((ep::Layout*)nullptr)->{name}));'
              for name in layout.LAYOUT_DTYPE.names]
+    lines += [f'    print("State.{name}", offsetof(ep::State, {name}), sizeof(((ep::State*)nullptr)->{name}));'
+              for name in layout.STATE_FIELDS]
     source = "\n".join([
         "#include <cstddef>",
         "#include <cstdio>",
@@ -79,6 +81,13 @@ def test_every_field_has_the_header_offset_and_size(header_layout):
         assert header_layout[name] == (offset, dtype.itemsize), (
             f"ep::Layout::{name} is at {header_layout[name][0]} ({header_layout[name][1]} bytes) in layout.cuh, "
             f"LAYOUT_DTYPE packs it at {offset} ({dtype.itemsize} bytes)")
+
+
+def test_every_state_field_has_the_header_offset(header_layout):
+    for name in layout.STATE_FIELDS:
+        offset = layout.state_offset(name, 0) - layout.HEADER_OFFSETS["state"]
+        assert header_layout[f"State.{name}"] == (offset, layout.NUM_PARITIES * 4), (
+            f"ep::State::{name} is at {header_layout[f'State.{name}']} in layout.cuh, layout.py puts it at {offset}")
 
 
 def test_struct_sizes_match(header_layout):
