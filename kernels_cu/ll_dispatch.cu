@@ -254,9 +254,11 @@ __device__ int plan_receive(const Layout& layout, uint8_t* workspace, const uint
 #if EP_USE_FP8
 // Vectors of one token a warp quantises per item: kStageUnroll per lane, loaded before the first is
 // used, so that a few tokens spread over the whole grid still cover the load latency. Four, not
-// eight: the decode shape (128 tokens of 896 vectors over 15 staging blocks of 32 warps) then has
-// 896 items of 128 vectors instead of 512 of 256, and its slowest warp stages 2 x 4 vectors per
-// lane instead of 2 x 8 (bench, 2026-12-03: decode dispatch 56.7 -> 53.7 us, the mean of two runs each).
+// eight: the decode shape (128 tokens of 896 vectors) then has 896 items of 128 vectors instead of
+// 512 of 256, spread more evenly over the staging warps (bench, 2026-12-03: decode dispatch 56.7 ->
+// 53.7 us, the mean of two runs each). With 15 staging warps a block each warp takes ~4 items, one
+// after the other; loading the next one or three before quantising was slower (docs/performance.md,
+// (16)): the phase is bound by HBM bytes, not by a warp's latency.
 constexpr int kStageUnroll = 4;
 constexpr int kItemVectors = kStageUnroll * kWarpSize;
 
