@@ -10,7 +10,8 @@
 // R ranks, E experts, E_l = E / R, T = num_max_dispatch_tokens_per_rank, H hidden, K_max = 16):
 //   state                  State, written only by this rank (epochs, block finish counters, and the
 //                          staging counter peers read in dispatch)
-//   dispatch_flag[P][R]    u64, written by peer r: "my staged tokens for this step are ready"
+//   dispatch_flag[P][R]    u64, written by peer r: "my routing for this step is out" (its per-expert
+//                          prefix; the payload is the staging count to wait for, ll_dispatch.cu)
 //   dispatch_verdict[P][R] u64, written by this rank's receiving blocks: the call's one decision
 //                          on whether source r delivered or was masked (signal.cuh, decide_source)
 //   combine_flag[P][R]     u64, written by peer r: "my expert outputs for this step are ready"

@@ -1,9 +1,9 @@
 // signal.cuh: epoch-tagged flags and the timed wait.
 //
 // A flag is one u64: the high 32 bits are the step (epoch) it belongs to, the low 32 bits a payload
-// (a token count, or 1). A receiver takes a flag only when its step equals the step it expects, so
-// a stale flag from an earlier step, from a slow peer or one that was masked and came back, is never
-// mistaken for current data, and no pass is needed to clean flags between steps.
+// (a count to wait for, or 1). A receiver takes a flag only when its step equals the step it
+// expects, so a stale flag from an earlier step, from a slow peer or one that was masked and came
+// back, is never mistaken for current data, and no pass is needed to clean flags between steps.
 //
 // wait_flag spins with ld.acquire.sys until the flag carries `step`, the peer is marked inactive by
 // someone else, or `timeout_ns` (>= 0) elapses on %globaltimer. On expiry it writes
