@@ -30,7 +30,9 @@
 //     - then thread r of the block waits for source r's dispatch_staged to reach its target: its
 //       lists and every staged row are then readable. A live source whose count does not get there
 //       in time (it stopped after its routing flag) is masked, and its rows, already counted, are
-//       written as zeros (fp8: scale 0);
+//       written as zeros (fp8: scale 0). Each block decides this for its own rows: a count that
+//       lands just as the timeout passes can leave some blocks' rows of that source copied and
+//       others' zero (the counts are the same either way);
 //     - the rows are numbered over the grid in pair order; warp w of W copies the rows numbered w
 //       modulo W: one load per lane finds the source tokens of its next 32 rows, then each row (and
 //       its scales; packed to UE8M0 when asked) is copied from the source's send_x into
@@ -54,7 +56,8 @@
 #include "trace.cuh"
 
 static_assert(EP_NUM_THREADS % 32 == 0 && EP_NUM_THREADS <= 1024, "EP_NUM_THREADS must be whole warps, <= 1024");
-static_assert(EP_MAX_RANKS <= EP_NUM_THREADS, "one thread decides per source rank");
+static_assert(EP_MAX_RANKS <= EP_NUM_THREADS, "one thread waits per source rank");
+static_assert(EP_NUM_THREADS >= 2 * 32, "a block of both halves has a planning warp and at least one staging warp");
 static_assert(EP_FP8_BLOCK == 128, "a 128-channel scale block is 16 lanes of 8 channels");
 
 namespace ep {

@@ -9,9 +9,10 @@
 // different blocks and of different ranks' kernels can be compared. Points, in both protocols:
 //   0 send entry   1 send work done   2 flags stored   3 receive entry
 //   4 flags seen   5 receive plan ready   6 rows done   7 receive exit (last block)   8 staging seen
-// Dispatch: 1 is block 0's lists or a block's staging; 2 block 0's routing flags; 4 and 5 are the
-// planning warp's (every source's verdict in, the plan in shared memory); 8 every source's staging
-// seen, after which the rows are copied. Combine: 2 is the signalling block's; it records no 8.
+// Dispatch: 1 is block 0's lists, or warp 0's staging in a staging block (with one block, the
+// latter overwrites the former); 2 block 0's routing flags; 4 and 5 are the planning warp's (every
+// source's verdict in, the plan in shared memory); 8 every source's staging seen, after which the
+// rows are copied. Combine: 2 is the signalling block's; it records no 8.
 #pragma once
 
 #include "ptx.cuh"
