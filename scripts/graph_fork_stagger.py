@@ -30,6 +30,7 @@ import statistics
 import numpy as np
 
 from mooncake_ep import kernels
+from mooncake_ep.cli import bench
 
 SOURCE = r"""
 extern "C" {
@@ -91,6 +92,7 @@ __global__ void node(int* marker) { *marker = 0; }
 KERNELS = ("trivial", "registers128", "shared34k", "poll15us", "spin15us")
 OURS = ("ll_dispatch", "ll_combine")  # launched with phases = 0
 GRAPHS = ("unrooted", "rooted", "rooted+sink")
+GRAPH_ENDS = dict(zip(GRAPHS, bench.GRAPH_ENDS))  # the same shapes as the benchmark's --graph-ends
 REPLAYS = ("idle", "queued")
 
 
@@ -135,19 +137,16 @@ def main() -> None:
         head = (0, 0, zeros.data_ptr(), zeros.data_ptr(), rank)
         ours[rank][name](args.blocks, head + (0,) * (len(arg_format) - len(head)), stream)
 
+    # The graph's own end nodes: a one-warp kernel each, on the stream the fork starts from.
+    end_nodes = (lambda: node[0](1, (marker.data_ptr(),), torch.cuda.current_stream().cuda_stream),
+                 lambda: node[1](1, (marker.data_ptr() + 4,), torch.cuda.current_stream().cuda_stream))
+
     def capture(kernel: str, shape: str):
         def step() -> None:
-            origin = torch.cuda.current_stream()
-            if shape != "unrooted":
-                node[0](1, (marker.data_ptr(),), origin.cuda_stream)
-            for stream in streams:
-                stream.wait_stream(origin)
-            for rank, stream in enumerate(streams):
-                launch(kernel, rank, stream.cuda_stream)
-            for stream in streams:
-                origin.wait_stream(stream)
-            if shape == "rooted+sink":
-                node[1](1, (marker.data_ptr() + 4,), origin.cuda_stream)
+            def launch_all() -> None:
+                for rank, stream in enumerate(streams):
+                    launch(kernel, rank, stream.cuda_stream)
+            bench.fork_join(torch, streams, launch_all, GRAPH_ENDS[shape], end_nodes)
 
         step()
         torch.cuda.synchronize()

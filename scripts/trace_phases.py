@@ -128,10 +128,10 @@ def main() -> None:
             active=torch.ones(args.ranks, dtype=torch.int32, device="cuda")))
     handles = [None] * args.ranks
 
-    end_markers = torch.zeros(2, dtype=torch.int32, device="cuda")
+    end_nodes = bench.marker_end_nodes(torch)
 
     def forked(fn, ends="none"):
-        bench.fork_join(torch, streams, fn, ends, end_markers)
+        bench.fork_join(torch, streams, fn, ends, end_nodes)
 
     def dispatch_all():
         for r, inp in enumerate(inputs):

@@ -359,26 +359,33 @@ def time_baseline(args, sets: list[list[dict]], make_timer, progress) -> dict:
 # --- measurements --------------------------------------------------------------------------------
 
 
-def fork_join(torch, streams: list, fn: Callable[[], None], ends: str = "none", end_markers=None) -> None:
+def fork_join(torch, streams: list, fn: Callable[[], None], ends: str = "none",
+              end_nodes: tuple[Callable[[], None], Callable[[], None]] | None = None) -> None:
     """Run fn with every stream of ``streams`` ordered after, and joined back into, the current stream.
 
     ``ends`` (:data:`GRAPH_ENDS`): with a node of its own on the current stream before the fork
-    (``root``), and after the join too (``both``), each writing one int32 of ``end_markers`` (a
-    device array of 2). Captured in a graph whose every rank launch is a root, the GPU starts the
-    rank launches 0.7-1.6 us apart, resolving each root's wait on the work before the graph one at
-    a time; forked from one node they start 0.16 us apart, and a graph that ends in one node is done
-    sooner than one with a leaf per rank (docs/performance.md, (12)).
+    (``root``), and after the join too (``both``): ``end_nodes[0]()`` and ``end_nodes[1]()``, each
+    putting one small piece of work on the current stream. Captured in a graph whose every rank
+    launch is a root, the GPU starts the rank launches 0.7-1.6 us apart, resolving each root's wait
+    on the work before the graph one at a time; forked from one node they start 0.16 us apart, and a
+    graph that ends in one node is done sooner than one with a leaf per rank (docs/performance.md, (12)).
     """
     origin = torch.cuda.current_stream()
     if ends != "none":
-        end_markers[0].zero_()
+        end_nodes[0]()
     for stream in streams:
         stream.wait_stream(origin)
     fn()
     for stream in streams:
         origin.wait_stream(stream)
     if ends == "both":
-        end_markers[1].zero_()
+        end_nodes[1]()
+
+
+def marker_end_nodes(torch) -> tuple[Callable[[], None], Callable[[], None]]:
+    """End nodes for :func:`fork_join`: each zeroes one int32 of a device array of its own."""
+    markers = torch.zeros(2, dtype=torch.int32, device=torch.cuda.current_device())
+    return markers[0].zero_, markers[1].zero_
 
 
 def measure_cuda(args, progress, group=None) -> dict:
@@ -466,10 +473,10 @@ def measure_cuda(args, progress, group=None) -> dict:
         if phase == "combine_zero_copy":
             combine_all(inputs, handles, True)
 
-    end_markers = torch.zeros(2, dtype=torch.int32, device=torch.cuda.current_device())
+    end_nodes = marker_end_nodes(torch)
 
     def forked(fn, ends: str = "none"):
-        fork_join(torch, list(streams.values()), fn, ends, end_markers)
+        fork_join(torch, list(streams.values()), fn, ends, end_nodes)
 
     # Eager warm-up (uploads each configuration's layout) and host time per call.
     handles = [None] * args.ranks
