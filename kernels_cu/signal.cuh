@@ -33,6 +33,18 @@ __device__ __forceinline__ uint64_t pack_flag(uint32_t step, uint32_t payload) {
 __device__ __forceinline__ uint32_t flag_step(uint64_t flag) { return static_cast<uint32_t>(flag >> 32); }
 __device__ __forceinline__ uint32_t flag_payload(uint64_t flag) { return static_cast<uint32_t>(flag); }
 
+// The end of one pass of a wait on `peer` that has not seen what it waits for: true when the wait
+// should give up, because the peer is masked (before this call, or by another wait that gave up on
+// it) or `timeout_ns` (>= 0) has passed since `start_ns`; then this wait masks it itself.
+__device__ __forceinline__ bool give_up_on(int* active_ranks, int peer, int64_t timeout_ns, uint64_t start_ns) {
+    if (ld_volatile(active_ranks + peer) == 0) return true;
+    if (timeout_ns >= 0 && static_cast<int64_t>(global_timer_ns() - start_ns) > timeout_ns) {
+        atomicExch(active_ranks + peer, 0);
+        return true;
+    }
+    return false;
+}
+
 // Returns true with *payload set when the flag arrived; false when the peer is (now) masked.
 __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint32_t step, int* active_ranks, int peer,
                                           int64_t timeout_ns, uint32_t* payload) {
@@ -43,27 +55,17 @@ __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint32_t step, i
             *payload = flag_payload(value);
             return true;
         }
-        // Another wait in this call (or another call) may already have given up on this peer.
-        if (ld_volatile(active_ranks + peer) == 0) return false;
-        if (timeout_ns >= 0 && static_cast<int64_t>(global_timer_ns() - start_ns) > timeout_ns) {
-            atomicExch(active_ranks + peer, 0);
-            return false;
-        }
+        if (give_up_on(active_ranks, peer, timeout_ns, start_ns)) return false;
     }
 }
 
 // Returns true once *counter - target >= 0 (modulo 2^32: the counter may wrap), acquired; false when
-// the peer is (now) masked or `timeout_ns` (>= 0) passed since `start_ns`, then writing
-// active_ranks[peer] = 0 itself.
+// the peer is (now) masked or `timeout_ns` (>= 0) passed since `start_ns` (give_up_on).
 __device__ __forceinline__ bool wait_count(const uint32_t* counter, uint32_t target, int* active_ranks, int peer,
                                            int64_t timeout_ns, uint64_t start_ns) {
     while (true) {
         if (static_cast<int32_t>(ld_acquire_u32(counter) - target) >= 0) return true;
-        if (ld_volatile(active_ranks + peer) == 0) return false;
-        if (timeout_ns >= 0 && static_cast<int64_t>(global_timer_ns() - start_ns) > timeout_ns) {
-            atomicExch(active_ranks + peer, 0);
-            return false;
-        }
+        if (give_up_on(active_ranks, peer, timeout_ns, start_ns)) return false;
     }
 }
 

@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROCESS_LIMIT_S = 120.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PHASE_KEYS = {"p50_us", "p90_us", "p99_us", "floor_us", "ratio_to_floor", "deepep_gbps_per_rank", "baseline_p50_us",
-              "speedup_vs_baseline"}
+              "speedup_vs_baseline", "kernel_span"}
 TOP_KEYS = {"date", "device", "config", "copy_bandwidth_gbps", "write_bandwidth_gbps", "host_us_per_call", "phases", "load"}
 # Small shapes: (ranks, tokens T, hidden, top-k, experts).
 SHAPES = [(2, 8, 256, 4, 8), (3, 5, 128, 2, 9), (4, 6, 384, 3, 16)]
@@ -193,6 +193,13 @@ def check_schema(report: dict, *, with_baseline: bool, backend: str = "reference
         else:
             assert row["floor_us"] is None and row["ratio_to_floor"] is None  # no HBM floor without a GPU
         assert row["deepep_gbps_per_rank"] > 0
+        config = report["config"]
+        if on_gpu and config["graph"] and config["kernel_span"] and config["group"] == "local":
+            span = row["kernel_span"]
+            assert 0 < span["p50_us"] <= span["p90_us"] <= span["p99_us"], (phase, span)
+            assert span["ratio_to_floor"] == pytest.approx(span["p50_us"] / row["floor_us"])
+        else:
+            assert row["kernel_span"] is None
         if with_baseline:
             assert row["baseline_p50_us"] > 0
             assert row["speedup_vs_baseline"] == pytest.approx(row["baseline_p50_us"] / row["p50_us"])
@@ -387,6 +394,27 @@ def test_fork_join_puts_its_own_nodes_at_the_ends_asked_for(ends, expected):
     bench.fork_join(fake_torch, [Stream("r0"), Stream("r1")], lambda: log.append("fn"), ends,
                     (lambda: log.append("marker 0"), lambda: log.append("marker 1")))
     assert log == expected
+
+
+def test_kernel_span_of_each_launch_covers_its_phase_kernels_only():
+    """Two step replays after an untimed dispatch launch: each span runs from its first dispatch
+    kernel's start to its last combine kernel's end; fills and the other launch do not count."""
+    from mooncake_ep.cli.kernel_span import KernelRecord, replay_spans_us
+
+    records = [KernelRecord("ll_dispatch", 0, 9_000, 1), KernelRecord("ll_dispatch", 500, 9_500, 1),
+               KernelRecord("fill", 20_000, 21_000, 7),
+               KernelRecord("ll_dispatch", 30_000, 40_000, 7), KernelRecord("ll_dispatch", 31_000, 41_500, 7),
+               KernelRecord("ll_combine", 42_000, 55_000, 7), KernelRecord("ll_combine", 42_500, 56_250, 7),
+               KernelRecord("fill", 57_000, 58_000, 7),
+               KernelRecord("ll_combine", 72_000, 80_000, 8), KernelRecord("ll_dispatch", 61_000, 70_000, 8),
+               KernelRecord("ll_dispatch", 60_000, 70_000, 8), KernelRecord("ll_combine", 71_000, 79_000, 8)]
+    names = ("ll_dispatch", "ll_combine")
+    assert replay_spans_us(records, names, num_replays=2, min_kernels=2) == [26.25, 20.0]
+    assert replay_spans_us(records, ("ll_dispatch",), num_replays=3, min_kernels=2) == [9.5, 11.5, 10.0]
+    with pytest.raises(RuntimeError, match="3 launches of ll_dispatch for 2 replays"):
+        replay_spans_us(records, ("ll_dispatch",), num_replays=2, min_kernels=2)
+    with pytest.raises(RuntimeError, match="fewer than 5 kernels"):
+        replay_spans_us(records, names, num_replays=2, min_kernels=5)
 
 
 @pytest.mark.gpu

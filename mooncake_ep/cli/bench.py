@@ -3,7 +3,10 @@
 In-process ranks share the visible GPUs (one GPU: all ranks on it, each with its own stream and
 ``--num-sms`` SMs). Kernel times come from one CUDA graph per phase that holds every rank's launch
 (a fork/join of the rank streams), replayed and timed with events on the origin stream: a phase's
-time is the time until the slowest rank finishes. ``--no-graph`` times the same calls made eagerly,
+time is the time until the slowest rank finishes. With in-process ranks and graphs, each phase's
+replays are also profiled apart (``--kernel-span``, mooncake_ep.cli.kernel_span): the span of its
+kernels alone, from the first to start to the last to end over every rank, without the graph's own
+launch and join that the events also time. ``--no-graph`` times the same calls made eagerly,
 every rank's from this one thread: the time then includes the host issuing ranks one after another.
 ``--mode`` picks how the calls run: ``sync`` on the caller's stream, ``async`` with ``async_finish``
 (the communication stream, joined back through the returned event), ``hook`` with
@@ -55,7 +58,7 @@ from collections.abc import Callable
 import numpy as np
 
 import mooncake_ep as ep
-from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, launch
+from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, kernel_span, launch
 from mooncake_ep.cli.gpu import gpu_status
 
 DEFAULTS_DECODE = dict(ranks=8, tokens=128, hidden=7168, topk=8, experts=256)
@@ -138,6 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nodes of its own at the ends of each captured fork/join of the rank streams: "
                              "root (one before the fork), both (and one after the join), or none (every "
                              "rank's first launch a root of the graph: they start 0.7-1.6 us apart each)")
+    parser.add_argument("--kernel-span", action=argparse.BooleanOptionalAction, default=True,
+                        help="also profile each phase's graph replays (CUPTI, through torch.profiler) for the span "
+                             "of its kernels alone, first start to last end over every rank: the events' time "
+                             "less the graph's launch and join (graphs of in-process ranks only)")
     parser.add_argument("--peer-reads", choices=("in-place", "workspace"), default="in-place",
                         help="where combine's token owners read the expert outputs of ranks in this process: "
                              "in-place (the caller's array), or workspace (copied there first, as ranks in other "
@@ -539,10 +546,27 @@ def measure_cuda(args, progress, group=None) -> dict:
         every_rank = [json.loads(blob) for blob in group.allgather_bytes(json.dumps(times).encode())]
         return np.max(every_rank, axis=0).tolist()  # an iteration lasts until its slowest rank is done
 
+    def span_phase(phase: str) -> list[float]:
+        """The kernel span of each of ``--iters`` replays, profiled apart from the timed ones."""
+        def run() -> None:
+            for i in range(args.iters):
+                if phase.startswith("combine"):
+                    replay("dispatch", i % len(sets))
+                replay(phase, i % len(sets))
+        records = kernel_span.profile_kernels(torch, run)
+        return kernel_span.replay_spans_us(records, kernel_span.PHASE_KERNELS[phase], args.iters, args.ranks)
+
     kernel = {}
     for phase in graphs:
         kernel[phase] = percentiles(time_phase(phase))
         progress.update(args.warmup + args.iters)
+    spans = None
+    if args.kernel_span and args.graph and group is None:
+        try:
+            spans = {phase: percentiles(span_phase(phase)) for phase in graphs}
+        except RuntimeError as exc:  # a profiler that records nothing, or not by graph launch
+            print(f"bench: no kernel span: {exc}")
+        progress.update(args.iters * len(graphs))
     check_no_rank_masked(sets, torch)
 
     # The torch baseline, after every kernel is done (no kernel waits while it allocates). It
@@ -562,7 +586,7 @@ def measure_cuda(args, progress, group=None) -> dict:
                           num_sms_per_rank=buffers[local_ranks[0]]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
                           write_bandwidth=write_bandwidth,
                           copies=mean_copies(sets), load=set_load(args, sets), host=host, kernel=kernel,
-                          baseline_stats=baseline_stats)
+                          baseline_stats=baseline_stats, kernel_spans=spans)
     if group is None:
         local_group.spawn(lambda g: buffers[g.rank].destroy())
     else:
@@ -715,9 +739,10 @@ def measure_bandwidth(torch, device: str, num_bytes: int = 1 << 30, repeats: int
 
 def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_rank: int | None,
                  copy_bandwidth: float | None, write_bandwidth: float | None, copies: float, load: dict, host: dict,
-                 kernel: dict, baseline_stats: dict | None) -> dict:
+                 kernel: dict, baseline_stats: dict | None, kernel_spans: dict | None = None) -> dict:
     """The JSON report; ``copy_bandwidth`` (bytes/s) None means no floor (the reference backend).
-    ``write_bandwidth`` (bytes/s) is context only: the floors use the copy bandwidth."""
+    ``write_bandwidth`` (bytes/s) is context only: the floors use the copy bandwidth. ``kernel_spans``:
+    per phase, percentiles of the replays' kernel spans (None: not profiled)."""
     floor_bytes, deepep_bytes = bytes_moved(args, copies)
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -725,7 +750,8 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "backend": backend,
         "timer": timer,
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
-                                                 "mode", "graph", "graph_ends", "peer_reads", "routing", "iters",
+                                                 "mode", "graph", "graph_ends", "kernel_span", "peer_reads",
+                                                 "routing", "iters",
                                                  "input_sets", "warmup", "seed", "baseline")},
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
@@ -747,6 +773,9 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
             deepep_gbps_per_rank=deepep_bytes[phase] / args.ranks / (stats["p50_us"] * 1e-6) / 1e9,
             baseline_p50_us=None if base is None else base["p50_us"],
             speedup_vs_baseline=None if base is None else base["p50_us"] / stats["p50_us"],
+            kernel_span=None if kernel_spans is None else dict(
+                kernel_spans[phase],
+                ratio_to_floor=None if floor_us is None else kernel_spans[phase]["p50_us"] / floor_us),
         )
     return report
 
@@ -776,11 +805,16 @@ def print_report(report: dict) -> None:
             f"{phase} p50/p90/p99 {s['p50_us']:.1f}/{s['p90_us']:.1f}/{s['p99_us']:.1f} us"
             for phase, s in report["baseline"].items()))
     print(f"{'phase':<18}{'p50 us':>9}{'p90 us':>9}{'p99 us':>9}{'floor us':>10}{'ratio':>7}{'GB/s/rank':>11}"
-          f"{'base p50':>10}{'speedup':>9}")
+          f"{'base p50':>10}{'speedup':>9}{'span p50':>10}{'ratio':>7}")
     for phase, row in report["phases"].items():
+        span = row["kernel_span"] or {"p50_us": None, "ratio_to_floor": None}
         print(f"{phase:<18}{row['p50_us']:>9.1f}{row['p90_us']:>9.1f}{row['p99_us']:>9.1f}"
               f"{_cell(row['floor_us'], 10, 1)}{_cell(row['ratio_to_floor'], 7, 2)}{row['deepep_gbps_per_rank']:>11.1f}"
-              f"{_cell(row['baseline_p50_us'], 10, 1)}{_cell(row['speedup_vs_baseline'], 9, 2)}")
+              f"{_cell(row['baseline_p50_us'], 10, 1)}{_cell(row['speedup_vs_baseline'], 9, 2)}"
+              f"{_cell(span['p50_us'], 10, 1)}{_cell(span['ratio_to_floor'], 7, 2)}")
+    if any(row["kernel_span"] for row in report["phases"].values()):
+        print("span: the phase's kernels alone (CUPTI), first start to last end over every rank; p50 us and "
+              "its ratio to the floor")
     print("host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in report["host_us_per_call"].items()))
     load = report["load"]
     print(f"load: busiest expert {load['expert_max_over_mean']:.2f}x the mean, busiest rank "
@@ -951,6 +985,8 @@ def run_ranks(args, backend: str, why: str, group) -> int:
         replays = (args.warmup + args.iters) * (len(PHASES) + (len(BASELINE_PHASES) if args.baseline else 0))
         if backend == "cuda":
             replays += args.warmup + HOST_TIMED_CALLS
+            if args.kernel_span and args.graph and group is None:
+                replays += args.iters * len(PHASES)
         progress = tqdm(total=replays, desc=f"bench T={tokens}", unit="call", leave=False, delay=PROGRESS_DELAY_S)
         try:
             return measure(point, progress, group)

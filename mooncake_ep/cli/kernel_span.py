@@ -1,0 +1,86 @@
+"""Kernel spans of CUDA graph replays, from the CUDA profiler (CUPTI, through ``torch.profiler``).
+
+The benchmark's events time a phase's graph from its origin stream: the graph's launch, its own
+nodes at the ends and the join of the rank branches are inside that time, and a graph of 8 kernels
+that return at once already takes ~10 us between events on the H200 hosts (docs/performance.md,
+(12)). A replay's *kernel span* is what the phase's kernels themselves take: from the first of them
+to start to the last to end, over every rank. CUPTI stamps every kernel of a graph with the
+correlation id of the graph launch it came from, so one replay's kernels are those of one id.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+# The kernels each benchmark phase launches (kernels_cu/ll_dispatch.cu, ll_combine.cu). A replay of
+# a phase is a graph launch that ran its last kernel; its span runs over all of these kernels.
+PHASE_KERNELS = {
+    "dispatch": ("ll_dispatch",),
+    "combine": ("ll_combine",),
+    "combine_zero_copy": ("ll_combine",),
+    "step": ("ll_dispatch", "ll_combine"),
+}
+
+
+class KernelRecord(NamedTuple):
+    """One kernel as the profiler saw it: device timestamps (ns) and the launch it belongs to."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    correlation_id: int
+
+
+def replay_spans_us(records: Sequence[KernelRecord], kernel_names: tuple[str, ...], num_replays: int,
+                    min_kernels: int) -> list[float]:
+    """The span of each graph launch that ran the phase's kernels, in start order (us).
+
+    Args:
+        records: every kernel of the profiled replays, of this phase's graphs and any other
+            (a combine's replays follow an untimed dispatch replay each).
+        kernel_names: the phase's kernels (:data:`PHASE_KERNELS`); the last one marks a launch as
+            this phase's, and the span runs from the first start to the last end of any of them.
+        num_replays: replays of this phase that were profiled.
+        min_kernels: kernels each replay ran at least (one per rank).
+
+    Raises:
+        RuntimeError: the records do not hold ``num_replays`` launches of ``min_kernels`` kernels or
+            more (the profiler lost records, or did not attribute them to their graph launch): a
+            span of the wrong kernels would be a wrong number, not a smaller one.
+    """
+    launches: dict[int, list[KernelRecord]] = defaultdict(list)
+    for record in records:
+        if record.name in kernel_names:
+            launches[record.correlation_id].append(record)
+    phase_launches = [kernels for kernels in launches.values() if any(k.name == kernel_names[-1] for k in kernels)]
+    short = [len(kernels) for kernels in phase_launches if len(kernels) < min_kernels]
+    if len(phase_launches) != num_replays or short:
+        seen = sorted({(record.name[:40], record.correlation_id) for record in records})[:6]
+        raise RuntimeError(f"kernel span: the profile holds {len(phase_launches)} launches of {kernel_names[-1]} "
+                           f"for {num_replays} replays" + (f", {len(short)} of them with fewer than {min_kernels} "
+                                                           f"kernels" if short else "") + f"; records: {seen}")
+    phase_launches.sort(key=lambda kernels: min(k.start_ns for k in kernels))
+    return [(max(k.end_ns for k in kernels) - min(k.start_ns for k in kernels)) / 1e3 for kernels in phase_launches]
+
+
+def profile_kernels(torch, run: Callable[[], None]) -> list[KernelRecord]:
+    """Every GPU activity (kernels, copies, fills) ``run()`` launches, with CUPTI's timestamps,
+    through ``torch.profiler``.
+
+    Raises:
+        RuntimeError: the profiler recorded nothing on the GPU (CUPTI unavailable to this torch).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:  # one cycle: nothing to clear
+        run()
+        torch.cuda.synchronize()
+    records = [KernelRecord(event.name(), event.start_ns(), event.end_ns(), event.correlation_id())
+               for event in prof.profiler.kineto_results.events()
+               if event.device_type() == torch.autograd.DeviceType.CUDA]
+    if not records:
+        raise RuntimeError("kernel span: the CUDA profiler recorded no GPU activity (is CUPTI available to torch?)")
+    return records
