@@ -834,7 +834,9 @@ def plot_sweep(path: str, report: dict, points: list[dict]) -> None:
     for ax, phase in zip(fig.subplots(1, 2), ("dispatch", "combine")):
         rows = [p["phases"][phase] for p in points]
         ax.plot(tokens, [r["p50_us"] for r in rows], "o-",
-                label="mooncake_ep" if report["backend"] == "cuda" else "mooncake_ep (numpy reference)")
+                label="mooncake_ep (graph, events)" if report["backend"] == "cuda" else "mooncake_ep (numpy reference)")
+        if all(r["kernel_span"] is not None for r in rows):
+            ax.plot(tokens, [r["kernel_span"]["p50_us"] for r in rows], "^-", label="mooncake_ep (kernel span)")
         if all(r["baseline_p50_us"] is not None for r in rows):
             ax.plot(tokens, [r["baseline_p50_us"] for r in rows], "s--", label="torch baseline")
         if all(r["floor_us"] is not None for r in rows):
