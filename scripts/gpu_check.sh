@@ -94,7 +94,8 @@ if has repeat; then
   # rank's work (see LocalGroup._make_streams). REPEAT_QUEUES picks the counts.
   for queues in ${REPEAT_QUEUES:-8 32}; do
     CUDA_DEVICE_MAX_CONNECTIONS=$queues TAIL=30 step "repeat_${queues}_queues" 300 python3 scripts/repeat_case.py \
-      --cases async,hook --repeat "${REPEAT:-20}" --trace --json "$out/repeat_$queues.json"
+      --cases async,hook --repeat "${REPEAT:-20}" --trace --json "$out/repeat_$queues.json" \
+      --stall-log "$out/stalls_$queues.log"
   done
 fi
 if has sweep; then

@@ -9,7 +9,8 @@ dumps the %globaltimer points of its last dispatch and combine (kernels_cu/trace
 the earliest dispatch entry of any rank in that case. It also keeps a host timeline: when each
 rank's dispatch and combine calls began and returned, and every garbage collection, in us from
 the earliest dispatch call of the case (a rank launched late by its host thread shows there; one
-launched on time but started late by the GPU does not). A failing case prints its assertion and
+launched on time but started late by the GPU does not); with ``--stall-log``, every thread's stack
+whenever a call runs too long (HostTimeline). A failing case prints its assertion and
 its dumps; ``--json`` keeps everything. A development tool, not part of the library.
 
     python scripts/repeat_case.py --cases async --repeat 20 --trace --json repeat.json
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import gc
 import json
 import os
 import struct
 import sys
+import threading
 import time
 import traceback
 
@@ -80,26 +83,71 @@ def relative_to_first_entry(ranks: list[dict]) -> None:
 
 
 class HostTimeline:
-    """Host times of every rank's dispatch / combine calls and of every garbage collection."""
+    """Host times of every rank's dispatch / combine calls and of every garbage collection.
 
-    def __init__(self) -> None:
+    With ``stall_log``, a watchdog also writes every thread's Python stack to that file when a call
+    has been running for ``STALL_S`` (a healthy one takes microseconds to milliseconds), through
+    faulthandler's own thread, which needs no GIL: the stacks show where a rank's host thread is
+    stuck even when a thread blocked inside a C call holds the GIL. A Python thread re-arms
+    faulthandler's timer every few ms while no call is that old; when one is (or when the GIL is
+    held so long that the re-arming stops), the timer fires after ``STALL_S`` more.
+    """
+
+    STALL_S = 0.2
+    WATCH_INTERVAL_S = 0.01
+
+    def __init__(self, stall_log: str | None = None) -> None:
         self.events: list[tuple[str, int, int]] = []  # (what, start ns, end ns)
         self._gc_start = 0
-        for name in ("dispatch", "combine"):
-            setattr(buffer.Buffer, name, self._timed(getattr(buffer.Buffer, name), name))
+        self._running: dict[int, int] = {}  # thread ident -> start ns of its call in progress
+        self._originals = {name: getattr(buffer.Buffer, name) for name in ("dispatch", "combine")}
+        for name, method in self._originals.items():
+            setattr(buffer.Buffer, name, self._timed(method, name))
         gc.callbacks.append(self._on_gc)
+        self._stopped = threading.Event()
+        self._watchdog = None
+        if stall_log is not None:
+            self._stall_file = open(stall_log, "w")  # noqa: SIM115 - faulthandler writes to it until close()
+            self._watchdog = threading.Thread(target=self._watch, name="stall watchdog", daemon=True)
+            self._watchdog.start()
+
+    def close(self) -> None:
+        """Stop the watchdog and its timer (no stacks from the interpreter's exit); untime the calls."""
+        self._stopped.set()
+        if self._watchdog is not None:
+            self._watchdog.join()  # it cancels the timer on its way out
+            self._stall_file.close()
+        for name, method in self._originals.items():
+            setattr(buffer.Buffer, name, method)
+        gc.callbacks.remove(self._on_gc)
 
     def _timed(self, method, name: str):
         timeline = self
 
         def call(self, *args, **kwargs):
             start = time.monotonic_ns()
+            timeline._running[threading.get_ident()] = start
             try:
                 return method(self, *args, **kwargs)
             finally:
+                timeline._running.pop(threading.get_ident(), None)
                 timeline.events.append((f"rank {self.rank} {name}", start, time.monotonic_ns()))
 
         return call
+
+    def _watch(self) -> None:
+        while not self._stopped.is_set():
+            now = time.monotonic_ns()
+            stuck = [start for start in list(self._running.values()) if now - start > self.STALL_S * 1e9]
+            if not stuck:
+                faulthandler.dump_traceback_later(self.STALL_S, file=self._stall_file)
+            else:
+                self._stall_file.write(f"-- a call running for {(now - min(stuck)) / 1e6:.0f} ms, at "
+                                       f"{time.strftime('%H:%M:%S')}; the stacks follow when the timer fires\n")
+                self._stall_file.flush()
+                time.sleep(2 * self.STALL_S)  # let the armed timer fire once
+            time.sleep(self.WATCH_INTERVAL_S)
+        faulthandler.cancel_dump_traceback_later()
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -124,6 +172,8 @@ def main() -> int:
     parser.add_argument("--timeout-us", type=int, default=1_000_000,
                         help="the cases' timeout, unless theirs is shorter (the fault cases')")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--stall-log", default=None, metavar="PATH",
+                        help=f"write every thread's stack there when a call runs {HostTimeline.STALL_S} s or more")
     args = parser.parse_args()
 
     import test_gpu_low_latency as t
@@ -143,7 +193,7 @@ def main() -> int:
         original_destroy(self, raise_group_error)
 
     _cuda_backend.CudaBackend.destroy = destroy
-    timeline = HostTimeline()
+    timeline = HostTimeline(args.stall_log)
     wanted = [w for w in args.cases.split(",") if w]
     cases = [dataclasses.replace(c, timeout_us=min(c.timeout_us, args.timeout_us))
              for c in t.GRID + t.MODES + t.FAULTS if any(w in t._case_id(c) for w in wanted)]
@@ -176,6 +226,7 @@ def main() -> int:
                 for d in ranks:
                     print(json.dumps(d))
                 print("host:", json.dumps(result["host"]))
+    timeline.close()
     failed = sum(not r["ok"] for r in results)
     print(f"{failed} of {len(results)} runs failed")
     if args.json:

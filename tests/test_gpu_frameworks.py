@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import ml_dtypes
 import numpy as np
@@ -28,6 +29,9 @@ import mooncake_ep as ep
 from mooncake_ep import reference
 
 torch = pytest.importorskip("torch")
+
+from test_gpu_low_latency import IDLE_POLL_S, to_numpy, wait_idle  # noqa: E402  (after the skip: they need torch)
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -136,13 +140,15 @@ def to_torch(array: np.ndarray, device="cuda"):
     return torch.from_numpy(array).to(device)
 
 
-def to_numpy(tensor) -> np.ndarray:
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.uint16).numpy().view(BF16)
-    if tensor.dtype == torch.float8_e4m3fn:
-        return tensor.view(torch.uint8).numpy().view(FP8)
-    return tensor.numpy()
+def cupy_wait_idle() -> None:
+    """wait_idle for cupy's current stream: poll an event, never block inside CUDA (a rank's
+    blocking copy to the host can hold up a peer's launch; see test_gpu_low_latency.wait_idle)."""
+    import cupy
+
+    event = cupy.cuda.Event()
+    event.record()
+    while not event.done:
+        time.sleep(IDLE_POLL_S)
 
 
 def expert_scale(case: Case, rank: int) -> np.ndarray:
@@ -190,7 +196,7 @@ def check(case: Case, xs, topks, weights, flags, results, actives=None) -> None:
 
 def settle(group) -> None:
     """Finish this rank's stream, then meet the other ranks (no allocation while a peer's kernel waits)."""
-    torch.cuda.current_stream().synchronize()
+    wait_idle()
     group.barrier()
 
 
@@ -368,7 +374,7 @@ def test_torch_bad_input_is_refused_and_the_buffer_still_works():
             buffer.combine(recv, topk, w.double(), active, TIMEOUT_US, handle)
         y = torch_experts(case, 0, recv, FLAGS["bf16"])
         combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle)
-        torch.cuda.current_stream().synchronize()
+        wait_idle()
         result = dict(recv=to_numpy(recv), count=to_numpy(count), y=to_numpy(y), combined=to_numpy(combined))
         buffer.destroy()
         return result
@@ -399,12 +405,13 @@ def test_cupy_arrays_in_and_out_on_cupys_stream(flag_id):
         active = cupy.ones(case.num_ranks, cupy.int32)
         ready(g)
         buffer.dispatch(fresh_x, topk, active, case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US, **flags)
-        stream.synchronize()
+        cupy_wait_idle()
         g.barrier()
         gate.hold(stream.ptr, fresh_x.data.ptr, x.data.ptr, x.nbytes)
         recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
                                                     timeout_us=TIMEOUT_US, **flags)
         gate.open()
+        cupy_wait_idle()
         if flags["use_fp8"]:
             q, scales = recv
             assert q.dtype == cupy.uint8 and scales.dtype == (cupy.int32 if flags.get("use_ue8m0") else cupy.float32)
@@ -413,12 +420,11 @@ def test_cupy_arrays_in_and_out_on_cupys_stream(flag_id):
             assert recv.dtype == cupy.uint16
             host_recv = cupy.asnumpy(recv).view(BF16)
         assert count.dtype == cupy.int32
-        stream.synchronize()
         g.barrier()
         y = cupy.asarray(host_experts(case, r, host_recv, flags).view(np.uint16))  # bf16 bits
         combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle)
         assert combined.dtype == cupy.uint16
-        stream.synchronize()
+        cupy_wait_idle()
         result = dict(recv=host_recv, count=cupy.asnumpy(count), y=cupy.asnumpy(y).view(BF16),
                       combined=cupy.asnumpy(combined).view(BF16), blocked=gate.timed_out())
         g.barrier()
@@ -446,6 +452,7 @@ def test_cupy_zero_copy_combine():
         recv, count, handle, _, _ = buffer.dispatch(x, topk, active,
                                                     case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US,
                                                     use_fp8=False)
+        cupy_wait_idle()
         host_recv = cupy.asnumpy(recv).view(BF16)
         y = host_experts(case, r, host_recv, flags)
         target = buffer.get_next_combine_buffer(handle)
@@ -454,6 +461,7 @@ def test_cupy_zero_copy_combine():
         cupy.cuda.get_current_stream().synchronize()
         g.barrier()
         combined, _, _ = buffer.combine(None, topk, w, active, TIMEOUT_US, handle, zero_copy=True)
+        cupy_wait_idle()
         result = dict(recv=host_recv, count=cupy.asnumpy(count), y=y, combined=cupy.asnumpy(combined).view(BF16))
         g.barrier()
         buffer.destroy()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import struct
+import time
 
 import ml_dtypes
 import numpy as np
@@ -88,7 +89,28 @@ def to_torch(array: np.ndarray, device="cuda"):
     return torch.from_numpy(array).to(device)
 
 
+# How often wait_idle looks at its event: a fraction of the shortest call.
+IDLE_POLL_S = 50e-6
+
+
+def wait_idle() -> None:
+    """Return once the current stream has run all its work, by polling an event.
+
+    A rank thread must not block inside CUDA while its kernel may still wait for a peer that has
+    not launched yet: a copy to pageable host memory (``tensor.cpu()``) that waits behind such a
+    kernel holds up the CUDA calls of every other thread of the process, the peer's launch
+    included, until the kernel times out (docs/performance.md, "The async failure, found at
+    last"). Polling ``cudaEventQuery`` never blocks; after it, copies find the stream idle.
+    """
+    event = torch.cuda.Event()
+    event.record()
+    while not event.query():
+        time.sleep(IDLE_POLL_S)
+
+
 def to_numpy(tensor) -> np.ndarray:
+    """A host copy of a tensor of the current stream, taken once that stream is idle (wait_idle)."""
+    wait_idle()
     tensor = tensor.detach().cpu()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
@@ -124,7 +146,7 @@ def settle(group) -> None:
     while no rank has a kernel waiting. One collection serves every thread, and after it the next
     full one is tens of thousands of allocations away.
     """
-    torch.cuda.current_stream().synchronize()
+    wait_idle()
     if group.rank == 0:
         gc.collect()
     group.barrier()
@@ -191,7 +213,6 @@ def run_rank(group, case: Case, xs, topks, weights, size):
     combined, event, hook = buffer.combine(expert_out, topk, w, active, case.timeout_us, handle, zero_copy=case.zero_copy,
                                            out=combined, renormalize=case.renormalize, **flags)
     finish_call(event, hook)
-    stream.synchronize()
     result.update(y=to_numpy(y), combined=to_numpy(combined), active=to_numpy(active))
     if case.dead_rank is not None:
         assert_context_healthy()
@@ -340,7 +361,7 @@ def test_a_source_masked_only_by_its_receiver_delivers_nothing(use_fp8):
         recv, count, _, _, _ = buffer.dispatch(to_torch(xs[group.rank]), to_torch(topks[group.rank]), active,
                                                case.num_max_tokens, case.num_experts, timeout_us=case.timeout_us,
                                                use_fp8=use_fp8)
-        torch.cuda.current_stream().synchronize()
+        wait_idle()
         result = dict(recv=tuple(to_numpy(t) for t in recv) if use_fp8 else to_numpy(recv), count=to_numpy(count),
                       active=to_numpy(active))
         buffer.destroy()
@@ -370,7 +391,7 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
         recv, count, handle, _, _ = buffer.dispatch(to_torch(xs[rank]), to_torch(topks[rank]), active,
                                                     case.num_max_tokens, case.num_experts, timeout_us=case.timeout_us,
                                                     use_fp8=use_fp8)
-        torch.cuda.current_stream().synchronize()
+        wait_idle()
         return recv, dict(recv=tuple(to_numpy(t) for t in recv) if use_fp8 else to_numpy(recv), count=to_numpy(count),
                           active=to_numpy(active)), handle
 
@@ -391,7 +412,7 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
             y = expert_function(recv, case, group.rank)
             combined, _, _ = buffer.combine(y, to_torch(topks[group.rank]), to_torch(weights[group.rank]), active,
                                             case.timeout_us, handle)
-            torch.cuda.current_stream().synchronize()
+            wait_idle()
             second.update(y=to_numpy(y), combined=to_numpy(combined), active=to_numpy(active))
         buffer.destroy()
         return first, second
