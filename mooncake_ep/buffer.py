@@ -285,7 +285,10 @@ class Buffer:
             use_ue8m0: store scales as 8-bit exponents packed four to an int32 (needs round_scale).
             async_finish: run on the buffer's communication stream; the returned event completes it.
             return_recv_hook: launch only the send half; ``hook()`` launches the receive half on the
-                same stream. Exclusive with async_finish.
+                same stream. Exclusive with async_finish. Two hooks may be pending; a rank's
+                dispatch after them rewrites the rows it staged for the older one, so every rank
+                must have called that older hook first (its combine in between, received, as in
+                a dispatch-experts-combine step, ensures it; the host can only check its own hooks).
             out: ``(recv_x, recv_count)`` arrays to write into, shaped as the results (for graphs).
 
         Returns:
