@@ -25,7 +25,8 @@ PHASE_KERNELS = {
 
 
 class KernelRecord(NamedTuple):
-    """One kernel as the profiler saw it: device timestamps (ns) and the launch it belongs to."""
+    """One GPU activity (a kernel, a copy, a fill) as the profiler saw it: device timestamps (ns) and
+    the correlation id of the launch it belongs to (for a graph's kernels, the graph launch's)."""
 
     name: str
     start_ns: int
@@ -38,7 +39,7 @@ def replay_spans_us(records: Sequence[KernelRecord], kernel_names: tuple[str, ..
     """The span of each graph launch that ran the phase's kernels, in start order (us).
 
     Args:
-        records: every kernel of the profiled replays, of this phase's graphs and any other
+        records: every GPU activity of the profiled replays, of this phase's graphs and any other
             (a combine's replays follow an untimed dispatch replay each).
         kernel_names: the phase's kernels (:data:`PHASE_KERNELS`); the last one marks a launch as
             this phase's, and the span runs from the first start to the last end of any of them.
