@@ -29,22 +29,25 @@ from mooncake_ep.cli import main as cli_main
 RESERVED_MACROS = frozenset(kernels._common_macros(True)) | {"EP_USE_FP8", "EP_ROUND_SCALE", "EP_USE_UE8M0"}
 
 
+def parse_macro(item: str, where: str) -> tuple[str, int]:
+    """``EP_MACRO=INTEGER``, a macro of the experiment's own (not one of :data:`RESERVED_MACROS`).
+    ``where`` names the flag in the error (also scripts/trace_phases.py's ``--macro``)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.startswith("EP_") or not value.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"{where}: {item!r} is not EP_MACRO=INTEGER")
+    if key in RESERVED_MACROS:
+        raise argparse.ArgumentTypeError(f"{where}: {key} is set by the library (the host launches "
+                                         f"to match it); use a macro of the experiment's own")
+    return key, int(value)
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:
     """``NAME:MACRO=VALUE,MACRO=VALUE`` with integer values (no macros after the colon: the unpatched
     kernels)."""
     name, _, spec = text.partition(":")
     if not name:
         raise argparse.ArgumentTypeError(f"--variant {text!r}: NAME:MACRO=VALUE,... expected")
-    macros = {}
-    for item in filter(None, spec.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key.startswith("EP_") or not value.lstrip("-").isdigit():
-            raise argparse.ArgumentTypeError(f"--variant {text!r}: {item!r} is not EP_MACRO=INTEGER")
-        if key in RESERVED_MACROS:
-            raise argparse.ArgumentTypeError(f"--variant {text!r}: {key} is set by the library (the host launches "
-                                             f"to match it); use a macro of the experiment's own")
-        macros[key] = int(value)
-    return name, macros
+    return name, dict(parse_macro(item, f"--variant {text!r}") for item in filter(None, spec.split(",")))
 
 
 def main() -> None:

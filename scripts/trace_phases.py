@@ -21,6 +21,8 @@ import mooncake_ep as ep
 from mooncake_ep import kernels
 from mooncake_ep.cli import bench
 
+import ab_kernels  # scripts/, beside this one: its macro syntax and checks
+
 POINTS = ("send_entry", "send_done", "flags_stored", "recv_entry", "flags_seen", "plan_ready", "rows_done",
           "recv_exit", "staging_seen")
 NUM_POINTS, MAX_BLOCKS, MAX_RANKS = 9, 256, 8  # kernels_cu/trace.cuh
@@ -100,7 +102,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--graph-ends", choices=bench.GRAPH_ENDS, default="both",
                         help="nodes of the graph's own around each fork/join, as the benchmark's --graph-ends")
-    parser.add_argument("--macro", action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--macro", action="append", default=[], metavar="EP_NAME=INTEGER",
+                        type=lambda item: ab_kernels.parse_macro(item, "the macro"),
                         help="an extra NVRTC macro for every kernel (a variant under test, as scripts/ab_kernels.py)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -109,8 +112,7 @@ def main() -> None:
 
     import torch
 
-    extra = dict(item.split("=", 1) for item in args.macro)
-    kernels._common_macros = traced_macros(kernels._common_macros, extra)
+    kernels._common_macros = traced_macros(kernels._common_macros, dict(args.macro))
     group = ep.LocalGroup(args.ranks, devices=[0] * args.ranks)
     size = ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, args.ranks, args.experts)
     buffers = group.spawn(lambda g: ep.Buffer(g, size, num_sms=args.num_sms))
