@@ -361,7 +361,6 @@ def test_a_source_masked_only_by_its_receiver_delivers_nothing(use_fp8):
         recv, count, _, _, _ = buffer.dispatch(to_torch(xs[group.rank]), to_torch(topks[group.rank]), active,
                                                case.num_max_tokens, case.num_experts, timeout_us=case.timeout_us,
                                                use_fp8=use_fp8)
-        wait_idle()
         result = dict(recv=tuple(to_numpy(t) for t in recv) if use_fp8 else to_numpy(recv), count=to_numpy(count),
                       active=to_numpy(active))
         buffer.destroy()
@@ -391,7 +390,6 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
         recv, count, handle, _, _ = buffer.dispatch(to_torch(xs[rank]), to_torch(topks[rank]), active,
                                                     case.num_max_tokens, case.num_experts, timeout_us=case.timeout_us,
                                                     use_fp8=use_fp8)
-        wait_idle()
         return recv, dict(recv=tuple(to_numpy(t) for t in recv) if use_fp8 else to_numpy(recv), count=to_numpy(count),
                           active=to_numpy(active)), handle
 
@@ -412,7 +410,6 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
             y = expert_function(recv, case, group.rank)
             combined, _, _ = buffer.combine(y, to_torch(topks[group.rank]), to_torch(weights[group.rank]), active,
                                             case.timeout_us, handle)
-            wait_idle()
             second.update(y=to_numpy(y), combined=to_numpy(combined), active=to_numpy(active))
         buffer.destroy()
         return first, second
