@@ -83,6 +83,11 @@ MODES = ("sync", "async", "hook")
 GRAPH_ENDS = ("none", "root", "both")
 
 
+def spans_profiled(args, group) -> bool:
+    """Whether --kernel-span applies: graphs of ranks in this process (a profile sees one process)."""
+    return args.kernel_span and args.graph and group is None
+
+
 def call_flags(mode: str) -> dict:
     """The dispatch/combine keyword arguments of a --mode."""
     return dict(async_finish=mode == "async", return_recv_hook=mode == "hook")
@@ -561,7 +566,7 @@ def measure_cuda(args, progress, group=None) -> dict:
         kernel[phase] = percentiles(time_phase(phase))
         progress.update(args.warmup + args.iters)
     spans = None
-    if args.kernel_span and args.graph and group is None:
+    if spans_profiled(args, group):
         try:
             spans = {phase: percentiles(span_phase(phase)) for phase in graphs}
         except RuntimeError as exc:  # a profiler that records nothing, or not by graph launch
@@ -987,7 +992,7 @@ def run_ranks(args, backend: str, why: str, group) -> int:
         replays = (args.warmup + args.iters) * (len(PHASES) + (len(BASELINE_PHASES) if args.baseline else 0))
         if backend == "cuda":
             replays += args.warmup + HOST_TIMED_CALLS
-            if args.kernel_span and args.graph and group is None:
+            if spans_profiled(args, group):
                 replays += args.iters * len(PHASES)
         progress = tqdm(total=replays, desc=f"bench T={tokens}", unit="call", leave=False, delay=PROGRESS_DELAY_S)
         try:
