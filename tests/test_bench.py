@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROCESS_LIMIT_S = 120.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PHASE_KEYS = {"p50_us", "p90_us", "p99_us", "floor_us", "ratio_to_floor", "deepep_gbps_per_rank", "baseline_p50_us",
-              "speedup_vs_baseline", "kernel_span"}
+              "speedup_vs_baseline", "kernel_span", "graph_span"}
 TOP_KEYS = {"date", "device", "config", "copy_bandwidth_gbps", "write_bandwidth_gbps", "host_us_per_call", "phases", "load"}
 # Small shapes: (ranks, tokens T, hidden, top-k, experts).
 SHAPES = [(2, 8, 256, 4, 8), (3, 5, 128, 2, 9), (4, 6, 384, 3, 16)]
@@ -195,11 +195,12 @@ def check_schema(report: dict, *, with_baseline: bool, backend: str = "reference
         assert row["deepep_gbps_per_rank"] > 0
         config = report["config"]
         if on_gpu and config["graph"] and config["kernel_span"] and config["group"] == "local":
-            span = row["kernel_span"]
+            span, graph = row["kernel_span"], row["graph_span"]
             assert 0 < span["p50_us"] <= span["p90_us"] <= span["p99_us"], (phase, span)
             assert span["ratio_to_floor"] == pytest.approx(span["p50_us"] / row["floor_us"])
+            assert span["p50_us"] <= graph["p50_us"] <= graph["p90_us"] <= graph["p99_us"], (phase, span, graph)
         else:
-            assert row["kernel_span"] is None
+            assert row["kernel_span"] is None and row["graph_span"] is None
         if with_baseline:
             assert row["baseline_p50_us"] > 0
             assert row["speedup_vs_baseline"] == pytest.approx(row["baseline_p50_us"] / row["p50_us"])
@@ -290,6 +291,7 @@ def test_bench_bad_flag_exits_2():
     (["--hidden", "100"], "multiple of 128"),
     (["--topk", "9"], "--topk"),
     (["--iters", "0"], "--iters"),
+    (["--warmup-ms", "-1"], "--warmup-ms"),
     (["--num-sms", "4"], "--num-sms"),
     (["--routing", "k_hot", "--hot-experts", "99"], "--hot-experts"),
     (["--plot", "/no/such/dir/x.png"], "does not exist"),
@@ -397,8 +399,9 @@ def test_fork_join_puts_its_own_nodes_at_the_ends_asked_for(ends, expected):
 
 
 def test_kernel_span_of_each_launch_covers_its_phase_kernels_only():
-    """Two step replays after an untimed dispatch launch: each span runs from its first dispatch
-    kernel's start to its last combine kernel's end; fills and the other launch do not count."""
+    """Two step replays after an untimed dispatch launch: each kernel span runs from its first
+    dispatch kernel's start to its last combine kernel's end, its graph span over the fills of its own
+    launch too; the other launch counts in neither."""
     from mooncake_ep.cli.kernel_span import KernelRecord, replay_spans_us
 
     records = [KernelRecord("ll_dispatch", 0, 9_000, 1), KernelRecord("ll_dispatch", 500, 9_500, 1),
@@ -409,8 +412,9 @@ def test_kernel_span_of_each_launch_covers_its_phase_kernels_only():
                KernelRecord("ll_combine", 72_000, 80_000, 8), KernelRecord("ll_dispatch", 61_000, 70_000, 8),
                KernelRecord("ll_dispatch", 60_000, 70_000, 8), KernelRecord("ll_combine", 71_000, 79_000, 8)]
     names = ("ll_dispatch", "ll_combine")
-    assert replay_spans_us(records, names, num_replays=2, min_kernels=2) == [26.25, 20.0]
-    assert replay_spans_us(records, ("ll_dispatch",), num_replays=3, min_kernels=2) == [9.5, 11.5, 10.0]
+    assert replay_spans_us(records, names, num_replays=2, min_kernels=2) == ([26.25, 20.0], [38.0, 20.0])
+    assert replay_spans_us(records, ("ll_dispatch",), num_replays=3, min_kernels=2) == ([9.5, 11.5, 10.0],
+                                                                                        [9.5, 38.0, 20.0])
     with pytest.raises(RuntimeError, match="3 launches of ll_dispatch for 2 replays"):
         replay_spans_us(records, ("ll_dispatch",), num_replays=2, min_kernels=2)
     with pytest.raises(RuntimeError, match="fewer than 5 kernels"):

@@ -6,8 +6,9 @@ In-process ranks share the visible GPUs (one GPU: all ranks on it, each with its
 time is the time until the slowest rank finishes. With in-process ranks and graphs, each phase's
 replays are also profiled apart (``--kernel-span``, mooncake_ep.cli.kernel_span): the span of its
 kernels alone, from the first to start to the last to end over every rank, without the graph's own
-launch and join that the events also time. ``--no-graph`` times the same calls made eagerly,
-every rank's from this one thread: the time then includes the host issuing ranks one after another.
+nodes, fork and join that the events also time; and its graph span, over every node of the replay,
+those included. ``--no-graph`` times the same calls made eagerly, every rank's from this one
+thread: the time then includes the host issuing ranks one after another.
 ``--mode`` picks how the calls run: ``sync`` on the caller's stream, ``async`` with ``async_finish``
 (the communication stream, joined back through the returned event), ``hook`` with
 ``return_recv_hook`` (every rank's send half, then every rank's receive hook). Host time per call is
@@ -79,6 +80,10 @@ HOST_TIMED_CALLS = 20
 # (check_no_rank_masked) instead of a hang; healthy calls take microseconds.
 KERNEL_TIMEOUT_US = 10_000_000
 MODES = ("sync", "async", "hook")
+# Milliseconds of untimed replays before a phase is timed (--warmup-ms). At T = 1024 the first ~30 ms
+# of back-to-back dispatch replays ran ~10% slower than every later round on the H200
+# (docs/performance.md, (18)).
+WARMUP_MS = 100.0
 # Nodes of the graph's own at the ends of each captured fork/join (--graph-ends).
 GRAPH_ENDS = ("none", "root", "both")
 
@@ -149,7 +154,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-span", action=argparse.BooleanOptionalAction, default=True,
                         help="also profile each phase's graph replays (CUPTI, through torch.profiler) for the span "
                              "of its kernels alone, first start to last end over every rank: the events' time "
-                             "less the graph's launch and join (graphs of in-process ranks only)")
+                             "less the graph's launch, end nodes, fork and join; and for the graph span, every "
+                             "node of the replay (graphs of in-process ranks only)")
     parser.add_argument("--peer-reads", choices=("in-place", "workspace"), default="in-place",
                         help="where combine's token owners read the expert outputs of ranks in this process: "
                              "in-place (the caller's array), or workspace (copied there first, as ranks in other "
@@ -159,6 +165,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hot-fraction", type=float, default=0.5, help="k_hot: share of tokens that go hot")
     parser.add_argument("--hot-experts", type=int, default=8, help="k_hot: the first N experts are hot")
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays")
+    parser.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
+                        help="on the GPU, each phase's untimed replays go on in rounds of --warmup until they have "
+                             "run this long: the GPU's clocks rise over tens of ms of load, and a phase timed "
+                             "sooner runs slow")
     parser.add_argument("--iters", type=int, default=200, help="timed replays per phase")
     parser.add_argument("--input-sets", type=int, default=4, help="input sets rotated between replays")
     parser.add_argument("--seed", type=int, default=0)
@@ -529,21 +539,42 @@ def measure_cuda(args, progress, group=None) -> dict:
         else:
             forked(lambda: run_phase(phase, sets[k], set_handles[k]))
 
+    def replay_answered(phase: str, k: int) -> None:
+        if phase.startswith("combine"):
+            replay("dispatch", k)  # combine answers this set's dispatch
+        replay(phase, k)
+
+    def warm_up(phase: str) -> None:
+        """Rounds of --warmup replays until --warmup-ms have passed since the first (every rank
+        goes on while any rank's time is short, so that their replays stay matched)."""
+        start = time.perf_counter()
+        while True:
+            for i in range(args.warmup):
+                if group is not None:  # ranks in processes start every replay together, as when timed
+                    torch.cuda.synchronize()
+                    group.barrier()
+                replay_answered(phase, i % len(sets))
+            torch.cuda.synchronize()
+            short = args.warmup > 0 and (time.perf_counter() - start) * 1e3 < args.warmup_ms
+            if group is not None:
+                short = any(blob[0] for blob in group.allgather_bytes(bytes([short])))
+            if not short:
+                return
+
     def time_phase(phase: str) -> list[float]:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
-        for i in range(args.warmup + args.iters):
+        warm_up(phase)
+        for i in range(args.iters):
             k = i % len(sets)
             if phase.startswith("combine"):
-                replay("dispatch", k)  # combine answers this set's dispatch
-            if group is not None:
+                replay("dispatch", k)
+            if group is not None:  # after the answered dispatch: the ranks start each timed replay together
                 torch.cuda.synchronize()
-                group.barrier()  # the ranks start each iteration together
-            if i >= args.warmup:
-                starts[i - args.warmup].record()
+                group.barrier()
+            starts[i].record()
             replay(phase, k)
-            if i >= args.warmup:
-                ends[i - args.warmup].record()
+            ends[i].record()
         torch.cuda.synchronize()
         times = [start.elapsed_time(end) * 1e3 for start, end in zip(starts, ends)]
         if group is None:
@@ -551,13 +582,11 @@ def measure_cuda(args, progress, group=None) -> dict:
         every_rank = [json.loads(blob) for blob in group.allgather_bytes(json.dumps(times).encode())]
         return np.max(every_rank, axis=0).tolist()  # an iteration lasts until its slowest rank is done
 
-    def span_phase(phase: str) -> list[float]:
-        """The kernel span of each of ``--iters`` replays, profiled apart from the timed ones."""
+    def span_phase(phase: str) -> kernel_span.ReplaySpans:
+        """The kernel and graph spans of each of ``--iters`` replays, profiled apart from the timed ones."""
         def run() -> None:
             for i in range(args.iters):
-                if phase.startswith("combine"):
-                    replay("dispatch", i % len(sets))
-                replay(phase, i % len(sets))
+                replay_answered(phase, i % len(sets))
         records = kernel_span.profile_kernels(torch, run)
         return kernel_span.replay_spans_us(records, kernel_span.PHASE_KERNELS[phase], args.iters, args.ranks)
 
@@ -568,7 +597,7 @@ def measure_cuda(args, progress, group=None) -> dict:
     spans = None
     if spans_profiled(args, group):
         try:
-            spans = {phase: percentiles(span_phase(phase)) for phase in graphs}
+            spans = {phase: span_phase(phase) for phase in graphs}
         except RuntimeError as exc:  # a profiler that records nothing, or not by graph launch
             print(f"bench: no kernel span: {exc}")
         progress.update(args.iters * len(graphs))
@@ -591,7 +620,7 @@ def measure_cuda(args, progress, group=None) -> dict:
                           num_sms_per_rank=buffers[local_ranks[0]]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
                           write_bandwidth=write_bandwidth,
                           copies=mean_copies(sets), load=set_load(args, sets), host=host, kernel=kernel,
-                          baseline_stats=baseline_stats, kernel_spans=spans)
+                          baseline_stats=baseline_stats, spans=spans)
     if group is None:
         local_group.spawn(lambda g: buffers[g.rank].destroy())
     else:
@@ -744,10 +773,10 @@ def measure_bandwidth(torch, device: str, num_bytes: int = 1 << 30, repeats: int
 
 def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_rank: int | None,
                  copy_bandwidth: float | None, write_bandwidth: float | None, copies: float, load: dict, host: dict,
-                 kernel: dict, baseline_stats: dict | None, kernel_spans: dict | None = None) -> dict:
+                 kernel: dict, baseline_stats: dict | None, spans: dict | None = None) -> dict:
     """The JSON report; ``copy_bandwidth`` (bytes/s) None means no floor (the reference backend).
-    ``write_bandwidth`` (bytes/s) is context only: the floors use the copy bandwidth. ``kernel_spans``:
-    per phase, percentiles of the replays' kernel spans (None: not profiled)."""
+    ``write_bandwidth`` (bytes/s) is context only: the floors use the copy bandwidth. ``spans``: per
+    phase, the profiled replays' :class:`~mooncake_ep.cli.kernel_span.ReplaySpans` (None: not profiled)."""
     floor_bytes, deepep_bytes = bytes_moved(args, copies)
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -757,7 +786,7 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
                                                  "mode", "graph", "graph_ends", "kernel_span", "peer_reads",
                                                  "routing", "iters",
-                                                 "input_sets", "warmup", "seed", "baseline")},
+                                                 "input_sets", "warmup", "warmup_ms", "seed", "baseline")},
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
         "write_bandwidth_gbps": None if write_bandwidth is None else write_bandwidth / 1e9,
@@ -778,10 +807,13 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
             deepep_gbps_per_rank=deepep_bytes[phase] / args.ranks / (stats["p50_us"] * 1e-6) / 1e9,
             baseline_p50_us=None if base is None else base["p50_us"],
             speedup_vs_baseline=None if base is None else base["p50_us"] / stats["p50_us"],
-            kernel_span=None if kernel_spans is None else dict(
-                kernel_spans[phase],
-                ratio_to_floor=None if floor_us is None else kernel_spans[phase]["p50_us"] / floor_us),
+            kernel_span=None,
+            graph_span=None,
         )
+        if spans is not None:
+            kernel_stats = percentiles(spans[phase].kernels_us)
+            kernel_stats["ratio_to_floor"] = None if floor_us is None else kernel_stats["p50_us"] / floor_us
+            report["phases"][phase].update(kernel_span=kernel_stats, graph_span=percentiles(spans[phase].graph_us))
     return report
 
 
@@ -810,16 +842,18 @@ def print_report(report: dict) -> None:
             f"{phase} p50/p90/p99 {s['p50_us']:.1f}/{s['p90_us']:.1f}/{s['p99_us']:.1f} us"
             for phase, s in report["baseline"].items()))
     print(f"{'phase':<18}{'p50 us':>9}{'p90 us':>9}{'p99 us':>9}{'floor us':>10}{'ratio':>7}{'GB/s/rank':>11}"
-          f"{'base p50':>10}{'speedup':>9}{'span p50':>10}{'ratio':>7}")
+          f"{'base p50':>10}{'speedup':>9}{'graph p50':>11}{'span p50':>10}{'ratio':>7}")
     for phase, row in report["phases"].items():
+        graph = row["graph_span"] or {"p50_us": None}
         span = row["kernel_span"] or {"p50_us": None, "ratio_to_floor": None}
         print(f"{phase:<18}{row['p50_us']:>9.1f}{row['p90_us']:>9.1f}{row['p99_us']:>9.1f}"
               f"{_cell(row['floor_us'], 10, 1)}{_cell(row['ratio_to_floor'], 7, 2)}{row['deepep_gbps_per_rank']:>11.1f}"
               f"{_cell(row['baseline_p50_us'], 10, 1)}{_cell(row['speedup_vs_baseline'], 9, 2)}"
-              f"{_cell(span['p50_us'], 10, 1)}{_cell(span['ratio_to_floor'], 7, 2)}")
+              f"{_cell(graph['p50_us'], 11, 1)}{_cell(span['p50_us'], 10, 1)}{_cell(span['ratio_to_floor'], 7, 2)}")
     if any(row["kernel_span"] for row in report["phases"].values()):
-        print("span: the phase's kernels alone (CUPTI), first start to last end over every rank; p50 us and "
-              "its ratio to the floor")
+        print("graph: every node of the replay's graph (CUPTI), the fills at its ends included; span: the "
+              "phase's kernels alone, first start to last end over every rank; p50 us, and the span's ratio to "
+              "the floor")
     print("host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in report["host_us_per_call"].items()))
     load = report["load"]
     print(f"load: busiest expert {load['expert_max_over_mean']:.2f}x the mean, busiest rank "
@@ -883,6 +917,7 @@ def check_args(args) -> None:
     """Refuse flags that do not fit together (UsageError, exit 2) before anything runs."""
     for flag, value, minimum in (("--ranks", args.ranks, 1), ("--tokens", args.tokens, 1), ("--topk", args.topk, 1),
                                  ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
+                                 ("--warmup-ms", args.warmup_ms, 0),
                                  ("--input-sets", args.input_sets, 1)):
         if value < minimum:
             raise UsageError(f"{flag} must be >= {minimum}, got {value}")

@@ -5,7 +5,9 @@ nodes at the ends and the join of the rank branches are inside that time, and a 
 that return at once already takes ~10 us between events on the H200 hosts (docs/performance.md,
 (12)). A replay's *kernel span* is what the phase's kernels themselves take: from the first of them
 to start to the last to end, over every rank. CUPTI stamps every kernel of a graph with the
-correlation id of the graph launch it came from, so one replay's kernels are those of one id.
+correlation id of the graph launch it came from, so one replay's kernels are those of one id. Its
+*graph span* runs over every activity of that launch, the benchmark's own nodes at the graph's ends
+included: what the graph costs on the GPU, without the launch and the events around it.
 """
 
 from __future__ import annotations
@@ -34,15 +36,24 @@ class KernelRecord(NamedTuple):
     correlation_id: int
 
 
+class ReplaySpans(NamedTuple):
+    """Per replay, in start order (us): the span of the phase's kernels, and of every activity of
+    the replay's graph launch (its end nodes too)."""
+
+    kernels_us: list[float]
+    graph_us: list[float]
+
+
 def replay_spans_us(records: Sequence[KernelRecord], kernel_names: tuple[str, ...], num_replays: int,
-                    min_kernels: int) -> list[float]:
-    """The span of each graph launch that ran the phase's kernels, in start order (us).
+                    min_kernels: int) -> ReplaySpans:
+    """The spans of each graph launch that ran the phase's kernels.
 
     Args:
         records: every GPU activity of the profiled replays, of this phase's graphs and any other
             (a combine's replays follow an untimed dispatch replay each).
         kernel_names: the phase's kernels (:data:`PHASE_KERNELS`); the last one marks a launch as
-            this phase's, and the span runs from the first start to the last end of any of them.
+            this phase's, and the kernel span runs from the first start to the last end of any of
+            them; the graph span, over every record of the launch.
         num_replays: replays of this phase that were profiled.
         min_kernels: kernels each replay ran at least (one per rank).
 
@@ -53,17 +64,21 @@ def replay_spans_us(records: Sequence[KernelRecord], kernel_names: tuple[str, ..
     """
     launches: dict[int, list[KernelRecord]] = defaultdict(list)
     for record in records:
-        if record.name in kernel_names:
-            launches[record.correlation_id].append(record)
-    phase_launches = [kernels for kernels in launches.values() if any(k.name == kernel_names[-1] for k in kernels)]
+        launches[record.correlation_id].append(record)
+    whole_launches = [group for group in launches.values() if any(r.name == kernel_names[-1] for r in group)]
+    whole_launches.sort(key=lambda group: min(r.start_ns for r in group))
+    phase_launches = [[r for r in group if r.name in kernel_names] for group in whole_launches]
     short = [len(kernels) for kernels in phase_launches if len(kernels) < min_kernels]
     if len(phase_launches) != num_replays or short:
         seen = sorted({(record.name[:40], record.correlation_id) for record in records})[:6]
         raise RuntimeError(f"kernel span: the profile holds {len(phase_launches)} launches of {kernel_names[-1]} "
                            f"for {num_replays} replays" + (f", {len(short)} of them with fewer than {min_kernels} "
                                                            f"kernels" if short else "") + f"; records: {seen}")
-    phase_launches.sort(key=lambda kernels: min(k.start_ns for k in kernels))
-    return [(max(k.end_ns for k in kernels) - min(k.start_ns for k in kernels)) / 1e3 for kernels in phase_launches]
+
+    def span_us(group: list[KernelRecord]) -> float:
+        return (max(r.end_ns for r in group) - min(r.start_ns for r in group)) / 1e3
+
+    return ReplaySpans([span_us(kernels) for kernels in phase_launches], [span_us(group) for group in whole_launches])
 
 
 def profile_kernels(torch, run: Callable[[], None]) -> list[KernelRecord]:
