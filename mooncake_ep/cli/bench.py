@@ -874,8 +874,9 @@ def plot_sweep(path: str, report: dict, points: list[dict]) -> None:
         rows = [p["phases"][phase] for p in points]
         ax.plot(tokens, [r["p50_us"] for r in rows], "o-",
                 label="mooncake_ep (graph, events)" if report["backend"] == "cuda" else "mooncake_ep (numpy reference)")
-        if all(r["kernel_span"] is not None for r in rows):
-            ax.plot(tokens, [r["kernel_span"]["p50_us"] for r in rows], "^-", label="mooncake_ep (kernel span)")
+        for key, marker, label in (("graph_span", "v-", "graph span"), ("kernel_span", "^-", "kernel span")):
+            if all(r.get(key) is not None for r in rows):  # .get: sweeps saved before the graph span
+                ax.plot(tokens, [r[key]["p50_us"] for r in rows], marker, label=f"mooncake_ep ({label})")
         if all(r["baseline_p50_us"] is not None for r in rows):
             ax.plot(tokens, [r["baseline_p50_us"] for r in rows], "s--", label="torch baseline")
         if all(r["floor_us"] is not None for r in rows):
