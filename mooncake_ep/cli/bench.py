@@ -167,8 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays")
     parser.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
                         help="on the GPU, each phase's untimed replays go on in rounds of --warmup until they have "
-                             "run this long: the GPU's clocks rise over tens of ms of load, and a phase timed "
-                             "sooner runs slow")
+                             "run this long: the first tens of ms of load run slower (up to 10%% at T = 1024)")
     parser.add_argument("--iters", type=int, default=200, help="timed replays per phase")
     parser.add_argument("--input-sets", type=int, default=4, help="input sets rotated between replays")
     parser.add_argument("--seed", type=int, default=0)
@@ -851,7 +850,7 @@ def print_report(report: dict) -> None:
               f"{_cell(row['baseline_p50_us'], 10, 1)}{_cell(row['speedup_vs_baseline'], 9, 2)}"
               f"{_cell(graph['p50_us'], 11, 1)}{_cell(span['p50_us'], 10, 1)}{_cell(span['ratio_to_floor'], 7, 2)}")
     if any(row["kernel_span"] for row in report["phases"].values()):
-        print("graph: every node of the replay's graph (CUPTI), the fills at its ends included; span: the "
+        print("graph: every node of the replay's graph (CUPTI), its own end nodes included; span: the "
               "phase's kernels alone, first start to last end over every rank; p50 us, and the span's ratio to "
               "the floor")
     print("host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in report["host_us_per_call"].items()))
