@@ -20,6 +20,8 @@
 #   fault      time a survivor loses when a rank stops, against timeout_us (scripts/fault_latency.py)
 #   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
 #   ab         kernel variants (AB_VARIANTS, extra NVRTC macros) benchmarked side by side on the decode shape
+#   inner      the decode benchmark with and without the events inside each phase's graph
+#              (--inner-events), alternated twice: whether they disturb the events around the graph
 #   modes      the decode benchmark in the other modes: async and hook (graphs), sync eager (no graph),
 #              without the graph's own nodes around the fork/join (--graph-ends none), and with 32
 #              hardware queues instead of the driver's default 8
@@ -74,6 +76,14 @@ if has ab; then
   for variant in "${ab_variants[@]}"; do ab_flags+=(--variant "$variant"); done
   TAIL=$((${#ab_variants[@]} + 2)) step ab 540 python3 scripts/ab_kernels.py "${ab_flags[@]}" --json "$out/ab.json" -- \
     "${decode[@]}" --iters "${AB_ITERS:-100}" --no-baseline
+fi
+if has inner; then
+  for round in 1 2; do
+    for flag in inner-events no-inner-events; do
+      step "bench_${flag//-/_}_$round" 150 "${bench[@]}" "${decode[@]}" "--$flag" --iters 200 --no-baseline \
+        --json "$out/bench_${flag//-/_}_$round.json"
+    done
+  done
 fi
 if has modes; then
   for mode in async hook; do

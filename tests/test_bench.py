@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROCESS_LIMIT_S = 120.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PHASE_KEYS = {"p50_us", "p90_us", "p99_us", "floor_us", "ratio_to_floor", "deepep_gbps_per_rank", "baseline_p50_us",
-              "speedup_vs_baseline", "kernel_span", "graph_span"}
+              "speedup_vs_baseline", "inner_events", "kernel_span", "graph_span"}
 TOP_KEYS = {"date", "device", "config", "copy_bandwidth_gbps", "write_bandwidth_gbps", "host_us_per_call", "phases", "load"}
 # Small shapes: (ranks, tokens T, hidden, top-k, experts).
 SHAPES = [(2, 8, 256, 4, 8), (3, 5, 128, 2, 9), (4, 6, 384, 3, 16)]
@@ -201,6 +201,12 @@ def check_schema(report: dict, *, with_baseline: bool, backend: str = "reference
             assert span["p50_us"] <= graph["p50_us"] <= graph["p90_us"] <= graph["p99_us"], (phase, span, graph)
         else:
             assert row["kernel_span"] is None and row["graph_span"] is None
+        if on_gpu and config["graph"] and config["inner_events"] and config["graph_ends"] != "none":
+            inner = row["inner_events"]
+            assert 0 < inner["p50_us"] <= inner["p90_us"] <= inner["p99_us"], (phase, inner)
+            assert inner["ratio_to_floor"] == pytest.approx(inner["p50_us"] / row["floor_us"])
+        else:
+            assert row["inner_events"] is None
         if with_baseline:
             assert row["baseline_p50_us"] > 0
             assert row["speedup_vs_baseline"] == pytest.approx(row["baseline_p50_us"] / row["p50_us"])
@@ -309,7 +315,8 @@ def test_bench_bad_usage_exits_2_with_the_reason(argv, message, capsys):
 def test_bench_help_shows_the_new_flags_and_backend_defaults(capsys):
     assert cli.main(["bench", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
-    for flag in ("--baseline", "--no-baseline", "--plot", "--sweep-tokens", "--backend", "--mode", "--no-graph"):
+    for flag in ("--baseline", "--no-baseline", "--plot", "--sweep-tokens", "--backend", "--mode", "--no-graph",
+                 "--inner-events", "--no-inner-events"):
         assert flag in out
     assert "(default: 8 on a GPU, 2 on the reference backend)" in out
     assert "(default: 1,2,4,8,16,32,64,128,256,512)" in out
@@ -396,6 +403,39 @@ def test_fork_join_puts_its_own_nodes_at_the_ends_asked_for(ends, expected):
     bench.fork_join(fake_torch, [Stream("r0"), Stream("r1")], lambda: log.append("fn"), ends,
                     (lambda: log.append("marker 0"), lambda: log.append("marker 1")))
     assert log == expected
+
+
+def test_fork_join_records_inner_events_beside_the_branches_and_joins_their_stream_last():
+    """The start event waits for the root node only (the branches do not wait for it), the end event
+    for every branch; the sink node does not wait for it, and the side stream is joined back last."""
+    import types
+
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+    class Event:
+        def __init__(self, name):
+            self.name = name
+
+        def record(self, stream):
+            log.append(f"{self.name} on {stream.name}")
+
+    origin = Stream("origin")
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(current_stream=lambda: origin))
+    inner = types.SimpleNamespace(side_stream=Stream("side"), start=Event("start"), end=Event("end"))
+    bench.fork_join(fake_torch, [Stream("r0"), Stream("r1")], lambda: log.append("fn"), "both",
+                    (lambda: log.append("marker 0"), lambda: log.append("marker 1")), inner)
+    assert log == ["marker 0", "r0 waits origin", "r1 waits origin", "side waits origin", "start on side", "fn",
+                   "side waits r0", "side waits r1", "end on side", "origin waits r0", "origin waits r1",
+                   "marker 1", "origin waits side"]
+    with pytest.raises(ValueError, match="inner events need a root node"):
+        bench.fork_join(fake_torch, [], lambda: None, "none", None, inner)
 
 
 def test_kernel_span_of_each_launch_covers_its_phase_kernels_only():

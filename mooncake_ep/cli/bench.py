@@ -3,7 +3,9 @@
 In-process ranks share the visible GPUs (one GPU: all ranks on it, each with its own stream and
 ``--num-sms`` SMs). Kernel times come from one CUDA graph per phase that holds every rank's launch
 (a fork/join of the rank streams), replayed and timed with events on the origin stream: a phase's
-time is the time until the slowest rank finishes. With in-process ranks and graphs, each phase's
+time is the time until the slowest rank finishes. Events recorded inside the graph (``--inner-events``)
+also time each replay from its root node's end to every rank's end, without the graph's launch and
+its own end nodes. With in-process ranks and graphs, each phase's
 replays are also profiled apart (``--kernel-span``, mooncake_ep.cli.kernel_span): the span of its
 kernels alone, from the first to start to the last to end over every rank, without the graph's own
 nodes, fork and join that the events also time; and its graph span, over every node of the replay,
@@ -88,6 +90,11 @@ WARMUP_MS = 100.0
 GRAPH_ENDS = ("none", "root", "both")
 
 
+def inner_events_timed(args) -> bool:
+    """Whether --inner-events applies: graphs with a root node to start them from."""
+    return args.inner_events and args.graph and args.graph_ends != "none"
+
+
 def spans_profiled(args, group) -> bool:
     """Whether --kernel-span applies: graphs of ranks in this process (a profile sees one process)."""
     return args.kernel_span and args.graph and group is None
@@ -151,6 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nodes of its own at the ends of each captured fork/join of the rank streams: "
                              "root (one before the fork), both (and one after the join), or none (every "
                              "rank's first launch a root of the graph: they start 0.7-1.6 us apart each)")
+    parser.add_argument("--inner-events", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time each replay with events recorded inside its graph, after the root node and "
+                             "after every rank's last kernel: the phase without the graph's launch and end nodes "
+                             "(graphs with a root node: --graph-ends root or both)")
     parser.add_argument("--kernel-span", action=argparse.BooleanOptionalAction, default=True,
                         help="also profile each phase's graph replays (CUPTI, through torch.profiler) for the span "
                              "of its kernels alone, first start to last end over every rank: the events' time "
@@ -380,8 +391,29 @@ def time_baseline(args, sets: list[list[dict]], make_timer, progress) -> dict:
 # --- measurements --------------------------------------------------------------------------------
 
 
+class InnerEvents:
+    """Two timing events that a captured :func:`fork_join` records inside its graph, on a side stream
+    of their own: ``start`` once the root node is done, beside the rank branches rather than ahead
+    of them (an event node ahead of the branches undoes their rooted start, docs/performance.md
+    (18)), and ``end`` once every branch is done, beside the sink node. Between them: the phase's
+    kernels, with the graph's dependency resolution at both ends, without the root and sink nodes'
+    own run time or the graph's launch. A replay overwrites the pair: read it (:meth:`elapsed_us`)
+    before the same graph is replayed again."""
+
+    def __init__(self, torch, side_stream):
+        self.side_stream = side_stream
+        self.start = torch.cuda.Event(enable_timing=True, external=True)  # external: a node of the graph
+        self.end = torch.cuda.Event(enable_timing=True, external=True)
+
+    def elapsed_us(self) -> float:
+        """The last replay's time between the two, in microseconds (waits for that replay's end)."""
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) * 1e3
+
+
 def fork_join(torch, streams: list, fn: Callable[[], None], ends: str = "none",
-              end_nodes: tuple[Callable[[], None], Callable[[], None]] | None = None) -> None:
+              end_nodes: tuple[Callable[[], None], Callable[[], None]] | None = None,
+              inner: InnerEvents | None = None) -> None:
     """Run fn with every stream of ``streams`` ordered after, and joined back into, the current stream.
 
     ``ends`` (:data:`GRAPH_ENDS`): with a node of its own on the current stream before the fork
@@ -390,17 +422,30 @@ def fork_join(torch, streams: list, fn: Callable[[], None], ends: str = "none",
     launch is a root, the GPU starts the rank launches 0.7-1.6 us apart, resolving each root's wait
     on the work before the graph one at a time; forked from one node they start 0.16 us apart, and a
     graph that ends in one node is done sooner than one with a leaf per rank (docs/performance.md, (12)).
+    ``inner`` (with a root node only): :class:`InnerEvents` recorded after the root and after the
+    branches, on their side stream, which is joined back last.
     """
+    if inner is not None and ends == "none":
+        raise ValueError("fork_join: inner events need a root node to start from (ends 'root' or 'both')")
     origin = torch.cuda.current_stream()
     if ends != "none":
         end_nodes[0]()
     for stream in streams:
         stream.wait_stream(origin)
+    if inner is not None:
+        inner.side_stream.wait_stream(origin)
+        inner.start.record(inner.side_stream)
     fn()
+    if inner is not None:
+        for stream in streams:
+            inner.side_stream.wait_stream(stream)
+        inner.end.record(inner.side_stream)
     for stream in streams:
         origin.wait_stream(stream)
     if ends == "both":
         end_nodes[1]()
+    if inner is not None:
+        origin.wait_stream(inner.side_stream)
 
 
 def marker_end_nodes(torch) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -496,8 +541,8 @@ def measure_cuda(args, progress, group=None) -> dict:
 
     end_nodes = marker_end_nodes(torch)
 
-    def forked(fn, ends: str = "none"):
-        fork_join(torch, list(streams.values()), fn, ends, end_nodes)
+    def forked(fn, ends: str = "none", inner: InnerEvents | None = None):
+        fork_join(torch, list(streams.values()), fn, ends, end_nodes, inner)
 
     # Eager warm-up (uploads each configuration's layout) and host time per call.
     handles = [None] * args.ranks
@@ -519,31 +564,44 @@ def measure_cuda(args, progress, group=None) -> dict:
     progress.update(args.warmup + HOST_TIMED_CALLS)
 
     # --graph: one graph per (phase, input set); the combine graphs answer the dispatch graph of
-    # their set. --no-graph: the same calls, eager.
+    # their set. --no-graph: the same calls, eager. --inner-events: a second set of the same graphs,
+    # each holding an InnerEvents pair, timed apart: the pair's nodes hold back the end of the graph
+    # (the events around it read 5-7 us more, device call 1 of the sixth session of 2026-12-04).
     graphs = {phase: [] for phase in PHASES}
-    set_handles = [[None] * args.ranks for _ in sets]
+    inner_graphs = {phase: [] for phase in PHASES} if inner_events_timed(args) else None
+    inner_events = {phase: [] for phase in PHASES}
+    set_handles = [[None] * args.ranks for _ in sets]  # the eager calls' (--no-graph)
     if args.graph:
         pool = torch.cuda.graph_pool_handle()
-        for k, inputs in enumerate(sets):
-            for phase in graphs:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    forked(lambda: run_phase(phase, inputs, set_handles[k]), ends=args.graph_ends)
-                graphs[phase].append(graph)
+        side_stream = torch.cuda.Stream()
+        for captured, with_inner in ((graphs, False), (inner_graphs, True)):
+            if captured is None:
+                continue
+            handles = [[None] * args.ranks for _ in sets]  # each set of graphs answers its own dispatches
+            for k, inputs in enumerate(sets):
+                for phase in captured:
+                    inner = None
+                    if with_inner:
+                        inner = InnerEvents(torch, side_stream)
+                        inner_events[phase].append(inner)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        forked(lambda: run_phase(phase, inputs, handles[k]), ends=args.graph_ends, inner=inner)
+                    captured[phase].append(graph)
         torch.cuda.synchronize()
 
-    def replay(phase: str, k: int) -> None:
+    def replay(phase: str, k: int, inner: bool = False) -> None:
         if args.graph:
-            graphs[phase][k].replay()
+            (inner_graphs if inner else graphs)[phase][k].replay()
         else:
             forked(lambda: run_phase(phase, sets[k], set_handles[k]))
 
-    def replay_answered(phase: str, k: int) -> None:
+    def replay_answered(phase: str, k: int, inner: bool = False) -> None:
         if phase.startswith("combine"):
-            replay("dispatch", k)  # combine answers this set's dispatch
-        replay(phase, k)
+            replay("dispatch", k, inner)  # combine answers this set's dispatch
+        replay(phase, k, inner)
 
-    def warm_up(phase: str) -> None:
+    def warm_up(phase: str, inner: bool = False) -> None:
         """Rounds of --warmup replays until --warmup-ms have passed since the first (every rank
         goes on while any rank's time is short, so that their replays stay matched)."""
         start = time.perf_counter()
@@ -552,7 +610,7 @@ def measure_cuda(args, progress, group=None) -> dict:
                 if group is not None:  # ranks in processes start every replay together, as when timed
                     torch.cuda.synchronize()
                     group.barrier()
-                replay_answered(phase, i % len(sets))
+                replay_answered(phase, i % len(sets), inner)
             torch.cuda.synchronize()
             short = args.warmup > 0 and (time.perf_counter() - start) * 1e3 < args.warmup_ms
             if group is not None:
@@ -560,22 +618,35 @@ def measure_cuda(args, progress, group=None) -> dict:
             if not short:
                 return
 
-    def time_phase(phase: str) -> list[float]:
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
-        warm_up(phase)
+    def time_phase(phase: str, inner: bool = False) -> list[float]:
+        """Each of --iters replays' time: from events around the replay of the phase's graph, or with
+        ``inner`` from the InnerEvents inside its other graph, each pair read just before that graph's
+        next replay (--input-sets replays later: the host stays as far ahead of the GPU as without)."""
+        warm_up(phase, inner)
+        times = []
+        if not inner:
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
         for i in range(args.iters):
             k = i % len(sets)
+            if inner and i >= len(sets):
+                times.append(inner_events[phase][k].elapsed_us())
             if phase.startswith("combine"):
-                replay("dispatch", k)
+                replay("dispatch", k, inner)
             if group is not None:  # after the answered dispatch: the ranks start each timed replay together
                 torch.cuda.synchronize()
                 group.barrier()
-            starts[i].record()
-            replay(phase, k)
-            ends[i].record()
+            if not inner:
+                starts[i].record()
+            replay(phase, k, inner)
+            if not inner:
+                ends[i].record()
         torch.cuda.synchronize()
-        times = [start.elapsed_time(end) * 1e3 for start, end in zip(starts, ends)]
+        if inner:
+            times += [inner_events[phase][i % len(sets)].elapsed_us()
+                      for i in range(max(args.iters - len(sets), 0), args.iters)]
+        else:
+            times = [start.elapsed_time(end) * 1e3 for start, end in zip(starts, ends)]
         if group is None:
             return times
         every_rank = [json.loads(blob) for blob in group.allgather_bytes(json.dumps(times).encode())]
@@ -589,10 +660,13 @@ def measure_cuda(args, progress, group=None) -> dict:
         records = kernel_span.profile_kernels(torch, run)
         return kernel_span.replay_spans_us(records, kernel_span.PHASE_KERNELS[phase], args.iters, args.ranks)
 
-    kernel = {}
+    kernel, inner = {}, {} if inner_graphs is not None else None
     for phase in graphs:
         kernel[phase] = percentiles(time_phase(phase))
         progress.update(args.warmup + args.iters)
+        if inner is not None:
+            inner[phase] = percentiles(time_phase(phase, inner=True))
+            progress.update(args.warmup + args.iters)
     spans = None
     if spans_profiled(args, group):
         try:
@@ -619,13 +693,15 @@ def measure_cuda(args, progress, group=None) -> dict:
                           num_sms_per_rank=buffers[local_ranks[0]]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
                           write_bandwidth=write_bandwidth,
                           copies=mean_copies(sets), load=set_load(args, sets), host=host, kernel=kernel,
-                          baseline_stats=baseline_stats, spans=spans)
+                          baseline_stats=baseline_stats, spans=spans, inner=inner)
     if group is None:
         local_group.spawn(lambda g: buffers[g.rank].destroy())
     else:
         buffers[group.rank].destroy()
     sets.clear()  # the closures above hold these names: empty them rather than del
     graphs.clear()
+    if inner_graphs is not None:
+        inner_graphs.clear()
     torch.cuda.empty_cache()  # the next point of a sweep starts with the memory this one cached
     return report
 
@@ -772,10 +848,12 @@ def measure_bandwidth(torch, device: str, num_bytes: int = 1 << 30, repeats: int
 
 def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_rank: int | None,
                  copy_bandwidth: float | None, write_bandwidth: float | None, copies: float, load: dict, host: dict,
-                 kernel: dict, baseline_stats: dict | None, spans: dict | None = None) -> dict:
+                 kernel: dict, baseline_stats: dict | None, spans: dict | None = None,
+                 inner: dict | None = None) -> dict:
     """The JSON report; ``copy_bandwidth`` (bytes/s) None means no floor (the reference backend).
     ``write_bandwidth`` (bytes/s) is context only: the floors use the copy bandwidth. ``spans``: per
-    phase, the profiled replays' :class:`~mooncake_ep.cli.kernel_span.ReplaySpans` (None: not profiled)."""
+    phase, the profiled replays' :class:`~mooncake_ep.cli.kernel_span.ReplaySpans` (None: not profiled).
+    ``inner``: per phase, the :class:`InnerEvents`' percentiles (None: not recorded)."""
     floor_bytes, deepep_bytes = bytes_moved(args, copies)
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -783,7 +861,8 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "backend": backend,
         "timer": timer,
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
-                                                 "mode", "graph", "graph_ends", "kernel_span", "peer_reads",
+                                                 "mode", "graph", "graph_ends", "inner_events", "kernel_span",
+                                                 "peer_reads",
                                                  "routing", "iters",
                                                  "input_sets", "warmup", "warmup_ms", "seed", "baseline")},
         "num_sms_per_rank": num_sms_per_rank,
@@ -806,9 +885,13 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
             deepep_gbps_per_rank=deepep_bytes[phase] / args.ranks / (stats["p50_us"] * 1e-6) / 1e9,
             baseline_p50_us=None if base is None else base["p50_us"],
             speedup_vs_baseline=None if base is None else base["p50_us"] / stats["p50_us"],
+            inner_events=None,
             kernel_span=None,
             graph_span=None,
         )
+        if inner is not None:
+            report["phases"][phase]["inner_events"] = dict(
+                inner[phase], ratio_to_floor=None if floor_us is None else inner[phase]["p50_us"] / floor_us)
         if spans is not None:
             kernel_stats = percentiles(spans[phase].kernels_us)
             kernel_stats["ratio_to_floor"] = None if floor_us is None else kernel_stats["p50_us"] / floor_us
@@ -841,14 +924,20 @@ def print_report(report: dict) -> None:
             f"{phase} p50/p90/p99 {s['p50_us']:.1f}/{s['p90_us']:.1f}/{s['p99_us']:.1f} us"
             for phase, s in report["baseline"].items()))
     print(f"{'phase':<18}{'p50 us':>9}{'p90 us':>9}{'p99 us':>9}{'floor us':>10}{'ratio':>7}{'GB/s/rank':>11}"
-          f"{'base p50':>10}{'speedup':>9}{'graph p50':>11}{'span p50':>10}{'ratio':>7}")
+          f"{'base p50':>10}{'speedup':>9}{'inner p50':>11}{'ratio':>7}{'graph p50':>11}{'span p50':>10}{'ratio':>7}")
+    missing = {"p50_us": None, "ratio_to_floor": None}
     for phase, row in report["phases"].items():
-        graph = row["graph_span"] or {"p50_us": None}
-        span = row["kernel_span"] or {"p50_us": None, "ratio_to_floor": None}
+        inner = row["inner_events"] or missing
+        graph = row["graph_span"] or missing
+        span = row["kernel_span"] or missing
         print(f"{phase:<18}{row['p50_us']:>9.1f}{row['p90_us']:>9.1f}{row['p99_us']:>9.1f}"
               f"{_cell(row['floor_us'], 10, 1)}{_cell(row['ratio_to_floor'], 7, 2)}{row['deepep_gbps_per_rank']:>11.1f}"
               f"{_cell(row['baseline_p50_us'], 10, 1)}{_cell(row['speedup_vs_baseline'], 9, 2)}"
+              f"{_cell(inner['p50_us'], 11, 1)}{_cell(inner['ratio_to_floor'], 7, 2)}"
               f"{_cell(graph['p50_us'], 11, 1)}{_cell(span['p50_us'], 10, 1)}{_cell(span['ratio_to_floor'], 7, 2)}")
+    if any(row["inner_events"] for row in report["phases"].values()):
+        print("inner: events recorded inside the graph, after its root node and after the last rank's kernel "
+              "(the graph's own end nodes and launch left out); p50 us and its ratio to the floor")
     if any(row["kernel_span"] for row in report["phases"].values()):
         print("graph: every node of the replay's graph (CUPTI), its own end nodes included; span: the "
               "phase's kernels alone, first start to last end over every rank; p50 us, and the span's ratio to "
@@ -873,7 +962,8 @@ def plot_sweep(path: str, report: dict, points: list[dict]) -> None:
         rows = [p["phases"][phase] for p in points]
         ax.plot(tokens, [r["p50_us"] for r in rows], "o-",
                 label="mooncake_ep (graph, events)" if report["backend"] == "cuda" else "mooncake_ep (numpy reference)")
-        for key, marker, label in (("graph_span", "v-", "graph span"), ("kernel_span", "^-", "kernel span")):
+        for key, marker, label in (("inner_events", "d-", "inner events"), ("graph_span", "v-", "graph span"),
+                                   ("kernel_span", "^-", "kernel span")):
             if all(r.get(key) is not None for r in rows):  # .get: sweeps saved before the graph span
                 ax.plot(tokens, [r[key]["p50_us"] for r in rows], marker, label=f"mooncake_ep ({label})")
         if all(r["baseline_p50_us"] is not None for r in rows):
@@ -1029,6 +1119,8 @@ def run_ranks(args, backend: str, why: str, group) -> int:
             replays += args.warmup + HOST_TIMED_CALLS
             if spans_profiled(args, group):
                 replays += args.iters * len(PHASES)
+            if inner_events_timed(args):
+                replays += (args.warmup + args.iters) * len(PHASES)
         progress = tqdm(total=replays, desc=f"bench T={tokens}", unit="call", leave=False, delay=PROGRESS_DELAY_S)
         try:
             return measure(point, progress, group)
