@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import ml_dtypes
 import numpy as np
@@ -30,7 +29,7 @@ from mooncake_ep import reference
 
 torch = pytest.importorskip("torch")
 
-from test_gpu_low_latency import IDLE_POLL_S, to_numpy, wait_idle  # noqa: E402  (after the skip: they need torch)
+from test_gpu_low_latency import poll_until, to_numpy, wait_idle  # noqa: E402  (after the skip: they need torch)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -147,8 +146,7 @@ def cupy_wait_idle() -> None:
 
     event = cupy.cuda.Event()
     event.record()
-    while not event.done:
-        time.sleep(IDLE_POLL_S)
+    poll_until(lambda: event.done)
 
 
 def expert_scale(case: Case, rank: int) -> np.ndarray:

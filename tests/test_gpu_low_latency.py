@@ -104,7 +104,12 @@ def wait_idle() -> None:
     """
     event = torch.cuda.Event()
     event.record()
-    while not event.query():
+    poll_until(event.query)
+
+
+def poll_until(done) -> None:
+    """Sleep in steps of IDLE_POLL_S until ``done()`` says so (an event query: it never blocks)."""
+    while not done():
         time.sleep(IDLE_POLL_S)
 
 
