@@ -20,8 +20,8 @@
 #   fault      time a survivor loses when a rank stops, against timeout_us (scripts/fault_latency.py)
 #   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
 #   ab         kernel variants (AB_VARIANTS, extra NVRTC macros) benchmarked side by side on the decode shape
-#   inner      the decode benchmark with and without the events inside each phase's graph
-#              (--inner-events), alternated twice: whether they disturb the events around the graph
+#   inner      the decode benchmark with and without the events inside a copy of each phase's graph
+#              (--inner-events), alternated twice: the events around the other graphs should not move
 #   modes      the decode benchmark in the other modes: async and hook (graphs), sync eager (no graph),
 #              without the graph's own nodes around the fork/join (--graph-ends none), and with 32
 #              hardware queues instead of the driver's default 8

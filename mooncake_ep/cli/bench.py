@@ -3,9 +3,9 @@
 In-process ranks share the visible GPUs (one GPU: all ranks on it, each with its own stream and
 ``--num-sms`` SMs). Kernel times come from one CUDA graph per phase that holds every rank's launch
 (a fork/join of the rank streams), replayed and timed with events on the origin stream: a phase's
-time is the time until the slowest rank finishes. Events recorded inside the graph (``--inner-events``)
-also time each replay from its root node's end to every rank's end, without the graph's launch and
-its own end nodes. With in-process ranks and graphs, each phase's
+time is the time until the slowest rank finishes. Events recorded inside a copy of each graph
+(``--inner-events``) also time its replays from its root node's end to every rank's end, without
+the graph's launch and its own end nodes. With in-process ranks and graphs, each phase's
 replays are also profiled apart (``--kernel-span``, mooncake_ep.cli.kernel_span): the span of its
 kernels alone, from the first to start to the last to end over every rank, without the graph's own
 nodes, fork and join that the events also time; and its graph span, over every node of the replay,
@@ -159,9 +159,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "root (one before the fork), both (and one after the join), or none (every "
                              "rank's first launch a root of the graph: they start 0.7-1.6 us apart each)")
     parser.add_argument("--inner-events", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time each replay with events recorded inside its graph, after the root node and "
-                             "after every rank's last kernel: the phase without the graph's launch and end nodes "
-                             "(graphs with a root node: --graph-ends root or both)")
+                        help="also time replays of a copy of each graph with events recorded inside it, after the "
+                             "root node and after every rank's last kernel: the phase without the graph's launch "
+                             "and end nodes (graphs with a root node: --graph-ends root or both)")
     parser.add_argument("--kernel-span", action=argparse.BooleanOptionalAction, default=True,
                         help="also profile each phase's graph replays (CUPTI, through torch.profiler) for the span "
                              "of its kernels alone, first start to last end over every rank: the events' time "
@@ -397,8 +397,9 @@ class InnerEvents:
     of them (an event node ahead of the branches undoes their rooted start, docs/performance.md
     (18)), and ``end`` once every branch is done, beside the sink node. Between them: the phase's
     kernels, with the graph's dependency resolution at both ends, without the root and sink nodes'
-    own run time or the graph's launch. A replay overwrites the pair: read it (:meth:`elapsed_us`)
-    before the same graph is replayed again."""
+    own run time or the graph's launch. Not a bound from outside: nothing orders the start event
+    before the rank kernels, which wait for the same node. A replay overwrites the pair: read it
+    (:meth:`elapsed_us`) before the same graph is replayed again."""
 
     def __init__(self, torch, side_stream):
         self.side_stream = side_stream
@@ -565,8 +566,8 @@ def measure_cuda(args, progress, group=None) -> dict:
 
     # --graph: one graph per (phase, input set); the combine graphs answer the dispatch graph of
     # their set. --no-graph: the same calls, eager. --inner-events: a second set of the same graphs,
-    # each holding an InnerEvents pair, timed apart: the pair's nodes hold back the end of the graph
-    # (the events around it read 5-7 us more, device call 1 of the sixth session of 2026-12-04).
+    # each holding an InnerEvents pair, timed apart: with the pair in the timed graphs the events
+    # around them read 5-7 us more (docs/performance.md, (19)).
     graphs = {phase: [] for phase in PHASES}
     inner_graphs = {phase: [] for phase in PHASES} if inner_events_timed(args) else None
     inner_events = {phase: [] for phase in PHASES}
@@ -580,13 +581,13 @@ def measure_cuda(args, progress, group=None) -> dict:
             handles = [[None] * args.ranks for _ in sets]  # each set of graphs answers its own dispatches
             for k, inputs in enumerate(sets):
                 for phase in captured:
-                    inner = None
+                    pair = None
                     if with_inner:
-                        inner = InnerEvents(torch, side_stream)
-                        inner_events[phase].append(inner)
+                        pair = InnerEvents(torch, side_stream)
+                        inner_events[phase].append(pair)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        forked(lambda: run_phase(phase, inputs, handles[k]), ends=args.graph_ends, inner=inner)
+                        forked(lambda: run_phase(phase, inputs, handles[k]), ends=args.graph_ends, inner=pair)
                     captured[phase].append(graph)
         torch.cuda.synchronize()
 
@@ -660,12 +661,12 @@ def measure_cuda(args, progress, group=None) -> dict:
         records = kernel_span.profile_kernels(torch, run)
         return kernel_span.replay_spans_us(records, kernel_span.PHASE_KERNELS[phase], args.iters, args.ranks)
 
-    kernel, inner = {}, {} if inner_graphs is not None else None
+    kernel, inner_stats = {}, {} if inner_graphs is not None else None
     for phase in graphs:
         kernel[phase] = percentiles(time_phase(phase))
         progress.update(args.warmup + args.iters)
-        if inner is not None:
-            inner[phase] = percentiles(time_phase(phase, inner=True))
+        if inner_stats is not None:
+            inner_stats[phase] = percentiles(time_phase(phase, inner=True))
             progress.update(args.warmup + args.iters)
     spans = None
     if spans_profiled(args, group):
@@ -693,7 +694,7 @@ def measure_cuda(args, progress, group=None) -> dict:
                           num_sms_per_rank=buffers[local_ranks[0]]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
                           write_bandwidth=write_bandwidth,
                           copies=mean_copies(sets), load=set_load(args, sets), host=host, kernel=kernel,
-                          baseline_stats=baseline_stats, spans=spans, inner=inner)
+                          baseline_stats=baseline_stats, spans=spans, inner=inner_stats)
     if group is None:
         local_group.spawn(lambda g: buffers[g.rank].destroy())
     else:
@@ -936,7 +937,7 @@ def print_report(report: dict) -> None:
               f"{_cell(inner['p50_us'], 11, 1)}{_cell(inner['ratio_to_floor'], 7, 2)}"
               f"{_cell(graph['p50_us'], 11, 1)}{_cell(span['p50_us'], 10, 1)}{_cell(span['ratio_to_floor'], 7, 2)}")
     if any(row["inner_events"] for row in report["phases"].values()):
-        print("inner: events recorded inside the graph, after its root node and after the last rank's kernel "
+        print("inner: events recorded inside a copy of the graph, after its root node and after the last rank's kernel "
               "(the graph's own end nodes and launch left out); p50 us and its ratio to the floor")
     if any(row["kernel_span"] for row in report["phases"].values()):
         print("graph: every node of the replay's graph (CUPTI), its own end nodes included; span: the "
