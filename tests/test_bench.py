@@ -378,6 +378,44 @@ def test_bench_cuda_each_mode(tmp_path, mode, graph):
     assert (report["config"]["mode"], report["config"]["graph"]) == (mode, graph == "--graph")
 
 
+class LoggedStream:
+    """Stands in for a torch stream: logs the waits fork_join asks of it."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other) -> None:
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+class LoggedEvent:
+    """Stands in for a torch event: logs where fork_join records it."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def record(self, stream) -> None:
+        self.log.append(f"{self.name} on {stream.name}")
+
+
+def fork_join_log(ends: str, inner_names: tuple[str, str, str] | None = None) -> list[str]:
+    """The work fork_join puts on two rank streams around fn, with end nodes that log themselves, and
+    with InnerEvents stand-ins (side stream, start and end event names) if given."""
+    import types
+
+    log = []
+    origin = LoggedStream("origin", log)
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(current_stream=lambda: origin))
+    inner = None
+    if inner_names is not None:
+        side, start, end = inner_names
+        inner = types.SimpleNamespace(side_stream=LoggedStream(side, log), start=LoggedEvent(start, log),
+                                      end=LoggedEvent(end, log))
+    bench.fork_join(fake_torch, [LoggedStream("r0", log), LoggedStream("r1", log)], lambda: log.append("fn"), ends,
+                    (lambda: log.append("marker 0"), lambda: log.append("marker 1")), inner)
+    return log
+
+
 @pytest.mark.parametrize("ends, expected", [
     ("none", ["r0 waits origin", "r1 waits origin", "fn", "origin waits r0", "origin waits r1"]),
     ("root", ["marker 0", "r0 waits origin", "r1 waits origin", "fn", "origin waits r0", "origin waits r1"]),
@@ -387,55 +425,18 @@ def test_bench_cuda_each_mode(tmp_path, mode, graph):
 def test_fork_join_puts_its_own_nodes_at_the_ends_asked_for(ends, expected):
     """The order of work on the streams: the end nodes go on the current stream, before every fork
     and after every join (inside a capture, the graph's one root and one leaf)."""
-    import types
-
-    log = []
-
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            log.append(f"{self.name} waits {other.name}")
-
-    origin = Stream("origin")
-    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(current_stream=lambda: origin))
-    bench.fork_join(fake_torch, [Stream("r0"), Stream("r1")], lambda: log.append("fn"), ends,
-                    (lambda: log.append("marker 0"), lambda: log.append("marker 1")))
-    assert log == expected
+    assert fork_join_log(ends) == expected
 
 
 def test_fork_join_records_inner_events_beside_the_branches_and_joins_their_stream_last():
     """The start event waits for the root node only (the branches do not wait for it), the end event
     for every branch; the sink node does not wait for it, and the side stream is joined back last."""
-    import types
-
-    log = []
-
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            log.append(f"{self.name} waits {other.name}")
-
-    class Event:
-        def __init__(self, name):
-            self.name = name
-
-        def record(self, stream):
-            log.append(f"{self.name} on {stream.name}")
-
-    origin = Stream("origin")
-    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(current_stream=lambda: origin))
-    inner = types.SimpleNamespace(side_stream=Stream("side"), start=Event("start"), end=Event("end"))
-    bench.fork_join(fake_torch, [Stream("r0"), Stream("r1")], lambda: log.append("fn"), "both",
-                    (lambda: log.append("marker 0"), lambda: log.append("marker 1")), inner)
-    assert log == ["marker 0", "r0 waits origin", "r1 waits origin", "side waits origin", "start on side", "fn",
-                   "side waits r0", "side waits r1", "end on side", "origin waits r0", "origin waits r1",
-                   "marker 1", "origin waits side"]
+    assert fork_join_log("both", ("side", "start", "end")) == [
+        "marker 0", "r0 waits origin", "r1 waits origin", "side waits origin", "start on side", "fn",
+        "side waits r0", "side waits r1", "end on side", "origin waits r0", "origin waits r1", "marker 1",
+        "origin waits side"]
     with pytest.raises(ValueError, match="inner events need a root node"):
-        bench.fork_join(fake_torch, [], lambda: None, "none", None, inner)
+        fork_join_log("none", ("side", "start", "end"))
 
 
 def test_kernel_span_of_each_launch_covers_its_phase_kernels_only():
