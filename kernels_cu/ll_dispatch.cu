@@ -120,11 +120,13 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
         if (expert >= 0) atomicAdd(s_offset + expert, 1);
     }
     __syncthreads();
+    EP_TRACE_POINT(9);
     const int total = block_exclusive_scan(s_offset, num_experts, s_scratch);
     if (threadIdx.x == 0) s_offset[num_experts] = total;
     __syncthreads();
     for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) send_expert_offset[e] = s_offset[e];
     __syncthreads();  // every thread's offsets are ordered before the release stores
+    EP_TRACE_POINT(10);
     signal_ranks(route, layout.dispatch_flag, parity * EP_MAX_RANKS + rank, static_cast<int>(layout.num_ranks),
                  active_ranks, pack_flag(step, staged_target));
     EP_TRACE_POINT(2);
@@ -138,6 +140,7 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
         for (int w = threadIdx.x; w < num_experts * kListWords; w += blockDim.x) s_bits[w] = 0u;
         if (threadIdx.x == 0) *s_flag = 0;
         __syncthreads();
+        EP_TRACE_POINT(11);
         for (int i = threadIdx.x; i < chunk_size; i += blockDim.x) {
             const int expert = s_chunk[i];
             if (expert < 0) continue;
@@ -147,6 +150,7 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
             atomicOr(s_bits + expert * kListWords + token / kWarpSize, 1u << (token % kWarpSize));
         }
         __syncthreads();
+        EP_TRACE_POINT(12);
         if (*s_flag) {
             if (warp == 0) rank_chunk_serially(s_chunk, chunk_size, s_running);
             __syncthreads();
@@ -171,6 +175,7 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
             send_slot[chunk + i] = slot;
         }
         __syncthreads();  // every slot read the running counts before they move on
+        EP_TRACE_POINT(13);
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
             int count = 0;
 #pragma unroll

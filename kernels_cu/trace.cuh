@@ -9,10 +9,14 @@
 // different blocks and of different ranks' kernels can be compared. Points, in both protocols:
 //   0 send entry   1 send work done   2 flags stored   3 receive entry
 //   4 flags seen   5 receive plan ready   6 rows done   7 receive exit (last block)   8 staging seen
+//   9-13 dispatch block 0's list building, step by step (below)
 // Dispatch: 1 is block 0's lists, or warp 0's staging in a staging block (with one block, the
 // latter overwrites the former); 2 block 0's routing flags; 4 and 5 are the planning warp's (every
 // source's verdict in, the plan in shared memory); 8 every source's staging seen, after which the
-// rows are copied. Combine: 2 is the signalling block's; it records no 8.
+// rows are copied. Block 0's lists: 9 copies counted per expert, 10 prefix written (the routing
+// flag's payload, before its stores), 11 the last chunk's experts loaded, 12 its bitmap set, 13 its
+// slots and list entries written (1 follows once they are published). Combine: 2 is the signalling
+// block's; it records no 8 and none of 9-13.
 #pragma once
 
 #include "ptx.cuh"
@@ -22,7 +26,7 @@
 #endif
 
 #if EP_TRACE
-#define EP_TRACE_NUM_POINTS 9
+#define EP_TRACE_NUM_POINTS 14
 #define EP_TRACE_MAX_BLOCKS 256
 #define EP_TRACE_MAX_RANKS 8
 extern "C" {
