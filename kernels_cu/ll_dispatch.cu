@@ -160,6 +160,7 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
                 if (slot >= 0)
                     send_list[s_offset[read_expert(topk_idx, topk_is_int64, chunk + i, num_experts)] + slot] = chunk + i;
             }
+            EP_TRACE_POINT(13);
             continue;
         }
         for (int i = threadIdx.x; i < chunk_size; i += blockDim.x) {

@@ -15,7 +15,8 @@
 // source's verdict in, the plan in shared memory); 8 every source's staging seen, after which the
 // rows are copied. Block 0's lists: 9 copies counted per expert, 10 prefix written (the routing
 // flag's payload, before its stores), 11 the last chunk's experts loaded, 12 its bitmap set, 13 its
-// slots and list entries written (1 follows once they are published). Combine: 2 is the signalling
+// slots and list entries written, by the bitmap or, for a chunk with a repeated expert, serially
+// (1 follows once they are published). Combine: 2 is the signalling
 // block's; it records no 8 and none of 9-13.
 #pragma once
 

@@ -567,7 +567,7 @@ def measure_cuda(args, progress, group=None) -> dict:
     # --graph: one graph per (phase, input set); the combine graphs answer the dispatch graph of
     # their set. --no-graph: the same calls, eager. --inner-events: a second set of the same graphs,
     # each holding an InnerEvents pair, timed apart: with the pair in the timed graphs the events
-    # around them read 5-7 us more (docs/performance.md, (19)).
+    # around them read 4.7-7.3 us more (docs/performance.md, (19)).
     graphs = {phase: [] for phase in PHASES}
     inner_graphs = {phase: [] for phase in PHASES} if inner_events_timed(args) else None
     inner_events = {phase: [] for phase in PHASES}
@@ -622,7 +622,8 @@ def measure_cuda(args, progress, group=None) -> dict:
     def time_phase(phase: str, inner: bool = False) -> list[float]:
         """Each of --iters replays' time: from events around the replay of the phase's graph, or with
         ``inner`` from the InnerEvents inside its other graph, each pair read just before that graph's
-        next replay (--input-sets replays later: the host stays as far ahead of the GPU as without)."""
+        next replay, --input-sets replays later: the host waits there, so it runs at most that many
+        replays ahead of the GPU (with one input set, each inner-timed replay starts on an idle GPU)."""
         warm_up(phase, inner)
         times = []
         if not inner:
@@ -862,10 +863,10 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "backend": backend,
         "timer": timer,
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
-                                                 "mode", "graph", "graph_ends", "inner_events", "kernel_span",
-                                                 "peer_reads",
+                                                 "mode", "graph", "graph_ends", "kernel_span", "peer_reads",
                                                  "routing", "iters",
-                                                 "input_sets", "warmup", "warmup_ms", "seed", "baseline")},
+                                                 "input_sets", "warmup", "warmup_ms", "seed", "baseline")}
+                  | {"inner_events": inner_events_timed(args)},  # the flag where it applies
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
         "write_bandwidth_gbps": None if write_bandwidth is None else write_bandwidth / 1e9,
