@@ -578,7 +578,7 @@ def measure_cuda(args, progress, group=None) -> dict:
         for captured, with_inner in ((graphs, False), (inner_graphs, True)):
             if captured is None:
                 continue
-            handles = [[None] * args.ranks for _ in sets]  # each set of graphs answers its own dispatches
+            graph_handles = [[None] * args.ranks for _ in sets]  # each set of graphs answers its own dispatches
             for k, inputs in enumerate(sets):
                 for phase in captured:
                     pair = None
@@ -587,7 +587,8 @@ def measure_cuda(args, progress, group=None) -> dict:
                         inner_events[phase].append(pair)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        forked(lambda: run_phase(phase, inputs, handles[k]), ends=args.graph_ends, inner=pair)
+                        forked(lambda: run_phase(phase, inputs, graph_handles[k]), ends=args.graph_ends,
+                               inner=pair)
                     captured[phase].append(graph)
         torch.cuda.synchronize()
 
@@ -878,26 +879,23 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
     }
     for phase, stats in kernel.items():
         floor_us = None if copy_bandwidth is None else floor_bytes[phase] / copy_bandwidth * 1e6
+
+        def with_ratio(percentile_stats: dict) -> dict:  # a measure's percentiles and its p50 over the floor
+            return dict(percentile_stats,
+                        ratio_to_floor=None if floor_us is None else percentile_stats["p50_us"] / floor_us)
+
         base = baseline_stats[BASELINE_OF[phase]] if baseline_stats else None
         report["phases"][phase] = dict(
-            stats,
+            with_ratio(stats),
             floor_us=floor_us,
-            ratio_to_floor=None if floor_us is None else stats["p50_us"] / floor_us,
             hbm_bytes_floor=floor_bytes[phase],
             deepep_gbps_per_rank=deepep_bytes[phase] / args.ranks / (stats["p50_us"] * 1e-6) / 1e9,
             baseline_p50_us=None if base is None else base["p50_us"],
             speedup_vs_baseline=None if base is None else base["p50_us"] / stats["p50_us"],
-            inner_events=None,
-            kernel_span=None,
-            graph_span=None,
+            inner_events=None if inner is None else with_ratio(inner[phase]),
+            kernel_span=None if spans is None else with_ratio(percentiles(spans[phase].kernels_us)),
+            graph_span=None if spans is None else percentiles(spans[phase].graph_us),
         )
-        if inner is not None:
-            report["phases"][phase]["inner_events"] = dict(
-                inner[phase], ratio_to_floor=None if floor_us is None else inner[phase]["p50_us"] / floor_us)
-        if spans is not None:
-            kernel_stats = percentiles(spans[phase].kernels_us)
-            kernel_stats["ratio_to_floor"] = None if floor_us is None else kernel_stats["p50_us"] / floor_us
-            report["phases"][phase].update(kernel_span=kernel_stats, graph_span=percentiles(spans[phase].graph_us))
     return report
 
 
