@@ -158,14 +158,15 @@ if has sanitizer; then
   # reported: cuda.bindings resolves driver entry points with cuGetProcAddress, which answers
   # "not found" for the ones this driver lacks by design; our code checks every result itself.
   # No dead-rank case: its survivors' timeout (tens of ms) is shorter than the launch skew of
-  # sanitized ranks, so they mask healthy peers. racecheck gets the 2-rank cases (bf16 and fp8):
-  # the 4-rank async case ran past its stage limit under it.
+  # sanitized ranks, so they mask healthy peers; the healthy cases' timeout is raised from 10 s to
+  # 120 s for the same reason (a racecheck run once masked a healthy peer after 10 s). racecheck gets
+  # the 2-rank cases (bf16 and fp8): the 4-rank async case ran past its stage limit under it.
   declare -A sanitizer_cases=(
     [memcheck]="(R2-E8-H1152 or R4-E32-H1024-K4-T32-fp8-async) and not dead"
     [racecheck]="R2-E8-H1152 or R2-E64-H2048"
   )
   for tool in memcheck racecheck; do
-    step "sanitizer_$tool" 300 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 python3 -m pytest -q \
+    MOONCAKE_EP_TEST_TIMEOUT_US=120000000 step "sanitizer_$tool" 300 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 python3 -m pytest -q \
       -p no:cacheprovider tests/test_gpu_low_latency.py -k "${sanitizer_cases[$tool]}"
   done
 fi
