@@ -25,6 +25,7 @@
 #   modes      the decode benchmark in the other modes: async and hook (graphs), sync eager (no graph),
 #              without the graph's own nodes around the fork/join (--graph-ends none), and with 32
 #              hardware queues instead of the driver's default 8
+#   routing    the decode benchmark with skewed routing (zipf, k_hot), with the torch baseline
 #   repeat     the async and hook test cases, 20 times over, traced, with every rank's flags dumped on a
 #              failure (scripts/repeat_case.py), with 8 and with 32 hardware work queues
 set -uo pipefail
@@ -97,6 +98,13 @@ if has modes; then
   # 32 hardware queues against the driver's default 8 (bench_decode): 32 cost 8-9 us more a phase on call 7.
   CUDA_DEVICE_MAX_CONNECTIONS=32 step bench_32_queues 200 "${bench[@]}" "${decode[@]}" --iters 100 --no-baseline \
     --json "$out/bench_32_queues.json"
+fi
+if has routing; then
+  # Skewed routing at the decode shape, with the torch baseline: zipf over the experts (exponent
+  # 1.2), and k_hot (half the tokens to the first 8 experts, which rank 0 owns). The floor counts
+  # the same bytes; the busiest rank's share is the report's load.
+  step bench_zipf 300 "${bench[@]}" "${decode[@]}" --routing zipf --iters 100 --json "$out/bench_zipf.json"
+  step bench_k_hot 300 "${bench[@]}" "${decode[@]}" --routing k_hot --iters 100 --json "$out/bench_k_hot.json"
 fi
 if has repeat; then
   # With the driver's default 8 hardware work queues, then with 32 (CUDA_DEVICE_MAX_CONNECTIONS):
