@@ -23,7 +23,7 @@ from _cases import BF16, Case, bits, make_case, reference_step  # one definition
 
 import mooncake_ep as ep
 from mooncake_ep import reference
-from mooncake_ep.buffer import EventOverlap, Handle
+from mooncake_ep.buffer import EventOverlap, Handle, _Plan
 from mooncake_ep.tensor import read_array
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -790,12 +790,14 @@ def test_error_messages_name_the_call():
 @pytest.mark.parametrize("shape", [(4, 8, 128), (4, 0, 128), (0, 7), (3,), (1, 1, 1)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32", "int32"])
 def test_allocated_torch_results_read_as_read_array_reads_them(shape, dtype):
-    """_allocate builds the views of torch results it just made without read_array: same fields."""
+    """_allocate builds the views of torch results it just made without read_array (the plan's
+    strides, worked out once): same fields."""
     torch = pytest.importorskip("torch")
     buffer = ep.LocalGroup(1).spawn(lambda g: ep.Buffer(g, ep.Buffer.get_ep_buffer_size_hint(8, 128, 1, 4),
                                                         backend="reference"))[0]
     like = read_array(torch.ones(2, 2), name="like")
-    ((view, obj),) = buffer._allocate([("out", shape, dtype)], like)
+    plan = _Plan.of(0, 0, 0, [("out", list(shape), dtype)])  # a list: the plan makes it a tuple
+    ((view, obj),) = buffer._allocate(plan, like)
     expected = read_array(obj, name="out")
     assert (view.ptr, view.shape, view.strides, view.dtype, view.device_type, view.device_id, view.framework) == \
         (expected.ptr, expected.shape, expected.strides, expected.dtype, expected.device_type, expected.device_id,
