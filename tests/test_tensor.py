@@ -420,3 +420,5 @@ def test_frameworks_refusals():
         cupy.wrap(DeviceMemoryArray(0x1000, (2,), "bfloat16", "cpu", 0, None))
     with pytest.raises(TypeError, match="cupy.empty: device_type must be 'cuda'"):
         cupy.empty((2,), "bfloat16", "cpu", 0)
+    with pytest.raises(TypeError, match="cupy.empty: dtype must be one of"):
+        cupy.empty((2,), "complex64", "cuda", 0)

@@ -31,6 +31,10 @@ def _cupy_dtype(dtype: str, where: str) -> np.dtype:
     return np.dtype(RAW_BITS_DTYPES.get(dtype, dtype))
 
 
+# The same, as numpy dtypes, made once: empty() runs for every result of an allocating call.
+_CUPY_DTYPES = {name: np.dtype(RAW_BITS_DTYPES.get(name, name)) for name in DTYPES}
+
+
 def _require_cuda(device_type: str, where: str) -> None:
     if device_type != "cuda":
         raise TypeError(f"{where} must be 'cuda' for cupy, got {device_type!r}")
@@ -45,7 +49,9 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
     import cupy
 
     _require_cuda(device_type, "cupy.empty: device_type")
-    np_dtype = _cupy_dtype(dtype, "cupy.empty: dtype")
+    np_dtype = _CUPY_DTYPES.get(dtype) or _cupy_dtype(dtype, "cupy.empty: dtype")
+    if cupy.cuda.runtime.getDevice() == device_id:  # the usual case: no switch of device and back
+        return cupy.empty(tuple(shape), dtype=np_dtype)
     with cupy.cuda.Device(device_id):
         return cupy.empty(tuple(shape), dtype=np_dtype)
 
