@@ -775,6 +775,7 @@ class _Plan(NamedTuple):
 
     @classmethod
     def of(cls, num_tokens: int, hidden: int, num_topk: int, specs) -> _Plan:
+        """The plan of a call whose results are ``specs``, (name, shape, dtype) each."""
         specs = tuple((name, tuple(shape), dtype) for name, shape, dtype in specs)
         return cls(num_tokens, hidden, num_topk, specs, tuple(c_contiguous_strides(shape) for _, shape, _ in specs))
 

@@ -259,6 +259,7 @@ def jax_report(buffer: ep.Buffer, shape: Shape, args: argparse.Namespace) -> dic
     for name in ("_dispatch_launcher", "_combine_launcher"):
         real = getattr(buffer, name)
         setattr(buffer, name, lambda *a, _real=real, **k: launches.append(1) or _real(*a, **k))
+
     def jit_call_released():
         # The last step's outputs dropped before this one allocates its own: XLA may then hand out
         # the same addresses every step, and a command buffer whose addresses did not change needs

@@ -27,9 +27,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-# A bug shows up as a masked rank after 10 s, never as a hang. Under compute-sanitizer a rank's launch
-# can trail its peer's by more than that (racecheck instruments every shared access), so its stage
-# raises the timeout through the environment.
+# A bug shows up as a masked rank after 10 s, never as a hang. Under compute-sanitizer a rank can
+# reach its peer's wait later than that (racecheck instruments every shared access), so the
+# sanitizer stage of scripts/gpu_check.sh raises the timeout through the environment.
 TIMEOUT_US = int(os.environ.get("MOONCAKE_EP_TEST_TIMEOUT_US", 10_000_000))
 BF16_RTOL = 2.0**-7  # one bf16 rounding (8 significant bits) plus fp32 accumulation order
 
