@@ -12,6 +12,7 @@ import argparse
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -298,6 +299,7 @@ def test_bench_bad_flag_exits_2():
     (["--topk", "9"], "--topk"),
     (["--iters", "0"], "--iters"),
     (["--warmup-ms", "-1"], "--warmup-ms"),
+    (["--hold-ms", "-1"], "--hold-ms"),
     (["--num-sms", "4"], "--num-sms"),
     (["--routing", "k_hot", "--hot-experts", "99"], "--hot-experts"),
     (["--plot", "/no/such/dir/x.png"], "does not exist"),
@@ -591,3 +593,11 @@ def test_profile_host_stand_in_times_the_gpu_paths_calls(tmp_path):
     assert report["launches"] == {"dispatch": 1 + 40, "combine": 40}, "every call launched its kernel"
     assert [line.split()[:2] for line in result.stdout.splitlines()] == [["dispatch", "out=:"], ["combine", "out=:"]]
 
+
+def test_hold_current_stream_spins_the_asked_milliseconds_at_two_ghz_and_not_at_zero():
+    """The timed replays queue behind one spin kernel of ~hold_ms on the current stream."""
+    slept = []
+    stand_in = types.SimpleNamespace(cuda=types.SimpleNamespace(_sleep=slept.append))
+    bench.hold_current_stream(stand_in, 50.0)
+    bench.hold_current_stream(stand_in, 0.0)
+    assert slept == [100_000_000]

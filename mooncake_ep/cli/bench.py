@@ -86,6 +86,12 @@ MODES = ("sync", "async", "hook")
 # of back-to-back dispatch replays ran ~10% slower than every later round on the H200
 # (docs/performance.md, (18)).
 WARMUP_MS = 100.0
+# Milliseconds the GPU is held (a spin kernel on the timing stream) while the host queues a phase's
+# timed replays (--hold-ms). Without it a replay shorter than the host's launch of it (the 8-rank
+# dispatch graph, ~37 us) is timed at the host's pace: in one process of scripts/ab_kernels.py the
+# events around it read 37.0 then 41.6-53.7 us while its CUPTI graph span stayed at 36.8-38.0
+# (docs/performance.md, (22)).
+HOLD_MS = 50.0
 # Nodes of the graph's own at the ends of each captured fork/join (--graph-ends).
 GRAPH_ENDS = ("none", "root", "both")
 
@@ -179,6 +185,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
                         help="on the GPU, each phase's untimed replays go on in rounds of --warmup until they have "
                              "run this long: the first tens of ms of load run slower (up to 10%% at T = 1024)")
+    parser.add_argument("--hold-ms", type=float, default=HOLD_MS,
+                        help="on the GPU, hold the timing stream this long (a spin kernel) while the host queues "
+                             "each phase's timed replays, so that they run back to back at the GPU's pace and not "
+                             "at the host's launch rate; 0: no hold (ranks in processes never hold: they meet "
+                             "at a barrier before every replay)")
     parser.add_argument("--iters", type=int, default=200, help="timed replays per phase")
     parser.add_argument("--input-sets", type=int, default=4, help="input sets rotated between replays")
     parser.add_argument("--seed", type=int, default=0)
@@ -449,6 +460,17 @@ def fork_join(torch, streams: list, fn: Callable[[], None], ends: str = "none",
         origin.wait_stream(inner.side_stream)
 
 
+def hold_current_stream(torch, hold_ms: float) -> None:
+    """Queue a spin of about ``hold_ms`` milliseconds on torch's current stream: what the host queues
+    behind it meanwhile then runs back to back, at the GPU's pace rather than the host's.
+
+    ``torch.cuda._sleep`` spins for a number of SM clock cycles; at the H200's 1.98 GHz the hold is
+    about what is asked, at a lower clock longer, which costs only time.
+    """
+    if hold_ms > 0:
+        torch.cuda._sleep(int(hold_ms * 2e6))
+
+
 def marker_end_nodes(torch) -> tuple[Callable[[], None], Callable[[], None]]:
     """End nodes for :func:`fork_join`: each zeroes one int32 of a device array of its own."""
     markers = torch.zeros(2, dtype=torch.int32, device=torch.cuda.current_device())
@@ -630,6 +652,8 @@ def measure_cuda(args, progress, group=None) -> dict:
         if not inner:
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
+            if group is None:
+                hold_current_stream(torch, args.hold_ms)
         for i in range(args.iters):
             k = i % len(sets)
             if inner and i >= len(sets):
@@ -866,7 +890,7 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
                                                  "mode", "graph", "graph_ends", "kernel_span", "peer_reads",
                                                  "routing", "iters",
-                                                 "input_sets", "warmup", "warmup_ms", "seed", "baseline")}
+                                                 "input_sets", "warmup", "warmup_ms", "hold_ms", "seed", "baseline")}
                   | {"inner_events": inner_events_timed(args)},  # the flag where it applies
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
@@ -1007,7 +1031,7 @@ def check_args(args) -> None:
     """Refuse flags that do not fit together (UsageError, exit 2) before anything runs."""
     for flag, value, minimum in (("--ranks", args.ranks, 1), ("--tokens", args.tokens, 1), ("--topk", args.topk, 1),
                                  ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
-                                 ("--warmup-ms", args.warmup_ms, 0),
+                                 ("--warmup-ms", args.warmup_ms, 0), ("--hold-ms", args.hold_ms, 0),
                                  ("--input-sets", args.input_sets, 1)):
         if value < minimum:
             raise UsageError(f"{flag} must be >= {minimum}, got {value}")
