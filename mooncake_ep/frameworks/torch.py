@@ -48,6 +48,8 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
                  torch.device(_device(device_type, device_id, "torch.empty: device_type")))
         _EMPTY_ARGS[(dtype, device_type, device_id)] = found
     make, torch_dtype, device = found
+    if shape:  # extents as separate arguments: torch parses them ~0.45 us faster than one tuple
+        return make(*shape, dtype=torch_dtype, device=device)
     return make(shape, dtype=torch_dtype, device=device)
 
 
