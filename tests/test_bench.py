@@ -226,6 +226,7 @@ def test_bench_reference_writes_the_json_schema(tmp_path):
     shape = tuple(report["config"][k] for k in ("ranks", "tokens", "hidden", "topk", "experts"))
     assert shape == (2, 16, 256, 2, 8)
     assert report["config"]["iters"] == 5
+    assert report["config"]["hold_ms"] == 0.0  # the hold is the GPU graphs' only
     assert set(report["baseline"]) == {"dispatch", "combine", "step"}
 
 
@@ -601,3 +602,9 @@ def test_hold_current_stream_spins_the_asked_milliseconds_at_two_ghz_and_not_at_
     bench.hold_current_stream(stand_in, 50.0)
     bench.hold_current_stream(stand_in, 0.0)
     assert slept == [100_000_000]
+
+
+@pytest.mark.parametrize("graph, group, applies", [(True, None, True), (False, None, False), (True, object(), False)])
+def test_the_hold_applies_to_graphs_of_ranks_in_this_process_only(graph, group, applies):
+    """Eager calls are timed with their launches; ranks in processes meet at a barrier every replay."""
+    assert bench.hold_applies(argparse.Namespace(graph=graph), group) is applies

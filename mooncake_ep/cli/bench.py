@@ -101,6 +101,12 @@ def inner_events_timed(args) -> bool:
     return args.inner_events and args.graph and args.graph_ends != "none"
 
 
+def hold_applies(args, group) -> bool:
+    """Whether --hold-ms applies: graphs of ranks in this process (eager calls are timed with their
+    launches; ranks in processes meet at a barrier before every replay)."""
+    return args.graph and group is None
+
+
 def spans_profiled(args, group) -> bool:
     """Whether --kernel-span applies: graphs of ranks in this process (a profile sees one process)."""
     return args.kernel_span and args.graph and group is None
@@ -188,8 +194,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold-ms", type=float, default=HOLD_MS,
                         help="on the GPU, hold the timing stream this long (a spin kernel) while the host queues "
                              "each phase's timed replays, so that they run back to back at the GPU's pace and not "
-                             "at the host's launch rate; 0: no hold (ranks in processes never hold: they meet "
-                             "at a barrier before every replay)")
+                             "at the host's launch rate; 0: no hold. Only graphs of ranks in this process are "
+                             "held: eager calls (--no-graph) are timed with their launches, and ranks in processes "
+                             "meet at a barrier before every replay")
     parser.add_argument("--iters", type=int, default=200, help="timed replays per phase")
     parser.add_argument("--input-sets", type=int, default=4, help="input sets rotated between replays")
     parser.add_argument("--seed", type=int, default=0)
@@ -652,7 +659,7 @@ def measure_cuda(args, progress, group=None) -> dict:
         if not inner:
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
-            if group is None:
+            if hold_applies(args, group):
                 hold_current_stream(torch, args.hold_ms)
         for i in range(args.iters):
             k = i % len(sets)
@@ -1153,6 +1160,8 @@ def run_ranks(args, backend: str, why: str, group) -> int:
 
     report = measured(args.tokens)
     report["config"]["group"] = "local" if group is None else "processes"
+    # The hold where it applied (0 elsewhere), as config.inner_events records its flag.
+    report["config"]["hold_ms"] = args.hold_ms if backend == "cuda" and hold_applies(args, group) else 0.0
     if reporting:
         print_report(report)
     if args.plot is not None:
