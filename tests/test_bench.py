@@ -301,6 +301,8 @@ def test_bench_bad_flag_exits_2():
     (["--iters", "0"], "--iters"),
     (["--warmup-ms", "-1"], "--warmup-ms"),
     (["--hold-ms", "-1"], "--hold-ms"),
+    (["--hold-ms", "inf"], "--hold-ms must be at most"),
+    (["--hold-ms", "nan"], "--hold-ms must be at most"),
     (["--num-sms", "4"], "--num-sms"),
     (["--routing", "k_hot", "--hot-experts", "99"], "--hot-experts"),
     (["--plot", "/no/such/dir/x.png"], "does not exist"),
@@ -596,12 +598,19 @@ def test_profile_host_stand_in_times_the_gpu_paths_calls(tmp_path):
 
 
 def test_hold_current_stream_spins_the_asked_milliseconds_at_two_ghz_and_not_at_zero():
-    """The timed replays queue behind one spin kernel of ~hold_ms on the current stream."""
-    slept = []
-    stand_in = types.SimpleNamespace(cuda=types.SimpleNamespace(_sleep=slept.append))
-    bench.hold_current_stream(stand_in, 50.0)
-    bench.hold_current_stream(stand_in, 0.0)
-    assert slept == [100_000_000]
+    """The timed replays queue behind one spin kernel of ~hold_ms on the current stream, and an event
+    recorded after it tells whether the spin ended before the host was done queuing."""
+    log = []
+
+    class Event:
+        def record(self):
+            log.append("record")
+
+    stand_in = types.SimpleNamespace(cuda=types.SimpleNamespace(_sleep=lambda cycles: log.append(cycles),
+                                                                Event=Event))
+    assert isinstance(bench.hold_current_stream(stand_in, 50.0), Event)
+    assert bench.hold_current_stream(stand_in, 0.0) is None
+    assert log == [100_000_000, "record"]
 
 
 @pytest.mark.parametrize("graph, group, applies", [(True, None, True), (False, None, False), (True, object(), False)])

@@ -92,6 +92,7 @@ WARMUP_MS = 100.0
 # events around it read 37.0 then 41.6-53.7 us while its CUPTI graph span stayed at 36.8-38.0
 # (docs/performance.md, (22)).
 HOLD_MS = 50.0
+HOLD_MS_MAX = 10_000.0
 # Nodes of the graph's own at the ends of each captured fork/join (--graph-ends).
 GRAPH_ENDS = ("none", "root", "both")
 
@@ -467,15 +468,23 @@ def fork_join(torch, streams: list, fn: Callable[[], None], ends: str = "none",
         origin.wait_stream(inner.side_stream)
 
 
-def hold_current_stream(torch, hold_ms: float) -> None:
+def hold_current_stream(torch, hold_ms: float):
     """Queue a spin of about ``hold_ms`` milliseconds on torch's current stream: what the host queues
     behind it meanwhile then runs back to back, at the GPU's pace rather than the host's.
 
     ``torch.cuda._sleep`` spins for a number of SM clock cycles; at the H200's 1.98 GHz the hold is
     about what is asked, at a lower clock longer, which costs only time.
+
+    Returns:
+        An event recorded after the spin (None for no hold): once the host has queued what the hold
+        was for, ``query()`` true says the spin had already ended, so the hold was too short.
     """
-    if hold_ms > 0:
-        torch.cuda._sleep(int(hold_ms * 2e6))
+    if hold_ms <= 0:
+        return None
+    torch.cuda._sleep(int(hold_ms * 2e6))
+    held = torch.cuda.Event()
+    held.record()
+    return held
 
 
 def marker_end_nodes(torch) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -659,8 +668,7 @@ def measure_cuda(args, progress, group=None) -> dict:
         if not inner:
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
-            if hold_applies(args, group):
-                hold_current_stream(torch, args.hold_ms)
+            held = hold_current_stream(torch, args.hold_ms) if hold_applies(args, group) else None
         for i in range(args.iters):
             k = i % len(sets)
             if inner and i >= len(sets):
@@ -675,6 +683,9 @@ def measure_cuda(args, progress, group=None) -> dict:
             replay(phase, k, inner)
             if not inner:
                 ends[i].record()
+        if not inner and held is not None and held.query():
+            print(f"bench: the {args.hold_ms:g} ms hold ran out before the {phase} phase's timed replays were "
+                  f"queued, so some were timed at the host's pace: raise --hold-ms")
         torch.cuda.synchronize()
         if inner:
             times += [inner_events[phase][i % len(sets)].elapsed_us()
@@ -1042,6 +1053,8 @@ def check_args(args) -> None:
                                  ("--input-sets", args.input_sets, 1)):
         if value < minimum:
             raise UsageError(f"{flag} must be >= {minimum}, got {value}")
+    if not args.hold_ms <= HOLD_MS_MAX:  # also refuses nan and inf
+        raise UsageError(f"--hold-ms must be at most {HOLD_MS_MAX:g}, got {args.hold_ms}")
     if args.topk > args.experts:
         raise UsageError(f"--topk ({args.topk}) must be <= --experts ({args.experts})")
     if args.routing == "k_hot" and not 1 <= args.hot_experts <= args.experts:
