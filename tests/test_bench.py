@@ -616,4 +616,4 @@ def test_hold_current_stream_spins_the_asked_milliseconds_at_two_ghz_and_not_at_
 @pytest.mark.parametrize("graph, group, applies", [(True, None, True), (False, None, False), (True, object(), False)])
 def test_the_hold_applies_to_graphs_of_ranks_in_this_process_only(graph, group, applies):
     """Eager calls are timed with their launches; ranks in processes meet at a barrier every replay."""
-    assert bench.hold_applies(argparse.Namespace(graph=graph), group) is applies
+    assert bench.in_process_graphs(argparse.Namespace(graph=graph), group) is applies

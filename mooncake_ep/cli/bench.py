@@ -102,15 +102,15 @@ def inner_events_timed(args) -> bool:
     return args.inner_events and args.graph and args.graph_ends != "none"
 
 
-def hold_applies(args, group) -> bool:
-    """Whether --hold-ms applies: graphs of ranks in this process (eager calls are timed with their
-    launches; ranks in processes meet at a barrier before every replay)."""
+def in_process_graphs(args, group) -> bool:
+    """Whether the phases run as graphs of ranks in this process: what --hold-ms applies to (eager
+    calls are timed with their launches; ranks in processes meet at a barrier before every replay)."""
     return args.graph and group is None
 
 
 def spans_profiled(args, group) -> bool:
     """Whether --kernel-span applies: graphs of ranks in this process (a profile sees one process)."""
-    return args.kernel_span and args.graph and group is None
+    return args.kernel_span and in_process_graphs(args, group)
 
 
 def call_flags(mode: str) -> dict:
@@ -664,11 +664,12 @@ def measure_cuda(args, progress, group=None) -> dict:
         next replay, --input-sets replays later: the host waits there, so it runs at most that many
         replays ahead of the GPU (with one input set, each inner-timed replay starts on an idle GPU)."""
         warm_up(phase, inner)
-        times = []
+        times, held = [], None
         if not inner:
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters)]
-            held = hold_current_stream(torch, args.hold_ms) if hold_applies(args, group) else None
+            if in_process_graphs(args, group):
+                held = hold_current_stream(torch, args.hold_ms)
         for i in range(args.iters):
             k = i % len(sets)
             if inner and i >= len(sets):
@@ -683,7 +684,7 @@ def measure_cuda(args, progress, group=None) -> dict:
             replay(phase, k, inner)
             if not inner:
                 ends[i].record()
-        if not inner and held is not None and held.query():
+        if held is not None and held.query():
             print(f"bench: the {args.hold_ms:g} ms hold ran out before the {phase} phase's timed replays were "
                   f"queued, so some were timed at the host's pace: raise --hold-ms")
         torch.cuda.synchronize()
@@ -908,7 +909,7 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
                                                  "mode", "graph", "graph_ends", "kernel_span", "peer_reads",
                                                  "routing", "iters",
-                                                 "input_sets", "warmup", "warmup_ms", "hold_ms", "seed", "baseline")}
+                                                 "input_sets", "warmup", "warmup_ms", "seed", "baseline")}
                   | {"inner_events": inner_events_timed(args)},  # the flag where it applies
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
@@ -1174,7 +1175,7 @@ def run_ranks(args, backend: str, why: str, group) -> int:
     report = measured(args.tokens)
     report["config"]["group"] = "local" if group is None else "processes"
     # The hold where it applied (0 elsewhere), as config.inner_events records its flag.
-    report["config"]["hold_ms"] = args.hold_ms if backend == "cuda" and hold_applies(args, group) else 0.0
+    report["config"]["hold_ms"] = args.hold_ms if backend == "cuda" and in_process_graphs(args, group) else 0.0
     if reporting:
         print_report(report)
     if args.plot is not None:

@@ -25,14 +25,16 @@ __all__ = ["RAW_BITS_DTYPES", "empty", "from_numpy", "current_stream", "wrap"]
 RAW_BITS_DTYPES = {"bfloat16": "uint16", "float8_e4m3fn": "uint8"}
 
 
-def _cupy_dtype(dtype: str, where: str) -> np.dtype:
-    if dtype not in DTYPES:
-        raise TypeError(f"{where} must be one of {DTYPES}, got {dtype!r}")
-    return np.dtype(RAW_BITS_DTYPES.get(dtype, dtype))
-
-
-# The same, as numpy dtypes, made once: empty() runs for every result of an allocating call.
+# The numpy dtype cupy carries each of ours in, made once: empty() runs for every result of an
+# allocating call.
 _CUPY_DTYPES = {name: np.dtype(RAW_BITS_DTYPES.get(name, name)) for name in DTYPES}
+
+
+def _cupy_dtype(dtype: str, where: str) -> np.dtype:
+    found = _CUPY_DTYPES.get(dtype)
+    if found is None:
+        raise TypeError(f"{where} must be one of {DTYPES}, got {dtype!r}")
+    return found
 
 
 def _require_cuda(device_type: str, where: str) -> None:
@@ -49,7 +51,7 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
     import cupy
 
     _require_cuda(device_type, "cupy.empty: device_type")
-    np_dtype = _CUPY_DTYPES.get(dtype) or _cupy_dtype(dtype, "cupy.empty: dtype")
+    np_dtype = _cupy_dtype(dtype, "cupy.empty: dtype")
     if cupy.cuda.runtime.getDevice() == device_id:  # the usual case: no switch of device and back
         return cupy.empty(tuple(shape), dtype=np_dtype)
     with cupy.cuda.Device(device_id):
