@@ -16,6 +16,9 @@
 #   warmup     cold NVRTC compile of every variant, then Buffer construction with the cache warm
 #   trace      per-block timestamps of every rank's kernels (scripts/trace_phases.py)
 #   ncu        Nsight Compute on one rank's kernels (a rank alone: ncu serialises kernels)
+#   hbm        the device memory bytes each decode phase moves, all 8 ranks together: Nsight Compute
+#              profiling each graph replay as one workload (its kernels run together), beside a copy and
+#              a fill of known bytes (scripts/trace_phases.py --profiler-range)
 #   host       host time per call for torch, cupy and JAX, eager and graph / jit (scripts/profile_host.py)
 #   fault      time a survivor loses when a rank stops, against timeout_us (scripts/fault_latency.py)
 #   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
@@ -151,6 +154,17 @@ if has ncu; then
   step ncu 300 ncu --clock-control none -k regex:ll_ --launch-skip 8 --launch-count 4 --set detailed \
     -o "$out/ncu_one_rank" -f python3 scripts/trace_phases.py --ranks 1 --num-sms 16 --tokens 128 --experts 32 --replays 4
   ncu -i "$out/ncu_one_rank.ncu-rep" --page details >"$out/ncu_one_rank.txt" 2>&1
+fi
+if has hbm; then
+  # No cache flush between workloads (--cache-control none): a replay pays the write-back of what
+  # the replay before it left dirty in L2, as back-to-back replays do.
+  step ncu_hbm 240 ncu --clock-control none --cache-control none --profile-from-start off --graph-profiling graph \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
+    -o "$out/ncu_hbm" -f python3 scripts/trace_phases.py --no-trace --ranks 8 --num-sms 16 --tokens 128 \
+    --replays 5 --profiler-range 3
+  ncu -i "$out/ncu_hbm.ncu-rep" --csv --page raw --print-units base >"$out/ncu_hbm.csv" 2>&1
+  ncu -i "$out/ncu_hbm.ncu-rep" --page details --print-units base >"$out/ncu_hbm.txt" 2>&1
+  tail -n 60 "$out/ncu_hbm.txt"
 fi
 if has fault; then
   TAIL=20 step fault_latency 240 python3 scripts/fault_latency.py --json "$out/fault.json"

@@ -91,6 +91,25 @@ def summarize(trace: np.ndarray, num_blocks: int, t0: int) -> dict:
     return out
 
 
+def profile_range(torch, graphs: dict, replays: int) -> None:
+    """Replay each graph ``replays`` times, in the order dispatch, combine, between cudaProfilerStart
+    and Stop, after a device copy and a fill of 64 MiB (a workload of known bytes: 64 MiB read and
+    written, 64 MiB written), each synchronised so that a profiler serialising workloads sees them
+    apart."""
+    num_bytes = 64 << 20
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    dst.copy_(src)
+    dst.fill_(0x5A)
+    for _ in range(replays):
+        for name in ("dispatch", "combine"):
+            graphs[name].replay()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=8)
@@ -110,6 +129,13 @@ def main() -> None:
     parser.add_argument("--macro", action="append", default=[], metavar="EP_NAME=INTEGER",
                         type=lambda item: ab_kernels.parse_macro(item, "the macro"),
                         help="an extra NVRTC macro for every kernel (a variant under test, as scripts/ab_kernels.py)")
+    parser.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True,
+                        help="build with EP_TRACE and print the timeline; --no-trace: the library's own kernels")
+    parser.add_argument("--profiler-range", type=int, default=0, metavar="REPLAYS",
+                        help="after the timed replays, this many replays of each graph (and a device copy and a "
+                             "fill of 64 MiB, to calibrate) between cudaProfilerStart and Stop: for "
+                             "`ncu --profile-from-start off --graph-profiling graph`, which profiles each graph "
+                             "replay as one workload, its rank kernels running together")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.ranks > MAX_RANKS:
@@ -117,7 +143,11 @@ def main() -> None:
 
     import torch
 
-    kernels._common_macros = traced_macros(kernels._common_macros, dict(args.macro))
+    if args.trace:
+        kernels._common_macros = traced_macros(kernels._common_macros, dict(args.macro))
+    elif args.macro:
+        original = kernels._common_macros
+        kernels._common_macros = lambda sys_scope: original(sys_scope) | dict(args.macro)
     group = ep.LocalGroup(args.ranks, devices=[0] * args.ranks)
     size = ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, args.ranks, args.experts)
     buffers = group.spawn(lambda g: ep.Buffer(g, size, num_sms=args.num_sms))
@@ -175,6 +205,13 @@ def main() -> None:
             end.record()
             torch.cuda.synchronize()
             event_us[name].append(start.elapsed_time(end) * 1e3)
+
+    if args.profiler_range:
+        profile_range(torch, graphs, args.profiler_range)
+    if not args.trace:
+        print("event p50 us: " + ", ".join(f"{k} {np.median(v):.1f}" for k, v in event_us.items()))
+        group.spawn(lambda g: buffers[g.rank].destroy())
+        return
 
     # The timeline of one more replay of each graph, on cleared traces (only the last block of a
     # phase writes points 2 and 7, so uncleared slots would hold earlier replays' values).
