@@ -237,6 +237,7 @@ __device__ int plan_receive(const Layout& layout, uint8_t* workspace, const uint
         }
     }
     __syncwarp();
+    EP_TRACE_POINT_WARP(14);
     const int num_pairs = num_ranks * num_local_experts;
     for (int i = lane; i < num_pairs; i += kWarpSize) {
         const int src = i / num_local_experts;
@@ -507,6 +508,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                 my_out_row = local_expert * num_rows_per_expert + s_base[pair] + j;
             }
             const int rows_here = min(kWarpSize, (num_rows - base + num_warps_total - 1) / num_warps_total);
+            if (base == global_warp) EP_TRACE_POINT(15);  // thread 0: warp 0's first row, found
             for (int i = 0; i < rows_here; ++i) {
                 const int src = __shfl_sync(kFullMask, my_src, i);
                 const int token = __shfl_sync(kFullMask, my_token, i);

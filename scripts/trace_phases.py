@@ -26,8 +26,8 @@ import ab_kernels  # scripts/, beside this one: its macro syntax and checks
 
 POINTS = ("send_entry", "send_done", "flags_stored", "recv_entry", "flags_seen", "plan_ready", "rows_done",
           "recv_exit", "staging_seen", "lists_counted", "lists_prefix", "lists_loaded", "lists_bits",
-          "lists_slots")
-NUM_POINTS, MAX_BLOCKS, MAX_RANKS = 14, 256, 8  # kernels_cu/trace.cuh
+          "lists_slots", "offsets_loaded", "first_row")
+NUM_POINTS, MAX_BLOCKS, MAX_RANKS = 16, 256, 8  # kernels_cu/trace.cuh
 
 
 def traced_macros(original, extra: dict | None = None):
