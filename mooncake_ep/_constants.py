@@ -28,6 +28,8 @@ WORKSPACE_ALIGNMENT = 128
 
 # Timeout value meaning "wait forever".
 TIMEOUT_FOREVER = -1
+# Longest finite timeout: the kernels take it in nanoseconds, as an int64 (~292 years).
+MAX_TIMEOUT_US = (2**63 - 1) // 1000
 
 # The one environment variable the library reads: where compiled kernels are cached.
 CACHE_DIR_ENV = "MOONCAKE_EP_CACHE_DIR"

@@ -18,8 +18,9 @@ import numpy as np
 from mooncake_ep import _constants, _handshake, frameworks, layout, reference
 from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array
-from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, check_array, check_expert_ids, check_experts, check_flags,
-                                    check_hidden, check_int, check_mutable, check_out, check_timeout, read_out)
+from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, check_array, check_disjoint, check_expert_ids, check_experts,
+                                    check_flags, check_hidden, check_int, check_mutable, check_out, check_timeout,
+                                    check_writable, read_out)
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -166,6 +167,9 @@ class Buffer:
         self._num_dispatches = 0
         self._num_combines = 0
         self._pending_hooks: set[int] = set()
+        self._destroyed = False
+        # Address sets of out= calls already found disjoint (_check_disjoint).
+        self._disjoint_spans: set[tuple] = set()
         # Checked plans by (call, array signatures, arguments): a call whose arrays have the layouts
         # of an earlier, accepted call skips the layout checks (they would pass again).
         self._plans: dict[tuple, _Plan] = {}
@@ -305,6 +309,8 @@ class Buffer:
             Buffers of cupy callers: bf16 and fp8 come back as uint16 / uint8 arrays of the same bits.
         """
         where = "dispatch"
+        if self._destroyed:
+            self._check_alive(where)
         x_view = read_array(x, name="dispatch: x")
         stream_ptr = self._stream_for(x_view)
         order = _dlpack_stream(x_view, stream_ptr)
@@ -316,8 +322,9 @@ class Buffer:
         check_timeout(where, timeout_us)
         check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         out_views = read_out(where, out, use_fp8, order)
+        # num_experts's type too: 2.0 equals 2 as a key, and must not find the plan of 2 unchecked.
         key = ("dispatch", _signature(x_view), _signature(topk_view), _signature(active_view),
-               num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0,
+               num_max_dispatch_tokens_per_rank, num_experts, type(num_experts), use_fp8, use_ue8m0,
                None if out_views is None else tuple(_signature(view) for view, _ in out_views))
         plan = self._plans.get(key)
         if plan is None:
@@ -326,6 +333,10 @@ class Buffer:
             self._remember(key, plan, x_view)
         if x_view.device_type == "cpu":  # values of host arrays: read every call
             check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
+        if out_views is not None:  # addresses: every call
+            views = [view for view, _ in out_views]
+            views += active_view, x_view, topk_view
+            self._check_disjoint(where, plan, _DISPATCH_SPAN_NAMES[use_fp8], views)
         parity = self._num_dispatches % layout.NUM_PARITIES
         if parity in self._pending_hooks:
             raise RuntimeError(f"{where}: the dispatch two calls ago still waits for its hook(); call it first "
@@ -380,7 +391,8 @@ class Buffer:
             specs.append(("recv_scales", scale_shape, "int32" if use_ue8m0 else "float32"))
         specs.append(("recv_count", (num_local_experts,), "int32"))
         check_out(where, out_views, specs, x_view)
-        return _Plan.of(num_tokens, hidden, num_topk, specs)
+        spans = () if out_views is None else [*(view for view, _ in out_views), active_view, x_view, topk_view]
+        return _Plan.of(num_tokens, hidden, num_topk, specs, spans)
 
     def _check_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
                         num_max_dispatch_tokens_per_rank: int, num_experts: int, *, timeout_us: int, use_fp8: bool,
@@ -391,6 +403,7 @@ class Buffer:
         ``"cpu"`` nor ``"cuda"``, so no host data is read) to declare their results
         (``plan.specs``), and again on the host buffers in their CPU callback. Changes no state.
         """
+        self._check_alive(where)
         check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
         check_timeout(where, timeout_us)
         check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
@@ -401,7 +414,9 @@ class Buffer:
         return plan
 
     def _reference_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags):
-        gathered = self._reference.exchange(x_view.numpy().copy(), topk_view.numpy().copy(), active_view.numpy().copy())
+        topk = topk_view.numpy().copy()
+        handle.state["topk_idx"] = topk  # combine's must be the same (_check_same_routing)
+        gathered = self._reference.exchange(x_view.numpy().copy(), topk, active_view.numpy().copy())
 
         def receive():
             result = self._reference.dispatch(gathered, handle.num_max_dispatch_tokens_per_rank, handle.num_experts,
@@ -464,6 +479,8 @@ class Buffer:
             weight x expert output over the token's live experts, rounded once.
         """
         where = "combine"
+        if self._destroyed:
+            self._check_alive(where)
         self._check_handle(where, handle)
         topk_view = read_array(topk_idx, name="combine: topk_idx")
         stream_ptr = self._stream_for(topk_view)
@@ -490,6 +507,11 @@ class Buffer:
         if plan is None:
             plan = self._plan_combine(where, handle, topk_view, weights_view, active_view, x_view, out_views)
             self._remember(key, plan, topk_view)
+        if topk_view.device_type == "cpu":  # values of host arrays: read every call
+            self._check_same_routing(where, handle, topk_view)
+        if out_views is not None:  # addresses: every call
+            self._check_disjoint(where, plan, _COMBINE_SPAN_NAMES[x_view is None],
+                                 _combine_spans(out_views[0][0], active_view, x_view, topk_view, weights_view))
         outputs = out_views if out_views is not None else self._allocate(plan, topk_view)
         self._num_combines += 1
         if handle.backend == "reference":
@@ -522,7 +544,9 @@ class Buffer:
             check_array(where, "x", x_view, dtypes=("bfloat16",), shape=shape, like=topk_view)
         specs = (("combined_x", (handle.num_tokens, handle.hidden), "bfloat16"),)
         check_out(where, out_views, specs, topk_view)
-        return _Plan.of(handle.num_tokens, handle.hidden, handle.num_topk, specs)
+        spans = () if out_views is None else _combine_spans(out_views[0][0], active_view, x_view, topk_view,
+                                                            weights_view)
+        return _Plan.of(handle.num_tokens, handle.hidden, handle.num_topk, specs, spans)
 
     def _check_combine(self, where: str, handle, x_view: ArrayView, topk_view: ArrayView, weights_view: ArrayView,
                        active_view: ArrayView, *, timeout_us: int) -> _Plan:
@@ -531,6 +555,7 @@ class Buffer:
         ``handle`` is a :class:`Handle` or anything with its shape fields and ``device_id`` (the JAX
         ops pass their dispatch's configuration, device -1 at trace time). Changes no state.
         """
+        self._check_alive(where)
         check_timeout(where, timeout_us)
         return self._plan_combine(where, handle, topk_view, weights_view, active_view, x_view, None)
 
@@ -575,6 +600,7 @@ class Buffer:
             ``[num_local_experts, num_ranks * T, hidden]`` bf16 in the caller's framework, laid out as
             dispatch's recv_x; it belongs to the buffer and is reused two calls later.
         """
+        self._check_alive("get_next_combine_buffer")
         self._check_handle("get_next_combine_buffer", handle)
         num_local_experts = handle.num_experts // self.num_ranks
         shape = (num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
@@ -614,6 +640,7 @@ class Buffer:
             Call it between steps, with no hook pending and nothing being captured; every rank
             must call it (survivors) or build its Buffer (replacements) at the same point.
         """
+        self._check_alive("update_ep_member")
         renew = getattr(self.group, "renew_membership", None)
         if renew is not None:
             renew()
@@ -630,9 +657,14 @@ class Buffer:
         A Buffer dropped without destroy() is released when garbage-collected, without waiting
         for the peers (no collective can run there): destroy() on every rank is the safe way.
         """
+        self._destroyed = True
         if self._cuda is not None:
             cuda, self._cuda = self._cuda, None
             cuda.destroy()
+
+    def _check_alive(self, where: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"{where}: this Buffer was destroyed; build a new one")
 
     # --- shared steps ---------------------------------------------------------------------------
 
@@ -740,6 +772,8 @@ class Buffer:
 
     def _check_active(self, where: str, view: ArrayView, like: ArrayView) -> None:
         check_array(where, "active_ranks", view, dtypes=("int32",), shape=(self.num_ranks,), like=like)
+        if view.framework not in IMMUTABLE_FRAMEWORKS:  # the call writes the ranks it masked into it
+            check_writable(where, "active_ranks", view)
 
     def _check_size(self, where: str, num_max_tokens: int, hidden: int, num_experts: int) -> None:
         needed = layout.compute_layout(self.num_ranks, num_experts, num_max_tokens, hidden).num_bytes
@@ -749,6 +783,31 @@ class Buffer:
                 f"hidden={hidden}, num_experts={num_experts}, num_ranks={self.num_ranks}) needs {needed}: size it with "
                 f"Buffer.get_ep_buffer_size_hint"
             )
+
+    def _check_disjoint(self, where: str, plan: _Plan, names: tuple, views: list) -> None:
+        """check_disjoint for a call with out=, once per set of addresses (callers that reuse their
+        arrays, as graphs and static buffers do, pay a tuple lookup; ~4 us for the full check)."""
+        key = (plan.span_nbytes, *[view.ptr for view in views])
+        if key in self._disjoint_spans:
+            return
+        check_disjoint(where, names[0], views, plan.span_nbytes, names[1])
+        if len(self._disjoint_spans) >= _MAX_PLANS:
+            self._disjoint_spans.clear()
+        self._disjoint_spans.add(key)
+
+    def _check_same_routing(self, where: str, handle: Handle, topk_view: ArrayView) -> None:
+        """Host arrays: combine's topk_idx must hold the ids its dispatch was given (the reference
+        takes the routing from the dispatch, the kernels from these ids: a difference would make the
+        two disagree)."""
+        dispatched = handle.state.get("topk_idx")
+        if dispatched is None:  # the dispatch ran on the GPU; its ids are not on the host
+            return
+        given = topk_view.numpy()
+        differs = given != dispatched
+        if differs.any():
+            first = tuple(int(i) for i in np.argwhere(differs)[0])
+            raise ValueError(f"{where}: topk_idx must hold the ids given to the dispatch of handle; entry {first} is "
+                             f"{int(given[first])}, the dispatch had {int(dispatched[first])}")
 
     def _check_handle(self, where: str, handle) -> None:
         if not isinstance(handle, Handle):
@@ -772,12 +831,16 @@ class _Plan(NamedTuple):
     # C-contiguous strides of each result, in elements: worked out once per plan, not per
     # allocating call (~0.8 us a result).
     result_strides: tuple
+    # With out=: the bytes of each array of the call, in Buffer._check_disjoint's order.
+    span_nbytes: tuple = ()
 
     @classmethod
-    def of(cls, num_tokens: int, hidden: int, num_topk: int, specs) -> _Plan:
-        """The plan of a call whose results are ``specs``, (name, shape, dtype) each."""
+    def of(cls, num_tokens: int, hidden: int, num_topk: int, specs, spans=()) -> _Plan:
+        """The plan of a call whose results are ``specs``, (name, shape, dtype) each; ``spans``: with
+        out=, the call's arrays in check_disjoint's order."""
         specs = tuple((name, tuple(shape), dtype) for name, shape, dtype in specs)
-        return cls(num_tokens, hidden, num_topk, specs, tuple(c_contiguous_strides(shape) for _, shape, _ in specs))
+        return cls(num_tokens, hidden, num_topk, specs, tuple(c_contiguous_strides(shape) for _, shape, _ in specs),
+                   tuple(view.nbytes for view in spans))
 
 
 # Checked plans a Buffer keeps; far more than the configurations an engine uses.
@@ -786,7 +849,7 @@ _MAX_PLANS = 256
 
 def _signature(view: ArrayView) -> tuple:
     """Everything the layout checks read of an array: two arrays with equal signatures pass or fail alike."""
-    return view.shape, view.strides, view.dtype, view.device_type, view.device_id, view.framework
+    return view.shape, view.strides, view.dtype, view.device_type, view.device_id, view.framework, view.readonly
 
 
 def _dlpack_stream(first: ArrayView, stream_ptr: int) -> int | None:
@@ -797,6 +860,23 @@ def _dlpack_stream(first: ArrayView, stream_ptr: int) -> int | None:
     stream wait for their pending writes through DLPack.
     """
     return None if first.device_type == "cpu" else stream_ptr
+
+
+# The arrays of a call with out=, those it writes first (check_disjoint), and their names in errors:
+# dispatch's by use_fp8, combine's by zero_copy (no x).
+_DISPATCH_SPAN_NAMES = {
+    False: (("out recv_x", "out recv_count", "active_ranks", "x", "topk_idx"), 3),
+    True: (("out recv_x", "out recv_scales", "out recv_count", "active_ranks", "x", "topk_idx"), 4),
+}
+_COMBINE_SPAN_NAMES = {False: (("out combined_x", "active_ranks", "x", "topk_idx", "topk_weights"), 2),
+                       True: (("out combined_x", "active_ranks", "topk_idx", "topk_weights"), 2)}
+
+
+def _combine_spans(combined_view, active_view, x_view, topk_view, weights_view) -> list:
+    """A combine's arrays in the order of _COMBINE_SPAN_NAMES."""
+    if x_view is None:
+        return [combined_view, active_view, topk_view, weights_view]
+    return [combined_view, active_view, x_view, topk_view, weights_view]
 
 
 def _timeout_ns(timeout_us: int) -> int:

@@ -15,7 +15,8 @@ from mooncake_ep import _constants, frameworks
 from mooncake_ep.tensor import ArrayView, read_array
 
 __all__ = ["check_int", "check_hidden", "check_experts", "check_timeout", "check_flags", "check_array",
-           "check_expert_ids", "read_out", "check_out", "check_mutable", "is_raw_bits", "IMMUTABLE_FRAMEWORKS"]
+           "check_expert_ids", "read_out", "check_out", "check_writable", "check_disjoint", "check_mutable",
+           "is_raw_bits", "IMMUTABLE_FRAMEWORKS"]
 
 
 def check_int(where: str, name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> None:
@@ -40,11 +41,19 @@ def check_experts(where: str, num_experts, num_ranks: int) -> None:
 
 
 def check_timeout(where: str, timeout_us) -> None:
-    check_int(where, "timeout_us", timeout_us, minimum=_constants.TIMEOUT_FOREVER)
+    check_int(where, "timeout_us", timeout_us, minimum=_constants.TIMEOUT_FOREVER,
+              maximum=_constants.MAX_TIMEOUT_US)
 
 
 def check_flags(where: str, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False,
                  async_finish: bool = False, return_recv_hook: bool = False) -> None:
+    if not ((use_fp8 is True or use_fp8 is False) and (round_scale is True or round_scale is False)
+            and (use_ue8m0 is True or use_ue8m0 is False) and (async_finish is True or async_finish is False)
+            and (return_recv_hook is True or return_recv_hook is False)):
+        flags = (use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        for name, value in zip(("use_fp8", "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"), flags):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
     if async_finish and return_recv_hook:
         raise ValueError(f"{where}: async_finish and return_recv_hook are exclusive")
     if use_ue8m0 and not (use_fp8 and round_scale):
@@ -103,6 +112,8 @@ def read_out(where: str, out, nested_fp8: bool, stream: int | None) -> list[tupl
     """Read the arrays of a dispatch's ``out=`` (``None``: the call allocates its results)."""
     if out is None:
         return None
+    if not isinstance(out, (tuple, list)):
+        raise TypeError(f"{where}: out must be a tuple of arrays shaped as the results, got {type(out).__name__}")
     flat = list(out)
     if nested_fp8:
         if len(flat) != 2 or not isinstance(flat[0], (tuple, list)) or len(flat[0]) != 2:
@@ -127,6 +138,28 @@ def check_out(where: str, out_views, specs, like: ArrayView) -> None:
         return
     for (view, _), (name, shape, dtype) in zip(out_views, specs):
         check_array(where, f"out {name}", view, dtypes=(dtype,), shape=shape, like=like)
+        check_writable(where, f"out {name}", view)
+
+
+def check_writable(where: str, name: str, view: ArrayView) -> None:
+    """An array the call writes into (out=, active_ranks) must not be marked read-only: the write
+    would fail after the peers have been told, or (active_ranks) be dropped without a word."""
+    if view.readonly:
+        raise ValueError(f"{where}: {name} is read-only, and the call writes into it; pass a writable array")
+
+
+def check_disjoint(where: str, names: tuple[str, ...], views, nbytes: tuple[int, ...], num_written: int) -> None:
+    """The arrays a call writes (the first ``num_written`` of ``views``) must share no memory with
+    each other or with the arrays it reads (the rest): the kernels read the inputs while they write
+    the results, and an array written twice ends up holding one of the two.
+
+    ``views`` are on one device (checked before); ``nbytes`` are their sizes in bytes, in order.
+    """
+    for i in range(num_written):
+        start, end = views[i].ptr, views[i].ptr + nbytes[i]
+        for j, view in enumerate(views):
+            if j != i and start < view.ptr + nbytes[j] and view.ptr < end and nbytes[i] and nbytes[j]:
+                raise ValueError(f"{where}: {names[i]} shares memory with {names[j]}; pass separate arrays")
 
 
 # Frameworks whose arrays are immutable: results are built after the computation, never written

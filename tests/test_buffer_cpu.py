@@ -571,6 +571,32 @@ def with_entry(topk_idx: np.ndarray, value: int) -> np.ndarray:
     return bad
 
 
+def read_only(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def shared_mask_and_count(c) -> dict:
+    """active_ranks and out's recv_count are one array (both [2] int32)."""
+    shared = VCASE.actives[c.rank].copy()
+    return dict(active_ranks=shared, out=(np.zeros((2, 8, 256), BF16), shared))
+
+
+def x_inside_recv_x(c) -> dict:
+    """x (the rank's tokens) lives inside out's recv_x."""
+    recv_x = np.zeros((2, 8, 256), BF16)
+    x = recv_x[0, :len(VCASE.xs[c.rank])]
+    x[...] = VCASE.xs[c.rank]
+    return dict(x=x, out=(recv_x, np.zeros(2, np.int32)))
+
+
+def other_expert(c) -> np.ndarray:
+    """The rank's topk_idx with its last entry naming another expert than its dispatch did."""
+    topk = VCASE.topk_idxs[c.rank]
+    return with_entry(topk, (int(topk[-1, -1]) + 1) % 4)
+
+
 DISPATCH_REJECTIONS = [
     # (id, exception, pattern the message must match, overrides of the rank's good dispatch)
     ("x-float32", TypeError, r"dispatch: x must be bfloat16, got float32",
@@ -619,6 +645,21 @@ DISPATCH_REJECTIONS = [
      lambda c: dict(out=(np.zeros((2, 8, 256), np.float32), np.zeros(2, np.int32)))),
     ("out-wrong-shape", ValueError, r"dispatch: out recv_count must have shape \(2,\), got \(3,\)",
      lambda c: dict(out=(np.zeros((2, 8, 256), BF16), np.zeros(3, np.int32)))),
+    ("out-read-only", ValueError, r"dispatch: out recv_count is read-only",
+     lambda c: dict(out=(np.zeros((2, 8, 256), BF16), read_only(np.zeros(2, np.int32))))),
+    ("out-read-only-hook", ValueError, r"dispatch: out recv_x is read-only",  # refused now, not at hook()
+     lambda c: dict(out=(read_only(np.zeros((2, 8, 256), BF16)), np.zeros(2, np.int32)), return_recv_hook=True)),
+    ("active-read-only", ValueError, r"dispatch: active_ranks is read-only",
+     lambda c: dict(active_ranks=read_only(VCASE.actives[c.rank]))),
+    ("out-is-active", ValueError, r"dispatch: out recv_count shares memory with active_ranks", shared_mask_and_count),
+    ("out-holds-x", ValueError, r"dispatch: out recv_x shares memory with x", x_inside_recv_x),
+    ("out-not-a-tuple", TypeError, r"dispatch: out must be a tuple of arrays", lambda c: dict(out=5)),
+    ("use-fp8-str", TypeError, r"dispatch: use_fp8 must be a bool, got str", lambda c: dict(use_fp8="no")),
+    ("hook-int", TypeError, r"dispatch: return_recv_hook must be a bool, got int",
+     lambda c: dict(return_recv_hook=1)),
+    ("timeout-past-int64-ns", ValueError, r"dispatch: timeout_us must be <= 9223372036854775",
+     lambda c: dict(timeout_us=10**20)),
+    ("experts-float", TypeError, r"dispatch: num_experts must be an int, got float", lambda c: dict(num_experts=4.0)),
     ("repeated-expert-overflows", ValueError, r"dispatch: topk_idx .*expert 1.*num_max_dispatch_tokens_per_rank=4",
      # Each token names expert 1 twice: 5 or 6 copies from one rank, which recv_x (R * T rows) cannot hold.
      lambda c: dict(topk_idx=np.array([[1, 1], [1, 1]] + [[1, -1]] * (len(VCASE.xs[c.rank]) - 2), np.int64))),
@@ -652,6 +693,17 @@ COMBINE_REJECTIONS = [
     ("handle-tuple", TypeError, r"combine: handle must be the Handle", lambda c: dict(handle=(1, 2, 3))),
     ("out-wrong-dtype", TypeError, r"combine: out combined_x must be bfloat16, got float32",
      lambda c: dict(out=np.zeros((VCASE.xs[c.rank].shape[0], 256), np.float32))),
+    ("out-read-only", ValueError, r"combine: out combined_x is read-only",
+     lambda c: dict(out=read_only(np.zeros((VCASE.xs[c.rank].shape[0], 256), BF16)))),
+    ("active-read-only", ValueError, r"combine: active_ranks is read-only",
+     lambda c: dict(active_ranks=read_only(VCASE.actives[c.rank]))),
+    ("out-inside-x", ValueError, r"combine: out combined_x shares memory with x",
+     lambda c: dict(out=c.expert_out[0, :VCASE.xs[c.rank].shape[0]])),
+    ("topk-other-expert", ValueError, r"combine: topk_idx must hold the ids given to the dispatch of handle; entry",
+     lambda c: dict(topk_idx=other_expert(c))),
+    ("topk-out-of-range", ValueError, r"combine: topk_idx must hold the ids given to the dispatch .* is 99",
+     lambda c: dict(topk_idx=with_entry(VCASE.topk_idxs[c.rank], 99))),
+    ("timeout-past-int64-ns", ValueError, r"combine: timeout_us must be <= ", lambda c: dict(timeout_us=2**62)),
 ]
 
 

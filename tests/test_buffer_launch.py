@@ -205,3 +205,55 @@ def test_device_arrays_are_not_read_by_the_host(setup):
     buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
                  out=dispatch_out(device, False))
     assert len(cuda.launches) == 1
+
+
+def test_a_cached_plan_does_not_pass_a_num_experts_of_another_type(setup):
+    """Device arrays' plans are cached by layout; 8.0 equals 8 as a key, and must still be refused."""
+    buf, cuda, device, inputs = setup
+    out = dispatch_out(device, False)
+    buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False, out=out)
+    with pytest.raises(TypeError, match="dispatch: num_experts must be an int, got float"):
+        buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=float(E), use_fp8=False, out=out)
+    assert len(cuda.launches) == 1
+
+
+def test_a_timeout_past_int64_nanoseconds_is_refused_before_anything_changes(setup):
+    buf, cuda, device, inputs = setup
+    with pytest.raises(ValueError, match="dispatch: timeout_us must be <= "):
+        buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False, timeout_us=10**16,
+                     out=dispatch_out(device, False))
+    assert cuda.launches == [] and buf._num_dispatches == 0
+
+
+def test_out_arrays_sharing_memory_are_refused_whenever_their_addresses_change(setup):
+    """The disjointness of out= arrays is checked once per set of addresses: a call with new ones,
+    after an accepted call with the same layouts, is checked again."""
+    buf, cuda, device, inputs = setup
+    good = dispatch_out(device, False)
+    for _ in range(2):  # the second call finds the addresses already checked
+        buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False, out=good)
+    recv_x, recv_count = good
+    mask_in_count = DeviceMemoryArray(recv_count.ptr, (R,), "int32", "cuda", 0, owner=recv_count)
+    with pytest.raises(ValueError, match="dispatch: out recv_count shares memory with active_ranks"):
+        buf.dispatch(**dict(inputs, active_ranks=mask_in_count), num_max_dispatch_tokens_per_rank=T, num_experts=E,
+                     use_fp8=False, out=good)
+    rows = device(np.zeros((E // R, R * T, H), ml_dtypes.bfloat16))
+    inside = DeviceMemoryArray(rows.ptr, (3, H), "bfloat16", "cuda", 0, owner=rows)  # x inside recv_x
+    with pytest.raises(ValueError, match="dispatch: out recv_x shares memory with x"):
+        buf.dispatch(**dict(inputs, x=inside), num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                     out=(rows, good[1]))
+    assert len(cuda.launches) == 2 and buf._num_dispatches == 2
+
+
+def test_calls_after_destroy_are_refused(setup):
+    buf, cuda, device, inputs = setup
+    _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                      out=dispatch_out(device, False))
+    buf._cuda = None  # what destroy() leaves (the recording stand-in has no workspace to free)
+    buf.destroy()
+    for call in (lambda: buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False),
+                 lambda: buf.combine(None, inputs["topk_idx"], device(np.ones((3, K), np.float32)),
+                                     inputs["active_ranks"], -1, handle, zero_copy=True),
+                 lambda: buf.get_next_combine_buffer(handle)):
+        with pytest.raises(RuntimeError, match="this Buffer was destroyed"):
+            call()
