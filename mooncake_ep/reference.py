@@ -285,9 +285,14 @@ def combine(
         gathered[tokens, topks] = out[local_experts, rows].astype(np.float32)
         valid[tokens, topks] = True
 
+    # An entry that names no expert (-1, or an id outside [0, E), which the kernels read as -1) adds
+    # nothing, whatever the dispatch sent for it: the kernels take the experts from these ids.
+    num_experts = num_ranks * next(result.recv_count.shape[0] for result in dispatch_results if result is not None)
+    named = (topk_idx >= 0) & (topk_idx < num_experts)
+    valid &= named
     weights = np.where(valid, topk_weights.astype(np.float32), np.float32(0))
     if renormalize:
-        total = np.where(topk_idx >= 0, topk_weights.astype(np.float32), 0).sum(axis=1, dtype=np.float32)
+        total = np.where(named, topk_weights.astype(np.float32), 0).sum(axis=1, dtype=np.float32)
         kept = weights.sum(axis=1, dtype=np.float32)
         factor = np.where(kept != 0, total / np.where(kept != 0, kept, 1), np.float32(0)).astype(np.float32)
         weights = (weights * factor[:, None]).astype(np.float32)

@@ -460,6 +460,23 @@ def test_combine_leaves_out_experts_not_delivered_in_dispatch():
     np.testing.assert_array_equal(combined[:, 0].astype(np.float32), [2, 2, 3])
 
 
+@pytest.mark.parametrize("unnamed", [-1, 4, 99, -7])
+def test_combine_leaves_out_entries_its_own_ids_name_no_expert(unnamed):
+    """The kernels take the experts from combine's topk_idx, reading ids outside [0, E) as -1: such an
+    entry adds nothing, even where the dispatch sent a row for it (the reference takes the rows
+    from the dispatch)."""
+    results = [hand_dispatch(r, use_fp8=False) for r in range(2)]
+    outs = scaled_expert_outs(results, 2)
+    ids = HAND_TOPK[0].copy()
+    ids[0, 1] = unnamed  # token 0's second expert (expert 2, weight 0.25) unnamed in combine only
+    weights = np.array([[0.5, 0.25], [4.0, 2.0], [1.0, 0.125]], np.float32)
+    combined, _ = reference.combine(0, outs, results, ids, weights, ones(2))
+    np.testing.assert_array_equal(combined[:, 0].astype(np.float32),
+                                  [0.5 * 2 * 1, 2.0 * 1 * 2, 1.0 * 1 * 3 + 0.125 * 4 * 3])
+    renormalized, _ = reference.combine(0, outs, results, ids, weights, ones(2), renormalize=True)
+    np.testing.assert_array_equal(renormalized, combined)  # the unnamed weight is no weight: nothing to rescale
+
+
 RENORM_TOPK = topk([[0, 2, -1], [2, 3, -1], [1, 3, 0]])
 RENORM_WEIGHTS = np.array([[0.5, 0.25, 0.125], [0.5, 0.5, 4.0], [0.25, 0.5, 0.25]], np.float32)
 
