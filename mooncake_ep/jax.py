@@ -252,7 +252,8 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
         jax_args.as_jax(where, name, value) for name, value in
         (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
     jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, topk_weights=topk_weights, active_ranks=active_ranks)
-    static = _CombineStatic(ranks, grad_ranks, jax_args.check_parity(where, grad_parity), timeout_us, renormalize,
+    grad_parity = jax_args.check_parity(where, grad_parity, "grad_parity")
+    static = _CombineStatic(ranks, grad_ranks, grad_parity, timeout_us, renormalize,
                             command_buffer_compatible)
     return _combine(static, x, topk_idx, topk_weights, active_ranks, handle)
 
@@ -492,6 +493,8 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, **options) ->
         :func:`destroy_buffers`.
     """
     devices = list(devices)
+    if not devices:
+        raise ValueError("make_buffers: devices is empty; pass one JAX device per rank")
     platforms = {d.platform for d in devices}
     if len(platforms) != 1:
         raise ValueError(f"make_buffers: devices must share one platform, got {sorted(platforms)}")
@@ -505,7 +508,7 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, **options) ->
 def destroy_buffers(buffers: Mapping[Any, Buffer]) -> None:
     """Free the Buffers of :func:`make_buffers` (their destroy is a collective of the group)."""
     by_rank = {b.rank: b for b in buffers.values()}
-    parent = getattr(next(iter(by_rank.values())).group, "local_group", None)
+    parent = getattr(next(iter(by_rank.values())).group, "local_group", None) if by_rank else None
     if parent is None or sorted(by_rank) != list(range(parent.num_ranks)):
         raise TypeError("destroy_buffers: buffers must be the whole mapping returned by make_buffers")
     parent.spawn(lambda g: by_rank[g.rank].destroy())

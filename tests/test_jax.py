@@ -425,8 +425,11 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
     (lambda a: a | dict(x=np.zeros((3, 256), np.float64)), TypeError, r"x is a float64 numpy array"),
     (lambda a: a | dict(buffer=object()), TypeError, r"buffer must be a mooncake_ep.Buffer or a mapping"),
     (lambda a: a | dict(use_ue8m0=True), ValueError, r"use_ue8m0=True needs use_fp8=True and round_scale=True"),
+    # with x64 off JAX would wrap 2**32 into expert 0
+    (lambda a: a | dict(topk_idx=np.where(np.arange(6).reshape(3, 2) == 5, 2**32, np.zeros((3, 2), np.int64))),
+     ValueError, r"topk_idx holds 4294967296 at \(2, 1\), outside int32, and with jax_enable_x64 off"),
 ], ids=["x-float32", "hidden", "topk-float", "active-shape", "too-many-tokens", "parity", "x-float64-numpy",
-        "not-a-buffer", "ue8m0-alone"])
+        "not-a-buffer", "ue8m0-alone", "int64-id-past-int32"])
 def test_bad_dispatch_is_refused_at_trace_time_and_the_buffer_still_works(mutate, error, pattern):
     case, buffer, (x, topk, active) = one_rank()
     good = dict(buffer=buffer, x=x, topk_idx=topk, active_ranks=active,
@@ -484,6 +487,8 @@ def test_unsupported_transformations_name_the_alternative():
         epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=buffer)
     with pytest.raises(ValueError, match=r"grad_buffer has \d+ bytes, the gradient needs \d+ \(grad_buffer_size_hint"):
         epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=spawn(1, lambda g: reference_buffer(g, case))[0])
+    with pytest.raises(ValueError, match=r"grad_parity must be 0 or 1 \(the workspace half\), got True"):
+        epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=grad_buffer, grad_parity=True)
     with pytest.raises(TypeError, match=r"dispatch_send is not differentiable; for training use "
                                         r"mooncake_ep.jax.dispatch and mooncake_ep.jax.combine"):
         jax.grad(lambda x: epj.dispatch_send(buffer, x, topk, active, T, E).arrays[0].astype(jnp.float32).sum())(x)
@@ -511,6 +516,13 @@ def test_split_form_refusals():
     with pytest.raises(TypeError, match="buffer must be one rank's mooncake_ep.Buffer"):
         epj.dispatch_send({jax.devices("cpu")[0]: buffers[0]}, *args(0), case.num_max_tokens, case.num_experts)
     assert len(epj.dispatch_recv(sent)) == 2  # still usable
+
+
+def test_empty_buffer_mappings_are_refused():
+    with pytest.raises(ValueError, match="make_buffers: devices is empty"):
+        epj.make_buffers([], 1 << 20)
+    with pytest.raises(TypeError, match="destroy_buffers: buffers must be the whole mapping returned by make_buffers"):
+        epj.destroy_buffers({})
 
 
 def test_grad_buffer_size_hint_is_the_hint_for_t_times_k_tokens():

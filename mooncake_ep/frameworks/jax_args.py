@@ -145,12 +145,14 @@ def as_jax(where: str, name: str, value):
     """A JAX array (or tracer) for an op argument, never a silent cast.
 
     JAX arrays and tracers pass through. numpy arrays are converted, except float64 ones, which JAX
-    would turn into float32 without a word when ``jax_enable_x64`` is off (int64 becomes int32 the
-    same way; expert ids fit, so that is accepted).
+    would turn into float32 without a word when ``jax_enable_x64`` is off. 64-bit integers become
+    int32 the same way; expert ids fit, so that is accepted, but values outside int32 (which would
+    wrap, 2**32 turning into expert 0) are refused.
 
     Raises:
         TypeError: a float64 numpy array, or an object of another framework (convert it with
             ``jax.dlpack.from_dlpack``).
+        ValueError: a 64-bit integer numpy array with values outside int32 while x64 is off.
     """
     import jax
     import jax.numpy as jnp
@@ -161,6 +163,13 @@ def as_jax(where: str, name: str, value):
         if value.dtype == np.float64:
             raise TypeError(f"{where}: {name} is a float64 numpy array, which JAX would cast silently; pass "
                             f"float32")
+        if value.dtype.kind in "iu" and value.dtype.itemsize == 8 and value.size and not jax.config.jax_enable_x64:
+            low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+            outside = (value < low) | (value > high)
+            if outside.any():
+                first = tuple(int(i) for i in np.argwhere(outside)[0]) if value.ndim else ()
+                raise ValueError(f"{where}: {name} holds {int(value[first])} at {first}, outside int32, and with "
+                                 f"jax_enable_x64 off JAX would wrap it into int32 without a word")
         return jnp.asarray(value)
     raise TypeError(f"{where}: {name} must be a jax.Array (or a numpy array), got {type(value).__module__}."
                     f"{type(value).__qualname__}; convert it with jax.dlpack.from_dlpack")
@@ -189,9 +198,9 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
             ranks.select(f"{where}: {name}", key)
 
 
-def check_parity(where: str, parity) -> int:
+def check_parity(where: str, parity, name: str = "parity") -> int:
     if isinstance(parity, bool) or not isinstance(parity, (int, np.integer)) or parity not in (0, 1):
-        raise ValueError(f"{where}: parity must be 0 or 1 (the workspace half), got {parity!r}")
+        raise ValueError(f"{where}: {name} must be 0 or 1 (the workspace half), got {parity!r}")
     return int(parity)
 
 
