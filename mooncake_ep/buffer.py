@@ -309,7 +309,7 @@ class Buffer:
             Buffers of cupy callers: bf16 and fp8 come back as uint16 / uint8 arrays of the same bits.
         """
         where = "dispatch"
-        if self._destroyed:
+        if self._destroyed:  # the flag first: this is every call's path
             self._check_alive(where)
         x_view = read_array(x, name="dispatch: x")
         stream_ptr = self._stream_for(x_view)
@@ -334,9 +334,8 @@ class Buffer:
         if x_view.device_type == "cpu":  # values of host arrays: read every call
             check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
         if out_views is not None:  # addresses: every call
-            views = [view for view, _ in out_views]
-            views += active_view, x_view, topk_view
-            self._check_disjoint(where, plan, _DISPATCH_SPAN_NAMES[use_fp8], views)
+            self._check_disjoint(where, plan, _DISPATCH_SPAN_NAMES[use_fp8],
+                                 _dispatch_spans(out_views, active_view, x_view, topk_view))
         parity = self._num_dispatches % layout.NUM_PARITIES
         if parity in self._pending_hooks:
             raise RuntimeError(f"{where}: the dispatch two calls ago still waits for its hook(); call it first "
@@ -391,7 +390,7 @@ class Buffer:
             specs.append(("recv_scales", scale_shape, "int32" if use_ue8m0 else "float32"))
         specs.append(("recv_count", (num_local_experts,), "int32"))
         check_out(where, out_views, specs, x_view)
-        spans = () if out_views is None else [*(view for view, _ in out_views), active_view, x_view, topk_view]
+        spans = () if out_views is None else _dispatch_spans(out_views, active_view, x_view, topk_view)
         return _Plan.of(num_tokens, hidden, num_topk, specs, spans)
 
     def _check_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
@@ -479,7 +478,7 @@ class Buffer:
             weight x expert output over the token's live experts, rounded once.
         """
         where = "combine"
-        if self._destroyed:
+        if self._destroyed:  # the flag first: this is every call's path
             self._check_alive(where)
         self._check_handle(where, handle)
         topk_view = read_array(topk_idx, name="combine: topk_idx")
@@ -487,7 +486,8 @@ class Buffer:
         order = _dlpack_stream(topk_view, stream_ptr)
         weights_view = read_array(topk_weights, name="combine: topk_weights", stream=order)
         active_view = read_array(active_ranks, name="combine: active_ranks", stream=order)
-        check_flags(where, async_finish=async_finish, return_recv_hook=return_recv_hook)
+        check_flags(where, async_finish=async_finish, return_recv_hook=return_recv_hook, zero_copy=zero_copy,
+                    renormalize=renormalize)
         check_mutable(where, topk_view, out, return_recv_hook)
         check_timeout(where, timeout_us)
         if zero_copy and handle.backend == "reference" and "combine_buffer" not in handle.state:
@@ -718,6 +718,7 @@ class Buffer:
             def hook() -> None:
                 if called:
                     raise RuntimeError("hook: this receive hook was already called")
+                self._check_alive("hook")  # its launch would run on the freed workspace
                 called.append(True)
                 if receive is not None:
                     receive()
@@ -787,7 +788,7 @@ class Buffer:
     def _check_disjoint(self, where: str, plan: _Plan, names: tuple, views: list) -> None:
         """check_disjoint for a call with out=, once per set of addresses (callers that reuse their
         arrays, as graphs and static buffers do, pay a tuple lookup; ~4 us for the full check)."""
-        key = (plan.span_nbytes, *[view.ptr for view in views])
+        key = (where, plan.span_nbytes, *[view.ptr for view in views])
         if key in self._disjoint_spans:
             return
         check_disjoint(where, names[0], views, plan.span_nbytes, names[1])
@@ -796,18 +797,18 @@ class Buffer:
         self._disjoint_spans.add(key)
 
     def _check_same_routing(self, where: str, handle: Handle, topk_view: ArrayView) -> None:
-        """Host arrays: combine's topk_idx must hold the ids its dispatch was given (the reference
-        takes the routing from the dispatch, the kernels from these ids: a difference would make the
-        two disagree)."""
+        """Host arrays: an entry of combine's topk_idx that names an expert must name the one its
+        dispatch was given (the kernels find the expert's row by this id and the dispatch's slot, so
+        another id reads another expert's row). -1, or an id outside [0, E), adds nothing in either."""
         dispatched = handle.state.get("topk_idx")
         if dispatched is None:  # the dispatch ran on the GPU; its ids are not on the host
             return
         given = topk_view.numpy()
-        differs = given != dispatched
+        differs = (given != dispatched) & (given >= 0) & (given < handle.num_experts)
         if differs.any():
             first = tuple(int(i) for i in np.argwhere(differs)[0])
-            raise ValueError(f"{where}: topk_idx must hold the ids given to the dispatch of handle; entry {first} is "
-                             f"{int(given[first])}, the dispatch had {int(dispatched[first])}")
+            raise ValueError(f"{where}: topk_idx must name the experts given to the dispatch of handle (or -1); "
+                             f"entry {first} is {int(given[first])}, the dispatch had {int(dispatched[first])}")
 
     def _check_handle(self, where: str, handle) -> None:
         if not isinstance(handle, Handle):
@@ -870,6 +871,13 @@ _DISPATCH_SPAN_NAMES = {
 }
 _COMBINE_SPAN_NAMES = {False: (("out combined_x", "active_ranks", "x", "topk_idx", "topk_weights"), 2),
                        True: (("out combined_x", "active_ranks", "topk_idx", "topk_weights"), 2)}
+
+
+def _dispatch_spans(out_views, active_view, x_view, topk_view) -> list:
+    """A dispatch's arrays in the order of _DISPATCH_SPAN_NAMES."""
+    views = [view for view, _ in out_views]
+    views += active_view, x_view, topk_view
+    return views
 
 
 def _combine_spans(combined_view, active_view, x_view, topk_view, weights_view) -> list:

@@ -507,8 +507,10 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, **options) ->
 
 def destroy_buffers(buffers: Mapping[Any, Buffer]) -> None:
     """Free the Buffers of :func:`make_buffers` (their destroy is a collective of the group)."""
+    if not buffers:
+        raise ValueError("destroy_buffers: buffers is empty; pass the mapping returned by make_buffers")
     by_rank = {b.rank: b for b in buffers.values()}
-    parent = getattr(next(iter(by_rank.values())).group, "local_group", None) if by_rank else None
+    parent = getattr(next(iter(by_rank.values())).group, "local_group", None)
     if parent is None or sorted(by_rank) != list(range(parent.num_ranks)):
         raise TypeError("destroy_buffers: buffers must be the whole mapping returned by make_buffers")
     parent.spawn(lambda g: by_rank[g.rank].destroy())

@@ -253,7 +253,8 @@ def combine(
             ``recv_x``, or None for a rank that did not run combine.
         dispatch_results: per rank, the :class:`DispatchResult` of the dispatch this combine answers
             (None for a rank that did not run it).
-        topk_idx: ``[t, K]`` this rank's expert ids from that dispatch.
+        topk_idx: ``[t, K]`` this rank's expert ids from that dispatch; an entry that names no
+            expert here (-1, or outside [0, E)) adds nothing, whatever the dispatch sent for it.
         topk_weights: ``[t, K]`` fp32 routing weights.
         active_ranks: per rank, its ``[R]`` int32 mask as passed to combine.
         renormalize: rescale each token's live weights so they sum to the sum of all its weights.

@@ -46,14 +46,19 @@ def check_timeout(where: str, timeout_us) -> None:
 
 
 def check_flags(where: str, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False,
-                 async_finish: bool = False, return_recv_hook: bool = False) -> None:
+                async_finish: bool = False, return_recv_hook: bool = False, zero_copy: bool = False,
+                renormalize: bool = False) -> None:
+    # Python bools only: a flag reaches the launch's packed arguments and the plan keys as is.
     if not ((use_fp8 is True or use_fp8 is False) and (round_scale is True or round_scale is False)
             and (use_ue8m0 is True or use_ue8m0 is False) and (async_finish is True or async_finish is False)
-            and (return_recv_hook is True or return_recv_hook is False)):
-        flags = (use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        for name, value in zip(("use_fp8", "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"), flags):
-            if not isinstance(value, (bool, np.bool_)):
-                raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
+            and (return_recv_hook is True or return_recv_hook is False) and (zero_copy is True or zero_copy is False)
+            and (renormalize is True or renormalize is False)):
+        flags = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
+                     return_recv_hook=return_recv_hook, zero_copy=zero_copy, renormalize=renormalize)
+        name, value = next((name, value) for name, value in flags.items() if value is not True and value is not False)
+        kind = type(value)  # qualified: numpy's bool is also called "bool"
+        raise TypeError(f"{where}: {name} must be a bool, got "
+                        f"{kind.__name__ if kind.__module__ == 'builtins' else f'{kind.__module__}.{kind.__qualname__}'}")
     if async_finish and return_recv_hook:
         raise ValueError(f"{where}: async_finish and return_recv_hook are exclusive")
     if use_ue8m0 and not (use_fp8 and round_scale):

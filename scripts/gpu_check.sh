@@ -17,8 +17,8 @@
 #   trace      per-block timestamps of every rank's kernels (scripts/trace_phases.py)
 #   ncu        Nsight Compute on one rank's kernels (a rank alone: ncu serialises kernels)
 #   hbm        the device memory bytes each decode phase moves, all 8 ranks together: Nsight Compute
-#              profiling each graph replay as one workload (its kernels run together), beside a copy and
-#              a fill of known bytes (scripts/trace_phases.py --profiler-range)
+#              profiling each graph replay as one workload (its kernels run together), beside an elementwise
+#              pass and a fill of known bytes (scripts/trace_phases.py --profiler-range)
 #   host       host time per call for torch, cupy and JAX, eager and graph / jit (scripts/profile_host.py)
 #   fault      time a survivor loses when a rank stops, against timeout_us (scripts/fault_latency.py)
 #   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
@@ -157,14 +157,15 @@ if has ncu; then
 fi
 if has hbm; then
   # No cache flush between workloads (--cache-control none): a replay pays the write-back of what
-  # the replay before it left dirty in L2, as back-to-back replays do.
-  step ncu_hbm 240 ncu --clock-control none --cache-control none --profile-from-start off --graph-profiling graph \
-    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
-    -o "$out/ncu_hbm" -f python3 scripts/trace_phases.py --no-trace --ranks 8 --num-sms 16 --tokens 128 \
-    --replays 5 --profiler-range 3
-  ncu -i "$out/ncu_hbm.ncu-rep" --csv --page raw --print-units base >"$out/ncu_hbm.csv" 2>&1
-  ncu -i "$out/ncu_hbm.ncu-rep" --page details --print-units base >"$out/ncu_hbm.txt" 2>&1
-  tail -n 60 "$out/ncu_hbm.txt"
+  # the replays before it left dirty in L2, as back-to-back replays do. Both phases in turn, then
+  # dispatch alone (what a dispatch writes back when no combine runs between).
+  for phases in both dispatch; do
+    step "ncu_hbm_$phases" 240 ncu --clock-control none --cache-control none --profile-from-start off \
+      --graph-profiling graph --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
+      -o "$out/ncu_hbm_$phases" -f python3 scripts/trace_phases.py --no-trace --ranks 8 --num-sms 16 --tokens 128 \
+      --replays 5 --profiler-range 6 --profiler-phases "$phases"
+    ncu -i "$out/ncu_hbm_$phases.ncu-rep" --csv --page raw --print-units base >"$out/ncu_hbm_$phases.csv" 2>&1
+  done
 fi
 if has fault; then
   TAIL=20 step fault_latency 240 python3 scripts/fault_latency.py --json "$out/fault.json"

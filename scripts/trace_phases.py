@@ -91,20 +91,22 @@ def summarize(trace: np.ndarray, num_blocks: int, t0: int) -> dict:
     return out
 
 
-def profile_range(torch, graphs: dict, replays: int) -> None:
-    """Replay each graph ``replays`` times, in the order dispatch, combine, between cudaProfilerStart
-    and Stop, after a device copy and a fill of 64 MiB (a workload of known bytes: 64 MiB read and
-    written, 64 MiB written), each synchronised so that a profiler serialising workloads sees them
-    apart."""
+def profile_range(torch, graphs: dict, replays: int, phases: tuple[str, ...] = ("dispatch", "combine")) -> None:
+    """Replay each graph of ``phases`` ``replays`` times, in that order, between cudaProfilerStart
+    and Stop, after two kernels of known bytes on buffers of their own: an elementwise pass over
+    64 MiB (64 MiB read and 64 MiB written; a plain copy would be a memcpy, which a kernel profiler
+    does not see) and a fill of 64 MiB (written only). Synchronised between them."""
     num_bytes = 64 << 20
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
+    dst, filled = torch.empty_like(src), torch.empty_like(src)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    dst.copy_(src)
-    dst.fill_(0x5A)
+    torch.bitwise_not(src, out=dst)
+    torch.cuda.synchronize()
+    filled.fill_(0x5A)
+    torch.cuda.synchronize()
     for _ in range(replays):
-        for name in ("dispatch", "combine"):
+        for name in phases:
             graphs[name].replay()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
@@ -132,10 +134,13 @@ def main() -> None:
     parser.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True,
                         help="build with EP_TRACE and print the timeline; --no-trace: the library's own kernels")
     parser.add_argument("--profiler-range", type=int, default=0, metavar="REPLAYS",
-                        help="after the timed replays, this many replays of each graph (and a device copy and a "
-                             "fill of 64 MiB, to calibrate) between cudaProfilerStart and Stop: for "
+                        help="after the timed replays, this many replays of each graph (and an elementwise pass and "
+                             "a fill of 64 MiB, to calibrate) between cudaProfilerStart and Stop: for "
                              "`ncu --profile-from-start off --graph-profiling graph`, which profiles each graph "
                              "replay as one workload, its rank kernels running together")
+    parser.add_argument("--profiler-phases", choices=("both", "dispatch"), default="both",
+                        help="the graphs --profiler-range replays: both phases in turn, or dispatch alone (whose "
+                             "replays then write back only what earlier dispatches left in L2)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.ranks > MAX_RANKS:
@@ -207,9 +212,14 @@ def main() -> None:
             event_us[name].append(start.elapsed_time(end) * 1e3)
 
     if args.profiler_range:
-        profile_range(torch, graphs, args.profiler_range)
+        profile_range(torch, graphs, args.profiler_range,
+                      ("dispatch", "combine") if args.profiler_phases == "both" else ("dispatch",))
     if not args.trace:
-        print("event p50 us: " + ", ".join(f"{k} {np.median(v):.1f}" for k, v in event_us.items()))
+        event_us_p50 = {k: float(np.median(v)) for k, v in event_us.items()}
+        print("event p50 us: " + ", ".join(f"{k} {v:.1f}" for k, v in event_us_p50.items()))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"config": vars(args), "event_us_p50": event_us_p50}, f, indent=1)
         group.spawn(lambda g: buffers[g.rank].destroy())
         return
 

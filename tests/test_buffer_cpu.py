@@ -657,6 +657,8 @@ DISPATCH_REJECTIONS = [
     ("use-fp8-str", TypeError, r"dispatch: use_fp8 must be a bool, got str", lambda c: dict(use_fp8="no")),
     ("hook-int", TypeError, r"dispatch: return_recv_hook must be a bool, got int",
      lambda c: dict(return_recv_hook=1)),
+    ("round-scale-numpy-bool", TypeError, r"dispatch: round_scale must be a bool, got numpy\.bool",
+     lambda c: dict(use_fp8=True, round_scale=np.True_)),
     ("timeout-past-int64-ns", ValueError, r"dispatch: timeout_us must be <= 9223372036854775",
      lambda c: dict(timeout_us=10**20)),
     ("experts-float", TypeError, r"dispatch: num_experts must be an int, got float", lambda c: dict(num_experts=4.0)),
@@ -699,11 +701,13 @@ COMBINE_REJECTIONS = [
      lambda c: dict(active_ranks=read_only(VCASE.actives[c.rank]))),
     ("out-inside-x", ValueError, r"combine: out combined_x shares memory with x",
      lambda c: dict(out=c.expert_out[0, :VCASE.xs[c.rank].shape[0]])),
-    ("topk-other-expert", ValueError, r"combine: topk_idx must hold the ids given to the dispatch of handle; entry",
+    ("topk-other-expert", ValueError, r"combine: topk_idx must name the experts given to the dispatch of handle "
+                                      r"\(or -1\); entry \(\d, 1\) is",
      lambda c: dict(topk_idx=other_expert(c))),
-    ("topk-out-of-range", ValueError, r"combine: topk_idx must hold the ids given to the dispatch .* is 99",
-     lambda c: dict(topk_idx=with_entry(VCASE.topk_idxs[c.rank], 99))),
     ("timeout-past-int64-ns", ValueError, r"combine: timeout_us must be <= ", lambda c: dict(timeout_us=2**62)),
+    ("renormalize-str", TypeError, r"combine: renormalize must be a bool, got str", lambda c: dict(renormalize="no")),
+    ("zero-copy-numpy-bool", TypeError, r"combine: zero_copy must be a bool, got numpy\.bool",
+     lambda c: dict(zero_copy=np.False_)),
 ]
 
 
@@ -751,6 +755,28 @@ def test_rejected_dispatch_names_the_argument_and_leaves_buffer_usable(exc, patt
 def test_rejected_combine_names_the_argument_and_leaves_buffer_usable(exc, pattern, make_overrides,
                                                                      rejecting_ranks):
     check_validation(spawn(2, validation_rank, "combine", make_overrides, exc, pattern, rejecting_ranks))
+
+
+@pytest.mark.parametrize("unnamed", [-1, 4, 99])
+def test_combine_entries_naming_no_expert_add_nothing(unnamed):
+    """An entry of combine's ids that names no expert (-1, or outside [0, E), as the kernels read it)
+    adds nothing: the same as its weight set to 0."""
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, VCASE)
+        args = dispatch_args(VCASE, rank)
+        recv_x, _, handle, _, _ = buf.dispatch(**args, **BF16_FLAGS)
+        expert_out = expert_fn(rank, recv_x, None, BF16_FLAGS)
+        ids, weights = args["topk_idx"], VCASE.weights[rank]
+        entry = tuple(np.argwhere(ids >= 0)[0])  # an entry the dispatch sent
+        unnamed_ids, zero_weight = ids.copy(), weights.copy()
+        unnamed_ids[entry], zero_weight[entry] = unnamed, 0
+        expected, _, _ = buf.combine(expert_out, ids, zero_weight, args["active_ranks"], -1, handle)
+        combined, _, _ = buf.combine(expert_out, unnamed_ids, weights, args["active_ranks"], -1, handle)
+        return expected, combined
+    for expected, combined in spawn(2, rank_fn):
+        assert np.any(bits(expected) != 0)
+        np.testing.assert_array_equal(bits(combined), bits(expected))
 
 
 def test_handle_from_another_buffer_is_refused():

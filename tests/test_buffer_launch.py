@@ -249,8 +249,13 @@ def test_calls_after_destroy_are_refused(setup):
     buf, cuda, device, inputs = setup
     _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
                                       out=dispatch_out(device, False))
+    _, _, _, _, hook = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                    return_recv_hook=True, out=dispatch_out(device, False))
     buf._cuda = None  # what destroy() leaves (the recording stand-in has no workspace to free)
     buf.destroy()
+    with pytest.raises(RuntimeError, match="hook: this Buffer was destroyed"):
+        hook()  # its receive half would launch on the freed workspace
+    assert [l.phases for l in cuda.launches] == [SEND | RECV, SEND]
     for call in (lambda: buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False),
                  lambda: buf.combine(None, inputs["topk_idx"], device(np.ones((3, K), np.float32)),
                                      inputs["active_ranks"], -1, handle, zero_copy=True),

@@ -169,7 +169,8 @@ def as_jax(where: str, name: str, value):
             if outside.any():
                 first = tuple(int(i) for i in np.argwhere(outside)[0]) if value.ndim else ()
                 raise ValueError(f"{where}: {name} holds {int(value[first])} at {first}, outside int32, and with "
-                                 f"jax_enable_x64 off JAX would wrap it into int32 without a word")
+                                 f"jax_enable_x64 off JAX would wrap it into int32 without a word; pass int32 "
+                                 f"values, or enable jax_enable_x64")
         return jnp.asarray(value)
     raise TypeError(f"{where}: {name} must be a jax.Array (or a numpy array), got {type(value).__module__}."
                     f"{type(value).__qualname__}; convert it with jax.dlpack.from_dlpack")
