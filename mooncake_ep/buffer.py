@@ -168,8 +168,8 @@ class Buffer:
         self._num_combines = 0
         self._pending_hooks: set[int] = set()
         self._destroyed = False
-        # Address sets of out= calls already found disjoint (_check_disjoint).
-        self._disjoint_spans: set[tuple] = set()
+        # (id(plan), pointers...) of out= calls already found disjoint (_check_disjoint).
+        self._disjoint_addresses: set[tuple] = set()
         # Checked plans by (call, array signatures, arguments): a call whose arrays have the layouts
         # of an earlier, accepted call skips the layout checks (they would pass again).
         self._plans: dict[tuple, _Plan] = {}
@@ -333,9 +333,11 @@ class Buffer:
             self._remember(key, plan, x_view)
         if x_view.device_type == "cpu":  # values of host arrays: read every call
             check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
-        if out_views is not None:  # addresses: every call
-            self._check_disjoint(where, plan, _DISPATCH_SPAN_NAMES[use_fp8],
-                                 _dispatch_spans(out_views, active_view, x_view, topk_view))
+        if out_views is not None:  # addresses: every call, looked up for a remembered plan
+            addresses = (id(plan), x_view.ptr, topk_view.ptr, active_view.ptr, *[view.ptr for view, _ in out_views])
+            if addresses not in self._disjoint_addresses:
+                self._check_disjoint(where, plan, addresses, _DISPATCH_SPAN_NAMES[use_fp8],
+                                     _dispatch_spans(out_views, active_view, x_view, topk_view))
         parity = self._num_dispatches % layout.NUM_PARITIES
         if parity in self._pending_hooks:
             raise RuntimeError(f"{where}: the dispatch two calls ago still waits for its hook(); call it first "
@@ -509,9 +511,12 @@ class Buffer:
             self._remember(key, plan, topk_view)
         if topk_view.device_type == "cpu":  # values of host arrays: read every call
             self._check_same_routing(where, handle, topk_view)
-        if out_views is not None:  # addresses: every call
-            self._check_disjoint(where, plan, _COMBINE_SPAN_NAMES[x_view is None],
-                                 _combine_spans(out_views[0][0], active_view, x_view, topk_view, weights_view))
+        if out_views is not None:  # addresses: every call, looked up for a remembered plan
+            addresses = (id(plan), topk_view.ptr, weights_view.ptr, active_view.ptr, out_views[0][0].ptr,
+                         0 if x_view is None else x_view.ptr)
+            if addresses not in self._disjoint_addresses:
+                self._check_disjoint(where, plan, addresses, _COMBINE_SPAN_NAMES[x_view is None],
+                                     _combine_spans(out_views[0][0], active_view, x_view, topk_view, weights_view))
         outputs = out_views if out_views is not None else self._allocate(plan, topk_view)
         self._num_combines += 1
         if handle.backend == "reference":
@@ -769,6 +774,7 @@ class Buffer:
             return
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
+            self._disjoint_addresses.clear()  # keyed by the ids of the plans just dropped
         self._plans[key] = plan
 
     def _check_active(self, where: str, view: ArrayView, like: ArrayView) -> None:
@@ -785,16 +791,17 @@ class Buffer:
                 f"Buffer.get_ep_buffer_size_hint"
             )
 
-    def _check_disjoint(self, where: str, plan: _Plan, names: tuple, views: list) -> None:
-        """check_disjoint for a call with out=, once per set of addresses (callers that reuse their
-        arrays, as graphs and static buffers do, pay a tuple lookup; ~4 us for the full check)."""
-        key = (where, plan.span_nbytes, *[view.ptr for view in views])
-        if key in self._disjoint_spans:
-            return
+    def _check_disjoint(self, where: str, plan: _Plan, addresses: tuple, names: tuple, views: list) -> None:
+        """check_disjoint for a call with out= whose ``addresses`` (its plan's id, then its arrays'
+        pointers) were not found disjoint before. Remembered plans (device arrays) remember them
+        too: callers that reuse their arrays, as graphs and static buffers do, then pay one tuple
+        lookup a call instead of the full check (~4 us). The plan's id stands for its sizes: a
+        remembered plan lives until the plans are cleared, and these with it (_remember)."""
         check_disjoint(where, names[0], views, plan.span_nbytes, names[1])
-        if len(self._disjoint_spans) >= _MAX_PLANS:
-            self._disjoint_spans.clear()
-        self._disjoint_spans.add(key)
+        if views[0].device_type == "cuda":
+            if len(self._disjoint_addresses) >= _MAX_DISJOINT_ADDRESSES:  # out= arrays that keep changing
+                self._disjoint_addresses.clear()
+            self._disjoint_addresses.add(addresses)
 
     def _check_same_routing(self, where: str, handle: Handle, topk_view: ArrayView) -> None:
         """Host arrays: an entry of combine's topk_idx that names an expert must name the one its
@@ -846,6 +853,8 @@ class _Plan(NamedTuple):
 
 # Checked plans a Buffer keeps; far more than the configurations an engine uses.
 _MAX_PLANS = 256
+# Address sets of out= calls a Buffer remembers as disjoint; more than the buffers an engine cycles.
+_MAX_DISJOINT_ADDRESSES = 1024
 
 
 def _signature(view: ArrayView) -> tuple:
