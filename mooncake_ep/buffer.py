@@ -20,7 +20,7 @@ from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array
 from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, check_array, check_disjoint, check_expert_ids, check_experts,
                                     check_flags, check_hidden, check_int, check_mutable, check_out, check_timeout,
-                                    check_writable, read_out)
+                                    check_writable, first_index, read_out)
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -813,7 +813,7 @@ class Buffer:
         given = topk_view.numpy()
         differs = (given != dispatched) & (given >= 0) & (given < handle.num_experts)
         if differs.any():
-            first = tuple(int(i) for i in np.argwhere(differs)[0])
+            first = first_index(differs)
             raise ValueError(f"{where}: topk_idx must name the experts given to the dispatch of handle (or -1); "
                              f"entry {first} is {int(given[first])}, the dispatch had {int(dispatched[first])}")
 

@@ -16,7 +16,7 @@ from mooncake_ep.tensor import ArrayView, read_array
 
 __all__ = ["check_int", "check_hidden", "check_experts", "check_timeout", "check_flags", "check_array",
            "check_expert_ids", "read_out", "check_out", "check_writable", "check_disjoint", "check_mutable",
-           "is_raw_bits", "IMMUTABLE_FRAMEWORKS"]
+           "first_index", "is_raw_bits", "IMMUTABLE_FRAMEWORKS"]
 
 
 def check_int(where: str, name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> None:
@@ -97,11 +97,16 @@ def is_raw_bits(view: ArrayView, dtypes: tuple[str, ...]) -> bool:
     return any(raw_bits.get(dtype) == view.dtype for dtype in dtypes)
 
 
+def first_index(mask: np.ndarray) -> tuple[int, ...]:
+    """The index of the first true element of ``mask`` (row-major), for naming a bad entry."""
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(mask)), mask.shape))
+
+
 def check_expert_ids(where: str, topk_view: ArrayView, num_experts: int, num_max_tokens: int) -> None:
     ids = topk_view.numpy()
     bad = (ids < _constants.NO_EXPERT) | (ids >= num_experts)
     if bad.any():
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        first = first_index(bad)
         raise ValueError(f"{where}: topk_idx entries must be -1 or in [0, {num_experts}), got {int(ids[first])} "
                          f"at {first}")
     # recv_x holds num_ranks * T rows per expert, so each rank may send an expert at most T copies:

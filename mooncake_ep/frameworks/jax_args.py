@@ -13,6 +13,7 @@ import numpy as np
 
 from mooncake_ep.buffer import Buffer
 from mooncake_ep.tensor import c_contiguous_strides
+from mooncake_ep.validation import first_index
 
 __all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_devices", "check_parity", "varying_like",
            "DLPACK_CPU", "DLPACK_CUDA"]
@@ -167,7 +168,7 @@ def as_jax(where: str, name: str, value):
             low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
             outside = (value < low) | (value > high)
             if outside.any():
-                first = tuple(int(i) for i in np.argwhere(outside)[0]) if value.ndim else ()
+                first = first_index(outside)
                 raise ValueError(f"{where}: {name} holds {int(value[first])} at {first}, outside int32, and with "
                                  f"jax_enable_x64 off JAX would wrap it into int32 without a word; pass int32 "
                                  f"values, or enable jax_enable_x64")
