@@ -214,17 +214,24 @@ def main() -> None:
     if args.profiler_range:
         profile_range(torch, graphs, args.profiler_range,
                       ("dispatch", "combine") if args.profiler_phases == "both" else ("dispatch",))
-    if not args.trace:
-        event_us_p50 = {k: float(np.median(v)) for k, v in event_us.items()}
-        print("event p50 us: " + ", ".join(f"{k} {v:.1f}" for k, v in event_us_p50.items()))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"config": vars(args), "event_us_p50": event_us_p50}, f, indent=1)
-        group.spawn(lambda g: buffers[g.rank].destroy())
-        return
+    report = {"config": vars(args), "event_us_p50": {k: float(np.median(v)) for k, v in event_us.items()}}
+    if args.trace:
+        report |= timeline(args, buffers, graphs, event_us)
+    else:
+        print("event p50 us: " + ", ".join(f"{k} {v:.1f}" for k, v in report["event_us_p50"].items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    group.spawn(lambda g: buffers[g.rank].destroy())
 
-    # The timeline of one more replay of each graph, on cleared traces (only the last block of a
-    # phase writes points 2 and 7, so uncleared slots would hold earlier replays' values).
+
+def timeline(args, buffers, graphs: dict, event_us: dict) -> dict:
+    """The traced timeline of one more replay of each graph, printed per rank; returns the report's
+    ``num_sms`` and ``phases``."""
+    import torch
+
+    # On cleared traces: only the last block of a phase writes points 2 and 7, so uncleared slots
+    # would hold earlier replays' values.
     dispatch_name = kernels.dispatch_launcher_name(args.fp8, False, False)
     launchers = {"dispatch": [b._cuda.launchers[dispatch_name] for b in buffers],
                  "combine": [b._cuda.launchers["combine"] for b in buffers]}
@@ -234,8 +241,7 @@ def main() -> None:
     torch.cuda.synchronize()
     traces = {name: [read_trace(launcher, r) for r, launcher in enumerate(launchers[name])] for name in launchers}
     num_blocks = buffers[0]._cuda.num_sms
-    report = {"config": vars(args), "num_sms": num_blocks, "event_us_p50": {k: float(np.median(v)) for k, v in event_us.items()},
-              "phases": {}}
+    report = {"num_sms": num_blocks, "phases": {}}
     for name in ("dispatch", "combine"):
         entries = np.concatenate([t[0, :num_blocks] for t in traces[name]]).astype(np.int64)
         t0 = int(entries[entries > 0].min())
@@ -257,10 +263,7 @@ def main() -> None:
             extra = "".join(f"{'-':>11}" if row[k] is None else f"{row[k]:>11.1f}"
                             for k in ("block0_send_done_us", "others_send_done_us"))
             print(f"{r:>4}" + "".join(cells) + extra)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    group.spawn(lambda g: buffers[g.rank].destroy())
+    return report
 
 
 if __name__ == "__main__":
