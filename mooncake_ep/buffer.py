@@ -336,8 +336,12 @@ class Buffer:
         if out_views is not None:  # addresses: every call, looked up for a remembered plan
             addresses = (id(plan), x_view.ptr, topk_view.ptr, active_view.ptr, *[view.ptr for view, _ in out_views])
             if addresses not in self._disjoint_addresses:
-                self._check_disjoint(where, plan, addresses, _DISPATCH_SPAN_NAMES[use_fp8],
+                self._check_disjoint(where, plan, addresses, _DISPATCH_SPAN_NAMES[use_fp8, True],
                                      _dispatch_spans(out_views, active_view, x_view, topk_view))
+        else:  # fresh results overlap nothing, but active_ranks (the kernels write it) may overlap an input
+            names, num_written = _DISPATCH_SPAN_NAMES[use_fp8, False]
+            check_disjoint(where, names, _dispatch_spans(None, active_view, x_view, topk_view), plan.span_nbytes,
+                           num_written)
         parity = self._num_dispatches % layout.NUM_PARITIES
         if parity in self._pending_hooks:
             raise RuntimeError(f"{where}: the dispatch two calls ago still waits for its hook(); call it first "
@@ -392,8 +396,7 @@ class Buffer:
             specs.append(("recv_scales", scale_shape, "int32" if use_ue8m0 else "float32"))
         specs.append(("recv_count", (num_local_experts,), "int32"))
         check_out(where, out_views, specs, x_view)
-        spans = () if out_views is None else _dispatch_spans(out_views, active_view, x_view, topk_view)
-        return _Plan.of(num_tokens, hidden, num_topk, specs, spans)
+        return _Plan.of(num_tokens, hidden, num_topk, specs, _dispatch_spans(out_views, active_view, x_view, topk_view))
 
     def _check_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
                         num_max_dispatch_tokens_per_rank: int, num_experts: int, *, timeout_us: int, use_fp8: bool,
@@ -515,8 +518,12 @@ class Buffer:
             addresses = (id(plan), topk_view.ptr, weights_view.ptr, active_view.ptr, out_views[0][0].ptr,
                          0 if x_view is None else x_view.ptr)
             if addresses not in self._disjoint_addresses:
-                self._check_disjoint(where, plan, addresses, _COMBINE_SPAN_NAMES[x_view is None],
+                self._check_disjoint(where, plan, addresses, _COMBINE_SPAN_NAMES[x_view is None, True],
                                      _combine_spans(out_views[0][0], active_view, x_view, topk_view, weights_view))
+        else:
+            names, num_written = _COMBINE_SPAN_NAMES[x_view is None, False]
+            check_disjoint(where, names, _combine_spans(None, active_view, x_view, topk_view, weights_view),
+                           plan.span_nbytes, num_written)
         outputs = out_views if out_views is not None else self._allocate(plan, topk_view)
         self._num_combines += 1
         if handle.backend == "reference":
@@ -549,8 +556,8 @@ class Buffer:
             check_array(where, "x", x_view, dtypes=("bfloat16",), shape=shape, like=topk_view)
         specs = (("combined_x", (handle.num_tokens, handle.hidden), "bfloat16"),)
         check_out(where, out_views, specs, topk_view)
-        spans = () if out_views is None else _combine_spans(out_views[0][0], active_view, x_view, topk_view,
-                                                            weights_view)
+        combined_view = None if out_views is None else out_views[0][0]
+        spans = _combine_spans(combined_view, active_view, x_view, topk_view, weights_view)
         return _Plan.of(handle.num_tokens, handle.hidden, handle.num_topk, specs, spans)
 
     def _check_combine(self, where: str, handle, x_view: ArrayView, topk_view: ArrayView, weights_view: ArrayView,
@@ -839,13 +846,13 @@ class _Plan(NamedTuple):
     # C-contiguous strides of each result, in elements: worked out once per plan, not per
     # allocating call (~0.8 us a result).
     result_strides: tuple
-    # With out=: the bytes of each array of the call, in Buffer._check_disjoint's order.
+    # The bytes of each array of the call, in check_disjoint's order (_DISPATCH_SPAN_NAMES).
     span_nbytes: tuple = ()
 
     @classmethod
     def of(cls, num_tokens: int, hidden: int, num_topk: int, specs, spans=()) -> _Plan:
-        """The plan of a call whose results are ``specs``, (name, shape, dtype) each; ``spans``: with
-        out=, the call's arrays in check_disjoint's order."""
+        """The plan of a call whose results are ``specs``, (name, shape, dtype) each; ``spans``: the
+        call's arrays in check_disjoint's order."""
         specs = tuple((name, tuple(shape), dtype) for name, shape, dtype in specs)
         return cls(num_tokens, hidden, num_topk, specs, tuple(c_contiguous_strides(shape) for _, shape, _ in specs),
                    tuple(view.nbytes for view in spans))
@@ -872,28 +879,39 @@ def _dlpack_stream(first: ArrayView, stream_ptr: int) -> int | None:
     return None if first.device_type == "cpu" else stream_ptr
 
 
-# The arrays of a call with out=, those it writes first (check_disjoint), and their names in errors:
-# dispatch's by use_fp8, combine's by zero_copy (no x).
+# The arrays of a call in check_disjoint's order and their names in errors: first those it writes (its
+# out= arrays, then active_ranks, which the kernels update), then those it only reads. Dispatch's by
+# (use_fp8, out= given), combine's by (zero_copy: no x, out= given).
+def _span_names(out_names: tuple, read_names: tuple) -> tuple[tuple[str, ...], int]:
+    return out_names + ("active_ranks",) + read_names, len(out_names) + 1
+
+
 _DISPATCH_SPAN_NAMES = {
-    False: (("out recv_x", "out recv_count", "active_ranks", "x", "topk_idx"), 3),
-    True: (("out recv_x", "out recv_scales", "out recv_count", "active_ranks", "x", "topk_idx"), 4),
-}
-_COMBINE_SPAN_NAMES = {False: (("out combined_x", "active_ranks", "x", "topk_idx", "topk_weights"), 2),
-                       True: (("out combined_x", "active_ranks", "topk_idx", "topk_weights"), 2)}
+    (use_fp8, with_out): _span_names(
+        (("out recv_x", "out recv_scales", "out recv_count") if use_fp8 else ("out recv_x", "out recv_count"))
+        if with_out else (), ("x", "topk_idx"))
+    for use_fp8 in (False, True) for with_out in (False, True)}
+_COMBINE_SPAN_NAMES = {
+    (zero_copy, with_out): _span_names(("out combined_x",) if with_out else (),
+                                       ("topk_idx", "topk_weights") if zero_copy else ("x", "topk_idx", "topk_weights"))
+    for zero_copy in (False, True) for with_out in (False, True)}
 
 
 def _dispatch_spans(out_views, active_view, x_view, topk_view) -> list:
-    """A dispatch's arrays in the order of _DISPATCH_SPAN_NAMES."""
-    views = [view for view, _ in out_views]
+    """A dispatch's arrays in the order of _DISPATCH_SPAN_NAMES (out_views None: no out=)."""
+    views = [] if out_views is None else [view for view, _ in out_views]
     views += active_view, x_view, topk_view
     return views
 
 
 def _combine_spans(combined_view, active_view, x_view, topk_view, weights_view) -> list:
-    """A combine's arrays in the order of _COMBINE_SPAN_NAMES."""
-    if x_view is None:
-        return [combined_view, active_view, topk_view, weights_view]
-    return [combined_view, active_view, x_view, topk_view, weights_view]
+    """A combine's arrays in the order of _COMBINE_SPAN_NAMES (combined_view None: no out=)."""
+    views = [] if combined_view is None else [combined_view]
+    views.append(active_view)
+    if x_view is not None:
+        views.append(x_view)
+    views += topk_view, weights_view
+    return views
 
 
 def _timeout_ns(timeout_us: int) -> int:

@@ -591,6 +591,30 @@ def x_inside_recv_x(c) -> dict:
     return dict(x=x, out=(recv_x, np.zeros(2, np.int32)))
 
 
+def active_inside_x(c) -> dict:
+    """active_ranks ([2] int32, the rank's mask) is the first 4 bytes of x."""
+    x = VCASE.xs[c.rank].copy()
+    active = x.view(np.int32)[0, :2]
+    active[...] = VCASE.actives[c.rank]
+    return dict(x=x, active_ranks=active)
+
+
+def active_inside_topk(c) -> dict:
+    """active_ranks starts at the last entry of an int32 topk_idx, whose ids stay the rank's own."""
+    ids = VCASE.topk_idxs[c.rank]
+    memory = np.ones(ids.size + 1, np.int32)
+    memory[:ids.size] = ids.ravel()
+    return dict(topk_idx=memory[:ids.size].reshape(ids.shape), active_ranks=memory[ids.size - 1:])
+
+
+def active_inside_weights(c) -> dict:
+    """active_ranks is the first row of topk_weights, read as int32."""
+    weights = VCASE.weights[c.rank].copy()
+    active = weights.view(np.int32)[0]
+    active[...] = VCASE.actives[c.rank]
+    return dict(topk_weights=weights, active_ranks=active)
+
+
 def other_expert(c) -> np.ndarray:
     """The rank's topk_idx with its last entry naming another expert than its dispatch did."""
     topk = VCASE.topk_idxs[c.rank]
@@ -654,6 +678,9 @@ DISPATCH_REJECTIONS = [
     ("out-is-active", ValueError, r"dispatch: out recv_count shares memory with active_ranks", shared_mask_and_count),
     ("out-holds-x", ValueError, r"dispatch: out recv_x shares memory with x", x_inside_recv_x),
     ("out-not-a-tuple", TypeError, r"dispatch: out must be a tuple of arrays", lambda c: dict(out=5)),
+    # Without out= too: the kernels write active_ranks while they read x and topk_idx.
+    ("active-inside-x", ValueError, r"dispatch: active_ranks shares memory with x", active_inside_x),
+    ("active-inside-topk", ValueError, r"dispatch: active_ranks shares memory with topk_idx", active_inside_topk),
     ("use-fp8-str", TypeError, r"dispatch: use_fp8 must be a bool, got str", lambda c: dict(use_fp8="no")),
     ("hook-int", TypeError, r"dispatch: return_recv_hook must be a bool, got int",
      lambda c: dict(return_recv_hook=1)),
@@ -701,6 +728,8 @@ COMBINE_REJECTIONS = [
      lambda c: dict(active_ranks=read_only(VCASE.actives[c.rank]))),
     ("out-inside-x", ValueError, r"combine: out combined_x shares memory with x",
      lambda c: dict(out=c.expert_out[0, :VCASE.xs[c.rank].shape[0]])),
+    ("active-inside-weights", ValueError, r"combine: active_ranks shares memory with topk_weights",
+     active_inside_weights),
     ("topk-other-expert", ValueError, r"combine: topk_idx must name the experts given to the dispatch of handle "
                                       r"\(or -1\); entry \(\d, 1\) is",
      lambda c: dict(topk_idx=other_expert(c))),

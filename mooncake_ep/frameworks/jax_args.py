@@ -6,13 +6,14 @@ Shared by :mod:`mooncake_ep.frameworks.jax_ops` and :mod:`mooncake_ep.jax`; JAX 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from mooncake_ep.buffer import Buffer
-from mooncake_ep.tensor import c_contiguous_strides
+from mooncake_ep.tensor import c_contiguous_strides, numpy_dtype
 from mooncake_ep.validation import first_index
 
 __all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_devices", "check_parity", "varying_like",
@@ -133,6 +134,10 @@ class _AbstractView:
     @property
     def strides(self) -> tuple[int, ...]:
         return c_contiguous_strides(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * numpy_dtype(self.dtype).itemsize
 
     is_contiguous = True
 
