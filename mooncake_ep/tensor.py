@@ -303,6 +303,9 @@ def _read_numpy(obj: np.ndarray, name: str, stream: int | None = None) -> ArrayV
 
 
 _torch_dtypes: dict[Any, str] = {}
+# Real dtypes a public torch API can hand out with the negative bit set: the imaginary part of a
+# conjugated complex tensor. (Checking the bit of every array would cost ~0.1 us each.)
+_TORCH_LAZY_NEGATION_DTYPES = frozenset(("float16", "float32", "float64"))
 _torch_module: list[Any] = []  # torch, once a tensor has been seen (imported lazily, then cached)
 _torch_stream: list[Any] = []  # its current-stream getter, cached with it
 
@@ -344,6 +347,10 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {obj.layout}")
     if dtype is None:
         raise TypeError(f"{name} must have one of the dtypes {DTYPES}, got {obj.dtype}")
+    if dtype in _TORCH_LAZY_NEGATION_DTYPES and obj.is_neg():
+        # Checked before the DLPack fallback too: torch exports such a tensor's memory as it is.
+        raise TypeError(f"{name} is a lazily negated view (torch's negative bit, e.g. from .conj().imag): its "
+                        f"memory holds the negated values; pass .resolve_neg()")
     if obj.is_cuda:
         device_id = obj.get_device()
         # DLPack would make `stream` wait for torch's current stream; the fast path orders

@@ -162,6 +162,17 @@ def test_torch_fast_path():
         assert read_array(torch.zeros(2, dtype=dtype), name="test: x").dtype == name
 
 
+def test_torch_negative_view_refused():
+    """The imaginary part of a conjugated tensor holds the values' negation in memory: reading the
+    memory as it is would flip every sign (torch's own DLPack export does), so it is refused."""
+    weights = torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64).conj().imag
+    assert weights.is_neg()
+    with pytest.raises(TypeError, match=r"^combine: topk_weights is a lazily negated view .*\.resolve_neg\(\)"):
+        read_array(weights, name="combine: topk_weights")
+    resolved = read_array(weights.resolve_neg(), name="combine: topk_weights")
+    np.testing.assert_array_equal(resolved.numpy(), [-2.0, -4.0])
+
+
 def cupy_over_host(shape, dtype, strides=None):
     """A cupy array over host memory: its fast path reads only the pointer and the layout, so no
     GPU is needed as long as nothing dereferences it. Skips where cupy cannot build one."""
