@@ -14,6 +14,11 @@ whenever a call runs too long (HostTimeline). A failing case prints its assertio
 its dumps; ``--json`` keeps everything. A development tool, not part of the library.
 
     python scripts/repeat_case.py --cases async --repeat 20 --trace --json repeat.json
+
+``--macro`` builds the kernels with an experiment's macro (as scripts/ab_kernels.py's variants), so
+that a variant is checked against the reference on every case before it is written in:
+
+    python scripts/repeat_case.py --cases all --repeat 1 --macro EP_TRY=1
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
+import ab_kernels  # noqa: E402 - scripts/, for the macros' parser
 from mooncake_ep import _constants, _cuda_backend, buffer, kernels, layout  # noqa: E402
 
 
@@ -166,9 +172,14 @@ class HostTimeline:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default="async", help="comma-separated substrings of test ids")
+    parser.add_argument("--cases", default="async",
+                        help="comma-separated substrings of test ids, or 'all' (every grid, mode and fault case)")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--trace", action="store_true", help="build the kernels with EP_TRACE=1")
+    parser.add_argument("--macro", action="append", default=[], metavar="EP_NAME=INTEGER",
+                        type=lambda item: ab_kernels.parse_macro(item, "--macro"),
+                        help="an extra NVRTC macro of an experiment (scripts/ab_kernels.py), for its correctness "
+                             "against the reference; repeatable")
     parser.add_argument("--timeout-us", type=int, default=1_000_000,
                         help="the cases' timeout, unless theirs is shorter (the fault cases')")
     parser.add_argument("--json", default=None)
@@ -181,7 +192,10 @@ def main() -> int:
     if args.trace:
         import trace_phases
 
-        kernels._common_macros = trace_phases.traced_macros(kernels._common_macros)
+        kernels._common_macros = trace_phases.traced_macros(kernels._common_macros, dict(args.macro))
+    elif args.macro:
+        original_macros = kernels._common_macros
+        kernels._common_macros = lambda sys_scope: original_macros(sys_scope) | dict(args.macro)
     dumps: list[dict] = []
     original_destroy = _cuda_backend.CudaBackend.destroy
 
@@ -196,7 +210,8 @@ def main() -> int:
     timeline = HostTimeline(args.stall_log)
     wanted = [w for w in args.cases.split(",") if w]
     cases = [dataclasses.replace(c, timeout_us=min(c.timeout_us, args.timeout_us))
-             for c in t.GRID + t.MODES + t.FAULTS if any(w in t._case_id(c) for w in wanted)]
+             for c in t.GRID + t.MODES + t.FAULTS
+             if args.cases == "all" or any(w in t._case_id(c) for w in wanted)]
     if not cases:
         parser.error(f"--cases {args.cases}: no test id matches")
     results = []
