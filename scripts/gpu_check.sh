@@ -5,7 +5,9 @@
 # PACK_TO=FILE.tar.gz (outside OUTDIR) also packs OUTDIR into one archive at the end (for callers that
 # can fetch only a few files back).
 # Stages (default: tests bench warmup sanitizer):
-#   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S)
+#   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S);
+#              with MOONCAKE_EP_TEST_MACROS=EP_X=1,... (tests/conftest.py) an experiment's kernel variant
+#              runs them, and the sanitizer's cases too
 #   bench      the decode-shape benchmark (with the torch baseline), the same with combine reading the
 #              expert outputs from the workspace (the protocol of ranks in other processes), one rank
 #              alone, a tiny payload
