@@ -40,5 +40,6 @@ def test_a_call_past_the_stall_limit_leaves_the_stacks_of_every_thread(tmp_path)
     text = log.read_text()
     assert "a call running for" in text
     assert "in stuck_in_the_call" in text and "in other_thread_waits_here" in text
-    assert [what for what, _, _ in timeline.events] == ["rank 3 dispatch"]
+    # Garbage collections are events too, and one may run meanwhile (after tests that leave garbage).
+    assert [what for what, _, _ in timeline.events if not what.startswith("gc ")] == ["rank 3 dispatch"]
     assert repeat_case.buffer.Buffer.dispatch is original  # close() untimed the calls
