@@ -42,6 +42,7 @@ class RankConfig:
         device_name: the GPU in words, for messages.
         num_sms: blocks per launch asked for; 0 = the default share of the device.
         num_device_sms: SMs of the device (0 on the CPU).
+        token: a random name of the Buffer; every rank adopts rank 0's (:func:`buffer_token`).
     """
 
     version: str
@@ -54,6 +55,7 @@ class RankConfig:
     device_name: str = ""
     num_sms: int = 0
     num_device_sms: int = 0
+    token: str = ""
 
     def pack(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
@@ -101,6 +103,12 @@ def running_dispatches(configs: Sequence[RankConfig]) -> int:
     A replacement continues from there, so its next dispatch uses the same parity as theirs.
     """
     return max((c.num_dispatches for c in configs if c.phase == UPDATE), default=0)
+
+
+def buffer_token(configs: Sequence[RankConfig]) -> str:
+    """The Buffer's name on every rank: rank 0's token. Rank 0 is never replaced, so a process that
+    replaces a dead rank adopts the survivors' name."""
+    return configs[0].token
 
 
 def replaced_ranks(configs: Sequence[RankConfig]) -> list[int]:

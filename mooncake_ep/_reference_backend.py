@@ -3,6 +3,10 @@
 Each call is one collective ``allgather_bytes`` of this rank's inputs; every rank then computes its
 own outputs with :mod:`mooncake_ep.reference`. In hook mode the exchange is the send half and the
 computation is the receive half, as on the GPU.
+
+The exchange is a collective of the whole group: a rank that stops calling holds the others in it
+until the group's ``timeout_s`` (then ``GroupError``). Masking a peer by ``timeout_us`` is the GPU
+kernels'; here a peer masked in ``active_ranks`` contributes nothing, but must still take part.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import pickle
 import numpy as np
 
 from mooncake_ep import reference
+from mooncake_ep._handshake import by_rank
 
 
 class ReferenceBackend:
@@ -25,10 +30,28 @@ class ReferenceBackend:
     def __init__(self, group):
         self.group = group
 
-    def exchange(self, *arrays: np.ndarray | None) -> list[tuple]:
-        """Every rank's arrays, in rank order (the send half of a CPU call)."""
-        blobs = self.group.allgather_bytes(pickle.dumps(tuple(arrays), protocol=pickle.HIGHEST_PROTOCOL))
-        return [pickle.loads(blob) for blob in blobs]
+    def exchange(self, where: str, call: tuple[tuple[str, object], ...], *arrays: np.ndarray | None) -> list[tuple]:
+        """Every rank's arrays, in rank order (the send half of a CPU call).
+
+        ``call`` describes this rank's call as (field, value) pairs: which Buffer (its token), which
+        call and its number, then the arguments every rank must share. The exchange pairs whatever
+        the ranks send, so ranks in different calls (of two Buffers in different orders, or with
+        different T) would mix their data or fail inside numpy; instead every rank raises the same
+        ValueError, naming the first field of ``call`` on which the ranks disagree.
+        """
+        blobs = self.group.allgather_bytes(pickle.dumps((call, arrays), protocol=pickle.HIGHEST_PROTOCOL))
+        gathered = [pickle.loads(blob) for blob in blobs]
+        calls = [dict(their_call) for their_call, _ in gathered]
+        for field, _ in call:
+            values = {rank: their_call.get(field) for rank, their_call in enumerate(calls)}
+            if len(set(values.values())) > 1:
+                if field == "Buffer":  # tokens, named by first appearance
+                    ordinals = {token: i for i, token in enumerate(dict.fromkeys(values.values()))}
+                    values = {rank: f"Buffer #{ordinals[token]}" for rank, token in values.items()}
+                raise ValueError(f"{where}: the ranks are not in the same call: they disagree on {field} "
+                                 f"({by_rank(values)}); every rank must make the same calls, with the same "
+                                 f"arguments, on the same Buffers, in the same order")
+        return [arrays for _, arrays in gathered]
 
     def dispatch(self, gathered: list[tuple], num_max_dispatch_tokens_per_rank: int, num_experts: int, *,
                  use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> reference.DispatchResult:

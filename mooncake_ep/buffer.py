@@ -7,9 +7,11 @@ arrays on the GPU kernels.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -165,8 +167,14 @@ class Buffer:
         self.num_ep_buffer_bytes = int(num_ep_buffer_bytes)
         self.buffer_id = next(_BUFFER_IDS)
         self._num_dispatches = 0
-        self._num_combines = 0
+        # Parities of dispatches whose receive hook is pending, and of the dispatches answered by
+        # combines whose receive hook is pending (a dispatch on that parity would rewrite the
+        # routing that the hook's receive half reads).
         self._pending_hooks: set[int] = set()
+        self._pending_combine_hooks: collections.Counter[int] = collections.Counter()
+        # A random name of this Buffer, made the same on every rank by the handshake (rank 0's):
+        # the reference backend's exchanges carry it (ReferenceBackend.exchange).
+        self._token = os.urandom(8).hex()
         self._destroyed = False
         # (id(plan), pointers...) of out= calls already found disjoint (_check_disjoint).
         self._disjoint_addresses: set[tuple] = set()
@@ -187,6 +195,7 @@ class Buffer:
         # replacing a dead rank continues the survivors' count of dispatches (the next parity).
         configs = _handshake.exchange(group, self._rank_config(_handshake.CONSTRUCT), "Buffer")
         self._num_dispatches = _handshake.running_dispatches(configs)
+        self._token = _handshake.buffer_token(configs)
         if use_cuda:
             self._cuda = self._build_cuda_backend(configs, kernel_cache_dir)
         self.backend = "cuda" if self._cuda is not None else "reference"
@@ -202,8 +211,10 @@ class Buffer:
     def _rank_config(self, phase: str) -> _handshake.RankConfig:
         from mooncake_ep import __version__
 
+        num_pending_hooks = len(self._pending_hooks) + sum(self._pending_combine_hooks.values())
         config = _handshake.RankConfig(__version__, phase, "reference" if self._device_id is None else "cuda",
-                                       self.num_ep_buffer_bytes, self._num_dispatches, len(self._pending_hooks))
+                                       self.num_ep_buffer_bytes, self._num_dispatches, num_pending_hooks,
+                                       token=self._token)
         if self._device_id is None:
             return config
         from mooncake_ep import _cuda_backend
@@ -346,24 +357,29 @@ class Buffer:
         if parity in self._pending_hooks:
             raise RuntimeError(f"{where}: the dispatch two calls ago still waits for its hook(); call it first "
                                f"(at most two receive hooks may be pending)")
+        if self._pending_combine_hooks[parity]:
+            raise RuntimeError(f"{where}: a combine of the dispatch two calls ago still waits for its hook(), whose "
+                               f"receive half reads that dispatch's routing; call it first")
         outputs = out_views if out_views is not None else self._allocate(plan, x_view)
 
         handle = Handle(self.buffer_id, self._num_dispatches, parity, plan.num_tokens, plan.hidden, plan.num_topk,
                         num_experts, num_max_dispatch_tokens_per_rank, self.backend if x_view.device_type == "cuda"
                         else "reference", x_view.framework, x_view.device_id if x_view.device_type == "cuda" else -1,
                         state={"received": False})
-        self._num_dispatches += 1
         if x_view.device_type == "cpu":
+            # The exchange first: ranks found in different calls raise there, all of them, uncounted.
             receive = self._reference_dispatch(handle, x_view, topk_view, active_view, outputs,
                                                dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
+            self._num_dispatches += 1
         else:
+            self._num_dispatches += 1
             launch = self._dispatch_launcher(x_view, topk_view, active_view, [view for view, _ in outputs],
                                              parity=handle.parity,
                                              num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                              num_experts=num_experts, timeout_us=timeout_us, use_fp8=use_fp8,
                                              round_scale=round_scale, use_ue8m0=use_ue8m0)
             receive = self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
-        event, hook = self._finish(handle, receive, async_finish, return_recv_hook, stream_ptr, x_view,
+        event, hook = self._finish("dispatch", handle, receive, async_finish, return_recv_hook, stream_ptr, x_view,
                                    (x_view, topk_view, active_view), outputs)
         objects = _caller_arrays(outputs, x_view)
         recv_x = (objects[0], objects[1]) if use_fp8 else objects[0]
@@ -420,7 +436,10 @@ class Buffer:
     def _reference_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags):
         topk = topk_view.numpy().copy()
         handle.state["topk_idx"] = topk  # combine's must be the same (_check_same_routing)
-        gathered = self._reference.exchange(x_view.numpy().copy(), topk, active_view.numpy().copy())
+        call = (("Buffer", self._token), ("call", "dispatch"), ("dispatch number", handle.dispatch_index),
+                ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
+                ("hidden", handle.hidden), ("num_experts", handle.num_experts), *flags.items())
+        gathered = self._reference.exchange("dispatch", call, x_view.numpy().copy(), topk, active_view.numpy().copy())
 
         def receive():
             result = self._reference.dispatch(gathered, handle.num_max_dispatch_tokens_per_rank, handle.num_experts,
@@ -525,7 +544,6 @@ class Buffer:
             check_disjoint(where, names, _combine_spans(None, active_view, x_view, topk_view, weights_view),
                            plan.span_nbytes, num_written)
         outputs = out_views if out_views is not None else self._allocate(plan, topk_view)
-        self._num_combines += 1
         if handle.backend == "reference":
             receive = self._reference_combine(handle, x_view, topk_view, weights_view, active_view, outputs,
                                               zero_copy, renormalize)
@@ -536,7 +554,7 @@ class Buffer:
                                             hidden=handle.hidden, num_experts=handle.num_experts, zero_copy=zero_copy,
                                             renormalize=renormalize, timeout_us=timeout_us)
             receive = self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
-        event, hook = self._finish(None, receive, async_finish, return_recv_hook, stream_ptr, topk_view,
+        event, hook = self._finish("combine", handle, receive, async_finish, return_recv_hook, stream_ptr, topk_view,
                                    (x_view, topk_view, weights_view, active_view), outputs)
         return _caller_arrays(outputs, topk_view)[0], event, hook
 
@@ -575,7 +593,10 @@ class Buffer:
                            renormalize):
         expert_out = (handle.state["combine_buffer"] if zero_copy else x_view.numpy()).copy()
         metadata = self._reference.dispatch_metadata(handle.state["result"])
-        gathered = self._reference.exchange(expert_out, metadata, active_view.numpy().copy())
+        # The handle's dispatch number names the call: a replacement process continues the count.
+        call = (("Buffer", self._token), ("call", "combine"), ("combined dispatch number", handle.dispatch_index),
+                ("hidden", handle.hidden), ("num_experts", handle.num_experts))
+        gathered = self._reference.exchange("combine", call, expert_out, metadata, active_view.numpy().copy())
         topk, weights = topk_view.numpy().copy(), weights_view.numpy().copy()
 
         def receive():
@@ -712,9 +733,14 @@ class Buffer:
         launch(_SEND | _RECV, launch_stream)
         return None
 
-    def _finish(self, handle, receive, async_finish, return_recv_hook, stream_ptr, like: ArrayView,
+    def _finish(self, call: str, handle: Handle, receive, async_finish, return_recv_hook, stream_ptr, like: ArrayView,
                 inputs: tuple[ArrayView | None, ...], outputs: list[tuple[ArrayView, Any]]):
         """Run or defer the receive half; build the event and the hook.
+
+        ``call`` is ``"dispatch"`` (``handle`` its own: marked received once the receive half ran,
+        failed if it raised) or ``"combine"`` (``handle`` the dispatch it answers). A pending hook
+        is counted until it ran, or raised: a hook is called once, so one that raised is no longer
+        pending (its dispatch's handle is refused by combine with the hook's error).
 
         With async_finish the kernel runs on the communication stream, not the one the caller's
         arrays (``inputs``, and the views of ``outputs``) were made on. As DeepEP does, the arrays are kept
@@ -723,8 +749,10 @@ class Buffer:
         work on the caller's stream before the kernel is done with it.
         """
         if return_recv_hook:
-            if handle is not None:
+            if call == "dispatch":
                 self._pending_hooks.add(handle.parity)
+            else:
+                self._pending_combine_hooks[handle.parity] += 1
             called = []
 
             def hook() -> None:
@@ -732,16 +760,15 @@ class Buffer:
                     raise RuntimeError("hook: this receive hook was already called")
                 self._check_alive("hook")  # its launch would run on the freed workspace
                 called.append(True)
-                if receive is not None:
-                    receive()
-                if handle is not None:
-                    self._pending_hooks.discard(handle.parity)
-                    handle.state["received"] = True
+                try:
+                    self._receive(call, handle, receive)
+                finally:
+                    if call == "dispatch":
+                        self._pending_hooks.discard(handle.parity)
+                    else:
+                        self._pending_combine_hooks[handle.parity] -= 1
             return EventOverlap(), hook
-        if receive is not None:
-            receive()
-        if handle is not None:
-            handle.state["received"] = True
+        self._receive(call, handle, receive)
         if async_finish and like.device_type == "cuda":
             cuda = self._cuda
             done = cuda.record_event(cuda.comm_stream.ptr)
@@ -754,6 +781,19 @@ class Buffer:
                 cuda.stream_wait(frameworks.get(like.framework).current_stream(like.device_id), done)
             return EventOverlap(wait, extra=tuple(view.keepalive for view in views)), None
         return EventOverlap(), None
+
+    @staticmethod
+    def _receive(call: str, handle: Handle, receive) -> None:
+        """Run a receive half (None: it ran with the send half), and mark a dispatch's handle."""
+        try:
+            if receive is not None:
+                receive()
+        except BaseException as error:
+            if call == "dispatch":
+                handle.state["failed"] = f"{type(error).__name__}: {error}"
+            raise
+        if call == "dispatch":
+            handle.state["received"] = True
 
     def _allocate(self, plan: _Plan, like: ArrayView) -> list[tuple[ArrayView, Any]]:
         """The results of a call, allocated in the caller's framework on its device."""
@@ -832,6 +872,10 @@ class Buffer:
         if handle.dispatch_index < self._num_dispatches - layout.NUM_PARITIES:
             raise ValueError(f"{where}: handle is stale: dispatch #{handle.dispatch_index} was overwritten by the "
                              f"{self._num_dispatches - handle.dispatch_index - 1} dispatches after it")
+        failed = handle.state.get("failed")
+        if failed is not None:
+            raise RuntimeError(f"{where}: the receive half of this handle's dispatch raised ({failed}); its results "
+                               f"are undefined: dispatch again")
         if not handle.state["received"]:
             raise RuntimeError(f"{where}: the dispatch of this handle has not received yet: call its hook() first")
 
@@ -927,7 +971,10 @@ def _caller_arrays(outputs, like: ArrayView) -> list:
 
 
 def _write_mask(view: ArrayView, mask: np.ndarray) -> None:
-    """Write the updated active_ranks into the caller's array.
+    """Mark in the caller's active_ranks the ranks the call masked.
+
+    Only zeros are written, as the kernels do: ``mask`` starts from the array as it was at the call,
+    and a receive half that runs later (a hook) must not bring back a rank masked meanwhile.
 
     Note:
         An immutable (JAX) array is never written, even when its memory is reachable: the caller
@@ -937,4 +984,4 @@ def _write_mask(view: ArrayView, mask: np.ndarray) -> None:
         return
     array = view.numpy()
     if array.flags.writeable:
-        array[...] = mask
+        array[mask == 0] = 0

@@ -519,6 +519,123 @@ class Ctx:
         return buf.combine(**args)
 
 
+# --- call sequencing: hooks, ranks in different calls ------------------------------------------------
+
+
+def test_a_receive_hook_writes_only_the_ranks_it_masked():
+    """The kernels only ever write 0 into active_ranks; so does a receive half run later (a hook): a rank
+    masked meanwhile, by the caller or by a newer call's receive half, stays masked."""
+    def rank_fn(group):
+        rank, peer = group.rank, 1 - group.rank
+        buf = new_buffer(group, VCASE)
+        active = np.ones(2, np.int32)  # an engine's one mask, passed to every call
+        args = dispatch_args(VCASE, rank, active_ranks=active)
+        recv_x, _, handle, _, dispatch_hook = buf.dispatch(**args, **BF16_FLAGS, return_recv_hook=True)
+        active[peer] = 0  # the caller learns that the peer died
+        dispatch_hook()
+        after_dispatch = active.copy()
+        active[peer] = 1
+        expert_out = expert_fn(rank, recv_x, None, BF16_FLAGS)
+        _, _, combine_hook = buf.combine(expert_out, VCASE.topk_idxs[rank], VCASE.weights[rank], active, -1, handle,
+                                         return_recv_hook=True)
+        active[peer] = 0
+        combine_hook()
+        return after_dispatch, active.copy()
+
+    for rank, masks in enumerate(spawn(2, rank_fn)):
+        expected = np.ones(2, np.int32)
+        expected[1 - rank] = 0
+        for mask in masks:
+            np.testing.assert_array_equal(mask, expected)
+
+
+def test_a_receive_hook_that_raises_is_no_longer_pending_and_its_handle_is_refused():
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, VCASE)
+        compute = buf._reference.dispatch
+
+        def fails(*args, **kwargs):
+            raise RuntimeError("injected")
+        buf._reference.dispatch = fails  # this rank's receive half fails, after the exchange
+        _, _, handle, _, hook = buf.dispatch(**dispatch_args(VCASE, rank), **BF16_FLAGS, return_recv_hook=True)
+        with pytest.raises(RuntimeError, match="injected"):
+            hook()
+        buf._reference.dispatch = compute
+        with pytest.raises(RuntimeError, match=r"combine: the receive half of this handle's dispatch raised "
+                                               r"\(RuntimeError: injected\)"):
+            Ctx(rank, handle, np.zeros((2, 8, 256), BF16)).combine(buf)
+        with pytest.raises(RuntimeError, match="already called"):
+            hook()
+        # Two more steps: the second dispatch is on the failed one's parity, no longer held by it.
+        return [run_step(buf, VCASE, rank, flags) for flags in (FP8_FLAGS, BF16_FLAGS)]
+
+    results = spawn(2, rank_fn)
+    check_steps(VCASE, FP8_FLAGS, [first for first, _ in results])
+    check_steps(VCASE, BF16_FLAGS, [second for _, second in results])
+
+
+@pytest.mark.parametrize("field,rank_1_overrides", [
+    ("num_max_dispatch_tokens_per_rank", dict(num_max_dispatch_tokens_per_rank=8)),
+    ("hidden", dict(x=np.zeros((len(VCASE.xs[1]), 128), BF16))),
+    ("use_fp8", dict(use_fp8=True)),
+], ids=["T", "hidden", "use_fp8"])
+def test_ranks_in_different_calls_raise_on_every_rank_and_count_nothing(field, rank_1_overrides):
+    """Every rank's call is valid on its own; the exchange finds that they are not the same call."""
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, VCASE, ep.Buffer.get_ep_buffer_size_hint(8, VCASE.hidden, 2, VCASE.num_experts))
+        with pytest.raises(ValueError, match=rf"^dispatch: the ranks are not in the same call: they disagree on "
+                                             rf"{field} \(rank 0: .*, rank 1: .*\); every rank must make the same"):
+            Ctx(rank, None, None).dispatch(buf, **(rank_1_overrides if rank == 1 else {}))
+        assert buf._num_dispatches == 0
+        return run_step(buf, VCASE, rank, FP8_FLAGS)
+
+    check_steps(VCASE, FP8_FLAGS, spawn(2, rank_fn))
+
+
+def test_two_buffers_called_in_different_orders_raise_on_every_rank():
+    """The reference backend's exchanges pair whatever the ranks send: rank 1 calling the Buffers in
+    another order than rank 0 would mix their data. Each exchange names its Buffer instead."""
+    def rank_fn(group):
+        rank = group.rank
+        buffers = [new_buffer(group, VCASE), new_buffer(group, VCASE)]
+        for buf in buffers if rank == 0 else buffers[::-1]:
+            with pytest.raises(ValueError, match=r"dispatch: the ranks are not in the same call: they disagree on "
+                                                 r"Buffer \(rank 0: 'Buffer #0', rank 1: 'Buffer #1'\)"):
+                buf.dispatch(**dispatch_args(VCASE, rank), **BF16_FLAGS)
+        return [run_step(buf, VCASE, rank, FP8_FLAGS) for buf in buffers]
+
+    results = spawn(2, rank_fn)
+    for i in range(2):
+        check_steps(VCASE, FP8_FLAGS, [steps[i] for steps in results])
+
+
+def test_a_pending_combine_hook_holds_its_dispatchs_parity_and_update_ep_member():
+    """A combine's receive half reads the routing of the dispatch it answers: the dispatch two calls
+    later, which rewrites it, waits for that hook, and so does update_ep_member."""
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, VCASE)
+        recv_x, _, handle, _, _ = buf.dispatch(**dispatch_args(VCASE, rank), **BF16_FLAGS)
+        combined, _, hook = Ctx(rank, handle, expert_fn(rank, recv_x, None, BF16_FLAGS)).combine(
+            buf, return_recv_hook=True)
+        buf.dispatch(**dispatch_args(VCASE, rank), **BF16_FLAGS)
+        with pytest.raises(RuntimeError, match=r"dispatch: a combine of the dispatch two calls ago still waits for "
+                                               r"its hook\(\)"):
+            buf.dispatch(**dispatch_args(VCASE, rank), **BF16_FLAGS)
+        with pytest.raises(RuntimeError, match=r"update_ep_member: ranks \[0, 1\] have receive hooks pending"):
+            buf.update_ep_member()
+        hook()
+        assert buf.update_ep_member() == []
+        return combined.copy(), run_step(buf, VCASE, rank, FP8_FLAGS)
+
+    results = spawn(2, rank_fn)
+    for rank, (combined, _) in enumerate(results):
+        np.testing.assert_array_equal(bits(combined), bits(expected_step(VCASE, BF16_FLAGS)[rank].combined))
+    check_steps(VCASE, FP8_FLAGS, [step for _, step in results])
+
+
 def test_zero_copy_without_the_combine_buffer_is_refused_and_buffer_stays_usable():
     case = make_case(18, num_ranks=2, hidden=128)
     flags = BF16_FLAGS

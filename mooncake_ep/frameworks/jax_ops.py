@@ -353,7 +353,10 @@ class _DispatchCallback:
         buffer._check_dispatch(self.where, x_view, topk_view, active_view, c.num_max_dispatch_tokens_per_rank,
                                c.num_experts, timeout_us=c.timeout_us, **c.flags)
         # One collective of the group (the send half), then this rank's reference computation.
-        gathered = buffer._reference.exchange(x_view.numpy().copy(), topk_view.numpy().copy(),
+        call = (("Buffer", buffer._token), ("call", "dispatch (JAX)"), ("parity", c.parity),
+                ("num_max_dispatch_tokens_per_rank", c.num_max_dispatch_tokens_per_rank), ("hidden", c.hidden),
+                ("num_experts", c.num_experts), *c.flags.items())
+        gathered = buffer._reference.exchange(self.where, call, x_view.numpy().copy(), topk_view.numpy().copy(),
                                               active_view.numpy().copy())
         result = buffer._reference.dispatch(gathered, c.num_max_dispatch_tokens_per_rank, c.num_experts, **c.flags)
         _write_dispatch(result, recv_views, active_view, out_views[num_recv + 1:], c.use_fp8)
@@ -453,7 +456,11 @@ class _CombineCallback:
             launch(self.phases, _stream(ctx))
             return
         metadata = _dispatch_metadata(self.where, handle_arrays[:1 + len(_METADATA)])
-        gathered = buffer._reference.exchange(x_view.numpy().copy(), metadata, active_view.numpy().copy())
+        call = (("Buffer", buffer._token), ("call", "combine (JAX)"), ("parity", d.parity),
+                ("num_max_dispatch_tokens_per_rank", d.num_max_dispatch_tokens_per_rank), ("hidden", d.hidden),
+                ("num_experts", d.num_experts))
+        gathered = buffer._reference.exchange(self.where, call, x_view.numpy().copy(), metadata,
+                                              active_view.numpy().copy())
         combined, mask = buffer._reference.combine(gathered, topk_view.numpy().copy(), weights_view.numpy().copy(),
                                                    renormalize=c.renormalize)
         _write(combined_view, combined)
