@@ -187,7 +187,10 @@ def request_capsule(obj: Any, name: str, stream: int | None) -> Any:
         raise TypeError(f"{name} must be an array with __dlpack__ (torch, JAX, cupy, numpy), "
                         f"got {type(obj).__module__}.{type(obj).__qualname__}")
     get_device = getattr(obj, "__dlpack_device__", None)
-    dl_device_type = get_device()[0] if get_device is not None else None
+    try:
+        dl_device_type = get_device()[0] if get_device is not None else None
+    except Exception as error:  # noqa: BLE001 - whatever the producer raises, named for the caller
+        raise _export_error(obj, name, error) from error
     if dl_device_type in (DLDeviceType.kDLCUDA, DLDeviceType.kDLCUDAManaged) and stream is not None:
         # DLPack: the producer makes `stream` wait for its pending writes. 1 = legacy default,
         # 2 = per-thread default, -1 = no synchronisation; 0 is ambiguous and forbidden.
@@ -218,6 +221,18 @@ def request_capsule(obj: Any, name: str, stream: int | None) -> Any:
     except BufferError as error:
         raise TypeError(f"{name}: {type(obj).__qualname__} refused to export through DLPack: "
                         f"{error}") from error
+    except Exception as error:  # noqa: BLE001 - a deleted JAX array, a tracer, ...: named for the caller
+        raise _export_error(obj, name, error) from error
+
+
+def _export_error(obj: Any, name: str, error: Exception) -> TypeError:
+    """What the producer raised, as a TypeError naming the argument (the producer's error chained)."""
+    kind = type(obj)
+    if kind.__module__.partition(".")[0] == "jax" and "Tracer" in kind.__name__:
+        return TypeError(f"{name}: a JAX tracer ({kind.__qualname__}) holds no memory to read: inside jax.jit, grad "
+                         f"or shard_map call mooncake_ep.jax.dispatch / combine")
+    return TypeError(f"{name}: {kind.__qualname__} could not be exported through DLPack "
+                     f"({type(error).__name__}: {error})")
 
 
 @dataclass(frozen=True)

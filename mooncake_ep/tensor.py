@@ -20,6 +20,7 @@ torch tensor arrives, for its fast path.
 from __future__ import annotations
 
 import functools
+import sys
 import math
 from collections.abc import Callable
 from typing import Any
@@ -357,10 +358,16 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
         # nothing, so it is taken only when the caller launches on that very stream.
         if stream is not None and stream != -1 and not _same_stream(_torch_stream[0](device_id), stream):
             return None
-        return ArrayView(obj, obj.data_ptr(), tuple(obj.shape), obj.stride(), dtype, "cuda", device_id, "torch", obj)
-    if obj.device.type != "cpu":
+        device_type = "cuda"
+    elif obj.device.type == "cpu":
+        device_type, device_id = "cpu", 0
+    else:
         raise TypeError(f"{name} must be on a CPU or CUDA device, got torch device {obj.device}")
-    return ArrayView(obj, obj.data_ptr(), tuple(obj.shape), obj.stride(), dtype, "cpu", 0, "torch", obj)
+    ptr = obj.data_ptr()
+    if not ptr and obj.numel():
+        raise TypeError(f"{name} has no memory (data_ptr() is 0): a fake tensor, as torch.compile traces with; "
+                        f"call mooncake_ep on real tensors (outside the traced region)")
+    return ArrayView(obj, ptr, tuple(obj.shape), obj.stride(), dtype, device_type, device_id, "torch", obj)
 
 
 @functools.cache
@@ -457,13 +464,17 @@ def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
         if len(_READERS) >= _MAX_READERS:  # types made on the fly must not pile up
             _READERS.clear()
         reader = _READERS[kind] = _reader_of(kind)
-    view = reader(obj, name, stream)
+    try:
+        view = reader(obj, name, stream)
+    except RuntimeError as error:  # torch's, for tensors without plain strided memory (nested, vmapped)
+        raise TypeError(f"{name}: this {kind.__qualname__} cannot be read as a strided array in memory "
+                        f"({error})") from error
     if view is not None:
         return view
     if _dlpack.is_capsule(obj):
         return _view_from_capsule(obj, obj, name, "dlpack")
     capsule = _dlpack.request_capsule(obj, name, stream)
-    return _view_from_capsule(capsule, obj, name, _framework_of(obj))
+    return _view_from_capsule(capsule, obj, name, _FRAMEWORK_OF_READER.get(reader) or _framework_of(obj))
 
 
 def _no_fast_path(obj: Any, name: str, stream: int | None) -> None:
@@ -471,17 +482,25 @@ def _no_fast_path(obj: Any, name: str, stream: int | None) -> None:
 
 
 def _reader_of(kind: type) -> Callable[[Any, str, int | None], ArrayView | None]:
-    """The fast-path reader of arrays of type ``kind`` (it may still answer None: use DLPack)."""
+    """The fast-path reader of arrays of type ``kind`` (it may still answer None: use DLPack).
+
+    Subclasses count wherever they are defined: a tensor of a type of its own is still a torch
+    tensor, whose results are torch tensors. A framework not imported yet has no arrays.
+    """
     if issubclass(kind, np.ndarray):
         return _read_numpy
-    module = kind.__module__
-    if module.startswith("torch") and issubclass(kind, _torch().Tensor):
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(kind, torch.Tensor):
+        _torch()  # its dtype table and stream getter
         return _read_torch
-    if module.startswith("cupy") and issubclass(kind, _cupy().ndarray):
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(getattr(cupy, "ndarray", None), type) and issubclass(kind, cupy.ndarray):
         return _read_cupy
     return _no_fast_path
 
 
+# The framework of the arrays a reader serves, also when they go through DLPack (another stream).
+_FRAMEWORK_OF_READER = {_read_numpy: "numpy", _read_torch: "torch", _read_cupy: "cupy"}
 # Reader by exact array type, filled as types are first seen: one dict lookup per array read.
 _READERS: dict[type, Callable[[Any, str, int | None], ArrayView | None]] = {}
 _MAX_READERS = 256

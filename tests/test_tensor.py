@@ -173,6 +173,47 @@ def test_torch_negative_view_refused():
     np.testing.assert_array_equal(resolved.numpy(), [-2.0, -4.0])
 
 
+class TensorOfItsOwn(torch.Tensor):
+    """A torch.Tensor subclass defined outside the torch package."""
+
+
+def test_torch_subclasses_defined_anywhere_are_torch_tensors():
+    x = torch.arange(6, dtype=torch.int32).as_subclass(TensorOfItsOwn)
+    assert type(x).__module__ == __name__
+    view = read_array(x, name="test: x")
+    assert (view.framework, view.ptr, view.shape) == ("torch", x.data_ptr(), (6,))
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor:UserWarning")  # torch's, as we read it
+def test_fake_tensors_are_refused_before_their_null_pointer_is_used():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty((4, 128), dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^dispatch: x has no memory \(data_ptr\(\) is 0\): a fake tensor"):
+        read_array(fake, name="dispatch: x")
+    empty = torch.empty((0, 128), dtype=torch.bfloat16)  # no elements: a null pointer is fine
+    assert read_array(empty, name="dispatch: x").shape == (0, 128)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_arrays_without_plain_memory_are_refused_naming_the_argument():
+    x = torch.zeros((4, 128), dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^dispatch: x: this Tensor cannot be read as a strided array in memory"):
+        read_array(torch.nested.nested_tensor([x[:2], x[:3]]), name="dispatch: x")
+    with pytest.raises(TypeError, match=r"^dispatch: x: this Tensor cannot be read as a strided array in memory"):
+        torch.vmap(lambda row: read_array(row, name="dispatch: x").ptr)(x)
+    deleted = jnp.zeros((4, 128), jnp.bfloat16)
+    deleted.delete()
+    with pytest.raises(TypeError, match=r"^dispatch: x: ArrayImpl could not be exported through DLPack"):
+        read_array(deleted, name="dispatch: x")
+    import jax
+
+    with pytest.raises(TypeError, match=r"^dispatch: x: a JAX tracer \(\w*Tracer\) holds no memory to read: "
+                                        r"inside jax\.jit, grad or shard_map call mooncake_ep\.jax"):
+        jax.jit(lambda value: read_array(value, name="dispatch: x").ptr)(jnp.zeros((4, 128), jnp.bfloat16))
+
+
 def cupy_over_host(shape, dtype, strides=None):
     """A cupy array over host memory: its fast path reads only the pointer and the layout, so no
     GPU is needed as long as nothing dereferences it. Skips where cupy cannot build one."""

@@ -60,6 +60,9 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
 def from_numpy(arr: np.ndarray, like: ArrayView) -> jax.Array:
     """Returns a JAX array with ``arr``'s values (a copy) on ``like``'s device.
 
+    ``like`` of a JAX array on one device: that device (DLPack numbers every CPU device 0, and JAX
+    has several of them: a call's results stay where its inputs are).
+
     Raises:
         TypeError: ``arr`` is 64-bit and ``jax_enable_x64`` is off, or its dtype is unknown.
     """
@@ -68,8 +71,10 @@ def from_numpy(arr: np.ndarray, like: ArrayView) -> jax.Array:
     from mooncake_ep.tensor import read_array
 
     _check_x64(read_array(arr, name="jax.from_numpy: arr").dtype, "jax.from_numpy: arr")
-    return jax.device_put(arr, _jax_device(like.device_type, like.device_id,
-                                           "jax.from_numpy: like"))
+    devices = like.obj.devices() if isinstance(like.obj, jax.Array) else ()
+    if len(devices) == 1:
+        return jax.device_put(arr, next(iter(devices)))
+    return jax.device_put(arr, _jax_device(like.device_type, like.device_id, "jax.from_numpy: like"))
 
 
 def current_stream(device_id: int) -> int:
