@@ -7,11 +7,11 @@ arrays on the GPU kernels.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,9 +20,9 @@ import numpy as np
 from mooncake_ep import _constants, _handshake, frameworks, layout, reference
 from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array
-from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, check_array, check_disjoint, check_expert_ids, check_experts,
-                                    check_flags, check_hidden, check_int, check_mutable, check_out, check_timeout,
-                                    check_writable, first_index, read_out)
+from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_array, check_disjoint, check_expert_ids,
+                                    check_experts, check_flags, check_hidden, check_int, check_mutable, check_out,
+                                    check_timeout, check_vector_aligned, check_writable, first_index, read_out)
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -171,7 +171,7 @@ class Buffer:
         # combines whose receive hook is pending (a dispatch on that parity would rewrite the
         # routing that the hook's receive half reads).
         self._pending_hooks: set[int] = set()
-        self._pending_combine_hooks: collections.Counter[int] = collections.Counter()
+        self._pending_combine_hooks: dict[int, int] = {}  # parity -> hooks; a dict: .get is the cheapest miss
         # A random name of this Buffer, made the same on every rank by the handshake (rank 0's):
         # the reference backend's exchanges carry it (ReferenceBackend.exchange).
         self._token = os.urandom(8).hex()
@@ -333,6 +333,7 @@ class Buffer:
         check_timeout(where, timeout_us)
         check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         out_views = read_out(where, out, use_fp8, order)
+        written_tensors = _torch_outputs(where, out_views, _DISPATCH_SPAN_NAMES[use_fp8, True][0])
         # num_experts's type too: 2.0 equals 2 as a key, and must not find the plan of 2 unchecked.
         key = ("dispatch", _signature(x_view), _signature(topk_view), _signature(active_view),
                num_max_dispatch_tokens_per_rank, num_experts, type(num_experts), use_fp8, use_ue8m0,
@@ -344,6 +345,8 @@ class Buffer:
             self._remember(key, plan, x_view)
         if x_view.device_type == "cpu":  # values of host arrays: read every call
             check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
+        elif x_view.ptr % VECTOR_BYTES:
+            check_vector_aligned(where, "x", x_view, plan.span_nbytes[-2])
         if out_views is not None:  # addresses: every call, looked up for a remembered plan
             addresses = (id(plan), x_view.ptr, topk_view.ptr, active_view.ptr, *[view.ptr for view, _ in out_views])
             if addresses not in self._disjoint_addresses:
@@ -357,7 +360,7 @@ class Buffer:
         if parity in self._pending_hooks:
             raise RuntimeError(f"{where}: the dispatch two calls ago still waits for its hook(); call it first "
                                f"(at most two receive hooks may be pending)")
-        if self._pending_combine_hooks[parity]:
+        if self._pending_combine_hooks.get(parity):
             raise RuntimeError(f"{where}: a combine of the dispatch two calls ago still waits for its hook(), whose "
                                f"receive half reads that dispatch's routing; call it first")
         outputs = out_views if out_views is not None else self._allocate(plan, x_view)
@@ -381,6 +384,8 @@ class Buffer:
             receive = self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
         event, hook = self._finish("dispatch", handle, receive, async_finish, return_recv_hook, stream_ptr, x_view,
                                    (x_view, topk_view, active_view), outputs)
+        if written_tensors:
+            frameworks.get("torch").mark_modified(written_tensors)
         objects = _caller_arrays(outputs, x_view)
         recv_x = (objects[0], objects[1]) if use_fp8 else objects[0]
         return recv_x, objects[-1], handle, event, hook
@@ -523,6 +528,7 @@ class Buffer:
                 raise TypeError(f"{where}: x (expert outputs) is required unless zero_copy=True")
             x_view = read_array(x, name="combine: x", stream=order)
         out_views = None if out is None else [(read_array(out, name="combine: out combined_x", stream=order), out)]
+        written_tensors = _torch_outputs(where, out_views, ("out combined_x",))
         key = ("combine", _signature(topk_view), _signature(weights_view), _signature(active_view),
                None if x_view is None else _signature(x_view), handle.num_tokens, handle.num_topk, handle.hidden,
                handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.device_id,
@@ -533,6 +539,8 @@ class Buffer:
             self._remember(key, plan, topk_view)
         if topk_view.device_type == "cpu":  # values of host arrays: read every call
             self._check_same_routing(where, handle, topk_view)
+        elif x_view is not None and x_view.ptr % VECTOR_BYTES:
+            check_vector_aligned(where, "x", x_view, plan.span_nbytes[-3])
         if out_views is not None:  # addresses: every call, looked up for a remembered plan
             addresses = (id(plan), topk_view.ptr, weights_view.ptr, active_view.ptr, out_views[0][0].ptr,
                          0 if x_view is None else x_view.ptr)
@@ -556,6 +564,8 @@ class Buffer:
             receive = self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
         event, hook = self._finish("combine", handle, receive, async_finish, return_recv_hook, stream_ptr, topk_view,
                                    (x_view, topk_view, weights_view, active_view), outputs)
+        if written_tensors:
+            frameworks.get("torch").mark_modified(written_tensors)
         return _caller_arrays(outputs, topk_view)[0], event, hook
 
     def _plan_combine(self, where: str, handle: Handle, topk_view: ArrayView, weights_view: ArrayView,
@@ -752,7 +762,7 @@ class Buffer:
             if call == "dispatch":
                 self._pending_hooks.add(handle.parity)
             else:
-                self._pending_combine_hooks[handle.parity] += 1
+                self._pending_combine_hooks[handle.parity] = self._pending_combine_hooks.get(handle.parity, 0) + 1
             called = []
 
             def hook() -> None:
@@ -768,7 +778,10 @@ class Buffer:
                     else:
                         self._pending_combine_hooks[handle.parity] -= 1
             return EventOverlap(), hook
-        self._receive(call, handle, receive)
+        if receive is not None:
+            self._receive(call, handle, receive)
+        elif call == "dispatch":  # both halves in one launch
+            handle.state["received"] = True
         if async_finish and like.device_type == "cuda":
             cuda = self._cuda
             done = cuda.record_event(cuda.comm_stream.ptr)
@@ -826,7 +839,8 @@ class Buffer:
 
     def _check_active(self, where: str, view: ArrayView, like: ArrayView) -> None:
         check_array(where, "active_ranks", view, dtypes=("int32",), shape=(self.num_ranks,), like=like)
-        if view.framework not in IMMUTABLE_FRAMEWORKS:  # the call writes the ranks it masked into it
+        # The call writes the ranks it masked into it, unless the call is one of immutable arrays.
+        if like.framework not in IMMUTABLE_FRAMEWORKS:
             check_writable(where, "active_ranks", view)
 
     def _check_size(self, where: str, num_max_tokens: int, hidden: int, num_experts: int) -> None:
@@ -839,12 +853,13 @@ class Buffer:
             )
 
     def _check_disjoint(self, where: str, plan: _Plan, addresses: tuple, names: tuple, views: list) -> None:
-        """check_disjoint for a call with out= whose ``addresses`` (its plan's id, then its arrays'
-        pointers) were not found disjoint before. Remembered plans (device arrays) remember them
+        """check_disjoint, and the first out= array's alignment, for a call with out= whose
+        ``addresses`` (its plan's id, then its arrays' pointers) were not found good before. Remembered plans (device arrays) remember them
         too: callers that reuse their arrays, as graphs and static buffers do, then pay one tuple
         lookup a call instead of the full check (~4 us). The plan's id stands for its sizes: a
         remembered plan lives until the plans are cleared, and these with it (_remember)."""
         check_disjoint(where, names[0], views, plan.span_nbytes, names[1])
+        check_vector_aligned(where, names[0][0], views[0], plan.span_nbytes[0])  # out recv_x / combined_x
         if views[0].device_type == "cuda":
             if len(self._disjoint_addresses) >= _MAX_DISJOINT_ADDRESSES:  # out= arrays that keep changing
                 self._disjoint_addresses.clear()
@@ -956,6 +971,30 @@ def _combine_spans(combined_view, active_view, x_view, topk_view, weights_view) 
         views.append(x_view)
     views += topk_view, weights_view
     return views
+
+
+def _torch_outputs(where: str, out_views, names: tuple[str, ...]) -> list:
+    """The torch tensors among a call's out= arrays (None: no out=; ``names`` theirs, in order), which
+    it writes in place.
+
+    One that requires grad is refused, as torch's own out= ops refuse it: the write has no gradient.
+    The call then counts its write in the others' version counters (frameworks.torch.mark_modified).
+    Only while torch records gradients (``torch.is_grad_enabled()``), like its out= check: under
+    ``no_grad`` / ``inference_mode`` (an inference engine's calls) the two cost ~1 us a call for
+    nothing, and an engine that overwrites there a tensor an earlier graph saved is not told.
+    """
+    if out_views is None:
+        return []
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.is_grad_enabled():
+        return []
+    tensors = [tensor for view, tensor in out_views if view.framework == "torch"]
+    for tensor in tensors:
+        if tensor.requires_grad:
+            name = next(name for (_, out), name in zip(out_views, names) if out is tensor)
+            raise ValueError(f"{where}: {name} requires grad, and the call writes into it with no gradient "
+                             f"(torch's out= ops refuse it too); pass a tensor that does not require grad")
+    return tensors
 
 
 def _timeout_ns(timeout_us: int) -> int:

@@ -153,10 +153,28 @@ def check_out(where: str, out_views, specs, like: ArrayView) -> None:
 
 
 def check_writable(where: str, name: str, view: ArrayView) -> None:
-    """An array the call writes into (out=, active_ranks) must not be marked read-only: the write
-    would fail after the peers have been told, or (active_ranks) be dropped without a word."""
+    """An array the call writes into (out=, active_ranks) must not be marked read-only, nor be of an
+    immutable framework: the write would fail after the peers have been told, be dropped without a
+    word, or (a JAX array, whose DLPack export cannot say read-only) change a value JAX shares."""
+    if view.framework in IMMUTABLE_FRAMEWORKS:
+        raise TypeError(f"{where}: {name} is a {view.framework} array, which is immutable, and the call writes "
+                        f"into it; pass a torch, cupy or numpy array (or {view.framework} arrays throughout)")
     if view.readonly:
         raise ValueError(f"{where}: {name} is read-only, and the call writes into it; pass a writable array")
+
+
+# The kernels move rows of x, recv_x, expert outputs and combined_x as 16-byte vectors.
+VECTOR_BYTES = 16
+
+
+def check_vector_aligned(where: str, name: str, view: ArrayView, nbytes: int) -> None:
+    """A device array whose rows the kernels move as 16-byte vectors must start on a 16-byte boundary
+    (its rows then do too: hidden is a multiple of 128); a misaligned access would stop the kernel
+    with an error that poisons the CUDA context for every later call."""
+    if view.device_type == "cuda" and nbytes and view.ptr % VECTOR_BYTES:
+        raise ValueError(f"{where}: {name} starts at {view.ptr:#x}, not on a {VECTOR_BYTES}-byte boundary, and the "
+                         f"kernels move its rows as {VECTOR_BYTES}-byte vectors; pass an array that starts on one "
+                         f"(a copy, or a slice at a multiple of {VECTOR_BYTES} bytes)")
 
 
 def check_disjoint(where: str, names: tuple[str, ...], views, nbytes: tuple[int, ...], num_written: int) -> None:

@@ -33,7 +33,9 @@ from mooncake_ep import _cuda_backend, kernels, tensor
 class HostTensorReportingCuda(torch.Tensor):
     """Host memory that reads as a CUDA tensor on device 0 to mooncake_ep's torch reader."""
 
-    __module__ = "torch.stand_in"  # read_array takes its torch fast path for torch.* types only
+    # Versions before 2026-12-04's ninth session took the torch fast path for types of torch.* only:
+    # kept, so that an old package can be measured against a new one with this script.
+    __module__ = "torch.stand_in"
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @property
@@ -109,6 +111,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--calls", type=int, default=20000, help="timed calls of each kind")
     parser.add_argument("--rounds", type=int, default=5, help="the calls run in this many rounds")
+    parser.add_argument("--grad-enabled", action="store_true",
+                        help="call with torch recording gradients (a training step), not under torch.no_grad() "
+                             "(an inference engine's calls, the default)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not 1 <= args.rounds <= args.calls:
@@ -134,6 +139,7 @@ def main() -> None:
     def combine():
         buffer.combine(expert_out, topk, weights, active, handle=handles[0], out=combined)
 
+    torch.set_grad_enabled(args.grad_enabled)
     dispatch()
     report = {"config": vars(args), "dispatch_us_rounds": p50_rounds_us(dispatch, args.calls, args.rounds),
               "combine_us_rounds": p50_rounds_us(combine, args.calls, args.rounds)}

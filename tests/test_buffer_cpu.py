@@ -519,6 +519,73 @@ class Ctx:
         return buf.combine(**args)
 
 
+# --- torch's autograd and out= ----------------------------------------------------------------------
+
+
+def test_torch_out_arrays_keep_autograd_honest():
+    """An out= tensor that requires grad is refused while torch records gradients (as torch's out= ops
+    refuse it), and each write counts in the version counters: a tensor saved for a backward and then
+    overwritten by the next call makes that backward raise instead of using the new values."""
+    torch = pytest.importorskip("torch")
+
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, VCASE)
+        args = dispatch_args(VCASE, rank, "torch")
+        recv_x = torch.zeros((2, 8, 256), dtype=torch.bfloat16)
+        out = (recv_x, torch.zeros(2, dtype=torch.int32))
+        with pytest.raises(ValueError, match=r"^dispatch: out recv_x requires grad, and the call writes into it"):
+            buf.dispatch(**args, **BF16_FLAGS, out=(recv_x.clone().requires_grad_(), out[1]))
+        with torch.no_grad():  # as torch's out= ops, only while gradients are recorded
+            buf.dispatch(**args, **BF16_FLAGS, out=(recv_x.clone().requires_grad_(), out[1]))
+        versions = (recv_x._version, out[1]._version)
+        buf.dispatch(**args, **BF16_FLAGS, out=out)
+        assert (recv_x._version, out[1]._version) == (versions[0] + 1, versions[1] + 1)
+        scale = torch.ones((), dtype=torch.bfloat16, requires_grad=True)
+        loss = (recv_x * scale).float().sum()  # saves recv_x for the gradient of scale
+        buf.dispatch(**args, **BF16_FLAGS, out=out)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        return run_step(buf, VCASE, rank, FP8_FLAGS)
+
+    check_steps(VCASE, FP8_FLAGS, spawn(2, rank_fn))
+
+
+def test_torch_subclass_callers_get_torch_results():
+    torch = pytest.importorskip("torch")
+
+    class TensorOfItsOwn(torch.Tensor):
+        pass
+
+    def rank_fn(group):
+        buf = new_buffer(group, VCASE)
+        args = dispatch_args(VCASE, group.rank, "torch")
+        args["x"] = args["x"].as_subclass(TensorOfItsOwn)
+        recv_x, recv_count, _, _, _ = buf.dispatch(**args, **BF16_FLAGS)
+        return isinstance(recv_x, torch.Tensor) and isinstance(recv_count, torch.Tensor)
+
+    assert spawn(2, rank_fn) == [True, True]
+
+
+def test_jax_callers_get_results_on_the_device_of_their_arrays():
+    jax = pytest.importorskip("jax")
+    device = jax.devices("cpu")[1]  # not JAX's default device (tests/conftest.py makes 8)
+
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, VCASE)
+        args = {name: jax.device_put(value, device) if name in ("x", "topk_idx", "active_ranks") else value
+                for name, value in dispatch_args(VCASE, rank, "jax").items()}
+        recv_x, recv_count, handle, _, _ = buf.dispatch(**args, **BF16_FLAGS)
+        expert_out = jax.device_put(expert_fn(rank, np.asarray(recv_x), None, BF16_FLAGS), device)
+        combined, _, _ = buf.combine(expert_out, args["topk_idx"], jax.device_put(VCASE.weights[rank], device),
+                                     args["active_ranks"], -1, handle)
+        return [array.devices() for array in (recv_x, recv_count, combined)]
+
+    for devices in spawn(2, rank_fn):
+        assert devices == [{device}] * 3
+
+
 # --- call sequencing: hooks, ranks in different calls ------------------------------------------------
 
 
@@ -795,6 +862,10 @@ DISPATCH_REJECTIONS = [
     ("out-is-active", ValueError, r"dispatch: out recv_count shares memory with active_ranks", shared_mask_and_count),
     ("out-holds-x", ValueError, r"dispatch: out recv_x shares memory with x", x_inside_recv_x),
     ("out-not-a-tuple", TypeError, r"dispatch: out must be a tuple of arrays", lambda c: dict(out=5)),
+    ("out-jax", TypeError, r"dispatch: out recv_count is a jax array, which is immutable, and the call writes into it",
+     lambda c: dict(out=(np.zeros((2, 8, 256), BF16), to_framework(np.zeros(2, np.int32), "jax")))),
+    ("active-jax", TypeError, r"dispatch: active_ranks is a jax array, which is immutable",  # x is numpy
+     lambda c: dict(active_ranks=to_framework(VCASE.actives[c.rank], "jax"))),
     # Without out= too: the kernels write active_ranks while they read x and topk_idx.
     ("active-inside-x", ValueError, r"dispatch: active_ranks shares memory with x", active_inside_x),
     ("active-inside-topk", ValueError, r"dispatch: active_ranks shares memory with topk_idx", active_inside_topk),
@@ -847,6 +918,8 @@ COMBINE_REJECTIONS = [
      lambda c: dict(out=c.expert_out[0, :VCASE.xs[c.rank].shape[0]])),
     ("active-inside-weights", ValueError, r"combine: active_ranks shares memory with topk_weights",
      active_inside_weights),
+    ("out-jax", TypeError, r"combine: out combined_x is a jax array, which is immutable",
+     lambda c: dict(out=to_framework(np.zeros((len(VCASE.xs[c.rank]), 256), BF16), "jax"))),
     ("topk-other-expert", ValueError, r"combine: topk_idx must name the experts given to the dispatch of handle "
                                       r"\(or -1\); entry \(\d, 1\) is",
      lambda c: dict(topk_idx=other_expert(c))),

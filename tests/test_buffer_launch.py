@@ -262,3 +262,31 @@ def test_calls_after_destroy_are_refused(setup):
                  lambda: buf.get_next_combine_buffer(handle)):
         with pytest.raises(RuntimeError, match="this Buffer was destroyed"):
             call()
+
+
+def test_device_arrays_whose_rows_move_as_vectors_must_start_on_16_bytes(setup):
+    """A misaligned vector access would stop the kernel and poison the CUDA context: refused first."""
+    buf, cuda, device, inputs = setup
+    memory = device(np.zeros(3 * H + 8, ml_dtypes.bfloat16))
+    shifted = DeviceMemoryArray(memory.ptr + 2, (3, H), "bfloat16", "cuda", 0, owner=memory)  # one bf16 in
+    with pytest.raises(ValueError, match=r"dispatch: x starts at 0x[0-9a-f]+, not on a 16-byte boundary"):
+        buf.dispatch(**dict(inputs, x=shifted), num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+    recv_x, recv_count = dispatch_out(device, False)
+    rows = device(np.zeros((E // R) * R * T * H + 8, ml_dtypes.bfloat16))
+    shifted_rows = DeviceMemoryArray(rows.ptr + 8, recv_x.shape, "bfloat16", "cuda", 0, owner=rows)
+    with pytest.raises(ValueError, match=r"dispatch: out recv_x starts at 0x[0-9a-f]+, not on a 16-byte boundary"):
+        buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                     out=(shifted_rows, recv_count))
+    assert cuda.launches == [] and buf._num_dispatches == 0
+    _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                      out=(recv_x, recv_count))
+    weights = device(np.ones((3, K), np.float32))
+    expert_out = device(np.zeros((E // R) * R * T * H + 8, ml_dtypes.bfloat16))
+    for x, out, name in [(DeviceMemoryArray(expert_out.ptr + 4, recv_x.shape, "bfloat16", "cuda", 0, owner=expert_out),
+                          None, "x"),
+                         (None, DeviceMemoryArray(memory.ptr + 6, (3, H), "bfloat16", "cuda", 0, owner=memory),
+                          "out combined_x")]:
+        with pytest.raises(ValueError, match=rf"combine: {name} starts at 0x[0-9a-f]+, not on a 16-byte boundary"):
+            buf.combine(x, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, zero_copy=x is None,
+                        out=out)
+    assert [launch.kernel for launch in cuda.launches] == ["dispatch"]

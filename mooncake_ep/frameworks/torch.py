@@ -11,7 +11,7 @@ from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray, torch_curre
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["empty", "from_numpy", "current_stream", "wrap", "record_stream"]
+__all__ = ["empty", "from_numpy", "current_stream", "wrap", "record_stream", "mark_modified"]
 
 # numpy dtypes torch.from_numpy refuses (ml_dtypes) -> unsigned int of the same width; the
 # tensor is then reinterpreted with Tensor.view(dtype), which copies nothing.
@@ -119,3 +119,21 @@ def record_stream(tensors, stream_ptr: int, device_id: int) -> None:
         _external_streams[(stream_ptr, device_id)] = stream
     for tensor in tensors:
         tensor.record_stream(stream)
+
+
+def mark_modified(tensors: list) -> None:
+    """Count a call's in-place write of ``tensors`` in torch's autograd, as torch's own in-place ops do.
+
+    A kernel writes them through their pointers, which torch cannot see: a tensor saved for a
+    backward and then overwritten by a call (an out= array reused) then makes that backward raise,
+    instead of computing a gradient from the new values (``torch.autograd.graph.increment_version``,
+    which skips inference tensors: they have no version counter).
+    """
+    if not _increment_version:
+        import torch
+
+        _increment_version.append(torch.autograd.graph.increment_version)
+    _increment_version[0](tensors)
+
+
+_increment_version: list = []  # torch.autograd.graph.increment_version, bound on first use
