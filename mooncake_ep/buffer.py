@@ -22,7 +22,7 @@ from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array
 from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_array, check_disjoint, check_expert_ids,
                                     check_experts, check_flags, check_hidden, check_int, check_mutable, check_out,
-                                    check_timeout, check_vector_aligned, check_writable, first_index, read_out)
+                                    check_same_routing, check_timeout, check_vector_aligned, check_writable, read_out)
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -866,18 +866,10 @@ class Buffer:
             self._disjoint_addresses.add(addresses)
 
     def _check_same_routing(self, where: str, handle: Handle, topk_view: ArrayView) -> None:
-        """Host arrays: an entry of combine's topk_idx that names an expert must name the one its
-        dispatch was given (the kernels find the expert's row by this id and the dispatch's slot, so
-        another id reads another expert's row). -1, or an id outside [0, E), adds nothing in either."""
+        """Host arrays: combine's topk_idx against its dispatch's (validation.check_same_routing)."""
         dispatched = handle.state.get("topk_idx")
-        if dispatched is None:  # the dispatch ran on the GPU; its ids are not on the host
-            return
-        given = topk_view.numpy()
-        differs = (given != dispatched) & (given >= 0) & (given < handle.num_experts)
-        if differs.any():
-            first = first_index(differs)
-            raise ValueError(f"{where}: topk_idx must name the experts given to the dispatch of handle (or -1); "
-                             f"entry {first} is {int(given[first])}, the dispatch had {int(dispatched[first])}")
+        if dispatched is not None:  # None: the dispatch ran on the GPU; its ids are not on the host
+            check_same_routing(where, topk_view.numpy(), dispatched, handle.num_experts)
 
     def _check_handle(self, where: str, handle) -> None:
         if not isinstance(handle, Handle):

@@ -119,6 +119,17 @@ def check_expert_ids(where: str, topk_view: ArrayView, num_experts: int, num_max
                          f"expert); give each token distinct experts")
 
 
+def check_same_routing(where: str, given: np.ndarray, dispatched: np.ndarray, num_experts: int) -> None:
+    """Host arrays: an entry of combine's topk_idx that names an expert must name the one its dispatch
+    was given (the kernels find the expert's row by this id and the dispatch's slot, so another id
+    reads another expert's row). -1, or an id outside [0, E), adds nothing in either."""
+    differs = (given != dispatched) & (given >= 0) & (given < num_experts)
+    if differs.any():
+        first = first_index(differs)
+        raise ValueError(f"{where}: topk_idx must name the experts given to the dispatch of handle (or -1); "
+                         f"entry {first} is {int(given[first])}, the dispatch had {int(dispatched[first])}")
+
+
 def read_out(where: str, out, nested_fp8: bool, stream: int | None) -> list[tuple[ArrayView, Any]] | None:
     """Read the arrays of a dispatch's ``out=`` (``None``: the call allocates its results)."""
     if out is None:

@@ -447,6 +447,41 @@ def test_bad_dispatch_is_refused_at_trace_time_and_the_buffer_still_works(mutate
     check_rank(0, dispatched, recv, count, FLAGS["bf16"])
 
 
+def test_cpu_combine_refuses_ids_other_than_its_dispatchs():
+    """As Buffer.combine on host arrays: the CPU handle carries its dispatch's ids; an entry naming
+    another expert is refused (the kernels would read that expert's row), -1 adds nothing."""
+    case = make_case(7, num_ranks=1, num_experts=4, num_topk=2)
+    flags = FLAGS["bf16"]
+
+    def rank_fn(group):
+        buffer = reference_buffer(group, case)
+        x, topk, weights, active = (jnp.asarray(a) for a in (case.xs[0], case.topk_idxs[0], case.weights[0],
+                                                              case.actives[0]))
+        recv, _, handle, active = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts,
+                                               **flags)
+        y = expert_fn(0, recv, flags)
+        other = topk.at[0, 0].set((topk[0, 0] + 1) % case.num_experts)
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"mooncake_ep\.jax\.combine: topk_idx must name the "
+                                                              r"experts given to the dispatch of handle \(or -1\); "
+                                                              r"entry \(0, 0\) is"):
+            jax.block_until_ready(epj.combine(buffer, y, other, weights, active, handle))
+        return np.asarray(epj.combine(buffer, y, topk, weights, active, handle)[0])
+
+    (combined,) = spawn(1, rank_fn)
+    np.testing.assert_array_equal(bits(combined), bits(expected(case, flags)[1][0][0]))
+
+    buffers = spawn(1, lambda g: reference_buffer(g, case))  # the split form's receive half checks too
+    x, topk, weights, active = (jnp.asarray(a) for a in (case.xs[0], case.topk_idxs[0], case.weights[0],
+                                                          case.actives[0]))
+    ((recv, _, handle, active),) = epj.dispatch_recv([epj.dispatch_send(buffers[0], x, topk, active,
+                                                                        case.num_max_tokens, case.num_experts, **flags)])
+    other = topk.at[0, 1].set((topk[0, 1] + 1) % case.num_experts)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"mooncake_ep\.jax\.combine_recv: topk_idx must name the "
+                                                          r"experts given to the dispatch of handle"):
+        jax.block_until_ready(epj.combine_recv([epj.combine_send(buffers[0], expert_fn(0, recv, flags), other,
+                                                                 weights, active, handle)]))
+
+
 def test_arrays_of_other_frameworks_and_foreign_handles_are_refused():
     torch = pytest.importorskip("torch")
     case, buffer, (x, topk, active) = one_rank()

@@ -44,13 +44,15 @@ import numpy as np
 from mooncake_ep import reference
 from mooncake_ep.frameworks.jax_args import Ranks, abstract_view, check_parity, varying_like
 from mooncake_ep.tensor import ArrayView, numpy_dtype, read_array
+from mooncake_ep.validation import check_same_routing
 
 __all__ = ["Handle", "PendingDispatch", "PendingCombine", "DispatchConfig", "CombineConfig", "dispatch", "combine",
            "dispatch_config", "combine_config", "check_handle"]
 
 # Kernel phase bits (kPhaseSend / kPhaseRecv in kernels_cu/).
 SEND, RECV = 1, 2
-# Handle metadata the CPU path carries between its ops (reference.DispatchResult's routing fields).
+# Handle metadata the CPU path carries between its ops (reference.DispatchResult's routing fields),
+# then the dispatch's own topk_idx (int32), against which combine checks its ids.
 _METADATA = ("recv_src_rank", "recv_src_token", "recv_src_topk", "layout_range")
 
 
@@ -108,7 +110,8 @@ class DispatchConfig:
         num_local_experts = self.num_experts // self.num_ranks
         rows = (num_local_experts, self.num_ranks * self.num_max_dispatch_tokens_per_rank)
         return [(name, rows, "int32") for name in _METADATA[:3]] + \
-            [("layout_range", (num_local_experts, self.num_ranks, 2), "int32")]
+            [("layout_range", (num_local_experts, self.num_ranks, 2), "int32"),
+             ("dispatched_topk_idx", (self.num_tokens, self.num_topk), "int32")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,16 +362,18 @@ class _DispatchCallback:
         gathered = buffer._reference.exchange(self.where, call, x_view.numpy().copy(), topk_view.numpy().copy(),
                                               active_view.numpy().copy())
         result = buffer._reference.dispatch(gathered, c.num_max_dispatch_tokens_per_rank, c.num_experts, **c.flags)
-        _write_dispatch(result, recv_views, active_view, out_views[num_recv + 1:], c.use_fp8)
+        _write_dispatch(result, recv_views, active_view, out_views[num_recv + 1:], c.use_fp8, topk_view)
 
 
-def _write_dispatch(result: reference.DispatchResult, recv_views, active_view, metadata_views, use_fp8) -> None:
+def _write_dispatch(result: reference.DispatchResult, recv_views, active_view, metadata_views, use_fp8,
+                    topk_view) -> None:
     values = [result.recv_x] + ([result.recv_scales] if use_fp8 else []) + [result.recv_count]
     for view, value in zip(recv_views, values):
         _write(view, value)
     _write(active_view, result.active_ranks)
     for view, name in zip(metadata_views, _METADATA):
         _write(view, getattr(result, name))
+    _write(metadata_views[len(_METADATA)], topk_view.numpy().astype(np.int32))
 
 
 # --- combine ----------------------------------------------------------------------------------------
@@ -455,7 +460,8 @@ class _CombineCallback:
             # Both halves in one launch when both are asked, as Buffer's synchronous calls do.
             launch(self.phases, _stream(ctx))
             return
-        metadata = _dispatch_metadata(self.where, handle_arrays[:1 + len(_METADATA)])
+        check_dispatched_ids(self.where, topk_view, handle_arrays, d.num_experts)
+        metadata = _dispatch_metadata(self.where, handle_arrays)
         call = (("Buffer", buffer._token), ("call", "combine (JAX)"), ("parity", d.parity),
                 ("num_max_dispatch_tokens_per_rank", d.num_max_dispatch_tokens_per_rank), ("hidden", d.hidden),
                 ("num_experts", d.num_experts))
@@ -467,8 +473,14 @@ class _CombineCallback:
         _write(active_view, mask)
 
 
+def check_dispatched_ids(where: str, topk_view, handle_arrays, num_experts: int) -> None:
+    """CPU: combine's topk_idx names the experts its dispatch was given (validation.check_same_routing)."""
+    dispatched = _read(where, "handle", handle_arrays[1 + len(_METADATA)])[0].numpy()
+    check_same_routing(where, topk_view.numpy(), dispatched, num_experts)
+
+
 def _dispatch_metadata(where: str, arrays) -> reference.DispatchResult:
     """The routing of a CPU dispatch, rebuilt from its handle's arrays (what a combine's peers need)."""
-    count, *routing = (_read(where, "handle", a)[0].numpy().copy() for a in arrays)
+    count, *routing = (_read(where, "handle", a)[0].numpy().copy() for a in arrays[:1 + len(_METADATA)])
     src_rank, src_token, src_topk, layout_range = routing
     return reference.DispatchResult(np.empty(0), None, count, src_rank, src_token, src_topk, layout_range, np.empty(0))
