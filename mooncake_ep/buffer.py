@@ -604,7 +604,7 @@ class Buffer:
         expert_out = (handle.state["combine_buffer"] if zero_copy else x_view.numpy()).copy()
         metadata = self._reference.dispatch_metadata(handle.state["result"])
         # The handle's dispatch number names the call: a replacement process continues the count.
-        call = (("Buffer", self._token), ("call", "combine"), ("combined dispatch number", handle.dispatch_index),
+        call = (("Buffer", self._token), ("call", "combine"), ("handle's dispatch number", handle.dispatch_index),
                 ("hidden", handle.hidden), ("num_experts", handle.num_experts))
         gathered = self._reference.exchange("combine", call, expert_out, metadata, active_view.numpy().copy())
         topk, weights = topk_view.numpy().copy(), weights_view.numpy().copy()
@@ -854,10 +854,11 @@ class Buffer:
 
     def _check_disjoint(self, where: str, plan: _Plan, addresses: tuple, names: tuple, views: list) -> None:
         """check_disjoint, and the first out= array's alignment, for a call with out= whose
-        ``addresses`` (its plan's id, then its arrays' pointers) were not found good before. Remembered plans (device arrays) remember them
-        too: callers that reuse their arrays, as graphs and static buffers do, then pay one tuple
-        lookup a call instead of the full check (~4 us). The plan's id stands for its sizes: a
-        remembered plan lives until the plans are cleared, and these with it (_remember)."""
+        ``addresses`` (its plan's id, then its arrays' pointers) were not found good before.
+        Remembered plans (device arrays) remember them too: callers that reuse their arrays, as
+        graphs and static buffers do, then pay one tuple lookup a call instead of the full check
+        (~4 us). The plan's id stands for its sizes: a remembered plan lives until the plans are
+        cleared, and these with it (_remember)."""
         check_disjoint(where, names[0], views, plan.span_nbytes, names[1])
         check_vector_aligned(where, names[0][0], views[0], plan.span_nbytes[0])  # out recv_x / combined_x
         if views[0].device_type == "cuda":

@@ -20,8 +20,8 @@ torch tensor arrives, for its fast path.
 from __future__ import annotations
 
 import functools
-import sys
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
