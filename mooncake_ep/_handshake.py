@@ -69,13 +69,23 @@ def exchange(group, mine: RankConfig, where: str) -> list[RankConfig]:
     """Every rank's config, in rank order, after checking that they fit together (collective).
 
     Raises:
-        ValueError: ranks differ in version, backend, num_ep_buffer_bytes or dispatch count.
+        ValueError: ranks differ in version, backend, num_ep_buffer_bytes or dispatch count, or a
+            rank is in another collective (a call of a Buffer: its blob is no RankConfig).
         RuntimeError: some rank has receive hooks pending (update_ep_member).
         GroupError: from the group (a rank that does not come is named by it).
     """
-    configs = [RankConfig.unpack(blob) for blob in group.allgather_bytes(mine.pack())]
+    configs = [_unpack(blob, rank, where) for rank, blob in enumerate(group.allgather_bytes(mine.pack()))]
     check(configs, where)
     return configs
+
+
+def _unpack(blob: bytes, rank: int, where: str) -> RankConfig:
+    try:
+        return RankConfig.unpack(blob)
+    except (ValueError, TypeError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{where}: the ranks are not in the same call: rank {rank} is not building a Buffer or in "
+                         f"update_ep_member (a dispatch or combine?); every rank must make the same calls, on the "
+                         f"same Buffers, in the same order") from error
 
 
 def check(configs: Sequence[RankConfig], where: str) -> None:

@@ -40,7 +40,7 @@ class ReferenceBackend:
         ValueError, naming the first field of ``call`` on which the ranks disagree.
         """
         blobs = self.group.allgather_bytes(pickle.dumps((call, arrays), protocol=pickle.HIGHEST_PROTOCOL))
-        gathered = [pickle.loads(blob) for blob in blobs]
+        gathered = [_call_and_arrays(blob) for blob in blobs]
         calls = [dict(their_call) for their_call, _ in gathered]
         for field, _ in call:
             values = {rank: their_call.get(field) for rank, their_call in enumerate(calls)}
@@ -68,3 +68,18 @@ class ReferenceBackend:
         expert_outs, results, active_ranks = zip(*gathered)
         return reference.combine(self.group.rank, expert_outs, results, topk_idx, topk_weights, active_ranks,
                                  renormalize=renormalize)
+
+
+# What a peer's blob says when it is not an exchange of data: the Buffer handshake's JSON, which
+# the group's other collectives share the channel with (a rank building a Buffer, or in
+# update_ep_member, while this one is in a call).
+_NOT_A_DATA_EXCHANGE = (("call", "a Buffer construction or update_ep_member"),)
+
+
+def _call_and_arrays(blob: bytes) -> tuple[tuple, tuple]:
+    try:
+        call, arrays = pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - whatever the bytes were, they are not a call of ours
+        return _NOT_A_DATA_EXCHANGE, ()
+    return call, arrays
+

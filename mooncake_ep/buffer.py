@@ -441,7 +441,7 @@ class Buffer:
     def _reference_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags):
         topk = topk_view.numpy().copy()
         handle.state["topk_idx"] = topk  # combine's must be the same (_check_same_routing)
-        call = (("Buffer", self._token), ("call", "dispatch"), ("dispatch number", handle.dispatch_index),
+        call = (("call", "dispatch"), ("Buffer", self._token), ("dispatch number", handle.dispatch_index),
                 ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
                 ("hidden", handle.hidden), ("num_experts", handle.num_experts), *flags.items())
         gathered = self._reference.exchange("dispatch", call, x_view.numpy().copy(), topk, active_view.numpy().copy())
@@ -604,7 +604,7 @@ class Buffer:
         expert_out = (handle.state["combine_buffer"] if zero_copy else x_view.numpy()).copy()
         metadata = self._reference.dispatch_metadata(handle.state["result"])
         # The handle's dispatch number names the call: a replacement process continues the count.
-        call = (("Buffer", self._token), ("call", "combine"), ("handle's dispatch number", handle.dispatch_index),
+        call = (("call", "combine"), ("Buffer", self._token), ("handle's dispatch number", handle.dispatch_index),
                 ("hidden", handle.hidden), ("num_experts", handle.num_experts))
         gathered = self._reference.exchange("combine", call, expert_out, metadata, active_view.numpy().copy())
         topk, weights = topk_view.numpy().copy(), weights_view.numpy().copy()
@@ -839,8 +839,8 @@ class Buffer:
 
     def _check_active(self, where: str, view: ArrayView, like: ArrayView) -> None:
         check_array(where, "active_ranks", view, dtypes=("int32",), shape=(self.num_ranks,), like=like)
-        # The call writes the ranks it masked into it, unless the call is one of immutable arrays.
-        if like.framework not in IMMUTABLE_FRAMEWORKS:
+        # The call writes the ranks it masked into it, unless both it and the call's arrays are immutable.
+        if view.framework not in IMMUTABLE_FRAMEWORKS or like.framework not in IMMUTABLE_FRAMEWORKS:
             check_writable(where, "active_ranks", view)
 
     def _check_size(self, where: str, num_max_tokens: int, hidden: int, num_experts: int) -> None:
@@ -973,8 +973,10 @@ def _torch_outputs(where: str, out_views, names: tuple[str, ...]) -> list:
     One that requires grad is refused, as torch's own out= ops refuse it: the write has no gradient.
     The call then counts its write in the others' version counters (frameworks.torch.mark_modified).
     Only while torch records gradients (``torch.is_grad_enabled()``), like its out= check: under
-    ``no_grad`` / ``inference_mode`` (an inference engine's calls) the two cost ~1 us a call for
-    nothing, and an engine that overwrites there a tensor an earlier graph saved is not told.
+    ``no_grad`` / ``inference_mode`` (an inference engine's calls) the two would cost 1-2 us a call
+    for nothing, and an engine that overwrites there a tensor an earlier graph saved is not told.
+    active_ranks is not counted: the kernels write it only when a rank times out, and a count every
+    call would fail every backward that read the mask.
     """
     if out_views is None:
         return []

@@ -363,11 +363,15 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
         device_type, device_id = "cpu", 0
     else:
         raise TypeError(f"{name} must be on a CPU or CUDA device, got torch device {obj.device}")
-    ptr = obj.data_ptr()
+    try:
+        ptr, shape, strides = obj.data_ptr(), tuple(obj.shape), obj.stride()
+    except RuntimeError as error:  # torch's, for tensors without plain strided memory (nested, vmapped)
+        raise TypeError(f"{name}: this {type(obj).__qualname__} cannot be read as a strided array in memory "
+                        f"({error})") from error
     if not ptr and obj.numel():
         raise TypeError(f"{name} has no memory (data_ptr() is 0): a fake tensor, as torch.compile traces with; "
                         f"call mooncake_ep on real tensors (outside the traced region)")
-    return ArrayView(obj, ptr, tuple(obj.shape), obj.stride(), dtype, device_type, device_id, "torch", obj)
+    return ArrayView(obj, ptr, shape, strides, dtype, device_type, device_id, "torch", obj)
 
 
 @functools.cache
@@ -464,11 +468,7 @@ def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
         if len(_READERS) >= _MAX_READERS:  # types made on the fly must not pile up
             _READERS.clear()
         reader = _READERS[kind] = _reader_of(kind)
-    try:
-        view = reader(obj, name, stream)
-    except RuntimeError as error:  # torch's, for tensors without plain strided memory (nested, vmapped)
-        raise TypeError(f"{name}: this {kind.__qualname__} cannot be read as a strided array in memory "
-                        f"({error})") from error
+    view = reader(obj, name, stream)
     if view is not None:
         return view
     if _dlpack.is_capsule(obj):

@@ -678,6 +678,24 @@ def test_two_buffers_called_in_different_orders_raise_on_every_rank():
         check_steps(VCASE, FP8_FLAGS, [steps[i] for steps in results])
 
 
+def test_a_rank_building_a_buffer_while_another_dispatches_raises_on_both():
+    """The handshake and the data exchange share the group's collectives: each tells the other apart."""
+    def rank_fn(group):
+        buf = new_buffer(group, VCASE)
+        if group.rank == 0:
+            with pytest.raises(ValueError, match=r"^Buffer: the ranks are not in the same call: rank 1 is not building "
+                                                 r"a Buffer or in update_ep_member"):
+                new_buffer(group, VCASE)
+        else:
+            with pytest.raises(ValueError, match=r"^dispatch: the ranks are not in the same call: they disagree on "
+                                                 r"call \(rank 0: 'a Buffer construction or update_ep_member', rank 1: "
+                                                 r"'dispatch'\)"):
+                buf.dispatch(**dispatch_args(VCASE, 1), **BF16_FLAGS)
+        return run_step(buf, VCASE, group.rank, FP8_FLAGS)
+
+    check_steps(VCASE, FP8_FLAGS, spawn(2, rank_fn))
+
+
 def test_a_pending_combine_hook_holds_its_dispatchs_parity_and_update_ep_member():
     """A combine's receive half reads the routing of the dispatch it answers: the dispatch two calls
     later, which rewrites it, waits for that hook, and so does update_ep_member."""
@@ -866,6 +884,9 @@ DISPATCH_REJECTIONS = [
      lambda c: dict(out=(np.zeros((2, 8, 256), BF16), to_framework(np.zeros(2, np.int32), "jax")))),
     ("active-jax", TypeError, r"dispatch: active_ranks is a jax array, which is immutable",  # x is numpy
      lambda c: dict(active_ranks=to_framework(VCASE.actives[c.rank], "jax"))),
+    ("active-read-only-jax-x", ValueError, r"dispatch: active_ranks is read-only",  # only JAX masks go unwritten
+     lambda c: dict(x=to_framework(VCASE.xs[c.rank], "jax"), topk_idx=to_framework(VCASE.topk_idxs[c.rank], "jax"),
+                    active_ranks=read_only(VCASE.actives[c.rank]))),
     # Without out= too: the kernels write active_ranks while they read x and topk_idx.
     ("active-inside-x", ValueError, r"dispatch: active_ranks shares memory with x", active_inside_x),
     ("active-inside-topk", ValueError, r"dispatch: active_ranks shares memory with topk_idx", active_inside_topk),

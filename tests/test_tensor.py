@@ -196,6 +196,25 @@ def test_fake_tensors_are_refused_before_their_null_pointer_is_used():
     assert read_array(empty, name="dispatch: x").shape == (0, 128)
 
 
+def test_a_device_error_while_reading_a_tensor_stays_a_runtime_error(monkeypatch):
+    """Only the reads of a tensor's memory become the boundary's TypeError; a CUDA error raised while
+    the reader asks for the current stream (a poisoned context) reaches the caller as it was."""
+    class ReportsCuda(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+        is_cuda = property(lambda self: True)
+
+        def get_device(self) -> int:
+            return 0
+
+    def poisoned_context(device_id: int) -> int:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    tensor_module._torch()
+    monkeypatch.setattr(tensor_module, "_torch_stream", [poisoned_context])
+    x = torch.zeros((4, 128), dtype=torch.bfloat16).as_subclass(ReportsCuda)
+    with pytest.raises(RuntimeError, match="^CUDA error: an illegal memory access"):
+        read_array(x, name="dispatch: x", stream=12345)
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 def test_arrays_without_plain_memory_are_refused_naming_the_argument():
     x = torch.zeros((4, 128), dtype=torch.bfloat16)

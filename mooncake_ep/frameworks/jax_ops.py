@@ -356,7 +356,7 @@ class _DispatchCallback:
         buffer._check_dispatch(self.where, x_view, topk_view, active_view, c.num_max_dispatch_tokens_per_rank,
                                c.num_experts, timeout_us=c.timeout_us, **c.flags)
         # One collective of the group (the send half), then this rank's reference computation.
-        call = (("Buffer", buffer._token), ("call", "dispatch (JAX)"), ("parity", c.parity),
+        call = (("call", "dispatch (JAX)"), ("Buffer", buffer._token), ("parity", c.parity),
                 ("num_max_dispatch_tokens_per_rank", c.num_max_dispatch_tokens_per_rank), ("hidden", c.hidden),
                 ("num_experts", c.num_experts), *c.flags.items())
         gathered = buffer._reference.exchange(self.where, call, x_view.numpy().copy(), topk_view.numpy().copy(),
@@ -462,7 +462,7 @@ class _CombineCallback:
             return
         check_dispatched_ids(self.where, topk_view, handle_arrays, d.num_experts)
         metadata = _dispatch_metadata(self.where, handle_arrays)
-        call = (("Buffer", buffer._token), ("call", "combine (JAX)"), ("parity", d.parity),
+        call = (("call", "combine (JAX)"), ("Buffer", buffer._token), ("parity", d.parity),
                 ("num_max_dispatch_tokens_per_rank", d.num_max_dispatch_tokens_per_rank), ("hidden", d.hidden),
                 ("num_experts", d.num_experts))
         gathered = buffer._reference.exchange(self.where, call, x_view.numpy().copy(), metadata,
