@@ -364,7 +364,9 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
     else:
         raise TypeError(f"{name} must be on a CPU or CUDA device, got torch device {obj.device}")
     try:
-        ptr, shape, strides = obj.data_ptr(), tuple(obj.shape), obj.stride()
+        ptr = obj.data_ptr()
+        shape = tuple(obj.shape)
+        strides = obj.stride()
     except RuntimeError as error:  # torch's, for tensors without plain strided memory (nested, vmapped)
         raise TypeError(f"{name}: this {type(obj).__qualname__} cannot be read as a strided array in memory "
                         f"({error})") from error
