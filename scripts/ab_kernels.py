@@ -16,8 +16,10 @@ the chosen variant is written in without it before it is committed).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import re
 import tempfile
 
 from mooncake_ep import kernels
@@ -29,15 +31,31 @@ from mooncake_ep.cli import main as cli_main
 RESERVED_MACROS = frozenset(kernels._common_macros(True)) | {"EP_USE_FP8", "EP_ROUND_SCALE", "EP_USE_UE8M0"}
 
 
+@functools.cache
+def _source_words() -> frozenset[str]:
+    """Every EP_ name in the kernel sources that the installed package compiles."""
+    folder = kernels.kernel_source_dir()
+    return frozenset(word for path in sorted(folder.iterdir()) if path.suffix in (".cu", ".cuh")
+                     for word in re.findall(r"\bEP_\w+", path.read_text()))
+
+
 def parse_macro(item: str, where: str) -> tuple[str, int]:
-    """``EP_MACRO=INTEGER``, a macro of the experiment's own (not one of :data:`RESERVED_MACROS`).
-    ``where`` names the flag in the error (also scripts/trace_phases.py's ``--macro``)."""
+    """``EP_MACRO=INTEGER``, a macro of the experiment's own (not one of :data:`RESERVED_MACROS`),
+    named in the kernel sources the installed package compiles: an undefined macro is 0 to the
+    preprocessor, so a macro of another tree (an experiment's branch not checked out) would compile
+    the unchanged kernels without a word. ``where`` names the flag in the error (also
+    scripts/trace_phases.py's and repeat_case.py's ``--macro``, and tests/conftest.py's
+    MOONCAKE_EP_TEST_MACROS)."""
     key, sep, value = item.partition("=")
     if not sep or not key.startswith("EP_") or not value.lstrip("-").isdigit():
         raise argparse.ArgumentTypeError(f"{where}: {item!r} is not EP_MACRO=INTEGER")
     if key in RESERVED_MACROS:
         raise argparse.ArgumentTypeError(f"{where}: {key} is set by the library (the host launches "
                                          f"to match it); use a macro of the experiment's own")
+    if key not in _source_words():
+        raise argparse.ArgumentTypeError(f"{where}: {key} appears in no kernel source under "
+                                         f"{kernels.kernel_source_dir()}, so it would change nothing; install the "
+                                         f"tree of the experiment (its branch checked out)")
     return key, int(value)
 
 

@@ -550,15 +550,17 @@ def test_bench_cuda_small_shape_writes_the_json_schema(tmp_path):
 
 def test_ab_kernels_runs_each_variant_and_tabulates(tmp_path):
     """On the reference backend the macros change nothing; what is checked is the plumbing: one bench
-    report per variant, in order, with its macros, and the table."""
+    report per variant, in order, with its macros, and the table. (The macros must be named in the
+    kernel sources: EP_TRACE and its point count are.)"""
     out = tmp_path / "ab.json"
     result = subprocess.run([sys.executable, "scripts/ab_kernels.py", "--variant", "base:", "--variant",
-                             "try:EP_TRY=1,EP_OTHER=2", "--variant", "base:", "--json", str(out), "--",
+                             "try:EP_TRACE=0,EP_TRACE_NUM_POINTS=2", "--variant", "base:", "--json", str(out), "--",
                              "--iters", "2", "--warmup", "0"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=PROCESS_LIMIT_S)
     assert result.returncode == 0, result.stderr
     runs = json.loads(out.read_text())
-    assert [(r["name"], r["macros"]) for r in runs] == [("base", {}), ("try", {"EP_TRY": 1, "EP_OTHER": 2}),
+    assert [(r["name"], r["macros"]) for r in runs] == [("base", {}), ("try", {"EP_TRACE": 0,
+                                                                                "EP_TRACE_NUM_POINTS": 2}),
                                                         ("base", {})]
     assert all(set(r["report"]["phases"]) == set(bench.PHASES) for r in runs)
     table = result.stdout.splitlines()[-4:]
@@ -566,8 +568,9 @@ def test_ab_kernels_runs_each_variant_and_tabulates(tmp_path):
         "base", "try", "base"]
 
 
-@pytest.mark.parametrize("argv", [["--variant", ""], ["--variant", ":EP_TRY=1"], ["--variant", "x:TRY=1"],
-                                  ["--variant", "x:EP_TRY"], ["--variant", "x:EP_TRY=one"],
+@pytest.mark.parametrize("argv", [["--variant", ""], ["--variant", ":EP_TRACE=1"], ["--variant", "x:TRY=1"],
+                                  ["--variant", "x:EP_TRACE"], ["--variant", "x:EP_TRACE=one"],
+                                  ["--variant", "x:EP_NOT_IN_THE_SOURCES=1"],  # would compile the same kernels
                                   ["--variant", "x:EP_NUM_THREADS=256"], ["--variant", "x:EP_USE_FP8=0"],
                                   ["--variant", "x:", "--", "--launch", "2"], ["--variant", "x:", "--", "--group=init"]])
 def test_ab_kernels_refuses_what_it_cannot_measure(argv):
