@@ -168,8 +168,15 @@ class _KeyValueGroup:
     def _kv_add(self, key: str, amount: int) -> int:
         raise NotImplementedError
 
-    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float) -> list[bytes]:
+    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0) -> list[bytes]:
+        """The keys' values once all are set (within ``timeout_s``); ``reply_bytes``: about how many
+        bytes they hold, for a store whose transfers count against its time limits."""
         raise NotImplementedError
+
+    def _kv_set_while_connected(self, key: str, value: bytes) -> None:
+        """Set ``key`` for as long as this process's store connection lives, where the store can
+        (the TCP store's claims); elsewhere a plain set."""
+        self._kv_set(key, value)
 
     def _kv_delete(self, key: str) -> None:
         raise NotImplementedError
@@ -280,9 +287,14 @@ class _KeyValueGroup:
             keys = [f"{self._namespace}e{epoch}/join/{r}" for r in range(self.world_size)]
             mine = _JOIN.pack(_PROTOCOL_VERSION, self.world_size, self._is_replacement)
             try:
-                self._kv_set(keys[self.rank], mine)
+                if self._is_replacement:  # held while this process lives: one that dies joins nobody
+                    self._kv_set_while_connected(keys[self.rank], mine)
+                else:
+                    self._kv_set(keys[self.rank], mine)
                 values = self._kv_multi_get(keys, self._timeout_s)
             except _StoreWaitError as exc:
+                if self._is_replacement:  # gone: the running ranks must not count this rank as joined
+                    self._kv_delete(keys[self.rank])
                 missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
                 what = (f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError)
                         else exc.cut_short)
@@ -345,14 +357,15 @@ class _KeyValueGroup:
                 raise GroupError(f"{label}: the group is closed")
             if self._broken is not None:
                 raise GroupError(f"{label}: the group is broken by an earlier failure ({self._broken}); "
-                                 f"make a new group")
+                                 f"every rank repairs it with Buffer.update_ep_member() (or "
+                                 f"group.renew_membership()), where the group can, or makes a new group")
             if self.world_size == 1:
                 return [data]
             seq, self._seq = self._seq, self._seq + 1
             keys = [self._collective_key(seq, r) for r in range(self.world_size)]
             try:
                 self._kv_set(keys[self.rank], _U8.pack(_TAGS[name]) + data)
-                values = self._kv_multi_get(keys, self._timeout_s)
+                values = self._kv_multi_get(keys, self._timeout_s, reply_bytes=self.world_size * (1 + len(data)))
                 if seq > 0:
                     self._kv_delete(self._collective_key(seq - 1, self.rank))
             except _StoreWaitError as exc:

@@ -13,7 +13,9 @@ A key can be *claimed* (:meth:`TCPStoreClient.claim`): created only if absent an
 connection that claimed it, so it disappears when that connection closes, which is when its
 process exits or dies. :class:`mooncake_ep.group.TCPGroup` holds one such key per rank, so a
 replacement process can take over the rank of a dead one (``init_group(rejoin=True)``) and never
-that of a live one.
+that of a live one. A process forked from a rank (a worker pool, a data loader) closes its copies of
+the store's sockets at once: holding them open would keep a dead rank's claims alive for as long
+as the child runs.
 
 Users import :class:`TCPStoreServer`, :class:`TCPStoreClient` and :class:`StoreTimeoutError` from
 :mod:`mooncake_ep.group`.
@@ -24,12 +26,14 @@ from __future__ import annotations
 import atexit
 import errno
 import logging
+import os
 import select
 import socket
 import socketserver
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,8 +61,12 @@ _SERVE_POLL_S = 0.05
 _DEAD_CLIENT_POLL_S = 0.5
 # close() lets requests already woken by it (waits answered "closed") send their replies this long.
 _CLOSE_REPLY_S = 1.0
-# A client allows the store this long beyond a server-side wait before it calls the link dead.
-_REPLY_SLACK_S = 10.0
+# A client allows the store this long beyond a server-side wait before it calls the link dead: a
+# quarter of the wait, within these bounds (a short wait must not grow by 10 s when rank 0 stalls).
+_REPLY_SLACK_S = (0.5, 10.0)
+# Bytes a second a transfer is allowed at the slowest: a request or reply of N bytes gets N / this
+# seconds on top of its time limit (the limit is for waiting on peers, not for moving data).
+_MIN_TRANSFER_BYTES_PER_S = 20e6
 
 # Store wire format. Request: header (op, payload bytes) + payload; reply: (status, bytes) + body.
 # Payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars.
@@ -123,6 +131,28 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
             raise ConnectionError("connection closed by the other side")
         got += n
     return bytes(buf)
+
+
+# The store's servers and clients of this process, each of which forgets its sockets in a forked child.
+_OPEN_ENDPOINTS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _close_inherited_sockets() -> None:
+    for endpoint in list(_OPEN_ENDPOINTS):
+        endpoint._forget_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_sockets)
+
+
+def _close_fd_only(sock: socket.socket) -> None:
+    """Close this process's descriptor of a socket it shares with its parent (no shutdown, which
+    would end the parent's connection too)."""
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 # ----------------------------------------------------------------------------- server
@@ -214,7 +244,17 @@ class TCPStoreServer:
         # At interpreter exit, answer the peers' pending waits ("closed") before the daemon
         # threads die, so they learn which ranks they were waiting for instead of a bare reset.
         atexit.register(self.close)
+        _OPEN_ENDPOINTS.add(self)
         logger.debug("TCPStoreServer: listening on %s:%d", host, self.port)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the store is the parent's; close the child's copies of its sockets (the
+        listening one would keep the port, the clients' their claims) and do not close it at exit."""
+        atexit.unregister(self.close)
+        self._closing = True
+        _close_fd_only(self._server.socket)
+        for sock in list(self._clients):
+            _close_fd_only(sock)
 
     def __enter__(self) -> TCPStoreServer:
         return self
@@ -384,7 +424,15 @@ class TCPStoreClient:
                 time.sleep(delay)
                 delay = min(2 * delay, _CONNECT_RETRY_MAX_S)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _OPEN_ENDPOINTS.add(self)
         logger.debug("%s: connected to the store at %s:%d", who, host, port)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: this connection is the parent's; close the child's copy of it."""
+        self._lock = threading.Lock()  # a parent thread may have held it at the fork
+        if self._sock is not None:
+            _close_fd_only(self._sock)
+            self._sock = None
 
     def __enter__(self) -> TCPStoreClient:
         return self
@@ -443,16 +491,21 @@ class TCPStoreClient:
         """
         self._wait("TCPStoreClient.wait", keys, timeout_s, want_values=False)
 
-    def multi_get(self, keys: Sequence[str], timeout_s: float) -> list[bytes]:
-        """Wait as :meth:`wait` does, then return the values of ``keys`` in order (one round trip)."""
-        return self._wait("TCPStoreClient.multi_get", keys, timeout_s, want_values=True)
+    def multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0) -> list[bytes]:
+        """Wait as :meth:`wait` does, then return the values of ``keys`` in order (one round trip).
 
-    def _wait(self, where: str, keys: Sequence[str], timeout_s: float, want_values: bool) -> list[bytes]:
+        ``reply_bytes``: about how many bytes the values hold; the store needs time to assemble and
+        send them beyond ``timeout_s`` (which bounds the wait for the keys, not the transfer).
+        """
+        return self._wait("TCPStoreClient.multi_get", keys, timeout_s, want_values=True, reply_bytes=reply_bytes)
+
+    def _wait(self, where: str, keys: Sequence[str], timeout_s: float, want_values: bool,
+              reply_bytes: int = 0) -> list[bytes]:
         timeout_s = _check_timeout(where, timeout_s)
         keys = list(keys)
         payload = (_F64.pack(timeout_s) + _U8.pack(want_values) + _U32.pack(len(keys))
                    + b"".join(_pack_key(k) for k in keys))
-        status, body = self._request(_OP_WAIT, payload, wait_s=timeout_s)
+        status, body = self._request(_OP_WAIT, payload, wait_s=timeout_s, reply_bytes=reply_bytes)
         reader = _Reader(body)
         if status != _OK:
             missing = [keys[reader.scalar(_U32)] for _ in range(reader.scalar(_U32))]
@@ -464,22 +517,35 @@ class TCPStoreClient:
                 f"{where}: timed out after {timeout_s} s waiting for keys {missing}", missing)
         return [reader.blob() for _ in keys] if want_values else []
 
-    def _request(self, op: int, payload: bytes, wait_s: float = 0.0) -> tuple[int, bytes]:
-        """Send one request, read its reply. A broken link closes the socket for good."""
+    def _request(self, op: int, payload: bytes, wait_s: float = 0.0, reply_bytes: int = 0) -> tuple[int, bytes]:
+        """Send one request, read its reply. A broken link closes the socket for good.
+
+        ``reply_bytes``: the reply's expected size; the server assembles a reply before it sends
+        its header, so the header's wait gets the reply's transfer time too.
+        """
         where = f"{self._who}: store at {self.host}:{self.port}"
         # The server answers a wait itself when wait_s runs out; past the slack the link is dead.
-        io_timeout = (wait_s + _REPLY_SLACK_S) if wait_s else self.timeout_s
+        if wait_s:
+            io_timeout = wait_s + min(max(0.25 * wait_s, _REPLY_SLACK_S[0]), _REPLY_SLACK_S[1])
+        else:
+            io_timeout = self.timeout_s
+        io_timeout += reply_bytes / _MIN_TRANSFER_BYTES_PER_S
         with self._lock:
             if self._sock is None:
                 raise GroupError(f"{where}: the connection is closed")
             try:
-                self._sock.settimeout(_wait_arg(io_timeout))
+                self._sock.settimeout(_wait_arg(io_timeout + len(payload) / _MIN_TRANSFER_BYTES_PER_S))
                 self._sock.sendall(_HEADER.pack(op, len(payload)) + payload)
+                self._sock.settimeout(_wait_arg(io_timeout))
                 status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
+                self._sock.settimeout(_wait_arg(io_timeout + length / _MIN_TRANSFER_BYTES_PER_S))
                 body = _recv_exact(self._sock, length)
             except OSError as exc:  # includes timeouts: a late reply would desynchronise the stream
                 self._sock.close()
                 self._sock = None
+                if isinstance(exc, TimeoutError):
+                    raise GroupError(f"{where}: no reply within {io_timeout:.1f} s: rank 0's process, which "
+                                     f"serves the store, stalled or is overloaded; the connection is closed") from exc
                 raise GroupError(f"{where}: lost the connection ({exc}); rank 0's process, which "
                                  f"serves the store, may have exited") from exc
         if status == _ERROR:

@@ -690,6 +690,7 @@ class Buffer:
         if renew is not None:
             renew()
         configs = _handshake.exchange(self.group, self._rank_config(_handshake.UPDATE), "update_ep_member")
+        self._num_dispatches = _handshake.running_dispatches(configs)  # equal on the GPU, the most on the CPU
         if self._cuda is not None:
             self._cuda.connect()
         return _handshake.replaced_ranks(configs)

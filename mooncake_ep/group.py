@@ -43,6 +43,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -211,6 +212,9 @@ class TCPGroup(_KeyValueGroup):
                 self._server = TCPStoreServer(master_addr, self.master_port)
             self._client = TCPStoreClient(master_addr, self.master_port, timeout_s=self._timeout_s,
                                           who=f"rank {self.rank}")
+            # A group dropped without close() still hangs up, and rank 0's stops its store (its port
+            # and thread would stay taken for the life of the process).
+            weakref.finalize(self, _release_store, self._client, self._server)
             if rejoin:
                 self._claim_rank()
                 self._join_as_replacement()
@@ -230,11 +234,28 @@ class TCPGroup(_KeyValueGroup):
     def _kv_add(self, key: str, amount: int) -> int:
         return self._store().add(key, amount)
 
-    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float) -> list[bytes]:
-        return self._store().multi_get(keys, timeout_s)
+    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0) -> list[bytes]:
+        return self._store().multi_get(keys, timeout_s, reply_bytes=reply_bytes)
 
     def _kv_delete(self, key: str) -> None:
         self._store().delete(key)
+
+    def _kv_set_while_connected(self, key: str, value: bytes) -> None:
+        if not self._store().claim(key, value):
+            raise GroupError(f"init_group(rejoin=True): another process joins the running ranks as rank {self.rank} "
+                             f"({self._where()}): only one replacement per rank")
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds each collective waits for its peers before raising GroupError."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        # The store connection's own requests (sets, claims) wait as long as the collectives.
+        _KeyValueGroup.timeout_s.fset(self, value)
+        if self._client is not None:
+            self._client.timeout_s = self._timeout_s
 
     def _claim_rank(self) -> None:
         """Hold ``member/{rank}`` for as long as this connection lives; ``claim/{rank}`` counts joins.
@@ -283,6 +304,12 @@ class TCPGroup(_KeyValueGroup):
             self._client.close()
         if self._server is not None:
             self._server.close(wait_for_clients_s=min(drain_s, self._timeout_s))
+
+
+def _release_store(client: TCPStoreClient, server: TCPStoreServer | None) -> None:
+    client.close()
+    if server is not None:
+        server.close()
 
 
 # ----------------------------------------------------------------------------- init_group

@@ -184,6 +184,67 @@ def test_renew_times_out_naming_the_missing_rank_and_can_be_retried():
     run_in_threads([lambda g=g: g.close() for g in groups])
 
 
+def test_a_replacement_that_gave_up_is_not_counted_as_joined():
+    """Its join key is held by its connection and deleted when it fails: the survivors' later renew
+    must time out naming the rank, not report a rank that no process holds."""
+    port = free_port()
+    groups = join(port, 3)
+    die(groups[2])
+    error = join_while_claimed(lambda: TCPGroup(2, 3, master_port=port, timeout_s=SHORT_TIMEOUT_S, rejoin=True))
+    assert isinstance(error, GroupError) and "renew_membership #0 (epoch 1) timed out" in str(error) and \
+        "waiting for ranks [0, 1]" in str(error), error
+    for g in groups[:2]:
+        g.timeout_s = SHORT_TIMEOUT_S
+    out = run_in_threads([g.renew_membership for g in groups[:2]])
+    assert all(isinstance(e, GroupError) and "waiting for ranks [2] of 3" in str(e) for e in out), out
+    run_in_threads([lambda g=g: g.close(final_barrier=False) for g in groups[:2]])
+
+
+def test_the_timeout_setter_reaches_the_store_connection():
+    port = free_port()
+    groups = join(port, 2)
+    groups[1].timeout_s = 0.25
+    assert groups[1]._client.timeout_s == 0.25  # the store requests that wait for no keys time out with it
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
+def test_a_forked_child_does_not_hold_its_parents_store_connection():
+    """A worker forked by a rank keeps no copy of the rank's store socket: when the rank dies, its
+    claim is freed although the child lives on, and a replacement can take the rank over."""
+    multiprocessing = pytest.importorskip("multiprocessing")
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    port = free_port()
+    groups = join(port, 3)
+    child_may_exit = multiprocessing.get_context("fork").Event()
+    child = multiprocessing.get_context("fork").Process(target=child_may_exit.wait, args=(PROCESS_LIMIT_S,))
+    child.start()
+    try:
+        die(groups[2])  # the parent's socket closes; the child's copy was closed at the fork
+        out = run_in_threads([groups[0].renew_membership, groups[1].renew_membership,
+                              lambda: TCPGroup(2, 3, master_port=port, timeout_s=LONG_TIMEOUT_S, rejoin=True)])
+        assert out[:2] == [[2], [2]], out
+        groups[2] = out[2]
+        assert gather_ranks(groups) == [[b"\0\1", b"\1\1", b"\2\1"]] * 3
+    finally:
+        child_may_exit.set()
+        child.join(PROCESS_LIMIT_S)
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
+def test_a_dropped_rank_0_group_frees_its_port():
+    port = free_port()
+    groups = join(port, 2)
+    thread_name = f"mooncake_ep-store-{port}"
+    del groups[:]
+    import gc
+
+    gc.collect()
+    eventually(lambda: not any(t.name == thread_name for t in threading.enumerate()))
+    groups = join(port, 2)  # the port is free again
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
 def test_renew_repairs_a_group_broken_by_mismatched_collectives():
     port = free_port()
     groups = join(port, 2)

@@ -57,7 +57,8 @@ def on_every_rank(num_ranks: int, fn) -> list:
     ([config(), config(), config(num_ep_buffer_bytes=SIZE + 1)], ValueError,
      rf"ranks disagree on num_ep_buffer_bytes \(ranks \[0, 1\]: {SIZE}, rank 2: {SIZE + 1}\); size every rank's "
      rf"buffer with Buffer.get_ep_buffer_size_hint"),
-    ([config(phase=UPDATE, num_dispatches=4), config(phase=UPDATE, num_dispatches=5), config()], ValueError,
+    ([config(phase=UPDATE, num_dispatches=4, backend="cuda"), config(phase=UPDATE, num_dispatches=5, backend="cuda"),
+      config(backend="cuda")], ValueError,
      r"ranks made different numbers of dispatches \(rank 0: 4, rank 1: 5\); every rank must call dispatch"),
     ([config(phase=UPDATE), config(phase=UPDATE, num_pending_hooks=1), config()], RuntimeError,
      r"ranks \[1\] have receive hooks pending; call them \(on every rank\) before update_ep_member"),
@@ -65,6 +66,14 @@ def on_every_rank(num_ranks: int, fn) -> list:
 def test_mismatches_are_named(configs, error, pattern):
     with pytest.raises(error, match=pattern):
         _handshake.check(configs, "Buffer")
+
+
+def test_reference_ranks_with_different_counts_adopt_the_most():
+    """On the CPU a collective that timed out on some ranks counted its dispatch only on the others;
+    no device counter must agree, so update_ep_member repairs the group with the largest count."""
+    configs = [config(phase=UPDATE, num_dispatches=4), config(phase=UPDATE, num_dispatches=5)]
+    _handshake.check(configs, "update_ep_member")
+    assert _handshake.running_dispatches(configs) == 5
 
 
 def test_matching_configs_pass_and_a_replacement_continues_the_count():
