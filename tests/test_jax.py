@@ -473,8 +473,8 @@ def test_cpu_combine_refuses_ids_other_than_its_dispatchs():
     buffers = spawn(1, lambda g: reference_buffer(g, case))  # the split form's receive half checks too
     x, topk, weights, active = (jnp.asarray(a) for a in (case.xs[0], case.topk_idxs[0], case.weights[0],
                                                           case.actives[0]))
-    ((recv, _, handle, active),) = epj.dispatch_recv([epj.dispatch_send(buffers[0], x, topk, active,
-                                                                        case.num_max_tokens, case.num_experts, **flags)])
+    sent = epj.dispatch_send(buffers[0], x, topk, active, case.num_max_tokens, case.num_experts, **flags)
+    ((recv, _, handle, active),) = epj.dispatch_recv([sent])
     other = topk.at[0, 1].set((topk[0, 1] + 1) % case.num_experts)
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"mooncake_ep\.jax\.combine_recv: topk_idx must name the "
                                                           r"experts given to the dispatch of handle"):
