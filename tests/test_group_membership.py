@@ -208,6 +208,7 @@ def test_the_timeout_setter_reaches_the_store_connection():
     run_in_threads([lambda g=g: g.close() for g in groups])
 
 
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX's; the child only waits
 def test_a_forked_child_does_not_hold_its_parents_store_connection():
     """A worker forked by a rank keeps no copy of the rank's store socket: when the rank dies, its
     claim is freed although the child lives on, and a replacement can take the rank over."""
