@@ -6,7 +6,7 @@ bytes; ``wait`` blocks server-side until the keys appear, so it costs one round 
 
 Wire format, one request and one reply at a time per connection::
 
-    request: op u8, payload length u32, payload    reply: status u8, body length u32, body
+    request: op u8, payload length u64, payload    reply: status u8, body length u64, body
     payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars
 
 A key can be *claimed* (:meth:`TCPStoreClient.claim`): created only if absent and owned by the
@@ -70,7 +70,7 @@ _MIN_TRANSFER_BYTES_PER_S = 20e6
 
 # Store wire format. Request: header (op, payload bytes) + payload; reply: (status, bytes) + body.
 # Payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars.
-_HEADER = struct.Struct("!BI")
+_HEADER = struct.Struct("!BQ")  # u64 lengths: a multi_get reply holds every rank's value, 4 GiB each at most
 _U8, _U16, _U32 = struct.Struct("!B"), struct.Struct("!H"), struct.Struct("!I")
 _I64, _F64 = struct.Struct("!q"), struct.Struct("!d")
 _OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE, _OP_CLAIM = 1, 2, 3, 4, 5
@@ -520,8 +520,8 @@ class TCPStoreClient:
     def _request(self, op: int, payload: bytes, wait_s: float = 0.0, reply_bytes: int = 0) -> tuple[int, bytes]:
         """Send one request, read its reply. A broken link closes the socket for good.
 
-        ``reply_bytes``: the reply's expected size; the server assembles a reply before it sends
-        its header, so the header's wait gets the reply's transfer time too.
+        ``reply_bytes``: the reply's expected size; the server reads the request and assembles the
+        reply before it sends the reply's header, so the header's wait gets both transfers' time.
         """
         where = f"{self._who}: store at {self.host}:{self.port}"
         # The server answers a wait itself when wait_s runs out; past the slack the link is dead.
@@ -529,14 +529,14 @@ class TCPStoreClient:
             io_timeout = wait_s + min(max(0.25 * wait_s, _REPLY_SLACK_S[0]), _REPLY_SLACK_S[1])
         else:
             io_timeout = self.timeout_s
-        io_timeout += reply_bytes / _MIN_TRANSFER_BYTES_PER_S
+        # The server reads the whole request and assembles the whole reply before the reply's header.
+        io_timeout += (len(payload) + reply_bytes) / _MIN_TRANSFER_BYTES_PER_S
         with self._lock:
             if self._sock is None:
                 raise GroupError(f"{where}: the connection is closed")
             try:
-                self._sock.settimeout(_wait_arg(io_timeout + len(payload) / _MIN_TRANSFER_BYTES_PER_S))
-                self._sock.sendall(_HEADER.pack(op, len(payload)) + payload)
                 self._sock.settimeout(_wait_arg(io_timeout))
+                self._sock.sendall(_HEADER.pack(op, len(payload)) + payload)
                 status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
                 self._sock.settimeout(_wait_arg(io_timeout + length / _MIN_TRANSFER_BYTES_PER_S))
                 body = _recv_exact(self._sock, length)

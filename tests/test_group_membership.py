@@ -91,6 +91,36 @@ def test_claim_is_held_by_its_connection_and_released_when_it_closes():
         c.close()
 
 
+def test_a_stalled_store_is_named_within_a_quarter_of_the_wait_past_it():
+    """A client gives the store a quarter of its wait (0.5-10 s) to answer past it, not a flat 10 s:
+    a rank 0 that stalls (not dead, so its socket stays open) is named soon after timeout_s."""
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        serve, release = server._serve, threading.Event()
+
+        def stalled(op, payload, client=None):
+            release.wait(PROCESS_LIMIT_S)
+            return serve(op, payload, client)
+        server._serve = stalled
+        client = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0, who="rank 1")
+        start = time.monotonic()
+        with pytest.raises(GroupError, match=r"rank 1: store at .*: no reply within 1\.0 s: rank 0's process, which "
+                                             r"serves the store, stalled or is overloaded"):
+            client.wait(["k"], timeout_s=0.5)
+        assert time.monotonic() - start < 5.0
+        release.set()
+
+
+def test_a_large_value_gets_time_to_move_beyond_timeout_s():
+    """timeout_s bounds the wait for peers, not the transfer: a set and a multi_get of 64 MiB with a
+    limit far below their transfer time go through."""
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        client = TCPStoreClient("127.0.0.1", server.port, timeout_s=0.001)
+        value = bytes(64 << 20)
+        client.set("big", value)
+        assert client.multi_get(["big"], timeout_s=0.001, reply_bytes=len(value)) == [value]
+        client.close()
+
+
 def test_claim_of_a_client_that_dies_inside_a_wait_is_released():
     """A rank killed while it waits in a collective: its store request is still being served."""
     with TCPStoreServer("127.0.0.1", 0) as server:
