@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,11 +129,75 @@ def test_bad_usage_returns_2(argv, capsys):
     (["demo", "--launch", "0"], "--launch must be >= 1"),
     (["demo", "--launch", "3"], "multiple of num_ranks=3"),
     (["demo", "--launch", "2", "--group", "init"], "leave out --group"),
+    (["demo", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["demo", "--experts", "32", "--topk", "17"], "--topk must be <= 16 (the kernels' bound), got 17"),
+    (["demo", "--timeout-us", "-5"], "--timeout-us must be >= -1"),
+    (["demo", "--json", "."], "--json .: is a directory; name a file"),
+    (["demo", "--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: the directory /nonexistent does not "
+                                                "exist"),
+    (["bench", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["bench", "--experts", "32", "--topk", "17"], "--topk must be <= 16 (the kernels' bound)"),
+    (["bench", "--routing", "zipf", "--alpha", "nan"], "--alpha must be a finite number >= 0, got nan"),
+    (["bench", "--routing", "zipf", "--alpha", "2000"], "gives fewer than --topk=2 experts a probability above 0"),
+    (["bench", "--warmup-ms", "inf"], "--warmup-ms must be at most 60000"),
+    (["bench", "--json", "."], "--json .: is a directory"),
+    (["bench", "--plot", "sweep"], "--plot sweep: must end in .png"),
+    # --launch checks what each process would refuse before any starts, naming --launch.
+    (["bench", "--launch", "2", "--hidden", "100"], "hidden must be a multiple of 128"),
+    (["bench", "--launch", "65", "--experts", "65"], "num_ranks must be <= 64, got 65 (T = --tokens, hidden = "
+                                                     "--hidden, num_ranks = --launch"),
+    (["warmup", "--arch", "sm_90", "--json", "."], "--json .: is a directory"),
 ])
 def test_inconsistent_flags_exit_2_with_the_reason(argv, message, capsys):
-    assert cli.main([*argv, "--backend", "reference"]) == 2
+    backend = ["--backend", "reference"] if argv[0] != "warmup" else []
+    assert cli.main([*argv, *backend]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and message in err
+
+
+def test_flags_are_not_abbreviated(capsys):
+    """A command that starts copies of itself passes its flags on as written: '--laun 2' would reach
+    each copy as a flag it refuses."""
+    assert cli.main(["bench", "--laun", "2", "--backend", "reference"]) == 2
+    assert "unrecognized arguments: --laun 2" in capsys.readouterr().err
+
+
+def test_group_init_without_a_launchers_environment_is_a_usage_error(monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["demo", "--group", "init", "--backend", "reference"]) == 2
+    assert "error: --group init: init_group: rank was not given" in capsys.readouterr().err
+
+
+def test_the_demo_prints_the_tolerance_it_used():
+    proc = run_cli("demo", *TINY, "--backend", "reference", "--tolerance", "0.025")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS: every rank within relative error 0.025 " in proc.stdout
+
+
+def test_a_terminated_launcher_stops_its_processes(tmp_path):
+    """SIGTERM (or SIGHUP) to --launch's process ends its rank processes, as Ctrl-C does."""
+    signal = pytest.importorskip("signal")
+    if not hasattr(signal, "SIGTERM") or sys.platform == "win32":
+        pytest.skip("POSIX signals")
+    marker = f"--seed {os.getpid() % 1000}"
+    log = tmp_path / "launcher.log"  # a file, not a pipe: the ranks' progress bars would fill a pipe
+    with open(log, "w") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "mooncake_ep", "bench", "--launch", "2", "--backend",
+                                     "reference", "--iters", "1000000", "--warmup", "0", "--tokens", "8",
+                                     *marker.split()], cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                    env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+
+    def workers() -> list[str]:
+        listing = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+        return [line for line in listing if "--group init" in line and marker in line]
+    deadline = time.monotonic() + PROCESS_LIMIT_S
+    while len(workers()) < 2:
+        assert time.monotonic() < deadline and launcher.poll() is None, log.read_text()
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(PROCESS_LIMIT_S) == cli.EXIT_INTERRUPTED
+    assert workers() == []
 
 
 def test_main_returns_instead_of_exiting(capsys):

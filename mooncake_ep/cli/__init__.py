@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -29,7 +30,7 @@ from types import ModuleType
 import mooncake_ep
 
 __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UsageError",
-           "build_parser", "console_main", "main"]
+           "build_parser", "check_output_path", "console_main", "main"]
 
 # Command names, in the order --help lists them; each is the module mooncake_ep.cli.<name>.
 COMMANDS: tuple[str, ...] = ("demo", "bench", "warmup")
@@ -48,6 +49,23 @@ class UsageError(Exception):
     """A command's flags do not fit together (e.g. ``--experts`` not a multiple of ``--ranks``)."""
 
 
+def check_output_path(flag: str, path: str | None, suffix: str | None = None) -> None:
+    """A file a command writes at its end, checked before the run (UsageError): not a directory, in a
+    directory that exists and is writable, and ending in ``suffix`` when given."""
+    if path is None:
+        return
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise UsageError(f"{flag} {path}: is a directory; name a file")
+    if suffix is not None and not full.lower().endswith(suffix):
+        raise UsageError(f"{flag} {path}: must end in {suffix}")
+    folder = os.path.dirname(full)
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows every flag's default, and keeps the line breaks of the command docstrings."""
 
@@ -59,8 +77,10 @@ def command_module(name: str) -> ModuleType:
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command: ``<prog> [-v] <command> [flags]``."""
+    # No abbreviations: a command that starts copies of itself passes its flags on as written.
     parser = argparse.ArgumentParser(
         prog=prog,
+        allow_abbrev=False,
         description="mooncake_ep: expert-parallel dispatch and combine for Mixture-of-Experts models.",
         formatter_class=HelpFormatter,
     )
@@ -71,7 +91,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     for name in COMMANDS:
         module = command_module(name)
         doc = (module.__doc__ or name).strip()
-        sub = subparsers.add_parser(name, help=_summary(doc), description=doc, formatter_class=HelpFormatter)
+        sub = subparsers.add_parser(name, help=_summary(doc), description=doc, formatter_class=HelpFormatter,
+                                    allow_abbrev=False)
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
     return parser
@@ -112,6 +133,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         return EXIT_USAGE
     except _REPORTED_ERRORS as exc:
         print(f"{where}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except MemoryError as exc:  # numpy's, for a shape this host cannot hold
+        print(f"{where}: out of host memory ({exc}); lower --hidden, --experts or --tokens", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)

@@ -51,7 +51,9 @@ HBM floor on a GPU.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import os
 import platform
 import sys
@@ -61,8 +63,9 @@ from collections.abc import Callable
 import numpy as np
 
 import mooncake_ep as ep
-from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, kernel_span, launch
+from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, check_output_path, kernel_span, launch
 from mooncake_ep.cli.gpu import gpu_status
+from mooncake_ep.cli.warmup import kernels_max_topk
 
 DEFAULTS_DECODE = dict(ranks=8, tokens=128, hidden=7168, topk=8, experts=256)
 # The reference backend is numpy on one host thread per rank: a shape it runs in milliseconds.
@@ -86,6 +89,7 @@ MODES = ("sync", "async", "hook")
 # of back-to-back dispatch replays ran ~10% slower than every later round on the H200
 # (docs/performance.md, (18)).
 WARMUP_MS = 100.0
+WARMUP_MS_MAX = 60_000.0
 # Milliseconds the GPU is held (a spin kernel on the timing stream) while the host queues a phase's
 # timed replays (--hold-ms). Without it a replay shorter than the host's launch of it (the 8-rank
 # dispatch graph, ~37 us) is timed at the host's pace: in one process of scripts/ab_kernels.py the
@@ -1024,7 +1028,7 @@ def plot_sweep(path: str, report: dict, points: list[dict]) -> None:
         ax.legend()
     fig.suptitle(f"{report['device']} ({report['backend']}): {c['ranks']} ranks, H={c['hidden']}, "
                  f"top-{c['topk']} of {c['experts']}, routing {c['routing']}, {report['date']}")
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
 
 
 # --- the command ---------------------------------------------------------------------------------
@@ -1046,9 +1050,10 @@ class _NoProgress:
         pass
 
 
-def check_args(args) -> None:
-    """Refuse flags that do not fit together (UsageError, exit 2) before anything runs."""
-    for flag, value, minimum in (("--ranks", args.ranks, 1), ("--tokens", args.tokens, 1), ("--topk", args.topk, 1),
+def check_args(args, ranks_flag: str = "--ranks") -> None:
+    """Refuse flags that do not fit together (UsageError, exit 2) before anything runs; ``ranks_flag``
+    names where the ranks came from (``--launch`` starts that many processes)."""
+    for flag, value, minimum in ((ranks_flag, args.ranks, 1), ("--tokens", args.tokens, 1), ("--topk", args.topk, 1),
                                  ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
                                  ("--warmup-ms", args.warmup_ms, 0), ("--hold-ms", args.hold_ms, 0),
                                  ("--input-sets", args.input_sets, 1)):
@@ -1056,8 +1061,22 @@ def check_args(args) -> None:
             raise UsageError(f"{flag} must be >= {minimum}, got {value}")
     if not args.hold_ms <= HOLD_MS_MAX:  # also refuses nan and inf
         raise UsageError(f"--hold-ms must be at most {HOLD_MS_MAX:g}, got {args.hold_ms}")
+    if not args.warmup_ms <= WARMUP_MS_MAX:  # a warm-up loop runs until this much time has passed
+        raise UsageError(f"--warmup-ms must be at most {WARMUP_MS_MAX:g}, got {args.warmup_ms}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if args.routing == "zipf":
+        if not (math.isfinite(args.alpha) and args.alpha >= 0):
+            raise UsageError(f"--alpha must be a finite number >= 0, got {args.alpha}")
+        with np.errstate(over="ignore"):  # an expert whose weight underflows to 0 is never chosen
+            weights = 1.0 / np.arange(1, args.experts + 1, dtype=np.float64) ** args.alpha
+        if np.count_nonzero(weights) < args.topk:
+            raise UsageError(f"--alpha {args.alpha} gives fewer than --topk={args.topk} experts a probability "
+                             f"above 0; use a smaller --alpha")
     if args.topk > args.experts:
         raise UsageError(f"--topk ({args.topk}) must be <= --experts ({args.experts})")
+    if args.topk > kernels_max_topk():
+        raise UsageError(f"--topk must be <= {kernels_max_topk()} (the kernels' bound), got {args.topk}")
     if args.routing == "k_hot" and not 1 <= args.hot_experts <= args.experts:
         raise UsageError(f"--hot-experts must be in [1, --experts={args.experts}], got {args.hot_experts}")
     if args.routing == "k_hot" and not 0 <= args.hot_fraction <= 1:
@@ -1065,11 +1084,10 @@ def check_args(args) -> None:
     try:  # the library's own checks of hidden, ranks and experts, with its messages
         ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, args.ranks, args.experts)
     except (TypeError, ValueError) as exc:
-        raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = --ranks, "
+        raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = {ranks_flag}, "
                          f"num_experts = --experts)") from None
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise UsageError(f"{flag} {path}: the directory does not exist")
+    check_output_path("--json", args.json)
+    check_output_path("--plot", args.plot, suffix=".png")
 
 
 def run(args) -> int:
@@ -1077,12 +1095,15 @@ def run(args) -> int:
         launch.check_launch(args)
         if not isinstance(args.ranks, ByBackend) and args.ranks != args.launch:
             raise UsageError(f"--ranks ({args.ranks}) must match --launch ({args.launch}), or be left out")
+        # What every process would refuse, refused once here, before any starts.
+        as_launched = copy.copy(args)
+        as_launched.ranks = args.launch
+        settle_args(as_launched, choose_backend(args.backend)[0], ranks_flag="--launch")
         return launch.launch("bench", child_argv(args), args.launch)
     backend, why = choose_backend(args.backend)
     if args.group == "local":
         return run_ranks(args, backend, why, None)
-    group = ep.init_group(timeout_s=launch.GROUP_TIMEOUT_S,
-                          device=launch.use_process_device() if backend == "cuda" else None)
+    group = launch.join_group(backend)
     finished = False
     try:
         if not isinstance(args.ranks, ByBackend) and args.ranks != group.world_size:
@@ -1121,9 +1142,8 @@ def choose_backend(requested: str) -> tuple[str, str]:
     return ("cuda" if usable else "reference"), why
 
 
-def run_ranks(args, backend: str, why: str, group) -> int:
-    """Measure (every point of a sweep too) and report: in-process ranks, or this process's rank of
-    ``group``, where rank 0 prints and writes the files."""
+def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
+    """Resolve the flags whose defaults depend on ``backend``, then check them all (UsageError)."""
     for name in DEFAULTS_DECODE:
         value = getattr(args, name)
         if isinstance(value, ByBackend):
@@ -1134,7 +1154,13 @@ def run_ranks(args, backend: str, why: str, group) -> int:
         raise UsageError("--graph: the reference backend has no CUDA graphs (its calls are numpy on the host)")
     if args.graph is None:
         args.graph = backend == "cuda"
-    check_args(args)
+    check_args(args, ranks_flag)
+
+
+def run_ranks(args, backend: str, why: str, group) -> int:
+    """Measure (every point of a sweep too) and report: in-process ranks, or this process's rank of
+    ``group``, where rank 0 prints and writes the files."""
+    settle_args(args, backend)
     reporting = group is None or group.rank == 0
     if args.plot is not None:
         try:

@@ -32,8 +32,9 @@ import numpy as np
 
 import mooncake_ep
 from mooncake_ep import reference
-from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, launch
+from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, check_output_path, launch
 from mooncake_ep.cli.gpu import gpu_status
+from mooncake_ep.cli.warmup import kernels_max_topk
 
 # Relative error (Frobenius norm of the difference over that of the dense result) a rank may show.
 # Two bf16 roundings (expert output, combined sum) give about 2**-8 = 4e-3; 2e-2 leaves room for
@@ -293,6 +294,7 @@ def _make_config(args: argparse.Namespace, num_ranks: int, ranks_flag: str) -> D
     config = DemoConfig(num_ranks, args.experts, args.topk, args.hidden, args.tokens, args.fp8, args.seed,
                         args.timeout_us)
     _check_config(config, args.tolerance, ranks_flag)
+    check_output_path("--json", args.json)
     return config
 
 
@@ -303,6 +305,12 @@ def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if config.num_topk > config.num_experts:
         raise UsageError(f"--topk ({config.num_topk}) must be <= --experts ({config.num_experts})")
+    if config.num_topk > kernels_max_topk():
+        raise UsageError(f"--topk must be <= {kernels_max_topk()} (the kernels' bound), got {config.num_topk}")
+    if config.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {config.seed}")
+    if config.timeout_us < -1:
+        raise UsageError(f"--timeout-us must be >= -1 (-1 waits forever), got {config.timeout_us}")
     if not tolerance > 0:
         raise UsageError(f"--tolerance must be > 0, got {tolerance}")
     try:  # the library's own checks of hidden, ranks and experts, with its messages
@@ -361,10 +369,10 @@ def _report(config: DemoConfig, backend: str, results: list[RankResult], elapsed
     _print_table(results)
     failed = [r.rank for r in results if not r.passed]
     if failed:
-        print(f"FAIL: ranks {failed} are off by more than relative error {args.tolerance:.0e} "
+        print(f"FAIL: ranks {failed} are off by more than relative error {args.tolerance:g} "
               f"or lost a peer ({elapsed_s:.2f} s)")
     else:
-        print(f"PASS: every rank within relative error {args.tolerance:.0e} ({elapsed_s:.2f} s)")
+        print(f"PASS: every rank within relative error {args.tolerance:g} ({elapsed_s:.2f} s)")
     sys.stdout.flush()
     if args.json:
         report = {"config": dataclasses.asdict(config), "backend": backend, "tolerance": args.tolerance,
@@ -408,8 +416,7 @@ def _run_threads(args: argparse.Namespace) -> int:
 def _run_process_rank(args: argparse.Namespace) -> int:
     """One rank of a multi-process run: join, run the step, gather every rank's result on rank 0."""
     backend, why = _choose_backend(args.backend)
-    device = launch.use_process_device() if backend == "cuda" else None
-    group = mooncake_ep.init_group(timeout_s=launch.GROUP_TIMEOUT_S, device=device)
+    group = launch.join_group(backend)
     finished = False
     try:
         code = _process_rank_step(group, args, backend, why)

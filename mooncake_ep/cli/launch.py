@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mooncake_ep
@@ -60,6 +62,18 @@ def free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
+def join_group(backend: str, device: int | None = None) -> mooncake_ep.Group:
+    """This process's rank of a ``--group init`` run (a launcher's, or torchrun's): the group, its
+    device made current on the GPU (``device``: already chosen). UsageError for an environment
+    that names no rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT unset or not numbers)."""
+    if backend == "cuda" and device is None:
+        device = use_process_device()
+    try:
+        return mooncake_ep.init_group(timeout_s=GROUP_TIMEOUT_S, device=device)
+    except ValueError as exc:
+        raise UsageError(f"--group init: {exc}") from None
+
+
 def use_process_device() -> int:
     """This process's GPU: LOCAL_RANK (set by torchrun and --launch) modulo the GPUs it sees, made
     current for torch and cupy. Several processes may share one GPU; they time-slice it."""
@@ -87,6 +101,9 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     print(f"mooncake_ep {command}: launching {num_processes} processes, store at {LAUNCH_ADDR}:{port}")
     sys.stdout.flush()
     procs = []
+    # A launcher stopped by SIGTERM or SIGHUP stops its processes too (as Ctrl-C does): the handler
+    # raises into the wait below, whose cleanup kills them.
+    restore = _raise_on_termination()
     try:
         for rank in range(num_processes):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
@@ -95,6 +112,7 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
             procs.append(subprocess.Popen(list(argv), env=env))
         codes = _wait_for_processes(procs)
     finally:
+        restore()
         for proc in procs:  # interrupted, or a failure while starting: leave nothing behind
             if proc.poll() is None:
                 proc.kill()
@@ -105,6 +123,22 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
         return EXIT_FAILURE
     print(f"all {num_processes} processes passed")
     return EXIT_OK
+
+
+def _raise_on_termination() -> Callable[[], None]:
+    """Make SIGTERM and SIGHUP raise KeyboardInterrupt in this (main) thread; returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    signals = [sig for sig in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if sig is not None]
+    previous = {sig: signal.signal(sig, interrupt) for sig in signals}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return restore
 
 
 def _wait_for_processes(procs: list[subprocess.Popen]) -> list[int]:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import mooncake_ep
 from mooncake_ep import kernels
-from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
+from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, check_output_path
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -200,13 +200,13 @@ def _make_config(values: dict, sys_scopes: tuple[bool, ...], where: str, names: 
                 message = f"{names[field]} {message[len(buffer_name) + 1:]}"
         message = message.replace("num_ranks=", f"{names['ranks']}=")
         raise UsageError(where + message) from None
-    max_topk = _max_topk()
+    max_topk = kernels_max_topk()
     if isinstance(config.topk, bool) or not isinstance(config.topk, int) or not 1 <= config.topk <= max_topk:
         raise UsageError(f"{where}{names['topk']} must be an int in [1, {max_topk}], got {json.dumps(config.topk)}")
     return config
 
 
-def _max_topk() -> int:
+def kernels_max_topk() -> int:
     """The top-k bound the kernels are compiled with (EP_MAX_TOPK, the same for every arch and scope),
     which Buffer.dispatch enforces."""
     return int(dict(kernels.combine_key("sm_90").macros)["EP_MAX_TOPK"])
@@ -243,6 +243,7 @@ def _progress_bar(total: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_path("--json", args.json)
     configs = load_configs(args)
     archs = parse_archs(args.arch)
     if args.jobs < 1:
