@@ -189,13 +189,11 @@ def main() -> int:
 
     import test_gpu_low_latency as t
 
-    if args.trace:
+    if args.trace or args.macro:
         import trace_phases
 
-        kernels._common_macros = trace_phases.traced_macros(kernels._common_macros, dict(args.macro))
-    elif args.macro:
-        original_macros = kernels._common_macros
-        kernels._common_macros = lambda sys_scope: original_macros(sys_scope) | dict(args.macro)
+        kernels._common_macros = trace_phases.traced_macros(kernels._common_macros, dict(args.macro),
+                                                            trace=args.trace)
     dumps: list[dict] = []
     original_destroy = _cuda_backend.CudaBackend.destroy
 

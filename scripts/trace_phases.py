@@ -30,9 +30,13 @@ POINTS = ("send_entry", "send_done", "flags_stored", "recv_entry", "flags_seen",
 NUM_POINTS, MAX_BLOCKS, MAX_RANKS = 16, 256, 8  # kernels_cu/trace.cuh
 
 
-def traced_macros(original, extra: dict | None = None):
+def traced_macros(original, extra: dict | None = None, trace: bool = True):
+    """``kernels._common_macros`` with an experiment's ``extra`` macros, and EP_TRACE=1 with ``trace``
+    (also scripts/repeat_case.py's)."""
+    added = (extra or {}) | ({"EP_TRACE": 1} if trace else {})
+
     def macros(sys_scope: bool) -> dict:
-        return original(sys_scope) | (extra or {}) | {"EP_TRACE": 1}
+        return original(sys_scope) | added
     return macros
 
 
@@ -148,11 +152,8 @@ def main() -> None:
 
     import torch
 
-    if args.trace:
-        kernels._common_macros = traced_macros(kernels._common_macros, dict(args.macro))
-    elif args.macro:
-        original = kernels._common_macros
-        kernels._common_macros = lambda sys_scope: original(sys_scope) | dict(args.macro)
+    if args.trace or args.macro:
+        kernels._common_macros = traced_macros(kernels._common_macros, dict(args.macro), trace=args.trace)
     group = ep.LocalGroup(args.ranks, devices=[0] * args.ranks)
     size = ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, args.ranks, args.experts)
     buffers = group.spawn(lambda g: ep.Buffer(g, size, num_sms=args.num_sms))
