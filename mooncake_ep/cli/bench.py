@@ -214,12 +214,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per rank of the --plot sweep, each in [1, {MAX_SWEEP_TOKENS}]")
 
 
+def zipf_weights(num_experts: int, alpha: float) -> np.ndarray:
+    """Expert ``i``'s unnormalised zipf weight ``1 / (i + 1) ** alpha``; a large alpha underflows to 0."""
+    with np.errstate(over="ignore"):
+        return 1.0 / np.arange(1, num_experts + 1, dtype=np.float64) ** alpha
+
+
 def route(rng: np.random.Generator, args, num_tokens: int) -> np.ndarray:
     """``[num_tokens, topk]`` int64 distinct expert ids per token, by the chosen routing."""
     if args.routing == "uniform":
         probs = np.full(args.experts, 1.0 / args.experts)
     elif args.routing == "zipf":
-        probs = 1.0 / np.arange(1, args.experts + 1) ** args.alpha
+        probs = zipf_weights(args.experts, args.alpha)
         probs = rng.permutation(probs / probs.sum())
     else:
         probs = None
@@ -1068,9 +1074,8 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
     if args.routing == "zipf":
         if not (math.isfinite(args.alpha) and args.alpha >= 0):
             raise UsageError(f"--alpha must be a finite number >= 0, got {args.alpha}")
-        with np.errstate(over="ignore"):  # an expert whose weight underflows to 0 is never chosen
-            weights = 1.0 / np.arange(1, args.experts + 1, dtype=np.float64) ** args.alpha
-        if np.count_nonzero(weights) < args.topk:
+        # An expert whose weight underflows to 0 is never chosen.
+        if np.count_nonzero(zipf_weights(args.experts, args.alpha)) < args.topk:
             raise UsageError(f"--alpha {args.alpha} gives fewer than --topk={args.topk} experts a probability "
                              f"above 0; use a smaller --alpha")
     if args.topk > args.experts:
