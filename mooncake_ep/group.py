@@ -245,12 +245,7 @@ class TCPGroup(_KeyValueGroup):
             raise GroupError(f"init_group(rejoin=True): another process joins the running ranks as rank {self.rank} "
                              f"({self._where()}): only one replacement per rank")
 
-    @property
-    def timeout_s(self) -> float:
-        """Seconds each collective waits for its peers before raising GroupError."""
-        return self._timeout_s
-
-    @timeout_s.setter
+    @_KeyValueGroup.timeout_s.setter
     def timeout_s(self, value: float) -> None:
         # The store connection's own requests (sets, claims) wait as long as the collectives.
         _KeyValueGroup.timeout_s.fset(self, value)
