@@ -212,6 +212,8 @@ def main(argv=None) -> int:
     parser.add_argument("--train", action="store_true", help="also check the gradient (shard_map mode)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.train and args.mode == "split":
+        parser.error("--train checks gradients through shard_map; the split form is not differentiable")
 
     import jax
 

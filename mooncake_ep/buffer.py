@@ -644,9 +644,16 @@ class Buffer:
         Returns:
             ``[num_local_experts, num_ranks * T, hidden]`` bf16 in the caller's framework, laid out as
             dispatch's recv_x; it belongs to the buffer and is reused two calls later.
+
+        Raises:
+            TypeError: the dispatch's arrays were JAX arrays, which cannot be written in place.
         """
         self._check_alive("get_next_combine_buffer")
         self._check_handle("get_next_combine_buffer", handle)
+        if handle.framework in IMMUTABLE_FRAMEWORKS:
+            raise TypeError(f"get_next_combine_buffer: the dispatch's arrays are {handle.framework} arrays, which "
+                            f"cannot be written in place; a zero-copy combine needs a torch, cupy or numpy caller "
+                            f"(JAX callers pass their expert outputs to combine)")
         num_local_experts = handle.num_experts // self.num_ranks
         shape = (num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
         if handle.backend == "reference":

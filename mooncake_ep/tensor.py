@@ -276,9 +276,14 @@ def _framework_of(obj: object) -> str:
 def _dtype_from_dlpack(code: int, bits: int, lanes: int, name: str) -> str:
     dtype = DLPACK_DTYPES.get((code, bits)) if lanes == 1 else None
     if dtype is None:
-        raise TypeError(f"{name} must have one of the dtypes {DTYPES}, got DLPack dtype code={code} "
-                        f"bits={bits} lanes={lanes}")
+        raise _unknown_dtype(name, f"DLPack dtype code={code} bits={bits} lanes={lanes}")
     return dtype
+
+
+def _unknown_dtype(name: str, got: str) -> TypeError:
+    """The error for an array of a dtype no argument takes (each argument's own dtypes are checked later)."""
+    return TypeError(f"{name} has a dtype no argument of mooncake_ep takes: {got}; the library reads {DTYPES} in "
+                     f"native byte order, and this argument's dtypes are in the call's docstring")
 
 
 def _device_from_dlpack(device_type: int, device_id: int, name: str) -> tuple[str, int]:
@@ -295,8 +300,7 @@ def _read_numpy(obj: np.ndarray, name: str, stream: int | None = None) -> ArrayV
     # `stream` is the readers' common signature (see _reader_of); host memory orders nothing.
     dtype = _NUMPY_TO_NAME.get(obj.dtype) if obj.dtype.isnative else None
     if dtype is None:
-        raise TypeError(f"{name} must have one of the dtypes {DTYPES} in native byte order, "
-                        f"got numpy dtype {obj.dtype.str} ({obj.dtype})")
+        raise _unknown_dtype(name, f"numpy dtype {obj.dtype.str} ({obj.dtype})")
     return ArrayView(obj=obj, ptr=obj.__array_interface__["data"][0], shape=obj.shape,
                      strides=_element_strides(obj.strides, obj.dtype.itemsize, name), dtype=dtype,
                      device_type="cpu", device_id=0, framework="numpy", keepalive=obj,
@@ -347,7 +351,7 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
     if obj.layout is not _torch_module[0].strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {obj.layout}")
     if dtype is None:
-        raise TypeError(f"{name} must have one of the dtypes {DTYPES}, got {obj.dtype}")
+        raise _unknown_dtype(name, str(obj.dtype))
     if dtype in _TORCH_LAZY_NEGATION_DTYPES and obj.is_neg():
         # Checked before the DLPack fallback too: torch exports such a tensor's memory as it is.
         raise TypeError(f"{name} is a lazily negated view (torch's negative bit, e.g. from .conj().imag): its "
@@ -412,8 +416,7 @@ def _read_cupy(obj: Any, name: str, stream: int | None) -> ArrayView | None:
     """
     dtype = _NUMPY_TO_NAME.get(obj.dtype)  # a byte-swapped dtype is not equal to any of ours
     if dtype is None:
-        raise TypeError(f"{name} must have one of the dtypes {DTYPES} in native byte order, "
-                        f"got cupy dtype {obj.dtype.str} ({obj.dtype})")
+        raise _unknown_dtype(name, f"cupy dtype {obj.dtype.str} ({obj.dtype})")
     memory = obj.data
     device_id = memory.device_id
     if stream is not None and stream != -1 and not _same_stream(_cupy().cuda.get_current_stream(device_id).ptr, stream):

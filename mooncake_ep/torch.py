@@ -115,7 +115,15 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         experts whose row counts then differ from the forward's get a zero gradient rather than a
         misplaced one, and active_ranks shows the failure.
     """
+    # Checked here, not in forward (which autograd runs with grad mode off): an evaluation under
+    # no_grad records no backward, so a Parameter among the inputs needs no grad_buffer there.
+    if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(topk_weights)):
+        _check_grad_buffer(buffer, grad_buffer, handle)
     return CombineFunction.apply(x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us)
+
+
+def _requires_grad(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 class DispatchFunction(torch.autograd.Function):
@@ -159,8 +167,6 @@ class CombineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if need_x or need_w:
-            _check_grad_buffer(buffer, grad_buffer, handle)
         combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
         ctx.save_for_backward(x if need_w else None, topk_idx, topk_weights)
         ctx.active_ranks = active_ranks

@@ -742,7 +742,7 @@ def test_zero_copy_without_the_combine_buffer_is_refused_and_buffer_stays_usable
 
 @pytest.mark.parametrize("overrides", [dict(return_recv_hook=True), dict(out="allocated")], ids=["hook", "out"])
 def test_jax_callers_cannot_ask_for_arrays_filled_later(overrides):
-    """JAX arrays are immutable: hook mode and out= are refused before any communication."""
+    """JAX arrays are immutable: hook mode, out= and the zero-copy buffer are refused before any communication."""
     pytest.importorskip("jax")
     case = make_case(19, num_ranks=1, hidden=128)
 
@@ -755,7 +755,10 @@ def test_jax_callers_cannot_ask_for_arrays_filled_later(overrides):
                            np.zeros(case.num_local_experts, np.int32))
         with pytest.raises(TypeError, match="immutable"):
             buf.dispatch(**args, **BF16_FLAGS, **call)
-        recv_x, _, _, _, _ = buf.dispatch(**args, **BF16_FLAGS)
+        recv_x, _, handle, _, _ = buf.dispatch(**args, **BF16_FLAGS)
+        with pytest.raises(TypeError, match=r"get_next_combine_buffer: the dispatch's arrays are jax arrays, which "
+                                            r"cannot be written in place"):
+            buf.get_next_combine_buffer(handle)
         return type(recv_x).__module__
 
     assert spawn(1, rank_fn)[0].startswith("jax")

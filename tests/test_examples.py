@@ -79,6 +79,9 @@ def test_the_script_runs(capsys):
     example = load_example()
     assert example.main(["--mode", "split", "--ranks", "2", "--tokens", "4", "--hidden", "128", "--experts", "4"]) == 0
     assert "passed" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:  # the split form has no gradient to check
+        example.main(["--mode", "split", "--train"])
+    assert refused.value.code == 2 and "--train checks gradients through shard_map" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
