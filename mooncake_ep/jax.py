@@ -483,8 +483,11 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, **options) ->
     """One Buffer per JAX device, as ranks of one in-process group, rank ``i`` on ``devices[i]``.
 
     Args:
-        devices: JAX devices in rank order (e.g. ``mesh.devices.flat`` of a 1-D mesh, whose axis index
-            is then the rank). GPUs get the kernels (``backend="cuda"``); CPU devices the reference.
+        devices: JAX devices in rank order, ``mesh.devices.flat`` of the ``shard_map``'s mesh: the
+            program's data (its experts) is sharded by mesh position, so the Buffer of the device at
+            position ``i`` must be rank ``i``. The CPU path checks it in every dispatch; on GPUs a
+            mismatch is not detected (reading the position there would cost a host sync per call).
+            GPUs get the kernels (``backend="cuda"``); CPU devices the reference.
         num_ep_buffer_bytes: workspace bytes per rank (:meth:`Buffer.get_ep_buffer_size_hint`).
         **options: more keyword arguments of :class:`mooncake_ep.Buffer` (``num_sms``, ...).
 

@@ -195,6 +195,43 @@ def test_shard_map_equals_reference(flag_id):
     epj.destroy_buffers(buffers)
 
 
+def test_a_mesh_in_another_order_than_the_buffers_is_refused():
+    """The mesh position is the rank the program's data assumes; the device's Buffer must have it."""
+    num_ranks = 2
+    devices = cpu_devices(num_ranks)
+    case = make_case(5, num_ranks=num_ranks, num_experts=4, num_topk=2, num_tokens=[4] * num_ranks)
+    buffers = epj.make_buffers(devices, case.size_hint)
+    mesh = jax.sharding.Mesh(np.array(devices[::-1]), ("ep",))  # rank 1's device at position 0
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    def step(x, topk, active):
+        return epj.dispatch(buffers, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)[1]
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"mooncake_ep.jax.dispatch: the shard_map's device at mesh "
+                                                          r"position 0 runs the Buffer of rank 1.*make_buffers"):
+        jax.block_until_ready(step(*(sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.actives))))
+    epj.destroy_buffers(buffers)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_arrays_spread_over_devices_outside_shard_map_are_refused(jit):
+    """Outside shard_map XLA would run the op on every device with the whole array: every rank sending every token."""
+    num_ranks = 2
+    devices = cpu_devices(num_ranks)
+    case = make_case(6, num_ranks=num_ranks, num_experts=4, num_topk=2, num_tokens=[2] * num_ranks)
+    buffers = epj.make_buffers(devices, case.size_hint)
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+    call = functools.partial(epj.dispatch, buffers, num_max_dispatch_tokens_per_rank=case.num_max_tokens,
+                             num_experts=case.num_experts, use_fp8=False)
+    if jit:
+        call = jax.jit(call)
+    with pytest.raises(ValueError, match=r"mooncake_ep.jax.dispatch: x is spread over 2 devices outside shard_map, "
+                                         r"and each call is one rank's; run it inside jax.shard_map"):
+        call(*(sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.actives)))
+    epj.destroy_buffers(buffers)
+
+
 # --- the split form: every rank in one program on one device -------------------------------------------
 
 

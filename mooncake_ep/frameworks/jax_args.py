@@ -16,8 +16,8 @@ from mooncake_ep.buffer import Buffer
 from mooncake_ep.tensor import c_contiguous_strides, numpy_dtype
 from mooncake_ep.validation import first_index
 
-__all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_devices", "check_parity", "varying_like",
-           "DLPACK_CPU", "DLPACK_CUDA"]
+__all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_devices", "check_parity", "manual_axes",
+           "varying_like", "DLPACK_CPU", "DLPACK_CUDA"]
 
 # DLPack device types of XLA's buffers (kDLCPU, kDLCUDA).
 DLPACK_CPU, DLPACK_CUDA = 1, 2
@@ -186,15 +186,25 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
     """For concrete arrays (eager calls), the checks the callback would make at run time, made now.
 
     Under ``jax.jit`` the arrays are tracers whose devices are known only when XLA runs the op; the
-    callback then raises the same errors (inside XLA's runtime error).
+    callback then raises the same errors (inside XLA's runtime error). Outside ``shard_map`` an
+    array, concrete or traced, must be one device's: XLA would run the op on every device of a
+    sharded array with the whole array, each device's rank sending every token.
 
     Raises:
         TypeError, ValueError: an array on a device no Buffer of ``ranks`` serves, as
             :meth:`Ranks.select` says.
+        ValueError: outside ``shard_map``, an array spread over several devices.
     """
     import jax
 
+    per_device_program = bool(manual_axes())
     for name, array in arrays.items():
+        if not per_device_program:
+            count = _device_count(array)
+            if count > 1:
+                raise ValueError(f"{where}: {name} is spread over {count} devices outside shard_map, and each call "
+                                 f"is one rank's; run it inside jax.shard_map with one device per rank (the mapping "
+                                 f"of make_buffers), or pass one device's arrays")
         if isinstance(array, jax.core.Tracer) or not hasattr(array, "devices"):
             continue
         for device in array.devices():
@@ -203,6 +213,26 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
             else:
                 key = (DLPACK_CUDA, int(device.local_hardware_id))
             ranks.select(f"{where}: {name}", key)
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The mesh axes of the ``shard_map`` being traced (in mesh order); () outside one."""
+    import jax
+
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)  # JAX releases before 0.5 lack it
+    mesh = get_mesh() if get_mesh is not None else None
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    return tuple(axis for axis in getattr(mesh, "axis_names", ()) if axis in manual)
+
+
+def _device_count(array) -> int:
+    """How many devices hold ``array``: a concrete array's, or a tracer's sharding's mesh (0 or 1: one)."""
+    import jax
+
+    if not isinstance(array, jax.core.Tracer):
+        return len(array.devices()) if hasattr(array, "devices") else 1
+    sharding = getattr(jax.typeof(array), "sharding", None) if hasattr(jax, "typeof") else None
+    return int(getattr(getattr(sharding, "mesh", None), "size", 1) or 1)
 
 
 def check_parity(where: str, parity, name: str = "parity") -> int:

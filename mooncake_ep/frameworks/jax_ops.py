@@ -37,12 +37,13 @@ Ordering:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from mooncake_ep import reference
-from mooncake_ep.frameworks.jax_args import Ranks, abstract_view, check_parity, varying_like
+from mooncake_ep.frameworks.jax_args import Ranks, abstract_view, check_parity, manual_axes, varying_like
 from mooncake_ep.tensor import ArrayView, numpy_dtype, read_array
 from mooncake_ep.validation import check_same_routing
 
@@ -308,10 +309,30 @@ def dispatch(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max_dispat
                                     use_ue8m0=use_ue8m0, parity=parity,
                                     command_buffer_compatible=command_buffer_compatible)
     out_specs = specs + [("active_ranks", active_ranks.shape, "int32")] + config.metadata_specs()
-    outputs = _call(where, _DispatchCallback(where, config, SEND | RECV), out_specs,
-                    [x, topk_idx, active_ranks, *after], {2: len(specs)}, config.command_buffer_compatible)
+    position = _mesh_position(ranks)
+    outputs = _call(where, _DispatchCallback(where, config, SEND | RECV, position is not None), out_specs,
+                    [x, topk_idx, active_ranks, *after, *([] if position is None else [position])], {2: len(specs)},
+                    config.command_buffer_compatible)
     outputs = varying_like(outputs, x, topk_idx, active_ranks)
     return _dispatch_results(config, specs, outputs)
+
+
+def _mesh_position(ranks: Ranks):
+    """Inside a ``shard_map`` whose devices are all ranks of the mapping: this device's position, else None.
+
+    The position is the rank the program's data layout assumes (experts sharded by the mesh); the
+    device's Buffer must have it. Only the CPU path checks it: there the callback reads it from host
+    memory, where on a GPU it would take a device-to-host copy (and a host synchronisation) per call.
+    """
+    import jax
+
+    axes = manual_axes()
+    if ranks.single is not None or ranks.backend != "reference" or not axes:
+        return None
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    if math.prod(sizes[axis] for axis in axes) != len(ranks.by_device) or len(ranks.by_device) != ranks.first.num_ranks:
+        return None  # a mapping of several groups, or axes beyond the group's: the layout is the caller's
+    return jax.lax.axis_index(axes).reshape(1)
 
 
 def _dispatch_results(config: DispatchConfig, specs, outputs):
@@ -326,13 +347,15 @@ def _dispatch_results(config: DispatchConfig, specs, outputs):
 class _DispatchCallback:
     """The host side of a dispatch op (compared by value, so an eager call hits JAX's compile cache).
 
-    Operands: x, topk_idx, active_ranks, then ``after`` operands (ignored). Results: recv_x,
+    Operands: x, topk_idx, active_ranks, then ``after`` operands (ignored), then with
+    ``checks_position`` the device's mesh position (:func:`_mesh_position`). Results: recv_x,
     [recv_scales,] recv_count, active_ranks (aliasing the operand), [CPU routing metadata].
     """
 
     where: str
     config: DispatchConfig
     phases: int
+    checks_position: bool = False
 
     def __call__(self, ctx, outs, x, topk_idx, active_ranks, *after) -> None:
         if not _executes(ctx):
@@ -355,6 +378,13 @@ class _DispatchCallback:
             return
         buffer._check_dispatch(self.where, x_view, topk_view, active_view, c.num_max_dispatch_tokens_per_rank,
                                c.num_experts, timeout_us=c.timeout_us, **c.flags)
+        if self.checks_position:
+            position = int(_read(self.where, "mesh position", after[-1])[0].numpy()[0])
+            if position != buffer.rank:
+                raise ValueError(f"{self.where}: the shard_map's device at mesh position {position} runs the Buffer of "
+                                 f"rank {buffer.rank}, so the program's data (its experts, sharded by the mesh) would "
+                                 f"meet another rank's rows; give make_buffers the mesh's devices in its order, "
+                                 f"make_buffers(mesh.devices.flat, ...)")
         # One collective of the group (the send half), then this rank's reference computation.
         call = (("call", "dispatch (JAX)"), ("Buffer", buffer._token), ("parity", c.parity),
                 ("num_max_dispatch_tokens_per_rank", c.num_max_dispatch_tokens_per_rank), ("hidden", c.hidden),
