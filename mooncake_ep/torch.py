@@ -166,7 +166,7 @@ class CombineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us):
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_w = ctx.needs_input_grad[1]  # grad_w reads the forward's expert outputs
         combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
         ctx.save_for_backward(x if need_w else None, topk_idx, topk_weights)
         ctx.active_ranks = active_ranks
