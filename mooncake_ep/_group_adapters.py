@@ -282,7 +282,8 @@ class TorchStoreGroup(_KeyValueGroup):
     def _kv_add(self, key: str, amount: int) -> int:
         return int(self._call("add", self.store.add, key, amount))
 
-    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0) -> list[bytes]:
+    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
+                      settle: bool = False) -> list[bytes]:  # no claims here: every key stays
         keys = list(keys)
         try:
             self.store.wait(keys, datetime.timedelta(seconds=_finite_s(timeout_s)))
@@ -480,7 +481,8 @@ class JaxGroup(_KeyValueGroup):
     def _kv_add(self, key: str, amount: int) -> int:
         return int(self._call("increment", self.client.key_value_increment, key, amount))
 
-    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0) -> list[bytes]:
+    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
+                      settle: bool = False) -> list[bytes]:  # no claims here: every key stays
         deadline = time.monotonic() + _finite_s(timeout_s)
         values = []
         for i, key in enumerate(keys):

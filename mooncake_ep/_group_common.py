@@ -169,9 +169,11 @@ class _KeyValueGroup:
     def _kv_add(self, key: str, amount: int) -> int:
         raise NotImplementedError
 
-    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0) -> list[bytes]:
+    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
+                      settle: bool = False) -> list[bytes]:
         """The keys' values once all are set (within ``timeout_s``); ``reply_bytes``: about how many
-        bytes they hold, for a store whose transfers count against its time limits."""
+        bytes they hold, for a store whose transfers count against its time limits; ``settle``: the
+        keys set by :meth:`_kv_set_while_connected` stay from then on."""
         raise NotImplementedError
 
     def _kv_set_while_connected(self, key: str, value: bytes) -> None:
@@ -292,7 +294,9 @@ class _KeyValueGroup:
                     self._kv_set_while_connected(keys[self.rank], mine)
                 else:
                     self._kv_set(keys[self.rank], mine)
-                values = self._kv_multi_get(keys, self._timeout_s)
+                # Settled once complete: a replacement that exits or dies after the round must still
+                # count as joined for a survivor whose wait is on its way (else the ranks split epochs).
+                values = self._kv_multi_get(keys, self._timeout_s, settle=True)
             except _StoreWaitError as exc:
                 if self._is_replacement:  # gone: the running ranks must not count this rank as joined
                     self._kv_delete(keys[self.rank])

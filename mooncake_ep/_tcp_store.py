@@ -11,7 +11,7 @@ Wire format, one request and one reply at a time per connection::
 
 A key can be *claimed* (:meth:`TCPStoreClient.claim`): created only if absent and owned by the
 connection that claimed it, so it disappears when that connection closes, which is when its
-process exits or dies. :class:`mooncake_ep.group.TCPGroup` holds one such key per rank, so a
+process exits or dies (unless a set, a delete, or a wait asked to settle it ended the claim first). :class:`mooncake_ep.group.TCPGroup` holds one such key per rank, so a
 replacement process can take over the rank of a dead one (``init_group(rejoin=True)``) and never
 that of a live one. A process forked from a rank (a worker pool, a data loader) closes its copies of
 the store's sockets at once: holding them open would keep a dead rank's claims alive for as long
@@ -75,6 +75,8 @@ _U8, _U16, _U32 = struct.Struct("!B"), struct.Struct("!H"), struct.Struct("!I")
 _I64, _F64 = struct.Struct("!q"), struct.Struct("!d")
 _OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE, _OP_CLAIM = 1, 2, 3, 4, 5
 _OK, _TIMEOUT, _ERROR, _CLOSED = 0, 1, 2, 3
+# Bits of a wait's flags byte: return the values; end the claims on the keys once all are there.
+_WAIT_VALUES, _WAIT_SETTLES_CLAIMS = 1, 2
 
 
 class _StoreClosedError(_StoreWaitError):
@@ -326,7 +328,7 @@ class TCPStoreServer:
                     self._cond.notify_all()
                 return _OK, _I64.pack(total)
             if op == _OP_WAIT:
-                timeout_s, want_values = reader.scalar(_F64), reader.scalar(_U8)
+                timeout_s, flags = reader.scalar(_F64), reader.scalar(_U8)
                 keys = [reader.key() for _ in range(reader.scalar(_U32))]
                 deadline = time.monotonic() + timeout_s
                 with self._cond:
@@ -341,7 +343,10 @@ class TCPStoreServer:
                     if missing:
                         body = _U32.pack(len(missing)) + b"".join(_U32.pack(i) for i in missing)
                         return (_CLOSED if self._closing else _TIMEOUT), body
-                    values = [self._data[k] for k in keys] if want_values else []
+                    values = [self._data[k] for k in keys] if flags & _WAIT_VALUES else []
+                    if flags & _WAIT_SETTLES_CLAIMS:  # in the same step as the answer, no window between
+                        for key in keys:
+                            self._claim_owners.pop(key, None)
                 return _OK, b"".join(_pack_blob(v) for v in values)
             if op == _OP_DELETE:
                 key = reader.key()
@@ -491,19 +496,25 @@ class TCPStoreClient:
         """
         self._wait("TCPStoreClient.wait", keys, timeout_s, want_values=False)
 
-    def multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0) -> list[bytes]:
+    def multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
+                  settle_claims: bool = False) -> list[bytes]:
         """Wait as :meth:`wait` does, then return the values of ``keys`` in order (one round trip).
 
         ``reply_bytes``: about how many bytes the values hold; the store needs time to assemble and
         send them beyond ``timeout_s`` (which bounds the wait for the keys, not the transfer).
+        ``settle_claims``: once all keys are there, end the claims on them in the same step, so that
+        a peer whose wait for the same keys is still on its way finds them too, whatever becomes of
+        their claimers (a round every rank must see complete).
         """
-        return self._wait("TCPStoreClient.multi_get", keys, timeout_s, want_values=True, reply_bytes=reply_bytes)
+        return self._wait("TCPStoreClient.multi_get", keys, timeout_s, want_values=True, reply_bytes=reply_bytes,
+                          settle_claims=settle_claims)
 
     def _wait(self, where: str, keys: Sequence[str], timeout_s: float, want_values: bool,
-              reply_bytes: int = 0) -> list[bytes]:
+              reply_bytes: int = 0, settle_claims: bool = False) -> list[bytes]:
         timeout_s = _check_timeout(where, timeout_s)
         keys = list(keys)
-        payload = (_F64.pack(timeout_s) + _U8.pack(want_values) + _U32.pack(len(keys))
+        flags = (_WAIT_VALUES if want_values else 0) | (_WAIT_SETTLES_CLAIMS if settle_claims else 0)
+        payload = (_F64.pack(timeout_s) + _U8.pack(flags) + _U32.pack(len(keys))
                    + b"".join(_pack_key(k) for k in keys))
         status, body = self._request(_OP_WAIT, payload, wait_s=timeout_s, reply_bytes=reply_bytes)
         reader = _Reader(body)

@@ -234,8 +234,9 @@ class TCPGroup(_KeyValueGroup):
     def _kv_add(self, key: str, amount: int) -> int:
         return self._store().add(key, amount)
 
-    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0) -> list[bytes]:
-        return self._store().multi_get(keys, timeout_s, reply_bytes=reply_bytes)
+    def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
+                      settle: bool = False) -> list[bytes]:
+        return self._store().multi_get(keys, timeout_s, reply_bytes=reply_bytes, settle_claims=settle)
 
     def _kv_delete(self, key: str) -> None:
         self._store().delete(key)

@@ -91,6 +91,25 @@ def test_claim_is_held_by_its_connection_and_released_when_it_closes():
         c.close()
 
 
+def test_a_wait_that_settles_claims_keeps_the_keys_after_their_claimer_leaves():
+    """A membership round: once one rank's wait saw every join key, a replacement that exits must
+    still count as joined for a rank whose wait comes later (else the two end in different epochs)."""
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        replacement = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        survivor = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        late = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        assert replacement.claim("e1/join/2", b"r") and replacement.claim("unsettled", b"u")
+        survivor.set("e1/join/0", b"s")
+        assert survivor.multi_get(["e1/join/0", "e1/join/2"], timeout_s=1.0, settle_claims=True) == [b"s", b"r"]
+        assert survivor.multi_get(["unsettled"], timeout_s=1.0) == [b"u"]  # a plain wait leaves the claim
+        replacement.close()
+        assert eventually(lambda: late.claim("unsettled", b"late"))  # freed with its claimer's connection
+        assert late.multi_get(["e1/join/0", "e1/join/2"], timeout_s=1.0) == [b"s", b"r"]
+        assert late.claim("e1/join/2") is False
+        for client in (survivor, late):
+            client.close()
+
+
 def test_a_stalled_store_is_named_within_a_quarter_of_the_wait_past_it():
     """A client gives the store a quarter of its wait (0.5-10 s) to answer past it, not a flat 10 s:
     a rank 0 that stalls (not dead, so its socket stays open) is named soon after timeout_s."""
