@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import struct
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -113,6 +115,19 @@ _JOIN = struct.Struct("!IIB")
 _PROBE_S = 0.05
 
 
+# The store groups of this process: a forked child gets each one back closed, with a lock of its own.
+_OPEN_GROUPS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_groups_after_fork() -> None:
+    for group in list(_OPEN_GROUPS):
+        group._forget_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_groups_after_fork)
+
+
 class _KeyValueGroup:
     """Collectives of one rank over a key-value store that all ranks reach.
 
@@ -160,6 +175,17 @@ class _KeyValueGroup:
         self._num_calls: Counter[str] = Counter()
         self._broken: str | None = None
         self._closed = False
+        self._closed_because = "the group is closed"
+        _OPEN_GROUPS.add(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the group is the parent's rank. A parent thread may have held the lock
+        at the fork (a collective holds it for its whole wait), so the child gets a new one, and
+        every call of the child raises at once instead of waiting on it."""
+        self._lock = threading.Lock()
+        self._closed = True
+        self._closed_because = (f"the group is rank {self.rank}'s of process {os.getppid()}, and this process "
+                                f"was forked from it; a child makes its own group")
 
     # --- the store, provided by the subclass
 
@@ -282,7 +308,7 @@ class _KeyValueGroup:
             label = f"renew_membership #{self._num_calls['renew_membership']}"
             self._num_calls["renew_membership"] += 1
             if self._closed:
-                raise GroupError(f"{label}: the group is closed")
+                raise GroupError(f"{label}: {self._closed_because}")
             epoch = self._epoch + 1
             if self.world_size == 1:
                 self._epoch, self._seq, self._broken = epoch, 0, None
@@ -359,7 +385,7 @@ class _KeyValueGroup:
             label = f"{name} #{self._num_calls[name]}"
             self._num_calls[name] += 1
             if self._closed:
-                raise GroupError(f"{label}: the group is closed")
+                raise GroupError(f"{label}: {self._closed_because}")
             if self._broken is not None:
                 raise GroupError(f"{label}: the group is broken by an earlier failure ({self._broken}); "
                                  f"every rank repairs it with Buffer.update_ep_member() (or "

@@ -8,6 +8,7 @@ version, with SIGKILL, is in test_buffer_multiprocess.py). Timeouts only bound f
 from __future__ import annotations
 
 import math
+import re
 import socket
 import threading
 import time
@@ -279,6 +280,42 @@ def test_a_forked_child_does_not_hold_its_parents_store_connection():
     finally:
         child_may_exit.set()
         child.join(PROCESS_LIMIT_S)
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
+def _barrier_in_forked_child(group, report) -> None:
+    start = time.monotonic()
+    try:
+        group.barrier()
+        report.put("returned")
+    except GroupError as exc:
+        report.put(f"{time.monotonic() - start:.1f} s: {exc}")
+
+
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX's; the child only calls
+def test_a_child_forked_during_a_collective_gets_an_error_not_its_parents_lock():
+    """A collective holds the group's lock for its whole wait; a child forked meanwhile (a worker
+    pool, a data loader) must not wait on that lock forever: its group calls raise at once."""
+    multiprocessing = pytest.importorskip("multiprocessing")
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    groups = join(free_port(), 2)
+    waiting = threading.Thread(target=groups[1].barrier)
+    waiting.start()
+    eventually(lambda: groups[1]._lock.locked())
+    context = multiprocessing.get_context("fork")
+    report = context.Queue()
+    child = context.Process(target=_barrier_in_forked_child, args=(groups[1], report))
+    child.start()
+    try:
+        assert re.fullmatch(r"0\.\d s: barrier #1: the group is rank 1's of process \d+, and this process was forked "
+                            r"from it; a child makes its own group", report.get(timeout=PROCESS_LIMIT_S))
+    finally:
+        child.join(PROCESS_LIMIT_S)
+        if child.is_alive():
+            child.kill()
+    groups[0].barrier()
+    waiting.join()
     run_in_threads([lambda g=g: g.close() for g in groups])
 
 
