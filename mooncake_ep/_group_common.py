@@ -103,7 +103,8 @@ def _check_data(where: str, data: Any) -> bytes:
 # Bumped whenever the store protocol or the collective framing changes; ranks must agree.
 # 2: membership epochs (renew_membership) and rank claims held by the store connection.
 # 3: the store's request and reply lengths are u64 (a reply of every rank's value passed 4 GiB).
-_PROTOCOL_VERSION = 3
+# 4: a store connection opens with a hello (magic, version), so a mismatch is named, not misread.
+_PROTOCOL_VERSION = 4
 _U8, _U32 = struct.Struct("!B"), struct.Struct("!I")
 # First byte of every value a collective publishes, so ranks that call different collectives
 # in the same round are caught instead of reading each other's payloads.

@@ -4,8 +4,10 @@ Standard library only. Rank 0 serves the store from a daemon thread (:class:`TCP
 every rank talks to it through one connection (:class:`TCPStoreClient`). Keys are strings, values
 bytes; ``wait`` blocks server-side until the keys appear, so it costs one round trip, not polling.
 
-Wire format, one request and one reply at a time per connection::
+Wire format: a connection opens with the client's hello, answered by a reply (OK, or an error that
+says why: another protocol version); then one request and one reply at a time::
 
+    hello: magic b"MCEP", protocol version u32
     request: op u8, payload length u64, payload    reply: status u8, body length u64, body
     payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars
 
@@ -41,6 +43,7 @@ from mooncake_ep._group_common import (
     DEFAULT_TIMEOUT_S,
     GroupError,
     StoreTimeoutError,
+    _PROTOCOL_VERSION,
     _StoreWaitError,
     _check_data,
     _check_port,
@@ -71,6 +74,10 @@ _MIN_TRANSFER_BYTES_PER_S = 20e6
 # Store wire format. Request: header (op, payload bytes) + payload; reply: (status, bytes) + body.
 # Payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars.
 _HEADER = struct.Struct("!BQ")  # u64 lengths: a multi_get reply holds every rank's value, 4 GiB each at most
+_HELLO, _MAGIC = struct.Struct("!4sI"), b"MCEP"
+# The server reads a request in pieces of at most this many bytes, so a length that no data follows
+# (a client of another protocol) costs no more memory than what actually arrives.
+_RECV_PIECE_BYTES = 64 << 20
 _U8, _U16, _U32 = struct.Struct("!B"), struct.Struct("!H"), struct.Struct("!I")
 _I64, _F64 = struct.Struct("!q"), struct.Struct("!d")
 _OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE, _OP_CLAIM = 1, 2, 3, 4, 5
@@ -135,6 +142,17 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(buf)
 
 
+def _recv_in_pieces(sock: socket.socket, size: int) -> bytes:
+    """:func:`_recv_exact` for a length the peer chose: memory grows with the bytes that arrive."""
+    if size <= _RECV_PIECE_BYTES:
+        return _recv_exact(sock, size)
+    pieces, got = [], 0
+    while got < size:
+        pieces.append(_recv_exact(sock, min(_RECV_PIECE_BYTES, size - got)))
+        got += len(pieces[-1])
+    return b"".join(pieces)
+
+
 # The store's servers and clients of this process, each of which forgets its sockets in a forked child.
 _OPEN_ENDPOINTS: weakref.WeakSet = weakref.WeakSet()
 
@@ -171,12 +189,14 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         store = self.server.store
         store._connected(sock, +1)
         try:
+            if not self._greet(sock):
+                return
             while True:
                 try:
                     op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
                 except ConnectionError:
                     return  # the client closed: the normal end
-                request = _recv_exact(sock, length)
+                request = _recv_in_pieces(sock, length)
                 store._busy(+1)
                 try:
                     status, body = store._serve(op, request, sock)
@@ -187,6 +207,26 @@ class _StoreHandler(socketserver.BaseRequestHandler):
             logger.debug("TCPStoreServer: dropped a client: %s", exc)
         finally:
             store._connected(sock, -1)
+
+
+    @staticmethod
+    def _greet(sock: socket.socket) -> bool:
+        """Read the client's hello and answer it; False: the connection is not to be served."""
+        try:
+            magic, version = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+        except ConnectionError:
+            return False
+        if magic != _MAGIC:
+            logger.warning("TCPStoreServer: dropped a connection that does not speak the store protocol (a "
+                           "mooncake_ep older than store protocol 4, or another program sent to MASTER_PORT)")
+            return False
+        if version != _PROTOCOL_VERSION:
+            message = (f"the store speaks protocol {_PROTOCOL_VERSION} and this rank {version}: every rank "
+                       f"must run the same mooncake_ep version").encode()
+            sock.sendall(_HEADER.pack(_ERROR, len(message)) + message)
+            return False
+        sock.sendall(_HEADER.pack(_OK, 0))
+        return True
 
 
 class _StoreTCPServer(socketserver.ThreadingTCPServer):
@@ -430,7 +470,27 @@ class TCPStoreClient:
                 delay = min(2 * delay, _CONNECT_RETRY_MAX_S)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _OPEN_ENDPOINTS.add(self)
+        self._hello()
         logger.debug("%s: connected to the store at %s:%d", who, host, port)
+
+    def _hello(self) -> None:
+        """Say which protocol this rank speaks; the store refuses another one by name."""
+        where = f"{self._who}: store at {self.host}:{self.port}"
+        try:
+            self._sock.settimeout(_wait_arg(self.timeout_s))
+            self._sock.sendall(_HELLO.pack(_MAGIC, _PROTOCOL_VERSION))
+            status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
+            body = _recv_exact(self._sock, min(length, 1 << 16))
+        except OSError as exc:
+            self._sock.close()
+            self._sock = None
+            raise GroupError(f"{where}: no answer to this rank's hello ({exc or type(exc).__name__}): rank 0 may run "
+                             f"a mooncake_ep of an older store protocol (this one speaks {_PROTOCOL_VERSION}), or "
+                             f"another program listens on MASTER_PORT") from exc
+        if status != _OK:
+            self._sock.close()
+            self._sock = None
+            raise GroupError(f"{where}: refused this rank: {body.decode(errors='replace')}")
 
     def _forget_after_fork(self) -> None:
         """In a forked child: this connection is the parent's; close the child's copy of it."""

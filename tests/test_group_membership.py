@@ -111,6 +111,48 @@ def test_a_wait_that_settles_claims_keeps_the_keys_after_their_claimer_leaves():
             client.close()
 
 
+def test_a_store_names_another_protocol_and_ignores_what_is_not_one(caplog):
+    """A client of another store protocol is refused by name; bytes that are no hello, or a request
+    length that no data follows, cost the server nothing (it used to allocate whatever length came)."""
+    from mooncake_ep import _tcp_store
+
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        with socket.create_connection(("127.0.0.1", server.port)) as stray:  # an old client's first request
+            stray.sendall(_tcp_store._HEADER.pack(1, 1 << 62))
+            assert stray.recv(1) == b""  # dropped
+        assert "does not speak the store protocol" in caplog.text
+        with socket.create_connection(("127.0.0.1", server.port)) as liar:  # a hello, then a length without data
+            liar.sendall(_tcp_store._HELLO.pack(_tcp_store._MAGIC, _tcp_store._PROTOCOL_VERSION))
+            assert liar.recv(_tcp_store._HEADER.size) == _tcp_store._HEADER.pack(_tcp_store._OK, 0)
+            liar.sendall(_tcp_store._HEADER.pack(1, 1 << 62) + bytes(1000))
+        newer = _tcp_store._PROTOCOL_VERSION + 1
+        with socket.create_connection(("127.0.0.1", server.port)) as other:  # a newer rank's hello
+            other.sendall(_tcp_store._HELLO.pack(_tcp_store._MAGIC, newer))
+            status, length = _tcp_store._HEADER.unpack(_tcp_store._recv_exact(other, _tcp_store._HEADER.size))
+            message = _tcp_store._recv_exact(other, length).decode()
+        assert status == _tcp_store._ERROR
+        assert message == (f"the store speaks protocol {_tcp_store._PROTOCOL_VERSION} and this rank {newer}: every "
+                           f"rank must run the same mooncake_ep version")
+        client = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)  # the server still serves
+        client.set("k", b"v")
+        assert client.get("k", timeout_s=1.0) == b"v"
+        client.close()
+    # What a refused client says: the store's reason, with its own name and the store's address.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def refuse():
+            conn, _ = listener.accept()
+            with conn:
+                _tcp_store._recv_exact(conn, _tcp_store._HELLO.size)
+                conn.sendall(_tcp_store._HEADER.pack(_tcp_store._ERROR, len(message)) + message.encode())
+        refusing = threading.Thread(target=refuse, daemon=True)
+        refusing.start()
+        port = listener.getsockname()[1]
+        with pytest.raises(GroupError, match=rf"^rank 1: store at 127\.0\.0\.1:{port}: refused this rank: the store "
+                                             rf"speaks protocol \d+ and this rank {newer}: every rank"):
+            TCPStoreClient("127.0.0.1", port, timeout_s=5.0, who="rank 1")
+        refusing.join(PROCESS_LIMIT_S)
+
+
 def test_a_stalled_store_is_named_within_a_quarter_of_the_wait_past_it():
     """A client gives the store a quarter of its wait (0.5-10 s) to answer past it, not a flat 10 s:
     a rank 0 that stalls (not dead, so its socket stays open) is named soon after timeout_s."""
