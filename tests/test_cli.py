@@ -200,6 +200,29 @@ def test_a_terminated_launcher_stops_its_processes(tmp_path):
     assert workers() == []
 
 
+def test_a_signal_while_a_process_starts_leaves_none_running(monkeypatch, capsys):
+    """SIGTERM that lands inside Popen, after its fork: that process is stopped with the others."""
+    signal = pytest.importorskip("signal")
+    if not hasattr(signal, "SIGTERM") or sys.platform == "win32":
+        pytest.skip("POSIX signals")
+    from mooncake_ep.cli import launch
+
+    started, real_popen = [], subprocess.Popen
+
+    def popen_then_signal(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        if len(started) == 2:  # the process exists, the launcher has not got its Popen object yet
+            os.kill(os.getpid(), signal.SIGTERM)
+        return started[-1]
+    monkeypatch.setattr(launch.subprocess, "Popen", popen_then_signal)
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match=f"signal {int(signal.SIGTERM)}"):
+        launch.launch("test", [sys.executable, "-c", "import time; time.sleep(60)"], 3)
+    assert len(started) == 2 and [proc.poll() for proc in started] == [-signal.SIGKILL] * 2
+    assert signal.getsignal(signal.SIGTERM) is previous
+    capsys.readouterr()
+
+
 def test_main_returns_instead_of_exiting(capsys):
     assert cli.main(["--version"]) == 0
     assert cli.main(["demo", "--bogus"]) == 2

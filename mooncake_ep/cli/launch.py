@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import mooncake_ep
@@ -101,18 +101,20 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     print(f"mooncake_ep {command}: launching {num_processes} processes, store at {LAUNCH_ADDR}:{port}")
     sys.stdout.flush()
     procs = []
-    # A launcher stopped by SIGTERM or SIGHUP stops its processes too (as Ctrl-C does): the handler
-    # raises into the wait below, whose cleanup kills them.
-    restore = _raise_on_termination()
+    # A launcher stopped by SIGINT, SIGTERM or SIGHUP stops its processes too: the handler only notes
+    # the signal, and the loops below raise KeyboardInterrupt where every started process is in
+    # procs (raised inside Popen, after its fork, it would leave that process unknown, and running).
+    stop = _StopOnSignal()
     try:
         for rank in range(num_processes):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR=LAUNCH_ADDR, MASTER_PORT=str(port),
                        PYTHONPATH=python_path)
             procs.append(subprocess.Popen(list(argv), env=env))
-        codes = _wait_for_processes(procs)
+            stop.check()
+        codes = _wait_for_processes(procs, stop)
     finally:
-        restore()
+        stop.restore()
         for proc in procs:  # interrupted, or a failure while starting: leave nothing behind
             if proc.poll() is None:
                 proc.kill()
@@ -125,26 +127,39 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     return EXIT_OK
 
 
-def _raise_on_termination() -> Callable[[], None]:
-    """Make SIGTERM and SIGHUP raise KeyboardInterrupt in this (main) thread; returns the undo."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
+class _StopOnSignal:
+    """Notes SIGINT, SIGTERM and SIGHUP in this (main) thread; :meth:`check` raises KeyboardInterrupt then.
 
-    def interrupt(signum, frame) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-    signals = [sig for sig in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if sig is not None]
-    previous = {sig: signal.signal(sig, interrupt) for sig in signals}
+    Off the main thread (where handlers cannot be set) it notes nothing and Python's own SIGINT
+    handling stays.
+    """
 
-    def restore() -> None:
-        for sig, handler in previous.items():
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"signal {self.signum}")
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-    return restore
 
 
-def _wait_for_processes(procs: list[subprocess.Popen]) -> list[int]:
+def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> list[int]:
     """Every process's exit code. Once one fails, the others get LAUNCH_GRACE_S, then are stopped."""
     stop_at = None
     while True:
+        stop.check()
         codes = [proc.poll() for proc in procs]
         if all(code is not None for code in codes):
             return codes
@@ -154,8 +169,17 @@ def _wait_for_processes(procs: list[subprocess.Popen]) -> list[int]:
             for proc in procs:
                 if proc.poll() is None:
                     proc.terminate()
-            return [proc.wait() for proc in procs]
+            return [_wait_or_kill(proc) for proc in procs]
         time.sleep(_LAUNCH_POLL_S)
+
+
+def _wait_or_kill(proc: subprocess.Popen) -> int:
+    """The exit code of a process told to terminate; killed if it has not exited LAUNCH_GRACE_S later."""
+    try:
+        return proc.wait(LAUNCH_GRACE_S)
+    except subprocess.TimeoutExpired:  # it ignores or handles SIGTERM
+        proc.kill()
+        return proc.wait()
 
 
 def _describe_exit(code: int) -> str:
