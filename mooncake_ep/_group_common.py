@@ -72,7 +72,7 @@ def _check_rank(where: str, rank: Any, world_size: Any) -> tuple[int, int]:
 
 
 def _check_timeout(where: str, timeout_s: Any) -> float:
-    """Seconds > 0; ``math.inf`` waits forever."""
+    """Seconds > 0; ``math.inf`` waits forever (so does anything from 1e8 s on, see :func:`_wait_arg`)."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise TypeError(f"{where}: timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
     if not timeout_s > 0:  # also refuses NaN
@@ -80,9 +80,14 @@ def _check_timeout(where: str, timeout_s: Any) -> float:
     return float(timeout_s)
 
 
+# Waits at least this long are forever: socket and lock timeouts overflow a little above 1e9 s.
+_FOREVER_FROM_S = 1e8
+
+
 def _wait_arg(timeout_s: float) -> float | None:
-    """``timeout_s`` as the threading and socket APIs take it: None for math.inf (forever)."""
-    return None if math.isinf(timeout_s) else timeout_s
+    """``timeout_s`` as the threading and socket APIs take it: None (forever) for math.inf, and for
+    waits of 1e8 s (three years) or more, which those APIs cannot hold."""
+    return None if timeout_s >= _FOREVER_FROM_S else timeout_s
 
 
 def _check_port(where: str, port: Any, name: str = "master_port", minimum: int = 1) -> int:
@@ -410,6 +415,9 @@ class _KeyValueGroup:
             except GroupError as exc:
                 self._broken = f"{label} on rank {self.rank} failed: {exc}"
                 raise GroupError(self._broken) from exc
+            except BaseException as exc:  # the round is spent whatever stopped it (an interrupt, a bug)
+                self._broken = f"{label} on rank {self.rank} stopped: {type(exc).__name__}: {exc}"
+                raise
             names = {_U8.pack(tag): n for n, tag in _TAGS.items()}
             odd = {r: names.get(v[:1], "?") for r, v in enumerate(values) if v[:1] != _U8.pack(_TAGS[name])}
             if odd:

@@ -332,6 +332,28 @@ def test_tcp_group_timeout_in_collective_names_rank():
         g.close(final_barrier=False)
 
 
+def test_tcp_group_waits_past_what_sockets_hold_and_any_failed_round_breaks_it():
+    """A timeout too long for a socket (1e10 s) waits as forever does, instead of an OverflowError
+    after the round's sequence number was spent; and a round stopped by anything (here a bug of a
+    store call) breaks the group as a GroupError does, so the ranks cannot fall out of step."""
+    port = free_port()
+    groups = run_in_threads([lambda r=r: TCPGroup(r, 2, master_port=port, timeout_s=30.0) for r in range(2)])
+    for g in groups:
+        g.timeout_s = 1e10
+    assert run_in_threads([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1"]] * 2
+
+    def failing_wait(*args, **kwargs):
+        raise RuntimeError("a bug in the store call")
+    groups[1]._kv_multi_get = failing_wait
+    with pytest.raises(RuntimeError, match="a bug in the store call"):
+        groups[1].barrier()
+    with pytest.raises(GroupError, match=r"barrier #1: the group is broken by an earlier failure \(barrier #0 on rank 1 "
+                                         r"stopped: RuntimeError: a bug in the store call\)"):
+        groups[1].barrier()
+    for g in groups:
+        g.close(final_barrier=False)
+
+
 def test_tcp_group_context_manager_and_close():
     port = free_port()
 
