@@ -78,10 +78,17 @@ _HELLO, _MAGIC = struct.Struct("!4sI"), b"MCEP"
 # The server reads a request in pieces of at most this many bytes, so a length that no data follows
 # (a client of another protocol) costs no more memory than what actually arrives.
 _RECV_PIECE_BYTES = 64 << 20
+# A set larger than this marks its key as arriving while its value comes in (waits on it go on).
+_ARRIVING_SET_BYTES = 1 << 20
+# A reply up to this size is sent in one piece; a larger one as its parts, after its header.
+_JOINED_REPLY_BYTES = 1 << 16
 _U8, _U16, _U32 = struct.Struct("!B"), struct.Struct("!H"), struct.Struct("!I")
-_I64, _F64 = struct.Struct("!q"), struct.Struct("!d")
+_I64, _U64, _F64 = struct.Struct("!q"), struct.Struct("!Q"), struct.Struct("!d")
 _OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE, _OP_CLAIM = 1, 2, 3, 4, 5
 _OK, _TIMEOUT, _ERROR, _CLOSED = 0, 1, 2, 3
+# An interim reply to a wait past its time (body: u64 bytes still coming): a missing key's value is
+# arriving from a peer that set it in time; the client extends its own limit by that transfer.
+_STILL_ARRIVING = 4
 # Bits of a wait's flags byte: return the values; end the claims on the keys once all are there.
 _WAIT_VALUES, _WAIT_SETTLES_CLAIMS = 1, 2
 
@@ -102,10 +109,14 @@ def _pack_key(key: str) -> bytes:
     return _U16.pack(len(raw)) + raw
 
 
-def _pack_blob(value: bytes) -> bytes:
+def _blob_length(value: bytes) -> bytes:
     if len(value) > 0xFFFFFFFF:
         raise ValueError(f"TCPStoreClient: value must be below 4 GiB, got {len(value)} bytes")
-    return _U32.pack(len(value)) + value
+    return _U32.pack(len(value))
+
+
+def _pack_blob(value: bytes) -> bytes:
+    return _blob_length(value) + value
 
 
 class _Reader:
@@ -142,11 +153,11 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_in_pieces(sock: socket.socket, size: int) -> bytes:
-    """:func:`_recv_exact` for a length the peer chose: memory grows with the bytes that arrive."""
-    if size <= _RECV_PIECE_BYTES:
+def _recv_in_pieces(sock: socket.socket, size: int, prefix: bytes = b"") -> bytes:
+    """``prefix`` + :func:`_recv_exact` for a length the peer chose: memory grows with the bytes that arrive."""
+    if size <= _RECV_PIECE_BYTES and not prefix:
         return _recv_exact(sock, size)
-    pieces, got = [], 0
+    pieces, got = [prefix], 0
     while got < size:
         pieces.append(_recv_exact(sock, min(_RECV_PIECE_BYTES, size - got)))
         got += len(pieces[-1])
@@ -196,11 +207,29 @@ class _StoreHandler(socketserver.BaseRequestHandler):
                     op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
                 except ConnectionError:
                     return  # the client closed: the normal end
-                request = _recv_in_pieces(sock, length)
+                arriving = None
+                if op == _OP_SET and length > _ARRIVING_SET_BYTES:
+                    arriving = self._receive_set(sock, store, length)
+                    request = arriving[2]
+                else:
+                    request = _recv_in_pieces(sock, length)
                 store._busy(+1)
                 try:
-                    status, body = store._serve(op, request, sock)
-                    sock.sendall(_HEADER.pack(status, len(body)) + body)
+                    try:
+                        status, body = store._serve(op, request, sock)
+                    finally:  # arriving until stored: a wait must never see it neither arriving nor there
+                        if arriving is not None:
+                            store._arriving(arriving[0], arriving[1], done=True)
+                    parts = [body] if isinstance(body, bytes) else body
+                    # The header first, the values as they are (a reply of every rank's value is
+                    # not copied into one): a large reply's header is not held back by assembly.
+                    length = sum(len(part) for part in parts)
+                    if length <= _JOINED_REPLY_BYTES:
+                        sock.sendall(b"".join((_HEADER.pack(status, length), *parts)))
+                    else:
+                        sock.sendall(_HEADER.pack(status, length))
+                        for part in parts:
+                            sock.sendall(part)
                 finally:
                     store._busy(-1)
         except OSError as exc:
@@ -208,6 +237,21 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         finally:
             store._connected(sock, -1)
 
+
+    @staticmethod
+    def _receive_set(sock: socket.socket, store: TCPStoreServer, length: int) -> tuple[str, int, bytes]:
+        """A large set's request, ``(key, length, request)``: its key is marked arriving from when its
+        value starts to come in until the caller has stored it, so that a wait for it does not time
+        out on a peer that set it in time and is still sending."""
+        head = _recv_exact(sock, _U16.size)
+        key_raw = _recv_exact(sock, min(_U16.unpack(head)[0], length - _U16.size))
+        key = key_raw.decode(errors="replace")  # a malformed one is refused by _serve, as any other
+        store._arriving(key, length)
+        try:
+            return key, length, _recv_in_pieces(sock, length - len(head) - len(key_raw), prefix=head + key_raw)
+        except BaseException:
+            store._arriving(key, length, done=True)
+            raise
 
     @staticmethod
     def _greet(sock: socket.socket) -> bool:
@@ -263,6 +307,8 @@ class TCPStoreServer:
         self._clients: set[socket.socket] = set()
         # Claimed key -> the connection holding it; a set or delete of the key ends the claim.
         self._claim_owners: dict[str, socket.socket] = {}
+        # Keys whose large set is being received -> those sets' lengths (see _StoreHandler._receive_set).
+        self._arriving_keys: dict[str, list[int]] = {}
         self._num_busy = 0  # requests read and not yet answered
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -341,13 +387,26 @@ class TCPStoreServer:
                     self._data.pop(key, None)
             self._cond.notify_all()
 
+    def _arriving(self, key: str, num_bytes: int, done: bool = False) -> None:
+        """Mark a set of ``num_bytes`` for ``key`` as being received, or (``done``) as over."""
+        with self._cond:
+            lengths = self._arriving_keys.setdefault(key, [])
+            if done:
+                lengths.remove(num_bytes)
+                if not lengths:
+                    del self._arriving_keys[key]
+            else:
+                lengths.append(num_bytes)
+            self._cond.notify_all()
+
     def _busy(self, delta: int) -> None:
         with self._cond:
             self._num_busy += delta
             self._cond.notify_all()
 
     def _serve(self, op: int, payload: bytes, client: socket.socket | None = None) -> tuple[int, bytes]:
-        """One request from the connection ``client``: returns (status, reply body)."""
+        """One request from the connection ``client``: returns (status, reply body); a wait's body
+        as the list of its parts (the values are not copied into one)."""
         try:
             reader = _Reader(payload)
             if op == _OP_SET:
@@ -374,11 +433,18 @@ class TCPStoreServer:
                 with self._cond:
                     # In slices, looking at the connection in between: a client that died while
                     # waiting (its socket closed) is let go at once, and with it its claims, instead
-                    # of holding them until its wait would have run out.
+                    # of holding them until its wait would have run out. Past the deadline the wait
+                    # goes on while a missing key's value is still coming in: its peer was in time.
                     while not self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys),
-                                                  timeout=min(_DEAD_CLIENT_POLL_S, deadline - time.monotonic())):
-                        if time.monotonic() >= deadline or _hung_up(client):
+                                                  timeout=max(0.0, min(_DEAD_CLIENT_POLL_S,
+                                                                       deadline - time.monotonic()))):
+                        arriving = sum(sum(self._arriving_keys.get(k, ())) for k in keys if k not in self._data)
+                        if (time.monotonic() >= deadline and not arriving) or _hung_up(client):
                             break
+                        if time.monotonic() >= deadline:  # told, then woken when it lands (_arriving)
+                            if client is not None:
+                                client.sendall(_HEADER.pack(_STILL_ARRIVING, _U64.size) + _U64.pack(arriving))
+                            self._cond.wait(_DEAD_CLIENT_POLL_S)
                     missing = [i for i, k in enumerate(keys) if k not in self._data]
                     if missing:
                         body = _U32.pack(len(missing)) + b"".join(_U32.pack(i) for i in missing)
@@ -387,7 +453,7 @@ class TCPStoreServer:
                     if flags & _WAIT_SETTLES_CLAIMS:  # in the same step as the answer, no window between
                         for key in keys:
                             self._claim_owners.pop(key, None)
-                return _OK, b"".join(_pack_blob(v) for v in values)
+                return _OK, [part for v in values for part in (_U32.pack(len(v)), v)]
             if op == _OP_DELETE:
                 key = reader.key()
                 with self._cond:
@@ -514,7 +580,8 @@ class TCPStoreClient:
 
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` (replacing any value), waking the waiters on it."""
-        self._request(_OP_SET, _pack_key(key) + _pack_blob(_check_data("TCPStoreClient.set", value)))
+        value = _check_data("TCPStoreClient.set", value)
+        self._request(_OP_SET, [_pack_key(key), _blob_length(value), value])  # sent as parts: no copy
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the counter ``key`` (absent = 0); returns the new value."""
@@ -588,27 +655,39 @@ class TCPStoreClient:
                 f"{where}: timed out after {timeout_s} s waiting for keys {missing}", missing)
         return [reader.blob() for _ in keys] if want_values else []
 
-    def _request(self, op: int, payload: bytes, wait_s: float = 0.0, reply_bytes: int = 0) -> tuple[int, bytes]:
-        """Send one request, read its reply. A broken link closes the socket for good.
+    def _request(self, op: int, payload: bytes | list[bytes], wait_s: float = 0.0,
+                 reply_bytes: int = 0) -> tuple[int, bytes]:
+        """Send one request (its payload, or the parts of it), read its reply. A broken link closes
+        the socket for good.
 
-        ``reply_bytes``: the reply's expected size; the server reads the request and assembles the
-        reply before it sends the reply's header, so the header's wait gets both transfers' time.
+        ``reply_bytes``: the reply's expected size; the server reads the request before it answers,
+        so the header's wait gets both transfers' time. A wait the server extends for a value still
+        arriving (:data:`_STILL_ARRIVING`) extends this side's limit by that value's transfer.
         """
+        parts = [payload] if isinstance(payload, bytes) else payload
+        payload_bytes = sum(len(part) for part in parts)
         where = f"{self._who}: store at {self.host}:{self.port}"
         # The server answers a wait itself when wait_s runs out; past the slack the link is dead.
         if wait_s:
             io_timeout = wait_s + min(max(0.25 * wait_s, _REPLY_SLACK_S[0]), _REPLY_SLACK_S[1])
         else:
             io_timeout = self.timeout_s
-        # The server reads the whole request and assembles the whole reply before the reply's header.
-        io_timeout += (len(payload) + reply_bytes) / _MIN_TRANSFER_BYTES_PER_S
+        # The server reads the whole request before it answers.
+        io_timeout += (payload_bytes + reply_bytes) / _MIN_TRANSFER_BYTES_PER_S
         with self._lock:
             if self._sock is None:
                 raise GroupError(f"{where}: the connection is closed")
             try:
                 self._sock.settimeout(_wait_arg(io_timeout))
-                self._sock.sendall(_HEADER.pack(op, len(payload)) + payload)
+                self._sock.sendall(_HEADER.pack(op, payload_bytes) + (parts[0] if len(parts) == 1 else b""))
+                for part in parts if len(parts) > 1 else ():
+                    self._sock.sendall(part)
                 status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
+                while status == _STILL_ARRIVING:
+                    arriving = _U64.unpack(_recv_exact(self._sock, length))[0]
+                    io_timeout = _REPLY_SLACK_S[1] + (arriving + reply_bytes) / _MIN_TRANSFER_BYTES_PER_S
+                    self._sock.settimeout(io_timeout)
+                    status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
                 self._sock.settimeout(_wait_arg(io_timeout + length / _MIN_TRANSFER_BYTES_PER_S))
                 body = _recv_exact(self._sock, length)
             except OSError as exc:  # includes timeouts: a late reply would desynchronise the stream

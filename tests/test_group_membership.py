@@ -153,6 +153,39 @@ def test_a_store_names_another_protocol_and_ignores_what_is_not_one(caplog):
         refusing.join(PROCESS_LIMIT_S)
 
 
+def test_a_wait_goes_on_while_a_value_set_in_time_is_still_arriving():
+    """timeout_s bounds the wait for peers, not transfers: a peer that began its set before the
+    deadline is waited for until the value is in, however long that takes past the waiter's own
+    limits (the store tells the waiter how many bytes are still coming)."""
+    from mooncake_ep import _tcp_store as ts
+
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        waiter = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        result = []
+        waiting = threading.Thread(target=lambda: result.append(_swallow_into(lambda: waiter.multi_get(["big"], 0.3))))
+        value = bytes(range(256)) * (8 << 12)  # 8 MiB: a set large enough to be marked arriving
+        request = ts._pack_key("big") + ts._pack_blob(value)
+        with socket.create_connection(("127.0.0.1", server.port)) as setter:
+            setter.sendall(ts._HELLO.pack(ts._MAGIC, ts._PROTOCOL_VERSION))
+            assert ts._recv_exact(setter, ts._HEADER.size) == ts._HEADER.pack(ts._OK, 0)
+            waiting.start()
+            setter.sendall(ts._HEADER.pack(ts._OP_SET, len(request)) + request[:1000])
+            eventually(lambda: "big" in server._arriving_keys)
+            time.sleep(1.5)  # past the wait (0.3 s) and the waiter's own limit (0.3 + 0.5 s slack)
+            setter.sendall(request[1000:])
+            assert ts._recv_exact(setter, ts._HEADER.size) == ts._HEADER.pack(ts._OK, 0)
+        waiting.join(PROCESS_LIMIT_S)
+        assert result == [[value]], result
+        waiter.close()
+
+
+def _swallow_into(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the test compares it
+        return exc
+
+
 def test_a_stalled_store_is_named_within_a_quarter_of_the_wait_past_it():
     """A client gives the store a quarter of its wait (0.5-10 s) to answer past it, not a flat 10 s:
     a rank 0 that stalls (not dead, so its socket stays open) is named soon after timeout_s."""
