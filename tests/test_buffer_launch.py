@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mooncake_ep as ep
+from mooncake_ep import _dlpack
 from mooncake_ep import layout
 from mooncake_ep.tensor import DeviceMemoryArray
 
@@ -215,6 +216,73 @@ def test_a_cached_plan_does_not_pass_a_num_experts_of_another_type(setup):
     with pytest.raises(TypeError, match="dispatch: num_experts must be an int, got float"):
         buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=float(E), use_fp8=False, out=out)
     assert len(cuda.launches) == 1
+
+
+class ReadOnlyExport:
+    """A device array whose DLPack capsule says read-only (DLPack >= 1.0's flag), as a producer's may."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        capsule = self.array.__dlpack__(**kwargs)
+        opened = _dlpack.open_capsule(capsule, "test")  # read, not consumed
+        _dlpack.DLManagedTensorVersioned.from_address(opened._address).flags |= _dlpack.DLPACK_FLAG_BITMASK_READ_ONLY
+        return capsule
+
+
+def test_a_cached_plan_does_not_pass_a_read_only_array(setup):
+    """A read-only array with the layout of an accepted call must still be refused as one."""
+    buf, cuda, device, inputs = setup
+    out = dispatch_out(device, False)
+    call = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+    buf.dispatch(**inputs, **call, out=out)
+    with pytest.raises(ValueError, match="dispatch: out recv_count is read-only"):
+        buf.dispatch(**inputs, **call, out=(out[0], ReadOnlyExport(out[1])))
+    with pytest.raises(ValueError, match="dispatch: active_ranks is read-only"):
+        buf.dispatch(**dict(inputs, active_ranks=ReadOnlyExport(inputs["active_ranks"])), **call, out=out)
+    assert len(cuda.launches) == 1
+
+
+def test_the_same_addresses_with_larger_overlapping_arrays_are_checked_again(setup):
+    """Disjointness is remembered per plan and addresses: the same pointers under another layout (x
+    grown from 1 token over recv_count's memory) are not the set already found disjoint. Arrays that
+    only touch are disjoint; one element in common is not."""
+    buf, cuda, device, inputs = setup
+    call = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+    rows = device(np.zeros((E // R, R * T, H), ml_dtypes.bfloat16))
+    memory = device(np.zeros(3 * H * 2, np.uint8))
+    count = DeviceMemoryArray(memory.ptr + H * 2, (E // R,), "int32", "cuda", 0, owner=memory)  # after token 0
+    one_token = DeviceMemoryArray(memory.ptr, (1, H), "bfloat16", "cuda", 0, owner=memory)
+    topk = inputs["topk_idx"]
+    topk_one = DeviceMemoryArray(topk.ptr, (1, 2), "int64", "cuda", 0, owner=topk)  # every pointer the same
+    buf.dispatch(**dict(inputs, x=one_token, topk_idx=topk_one), **call, out=(rows, count))
+    three_tokens = DeviceMemoryArray(memory.ptr, (3, H), "bfloat16", "cuda", 0, owner=memory)
+    with pytest.raises(ValueError, match="dispatch: out recv_count shares memory with x"):
+        buf.dispatch(**dict(inputs, x=three_tokens), **call, out=(rows, count))
+    # Touching is not sharing (the first call), one element in common is.
+    on_last_channels = DeviceMemoryArray(count.ptr - 4, (E // R,), "int32", "cuda", 0, owner=memory)
+    with pytest.raises(ValueError, match="dispatch: out recv_count shares memory with x"):
+        buf.dispatch(**dict(inputs, x=one_token, topk_idx=topk_one), **call, out=(rows, on_last_channels))
+    assert len(cuda.launches) == 1
+
+
+def test_the_overlap_rule_to_the_byte():
+    """fp8 rows are single bytes: one byte in common is sharing, touching ends are not."""
+    from types import SimpleNamespace
+
+    from mooncake_ep.validation import check_disjoint
+
+    at = SimpleNamespace
+    check_disjoint("t", ("a", "b"), [at(ptr=100), at(ptr=110)], (10, 10), 1)  # [100, 110) and [110, 120)
+    with pytest.raises(ValueError, match="t: a shares memory with b"):
+        check_disjoint("t", ("a", "b"), [at(ptr=100), at(ptr=109)], (10, 10), 1)
+    with pytest.raises(ValueError, match="t: a shares memory with b"):
+        check_disjoint("t", ("a", "b"), [at(ptr=109), at(ptr=100)], (10, 10), 1)
+    check_disjoint("t", ("a", "b"), [at(ptr=100), at(ptr=100)], (10, 0), 1)  # an empty array shares nothing
 
 
 def test_a_timeout_past_int64_nanoseconds_is_refused_before_anything_changes(setup):

@@ -405,6 +405,35 @@ def test_combine_accumulates_in_fp32_and_rounds_to_bf16_once():
     assert np.all(combined.astype(np.float32) == np.float32(1 + 2.0**-7))
 
 
+def _combine_one_token(expert_values: list[float], weights: list[float]) -> np.float32:
+    """Combine of one token routed to experts 0, 1, ... (one rank), expert e's output rows all expert_values[e]."""
+    num_topk = len(expert_values)
+    topk_idx = topk([list(range(num_topk))])
+    result = reference.dispatch(0, [np.ones((1, 128), BF16)], [topk_idx], ones(1), 1, num_topk, use_fp8=False)
+    outs = np.zeros_like(result.recv_x)
+    for expert, value in enumerate(expert_values):
+        outs[expert] = BF16.type(value)
+    combined, _ = reference.combine(0, [outs], [result], topk_idx, np.array([weights], np.float32), ones(1))
+    assert np.all(combined == combined[0, 0])
+    return combined[0, 0].astype(np.float32)
+
+
+def test_combine_sums_in_k_order_with_one_fused_rounding_per_step():
+    """The kernels' rule: acc = fmaf(w_k, x_k, acc) for k = 0, 1, ..., in fp32. Pinned on values where
+    another order, or a rounded product before the add, gives another bf16 result."""
+    # In k order, 2^24 + 1 rounds back to 2^24 (ties to even) and the -2^24 cancels it: 0. In reverse
+    # order, -2^24 + 1 is exact and the sum is 1.
+    assert _combine_one_token([1.0, 1.0, 1.0], [2.0**24, 1.0, -(2.0**24)]) == 0
+    # Step 0 puts -fl32(w1 * x1) in acc; a fused step 1 leaves the product's rounding error, a
+    # rounded product leaves 0.
+    w1, x1 = np.float32(0.1), np.float32(1 + 2.0**-7)  # x1 is a bf16 value; their product is not fp32
+    product = np.float64(w1) * np.float64(x1)
+    error = product - np.float64(np.float32(product))
+    assert error != 0
+    assert _combine_one_token([1.0, float(x1)], [-float(np.float32(product)), float(w1)]) == \
+        np.float32(np.float32(error).astype(BF16))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_combine_random_identity_experts_is_weighted_sum(seed):
     rng = np.random.default_rng(10 + seed)
