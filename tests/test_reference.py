@@ -350,6 +350,9 @@ def test_dispatch_rank_that_never_ran_delivers_nothing_and_is_masked():
         np.testing.assert_array_equal(result.active_ranks, expected_mask)
         np.testing.assert_array_equal(result.recv_count, [2, 2])
         assert np.all(result.layout_range[:, 1, 1] == 0)
+        # Its empty range starts where the next source's does (after source 0's rows), as any source's.
+        np.testing.assert_array_equal(result.layout_range[:, 1, 0], result.layout_range[:, 0, 1])
+        np.testing.assert_array_equal(result.layout_range[:, 1, 0], result.layout_range[:, 2, 0])
 
 
 def test_dispatch_does_not_modify_inputs():

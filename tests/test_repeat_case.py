@@ -27,7 +27,11 @@ def test_a_call_past_the_stall_limit_leaves_the_stacks_of_every_thread(tmp_path)
         release.wait()
 
     def stuck_in_the_call(self) -> None:
-        time.sleep(3 * repeat_case.HostTimeline.STALL_S)
+        # Stuck until the watchdog has written the stacks (not a fixed time, which a loaded machine
+        # could outlast before the timer fires); the cap only keeps a broken watchdog from hanging.
+        deadline = time.monotonic() + 60
+        while "in stuck_in_the_call" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     other = threading.Thread(target=other_thread_waits_here)
     other.start()

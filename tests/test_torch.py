@@ -104,6 +104,44 @@ def test_gradients_match_float64_formulas(num_ranks, num_tokens):
         assert np.all(grad_w[np_topks[r] < 0] == 0)
 
 
+def test_experts_whose_rows_a_failure_moved_during_the_backward_get_zero_gradient():
+    """Rank 0 masked between forward and backward: its gradient rows no longer arrive, so the rows of
+    the ranks after it move up into its rows' places. Experts that had rows from it get 0 rather than
+    a misplaced gradient; the others get their own."""
+    num_ranks, T, H, E, K = 3, 4, 128, 6, 2
+    xs, _, weights = make_inputs(4, num_ranks, T, H, E, K)
+    # Rank 0 routes only to experts 2 and 3 (rank 1's), which rank 2 feeds too; experts 4 and 5 (rank
+    # 2's) hear from ranks 1 and 2 only.
+    topks = [torch.tensor([[2, 3], [3, 2], [2, 3], [3, 2]]), torch.tensor([[0, 4], [1, 5], [2, 4], [3, 5]]),
+             torch.tensor([[4, 0], [5, 1], [2, 5], [3, 4]])]
+    rng = np.random.default_rng(5)
+    expert_outs = [torch.from_numpy(rng.standard_normal((E // num_ranks, num_ranks * T, H)).astype(np.float32))
+                   .bfloat16() for _ in range(num_ranks)]
+
+    def rank_fn(group):
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        active = torch.ones(num_ranks, dtype=torch.int32)
+        _, _, handle = ept.dispatch(buffer, xs[group.rank], topks[group.rank], active, T, E)
+        y = expert_outs[group.rank].clone().requires_grad_()
+        out = ept.combine(buffer, y, topks[group.rank], weights[group.rank], active, handle, grad_buffer=grad_buffer)
+        active[0] = 0  # every rank's mask: rank 0 failed after the forward
+        out.float().sum().backward()
+        return y.grad.float().numpy()
+
+    grads = ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+    assert not grads[1].any(), "rank 1's experts had rows from rank 0: no gradient rather than a misplaced one"
+    # Rank 2's experts had none: the gradient of each of their rows is w_k (d sum(out) / d out = 1).
+    forward = reference.dispatch(2, [to_np(x) for x in xs], [t.numpy() for t in topks],
+                                 [np.ones(num_ranks, np.int32)] * num_ranks, T, E, use_fp8=False)
+    want = np.zeros_like(grads[2])
+    for e in range(E // num_ranks):
+        assert forward.recv_count[e] > 0 and not (forward.recv_src_rank[e, :forward.recv_count[e]] == 0).any()
+        for row in range(forward.recv_count[e]):
+            src, t, k = (int(a[e, row]) for a in (forward.recv_src_rank, forward.recv_src_token, forward.recv_src_topk))
+            want[e, row] = np.float32(weights[src][t, k].item())
+    np.testing.assert_array_equal(grads[2], want.astype(reference.bfloat16).astype(np.float32))
+
+
 def test_a_moe_layer_trains_like_the_dense_layer():
     num_ranks, T, H, E, K = 2, 4, 128, 4, 2
     xs, topks, weights = make_inputs(3, num_ranks, T, H, E, K)
