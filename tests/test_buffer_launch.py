@@ -183,9 +183,24 @@ def test_parity_alternates_and_combine_answers_its_dispatch(setup):
     assert [(l.phases, l.parity) for l in combine] == [(SEND | RECV, 1)]
     assert combine[0].args["expert_out_ptr"] == expert_out.ptr and not combine[0].args["zero_copy"]
     assert combine[0].args["combined_ptr"] == combined.ptr and combine[0].args["renormalize"]
-    assert combine[0].args["timeout_ns"] == 10_000
+    assert combine[0].args["timeout_ns"] == 10_000 and combine[0].args["direct_reads"]
+    assert {name: combine[0].args[name] for name in ("topk_ptr", "topk_is_int64", "num_tokens", "num_topk",
+                                                     "weights_ptr", "active_ptr")} == \
+        dict(topk_ptr=inputs["topk_idx"].ptr, topk_is_int64=True, num_tokens=3, num_topk=K, weights_ptr=weights.ptr,
+             active_ptr=inputs["active_ranks"].ptr)
     with pytest.raises(ValueError, match="stale"):
         buf.combine(expert_out, inputs["topk_idx"], weights, inputs["active_ranks"], 10, handles[0], out=combined)
+
+
+def test_int32_expert_ids_reach_both_kernels_as_int32(setup):
+    buf, cuda, device, inputs = setup
+    topk32 = device(np.array([[0, 5], [7, -1], [2, 3]], dtype=np.int32))
+    _, _, handle, _, _ = buf.dispatch(**dict(inputs, topk_idx=topk32), num_max_dispatch_tokens_per_rank=T,
+                                      num_experts=E, use_fp8=False, out=dispatch_out(device, False))
+    buf.combine(device(np.zeros((E // R, R * T, H), ml_dtypes.bfloat16)), topk32, device(np.ones((3, K), np.float32)),
+                inputs["active_ranks"], -1, handle, out=device(np.zeros((3, H), ml_dtypes.bfloat16)))
+    assert [(l.kernel, l.args["topk_ptr"], l.args["topk_is_int64"]) for l in cuda.launches] == \
+        [("dispatch", topk32.ptr, False), ("combine", topk32.ptr, False)]
 
 
 def test_zero_copy_combine_passes_no_expert_output(setup):
