@@ -5,7 +5,8 @@
 # PACK_TO=FILE.tar.gz (outside OUTDIR) also packs OUTDIR into one archive at the end (for callers that
 # can fetch only a few files back).
 # Stages (default: tests bench warmup sanitizer):
-#   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S);
+#   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S); a
+#              test that skips fails, unless it needs more GPUs (MOONCAKE_EP_REQUIRE_GPU);
 #              with MOONCAKE_EP_TEST_MACROS=EP_X=1,... (tests/conftest.py) an experiment's kernel variant
 #              runs them, and the sanitizer's cases too
 #   bench      the decode-shape benchmark (with the torch baseline), the same with combine reading the
@@ -142,6 +143,9 @@ if has tests; then
   # past --timeout gets its threads' stacks dumped (thread method: works while C code holds the GIL).
   # Failures are appended to pytest_failures.log as they happen (tests/conftest.py).
   export MOONCAKE_EP_FAILURE_LOG="$out/pytest_failures.log"
+  # On this machine a GPU test that skips (no CUDA torch, JAX or cupy) hides a broken install: it fails
+  # instead, except one that needs more GPUs than there are (tests/conftest.py).
+  export MOONCAKE_EP_REQUIRE_GPU=1
   default_files="test_gpu_low_latency test_gpu_faults test_gpu_ipc test_gpu_frameworks test_examples test_bench test_cli"
   files="${PYTEST_FILES:-$default_files}"
   for file in $files; do

@@ -12,13 +12,18 @@ With MOONCAKE_EP_TEST_MACROS="EP_NAME=INTEGER,..." every kernel this process bui
 NVRTC macros: an experiment's variant (scripts/ab_kernels.py) is then checked by the GPU tests and
 the sanitizer before it is written in (`pytest -m gpu`; the CPU tests of the kernel cache expect the
 library's own keys and fail under it). Processes that a test spawns build the library's own kernels.
+
+With MOONCAKE_EP_REQUIRE_GPU set, a GPU test that skips fails instead (see pytest_runtest_makereport).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
+
+import pytest
 
 NUM_JAX_CPU_DEVICES = 8
 
@@ -56,6 +61,26 @@ def pytest_report_header(config):
     if EXPERIMENT_MACROS:
         return f"kernels built with the experiment's macros {EXPERIMENT_MACROS} (MOONCAKE_EP_TEST_MACROS)"
     return None
+
+
+# Skips a GPU run may take: a test that needs more GPUs than the machine has.
+_GPU_RUN_SKIPS = re.compile(r"needs \d+ GPUs")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With MOONCAKE_EP_REQUIRE_GPU set (scripts/gpu_check.sh sets it), a GPU test that skips fails.
+
+    On the GPU machine "needs a CUDA GPU", "needs JAX with CUDA" or a cupy that does not import
+    mean a broken install, which a skip would hide; only a test that needs more GPUs may skip.
+    """
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("MOONCAKE_EP_REQUIRE_GPU") and item.get_closest_marker("gpu") is not None:
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not _GPU_RUN_SKIPS.search(reason):
+            report.outcome = "failed"
+            report.longrepr = f"skipped on a GPU run (MOONCAKE_EP_REQUIRE_GPU is set): {reason}"
 
 
 def pytest_runtest_logreport(report):
