@@ -26,7 +26,9 @@ from test_gpu_low_latency import (  # noqa: E402  (after the skip: these need to
     FAULT_TIMEOUT_US,
     Case,
     assert_context_healthy,
+    assert_rows_equal,
     expert_function,
+    poison,
     settle,
     to_numpy,
     to_torch,
@@ -45,7 +47,7 @@ def fresh_inputs(case: Case, token_counts: list[int], seed: int):
 
 
 def expected(case: Case, xs, topks, weights, expert_outs, alive: list[bool]):
-    """Per rank ``(recv_count, combined, mask)`` of reference.py, ranks that did not run masked."""
+    """Per rank ``(dispatch result, combined, mask)`` of reference.py, ranks that did not run masked."""
     actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
     ran_xs = [x if ok else None for x, ok in zip(xs, alive)]
     ran_topks = [t if ok else None for t, ok in zip(topks, alive)]
@@ -58,14 +60,18 @@ def expected(case: Case, xs, topks, weights, expert_outs, alive: list[bool]):
             out.append(None)
             continue
         combined, mask = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], masks)
-        out.append((dispatched[rank].recv_count, combined, mask))
+        out.append((dispatched[rank], combined, mask))
     return out
 
 
 def assert_matches(got, want, what: str) -> None:
-    count, combined, mask = got
-    want_count, want_combined, want_mask = want
-    np.testing.assert_array_equal(count, want_count, err_msg=f"{what}: recv_count")
+    """A step's ``(recv, recv_count, combined, mask)`` against :func:`expected`'s: the received rows and
+    scales bit for bit (the expert outputs the expectation is built from are the GPU's, computed from
+    those rows), combined_x, every element written, and the mask."""
+    recv, count, combined, mask = got
+    want_dispatch, want_combined, want_mask = want
+    assert_rows_equal(what, recv, count, want_dispatch, use_fp8=True)
+    assert np.isfinite(combined.astype(np.float32)).all(), f"{what}: combine left unwritten (NaN) elements"
     np.testing.assert_allclose(combined.astype(np.float32), want_combined.astype(np.float32), rtol=BF16_RTOL,
                                atol=1e-3, err_msg=f"{what}: combined_x")
     np.testing.assert_array_equal(mask, want_mask, err_msg=f"{what}: active_ranks")
@@ -97,14 +103,14 @@ def test_dead_rank_inside_a_captured_graph():
                                                         timeout_us=case.timeout_us)
             y = expert_function(recv, case, g.rank)
             combined, _, _ = buffer.combine(y, topk, w, active, case.timeout_us, handle)
-            return count, y, combined
+            return recv, count, y, combined
 
         settle(g)
         step()  # eager: uploads the layout (outside the capture), and masks the dead rank once
         settle(g)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
-            count, y, combined = step()
+            (q, scales), count, y, combined = step()
         g.barrier()
         outputs = []
         for xs, topks, weights in replays:
@@ -112,9 +118,11 @@ def test_dead_rank_inside_a_captured_graph():
             topk.copy_(to_torch(topks[g.rank]))
             w.copy_(to_torch(weights[g.rank]))
             active.fill_(1)  # the replay itself must time out on the dead rank and mask it
+            poison(q, scales, count, y, combined)  # the graph's own results: a replay must rewrite them all
             settle(g)
             graph.replay()
-            outputs.append((to_numpy(count), to_numpy(y), to_numpy(combined), to_numpy(active)))
+            outputs.append(((to_numpy(q), to_numpy(scales)), to_numpy(count), to_numpy(y), to_numpy(combined),
+                            to_numpy(active)))
         g.barrier()
         assert_context_healthy()
         buffer.destroy()
@@ -123,12 +131,12 @@ def test_dead_rank_inside_a_captured_graph():
     results = group.spawn(run)
     alive = [r is not None for r in results]
     for index, (xs, topks, weights) in enumerate(replays):
-        expert_outs = [results[r][index][1] if alive[r] else None for r in range(case.num_ranks)]
+        expert_outs = [results[r][index][2] if alive[r] else None for r in range(case.num_ranks)]
         for rank, want in enumerate(expected(case, xs, topks, weights, expert_outs, alive)):
             if want is not None:
-                count, _, combined, mask = results[rank][index]
+                recv, count, _, combined, mask = results[rank][index]
                 assert mask[dead] == 0 and mask.sum() == case.num_ranks - 1, f"replay {index} rank {rank}: {mask}"
-                assert_matches((count, combined, mask), want, f"replay {index} rank {rank}")
+                assert_matches((recv, count, combined, mask), want, f"replay {index} rank {rank}")
 
 
 def test_a_replacement_rejoins_at_update_ep_member_and_is_included():
@@ -151,7 +159,8 @@ def test_a_replacement_rejoins_at_update_ep_member_and_is_included():
         y = expert_function(recv, case, g.rank)
         settle(g)
         combined, _, _ = buffer.combine(y, topk, w, active, case.timeout_us, handle)
-        return to_numpy(count), to_numpy(y), to_numpy(combined), to_numpy(active)
+        return (to_numpy(recv[0]), to_numpy(recv[1])), to_numpy(count), to_numpy(y), to_numpy(combined), \
+            to_numpy(active)
 
     def run(g):
         buffer = ep.Buffer(g, size)
@@ -180,10 +189,10 @@ def test_a_replacement_rejoins_at_update_ep_member_and_is_included():
         assert replaced == (None if rank == dead else [dead]), f"rank {rank}: update_ep_member returned {replaced}"
     for index, (xs, topks, weights) in enumerate(steps):
         alive = [index != 1 or rank != dead for rank in range(case.num_ranks)]
-        expert_outs = [results[r][0][index][1] if alive[r] else None for r in range(case.num_ranks)]
+        expert_outs = [results[r][0][index][2] if alive[r] else None for r in range(case.num_ranks)]
         for rank, want in enumerate(expected(case, xs, topks, weights, expert_outs, alive)):
             if want is None:
                 continue
-            count, _, combined, mask = results[rank][0][index]
-            assert_matches((count, combined, mask), want, f"step {index + 1} rank {rank}")
+            recv, count, _, combined, mask = results[rank][0][index]
+            assert_matches((recv, count, combined, mask), want, f"step {index + 1} rank {rank}")
             assert mask.sum() == case.num_ranks - (index == 1), f"step {index + 1} rank {rank}: {mask}"

@@ -170,7 +170,8 @@ def host_experts(case: Case, rank: int, recv, flags: dict) -> np.ndarray:
 
 
 def check(case: Case, xs, topks, weights, flags, results, actives=None) -> None:
-    """results[rank] = dict(recv=host recv_x (array or (q, scales)), count, y (expert outputs), combined)."""
+    """results[rank] = dict(recv=host recv_x (array or (q, scales)), count, y (expert outputs), combined,
+    and optionally active, the mask after the step)."""
     actives = actives or [np.ones(case.num_ranks, np.int32)] * case.num_ranks
     dispatched = [reference.dispatch(r, xs, topks, actives, case.num_max_tokens, case.num_experts, **flags)
                   for r in range(case.num_ranks)]
@@ -185,11 +186,13 @@ def check(case: Case, xs, topks, weights, flags, results, actives=None) -> None:
                                               err_msg=f"rank {rank} expert {e}: scales")
     expert_outs = [np.asarray(r["y"]) for r in results]
     for rank, got in enumerate(results):
-        want, _ = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
+        want, want_mask = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
         combined = np.asarray(got["combined"]).astype(np.float32)
         assert np.isfinite(combined).all(), f"rank {rank}: combine left unwritten (NaN) elements"
         np.testing.assert_allclose(combined, want.astype(np.float32), rtol=BF16_RTOL, atol=1e-3,
                                    err_msg=f"rank {rank}: combined_x")
+        if "active" in got:
+            np.testing.assert_array_equal(np.asarray(got["active"]), want_mask, err_msg=f"rank {rank}: active_ranks")
 
 
 def settle(group) -> None:
@@ -255,13 +258,16 @@ def test_torch_calls_wait_for_the_callers_stream_and_do_not_block_the_host(flag_
         fresh_x, topk, w = to_torch(xs[r]), to_torch(topks[r]), to_torch(weights[r])
         x = torch.full_like(fresh_x, float("nan"))
         active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        # The warm-up's values and routes differ from the checked call's: its results' memory, which
+        # the checked call's fresh results may be given again, must not already hold the right answer.
+        warm_x, warm_topk = -fresh_x, torch.where(topk >= 0, (topk + 1) % case.num_experts, topk)
         ready(g)
         # Warm-up: the first call of a configuration plans it and queues its layout copy.
-        _, _, handle, _, _ = buffer.dispatch(fresh_x, topk, active, case.num_max_tokens, case.num_experts,
+        _, _, handle, _, _ = buffer.dispatch(warm_x, warm_topk, active, case.num_max_tokens, case.num_experts,
                                              timeout_us=TIMEOUT_US, **flags)
         warm_y = torch.zeros(case.num_local_experts, case.num_ranks * case.num_max_tokens, case.hidden,
                              dtype=torch.bfloat16, device="cuda")
-        buffer.combine(warm_y, topk, w, active, TIMEOUT_US, handle)
+        buffer.combine(warm_y, warm_topk, w, active, TIMEOUT_US, handle)
         settle(g)
         gate.hold(stream.cuda_stream, fresh_x.data_ptr(), x.data_ptr(), x.numel() * 2)
         recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
@@ -277,7 +283,7 @@ def test_torch_calls_wait_for_the_callers_stream_and_do_not_block_the_host(flag_
         settle(g)
         result = dict(recv=tuple(to_numpy(t) for t in recv) if flags["use_fp8"] else to_numpy(recv),
                       count=to_numpy(count), y=to_numpy(fresh_y), combined=to_numpy(combined),
-                      blocked=gate.timed_out())
+                      active=to_numpy(active), blocked=gate.timed_out())
         buffer.destroy()
         return result
 
@@ -400,8 +406,12 @@ def test_cupy_arrays_in_and_out_on_cupys_stream(flag_id):
         x = cupy.full(fresh_x.shape, 0x7FC0, cupy.uint16)  # bf16 NaN
         topk, w = cupy.asarray(topks[r]), cupy.asarray(weights[r])
         active = cupy.ones(case.num_ranks, cupy.int32)
+        # A warm-up with other values (-x, in bits) and routes (see the torch test): cupy's pool may give
+        # the checked call's results this call's memory again, which must not hold the right answer.
+        warm_x, warm_topk = fresh_x ^ 0x8000, cupy.where(topk >= 0, (topk + 1) % case.num_experts, topk)
         ready(g)
-        buffer.dispatch(fresh_x, topk, active, case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US, **flags)
+        buffer.dispatch(warm_x, warm_topk, active, case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US,
+                        **flags)
         cupy_wait_idle()
         g.barrier()
         gate.hold(stream.ptr, fresh_x.data.ptr, x.data.ptr, x.nbytes)
@@ -423,7 +433,8 @@ def test_cupy_arrays_in_and_out_on_cupys_stream(flag_id):
         assert combined.dtype == cupy.uint16
         cupy_wait_idle()
         result = dict(recv=host_recv, count=cupy.asnumpy(count), y=cupy.asnumpy(y).view(BF16),
-                      combined=cupy.asnumpy(combined).view(BF16), blocked=gate.timed_out())
+                      combined=cupy.asnumpy(combined).view(BF16), active=cupy.asnumpy(active),
+                      blocked=gate.timed_out())
         g.barrier()
         buffer.destroy()
         return result

@@ -236,19 +236,36 @@ def assert_context_healthy() -> None:
     torch.cuda.synchronize()
 
 
-def assert_dispatch_equal(rank: int, recv, count: np.ndarray, active: np.ndarray, expected, use_fp8: bool) -> None:
-    """One rank's dispatch (recv: rows, or (rows, scales) with fp8) against reference.dispatch's: every
-    valid row bit for bit, its scales, the counts and the mask after the call."""
-    np.testing.assert_array_equal(count, expected.recv_count, err_msg=f"rank {rank} recv_count")
+def assert_rows_equal(where: str, recv, count: np.ndarray, expected, use_fp8: bool) -> None:
+    """A dispatch's results (recv: rows, or (rows, scales) with fp8) against reference.dispatch's: the
+    counts, and every valid row bit for bit with its scales."""
+    np.testing.assert_array_equal(count, expected.recv_count, err_msg=f"{where}: recv_count")
     rows = recv[0] if use_fp8 else recv
     for local_expert, num_rows in enumerate(expected.recv_count):
         np.testing.assert_array_equal(rows[local_expert, :num_rows].view(np.uint8),
                                       expected.recv_x[local_expert, :num_rows].view(np.uint8),
-                                      err_msg=f"rank {rank} local expert {local_expert} recv_x rows")
+                                      err_msg=f"{where}: local expert {local_expert} recv_x rows")
         if use_fp8:
             np.testing.assert_array_equal(recv[1][local_expert, :num_rows], expected.recv_scales[local_expert, :num_rows],
-                                          err_msg=f"rank {rank} local expert {local_expert} scales")
+                                          err_msg=f"{where}: local expert {local_expert} scales")
+
+
+def assert_dispatch_equal(rank: int, recv, count: np.ndarray, active: np.ndarray, expected, use_fp8: bool) -> None:
+    """:func:`assert_rows_equal`, and the mask after the call."""
+    assert_rows_equal(f"rank {rank}", recv, count, expected, use_fp8)
     np.testing.assert_array_equal(active, expected.active_ranks, err_msg=f"rank {rank} active_ranks after dispatch")
+
+
+def poison(*tensors) -> None:
+    """Fill results before a call or replay, so that an element it leaves unwritten shows: NaN for
+    floats (0xFF bytes, NaN, for fp8), -1 for integers."""
+    for tensor in tensors:
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor.view(torch.uint8).fill_(0xFF)
+        elif tensor.dtype.is_floating_point:
+            tensor.fill_(float("nan"))
+        else:
+            tensor.fill_(-1)
 
 
 def check_case(case: Case):
@@ -540,9 +557,11 @@ def test_repeated_steps_alternating_configurations():
             settle(g)
             y = expert_function(recv, case, g.rank)
             combined_out = torch.empty(x.shape[0], case.hidden, dtype=torch.bfloat16, device="cuda")
+            poison(combined_out)
             settle(g)
             combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle, out=combined_out)
-            outputs.append((to_numpy(count), to_numpy(q), to_numpy(y), to_numpy(combined)))
+            outputs.append((to_numpy(count), (to_numpy(q), to_numpy(scales)), to_numpy(y), to_numpy(combined),
+                            to_numpy(active)))
         g.barrier()
         buffer.destroy()
         return outputs
@@ -554,15 +573,15 @@ def test_repeated_steps_alternating_configurations():
                       for r in range(case.num_ranks)]
         expert_outs = [results[r][step][2] for r in range(case.num_ranks)]
         for rank in range(case.num_ranks):
-            count, q, _, combined = results[rank][step]
+            count, recv, _, combined, active = results[rank][step]
             where = f"step {step} (T={case.num_max_tokens}, H={case.hidden}) rank {rank}"
-            np.testing.assert_array_equal(count, dispatched[rank].recv_count, err_msg=where)
-            for e, n in enumerate(count):
-                np.testing.assert_array_equal(q[e, :n].view(np.uint8), dispatched[rank].recv_x[e, :n].view(np.uint8),
-                                              err_msg=where)
-            want, _ = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
+            assert_rows_equal(where, recv, count, dispatched[rank], use_fp8=True)
+            # The expert outputs are the GPU's, computed from rows just found equal to the reference's.
+            want, want_mask = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
+            assert np.isfinite(combined.astype(np.float32)).all(), f"{where}: combine left unwritten (NaN) elements"
             np.testing.assert_allclose(combined.astype(np.float32), want.astype(np.float32), rtol=BF16_RTOL, atol=1e-3,
                                        err_msg=where)
+            np.testing.assert_array_equal(active, want_mask, err_msg=f"{where}: active_ranks")
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "hook"])
@@ -599,23 +618,25 @@ def test_cuda_graph_replay_with_fresh_inputs(mode):
             y = expert_function(recv, case, g.rank)
             combined, event, hook = buffer.combine(y, static_topk, static_w, active, TIMEOUT_US, handle, **flags)
             finish_call(event, hook)
-            return count, y, combined
+            return recv, count, y, combined
 
         settle(g)
         step()  # warm-up: the configuration's layout is uploaded outside the capture
         settle(g)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
-            count, y, combined = step()
+            (q, scales), count, y, combined = step()
         g.barrier()
         outputs = []
         for xs, topks, weights in steps:
             static_x.copy_(to_torch(xs[g.rank]))
             static_topk.copy_(to_torch(topks[g.rank]))
             static_w.copy_(to_torch(weights[g.rank]))
+            poison(q, scales, count, y, combined)  # the graph's own results: a replay must rewrite them all
             settle(g)
             graph.replay()
-            outputs.append((to_numpy(count), to_numpy(y), to_numpy(combined)))
+            outputs.append((to_numpy(count), (to_numpy(q), to_numpy(scales)), to_numpy(y), to_numpy(combined),
+                            to_numpy(active)))
         g.barrier()
         buffer.destroy()
         return outputs
@@ -625,10 +646,14 @@ def test_cuda_graph_replay_with_fresh_inputs(mode):
     for index, (xs, topks, weights) in enumerate(steps):
         dispatched = [reference.dispatch(r, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=True)
                       for r in range(case.num_ranks)]
-        expert_outs = [results[r][index][1] for r in range(case.num_ranks)]
+        expert_outs = [results[r][index][2] for r in range(case.num_ranks)]
         for rank in range(case.num_ranks):
-            count, _, combined = results[rank][index]
-            np.testing.assert_array_equal(count, dispatched[rank].recv_count, err_msg=f"replay {index} rank {rank}")
-            want, _ = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
+            count, recv, _, combined, active = results[rank][index]
+            where = f"replay {index} rank {rank}"
+            assert_rows_equal(where, recv, count, dispatched[rank], use_fp8=True)
+            # The expert outputs are the GPU's, computed from rows just found equal to the reference's.
+            want, want_mask = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
+            assert np.isfinite(combined.astype(np.float32)).all(), f"{where}: combine left unwritten (NaN) elements"
             np.testing.assert_allclose(combined.astype(np.float32), want.astype(np.float32), rtol=BF16_RTOL,
-                                       atol=1e-3, err_msg=f"replay {index} rank {rank}")
+                                       atol=1e-3, err_msg=where)
+            np.testing.assert_array_equal(active, want_mask, err_msg=f"{where}: active_ranks")
