@@ -57,6 +57,7 @@ class Case:
     copy_source: bool = False
     timeout_us: int = TIMEOUT_US
     seed: int = 0
+    topk_dtype: type = np.int64  # the ids' width: both kernels read int64 and int32
 
 
 def make_inputs(case: Case):
@@ -82,7 +83,7 @@ def make_inputs(case: Case):
         if num_tokens:
             topk[rng.random(topk.shape) < 0.1] = -1
         xs.append(x.astype(ml_dtypes.bfloat16))
-        topks.append(topk)
+        topks.append(topk.astype(case.topk_dtype))
         weights.append(rng.random((num_tokens, case.num_topk), dtype=np.float32))
     return xs, topks, weights
 
@@ -331,6 +332,7 @@ MODES = [
     Case(4, 32, 1024, 4, copy_source=True),
     Case(4, 32, 2048, 8, mode="hook", copy_source=True, use_fp8=True),
     Case(4, 32, 1024, 4, mode="mixed"),
+    Case(4, 32, 1024, 8, use_fp8=True, topk_dtype=np.int32),
     # 9 scale blocks a row: the last UE8M0 word of each row is three quarters padding.
     Case(4, 32, 1152, 4, mode="mixed", use_fp8=True, round_scale=True, use_ue8m0=True),
     Case(3, 24, 1152, 4, use_fp8=True, round_scale=True, use_ue8m0=True, routing="skewed"),
@@ -351,6 +353,8 @@ def _case_id(case: Case) -> str:
              "fp8" if case.use_fp8 else "bf16", case.mode, case.routing]
     parts += [name for name in ("round_scale", "use_ue8m0", "zero_copy", "renormalize", "copy_source")
               if getattr(case, name)]
+    if case.topk_dtype != np.int64:
+        parts.append(np.dtype(case.topk_dtype).name)
     if case.dead_rank is not None:
         parts.append(f"dead{case.dead_rank}-at-{case.dead_phase}")
     return "-".join(parts)
