@@ -339,7 +339,8 @@ class TCPStoreServer:
         """In a forked child: the store is the parent's; close the child's copies of its sockets (the
         listening one would keep the port, the clients' their claims) and do not close it at exit."""
         atexit.unregister(self.close)
-        self._closing = True
+        self._cond = threading.Condition()  # a parent's store thread may have held it at the fork
+        self._closing = True  # close() (a group's finalizer, in the child) then returns at once
         _close_fd_only(self._server.socket)
         for sock in list(self._clients):
             _close_fd_only(sock)
