@@ -223,6 +223,15 @@ def test_a_signal_while_a_process_starts_leaves_none_running(monkeypatch, capsys
     capsys.readouterr()
 
 
+def test_bench_finishes_when_its_stderr_is_a_closed_pipe():
+    """The progress bar is for a terminal: written into a closed pipe from a rank's thread, it raised
+    inside tqdm's lock and the run hung in close() (a run past the bar's 2 s delay)."""
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake_ep", "bench", "--iters", "400", "--warmup", "1"],
+                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc.stderr.close()
+    assert proc.wait(PROCESS_LIMIT_S) == 0
+
+
 def test_main_returns_instead_of_exiting(capsys):
     assert cli.main(["--version"]) == 0
     assert cli.main(["demo", "--bogus"]) == 2

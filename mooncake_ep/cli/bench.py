@@ -1197,7 +1197,10 @@ def run_ranks(args, backend: str, why: str, group) -> int:
                 replays += args.iters * len(PHASES)
             if inner_events_timed(args):
                 replays += (args.warmup + args.iters) * len(PHASES)
-        progress = tqdm(total=replays, desc=f"bench T={tokens}", unit="call", leave=False, delay=PROGRESS_DELAY_S)
+        # Hidden when stderr is not a terminal (disable=None): a bar written into a pipe that closed
+        # raised inside tqdm's lock, from a rank's thread, and the run hung in close().
+        progress = tqdm(total=replays, desc=f"bench T={tokens}", unit="call", leave=False, delay=PROGRESS_DELAY_S,
+                        disable=None)
         try:
             return measure(point, progress, group)
         finally:
@@ -1211,7 +1214,7 @@ def run_ranks(args, backend: str, why: str, group) -> int:
         print_report(report)
     if args.plot is not None:
         points = []
-        for tokens in tqdm(args.sweep_tokens, desc="bench sweep", unit="point"):
+        for tokens in tqdm(args.sweep_tokens, desc="bench sweep", unit="point", disable=None):
             phases = report["phases"] if tokens == args.tokens else measured(tokens)["phases"]
             points.append({"tokens": tokens, "phases": phases})
         report["sweep"] = points
