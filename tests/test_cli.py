@@ -96,6 +96,26 @@ def test_demo_fails_beyond_tolerance():
     assert "FAIL" in proc.stdout
 
 
+def test_the_demo_check_fails_one_token_missing_an_expert_among_many_right_ones():
+    """The check is per token: one row off by 5% (an expert term lost) among 1024 right ones fails,
+    where one norm over the rank's tokens read 1.6e-3 and passed."""
+    import numpy as np
+
+    from mooncake_ep.cli import demo
+
+    config = demo.DemoConfig(num_ranks=1, num_experts=4, num_topk=2, hidden=128, num_tokens=1024, use_fp8=False,
+                             seed=0, timeout_us=-1)
+    weights = demo.make_weights(config)
+    inputs = demo.make_inputs(config, 0, weights)
+    dense = demo.dense_layer(config, inputs, weights)
+    mask = np.ones(1, np.int32)
+    assert demo.compare(config, 0, inputs, weights, dense.copy(), 2048, mask, demo.DEFAULT_TOLERANCE).passed
+    one_token_off = dense.copy()
+    one_token_off[7] *= 0.95
+    result = demo.compare(config, 0, inputs, weights, one_token_off, 2048, mask, demo.DEFAULT_TOLERANCE)
+    assert not result.passed and abs(result.relative_error - 0.05) < 1e-3
+
+
 def test_help_lists_commands_and_defaults():
     proc = run_cli("--help")
     assert proc.returncode == 0, proc.stderr
@@ -172,7 +192,7 @@ def test_group_init_without_a_launchers_environment_is_a_usage_error(monkeypatch
 def test_the_demo_prints_the_tolerance_it_used():
     proc = run_cli("demo", *TINY, "--backend", "reference", "--tolerance", "0.025")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "PASS: every rank within relative error 0.025 " in proc.stdout
+    assert "PASS: every token within relative error 0.025 " in proc.stdout
 
 
 def test_a_terminated_launcher_stops_its_processes(tmp_path):
