@@ -116,6 +116,28 @@ def test_the_demo_check_fails_one_token_missing_an_expert_among_many_right_ones(
     assert not result.passed and abs(result.relative_error - 0.05) < 1e-3
 
 
+def test_a_result_file_the_system_refuses_is_one_line_after_the_run(capsys):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (Linux)")
+    assert cli.main(["demo", *TINY, "--backend", "reference", "--json", "/dev/full"]) == 1
+    assert "demo: OutputError: --json /dev/full: could not write the results: No space left on device" in \
+        capsys.readouterr().err
+
+
+def test_a_closed_stdout_still_leaves_the_results_file(tmp_path):
+    """`... | head -1`: the report stops printing, the run still writes its --json, and exits 0."""
+    for command in ("demo", "bench"):
+        report = tmp_path / f"{command}.json"
+        extra = ["--iters", "5", "--warmup", "1"] if command == "bench" else []
+        proc = subprocess.Popen([sys.executable, "-m", "mooncake_ep", command, *TINY, *extra, "--backend", "reference",
+                                 "--json", str(report)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        proc.stdout.readline()
+        proc.stdout.close()
+        assert proc.wait(PROCESS_LIMIT_S) == 0, proc.stderr.read()
+        assert "config" in json.loads(report.read_text())
+
+
 def test_help_lists_commands_and_defaults():
     proc = run_cli("--help")
     assert proc.returncode == 0, proc.stderr
@@ -152,6 +174,12 @@ def test_bad_usage_returns_2(argv, capsys):
     (["demo", "--seed", "-1"], "--seed must be >= 0, got -1"),
     (["demo", "--experts", "32", "--topk", "17"], "--topk must be <= 16 (the kernels' bound), got 17"),
     (["demo", "--timeout-us", "-5"], "--timeout-us must be >= -1"),
+    (["demo", "--timeout-us", "9223372036854776"], "--timeout-us: timeout_us must be <= 9223372036854775"),
+    (["demo", "--json", ""], "--json: the path is empty; name a file"),
+    # Sizes no host holds: refused before an allocation fails deep in numpy, or a loop runs for hours.
+    (["demo", "--hidden", "1280000000000000000000000"], "the demo needs at least"),
+    (["demo", "--tokens", "100000000000000000000000"], "GiB of host memory, this machine has"),
+    (["bench", "--tokens", "100000000", "--hidden", "7168"], "bench on the reference backend needs at least"),
     (["demo", "--json", "."], "--json .: is a directory; name a file"),
     (["demo", "--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: the directory /nonexistent does not "
                                                 "exist"),

@@ -20,7 +20,9 @@ Exit codes: 0 success, 1 a failed check or a runtime error, 2 bad usage (as argp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import json
 import logging
 import os
 import sys
@@ -29,8 +31,9 @@ from types import ModuleType
 
 import mooncake_ep
 
-__all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UsageError",
-           "build_parser", "check_output_path", "console_main", "main"]
+__all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "OutputError", "UsageError",
+           "build_parser", "check_host_memory", "check_output_path", "console_main", "main", "stdout_may_close",
+           "write_json"]
 
 # Command names, in the order --help lists them; each is the module mooncake_ep.cli.<name>.
 COMMANDS: tuple[str, ...] = ("demo", "bench", "warmup")
@@ -40,9 +43,15 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2  # what argparse exits with for a bad flag
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
+
+class OutputError(Exception):
+    """A result file could not be written at the end of a run (a full disk, a path that went away)."""
+
+
 # Failures of the runtime that deserve a one-line message rather than a traceback: the user's
-# environment (a peer that never came, a kernel that does not compile here, no peer access).
-_REPORTED_ERRORS = (mooncake_ep.GroupError, mooncake_ep.KernelCompileError, mooncake_ep.TransportError)
+# environment (a peer that never came, a kernel that does not compile here, no peer access, a
+# result file the system would not take).
+_REPORTED_ERRORS = (mooncake_ep.GroupError, mooncake_ep.KernelCompileError, mooncake_ep.TransportError, OutputError)
 
 
 class UsageError(Exception):
@@ -54,6 +63,8 @@ def check_output_path(flag: str, path: str | None, suffix: str | None = None) ->
     directory that exists and is writable, and ending in ``suffix`` when given."""
     if path is None:
         return
+    if not path:
+        raise UsageError(f"{flag}: the path is empty; name a file")
     full = os.path.abspath(path)
     if os.path.isdir(full):
         raise UsageError(f"{flag} {path}: is a directory; name a file")
@@ -64,6 +75,35 @@ def check_output_path(flag: str, path: str | None, suffix: str | None = None) ->
         raise UsageError(f"{flag} {path}: the directory {folder} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable")
+
+
+def write_json(flag: str, path: str, report: dict) -> None:
+    """Write a run's ``report`` to ``path``; OutputError (one line, exit 1) if the system refuses."""
+    try:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    except OSError as exc:
+        raise OutputError(f"{flag} {path}: could not write the results: {exc.strerror or exc}") from None
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not POSIX, or the value is unknown
+        return None
+
+
+def check_host_memory(what: str, num_bytes: int, flags: str) -> None:
+    """Refuse a run whose arrays cannot fit in this machine's memory (UsageError), before it starts:
+    it would otherwise fail at an allocation deep in numpy or torch, or loop for hours before one.
+
+    ``num_bytes``: a lower bound of what the run holds at once; ``flags``: the ones that set it.
+    """
+    total = _physical_memory_bytes()
+    if total is not None and num_bytes > total:
+        raise UsageError(f"{what} needs at least {num_bytes / 2**30:.3g} GiB of host memory, this machine has "
+                         f"{total / 2**30:.3g} GiB; lower {flags}")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -140,6 +180,26 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout went away (`... | head`): say nothing more there, exit quietly
+        _silence_stdout()
+        return EXIT_FAILURE
+
+
+@contextlib.contextmanager
+def stdout_may_close():
+    """Around a run's report: if stdout closes (``... | head``), the rest of the run still happens (its
+    files are written) with nothing more printed, instead of a BrokenPipeError that loses them."""
+    try:
+        yield
+    except BrokenPipeError:
+        _silence_stdout()
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush at exit raises nothing more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def console_main() -> int:

@@ -63,7 +63,8 @@ from collections.abc import Callable
 import numpy as np
 
 import mooncake_ep as ep
-from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, check_output_path, kernel_span, launch
+from mooncake_ep.cli import (EXIT_FAILURE, EXIT_OK, UsageError, check_host_memory, check_output_path, kernel_span,
+                             launch, stdout_may_close, write_json)
 from mooncake_ep.cli.gpu import gpu_status
 from mooncake_ep.cli.warmup import kernels_max_topk
 
@@ -1160,6 +1161,11 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
     if args.graph is None:
         args.graph = backend == "cuda"
     check_args(args, ranks_flag)
+    if backend == "reference":  # every rank's received rows (a byte a channel) and the input sets, in this host
+        recv_bytes = args.experts * args.ranks * args.tokens * args.hidden
+        input_bytes = args.input_sets * args.ranks * args.tokens * args.hidden * 2
+        check_host_memory("bench on the reference backend", recv_bytes + input_bytes,
+                          f"--tokens, --hidden, --experts, --input-sets or {ranks_flag}")
 
 
 def run_ranks(args, backend: str, why: str, group) -> int:
@@ -1211,7 +1217,8 @@ def run_ranks(args, backend: str, why: str, group) -> int:
     # The hold where it applied (0 elsewhere), as config.inner_events records its flag.
     report["config"]["hold_ms"] = args.hold_ms if backend == "cuda" and in_process_graphs(args, group) else 0.0
     if reporting:
-        print_report(report)
+        with stdout_may_close():
+            print_report(report)
     if args.plot is not None:
         points = []
         for tokens in tqdm(args.sweep_tokens, desc="bench sweep", unit="point", disable=None):
@@ -1220,9 +1227,9 @@ def run_ranks(args, backend: str, why: str, group) -> int:
         report["sweep"] = points
         if reporting:
             plot_sweep(args.plot, report, points)
-            print(f"plot of {len(points)} points (tokens per rank {', '.join(map(str, args.sweep_tokens))}): "
-                  f"{args.plot}")
+            with stdout_may_close():
+                print(f"plot of {len(points)} points (tokens per rank {', '.join(map(str, args.sweep_tokens))}): "
+                      f"{args.plot}")
     if args.json and reporting:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json("--json", args.json, report)
     return EXIT_OK

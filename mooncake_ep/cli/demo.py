@@ -32,9 +32,11 @@ import numpy as np
 
 import mooncake_ep
 from mooncake_ep import reference
-from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, check_output_path, launch
+from mooncake_ep.cli import (EXIT_FAILURE, EXIT_OK, UsageError, check_host_memory, check_output_path, launch,
+                             stdout_may_close, write_json)
 from mooncake_ep.cli.gpu import gpu_status
 from mooncake_ep.cli.warmup import kernels_max_topk
+from mooncake_ep.validation import check_timeout
 
 # Relative error a token may show: the norm of its row's difference over that of its dense row, for
 # every token (one norm over a rank's tokens hid a token that lost an expert's contribution among
@@ -315,6 +317,10 @@ def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None
         raise UsageError(f"--seed must be >= 0, got {config.seed}")
     if config.timeout_us < -1:
         raise UsageError(f"--timeout-us must be >= -1 (-1 waits forever), got {config.timeout_us}")
+    try:  # the library's ceiling (nanoseconds in an int64), with its message
+        check_timeout("--timeout-us", config.timeout_us)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if not tolerance > 0:
         raise UsageError(f"--tolerance must be > 0, got {tolerance}")
     try:  # the library's own checks of hidden, ranks and experts, with its messages
@@ -323,6 +329,10 @@ def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None
     except (TypeError, ValueError) as exc:
         raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = {ranks_flag}, "
                          f"num_experts = --experts)") from None
+    # At least the expert matrices (float32) and every rank's received rows (a byte a channel).
+    expert_bytes = config.num_experts * config.hidden * config.hidden * 4
+    recv_bytes = config.num_experts * config.num_ranks * config.num_tokens * config.hidden
+    check_host_memory("the demo", expert_bytes + recv_bytes, f"--hidden, --experts, --tokens or {ranks_flag}")
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -370,20 +380,19 @@ def _print_header(config: DemoConfig, kind: str, backend: str, why: str) -> None
 def _report(config: DemoConfig, backend: str, results: list[RankResult], elapsed_s: float,
             args: argparse.Namespace) -> int:
     """Print the table and the verdict, write ``--json``; the exit code."""
-    _print_table(results)
     failed = [r.rank for r in results if not r.passed]
-    if failed:
-        print(f"FAIL: ranks {failed} have a token off by more than relative error {args.tolerance:g} "
-              f"or lost a peer ({elapsed_s:.2f} s)")
-    else:
-        print(f"PASS: every token within relative error {args.tolerance:g} ({elapsed_s:.2f} s)")
-    sys.stdout.flush()
+    with stdout_may_close():
+        _print_table(results)
+        if failed:
+            print(f"FAIL: ranks {failed} have a token off by more than relative error {args.tolerance:g} "
+                  f"or lost a peer ({elapsed_s:.2f} s)")
+        else:
+            print(f"PASS: every token within relative error {args.tolerance:g} ({elapsed_s:.2f} s)")
+        sys.stdout.flush()
     if args.json:
         report = {"config": dataclasses.asdict(config), "backend": backend, "tolerance": args.tolerance,
                   "elapsed_s": elapsed_s, "passed": not failed, "ranks": [dataclasses.asdict(r) for r in results]}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        write_json("--json", args.json, report)
     return EXIT_FAILURE if failed else EXIT_OK
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import mooncake_ep
 from mooncake_ep import kernels
-from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, check_output_path
+from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError, check_output_path, write_json
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -304,7 +304,5 @@ def run(args: argparse.Namespace) -> int:
                          "digest": r.key.digest, "status": r.status, "elapsed_s": r.elapsed_s,
                          "log": r.error.log if r.error is not None else None} for r in results],
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        write_json("--json", args.json, report)
     return EXIT_FAILURE if failures else EXIT_OK
