@@ -227,7 +227,24 @@ def test_bench_reference_writes_the_json_schema(tmp_path):
     assert shape == (2, 16, 256, 2, 8)
     assert report["config"]["iters"] == 5
     assert report["config"]["hold_ms"] == 0.0  # the hold is the GPU graphs' only
+    # GPU-only flags (on by default) recorded as they applied: not here.
+    assert (report["config"]["kernel_span"], report["config"]["inner_events"], report["config"]["warmup_ms"]) == \
+        (False, False, 0.0)
     assert set(report["baseline"]) == {"dispatch", "combine", "step"}
+    assert "alpha" not in report["config"]  # uniform routing has no parameters
+
+
+@pytest.mark.parametrize("routing, extra, parameters", [
+    ("zipf", ["--alpha", "0.7"], {"alpha": 0.7}),
+    ("k_hot", ["--hot-fraction", "0.25", "--hot-experts", "3"], {"hot_fraction": 0.25, "hot_experts": 3}),
+])
+def test_bench_json_says_how_to_draw_its_routes_again(tmp_path, routing, extra, parameters):
+    path = tmp_path / "bench.json"
+    proc = run_bench("--backend", "reference", "--routing", routing, *extra, "--no-baseline", "--iters", "2",
+                     "--warmup", "1", "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    config = json.loads(path.read_text())["config"]
+    assert config["routing"] == routing and {k: config[k] for k in parameters} == parameters
 
 
 def test_bench_no_baseline_leaves_it_null(tmp_path):
@@ -305,6 +322,9 @@ def test_bench_bad_flag_exits_2():
     (["--hold-ms", "nan"], "--hold-ms must be at most"),
     (["--num-sms", "4"], "--num-sms"),
     (["--routing", "k_hot", "--hot-experts", "99"], "--hot-experts"),
+    (["--routing", "k_hot", "--hot-experts", "1", "--topk", "2"], "--hot-experts must be in [--topk=2, --experts=8]"),
+    (["--peer-reads", "workspace"], "--peer-reads sets where the GPU kernels read"),
+    (["--graph-ends", "none"], "--graph-ends shapes the CUDA graphs; the reference backend has none"),
     (["--plot", "/no/such/dir/x.png"], "does not exist"),
     (["--mode", "eager"], "invalid choice"),
     (["--launch", "2", "--group", "init"], "leave out --group"),

@@ -195,6 +195,7 @@ def test_bad_usage_returns_2(argv, capsys):
     (["bench", "--launch", "65", "--experts", "65"], "num_ranks must be <= 64, got 65 (T = --tokens, hidden = "
                                                      "--hidden, num_ranks = --launch"),
     (["warmup", "--arch", "sm_90", "--json", "."], "--json .: is a directory"),
+    (["warmup", "--arch", "sm_90", "--cache-dir", ""], "--cache-dir: the path is empty"),
 ])
 def test_inconsistent_flags_exit_2_with_the_reason(argv, message, capsys):
     backend = ["--backend", "reference"] if argv[0] != "warmup" else []

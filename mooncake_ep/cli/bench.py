@@ -234,11 +234,20 @@ def route(rng: np.random.Generator, args, num_tokens: int) -> np.ndarray:
     for t in range(num_tokens):
         if probs is None:
             hot = rng.random() < args.hot_fraction
-            pool = max(args.hot_experts, args.topk) if hot else args.experts
+            pool = args.hot_experts if hot else args.experts
             topk[t] = rng.choice(pool, args.topk, replace=False)
         else:
             topk[t] = rng.choice(args.experts, args.topk, replace=False, p=probs)
     return topk
+
+
+def routing_parameters(args) -> dict:
+    """The flags of the chosen routing, so that a report says how to draw its routes again."""
+    if args.routing == "zipf":
+        return {"alpha": args.alpha}
+    if args.routing == "k_hot":
+        return {"hot_fraction": args.hot_fraction, "hot_experts": args.hot_experts}
+    return {}
 
 
 def percentiles(times_us: list[float]) -> dict:
@@ -918,10 +927,11 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "backend": backend,
         "timer": timer,
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
-                                                 "mode", "graph", "graph_ends", "kernel_span", "peer_reads",
-                                                 "routing", "iters",
+                                                 "mode", "graph", "graph_ends", "peer_reads", "routing", "iters",
                                                  "input_sets", "warmup", "warmup_ms", "seed", "baseline")}
-                  | {"inner_events": inner_events_timed(args)},  # the flag where it applies
+                  | routing_parameters(args)
+                  # The flags as they applied, not as given.
+                  | {"inner_events": inner_events_timed(args), "kernel_span": spans is not None},
         "num_sms_per_rank": num_sms_per_rank,
         "copy_bandwidth_gbps": None if copy_bandwidth is None else copy_bandwidth / 1e9,
         "write_bandwidth_gbps": None if write_bandwidth is None else write_bandwidth / 1e9,
@@ -1083,8 +1093,10 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
         raise UsageError(f"--topk ({args.topk}) must be <= --experts ({args.experts})")
     if args.topk > kernels_max_topk():
         raise UsageError(f"--topk must be <= {kernels_max_topk()} (the kernels' bound), got {args.topk}")
-    if args.routing == "k_hot" and not 1 <= args.hot_experts <= args.experts:
-        raise UsageError(f"--hot-experts must be in [1, --experts={args.experts}], got {args.hot_experts}")
+    if args.routing == "k_hot" and not args.topk <= args.hot_experts <= args.experts:
+        # A hot token takes top-k distinct experts among the hot ones: fewer cannot hold them.
+        raise UsageError(f"--hot-experts must be in [--topk={args.topk}, --experts={args.experts}], got "
+                         f"{args.hot_experts}")
     if args.routing == "k_hot" and not 0 <= args.hot_fraction <= 1:
         raise UsageError(f"--hot-fraction must be in [0, 1], got {args.hot_fraction}")
     try:  # the library's own checks of hidden, ranks and experts, with its messages
@@ -1158,10 +1170,16 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
         raise UsageError("--num-sms sets the kernels' SMs per rank; the reference backend has none")
     if backend == "reference" and args.graph:
         raise UsageError("--graph: the reference backend has no CUDA graphs (its calls are numpy on the host)")
+    if backend == "reference" and args.peer_reads != "in-place":
+        raise UsageError("--peer-reads sets where the GPU kernels read expert outputs; the reference backend has none")
+    if backend == "reference" and args.graph_ends != "both":
+        raise UsageError("--graph-ends shapes the CUDA graphs; the reference backend has none")
     if args.graph is None:
         args.graph = backend == "cuda"
     check_args(args, ranks_flag)
-    if backend == "reference":  # every rank's received rows (a byte a channel) and the input sets, in this host
+    if backend == "reference":
+        args.warmup_ms, args.hold_ms = 0.0, 0.0  # GPU timing only: recorded as not applied
+        # Every rank's received rows (a byte a channel) and the input sets, in this host.
         recv_bytes = args.experts * args.ranks * args.tokens * args.hidden
         input_bytes = args.input_sets * args.ranks * args.tokens * args.hidden * 2
         check_host_memory("bench on the reference backend", recv_bytes + input_bytes,
@@ -1171,7 +1189,7 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
 def run_ranks(args, backend: str, why: str, group) -> int:
     """Measure (every point of a sweep too) and report: in-process ranks, or this process's rank of
     ``group``, where rank 0 prints and writes the files."""
-    settle_args(args, backend)
+    settle_args(args, backend, "--ranks" if group is None else "WORLD_SIZE")  # a group's ranks: the environment's
     reporting = group is None or group.rank == 0
     if args.plot is not None:
         try:

@@ -255,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
               f"pip install 'mooncake_ep[cuda12]' (or [cuda13])", file=sys.stderr)
         return EXIT_FAILURE
     check_supported(archs)
+    if not args.cache_dir:  # Path("") is the current directory: kernels would land wherever the shell is
+        raise UsageError("--cache-dir: the path is empty; name the kernel cache's directory")
     cache = kernels.KernelCache(args.cache_dir)
     check_cache_dir(cache)
 
