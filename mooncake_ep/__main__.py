@@ -2,7 +2,7 @@
 
 import sys
 
-from mooncake_ep.cli import main
+from mooncake_ep.cli import exit_process, main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], prog="python -m mooncake_ep"))
+    exit_process(main(sys.argv[1:], prog="python -m mooncake_ep"))
