@@ -509,7 +509,14 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, **options) ->
 
 
 def destroy_buffers(buffers: Mapping[Any, Buffer]) -> None:
-    """Free the Buffers of :func:`make_buffers` (their destroy is a collective of the group)."""
+    """Free the Buffers of :func:`make_buffers` (their destroy is a collective of the group).
+
+    Also clears JAX's compilation caches: a jitted program whose command buffer (CUDA graph) holds
+    these Buffers' launches would otherwise replay them on the freed workspaces without calling back.
+    Called again, such a program is traced anew, and its ops refuse the destroyed Buffers by name. An
+    executable the caller compiled ahead of time and kept (``jit(...).lower(...).compile()``) is not
+    reached by this: drop it before destroying the Buffers.
+    """
     if not buffers:
         raise ValueError("destroy_buffers: buffers is empty; pass the mapping returned by make_buffers")
     by_rank = {b.rank: b for b in buffers.values()}
@@ -517,3 +524,4 @@ def destroy_buffers(buffers: Mapping[Any, Buffer]) -> None:
     if parent is None or sorted(by_rank) != list(range(parent.num_ranks)):
         raise TypeError("destroy_buffers: buffers must be the whole mapping returned by make_buffers")
     parent.spawn(lambda g: by_rank[g.rank].destroy())
+    jax.clear_caches()

@@ -597,6 +597,30 @@ def test_empty_buffer_mappings_are_refused():
         epj.destroy_buffers({})
 
 
+def test_programs_traced_before_destroy_buffers_are_traced_again_and_refused():
+    """A jitted program recorded into a command buffer would replay its launches on freed workspaces
+    without calling back: destroy_buffers clears JAX's caches, so the program is traced again, and
+    its ops refuse the destroyed Buffers by name."""
+    devices = cpu_devices(1)
+    case = make_case(8, num_ranks=1, num_experts=2, num_topk=1, num_tokens=[2])
+    buffers = epj.make_buffers(devices, case.size_hint)
+    traces = []
+
+    @jax.jit
+    def step(x, topk, active):
+        traces.append(1)
+        return epj.dispatch(buffers, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)[1]
+
+    args = [jnp.asarray(a[0]) for a in (case.xs, case.topk_idxs, case.actives)]
+    step(*args)
+    step(*args)
+    assert len(traces) == 1
+    epj.destroy_buffers(buffers)
+    with pytest.raises(RuntimeError, match="mooncake_ep.jax.dispatch: this Buffer was destroyed"):
+        step(*args)
+    assert len(traces) == 2
+
+
 def test_grad_buffer_size_hint_is_the_hint_for_t_times_k_tokens():
     assert epj.grad_buffer_size_hint(8, 256, 2, 4, 3) == ep.Buffer.get_ep_buffer_size_hint(24, 256, 2, 4)
     with pytest.raises(ValueError, match=r"num_topk must be an int in \[1, 16\], got 0"):

@@ -51,7 +51,8 @@ class Ranks:
         return self.first.backend
 
     def select(self, where: str, device: tuple[int, int]) -> Buffer:
-        """The Buffer for XLA buffers on DLPack ``device``, checking that it can run there."""
+        """The Buffer for XLA buffers on DLPack ``device``, checking that it can run there (and still
+        exists: a program traced before destroy_buffers records its launches again with a clear error)."""
         kind, device_id = int(device[0]), int(device[1])
         if self.single is not None:
             buffer = self.single
@@ -60,6 +61,7 @@ class Ranks:
             if buffer is None:
                 known = ", ".join(_device_name(key) for key, _ in self.by_device)
                 raise ValueError(f"{where}: no Buffer for {_device_name((kind, device_id))}; the mapping has {known}")
+        buffer._check_alive(where)
         if kind == DLPACK_CUDA and buffer.backend != "cuda":
             raise TypeError(f"{where}: the arrays are on cuda:{device_id}, this Buffer runs on the numpy reference "
                             f"backend; build it where a GPU is visible (backend='auto' or 'cuda')")
