@@ -281,6 +281,28 @@ def test_bench_finishes_when_its_stderr_is_a_closed_pipe():
     assert proc.wait(PROCESS_LIMIT_S) == 0
 
 
+def test_running_out_of_memory_is_one_line_naming_which(monkeypatch, capsys):
+    """numpy's MemoryError is the host's; cupy's (a MemoryError) and torch.cuda's (a RuntimeError) the device's."""
+    from mooncake_ep.cli import demo
+
+    class OutOfMemoryError(RuntimeError):  # torch.cuda.OutOfMemoryError's name and base
+        pass
+
+    class CupyOutOfMemory(MemoryError):
+        __module__ = "cupy.cuda.memory"
+
+    for error, which in ((MemoryError("Unable to allocate 1 TiB"), "host"), (CupyOutOfMemory("pool"), "device"),
+                         (OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB\nmore"), "device")):
+        monkeypatch.setattr(demo, "run", lambda args, error=error: (_ for _ in ()).throw(error))
+        assert cli.main(["demo"]) == 1
+        err = capsys.readouterr().err
+        assert f"demo: out of {which} memory (" in err and "lower --hidden, --experts or --tokens" in err
+        assert "more" not in err  # one line
+    monkeypatch.setattr(demo, "run", lambda args: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # other RuntimeErrors keep their traceback
+        cli.main(["demo"])
+
+
 def test_main_returns_instead_of_exiting(capsys):
     assert cli.main(["--version"]) == 0
     assert cli.main(["demo", "--bogus"]) == 2

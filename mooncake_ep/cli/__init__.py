@@ -175,8 +175,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except _REPORTED_ERRORS as exc:
         print(f"{where}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    except MemoryError as exc:  # numpy's, for a shape this host cannot hold
-        print(f"{where}: out of host memory ({exc}); lower --hidden, --experts or --tokens", file=sys.stderr)
+    except MemoryError as exc:  # numpy's for a shape this host cannot hold, or cupy's for the device
+        where_from = "device" if type(exc).__module__.startswith("cupy") else "host"
+        print(f"{where}: out of {where_from} memory ({exc}); lower --hidden, --experts or --tokens", file=sys.stderr)
+        return EXIT_FAILURE
+    except RuntimeError as exc:
+        if type(exc).__name__ != "OutOfMemoryError":  # torch.cuda's (a RuntimeError): one line too
+            raise
+        print(f"{where}: out of device memory ({str(exc).splitlines()[0]}); lower --hidden, --experts or --tokens",
+              file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)
