@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+from _ports import free_port  # noqa: F401 - the tests take it from here too (procs.free_port)
 
 from mooncake_ep import reference
 
@@ -252,12 +252,6 @@ def read_report(out_dir: Path, rank: int, scenario: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- launching
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Launcher:

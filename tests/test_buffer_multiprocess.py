@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 
 from _ep_processes import bits, expert_fn  # one definition for both process tests
+from _ports import free_port
 
 from mooncake_ep import reference
 
@@ -114,12 +114,6 @@ def worker_main(argv: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- launching
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch(world_size: int, argv_by_rank: dict[int, list[str]]) -> dict[int, dict]:

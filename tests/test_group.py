@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import _threads
+from _ports import free_port
 
 from mooncake_ep.group import (
     Group,
@@ -35,12 +36,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROCESS_LIMIT_S = 60.0
 # Timeout of the tests that expect one: long enough for a loaded machine, short for the suite.
 SHORT_TIMEOUT_S = 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def payload(rank: int, round_idx: int) -> bytes:

@@ -12,7 +12,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import _threads
+from _ports import free_port
 
 from mooncake_ep.group import (
     Group,
@@ -44,12 +44,6 @@ SHORT_TIMEOUT_S = 1.0
 # Timeout of the calls that are expected to succeed.
 LONG_TIMEOUT_S = 30.0
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def payload(rank: int, round_idx: int) -> bytes:

@@ -16,18 +16,13 @@ import time
 import pytest
 
 import _threads
+from _ports import free_port
 
 from mooncake_ep.group import GroupError, TCPGroup, TCPStoreClient, TCPStoreServer, TorchStoreGroup, init_group
 
 PROCESS_LIMIT_S = 60.0
 LONG_TIMEOUT_S = 30.0
 SHORT_TIMEOUT_S = 0.5
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_in_threads(fns: list) -> list:
