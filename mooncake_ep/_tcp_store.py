@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mooncake_ep._group_common import (
@@ -207,10 +207,9 @@ class _StoreHandler(socketserver.BaseRequestHandler):
                     op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
                 except ConnectionError:
                     return  # the client closed: the normal end
-                arriving = None
+                arrived = None
                 if op == _OP_SET and length > _ARRIVING_SET_BYTES:
-                    arriving = self._receive_set(sock, store, length)
-                    request = arriving[2]
+                    arrived, request = self._receive_set(sock, store, length)
                 else:
                     request = _recv_in_pieces(sock, length)
                 store._busy(+1)
@@ -218,8 +217,8 @@ class _StoreHandler(socketserver.BaseRequestHandler):
                     try:
                         status, body = store._serve(op, request, sock)
                     finally:  # arriving until stored: a wait must never see it neither arriving nor there
-                        if arriving is not None:
-                            store._arriving(arriving[0], arriving[1], done=True)
+                        if arrived is not None:
+                            arrived()
                     parts = [body] if isinstance(body, bytes) else body
                     # The header first, the values as they are (a reply of every rank's value is
                     # not copied into one): a large reply's header is not held back by assembly.
@@ -239,18 +238,17 @@ class _StoreHandler(socketserver.BaseRequestHandler):
 
 
     @staticmethod
-    def _receive_set(sock: socket.socket, store: TCPStoreServer, length: int) -> tuple[str, int, bytes]:
-        """A large set's request, ``(key, length, request)``: its key is marked arriving from when its
-        value starts to come in until the caller has stored it, so that a wait for it does not time
-        out on a peer that set it in time and is still sending."""
+    def _receive_set(sock: socket.socket, store: TCPStoreServer, length: int) -> tuple[Callable[[], None], bytes]:
+        """A large set's request, ``(done, request)``: its key is marked arriving from when its value
+        starts to come in until the caller, having stored it, calls ``done``, so that a wait for it
+        does not time out on a peer that set it in time and is still sending."""
         head = _recv_exact(sock, _U16.size)
         key_raw = _recv_exact(sock, min(_U16.unpack(head)[0], length - _U16.size))
-        key = key_raw.decode(errors="replace")  # a malformed one is refused by _serve, as any other
-        store._arriving(key, length)
+        done = store._arriving(key_raw.decode(errors="replace"), length)  # a malformed key: _serve refuses it
         try:
-            return key, length, _recv_in_pieces(sock, length - len(head) - len(key_raw), prefix=head + key_raw)
+            return done, _recv_in_pieces(sock, length - len(head) - len(key_raw), prefix=head + key_raw)
         except BaseException:
-            store._arriving(key, length, done=True)
+            done()
             raise
 
     @staticmethod
@@ -307,8 +305,10 @@ class TCPStoreServer:
         self._clients: set[socket.socket] = set()
         # Claimed key -> the connection holding it; a set or delete of the key ends the claim.
         self._claim_owners: dict[str, socket.socket] = {}
-        # Keys whose large set is being received -> those sets' lengths (see _StoreHandler._receive_set).
-        self._arriving_keys: dict[str, list[int]] = {}
+        # Keys whose large set is being received -> (length, time its transfer allowance ends) of each
+        # such set (see _StoreHandler._receive_set): a wait for one goes on past its own time until the
+        # value is in or its allowance ends (a setter that stalls, its connection open, is not waited for).
+        self._arriving_keys: dict[str, list[tuple[int, float]]] = {}
         self._num_busy = 0  # requests read and not yet answered
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -388,17 +388,30 @@ class TCPStoreServer:
                     self._data.pop(key, None)
             self._cond.notify_all()
 
-    def _arriving(self, key: str, num_bytes: int, done: bool = False) -> None:
-        """Mark a set of ``num_bytes`` for ``key`` as being received, or (``done``) as over."""
+    def _arriving(self, key: str, num_bytes: int) -> Callable[[], None]:
+        """Mark a set of ``num_bytes`` for ``key`` as being received; returns the call that marks it over.
+
+        Its allowance is the time a transfer of that size gets (as a client gives its replies) from now.
+        """
+        entry = (num_bytes, time.monotonic() + _REPLY_SLACK_S[1] + num_bytes / _MIN_TRANSFER_BYTES_PER_S)
         with self._cond:
-            lengths = self._arriving_keys.setdefault(key, [])
-            if done:
-                lengths.remove(num_bytes)
-                if not lengths:
-                    del self._arriving_keys[key]
-            else:
-                lengths.append(num_bytes)
+            self._arriving_keys.setdefault(key, []).append(entry)
             self._cond.notify_all()
+
+        def done() -> None:
+            with self._cond:
+                entries = self._arriving_keys[key]
+                entries.remove(entry)
+                if not entries:
+                    del self._arriving_keys[key]
+                self._cond.notify_all()
+        return done
+
+    def _arriving_bytes(self, keys: list[str]) -> int:
+        """Bytes still coming, within their allowance, for those of ``keys`` not set yet (under _cond)."""
+        now = time.monotonic()
+        return sum(length for k in keys if k not in self._data for length, until in self._arriving_keys.get(k, ())
+                   if now < until)
 
     def _busy(self, delta: int) -> None:
         with self._cond:
@@ -439,7 +452,7 @@ class TCPStoreServer:
                     while not self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys),
                                                   timeout=max(0.0, min(_DEAD_CLIENT_POLL_S,
                                                                        deadline - time.monotonic()))):
-                        arriving = sum(sum(self._arriving_keys.get(k, ())) for k in keys if k not in self._data)
+                        arriving = self._arriving_bytes(keys)
                         if (time.monotonic() >= deadline and not arriving) or _hung_up(client):
                             break
                         if time.monotonic() >= deadline:  # told, then woken when it lands (_arriving)
@@ -691,9 +704,11 @@ class TCPStoreClient:
                     status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
                 self._sock.settimeout(_wait_arg(io_timeout + length / _MIN_TRANSFER_BYTES_PER_S))
                 body = _recv_exact(self._sock, length)
-            except OSError as exc:  # includes timeouts: a late reply would desynchronise the stream
+            except BaseException as exc:  # a late or half-read reply would desynchronise the stream
                 self._sock.close()
                 self._sock = None
+                if not isinstance(exc, OSError):  # interrupted (Ctrl-C) mid-request: the link is unusable
+                    raise
                 if isinstance(exc, TimeoutError):
                     raise GroupError(f"{where}: no reply within {io_timeout:.1f} s: rank 0's process, which "
                                      f"serves the store, stalled or is overloaded; the connection is closed") from exc

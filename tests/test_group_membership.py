@@ -18,7 +18,7 @@ import pytest
 import _threads
 from _ports import free_port
 
-from mooncake_ep.group import GroupError, TCPGroup, TCPStoreClient, TCPStoreServer, TorchStoreGroup, init_group
+from mooncake_ep.group import GroupError, StoreTimeoutError, TCPGroup, TCPStoreClient, TCPStoreServer, TorchStoreGroup, init_group
 
 PROCESS_LIMIT_S = 60.0
 LONG_TIMEOUT_S = 30.0
@@ -172,6 +172,52 @@ def test_a_wait_goes_on_while_a_value_set_in_time_is_still_arriving():
         waiting.join(PROCESS_LIMIT_S)
         assert result == [[value]], result
         waiter.close()
+
+
+def test_a_set_that_stalls_midway_is_waited_for_only_its_transfer_allowance(monkeypatch):
+    """A peer that began a large set and stopped (its process frozen, its connection open): a wait for
+    the key goes on past its own time only for what that transfer is allowed, then times out."""
+    from mooncake_ep import _tcp_store as ts
+
+    monkeypatch.setattr(ts, "_REPLY_SLACK_S", (0.25, 0.5))  # allowance: 0.5 s + 2 MiB at 20 MB/s
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        value_bytes = 2 << 20
+        request_head = ts._pack_key("big") + ts._U32.pack(value_bytes)
+        with socket.create_connection(("127.0.0.1", server.port)) as setter:
+            setter.sendall(ts._HELLO.pack(ts._MAGIC, ts._PROTOCOL_VERSION))
+            ts._recv_exact(setter, ts._HEADER.size)
+            setter.sendall(ts._HEADER.pack(ts._OP_SET, len(request_head) + value_bytes) + request_head + bytes(1000))
+            eventually(lambda: "big" in server._arriving_keys)
+            waiter = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+            with pytest.raises(StoreTimeoutError, match=r"timed out after 0\.1 s waiting for keys \['big'\]"):
+                waiter.wait(["big"], timeout_s=0.1)
+            waiter.close()
+
+
+def test_a_request_interrupted_midway_closes_the_connection_instead_of_misreading_the_next_reply():
+    """Ctrl-C between a request and its reply leaves the reply in the socket: the next request would
+    read it as its own (a 'truncated message', or a wrong value). The connection is closed instead."""
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        client = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0, who="rank 1")
+        client.set("k", b"v")
+
+        class InterruptedOnce:  # the client's socket, whose first read after the request is interrupted
+            def __init__(self, sock):
+                self.sock, self.interrupted = sock, False
+
+            def recv_into(self, *args):
+                if not self.interrupted:
+                    self.interrupted = True
+                    raise KeyboardInterrupt
+                return self.sock.recv_into(*args)
+
+            def __getattr__(self, name):
+                return getattr(self.sock, name)
+        client._sock = InterruptedOnce(client._sock)
+        with pytest.raises(KeyboardInterrupt):
+            client.get("k", timeout_s=1.0)
+        with pytest.raises(GroupError, match=r"rank 1: store at .*: the connection is closed"):
+            client.get("k", timeout_s=1.0)
 
 
 def _swallow_into(fn):
