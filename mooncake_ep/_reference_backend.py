@@ -37,13 +37,23 @@ class ReferenceBackend:
         call and its number, then the arguments every rank must share. The exchange pairs whatever
         the ranks send, so ranks in different calls (of two Buffers in different orders, or with
         different T) would mix their data or fail inside numpy; instead every rank raises the same
-        ValueError, naming the first field of ``call`` on which the ranks disagree.
+        ValueError, naming the first field of ``call`` on which the ranks disagree. A field
+        ``"mesh position"`` (a JAX ``shard_map``'s, :data:`MESH_POSITION`) must instead equal each
+        rank's own number, checked on every rank at once.
         """
         blobs = self.group.allgather_bytes(pickle.dumps((call, arrays), protocol=pickle.HIGHEST_PROTOCOL))
         gathered = [_call_and_arrays(blob) for blob in blobs]
         calls = [dict(their_call) for their_call, _ in gathered]
         for field, _ in call:
             values = {rank: their_call.get(field) for rank, their_call in enumerate(calls)}
+            if field == MESH_POSITION:
+                if any(position != rank for rank, position in values.items()):
+                    raise ValueError(f"{where}: the shard_map's mesh does not put each rank's device at the rank's "
+                                     f"position (mesh positions by rank: {by_rank(values)}), so the program's data "
+                                     f"(its experts, sharded by the mesh) would meet another rank's rows; give "
+                                     f"make_buffers the mesh's devices in its order, make_buffers(mesh.devices.flat, "
+                                     f"...)")
+                continue
             if len(set(values.values())) > 1:
                 if field == "Buffer":  # tokens, named by first appearance
                     ordinals = {token: i for i, token in enumerate(dict.fromkeys(values.values()))}
@@ -69,6 +79,9 @@ class ReferenceBackend:
         return reference.combine(self.group.rank, expert_outs, results, topk_idx, topk_weights, active_ranks,
                                  renormalize=renormalize)
 
+
+# The call field of a shard_map's mesh position, which must equal the rank (see ReferenceExchange.exchange).
+MESH_POSITION = "mesh position"
 
 # What a peer's blob says when it is not an exchange of data: the Buffer handshake's JSON, which
 # the group's other collectives share the channel with (a rank building a Buffer, or in

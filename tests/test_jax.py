@@ -195,22 +195,48 @@ def test_shard_map_equals_reference(flag_id):
     epj.destroy_buffers(buffers)
 
 
-def test_a_mesh_in_another_order_than_the_buffers_is_refused():
-    """The mesh position is the rank the program's data assumes; the device's Buffer must have it."""
-    num_ranks = 2
+def test_a_mesh_in_another_order_than_the_buffers_is_refused_on_every_rank_at_once():
+    """The mesh position is the rank the program's data assumes; the device's Buffer must have it. Every
+    rank's position goes with the exchange, so ranks whose device is where it belongs (0 and 3 here)
+    fail with the others, with the whole picture, instead of waiting for them until a timeout."""
+    num_ranks = 4
     devices = cpu_devices(num_ranks)
-    case = make_case(5, num_ranks=num_ranks, num_experts=4, num_topk=2, num_tokens=[4] * num_ranks)
+    case = make_case(5, num_ranks=num_ranks, num_experts=8, num_topk=2, num_tokens=[4] * num_ranks)
     buffers = epj.make_buffers(devices, case.size_hint)
-    mesh = jax.sharding.Mesh(np.array(devices[::-1]), ("ep",))  # rank 1's device at position 0
+    order = [devices[0], devices[2], devices[1], devices[3]]
+    mesh = jax.sharding.Mesh(np.array(order), ("ep",))
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     def step(x, topk, active):
         return epj.dispatch(buffers, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)[1]
 
-    with pytest.raises(jax.errors.JaxRuntimeError, match=r"mooncake_ep.jax.dispatch: the shard_map's device at mesh "
-                                                          r"position 0 runs the Buffer of rank 1.*make_buffers"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"mooncake_ep.jax.dispatch: the shard_map's mesh does not put "
+                                                          r"each rank's device at the rank's position \(mesh positions "
+                                                          r"by rank: rank 0: 0, rank 1: 2, rank 2: 1, rank 3: 3\)"):
         jax.block_until_ready(step(*(sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.actives))))
+    epj.destroy_buffers(buffers)
+
+
+def test_a_mesh_of_two_axes_is_the_callers_layout():
+    """Over several axes the experts may be sharded in either axis order: nothing is refused."""
+    devices = cpu_devices(4)
+    case = make_case(9, num_ranks=4, num_experts=8, num_topk=2, num_tokens=[4] * 4)
+    buffers = epj.make_buffers(np.array(devices).reshape(2, 2).T.flat, case.size_hint)  # ranks down ("ep", "dp")
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("dp", "ep"))
+    spec = P(("ep", "dp"))
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=spec, out_specs=spec)
+    def step(x, topk, active):
+        return epj.dispatch(buffers, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)[1]
+
+    put = lambda arrays: jax.device_put(np.concatenate(arrays), NamedSharding(mesh, spec))  # noqa: E731
+    counts = np.asarray(step(put(case.xs), put(case.topk_idxs), put(case.actives)))
+    actives = [np.ones(4, np.int32)] * 4
+    want = [reference.dispatch(r, case.xs, case.topk_idxs, actives, case.num_max_tokens, case.num_experts,
+                               use_fp8=False).recv_count for r in range(4)]
+    np.testing.assert_array_equal(counts, np.concatenate(want))
     epj.destroy_buffers(buffers)
 
 

@@ -37,12 +37,12 @@ Ordering:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from mooncake_ep import reference
+from mooncake_ep._reference_backend import MESH_POSITION
 from mooncake_ep.frameworks.jax_args import Ranks, abstract_view, check_parity, manual_axes, varying_like
 from mooncake_ep.tensor import ArrayView, numpy_dtype, read_array
 from mooncake_ep.validation import check_same_routing
@@ -318,21 +318,23 @@ def dispatch(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max_dispat
 
 
 def _mesh_position(ranks: Ranks):
-    """Inside a ``shard_map`` whose devices are all ranks of the mapping: this device's position, else None.
+    """Inside a ``shard_map`` over one axis of the group's size: this device's index on it, else None.
 
-    The position is the rank the program's data layout assumes (experts sharded by the mesh); the
-    device's Buffer must have it. Only the CPU path checks it: there the callback reads it from host
-    memory, where on a GPU it would take a device-to-host copy (and a host synchronisation) per call.
+    That index is the rank the program's data layout assumes (experts sharded over the axis); the
+    device's Buffer must have it. Over several axes the layout is the caller's to choose (experts
+    sharded over ``("ep", "dp")`` or ``("dp", "ep")``), so nothing is checked. Only the CPU path
+    checks it: there the callback reads it from host memory, where on a GPU it would take a
+    device-to-host copy (and a host synchronisation) per call.
     """
     import jax
 
     axes = manual_axes()
-    if ranks.single is not None or ranks.backend != "reference" or not axes:
+    if ranks.single is not None or ranks.backend != "reference" or len(axes) != 1:
         return None
-    sizes = dict(jax.sharding.get_abstract_mesh().shape)
-    if math.prod(sizes[axis] for axis in axes) != len(ranks.by_device) or len(ranks.by_device) != ranks.first.num_ranks:
-        return None  # a mapping of several groups, or axes beyond the group's: the layout is the caller's
-    return jax.lax.axis_index(axes).reshape(1)
+    size = dict(jax.sharding.get_abstract_mesh().shape)[axes[0]]
+    if not size == len(ranks.by_device) == ranks.first.num_ranks:
+        return None  # a mapping of several groups: the layout is the caller's
+    return jax.lax.axis_index(axes[0]).reshape(1)
 
 
 def _dispatch_results(config: DispatchConfig, specs, outputs):
@@ -378,17 +380,13 @@ class _DispatchCallback:
             return
         buffer._check_dispatch(self.where, x_view, topk_view, active_view, c.num_max_dispatch_tokens_per_rank,
                                c.num_experts, timeout_us=c.timeout_us, **c.flags)
-        if self.checks_position:
-            position = int(_read(self.where, "mesh position", after[-1])[0].numpy()[0])
-            if position != buffer.rank:
-                raise ValueError(f"{self.where}: the shard_map's device at mesh position {position} runs the Buffer of "
-                                 f"rank {buffer.rank}, so the program's data (its experts, sharded by the mesh) would "
-                                 f"meet another rank's rows; give make_buffers the mesh's devices in its order, "
-                                 f"make_buffers(mesh.devices.flat, ...)")
-        # One collective of the group (the send half), then this rank's reference computation.
+        # One collective of the group (the send half), then this rank's reference computation. The mesh
+        # position goes with it, so that a mesh in another order fails on every rank at once.
+        position = (((MESH_POSITION, int(_read(self.where, "mesh position", after[-1])[0].numpy()[0])),)
+                    if self.checks_position else ())
         call = (("call", "dispatch (JAX)"), ("Buffer", buffer._token), ("parity", c.parity),
                 ("num_max_dispatch_tokens_per_rank", c.num_max_dispatch_tokens_per_rank), ("hidden", c.hidden),
-                ("num_experts", c.num_experts), *c.flags.items())
+                ("num_experts", c.num_experts), *c.flags.items(), *position)
         gathered = buffer._reference.exchange(self.where, call, x_view.numpy().copy(), topk_view.numpy().copy(),
                                               active_view.numpy().copy())
         result = buffer._reference.dispatch(gathered, c.num_max_dispatch_tokens_per_rank, c.num_experts, **c.flags)
