@@ -125,14 +125,15 @@ def test_a_result_file_the_system_refuses_is_one_line_after_the_run(capsys):
 
 
 def test_a_closed_stdout_still_leaves_the_results_file(tmp_path):
-    """`... | head -1`: the report stops printing, the run still writes its --json, and exits 0."""
-    for command in ("demo", "bench"):
-        report = tmp_path / f"{command}.json"
+    """`... | head -1` and `... | true`: printing stops, the run still writes its --json, and exits 0."""
+    for command, lines_read in (("demo", 1), ("bench", 1), ("demo", 0), ("bench", 0)):
+        report = tmp_path / f"{command}{lines_read}.json"
         extra = ["--iters", "5", "--warmup", "1"] if command == "bench" else []
         proc = subprocess.Popen([sys.executable, "-m", "mooncake_ep", command, *TINY, *extra, "--backend", "reference",
                                  "--json", str(report)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
-        proc.stdout.readline()
+        for _ in range(lines_read):
+            proc.stdout.readline()
         proc.stdout.close()
         assert proc.wait(PROCESS_LIMIT_S) == 0, proc.stderr.read()
         assert "config" in json.loads(report.read_text())

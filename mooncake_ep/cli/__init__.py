@@ -20,7 +20,6 @@ Exit codes: 0 success, 1 a failed check or a runtime error, 2 bad usage (as argp
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import logging
@@ -33,7 +32,6 @@ import mooncake_ep
 
 __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "OutputError", "UsageError",
            "build_parser", "check_host_memory", "check_output_path", "console_main", "exit_process", "main",
-           "stdout_may_close",
            "write_json"]
 
 # Command names, in the order --help lists them; each is the module mooncake_ep.cli.<name>.
@@ -167,6 +165,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args.command_argv = raw[raw.index(args.command) + 1:]
     where = f"{parser.prog} {args.command}"
+    stdout, sys.stdout = sys.stdout, _StdoutThatMayClose(sys.stdout)
     try:
         return int(args.run(args))
     except UsageError as exc:
@@ -188,25 +187,52 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # stdout went away (`... | head`): say nothing more there, exit quietly
-        _silence_stdout()
+    except BrokenPipeError:  # stdout went away where something wrote to it directly: exit quietly
+        _silence_stdout(stdout)
         return EXIT_FAILURE
+    finally:
+        sys.stdout = stdout
 
 
-@contextlib.contextmanager
-def stdout_may_close():
-    """Around a run's report: if stdout closes (``... | head``), the rest of the run still happens (its
-    files are written) with nothing more printed, instead of a BrokenPipeError that loses them."""
+class _StdoutThatMayClose:
+    """``sys.stdout`` while a command runs: once stdout has closed (``... | head``), printing stops and
+    the run goes on (its files are written), instead of a BrokenPipeError at the next print."""
+
+    def __init__(self, stream) -> None:
+        self._stream, self._closed = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._closed:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._close()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._closed:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._close()
+
+    def _close(self) -> None:
+        self._closed = True
+        _silence_stdout(self._stream)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _silence_stdout(stream) -> None:
+    """Point ``stream``'s descriptor at /dev/null, so that the interpreter's last flush at exit raises
+    nothing more."""
     try:
-        yield
-    except BrokenPipeError:
-        _silence_stdout()
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so that the interpreter's last flush at exit raises nothing more."""
+        descriptor = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture): nothing to point
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, descriptor)
     os.close(devnull)
 
 

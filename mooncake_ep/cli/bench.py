@@ -64,7 +64,7 @@ import numpy as np
 
 import mooncake_ep as ep
 from mooncake_ep.cli import (EXIT_FAILURE, EXIT_OK, UsageError, check_host_memory, check_output_path, kernel_span,
-                             launch, stdout_may_close, write_json)
+                             launch, write_json)
 from mooncake_ep.cli.gpu import gpu_status
 from mooncake_ep.cli.warmup import kernels_max_topk
 
@@ -1235,8 +1235,7 @@ def run_ranks(args, backend: str, why: str, group) -> int:
     # The hold where it applied (0 elsewhere), as config.inner_events records its flag.
     report["config"]["hold_ms"] = args.hold_ms if backend == "cuda" and in_process_graphs(args, group) else 0.0
     if reporting:
-        with stdout_may_close():
-            print_report(report)
+        print_report(report)
     if args.plot is not None:
         points = []
         for tokens in tqdm(args.sweep_tokens, desc="bench sweep", unit="point", disable=None):
@@ -1245,9 +1244,8 @@ def run_ranks(args, backend: str, why: str, group) -> int:
         report["sweep"] = points
         if reporting:
             plot_sweep(args.plot, report, points)
-            with stdout_may_close():
-                print(f"plot of {len(points)} points (tokens per rank {', '.join(map(str, args.sweep_tokens))}): "
-                      f"{args.plot}")
+            print(f"plot of {len(points)} points (tokens per rank {', '.join(map(str, args.sweep_tokens))}): "
+                  f"{args.plot}")
     if args.json and reporting:
         write_json("--json", args.json, report)
     return EXIT_OK

@@ -33,7 +33,7 @@ import numpy as np
 import mooncake_ep
 from mooncake_ep import reference
 from mooncake_ep.cli import (EXIT_FAILURE, EXIT_OK, UsageError, check_host_memory, check_output_path, launch,
-                             stdout_may_close, write_json)
+                             write_json)
 from mooncake_ep.cli.gpu import gpu_status
 from mooncake_ep.cli.warmup import kernels_max_topk
 from mooncake_ep.validation import check_timeout
@@ -381,14 +381,13 @@ def _report(config: DemoConfig, backend: str, results: list[RankResult], elapsed
             args: argparse.Namespace) -> int:
     """Print the table and the verdict, write ``--json``; the exit code."""
     failed = [r.rank for r in results if not r.passed]
-    with stdout_may_close():
-        _print_table(results)
-        if failed:
-            print(f"FAIL: ranks {failed} have a token off by more than relative error {args.tolerance:g} "
-                  f"or lost a peer ({elapsed_s:.2f} s)")
-        else:
-            print(f"PASS: every token within relative error {args.tolerance:g} ({elapsed_s:.2f} s)")
-        sys.stdout.flush()
+    _print_table(results)
+    if failed:
+        print(f"FAIL: ranks {failed} have a token off by more than relative error {args.tolerance:g} "
+              f"or lost a peer ({elapsed_s:.2f} s)")
+    else:
+        print(f"PASS: every token within relative error {args.tolerance:g} ({elapsed_s:.2f} s)")
+    sys.stdout.flush()
     if args.json:
         report = {"config": dataclasses.asdict(config), "backend": backend, "tolerance": args.tolerance,
                   "elapsed_s": elapsed_s, "passed": not failed, "ranks": [dataclasses.asdict(r) for r in results]}
