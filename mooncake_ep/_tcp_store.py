@@ -7,7 +7,7 @@ bytes; ``wait`` blocks server-side until the keys appear, so it costs one round 
 Wire format: a connection opens with the client's hello, answered by a reply (OK, or an error that
 says why: another protocol version); then one request and one reply at a time::
 
-    hello: magic b"MCEP", protocol version u32
+    hello: a request of op 6 whose payload is magic b"MCEP", protocol version u32
     request: op u8, payload length u64, payload    reply: status u8, body length u64, body
     payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars
 
@@ -85,6 +85,9 @@ _JOINED_REPLY_BYTES = 1 << 16
 _U8, _U16, _U32 = struct.Struct("!B"), struct.Struct("!H"), struct.Struct("!I")
 _I64, _U64, _F64 = struct.Struct("!q"), struct.Struct("!Q"), struct.Struct("!d")
 _OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE, _OP_CLAIM = 1, 2, 3, 4, 5
+# The hello is framed as a request (op, length, payload = magic, version): a store of protocol 3 or
+# older answers it at once as an unknown op, which the client names, instead of waiting for more bytes.
+_OP_HELLO = 6
 _OK, _TIMEOUT, _ERROR, _CLOSED = 0, 1, 2, 3
 # An interim reply to a wait past its time (body: u64 bytes still coming): a missing key's value is
 # arriving from a peer that set it in time; the client extends its own limit by that transfer.
@@ -140,6 +143,11 @@ class _Reader:
 
     def blob(self) -> bytes:
         return self._take(self.scalar(_U32))
+
+
+def hello(version: int) -> bytes:
+    """What a client says first on a connection: the store protocol ``version`` it speaks."""
+    return _HEADER.pack(_OP_HELLO, _HELLO.size) + _HELLO.pack(_MAGIC, version)
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
@@ -255,7 +263,9 @@ class _StoreHandler(socketserver.BaseRequestHandler):
     def _greet(sock: socket.socket) -> bool:
         """Read the client's hello and answer it; False: the connection is not to be served."""
         try:
-            magic, version = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+            op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+            magic, version = (None, None) if (op, length) != (_OP_HELLO, _HELLO.size) else \
+                _HELLO.unpack(_recv_exact(sock, _HELLO.size))
         except ConnectionError:
             return False
         if magic != _MAGIC:
@@ -558,7 +568,7 @@ class TCPStoreClient:
         where = f"{self._who}: store at {self.host}:{self.port}"
         try:
             self._sock.settimeout(_wait_arg(self.timeout_s))
-            self._sock.sendall(_HELLO.pack(_MAGIC, _PROTOCOL_VERSION))
+            self._sock.sendall(hello(_PROTOCOL_VERSION))
             status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
             body = _recv_exact(self._sock, min(length, 1 << 16))
         except OSError as exc:
@@ -570,7 +580,11 @@ class TCPStoreClient:
         if status != _OK:
             self._sock.close()
             self._sock = None
-            raise GroupError(f"{where}: refused this rank: {body.decode(errors='replace')}")
+            reason = body.decode(errors="replace")
+            if reason.startswith(f"unknown op {_OP_HELLO}"):  # a store from before the hello
+                reason = (f"it runs a mooncake_ep of store protocol 3 or older, and this rank {_PROTOCOL_VERSION}: "
+                          f"every rank must run the same mooncake_ep version")
+            raise GroupError(f"{where}: refused this rank: {reason}")
 
     def _forget_after_fork(self) -> None:
         """In a forked child: this connection is the parent's; close the child's copy of it."""

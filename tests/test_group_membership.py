@@ -117,12 +117,12 @@ def test_a_store_names_another_protocol_and_ignores_what_is_not_one(caplog):
             assert stray.recv(1) == b""  # dropped
         assert "does not speak the store protocol" in caplog.text
         with socket.create_connection(("127.0.0.1", server.port)) as liar:  # a hello, then a length without data
-            liar.sendall(_tcp_store._HELLO.pack(_tcp_store._MAGIC, _tcp_store._PROTOCOL_VERSION))
+            liar.sendall(_tcp_store.hello(_tcp_store._PROTOCOL_VERSION))
             assert liar.recv(_tcp_store._HEADER.size) == _tcp_store._HEADER.pack(_tcp_store._OK, 0)
             liar.sendall(_tcp_store._HEADER.pack(1, 1 << 62) + bytes(1000))
         newer = _tcp_store._PROTOCOL_VERSION + 1
         with socket.create_connection(("127.0.0.1", server.port)) as other:  # a newer rank's hello
-            other.sendall(_tcp_store._HELLO.pack(_tcp_store._MAGIC, newer))
+            other.sendall(_tcp_store.hello(newer))
             status, length = _tcp_store._HEADER.unpack(_tcp_store._recv_exact(other, _tcp_store._HEADER.size))
             message = _tcp_store._recv_exact(other, length).decode()
         assert status == _tcp_store._ERROR
@@ -132,12 +132,26 @@ def test_a_store_names_another_protocol_and_ignores_what_is_not_one(caplog):
         client.set("k", b"v")
         assert client.get("k", timeout_s=1.0) == b"v"
         client.close()
+    # A store from before the hello answers it as an unknown op, at once: the client names that.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def answer_as_protocol_3():
+            conn, _ = listener.accept()
+            with conn:
+                op, length = _tcp_store._HEADER.unpack(_tcp_store._recv_exact(conn, _tcp_store._HEADER.size))
+                _tcp_store._recv_exact(conn, length)
+                reply = f"unknown op {op}".encode()
+                conn.sendall(_tcp_store._HEADER.pack(_tcp_store._ERROR, len(reply)) + reply)
+        old_store = threading.Thread(target=answer_as_protocol_3, daemon=True)
+        old_store.start()
+        with pytest.raises(GroupError, match=r"refused this rank: it runs a mooncake_ep of store protocol 3 or older"):
+            TCPStoreClient("127.0.0.1", listener.getsockname()[1], timeout_s=5.0, who="rank 1")
+        old_store.join(PROCESS_LIMIT_S)
     # What a refused client says: the store's reason, with its own name and the store's address.
     with socket.create_server(("127.0.0.1", 0)) as listener:
         def refuse():
             conn, _ = listener.accept()
             with conn:
-                _tcp_store._recv_exact(conn, _tcp_store._HELLO.size)
+                _tcp_store._recv_exact(conn, _tcp_store._HEADER.size + _tcp_store._HELLO.size)
                 conn.sendall(_tcp_store._HEADER.pack(_tcp_store._ERROR, len(message)) + message.encode())
         refusing = threading.Thread(target=refuse, daemon=True)
         refusing.start()
@@ -161,7 +175,7 @@ def test_a_wait_goes_on_while_a_value_set_in_time_is_still_arriving():
         value = bytes(range(256)) * (8 << 12)  # 8 MiB: a set large enough to be marked arriving
         request = ts._pack_key("big") + ts._pack_blob(value)
         with socket.create_connection(("127.0.0.1", server.port)) as setter:
-            setter.sendall(ts._HELLO.pack(ts._MAGIC, ts._PROTOCOL_VERSION))
+            setter.sendall(ts.hello(ts._PROTOCOL_VERSION))
             assert ts._recv_exact(setter, ts._HEADER.size) == ts._HEADER.pack(ts._OK, 0)
             waiting.start()
             setter.sendall(ts._HEADER.pack(ts._OP_SET, len(request)) + request[:1000])
@@ -184,7 +198,7 @@ def test_a_set_that_stalls_midway_is_waited_for_only_its_transfer_allowance(monk
         value_bytes = 2 << 20
         request_head = ts._pack_key("big") + ts._U32.pack(value_bytes)
         with socket.create_connection(("127.0.0.1", server.port)) as setter:
-            setter.sendall(ts._HELLO.pack(ts._MAGIC, ts._PROTOCOL_VERSION))
+            setter.sendall(ts.hello(ts._PROTOCOL_VERSION))
             ts._recv_exact(setter, ts._HEADER.size)
             setter.sendall(ts._HEADER.pack(ts._OP_SET, len(request_head) + value_bytes) + request_head + bytes(1000))
             eventually(lambda: "big" in server._arriving_keys)
