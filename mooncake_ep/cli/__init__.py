@@ -101,8 +101,8 @@ def check_host_memory(what: str, num_bytes: int, flags: str) -> None:
     """
     total = _physical_memory_bytes()
     if total is not None and num_bytes > total:
-        raise UsageError(f"{what} needs at least {num_bytes / 2**30:.3g} GiB of host memory, this machine has "
-                         f"{total / 2**30:.3g} GiB; lower {flags}")
+        raise UsageError(f"{what} needs at least {num_bytes / 2**30:.4g} GiB of host memory, this machine has "
+                         f"{total / 2**30:.4g} GiB; lower {flags}")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

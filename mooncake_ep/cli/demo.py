@@ -329,10 +329,17 @@ def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None
     except (TypeError, ValueError) as exc:
         raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = {ranks_flag}, "
                          f"num_experts = --experts)") from None
-    # At least the expert matrices (float32) and every rank's received rows (a byte a channel).
+
+
+def _check_memory(config: DemoConfig, backend: str, num_processes: int, ranks_per_process: int,
+                  ranks_flag: str) -> None:
+    """The host memory this host's processes need at least (UsageError if it has less): each makes
+    the expert matrices (float32), and on the reference backend holds its ranks' received rows (a byte
+    a channel; on the GPU they are in device memory)."""
     expert_bytes = config.num_experts * config.hidden * config.hidden * 4
-    recv_bytes = config.num_experts * config.num_ranks * config.num_tokens * config.hidden
-    check_host_memory("the demo", expert_bytes + recv_bytes, f"--hidden, --experts, --tokens or {ranks_flag}")
+    recv_bytes = ranks_per_process * config.num_experts * config.num_tokens * config.hidden
+    needed = num_processes * (expert_bytes + (recv_bytes if backend == "reference" else 0))
+    check_host_memory("the demo", needed, f"--hidden, --experts, --tokens or {ranks_flag}")
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -410,6 +417,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_threads(args: argparse.Namespace) -> int:
     config = _make_config(args, getattr(args, "ranks", DEFAULT_RANKS), "--ranks")
     backend, why = _choose_backend(args.backend)
+    _check_memory(config, backend, 1, config.num_ranks, "--ranks")
     _print_header(config, "ranks", backend, why)
     weights = make_weights(config)
     start = time.perf_counter()
@@ -442,6 +450,7 @@ def _run_process_rank(args: argparse.Namespace) -> int:
 
 def _process_rank_step(group: mooncake_ep.Group, args: argparse.Namespace, backend: str, why: str) -> int:
     config = _make_config(args, group.world_size, "WORLD_SIZE")  # the same flags fail alike on every rank
+    _check_memory(config, backend, 1, 1, "WORLD_SIZE")
     if group.rank == 0:
         _print_header(config, "ranks (processes)", backend, why)
     weights = make_weights(config)
@@ -469,5 +478,6 @@ def _rank_argv(args: argparse.Namespace, config: DemoConfig) -> list[str]:
 def _run_launcher(args: argparse.Namespace) -> int:
     """``--launch N``: start N rank processes on this host, wait for all, pass only if all passed."""
     config = _make_config(args, args.launch, "--launch")
-    _choose_backend(args.backend)  # --backend cuda without a GPU: refused here
+    backend, _ = _choose_backend(args.backend)  # --backend cuda without a GPU: refused here
+    _check_memory(config, backend, args.launch, 1, "--launch")  # every process on this host
     return launch.launch("demo", _rank_argv(args, config), args.launch)
