@@ -169,14 +169,15 @@ def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> l
             for proc in procs:
                 if proc.poll() is None:
                     proc.terminate()
-            return [_wait_or_kill(proc) for proc in procs]
+            deadline = time.monotonic() + LAUNCH_GRACE_S  # one grace for all, not one each in turn
+            return [_wait_or_kill(proc, deadline) for proc in procs]
         time.sleep(_LAUNCH_POLL_S)
 
 
-def _wait_or_kill(proc: subprocess.Popen) -> int:
-    """The exit code of a process told to terminate; killed if it has not exited LAUNCH_GRACE_S later."""
+def _wait_or_kill(proc: subprocess.Popen, deadline: float) -> int:
+    """The exit code of a process told to terminate; killed if it has not exited by ``deadline``."""
     try:
-        return proc.wait(LAUNCH_GRACE_S)
+        return proc.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:  # it ignores or handles SIGTERM
         proc.kill()
         return proc.wait()
