@@ -158,9 +158,12 @@ class _KeyValueGroup:
     in words, for error messages).
 
     Note:
-        After any :class:`GroupError` from a collective the group is broken: the ranks no longer
-        agree on the sequence number, so every later call raises at once, until every rank calls
-        :meth:`renew_membership` (which ``Buffer.update_ep_member`` does), or make a new group.
+        After any :class:`GroupError` from a collective (or anything else that stopped one) the
+        group is broken: the ranks no longer agree on the sequence number, so every later call
+        raises at once, until every rank calls :meth:`renew_membership` (which
+        ``Buffer.update_ep_member`` does), or make a new group. A rank whose own store connection
+        was lost (a request interrupted midway, a store that stopped answering) cannot renew: its
+        process is then as a dead rank's, and a replacement (``rejoin=True``) takes its rank over.
     """
 
     is_in_process = False
