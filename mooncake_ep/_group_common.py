@@ -13,7 +13,6 @@ client) gets its allgather, barrier, rendezvous and error messages from it.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import struct
 import threading
@@ -121,17 +120,23 @@ _JOIN = struct.Struct("!IIB")
 _PROBE_S = 0.05
 
 
-# The store groups of this process: a forked child gets each one back closed, with a lock of its own.
-_OPEN_GROUPS: weakref.WeakSet = weakref.WeakSet()
+# What this process shares with a child it forks and the child must let go of (the store groups,
+# their servers and clients): each one's _forget_after_fork runs in the child.
+_SHARED_WITH_CHILDREN: weakref.WeakSet = weakref.WeakSet()
 
 
-def _forget_groups_after_fork() -> None:
-    for group in list(_OPEN_GROUPS):
-        group._forget_after_fork()
+def _forget_after_fork_in_children(shared: Any) -> None:
+    """Have ``shared._forget_after_fork()`` run in every child this process forks from now on."""
+    _SHARED_WITH_CHILDREN.add(shared)
+
+
+def _forget_everything_after_fork() -> None:
+    for shared in list(_SHARED_WITH_CHILDREN):
+        shared._forget_after_fork()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_groups_after_fork)
+    os.register_at_fork(after_in_child=_forget_everything_after_fork)
 
 
 class _KeyValueGroup:
@@ -185,7 +190,7 @@ class _KeyValueGroup:
         self._broken: str | None = None
         self._closed = False
         self._closed_because = "the group is closed"
-        _OPEN_GROUPS.add(self)
+        _forget_after_fork_in_children(self)
 
     def _forget_after_fork(self) -> None:
         """In a forked child: the group is the parent's rank. A parent thread may have held the lock

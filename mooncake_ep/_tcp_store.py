@@ -28,14 +28,12 @@ from __future__ import annotations
 import atexit
 import errno
 import logging
-import os
 import select
 import socket
 import socketserver
 import struct
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +46,7 @@ from mooncake_ep._group_common import (
     _check_data,
     _check_port,
     _check_timeout,
+    _forget_after_fork_in_children,
     _wait_arg,
 )
 
@@ -170,19 +169,6 @@ def _recv_in_pieces(sock: socket.socket, size: int, prefix: bytes = b"") -> byte
         pieces.append(_recv_exact(sock, min(_RECV_PIECE_BYTES, size - got)))
         got += len(pieces[-1])
     return b"".join(pieces)
-
-
-# The store's servers and clients of this process, each of which forgets its sockets in a forked child.
-_OPEN_ENDPOINTS: weakref.WeakSet = weakref.WeakSet()
-
-
-def _close_inherited_sockets() -> None:
-    for endpoint in list(_OPEN_ENDPOINTS):
-        endpoint._forget_after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited_sockets)
 
 
 def _close_fd_only(sock: socket.socket) -> None:
@@ -342,7 +328,7 @@ class TCPStoreServer:
         # At interpreter exit, answer the peers' pending waits ("closed") before the daemon
         # threads die, so they learn which ranks they were waiting for instead of a bare reset.
         atexit.register(self.close)
-        _OPEN_ENDPOINTS.add(self)
+        _forget_after_fork_in_children(self)
         logger.debug("TCPStoreServer: listening on %s:%d", host, self.port)
 
     def _forget_after_fork(self) -> None:
@@ -559,7 +545,7 @@ class TCPStoreClient:
                 time.sleep(delay)
                 delay = min(2 * delay, _CONNECT_RETRY_MAX_S)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _OPEN_ENDPOINTS.add(self)
+        _forget_after_fork_in_children(self)
         self._hello()
         logger.debug("%s: connected to the store at %s:%d", who, host, port)
 
