@@ -80,7 +80,7 @@ class ReferenceBackend:
                                  renormalize=renormalize)
 
 
-# The call field of a shard_map's mesh position, which must equal the rank (see ReferenceExchange.exchange).
+# The call field of a shard_map's mesh position, which must equal the rank (see ReferenceBackend.exchange).
 MESH_POSITION = "mesh position"
 
 # What a peer's blob says when it is not an exchange of data: the Buffer handshake's JSON, which

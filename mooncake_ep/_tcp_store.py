@@ -13,11 +13,11 @@ says why: another protocol version); then one request and one reply at a time::
 
 A key can be *claimed* (:meth:`TCPStoreClient.claim`): created only if absent and owned by the
 connection that claimed it, so it disappears when that connection closes, which is when its
-process exits or dies (unless a set, a delete, or a wait asked to settle it ended the claim first). :class:`mooncake_ep.group.TCPGroup` holds one such key per rank, so a
-replacement process can take over the rank of a dead one (``init_group(rejoin=True)``) and never
-that of a live one. A process forked from a rank (a worker pool, a data loader) closes its copies of
-the store's sockets at once: holding them open would keep a dead rank's claims alive for as long
-as the child runs.
+process exits or dies (unless a set, a delete, or a wait asked to settle it ended the claim
+first). :class:`mooncake_ep.group.TCPGroup` holds one such key per rank, so a replacement process
+can take over the rank of a dead one (``init_group(rejoin=True)``) and never that of a live one. A
+process forked from a rank (a worker pool, a data loader) closes its copies of the store's sockets
+at once: holding them open would keep a dead rank's claims alive for as long as the child runs.
 
 Users import :class:`TCPStoreServer`, :class:`TCPStoreClient` and :class:`StoreTimeoutError` from
 :mod:`mooncake_ep.group`.
@@ -230,7 +230,6 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         finally:
             store._connected(sock, -1)
 
-
     @staticmethod
     def _receive_set(sock: socket.socket, store: TCPStoreServer, length: int) -> tuple[Callable[[], None], bytes]:
         """A large set's request, ``(done, request)``: its key is marked arriving from when its value
@@ -248,10 +247,10 @@ class _StoreHandler(socketserver.BaseRequestHandler):
     @staticmethod
     def _greet(sock: socket.socket) -> bool:
         """Read the client's hello and answer it; False: the connection is not to be served."""
+        magic = version = None
         try:
-            op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-            magic, version = (None, None) if (op, length) != (_OP_HELLO, _HELLO.size) else \
-                _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+            if _HEADER.unpack(_recv_exact(sock, _HEADER.size)) == (_OP_HELLO, _HELLO.size):
+                magic, version = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
         except ConnectionError:
             return False
         if magic != _MAGIC:
