@@ -18,7 +18,8 @@ import pytest
 import _threads
 from _ports import free_port
 
-from mooncake_ep.group import GroupError, StoreTimeoutError, TCPGroup, TCPStoreClient, TCPStoreServer, TorchStoreGroup, init_group
+from mooncake_ep.group import (GroupError, StoreTimeoutError, TCPGroup, TCPStoreClient, TCPStoreServer, TorchStoreGroup,
+                               init_group)
 
 PROCESS_LIMIT_S = 60.0
 LONG_TIMEOUT_S = 30.0

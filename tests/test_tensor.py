@@ -260,7 +260,8 @@ def test_cupy_fast_path_layouts():
 def test_cupy_fast_path_refusals():
     with pytest.raises(ValueError, match=r"^dispatch: x must have strides that are multiples of its itemsize \(2\)"):
         read_array(cupy_over_host((3,), np.uint16, strides=(3,)), name="dispatch: x")
-    with pytest.raises(TypeError, match=r"^dispatch: x has a dtype no argument of mooncake_ep takes: cupy dtype >u2.*native byte order"):
+    with pytest.raises(TypeError, match=r"^dispatch: x has a dtype no argument of mooncake_ep takes: cupy dtype "
+                                        r">u2.*native byte order"):
         read_array(cupy_over_host((3,), np.dtype(">u2")), name="dispatch: x")
     with pytest.raises(TypeError, match=r"^dispatch: x has a dtype no argument of mooncake_ep takes: .*complex64"):
         read_array(cupy_over_host((3,), np.complex64), name="dispatch: x")
