@@ -451,9 +451,14 @@ class TCPStoreServer:
                         if (time.monotonic() >= deadline and not arriving) or _hung_up(client):
                             break
                         if time.monotonic() >= deadline:  # told, then woken when it lands (_arriving)
-                            if client is not None:
-                                client.sendall(_HEADER.pack(_STILL_ARRIVING, _U64.size) + _U64.pack(arriving))
-                            self._cond.wait(_DEAD_CLIENT_POLL_S)
+                            if client is not None:  # sent without the store's lock: a waiter that stopped
+                                self._cond.release()  # reading holds up its own request, no other
+                                try:
+                                    client.sendall(_HEADER.pack(_STILL_ARRIVING, _U64.size) + _U64.pack(arriving))
+                                finally:
+                                    self._cond.acquire()
+                            if not all(k in self._data for k in keys):  # it may have landed meanwhile
+                                self._cond.wait(_DEAD_CLIENT_POLL_S)
                     missing = [i for i, k in enumerate(keys) if k not in self._data]
                     if missing:
                         body = _U32.pack(len(missing)) + b"".join(_U32.pack(i) for i in missing)
