@@ -199,9 +199,10 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
     """
     import jax
 
-    per_device_program = bool(manual_axes())
+    # Outside shard_map, as far as this JAX can say (one without get_abstract_mesh cannot: no check).
+    outside_shard_map = hasattr(jax.sharding, "get_abstract_mesh") and not manual_axes()
     for name, array in arrays.items():
-        if not per_device_program:
+        if outside_shard_map:
             count = _device_count(array)
             if count > 1:
                 raise ValueError(f"{where}: {name} is spread over {count} devices outside shard_map, and each call "
