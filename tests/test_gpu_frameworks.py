@@ -260,7 +260,8 @@ def test_torch_calls_wait_for_the_callers_stream_and_do_not_block_the_host(flag_
         active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
         # The warm-up's values and routes differ from the checked call's: its results' memory, which
         # the checked call's fresh results may be given again, must not already hold the right answer.
-        warm_x, warm_topk = -fresh_x, torch.where(topk >= 0, (topk + 1) % case.num_experts, topk)
+        # -2x: fp8 rows of the other sign and doubled scales, exact in bf16.
+        warm_x, warm_topk = fresh_x * -2, torch.where(topk >= 0, (topk + 1) % case.num_experts, topk)
         ready(g)
         # Warm-up: the first call of a configuration plans it and queues its layout copy.
         _, _, handle, _, _ = buffer.dispatch(warm_x, warm_topk, active, case.num_max_tokens, case.num_experts,
@@ -406,9 +407,11 @@ def test_cupy_arrays_in_and_out_on_cupys_stream(flag_id):
         x = cupy.full(fresh_x.shape, 0x7FC0, cupy.uint16)  # bf16 NaN
         topk, w = cupy.asarray(topks[r]), cupy.asarray(weights[r])
         active = cupy.ones(case.num_ranks, cupy.int32)
-        # A warm-up with other values (-x, in bits) and routes (see the torch test): cupy's pool may give
-        # the checked call's results this call's memory again, which must not hold the right answer.
-        warm_x, warm_topk = fresh_x ^ 0x8000, cupy.where(topk >= 0, (topk + 1) % case.num_experts, topk)
+        # A warm-up with other values (-2x: other fp8 rows and scales) and routes (see the torch test):
+        # cupy's pool may give the checked call's results this call's memory again, which must not hold
+        # the right answer.
+        warm_x = cupy.asarray((xs[r].astype(np.float32) * -2).astype(BF16).view(np.uint16))
+        warm_topk = cupy.where(topk >= 0, (topk + 1) % case.num_experts, topk)
         ready(g)
         buffer.dispatch(warm_x, warm_topk, active, case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US,
                         **flags)
