@@ -34,9 +34,9 @@ import traceback
 from pathlib import Path
 
 import numpy as np
-from _ports import free_port  # noqa: F401 - the tests take it from here too (procs.free_port)
 
 from mooncake_ep import reference
+from mooncake_ep.cli.launch import free_port  # noqa: F401 - the tests take it from here too (procs.free_port)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from _ep_processes import bits, expert_fn  # one definition for both process tests
-from _ports import free_port
 
 from mooncake_ep import reference
+from mooncake_ep.cli.launch import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Safety net for a test process that hangs (a bug): the test fails instead of stalling CI.

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 import _threads
-from _ports import free_port
 
+from mooncake_ep.cli.launch import free_port
 from mooncake_ep.group import (
     Group,
     GroupError,

@@ -16,8 +16,8 @@ import time
 import pytest
 
 import _threads
-from _ports import free_port
 
+from mooncake_ep.cli.launch import free_port
 from mooncake_ep.group import (GroupError, StoreTimeoutError, TCPGroup, TCPStoreClient, TCPStoreServer, TorchStoreGroup,
                                init_group)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -56,10 +57,23 @@ def check_launch(args: argparse.Namespace) -> None:
         raise UsageError(f"--launch must be >= 1, got {args.launch}")
 
 
-def free_port(host: str) -> int:
-    """A port free now; another program may take it before rank 0 binds it (rank 0 then says so)."""
-    with socket.create_server((host, 0)) as probe:
+def free_port(host: str = LAUNCH_ADDR) -> int:
+    """A port free now, below Linux's ephemeral range (32768-60999), from which the OS gives every
+    outgoing connection on the machine its local port: a port probed there (bind to port 0) can be
+    taken by any such connection before rank 0 binds it. Another program may still take it first
+    (rank 0 then says so)."""
+    for _ in range(200):
+        port = random.randrange(*_PORT_RANGE)
+        try:
+            with socket.create_server((host, port)):
+                return port
+        except OSError:  # taken
+            continue
+    with socket.create_server((host, 0)) as probe:  # a crowded range: the OS's choice
         return probe.getsockname()[1]
+
+
+_PORT_RANGE = (20000, 32768)
 
 
 def join_group(backend: str, device: int | None = None) -> mooncake_ep.Group:
