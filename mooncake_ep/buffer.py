@@ -333,8 +333,7 @@ class Buffer:
         check_timeout(where, timeout_us)
         check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         out_views = read_out(where, out, use_fp8, order)
-        written_tensors = (_torch_outputs(where, out_views, _DISPATCH_SPAN_NAMES[use_fp8, True][0])
-                           if out_views is not None and _torch_records_gradients() else ())
+        written_tensors = _torch_outputs(where, out_views, _DISPATCH_SPAN_NAMES[use_fp8, True][0])
         # num_experts's type too: 2.0 equals 2 as a key, and must not find the plan of 2 unchecked.
         key = ("dispatch", _signature(x_view), _signature(topk_view), _signature(active_view),
                num_max_dispatch_tokens_per_rank, num_experts, type(num_experts), use_fp8, use_ue8m0,
@@ -529,8 +528,7 @@ class Buffer:
                 raise TypeError(f"{where}: x (expert outputs) is required unless zero_copy=True")
             x_view = read_array(x, name="combine: x", stream=order)
         out_views = None if out is None else [(read_array(out, name="combine: out combined_x", stream=order), out)]
-        written_tensors = (_torch_outputs(where, out_views, ("out combined_x",))
-                           if out_views is not None and _torch_records_gradients() else ())
+        written_tensors = _torch_outputs(where, out_views, ("out combined_x",))
         key = ("combine", _signature(topk_view), _signature(weights_view), _signature(active_view),
                None if x_view is None else _signature(x_view), handle.num_tokens, handle.num_topk, handle.hidden,
                handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.device_id,
@@ -987,12 +985,14 @@ def _torch_outputs(where: str, out_views, names: tuple[str, ...]) -> list:
 
     One that requires grad is refused, as torch's own out= ops refuse it: the write has no gradient.
     The call then counts its write in the others' version counters (frameworks.torch.mark_modified).
-    Called only while torch records gradients (_torch_records_gradients), as its out= check runs:
-    under ``no_grad`` / ``inference_mode`` (an inference engine's calls) the two would cost 1-2 us a
-    call for nothing, and an engine that overwrites there a tensor an earlier graph saved is not
-    told. active_ranks is not counted: the kernels write it only when a rank times out, and a count
-    every call would fail every backward that read the mask.
+    Empty without out=, and while torch records no gradients (_torch_records_gradients), as torch's
+    own out= check: under ``no_grad`` / ``inference_mode`` (an inference engine's calls) the two would
+    cost 1-2 us a call for nothing, and an engine that overwrites there a tensor an earlier graph
+    saved is not told. active_ranks is not counted: the kernels write it only when a rank times out,
+    and a count every call would fail every backward that read the mask.
     """
+    if out_views is None or not _torch_records_gradients():
+        return []
     tensors = [tensor for view, tensor in out_views if view.framework == "torch"]
     for tensor in tensors:
         if tensor.requires_grad:

@@ -1166,14 +1166,16 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
         value = getattr(args, name)
         if isinstance(value, ByBackend):
             setattr(args, name, value.resolve(backend))
-    if backend == "reference" and args.num_sms is not None:
-        raise UsageError("--num-sms sets the kernels' SMs per rank; the reference backend has none")
-    if backend == "reference" and args.graph:
-        raise UsageError("--graph: the reference backend has no CUDA graphs (its calls are numpy on the host)")
-    if backend == "reference" and args.peer_reads != "in-place":
-        raise UsageError("--peer-reads sets where the GPU kernels read expert outputs; the reference backend has none")
-    if backend == "reference" and args.graph_ends != "both":
-        raise UsageError("--graph-ends shapes the CUDA graphs; the reference backend has none")
+    if backend == "reference":  # the GPU's flags, given where they would change nothing
+        if args.num_sms is not None:
+            raise UsageError("--num-sms sets the kernels' SMs per rank; the reference backend has none")
+        if args.graph:
+            raise UsageError("--graph: the reference backend has no CUDA graphs (its calls are numpy on the host)")
+        if args.peer_reads != "in-place":
+            raise UsageError("--peer-reads sets where the GPU kernels read expert outputs; the reference backend has "
+                             "none")
+        if args.graph_ends != "both":
+            raise UsageError("--graph-ends shapes the CUDA graphs; the reference backend has none")
     if args.graph is None:
         args.graph = backend == "cuda"
     check_args(args, ranks_flag)

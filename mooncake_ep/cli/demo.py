@@ -387,8 +387,8 @@ def _print_header(config: DemoConfig, kind: str, backend: str, why: str) -> None
 def _report(config: DemoConfig, backend: str, results: list[RankResult], elapsed_s: float,
             args: argparse.Namespace) -> int:
     """Print the table and the verdict, write ``--json``; the exit code."""
-    failed = [r.rank for r in results if not r.passed]
     _print_table(results)
+    failed = [r.rank for r in results if not r.passed]
     if failed:
         print(f"FAIL: ranks {failed} have a token off by more than relative error {args.tolerance:g} "
               f"or lost a peer ({elapsed_s:.2f} s)")
