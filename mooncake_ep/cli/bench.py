@@ -891,8 +891,12 @@ def measure_reference(args, progress, group=None) -> dict:
 
 def measure_bandwidth(torch, device: str, num_bytes: int = 1 << 30, repeats: int = 10) -> tuple[float, float]:
     """(copy, write) bandwidth of one GPU in bytes/s, on a buffer far larger than L2: a device copy
-    counted as bytes read + written (the floors' unit), and a fill, which only writes (dispatch's
-    copies are mostly writes to recv_x: the fill says how fast those can go)."""
+    counted as bytes read + written (the floors' unit), and ``cudaMemsetAsync``, which only writes
+    (dispatch's copies are mostly writes to recv_x: the memset says how fast those can go).
+    Not ``torch.fill_``: its kernel writes 3.4 TB/s where plain stores reach 4.4 on an H200
+    (docs/performance.md (25))."""
+    import cupy
+
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
 
@@ -908,7 +912,9 @@ def measure_bandwidth(torch, device: str, num_bytes: int = 1 << 30, repeats: int
         return start.elapsed_time(end) * 1e-3
 
     copy = 2 * num_bytes * repeats / seconds(lambda: dst.copy_(src))
-    write = num_bytes * repeats / seconds(lambda: dst.fill_(0x5A))
+    with cupy.cuda.Device(dst.device.index):
+        write = num_bytes * repeats / seconds(lambda: cupy.cuda.runtime.memsetAsync(
+            dst.data_ptr(), 0x5A, num_bytes, torch.cuda.current_stream(dst.device).cuda_stream))
     return copy, write
 
 

@@ -1,0 +1,250 @@
+"""Probe: how fast can an H200 write device memory, and do the dispatch's row copies reach it?
+
+docs/performance.md (23) found that the decode dispatch's copies run at the rate of a fill
+(`torch.fill_`, ~3.4 TB/s write only, against 4.3 TB/s read + written for a copy), and (16), (24)
+that starting them sooner does not end them sooner. Before another protocol change the question is
+whether any store path writes faster than that fill: a fill with 16-byte stores, plain or streaming
+(evict-first), `cudaMemsetAsync`, and Hopper's bulk copy engine (`cp.async.bulk` from shared
+memory), on 128 SMs (the decode's 8 ranks x 16) or every SM, on the dispatch's 60 MB rewritten
+again and again or on 1 GiB. Then the dispatch's copy itself, alone: 8192 rows of 7168 bytes from
+7.3 MB of L2-resident staged rows into a 60 MB `recv_x`, by warps (`ld.cg` + `st.cs`, the
+library's `warp_copy`) or by the bulk copy engine (a row into shared memory, then out).
+
+A development probe, not part of the library.
+
+    python scripts/write_rate_probe.py --json write_rate.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+SOURCE = r"""
+typedef unsigned long long uint64_t;
+typedef unsigned int uint32_t;
+
+// Every thread stores 16-byte vectors, grid-stride; streaming = .cs (evict-first in L2).
+extern "C" __global__ void fill_v4(int4* dst, long long num_vectors, int streaming) {
+    const int4 value = make_int4(0x5A5A5A5A, 0x5A5A5A5A, 0x5A5A5A5A, 0x5A5A5A5A);
+    long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    if (streaming) {
+        for (; i < num_vectors; i += stride) __stcs(dst + i, value);
+    } else {
+        for (; i < num_vectors; i += stride) dst[i] = value;
+    }
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Lane 0 of every warp stores rows of row_bytes from its own slot of shared memory with the bulk
+// copy engine, up to max_in_flight bulk groups outstanding.
+extern "C" __global__ void fill_bulk(char* dst, long long num_rows, int row_bytes, int max_in_flight) {
+    extern __shared__ __align__(128) char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    char* slot = smem + static_cast<long long>(warp) * row_bytes;
+    for (int i = lane * 16; i < row_bytes; i += 32 * 16)
+        *reinterpret_cast<int4*>(slot + i) = make_int4(0x5A5A5A5A, 0x5A5A5A5A, 0x5A5A5A5A, 0x5A5A5A5A);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (lane != 0) return;
+    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
+    int outstanding = 0;
+    for (long long row = blockIdx.x * (blockDim.x / 32) + warp; row < num_rows; row += warps) {
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                     :: "l"(dst + row * row_bytes), "r"(smem_addr(slot)), "r"(row_bytes) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        if (++outstanding >= max_in_flight) {
+            asm volatile("cp.async.bulk.wait_group.read 4;" ::: "memory");
+            outstanding = 4;
+        }
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// The dispatch's copy: dst row r <- src row source[r], one warp a row, rows r = warp mod warps.
+extern "C" __global__ void copy_rows_warp(const int4* src, const int* source, int4* dst, int num_rows,
+                                          int row_vectors) {
+    const int lane = threadIdx.x % 32;
+    const int warps = gridDim.x * (blockDim.x / 32);
+    for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < num_rows; row += warps) {
+        const int4* from = src + static_cast<long long>(source[row]) * row_vectors;
+        int4* to = dst + static_cast<long long>(row) * row_vectors;
+        for (int base = 0; base < row_vectors; base += 8 * 32) {
+            int4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < row_vectors) v[u] = __ldcg(from + i);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < row_vectors) __stcs(to + i, v[u]);
+            }
+        }
+    }
+}
+
+// The same copy through the bulk copy engine: lane 0 of each warp loads a row into the warp's
+// slots (slots_per_warp of them, round robin) and stores it out, without registers in between.
+extern "C" __global__ void copy_rows_bulk(const char* src, const int* source, char* dst, int num_rows,
+                                          int row_bytes, int slots_per_warp, int evict_first) {
+    extern __shared__ __align__(128) char smem[];
+    __shared__ __align__(8) uint64_t barriers[32 * 4];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane != 0) return;
+    uint64_t* bar = barriers + warp * 4;
+    for (int s = 0; s < slots_per_warp; ++s)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(bar + s)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    const int warps = gridDim.x * (blockDim.x / 32);
+    char* slots = smem + static_cast<long long>(warp) * slots_per_warp * row_bytes;
+    uint32_t phases = 0;  // bit s: the parity slot s waits for next
+    int n = 0;
+    for (int row = blockIdx.x * (blockDim.x / 32) + warp; row < num_rows; row += warps, ++n) {
+        const int s = n % slots_per_warp;
+        char* slot = slots + static_cast<long long>(s) * row_bytes;
+        // The slot's last store must have read it before the next load overwrites it.
+        if (n >= slots_per_warp) {
+            if (slots_per_warp == 1) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            else if (slots_per_warp == 2) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            else asm volatile("cp.async.bulk.wait_group.read 2;" ::: "memory");
+        }
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(smem_addr(bar + s)), "r"(row_bytes) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(smem_addr(slot)), "l"(src + static_cast<long long>(source[row]) * row_bytes),
+                        "r"(row_bytes), "r"(smem_addr(bar + s)) : "memory");
+        uint32_t done = 0;
+        const uint32_t parity = (phases >> s) & 1u;
+        while (!done) {
+            asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                         " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_addr(bar + s)), "r"(parity) : "memory");
+        }
+        phases ^= 1u << s;
+        if (evict_first) {
+            uint64_t policy;
+            asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;"
+                         :: "l"(dst + static_cast<long long>(row) * row_bytes), "r"(smem_addr(slot)), "r"(row_bytes),
+                            "l"(policy) : "memory");
+        } else {
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                         :: "l"(dst + static_cast<long long>(row) * row_bytes), "r"(smem_addr(slot)), "r"(row_bytes)
+                         : "memory");
+        }
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=200, help="timed launches per case")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+
+    import cupy
+    import numpy
+
+    module = cupy.RawModule(code=SOURCE, options=("-std=c++17",))
+    kernels = {name: module.get_function(name) for name in
+               ("fill_v4", "fill_bulk", "copy_rows_warp", "copy_rows_bulk")}
+    device = cupy.cuda.Device()
+    num_sms = device.attributes["MultiProcessorCount"]
+    for kernel in kernels.values():  # the most any case below asks for: 24 slots of 7168 bytes
+        kernel.max_dynamic_shared_size_bytes = 24 * 7168
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def time_us(launch) -> float:
+        for _ in range(20):
+            launch()
+        start.record()
+        for _ in range(args.iters):
+            launch()
+        end.record()
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(start, end) * 1e3 / args.iters
+
+    row_bytes, num_rows = 7168, 8192  # the decode dispatch's recv_x: fp8 rows of H = 7168
+    dispatch_bytes = row_bytes * num_rows
+    results = []
+
+    def report(case: str, blocks: int, written: int, micros: float) -> None:
+        rate = written / micros / 1e6
+        results.append({"case": case, "blocks": blocks, "bytes_written": written, "us": micros, "tbps": rate})
+        print(f"{case:58s} blocks {blocks:4d}  {written / 1e6:8.1f} MB  {micros:8.2f} us  {rate:5.2f} TB/s", flush=True)
+
+    for size_name, num_bytes in (("60 MB (the dispatch's recv_x)", dispatch_bytes), ("1 GiB", 1 << 30)):
+        dst = cupy.empty(num_bytes, dtype=cupy.uint8)
+        num_vectors = num_bytes // 16
+        report(f"cudaMemsetAsync, {size_name}", 0, num_bytes,
+               time_us(lambda: cupy.cuda.runtime.memsetAsync(dst.data.ptr, 0x5A, num_bytes,
+                                                             cupy.cuda.get_current_stream().ptr)))
+        for blocks, threads in ((128, 512), (num_sms, 512), (4 * num_sms, 256)):
+            for streaming in (0, 1):
+                report(f"fill, 16-byte {'.cs' if streaming else 'plain'} stores, {size_name}", blocks, num_bytes,
+                       time_us(lambda: kernels["fill_v4"]((blocks,), (threads,),
+                                                          (dst, cupy.int64(num_vectors), cupy.int32(streaming)))))
+        for blocks in (128, num_sms):
+            warps = 16
+            report(f"fill, bulk stores of 7168 B, 16 warps, {size_name}", blocks, num_bytes,
+                   time_us(lambda: kernels["fill_bulk"]((blocks,), (warps * 32,),
+                                                        (dst, cupy.int64(num_bytes // row_bytes),
+                                                         cupy.int32(row_bytes), cupy.int32(8)),
+                                                        shared_mem=warps * row_bytes)))
+        try:
+            import torch
+            tensor = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+            torch_start, torch_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(20):
+                tensor.fill_(0x5A)
+            torch_start.record()
+            for _ in range(args.iters):
+                tensor.fill_(0x5A)
+            torch_end.record()
+            torch_end.synchronize()
+            report(f"torch fill_ (the benchmark's write rate), {size_name}", 0, num_bytes,
+                   torch_start.elapsed_time(torch_end) * 1e3 / args.iters)
+            del tensor
+        except ImportError:
+            pass
+        del dst
+
+    # The copy: 8 sources x 128 tokens of staged rows, each read by 8 of the 8192 copies.
+    rng = numpy.random.default_rng(0)
+    src = cupy.asarray(rng.integers(0, 256, size=8 * 128 * row_bytes, dtype=numpy.uint8))
+    source = cupy.asarray(rng.integers(0, 8 * 128, size=num_rows, dtype=numpy.int32))
+    dst = cupy.empty(dispatch_bytes, dtype=cupy.uint8)
+    for blocks in (128, num_sms):
+        report("copy rows by warps (ld.cg + st.cs), 16 warps", blocks, dispatch_bytes,
+               time_us(lambda: kernels["copy_rows_warp"]((blocks,), (512,),
+                                                         (src, source, dst, cupy.int32(num_rows),
+                                                          cupy.int32(row_bytes // 16)))))
+        expected = src.reshape(-1, row_bytes)[source]
+        assert bool((dst.reshape(-1, row_bytes) == expected).all()), "copy_rows_warp is wrong"
+        for warps, slots, evict_first in ((16, 1, 0), (16, 1, 1), (8, 2, 1), (8, 3, 1)):
+            dst.fill(0)
+            report(f"copy rows by bulk copies, {warps} warps x {slots} slots{', evict-first' * evict_first}",
+                   blocks, dispatch_bytes,
+                   time_us(lambda: kernels["copy_rows_bulk"]((blocks,), (warps * 32,),
+                                                             (src, source, dst, cupy.int32(num_rows),
+                                                              cupy.int32(row_bytes), cupy.int32(slots),
+                                                              cupy.int32(evict_first)),
+                                                             shared_mem=warps * slots * row_bytes)))
+            assert bool((dst.reshape(-1, row_bytes) == expected).all()), "copy_rows_bulk is wrong"
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device.pci_bus_id, "num_sms": num_sms, "iters": args.iters, "results": results},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
