@@ -79,8 +79,9 @@ _HELLO, _MAGIC = struct.Struct("!4sI"), b"MCEP"
 _RECV_PIECE_BYTES = 64 << 20
 # A set larger than this marks its key as arriving while its value comes in (waits on it go on).
 _ARRIVING_SET_BYTES = 1 << 20
-# A reply up to this size is sent in one piece; a larger one as its parts, after its header.
-_JOINED_REPLY_BYTES = 1 << 16
+# A message (request or reply) whose body is up to this size is sent in one piece; a larger one as
+# its header, then its parts.
+_JOINED_MESSAGE_BYTES = 1 << 16
 _U8, _U16, _U32 = struct.Struct("!B"), struct.Struct("!H"), struct.Struct("!I")
 _I64, _U64, _F64 = struct.Struct("!q"), struct.Struct("!Q"), struct.Struct("!d")
 _OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE, _OP_CLAIM = 1, 2, 3, 4, 5
@@ -149,6 +150,19 @@ def hello(version: int) -> bytes:
     return _HEADER.pack(_OP_HELLO, _HELLO.size) + _HELLO.pack(_MAGIC, version)
 
 
+def _send_message(sock: socket.socket, kind: int, parts: Sequence[bytes]) -> None:
+    """A message: the header (``kind``, an op or a status; the body's length), then the body's
+    ``parts``. A small one goes out in one send (with TCP_NODELAY each send is a packet); a large
+    one's parts are sent as they are, not copied into one (a reply of every rank's value, a set)."""
+    length = sum(len(part) for part in parts)
+    if length <= _JOINED_MESSAGE_BYTES:
+        sock.sendall(b"".join((_HEADER.pack(kind, length), *parts)))
+        return
+    sock.sendall(_HEADER.pack(kind, length))
+    for part in parts:
+        sock.sendall(part)
+
+
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
     buf = bytearray(size)
     view, got = memoryview(buf), 0
@@ -213,16 +227,7 @@ class _StoreHandler(socketserver.BaseRequestHandler):
                     finally:  # arriving until stored: a wait must never see it neither arriving nor there
                         if arrived is not None:
                             arrived()
-                    parts = [body] if isinstance(body, bytes) else body
-                    # The header first, the values as they are (a reply of every rank's value is
-                    # not copied into one): a large reply's header is not held back by assembly.
-                    length = sum(len(part) for part in parts)
-                    if length <= _JOINED_REPLY_BYTES:
-                        sock.sendall(b"".join((_HEADER.pack(status, length), *parts)))
-                    else:
-                        sock.sendall(_HEADER.pack(status, length))
-                        for part in parts:
-                            sock.sendall(part)
+                    _send_message(sock, status, [body] if isinstance(body, bytes) else body)
                 finally:
                     store._busy(-1)
         except OSError as exc:
@@ -260,9 +265,9 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         if version != _PROTOCOL_VERSION:
             message = (f"the store speaks protocol {_PROTOCOL_VERSION} and this rank {version}: every rank "
                        f"must run the same mooncake_ep version").encode()
-            sock.sendall(_HEADER.pack(_ERROR, len(message)) + message)
+            _send_message(sock, _ERROR, [message])
             return False
-        sock.sendall(_HEADER.pack(_OK, 0))
+        _send_message(sock, _OK, [])
         return True
 
 
@@ -454,7 +459,7 @@ class TCPStoreServer:
                             if client is not None:  # sent without the store's lock: a waiter that stopped
                                 self._cond.release()  # reading holds up its own request, no other
                                 try:
-                                    client.sendall(_HEADER.pack(_STILL_ARRIVING, _U64.size) + _U64.pack(arriving))
+                                    _send_message(client, _STILL_ARRIVING, [_U64.pack(arriving)])
                                 finally:
                                     self._cond.acquire()
                             if not all(k in self._data for k in keys):  # it may have landed meanwhile
@@ -697,9 +702,7 @@ class TCPStoreClient:
                 raise GroupError(f"{where}: the connection is closed")
             try:
                 self._sock.settimeout(_wait_arg(io_timeout))
-                self._sock.sendall(_HEADER.pack(op, payload_bytes) + (parts[0] if len(parts) == 1 else b""))
-                for part in parts if len(parts) > 1 else ():
-                    self._sock.sendall(part)
+                _send_message(self._sock, op, parts)
                 status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
                 while status == _STILL_ARRIVING:
                     arriving = _U64.unpack(_recv_exact(self._sock, length))[0]
