@@ -912,9 +912,10 @@ def measure_bandwidth(torch, device: str, num_bytes: int = 1 << 30, repeats: int
         return start.elapsed_time(end) * 1e-3
 
     copy = 2 * num_bytes * repeats / seconds(lambda: dst.copy_(src))
+    stream_ptr = torch.cuda.current_stream(dst.device).cuda_stream  # the events' stream
     with cupy.cuda.Device(dst.device.index):
         write = num_bytes * repeats / seconds(lambda: cupy.cuda.runtime.memsetAsync(
-            dst.data_ptr(), 0x5A, num_bytes, torch.cuda.current_stream(dst.device).cuda_stream))
+            dst.data_ptr(), 0x5A, num_bytes, stream_ptr))
     return copy, write
 
 
