@@ -273,6 +273,45 @@ def test_a_signal_while_a_process_starts_leaves_none_running(monkeypatch, capsys
     capsys.readouterr()
 
 
+def test_launched_processes_children_are_stopped_with_them(tmp_path, monkeypatch, capsys):
+    """A rank's own child processes go with it: rank 0 fails, rank 1 hangs beside a child of its own,
+    and once the grace has passed neither rank 1 nor its child is left running."""
+    if not hasattr(os, "killpg"):
+        pytest.skip("POSIX process groups")
+    from mooncake_ep.cli import launch
+
+    monkeypatch.setattr(launch, "LAUNCH_GRACE_S", 0.5)
+    child_pid_file = tmp_path / "child.pid"
+    rank_code = (
+        "import os, subprocess, sys, time\n"
+        "if os.environ['RANK'] == '0':\n"  # fails once rank 1's child runs
+        f"    while not os.path.exists({str(child_pid_file)!r}): time.sleep(0.01)\n"
+        "    sys.exit(3)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(child_pid_file) + '.part'!r}, 'w').write(str(child.pid))\n"
+        f"os.rename({str(child_pid_file) + '.part'!r}, {str(child_pid_file)!r})\n"
+        "time.sleep(600)\n"
+    )
+    assert launch.launch("test", [sys.executable, "-c", rank_code], 2) == cli.EXIT_FAILURE
+    assert "rank 0 exited 3" in capsys.readouterr().out
+    child_pid = int(child_pid_file.read_text())
+    deadline = time.monotonic() + 10.0
+    while _is_running(child_pid):  # killed; gone once its parent's exit hands it to init, which reaps it
+        if time.monotonic() > deadline:
+            os.kill(child_pid, 9)
+            pytest.fail(f"the rank's child {child_pid} was left running")
+        time.sleep(0.05)
+
+
+def _is_running(pid: int) -> bool:
+    """pid names a process that is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_bench_finishes_when_its_stderr_is_a_closed_pipe():
     """The progress bar is for a terminal: written into a closed pipe from a rank's thread, it raised
     inside tqdm's lock and the run hung in close() (a run past the bar's 2 s delay)."""

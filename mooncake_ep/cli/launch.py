@@ -2,7 +2,9 @@
 
 ``launch(argv, N)`` starts N copies of a command line with the environment torchrun gives (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), each of which
-joins through ``mooncake_ep.init_group()``, and passes only if every process exits 0.
+joins through ``mooncake_ep.init_group()``, and passes only if every process exits 0. Whatever
+ends the launch (a failed rank, a signal, the last exit), it leaves no process of the ranks' own
+running: on POSIX each rank leads a process group, which is stopped as a whole.
 :func:`use_process_device` is what one such process does first on a GPU.
 """
 
@@ -34,6 +36,10 @@ LAUNCH_GRACE_S = 10.0
 _LAUNCH_POLL_S = 0.05
 # Where launched processes meet: this host only.
 LAUNCH_ADDR = "127.0.0.1"
+# POSIX: each launched process leads a session (and process group) of its own, so that stopping a
+# rank stops whatever it started too (compiler workers, a shell's children), not only the rank.
+_OWN_SESSIONS = os.name == "posix"
+_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -124,15 +130,16 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR=LAUNCH_ADDR, MASTER_PORT=str(port),
                        PYTHONPATH=python_path)
-            procs.append(subprocess.Popen(list(argv), env=env))
+            procs.append(subprocess.Popen(list(argv), env=env, start_new_session=_OWN_SESSIONS))
             stop.check()
         codes = _wait_for_processes(procs, stop)
     finally:
         stop.restore()
-        for proc in procs:  # interrupted, or a failure while starting: leave nothing behind
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        # Interrupted, a failure while starting, or ranks that left processes of their own running:
+        # leave nothing behind.
+        for proc in procs:
+            _signal_rank(proc, _KILL)
+            proc.wait()
     failed = {rank: code for rank, code in enumerate(codes) if code != 0}
     if failed:
         print("FAIL: " + ", ".join(f"rank {rank} {_describe_exit(code)}" for rank, code in failed.items()))
@@ -181,8 +188,7 @@ def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> l
             stop_at = time.monotonic() + LAUNCH_GRACE_S
         if stop_at is not None and time.monotonic() > stop_at:
             for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
+                _signal_rank(proc, signal.SIGTERM)
             deadline = time.monotonic() + LAUNCH_GRACE_S  # one grace for all, not one each in turn
             return [_wait_or_kill(proc, deadline) for proc in procs]
         time.sleep(_LAUNCH_POLL_S)
@@ -193,8 +199,20 @@ def _wait_or_kill(proc: subprocess.Popen, deadline: float) -> int:
     try:
         return proc.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:  # it ignores or handles SIGTERM
-        proc.kill()
+        _signal_rank(proc, _KILL)
         return proc.wait()
+
+
+def _signal_rank(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to a launched process and every process it started (its process group, POSIX); to the
+    process alone elsewhere. Nothing when all of them have exited."""
+    if _OWN_SESSIONS:
+        try:
+            os.killpg(proc.pid, sig)  # the group outlives its leader while any member runs
+        except ProcessLookupError:  # no process of the group is left
+            pass
+    elif proc.poll() is None:
+        proc.send_signal(sig)
 
 
 def _describe_exit(code: int) -> str:
