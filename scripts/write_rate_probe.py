@@ -89,6 +89,42 @@ extern "C" __global__ void copy_rows_warp(const int4* src, const int* source, in
     }
 }
 
+// The dispatch's copy with each source row read once for all its copies to one receiver: group g
+// reads src row group_source[g] and writes it to dst rows dst_rows[group_first[g] ..
+// group_first[g + 1]) (at most 32), one warp a group, groups g = warp mod warps.
+// warp_first_group: null, or a contiguous range of groups per warp, [warp_first_group[w],
+// warp_first_group[w + 1]), cut so that every warp writes about as many rows.
+extern "C" __global__ void copy_groups_warp(const int4* src, const int* group_source, const int* group_first,
+                                            const int* dst_rows, int4* dst, int num_groups, int row_vectors,
+                                            const int* warp_first_group) {
+    const int lane = threadIdx.x % 32;
+    const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int warps = warp_first_group ? 1 : gridDim.x * (blockDim.x / 32);
+    const int first_group = warp_first_group ? warp_first_group[warp] : warp;
+    const int end_group = warp_first_group ? warp_first_group[warp + 1] : num_groups;
+    for (int g = first_group; g < end_group; g += warps) {
+        const int4* from = src + static_cast<long long>(group_source[g]) * row_vectors;
+        const int first = group_first[g], num_dst = group_first[g + 1] - first;
+        const int my_dst = lane < num_dst ? dst_rows[first + lane] : 0;
+        for (int base = 0; base < row_vectors; base += 8 * 32) {
+            int4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < row_vectors) v[u] = __ldcg(from + i);
+            }
+            for (int d = 0; d < num_dst; ++d) {
+                int4* to = dst + static_cast<long long>(__shfl_sync(0xFFFFFFFFu, my_dst, d)) * row_vectors;
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int i = base + u * 32 + lane;
+                    if (i < row_vectors) __stcs(to + i, v[u]);
+                }
+            }
+        }
+    }
+}
+
 // The same copy through the bulk copy engine: lane 0 of each warp loads a row into the warp's
 // slots (slots_per_warp of them, round robin) and stores it out, without registers in between.
 extern "C" __global__ void copy_rows_bulk(const char* src, const int* source, char* dst, int num_rows,
@@ -156,7 +192,7 @@ def main() -> None:
 
     module = cupy.RawModule(code=SOURCE, options=("-std=c++17",))
     kernels = {name: module.get_function(name) for name in
-               ("fill_v4", "fill_bulk", "copy_rows_warp", "copy_rows_bulk")}
+               ("fill_v4", "fill_bulk", "copy_rows_warp", "copy_rows_bulk", "copy_groups_warp")}
     device = cupy.cuda.Device()
     num_sms = device.attributes["MultiProcessorCount"]
     for kernel in kernels.values():  # the most any case below asks for: 24 slots of 7168 bytes
@@ -211,10 +247,25 @@ def main() -> None:
             del tensor
         del dst
 
-    # The copy: 8 sources x 128 tokens of staged rows, each read by 8 of the 8192 copies.
+    # The copy: 8 sources x 128 tokens of staged rows, each read by its 8 copies (top-8 of 256
+    # experts, uniform, 32 experts a receiving rank), dst rows in (receiver, expert, source, token)
+    # order as the kernel's recv_x. Grouped: each (receiver, source, token) reads its row once.
     rng = numpy.random.default_rng(0)
-    src = cupy.asarray(rng.integers(0, 256, size=8 * 128 * row_bytes, dtype=numpy.uint8))
-    source = cupy.asarray(rng.integers(0, 8 * 128, size=num_rows, dtype=numpy.int32))
+    num_ranks, num_tokens, num_experts, num_topk = 8, 128, 256, 8
+    src = cupy.asarray(rng.integers(0, 256, size=num_ranks * num_tokens * row_bytes, dtype=numpy.uint8))
+    experts = numpy.stack([rng.permutation(num_experts)[:num_topk] for _ in range(num_ranks * num_tokens)])
+    copies = sorted((int(e), row, int(e) // (num_experts // num_ranks))  # (expert, staged row, receiver)
+                    for row in range(num_ranks * num_tokens) for e in experts[row])
+    source_host = numpy.array([row for _, row, _ in copies], dtype=numpy.int32)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for dst_row, (_, row, receiver) in enumerate(copies):
+        groups.setdefault((receiver, row), []).append(dst_row)
+    group_keys = sorted(groups)
+    group_source = cupy.asarray(numpy.array([row for _, row in group_keys], dtype=numpy.int32))
+    group_first = cupy.asarray(numpy.cumsum([0] + [len(groups[key]) for key in group_keys], dtype=numpy.int32))
+    dst_rows = cupy.asarray(numpy.array([d for key in group_keys for d in groups[key]], dtype=numpy.int32))
+    print(f"{len(group_keys)} groups for {num_rows} copies: {num_rows / len(group_keys):.2f} copies a read", flush=True)
+    source = cupy.asarray(source_host)
     dst = cupy.empty(dispatch_bytes, dtype=cupy.uint8)
     for blocks in (128, num_sms):
         report("copy rows by warps (ld.cg + st.cs), 16 warps", blocks, dispatch_bytes,
@@ -223,6 +274,24 @@ def main() -> None:
                                                           cupy.int32(row_bytes // 16)))))
         expected = src.reshape(-1, row_bytes)[source]
         assert bool((dst.reshape(-1, row_bytes) == expected).all()), "copy_rows_warp is wrong"
+        # Contiguous ranges of groups, cut at the group boundary nearest each warp's share of rows
+        # (the warps then write 2-7 rows, most 3-5, where round robin deals them 2-11).
+        num_warps = blocks * 16
+        rows_before = numpy.cumsum([0] + [len(groups[key]) for key in group_keys])
+        shares = numpy.arange(num_warps + 1) * num_rows / num_warps
+        after = numpy.minimum(numpy.searchsorted(rows_before, shares), len(group_keys))
+        before = numpy.maximum(after - 1, 0)
+        cuts = numpy.where(rows_before[after] - shares <= shares - rows_before[before], after, before)
+        cuts[0], cuts[-1] = 0, len(group_keys)
+        warp_first_group = cupy.asarray(cuts.astype(numpy.int32))
+        for name, ranges in (("groups dealt round robin", numpy.uint64(0)), ("contiguous groups, rows balanced", warp_first_group)):
+            dst.fill(0)
+            report(f"copy rows grouped (a read per receiver and token), {name}", blocks, dispatch_bytes,
+                   time_us(lambda: kernels["copy_groups_warp"]((blocks,), (512,),
+                                                               (src, group_source, group_first, dst_rows, dst,
+                                                                cupy.int32(len(group_keys)),
+                                                                cupy.int32(row_bytes // 16), ranges))))
+            assert bool((dst.reshape(-1, row_bytes) == expected).all()), "copy_groups_warp is wrong"
         for warps, slots, evict_first in ((16, 1, 0), (16, 1, 1), (8, 2, 1), (8, 3, 1)):
             dst.fill(0)
             report(f"copy rows by bulk copies, {warps} warps x {slots} slots{', evict-first' * evict_first}",

@@ -105,6 +105,26 @@ def check_host_memory(what: str, num_bytes: int, flags: str) -> None:
                          f"{total / 2**30:.4g} GiB; lower {flags}")
 
 
+def check_moe_shape(num_tokens: int, hidden: int, num_ranks: int, ranks_flag: str, num_experts: int,
+                    num_topk: int, seed: int) -> None:
+    """The checks the demo and the benchmark share (UsageError): top-k within the experts and the
+    kernels' bound, a seed numpy accepts, and the library's own checks of the shape, with its
+    messages; ``ranks_flag`` names where the ranks came from."""
+    from mooncake_ep.cli.warmup import kernels_max_topk
+
+    if num_topk > num_experts:
+        raise UsageError(f"--topk ({num_topk}) must be <= --experts ({num_experts})")
+    if num_topk > kernels_max_topk():
+        raise UsageError(f"--topk must be <= {kernels_max_topk()} (the kernels' bound), got {num_topk}")
+    if seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {seed}")
+    try:
+        mooncake_ep.Buffer.get_ep_buffer_size_hint(num_tokens, hidden, num_ranks, num_experts)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = {ranks_flag}, "
+                         f"num_experts = --experts)") from None
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows every flag's default, and keeps the line breaks of the command docstrings."""
 

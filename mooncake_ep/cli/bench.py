@@ -63,10 +63,9 @@ from collections.abc import Callable
 import numpy as np
 
 import mooncake_ep as ep
-from mooncake_ep.cli import (EXIT_FAILURE, EXIT_OK, UsageError, check_host_memory, check_output_path, kernel_span,
-                             launch, write_json)
+from mooncake_ep.cli import (EXIT_FAILURE, EXIT_OK, UsageError, check_host_memory, check_moe_shape, check_output_path,
+                             kernel_span, launch, write_json)
 from mooncake_ep.cli.gpu import gpu_status
-from mooncake_ep.cli.warmup import kernels_max_topk
 
 DEFAULTS_DECODE = dict(ranks=8, tokens=128, hidden=7168, topk=8, experts=256)
 # The reference backend is numpy on one host thread per rank: a shape it runs in milliseconds.
@@ -1087,8 +1086,6 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
         raise UsageError(f"--hold-ms must be at most {HOLD_MS_MAX:g}, got {args.hold_ms}")
     if not args.warmup_ms <= WARMUP_MS_MAX:  # a warm-up loop runs until this much time has passed
         raise UsageError(f"--warmup-ms must be at most {WARMUP_MS_MAX:g}, got {args.warmup_ms}")
-    if args.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {args.seed}")
     if args.routing == "zipf":
         if not (math.isfinite(args.alpha) and args.alpha >= 0):
             raise UsageError(f"--alpha must be a finite number >= 0, got {args.alpha}")
@@ -1096,21 +1093,13 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
         if np.count_nonzero(zipf_weights(args.experts, args.alpha)) < args.topk:
             raise UsageError(f"--alpha {args.alpha} gives fewer than --topk={args.topk} experts a probability "
                              f"above 0; use a smaller --alpha")
-    if args.topk > args.experts:
-        raise UsageError(f"--topk ({args.topk}) must be <= --experts ({args.experts})")
-    if args.topk > kernels_max_topk():
-        raise UsageError(f"--topk must be <= {kernels_max_topk()} (the kernels' bound), got {args.topk}")
+    check_moe_shape(args.tokens, args.hidden, args.ranks, ranks_flag, args.experts, args.topk, args.seed)
     if args.routing == "k_hot" and not args.topk <= args.hot_experts <= args.experts:
         # A hot token takes top-k distinct experts among the hot ones: fewer cannot hold them.
         raise UsageError(f"--hot-experts must be in [--topk={args.topk}, --experts={args.experts}], got "
                          f"{args.hot_experts}")
     if args.routing == "k_hot" and not 0 <= args.hot_fraction <= 1:
         raise UsageError(f"--hot-fraction must be in [0, 1], got {args.hot_fraction}")
-    try:  # the library's own checks of hidden, ranks and experts, with its messages
-        ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, args.ranks, args.experts)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = {ranks_flag}, "
-                         f"num_experts = --experts)") from None
     check_output_path("--json", args.json)
     check_output_path("--plot", args.plot, suffix=".png")
 

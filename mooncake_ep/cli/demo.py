@@ -32,10 +32,9 @@ import numpy as np
 
 import mooncake_ep
 from mooncake_ep import reference
-from mooncake_ep.cli import (EXIT_FAILURE, EXIT_OK, UsageError, check_host_memory, check_output_path, launch,
-                             write_json)
+from mooncake_ep.cli import (EXIT_FAILURE, EXIT_OK, UsageError, check_host_memory, check_moe_shape, check_output_path,
+                             launch, write_json)
 from mooncake_ep.cli.gpu import gpu_status
-from mooncake_ep.cli.warmup import kernels_max_topk
 from mooncake_ep.validation import check_timeout
 
 # Relative error a token may show: the norm of its row's difference over that of its dense row, for
@@ -309,12 +308,6 @@ def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None
                         ("--topk", config.num_topk), ("--tokens", config.num_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
-    if config.num_topk > config.num_experts:
-        raise UsageError(f"--topk ({config.num_topk}) must be <= --experts ({config.num_experts})")
-    if config.num_topk > kernels_max_topk():
-        raise UsageError(f"--topk must be <= {kernels_max_topk()} (the kernels' bound), got {config.num_topk}")
-    if config.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {config.seed}")
     if config.timeout_us < -1:
         raise UsageError(f"--timeout-us must be >= -1 (-1 waits forever), got {config.timeout_us}")
     try:  # the library's ceiling (nanoseconds in an int64), with its message
@@ -323,12 +316,8 @@ def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None
         raise UsageError(str(exc)) from None
     if not tolerance > 0:
         raise UsageError(f"--tolerance must be > 0, got {tolerance}")
-    try:  # the library's own checks of hidden, ranks and experts, with its messages
-        mooncake_ep.Buffer.get_ep_buffer_size_hint(config.num_tokens, config.hidden, config.num_ranks,
-                                                   config.num_experts)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = {ranks_flag}, "
-                         f"num_experts = --experts)") from None
+    check_moe_shape(config.num_tokens, config.hidden, config.num_ranks, ranks_flag, config.num_experts,
+                    config.num_topk, config.seed)
 
 
 def _check_memory(config: DemoConfig, backend: str, num_processes: int, ranks_per_process: int,
