@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import errno
 import logging
+import random
 import select
 import socket
 import socketserver
@@ -320,7 +321,7 @@ class TCPStoreServer:
                 raise GroupError(
                     f"TCPStoreServer: cannot listen on {host}:{port}: the port is already in use "
                     f"(another job, or a previous run still holding it); set MASTER_PORT to a free "
-                    f"port on every rank, e.g. MASTER_PORT={_free_port(host)}") from exc
+                    f"port on every rank, e.g. MASTER_PORT={_suggested_port(host)}") from exc
             raise GroupError(
                 f"TCPStoreServer: cannot listen on {host}:{port}: {exc}; MASTER_ADDR must be an "
                 f"address of rank 0's host") from exc
@@ -505,11 +506,34 @@ def _hung_up(sock: socket.socket | None) -> bool:
         return True
 
 
-def _free_port(host: str) -> int | str:
-    """A port the OS says is free now (only a suggestion for an error message)."""
+# Where free_port looks first: below Linux's ephemeral range (32768-60999).
+_PORT_RANGE = (20000, 32768)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on ``host``, for a store to listen on, below Linux's ephemeral range
+    (32768-60999), from which the OS gives every outgoing connection on the machine its local port: a
+    port probed there (bind to port 0) can be taken by any such connection before rank 0 binds it.
+    Another program may still take it first (the server then says so).
+
+    Raises:
+        OSError: ``host`` is not an address of this machine.
+    """
+    for _ in range(200):
+        port = random.randrange(*_PORT_RANGE)
+        try:
+            with socket.create_server((host, port)):
+                return port
+        except OSError:  # taken
+            continue
+    with socket.create_server((host, 0)) as probe:  # a crowded range: the OS's choice
+        return probe.getsockname()[1]
+
+
+def _suggested_port(host: str) -> int | str:
+    """free_port, for an error message: a placeholder where none can be found."""
     try:
-        with socket.create_server((host, 0)) as probe:
-            return probe.getsockname()[1]
+        return free_port(host)
     except OSError:
         return "<a free port>"
 

@@ -69,7 +69,7 @@ from mooncake_ep._group_adapters import (
     TorchStoreGroup,
     torchrun_store_group,
 )
-from mooncake_ep._tcp_store import TCPStoreClient, TCPStoreServer
+from mooncake_ep._tcp_store import TCPStoreClient, TCPStoreServer, free_port
 
 __all__ = [
     "DEFAULT_MASTER_ADDR",
@@ -87,6 +87,7 @@ __all__ = [
     "TCPStoreServer",
     "TorchGroup",
     "TorchStoreGroup",
+    "free_port",
     "init_group",
 ]
 

@@ -19,7 +19,6 @@ import pytest
 
 import _threads
 
-from mooncake_ep.cli.launch import free_port
 from mooncake_ep.group import (
     Group,
     GroupError,
@@ -28,6 +27,7 @@ from mooncake_ep.group import (
     TCPGroup,
     TCPStoreClient,
     TCPStoreServer,
+    free_port,
     init_group,
 )
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +22,7 @@ from pathlib import Path
 
 import mooncake_ep
 from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
+from mooncake_ep.group import free_port
 
 # Seconds a launched process waits for its peers, to join and in each collective: long enough for N
 # processes to import their libraries and build their inputs on a loaded host, short enough to end a
@@ -61,25 +60,6 @@ def check_launch(args: argparse.Namespace) -> None:
         raise UsageError("--launch starts processes that join with --group init themselves; leave out --group")
     if args.launch < 1:
         raise UsageError(f"--launch must be >= 1, got {args.launch}")
-
-
-def free_port(host: str = LAUNCH_ADDR) -> int:
-    """A port free now, below Linux's ephemeral range (32768-60999), from which the OS gives every
-    outgoing connection on the machine its local port: a port probed there (bind to port 0) can be
-    taken by any such connection before rank 0 binds it. Another program may still take it first
-    (rank 0 then says so)."""
-    for _ in range(200):
-        port = random.randrange(*_PORT_RANGE)
-        try:
-            with socket.create_server((host, port)):
-                return port
-        except OSError:  # taken
-            continue
-    with socket.create_server((host, 0)) as probe:  # a crowded range: the OS's choice
-        return probe.getsockname()[1]
-
-
-_PORT_RANGE = (20000, 32768)
 
 
 def join_group(backend: str, device: int | None = None) -> mooncake_ep.Group:
