@@ -125,6 +125,37 @@ extern "C" __global__ void copy_groups_warp(const int4* src, const int* group_so
     }
 }
 
+// The dispatch's copy as the kernel lays it out: each receiver's copies in its own recv_x (rows of
+// E_l experts, R*T apart), copied by its own blocks_per_receiver blocks in the order of its list
+// (copy_source[n] -> copy_dst[n] for n in [receiver_first[r], receiver_first[r + 1])), rows n
+// dealt to the receiver's warps modulo their number.
+extern "C" __global__ void copy_rows_per_receiver(const int4* src, const int* copy_source, const long long* copy_dst,
+                                                  const int* receiver_first, int4* dst, int blocks_per_receiver,
+                                                  int row_vectors) {
+    const int lane = threadIdx.x % 32;
+    const int receiver = blockIdx.x / blocks_per_receiver;
+    const int warps = blocks_per_receiver * (blockDim.x / 32);
+    const int end = receiver_first[receiver + 1];
+    for (int n = receiver_first[receiver] + (blockIdx.x % blocks_per_receiver) * (blockDim.x / 32) + threadIdx.x / 32;
+         n < end; n += warps) {
+        const int4* from = src + static_cast<long long>(copy_source[n]) * row_vectors;
+        int4* to = dst + copy_dst[n] * row_vectors;
+        for (int base = 0; base < row_vectors; base += 8 * 32) {
+            int4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < row_vectors) v[u] = __ldcg(from + i);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = base + u * 32 + lane;
+                if (i < row_vectors) __stcs(to + i, v[u]);
+            }
+        }
+    }
+}
+
 // The same copy through the bulk copy engine: lane 0 of each warp loads a row into the warp's
 // slots (slots_per_warp of them, round robin) and stores it out, without registers in between.
 extern "C" __global__ void copy_rows_bulk(const char* src, const int* source, char* dst, int num_rows,
@@ -192,7 +223,8 @@ def main() -> None:
 
     module = cupy.RawModule(code=SOURCE, options=("-std=c++17",))
     kernels = {name: module.get_function(name) for name in
-               ("fill_v4", "fill_bulk", "copy_rows_warp", "copy_rows_bulk", "copy_groups_warp")}
+               ("fill_v4", "fill_bulk", "copy_rows_warp", "copy_rows_bulk", "copy_groups_warp",
+                               "copy_rows_per_receiver")}
     device = cupy.cuda.Device()
     num_sms = device.attributes["MultiProcessorCount"]
     for kernel in kernels.values():  # the most any case below asks for: 24 slots of 7168 bytes
@@ -302,6 +334,39 @@ def main() -> None:
                                                               cupy.int32(evict_first)),
                                                              shared_mem=warps * slots * row_bytes)))
             assert bool((dst.reshape(-1, row_bytes) == expected).all()), "copy_rows_bulk is wrong"
+
+    # The kernel's own layout: receiver r's recv_x is [E_l][R*T] rows; the copies of source s to
+    # expert e start after those of the sources before s. Rows numbered in (source, expert) pair
+    # order, as ll_dispatch numbers them, or expert-major, where a receiver's rows of one expert are
+    # one run.
+    del dst
+    experts_per_rank = num_experts // num_ranks
+    rows_per_expert = num_ranks * num_tokens
+    counts = numpy.zeros((num_experts, num_ranks), dtype=numpy.int64)  # [expert][source]
+    per_copy = []  # (receiver, source, local expert, token, slot, staged row)
+    for row in range(num_ranks * num_tokens):
+        source_rank, token = divmod(row, num_tokens)
+        for e in experts[row]:
+            per_copy.append((int(e) // experts_per_rank, source_rank, int(e) % experts_per_rank, token,
+                             int(counts[e, source_rank]), row))
+            counts[e, source_rank] += 1
+    first_of_source = numpy.cumsum(counts, axis=1) - counts
+    dst = cupy.empty(num_ranks * experts_per_rank * rows_per_expert * row_bytes, dtype=cupy.uint8)
+    for order_name, key in (("(source, expert) pairs, as the kernel", lambda c: (c[0], c[1], c[2], c[3])),
+                            ("expert-major", lambda c: (c[0], c[2], c[1], c[3]))):
+        ordered = sorted(per_copy, key=key)
+        copy_source = cupy.asarray(numpy.array([c[5] for c in ordered], dtype=numpy.int32))
+        copy_dst = cupy.asarray(numpy.array(
+            [(c[0] * experts_per_rank + c[2]) * rows_per_expert
+             + first_of_source[c[0] * experts_per_rank + c[2], c[1]] + c[4] for c in ordered], dtype=numpy.int64))
+        receiver_first = cupy.asarray(numpy.searchsorted([c[0] for c in ordered], numpy.arange(num_ranks + 1))
+                                      .astype(numpy.int32))
+        report(f"copy rows per receiver (16 blocks each), {order_name}", 128, dispatch_bytes,
+               time_us(lambda: kernels["copy_rows_per_receiver"]((128,), (512,),
+                                                                 (src, copy_source, copy_dst, receiver_first, dst,
+                                                                  cupy.int32(16), cupy.int32(row_bytes // 16)))))
+        written = dst.reshape(-1, row_bytes)[copy_dst]
+        assert bool((written == src.reshape(-1, row_bytes)[copy_source]).all()), "copy_rows_per_receiver is wrong"
 
     if args.json:
         with open(args.json, "w") as f:
