@@ -55,6 +55,10 @@
 #include "signal.cuh"
 #include "trace.cuh"
 
+#ifndef EP_EXPERT_MAJOR_ROWS
+#define EP_EXPERT_MAJOR_ROWS 0  // experiment: the grid's rows numbered (expert, source, token), not (source, expert, token)
+#endif
+
 static_assert(EP_NUM_THREADS % 32 == 0 && EP_NUM_THREADS <= 1024, "EP_NUM_THREADS must be whole warps, <= 1024");
 static_assert(EP_MAX_RANKS <= EP_NUM_THREADS, "one thread waits per source rank");
 static_assert(EP_NUM_THREADS >= 2 * 32, "a block of both halves has a planning warp and at least one staging warp");
@@ -255,7 +259,13 @@ __device__ int plan_receive(const Layout& layout, uint8_t* workspace, const uint
             if (blockIdx.x == 0) recv_range[e * num_ranks + src] = make_int2(s_base[i], s_counts[i]);
         }
         if (blockIdx.x == 0) recv_count[e] = rows;
+#if EP_EXPERT_MAJOR_ROWS
+        for (int src = 0; src < num_ranks; ++src) s_flat[e * num_ranks + src] = s_counts[src * num_local_experts + e];
+#endif
     }
+#if EP_EXPERT_MAJOR_ROWS
+    __syncwarp();  // s_flat rewritten in (expert, source) order by the lanes of other experts
+#endif
     const int num_rows = warp_exclusive_scan(s_flat, num_pairs);
     EP_TRACE_POINT_WARP(5);
     return num_rows;
@@ -497,10 +507,19 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             int my_src = 0, my_token = 0;
             int64_t my_out_row = 0;
             if (my_n < num_rows) {
+#if EP_EXPERT_MAJOR_ROWS
+                // s_flat in (expert, source) order: a rank's rows of one expert are one run of recv_x.
+                const int ordinal = upper_bound(s_flat, num_pairs, my_n) - 1;
+                const int local_expert = ordinal / num_ranks;
+                const int j = my_n - s_flat[ordinal];
+                my_src = ordinal - local_expert * num_ranks;
+                const int pair = my_src * num_local_experts + local_expert;
+#else
                 const int pair = upper_bound(s_flat, num_pairs, my_n) - 1;
                 const int local_expert = pair % num_local_experts;
                 const int j = my_n - s_flat[pair];
                 my_src = pair / num_local_experts;
+#endif
                 if (s_staged[my_src]) {
                     const int* send_list = reinterpret_cast<const int*>(route[my_src] + layout.send_list[parity]);
                     my_token = ld_cg_int(send_list + s_start[pair] + j) / num_topk;
