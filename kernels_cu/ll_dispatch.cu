@@ -1,7 +1,8 @@
 // ll_dispatch.cu: low-latency dispatch. One launch runs both halves (phases = send | receive); the
 // hook mode launches the send half now and the receive half in hook().
 // Macros: EP_USE_FP8, EP_ROUND_SCALE, EP_USE_UE8M0, EP_NUM_THREADS, EP_MAX_RANKS, EP_MAX_EXPERTS,
-//         EP_FP8_BLOCK, EP_FP8_E4M3_MAX, EP_FP8_AMAX_FLOOR, EP_SYS_SCOPE, EP_TRACE.
+//         EP_FP8_BLOCK, EP_FP8_E4M3_MAX, EP_FP8_AMAX_FLOOR, EP_SYS_SCOPE, EP_TRACE; and one experiment,
+//         off unless ab_kernels / MOONCAKE_EP_TEST_MACROS sets it: EP_EXPERT_MAJOR_ROWS (below).
 //
 // Protocol (pull): a rank stages its own tokens once and the receivers copy the rows they need.
 //   Send half (never waits on a peer):

@@ -8,7 +8,10 @@ whether any store path writes faster than that fill: a fill with 16-byte stores,
 memory), on 128 SMs (the decode's 8 ranks x 16) or every SM, on the dispatch's 60 MB rewritten
 again and again or on 1 GiB. Then the dispatch's copy itself, alone: 8192 rows of 7168 bytes from
 7.3 MB of L2-resident staged rows into a 60 MB `recv_x`, by warps (`ld.cg` + `st.cs`, the
-library's `warp_copy`) or by the bulk copy engine (a row into shared memory, then out).
+library's `warp_copy`) or by the bulk copy engine (a row into shared memory, then out). And two
+questions about that copy (docs/performance.md (27)): would reading each staged row once for all of
+its copies to one receiving rank (~1.5 at this shape) be faster, and does the order in which the
+rows are dealt out matter, in the kernel's own layout (each receiver's recv_x, R*T rows an expert)?
 
 A development probe, not part of the library.
 
