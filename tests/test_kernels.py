@@ -122,6 +122,27 @@ def test_every_variant_compiles_without_error_or_warning(warm):
         assert cubin_of(warm, key).startswith(ELF_MAGIC), key
 
 
+# An experiment switch in a kernel source: off by default, turned on by ab_kernels or
+# MOONCAKE_EP_TEST_MACROS in a device session.
+EXPERIMENT_SWITCH_RE = re.compile(r"^#ifndef (EP_\w+)\n#define \1 0 +// experiment", re.MULTILINE)
+
+
+@needs_nvrtc
+def test_every_experiment_switch_compiles_when_turned_on():
+    """A switch left off in the library's builds must still compile when a later session turns it on
+    for an A/B: every variant of its kernel, with the switch at 1."""
+    switched = 0
+    for key in kernels.low_latency_keys(ARCH, sys_scope=True):
+        for switch in EXPERIMENT_SWITCH_RE.findall(kernels._read_source(key.file)):
+            on = dataclasses.replace(key, macros=tuple(sorted((*key.macros, (switch, "1")))))
+            assert kernels.compile_kernel(on)[:4] == ELF_MAGIC, on
+            switched += 1
+    if not switched:
+        pytest.skip("no experiment switch in the kernel sources")
+    # The pattern is the one the sources use (a switch it misses would go unchecked).
+    assert EXPERIMENT_SWITCH_RE.findall("#ifndef EP_X\n#define EP_X 0  // experiment: why\n") == ["EP_X"]
+
+
 # --- (b) the digest covers everything that changes the binary -------------------------------------
 
 
