@@ -216,25 +216,31 @@ class _StoreHandler(socketserver.BaseRequestHandler):
                     op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
                 except ConnectionError:
                     return  # the client closed: the normal end
-                arrived = None
-                if op == _OP_SET and length > _ARRIVING_SET_BYTES:
-                    arrived, request = self._receive_set(sock, store, length)
-                else:
-                    request = _recv_in_pieces(sock, length)
-                store._busy(+1)
-                try:
-                    try:
-                        status, body = store._serve(op, request, sock)
-                    finally:  # arriving until stored: a wait must never see it neither arriving nor there
-                        if arrived is not None:
-                            arrived()
-                    _send_message(sock, status, [body] if isinstance(body, bytes) else body)
-                finally:
-                    store._busy(-1)
+                self._answer(sock, store, op, length)
         except OSError as exc:
             logger.debug("TCPStoreServer: dropped a client: %s", exc)
         finally:
             store._connected(sock, -1)
+
+    def _answer(self, sock: socket.socket, store: TCPStoreServer, op: int, length: int) -> None:
+        """Reads the request whose header said (op, length), serves it and replies. Its own call, so
+        that the request's bytes (a large set's, which the store keeps a copy of) are let go when it
+        returns, not held until the client's next request replaces them."""
+        arrived = None
+        if op == _OP_SET and length > _ARRIVING_SET_BYTES:
+            arrived, request = self._receive_set(sock, store, length)
+        else:
+            request = _recv_in_pieces(sock, length)
+        store._busy(+1)
+        try:
+            try:
+                status, body = store._serve(op, request, sock)
+            finally:  # arriving until stored: a wait must never see it neither arriving nor there
+                if arrived is not None:
+                    arrived()
+            _send_message(sock, status, [body] if isinstance(body, bytes) else body)
+        finally:
+            store._busy(-1)
 
     @staticmethod
     def _receive_set(sock: socket.socket, store: TCPStoreServer, length: int) -> tuple[Callable[[], None], bytes]:

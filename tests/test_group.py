@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -236,6 +237,27 @@ def test_store_set_get_add_wait_delete():
         # A waiter is woken by a set from another connection.
         got = run_in_threads([lambda: b.get("late", timeout_s=30.0), lambda: a.set("late", b"v")])
         assert got[0] == b"v"
+
+
+def test_store_keeps_one_copy_of_a_large_value_between_requests():
+    """The server keeps what it stores, not also the request it came in: that was held until the
+    same client's next request (twice a large value's memory, for as long as a rank sat idle)."""
+    import tracemalloc
+
+    value = os.urandom(32 << 20)
+    with TCPStoreServer("127.0.0.1", 0) as server, \
+            TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as client:
+        tracemalloc.start()
+        try:
+            client.set("big", value)  # the client's own copies are gone when it returns
+            deadline = time.monotonic() + 5.0  # the server lets go after its reply, not before
+            while tracemalloc.get_traced_memory()[0] > 1.5 * len(value):
+                assert time.monotonic() < deadline, (
+                    f"{tracemalloc.get_traced_memory()[0] >> 20} MiB held for a {len(value) >> 20} MiB value")
+                time.sleep(0.01)
+        finally:
+            tracemalloc.stop()
+        assert client.get("big", timeout_s=5.0) == value
 
 
 def test_store_port_already_taken():
