@@ -189,7 +189,8 @@ def _signal_rank(proc: subprocess.Popen, sig: int) -> None:
     if _OWN_SESSIONS:
         try:
             os.killpg(proc.pid, sig)  # the group outlives its leader while any member runs
-        except ProcessLookupError:  # no process of the group is left
+        except (ProcessLookupError, PermissionError):
+            # No process of the group is left (PermissionError: its id now names another user's group).
             pass
     elif proc.poll() is None:
         proc.send_signal(sig)
