@@ -68,27 +68,33 @@ extern "C" __global__ void fill_bulk(char* dst, long long num_rows, int row_byte
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// One warp copies a row of row_vectors 16-byte vectors, 8 loads in flight a lane (the library's
+// warp_copy: ld.cg, st.cs).
+__device__ __forceinline__ void warp_copy_row(const int4* from, int4* to, int row_vectors) {
+    const int lane = threadIdx.x % 32;
+    for (int base = 0; base < row_vectors; base += 8 * 32) {
+        int4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < row_vectors) v[u] = __ldcg(from + i);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < row_vectors) __stcs(to + i, v[u]);
+        }
+    }
+}
+
 // The dispatch's copy: dst row r <- src row source[r], one warp a row, rows r = warp mod warps.
 extern "C" __global__ void copy_rows_warp(const int4* src, const int* source, int4* dst, int num_rows,
                                           int row_vectors) {
-    const int lane = threadIdx.x % 32;
     const int warps = gridDim.x * (blockDim.x / 32);
     for (int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; row < num_rows; row += warps) {
         const int4* from = src + static_cast<long long>(source[row]) * row_vectors;
         int4* to = dst + static_cast<long long>(row) * row_vectors;
-        for (int base = 0; base < row_vectors; base += 8 * 32) {
-            int4 v[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < row_vectors) v[u] = __ldcg(from + i);
-            }
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < row_vectors) __stcs(to + i, v[u]);
-            }
-        }
+        warp_copy_row(from, to, row_vectors);
     }
 }
 
@@ -135,7 +141,6 @@ extern "C" __global__ void copy_groups_warp(const int4* src, const int* group_so
 extern "C" __global__ void copy_rows_per_receiver(const int4* src, const int* copy_source, const long long* copy_dst,
                                                   const int* receiver_first, int4* dst, int blocks_per_receiver,
                                                   int row_vectors) {
-    const int lane = threadIdx.x % 32;
     const int receiver = blockIdx.x / blocks_per_receiver;
     const int warps = blocks_per_receiver * (blockDim.x / 32);
     const int end = receiver_first[receiver + 1];
@@ -143,19 +148,7 @@ extern "C" __global__ void copy_rows_per_receiver(const int4* src, const int* co
          n < end; n += warps) {
         const int4* from = src + static_cast<long long>(copy_source[n]) * row_vectors;
         int4* to = dst + copy_dst[n] * row_vectors;
-        for (int base = 0; base < row_vectors; base += 8 * 32) {
-            int4 v[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < row_vectors) v[u] = __ldcg(from + i);
-            }
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < row_vectors) __stcs(to + i, v[u]);
-            }
-        }
+        warp_copy_row(from, to, row_vectors);
     }
 }
 
