@@ -194,7 +194,8 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
 
 // The planning warp of a receiving block: every source's verdict (lane r for source r), then the
 // plan in shared memory. Per (source, local expert) pair, source-major: its rows (s_counts, and
-// s_flat, scanned into the pair's first row in the grid's numbering), its first send_list entry
+// s_flat, scanned into the pair's first row in the grid's numbering; with EP_EXPERT_MAJOR_ROWS
+// s_flat is in (expert, source) order instead), its first send_list entry
 // (s_start) and its first row inside its expert (s_base); s_target: the staging count each live
 // source announced. Block 0 also writes recv_range and recv_count. Returns the rows to copy, in
 // every lane; the arrays are visible to the block after its next barrier.

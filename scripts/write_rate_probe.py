@@ -357,6 +357,7 @@ def main() -> None:
              + first_of_source[c[0] * experts_per_rank + c[2], c[1]] + c[4] for c in ordered], dtype=numpy.int64))
         receiver_first = cupy.asarray(numpy.searchsorted([c[0] for c in ordered], numpy.arange(num_ranks + 1))
                                       .astype(numpy.int32))
+        dst.fill(0)  # the orders write the same rows: each is checked on its own writes
         report(f"copy rows per receiver (16 blocks each), {order_name}", 128, dispatch_bytes,
                time_us(lambda: kernels["copy_rows_per_receiver"]((128,), (512,),
                                                                  (src, copy_source, copy_dst, receiver_first, dst,

@@ -225,10 +225,13 @@ def test_the_demo_prints_the_tolerance_it_used():
     assert "PASS: every token within relative error 0.025 " in proc.stdout
 
 
-def test_a_terminated_launcher_stops_its_processes(tmp_path):
-    """SIGTERM (or SIGHUP) to --launch's process ends its rank processes, as Ctrl-C does."""
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL"])
+def test_a_terminated_launcher_stops_its_processes(tmp_path, signal_name):
+    """SIGTERM (or SIGHUP) to --launch's process ends its rank processes, as Ctrl-C does; so does a
+    SIGKILL, which the launcher never sees: each rank watches it (the ranks lead process groups of
+    their own, which a signal to the launcher's group no longer reaches)."""
     signal = pytest.importorskip("signal")
-    if not hasattr(signal, "SIGTERM") or sys.platform == "win32":
+    if not hasattr(signal, signal_name) or sys.platform == "win32":
         pytest.skip("POSIX signals")
     marker = f"--seed {os.getpid() % 1000}"
     log = tmp_path / "launcher.log"  # a file, not a pipe: the ranks' progress bars would fill a pipe
@@ -245,9 +248,13 @@ def test_a_terminated_launcher_stops_its_processes(tmp_path):
     while len(workers()) < 2:
         assert time.monotonic() < deadline and launcher.poll() is None, log.read_text()
         time.sleep(0.1)
-    launcher.send_signal(signal.SIGTERM)
-    assert launcher.wait(PROCESS_LIMIT_S) == cli.EXIT_INTERRUPTED
-    assert workers() == []
+    launcher.send_signal(getattr(signal, signal_name))
+    expected = cli.EXIT_INTERRUPTED if signal_name == "SIGTERM" else -signal.SIGKILL
+    assert launcher.wait(PROCESS_LIMIT_S) == expected
+    deadline = time.monotonic() + 10.0  # a watching rank sees its parent gone within 0.2 s
+    while workers():
+        assert time.monotonic() < deadline, workers()
+        time.sleep(0.05)
 
 
 def test_a_signal_while_a_process_starts_leaves_none_running(monkeypatch, capsys):
@@ -276,8 +283,8 @@ def test_a_signal_while_a_process_starts_leaves_none_running(monkeypatch, capsys
 def test_launched_processes_children_are_stopped_with_them(tmp_path, monkeypatch, capsys):
     """A rank's own child processes go with it: rank 0 fails, rank 1 hangs beside a child of its own,
     and once the grace has passed neither rank 1 nor its child is left running."""
-    if not hasattr(os, "killpg"):
-        pytest.skip("POSIX process groups")
+    if not hasattr(os, "killpg") or not os.path.isdir("/proc/self"):
+        pytest.skip("POSIX process groups, and /proc to see the child")
     from mooncake_ep.cli import launch
 
     monkeypatch.setattr(launch, "LAUNCH_GRACE_S", 0.5)
@@ -295,21 +302,24 @@ def test_launched_processes_children_are_stopped_with_them(tmp_path, monkeypatch
     assert launch.launch("test", [sys.executable, "-c", rank_code], 2) == cli.EXIT_FAILURE
     assert "rank 0 exited 3" in capsys.readouterr().out
     child_pid = int(child_pid_file.read_text())
+    started = _start_time(child_pid)  # None: already gone; else, which process the pid names now
     deadline = time.monotonic() + 10.0
-    while _is_running(child_pid):  # killed; gone once its parent's exit hands it to init, which reaps it
+    while started is not None and _start_time(child_pid) == started:
         if time.monotonic() > deadline:
             os.kill(child_pid, 9)
             pytest.fail(f"the rank's child {child_pid} was left running")
         time.sleep(0.05)
 
 
-def _is_running(pid: int) -> bool:
-    """pid names a process that is not a zombie."""
+def _start_time(pid: int) -> str | None:
+    """When the process ``pid`` started (/proc/PID/stat's 22nd field); None if there is none, or a
+    zombie. A pid taken again by a new process reads another time."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+            fields = stat.read().rsplit(")", 1)[1].split()  # from the 3rd field, the state, on
     except FileNotFoundError:
-        return False
+        return None
+    return None if fields[0] == "Z" else fields[19]
 
 
 def test_bench_finishes_when_its_stderr_is_a_closed_pipe():

@@ -131,16 +131,18 @@ EXPERIMENT_SWITCH_RE = re.compile(r"^#ifndef (EP_\w+)\n#define \1 0 +// experime
 def test_every_experiment_switch_compiles_when_turned_on():
     """A switch left off in the library's builds must still compile when a later session turns it on
     for an A/B: every variant of its kernel, with the switch at 1."""
+    # The pattern is the one the sources use (a switch it missed would go unchecked).
+    assert EXPERIMENT_SWITCH_RE.findall("#ifndef EP_X\n#define EP_X 0  // experiment: why\n") == ["EP_X"]
     switched = 0
     for key in kernels.low_latency_keys(ARCH, sys_scope=True):
-        for switch in EXPERIMENT_SWITCH_RE.findall(kernels._read_source(key.file)):
+        switches = {switch for name in kernels._source_closure(key.file)  # the kernel's file and its headers
+                    for switch in EXPERIMENT_SWITCH_RE.findall(kernels._read_source(name))}
+        for switch in sorted(switches):
             on = dataclasses.replace(key, macros=tuple(sorted((*key.macros, (switch, "1")))))
             assert kernels.compile_kernel(on)[:4] == ELF_MAGIC, on
             switched += 1
     if not switched:
         pytest.skip("no experiment switch in the kernel sources")
-    # The pattern is the one the sources use (a switch it misses would go unchecked).
-    assert EXPERIMENT_SWITCH_RE.findall("#ifndef EP_X\n#define EP_X 0  // experiment: why\n") == ["EP_X"]
 
 
 # --- (b) the digest covers everything that changes the binary -------------------------------------

@@ -1086,6 +1086,7 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
         raise UsageError(f"--hold-ms must be at most {HOLD_MS_MAX:g}, got {args.hold_ms}")
     if not args.warmup_ms <= WARMUP_MS_MAX:  # a warm-up loop runs until this much time has passed
         raise UsageError(f"--warmup-ms must be at most {WARMUP_MS_MAX:g}, got {args.warmup_ms}")
+    check_moe_shape(args.tokens, args.hidden, args.ranks, ranks_flag, args.experts, args.topk, args.seed)
     if args.routing == "zipf":
         if not (math.isfinite(args.alpha) and args.alpha >= 0):
             raise UsageError(f"--alpha must be a finite number >= 0, got {args.alpha}")
@@ -1093,7 +1094,6 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
         if np.count_nonzero(zipf_weights(args.experts, args.alpha)) < args.topk:
             raise UsageError(f"--alpha {args.alpha} gives fewer than --topk={args.topk} experts a probability "
                              f"above 0; use a smaller --alpha")
-    check_moe_shape(args.tokens, args.hidden, args.ranks, ranks_flag, args.experts, args.topk, args.seed)
     if args.routing == "k_hot" and not args.topk <= args.hot_experts <= args.experts:
         # A hot token takes top-k distinct experts among the hot ones: fewer cannot hold them.
         raise UsageError(f"--hot-experts must be in [--topk={args.topk}, --experts={args.experts}], got "

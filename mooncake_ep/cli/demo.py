@@ -308,6 +308,8 @@ def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None
                         ("--topk", config.num_topk), ("--tokens", config.num_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    check_moe_shape(config.num_tokens, config.hidden, config.num_ranks, ranks_flag, config.num_experts,
+                    config.num_topk, config.seed)
     if config.timeout_us < -1:
         raise UsageError(f"--timeout-us must be >= -1 (-1 waits forever), got {config.timeout_us}")
     try:  # the library's ceiling (nanoseconds in an int64), with its message
@@ -316,8 +318,6 @@ def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None
         raise UsageError(str(exc)) from None
     if not tolerance > 0:
         raise UsageError(f"--tolerance must be > 0, got {tolerance}")
-    check_moe_shape(config.num_tokens, config.hidden, config.num_ranks, ranks_flag, config.num_experts,
-                    config.num_topk, config.seed)
 
 
 def _check_memory(config: DemoConfig, backend: str, num_processes: int, ranks_per_process: int,

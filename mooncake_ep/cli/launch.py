@@ -36,9 +36,16 @@ _LAUNCH_POLL_S = 0.05
 # Where launched processes meet: this host only.
 LAUNCH_ADDR = "127.0.0.1"
 # POSIX: each launched process leads a session (and process group) of its own, so that stopping a
-# rank stops whatever it started too (compiler workers, a shell's children), not only the rank.
-_OWN_SESSIONS = os.name == "posix"
+# rank stops whatever it started too (compiler workers, a shell's children), not only the rank. A
+# group is signalled only while its leader is not yet reaped (os.waitid with WNOWAIT looks without
+# reaping): until then its id cannot name another process's group.
+_OWN_SESSIONS = os.name == "posix" and hasattr(os, "waitid") and hasattr(os, "killpg")
 _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+# Set in a launched process's environment: the launcher's pid, which the process watches
+# (watch_launcher) so that it ends, with whatever it started, if the launcher dies without stopping it.
+LAUNCHER_PID_ENV = "MOONCAKE_EP_LAUNCHER_PID"
+# How often a launched process looks at its parent.
+_LAUNCHER_POLL_S = 0.2
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -66,6 +73,7 @@ def join_group(backend: str, device: int | None = None) -> mooncake_ep.Group:
     """This process's rank of a ``--group init`` run (a launcher's, or torchrun's): the group, its
     device made current on the GPU (``device``: already chosen). UsageError for an environment
     that names no rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT unset or not numbers)."""
+    watch_launcher()
     if backend == "cuda" and device is None:
         device = use_process_device()
     try:
@@ -109,18 +117,18 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
         for rank in range(num_processes):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR=LAUNCH_ADDR, MASTER_PORT=str(port),
-                       PYTHONPATH=python_path)
+                       PYTHONPATH=python_path, **{LAUNCHER_PID_ENV: str(os.getpid())})
             procs.append(subprocess.Popen(list(argv), env=env, start_new_session=_OWN_SESSIONS))
             stop.check()
-        codes = _wait_for_processes(procs, stop)
+        _wait_for_processes(procs, stop)
     finally:
         stop.restore()
         # Interrupted, a failure while starting, or ranks that left processes of their own running:
-        # leave nothing behind.
+        # leave nothing behind. Each group is killed before its leader is reaped.
         for proc in procs:
             _signal_rank(proc, _KILL)
             proc.wait()
-    failed = {rank: code for rank, code in enumerate(codes) if code != 0}
+    failed = {rank: proc.returncode for rank, proc in enumerate(procs) if proc.returncode != 0}
     if failed:
         print("FAIL: " + ", ".join(f"rank {rank} {_describe_exit(code)}" for rank, code in failed.items()))
         return EXIT_FAILURE
@@ -156,44 +164,76 @@ class _StopOnSignal:
             signal.signal(sig, handler)
 
 
-def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> list[int]:
-    """Every process's exit code. Once one fails, the others get LAUNCH_GRACE_S, then are stopped."""
+def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> None:
+    """Returns once every process has exited (on POSIX not yet reaped: see _OWN_SESSIONS). Once one
+    fails, the others get LAUNCH_GRACE_S, then SIGTERM and LAUNCH_GRACE_S more; the caller kills
+    what is left."""
     stop_at = None
     while True:
         stop.check()
-        codes = [proc.poll() for proc in procs]
+        codes = [_exit_code(proc) for proc in procs]
         if all(code is not None for code in codes):
-            return codes
+            return
         if stop_at is None and any(code not in (None, 0) for code in codes):
             stop_at = time.monotonic() + LAUNCH_GRACE_S
         if stop_at is not None and time.monotonic() > stop_at:
             for proc in procs:
                 _signal_rank(proc, signal.SIGTERM)
             deadline = time.monotonic() + LAUNCH_GRACE_S  # one grace for all, not one each in turn
-            return [_wait_or_kill(proc, deadline) for proc in procs]
+            while time.monotonic() < deadline and any(_exit_code(proc) is None for proc in procs):
+                stop.check()
+                time.sleep(_LAUNCH_POLL_S)
+            return
         time.sleep(_LAUNCH_POLL_S)
 
 
-def _wait_or_kill(proc: subprocess.Popen, deadline: float) -> int:
-    """The exit code of a process told to terminate; killed if it has not exited by ``deadline``."""
-    try:
-        return proc.wait(max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:  # it ignores or handles SIGTERM
-        _signal_rank(proc, _KILL)
-        return proc.wait()
+def _exit_code(proc: subprocess.Popen) -> int | None:
+    """The process's exit code (negative: the signal that stopped it), None while it runs; on POSIX
+    without reaping it, so that its process group can still be signalled safely."""
+    if not _OWN_SESSIONS or proc.returncode is not None:
+        return proc.poll()
+    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def _signal_rank(proc: subprocess.Popen, sig: int) -> None:
     """``sig`` to a launched process and every process it started (its process group, POSIX); to the
-    process alone elsewhere. Nothing when all of them have exited."""
+    process alone elsewhere. Call it only before the process is reaped."""
     if _OWN_SESSIONS:
         try:
             os.killpg(proc.pid, sig)  # the group outlives its leader while any member runs
-        except (ProcessLookupError, PermissionError):
-            # No process of the group is left (PermissionError: its id now names another user's group).
+        except ProcessLookupError:  # the leader exited and no process it started is left
             pass
     elif proc.poll() is None:
         proc.send_signal(sig)
+
+
+def watch_launcher() -> None:
+    """In a process that ``launch`` started: end it, and every process it started, if the launcher
+    dies without stopping it (SIGKILL, the OOM killer), as a signal to the launcher's whole process
+    group did before the ranks had groups of their own. A daemon thread watches the parent; nothing
+    where this process was not started by ``launch`` or a platform has no process groups."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    # Only in the group launch gave this process (not in a process it started, which inherits the
+    # environment).
+    if not (_OWN_SESSIONS and launcher and launcher.isdigit() and os.getpgrp() == os.getpid()):
+        return
+    if os.getppid() != int(launcher):
+        try:
+            os.kill(int(launcher), 0)
+        except (ProcessLookupError, PermissionError):
+            # It died before this process got here (its pid may be another user's process's now).
+            os.killpg(os.getpgrp(), _KILL)
+        return  # alive and not the parent: started through a wrapper, which is not watched
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):  # an orphan's parent becomes init or a subreaper
+            time.sleep(_LAUNCHER_POLL_S)
+        os.killpg(os.getpgrp(), _KILL)
+
+    threading.Thread(target=watch, name="mooncake_ep-launcher-watch", daemon=True).start()
 
 
 def _describe_exit(code: int) -> str:
