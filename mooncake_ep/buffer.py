@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -551,6 +552,9 @@ class Buffer:
             names, num_written = _COMBINE_SPAN_NAMES[x_view is None, False]
             check_disjoint(where, names, _combine_spans(None, active_view, x_view, topk_view, weights_view),
                            plan.span_nbytes, num_written)
+        if zero_copy:
+            self._check_outside_combine_buffer(where, handle, (
+                ("out combined_x", None if out_views is None else out_views[0][0]), ("active_ranks", active_view)))
         outputs = out_views if out_views is not None else self._allocate(plan, topk_view)
         if handle.backend == "reference":
             receive = self._reference_combine(handle, x_view, topk_view, weights_view, active_view, outputs,
@@ -652,19 +656,39 @@ class Buffer:
             raise TypeError(f"get_next_combine_buffer: the dispatch's arrays are {handle.framework} arrays, which "
                             f"cannot be written in place; a zero-copy combine needs a torch, cupy or numpy caller "
                             f"(JAX callers pass their expert outputs to combine)")
-        num_local_experts = handle.num_experts // self.num_ranks
-        shape = (num_local_experts, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        shape = self._combine_buffer_shape(handle)
         if handle.backend == "reference":
             buffer = handle.state.get("combine_buffer")
             if buffer is None:
                 buffer = handle.state["combine_buffer"] = np.zeros(shape, dtype=reference.bfloat16)
             array = DeviceMemoryArray(buffer.ctypes.data, shape, "bfloat16", "cpu", 0, owner=buffer)
         else:
-            workspace_layout, _ = self._cuda.layout_for(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
-                                                        handle.num_experts)
-            ptr = self._cuda.workspace.ptr + workspace_layout.offsets["combine_x"][handle.parity]
-            array = DeviceMemoryArray(ptr, shape, "bfloat16", "cuda", handle.device_id, owner=self)
+            array = DeviceMemoryArray(self._combine_buffer_ptr(handle), shape, "bfloat16", "cuda", handle.device_id,
+                                      owner=self)
         return frameworks.get(handle.framework).wrap(array)
+
+    def _combine_buffer_shape(self, handle: Handle) -> tuple[int, int, int]:
+        return (handle.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,
+                handle.hidden)
+
+    def _combine_buffer_ptr(self, handle: Handle) -> int:
+        """The device address of get_next_combine_buffer(handle) (CUDA backend): its parity's combine_x."""
+        workspace_layout, _ = self._cuda.layout_for(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+                                                    handle.num_experts)
+        return self._cuda.workspace.ptr + workspace_layout.offsets["combine_x"][handle.parity]
+
+    def _check_outside_combine_buffer(self, where: str, handle: Handle, written) -> None:
+        """A zero-copy combine reads its expert outputs from get_next_combine_buffer(handle), here and
+        from peers: none of the ``written`` (name, view) pairs may lie there."""
+        if handle.backend == "reference":
+            buffer = handle.state["combine_buffer"]
+            start, nbytes = buffer.ctypes.data, buffer.nbytes
+        else:
+            start, nbytes = self._combine_buffer_ptr(handle), math.prod(self._combine_buffer_shape(handle)) * 2
+        for name, view in written:
+            if view is not None and view.nbytes and start < view.ptr + view.nbytes and view.ptr < start + nbytes:
+                raise ValueError(f"{where}: {name} shares memory with get_next_combine_buffer(handle), which a "
+                                 f"zero-copy combine reads; pass separate arrays")
 
     def update_ep_member(self) -> list[int]:
         """Take in the group's current members and re-exchange the route table (collective).

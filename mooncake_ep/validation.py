@@ -46,6 +46,15 @@ def check_timeout(where: str, timeout_us) -> None:
               maximum=_constants.MAX_TIMEOUT_US)
 
 
+def check_bool(where: str, name: str, value) -> None:
+    """TypeError unless ``value`` is True or False (a Python bool: numpy's, 0, None or a string are not)."""
+    if value is not True and value is not False:
+        kind = type(value)
+        # Qualified outside the builtins: numpy's bool is also called "bool".
+        type_name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"{where}: {name} must be a bool, got {type_name}")
+
+
 def check_flags(where: str, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False,
                 async_finish: bool = False, return_recv_hook: bool = False, zero_copy: bool = False,
                 renormalize: bool = False) -> None:
@@ -57,10 +66,7 @@ def check_flags(where: str, *, use_fp8: bool = False, round_scale: bool = False,
         flags = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
                      return_recv_hook=return_recv_hook, zero_copy=zero_copy, renormalize=renormalize)
         name, value = next(item for item in flags.items() if item[1] is not True and item[1] is not False)
-        kind = type(value)
-        # Qualified outside the builtins: numpy's bool is also called "bool".
-        type_name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-        raise TypeError(f"{where}: {name} must be a bool, got {type_name}")
+        check_bool(where, name, value)
     if async_finish and return_recv_hook:
         raise ValueError(f"{where}: async_finish and return_recv_hook are exclusive")
     if use_ue8m0 and not (use_fp8 and round_scale):

@@ -740,6 +740,38 @@ def test_zero_copy_without_the_combine_buffer_is_refused_and_buffer_stays_usable
     check_steps(case, flags, spawn(2, rank_fn), masks=False)
 
 
+def test_zero_copy_combine_refuses_to_write_into_the_buffer_it_reads():
+    """out= or active_ranks inside get_next_combine_buffer(handle) would overwrite the expert outputs
+    while they are read, here and by every peer: refused, and the rows stay for the combine after."""
+    case = make_case(19, num_ranks=2, hidden=256)
+    flags = FP8_FLAGS
+
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, case)
+        args = dispatch_args(case, rank)
+        recv_x, count, handle, _, _ = buf.dispatch(**args, **flags)
+        q, scales = split_recv(recv_x, flags)
+        target = buf.get_next_combine_buffer(handle)
+        target[...] = expert_fn(rank, q, scales, flags)
+        weights = case.weights[rank]
+        inside_out = target[0, :len(case.xs[rank])]  # [num_tokens, hidden] bf16, contiguous
+        with pytest.raises(ValueError, match=r"combine: out combined_x shares memory with "
+                                             r"get_next_combine_buffer\(handle\)"):
+            buf.combine(None, args["topk_idx"], weights, args["active_ranks"], -1, handle, zero_copy=True,
+                        out=inside_out)
+        inside_active = target[1, 0, :4].view(np.int32)  # two int32 in the bytes of four bf16
+        inside_active[...] = 1
+        with pytest.raises(ValueError, match=r"combine: active_ranks shares memory with get_next_combine_buffer"):
+            buf.combine(None, args["topk_idx"], weights, inside_active, -1, handle, zero_copy=True)
+        target[1, 0, :4] = expert_fn(rank, q, scales, flags)[1, 0, :4]  # the rows as they were
+        combined, _, _ = buf.combine(None, args["topk_idx"], weights, args["active_ranks"], -1, handle,
+                                     zero_copy=True)
+        return Step(q.copy(), scales.copy(), to_numpy(count).copy(), to_numpy(combined).copy())
+
+    check_steps(case, flags, spawn(2, rank_fn), masks=False)
+
+
 @pytest.mark.parametrize("overrides", [dict(return_recv_hook=True), dict(out="allocated")], ids=["hook", "out"])
 def test_jax_callers_cannot_ask_for_arrays_filled_later(overrides):
     """JAX arrays are immutable: hook mode, out= and the zero-copy buffer are refused before any communication."""

@@ -38,6 +38,8 @@ class RecordingCuda:
     """What buffer.py uses of _cuda_backend.CudaBackend, recording launches instead of making them."""
 
     device_id = 0
+    # Where the workspace would be: an address no host array of a test has (nothing reads it).
+    workspace = type("Workspace", (), {"ptr": 0x7E00_0000_0000})()
 
     def __init__(self):
         self.launches: list[Launch] = []
@@ -201,6 +203,23 @@ def test_int32_expert_ids_reach_both_kernels_as_int32(setup):
                 inputs["active_ranks"], -1, handle, out=device(np.zeros((3, H), ml_dtypes.bfloat16)))
     assert [(l.kernel, l.args["topk_ptr"], l.args["topk_is_int64"]) for l in cuda.launches] == \
         [("dispatch", topk32.ptr, False), ("combine", topk32.ptr, False)]
+
+
+def test_zero_copy_combine_refuses_an_out_inside_the_combine_buffer(setup):
+    """The CUDA backend's combine buffer is the workspace's combine_x of the handle's parity."""
+    buf, cuda, device, inputs = setup
+    _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                      out=dispatch_out(device, False))
+    start = cuda.workspace.ptr + cuda.layout_for(T, H, E)[0].offsets["combine_x"][handle.parity]
+    last_rows = DeviceMemoryArray(start + ((E // R) * R * T - 3) * H * 2, (3, H), "bfloat16", "cuda", 0, owner=None)
+    weights = device(np.ones((3, K), np.float32))
+    with pytest.raises(ValueError, match=r"combine: out combined_x shares memory with get_next_combine_buffer"):
+        buf.combine(None, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, zero_copy=True,
+                    out=last_rows)
+    assert [l.kernel for l in cuda.launches] == ["dispatch"]
+    buf.combine(None, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, zero_copy=True,
+                out=device(np.zeros((3, H), ml_dtypes.bfloat16)))  # still usable
+    assert [l.kernel for l in cuda.launches] == ["dispatch", "combine"]
 
 
 def test_zero_copy_combine_passes_no_expert_output(setup):

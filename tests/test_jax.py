@@ -485,21 +485,27 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
      r"active_ranks must have shape \(1,\), got \(2,\)"),
     (lambda a: a | dict(num_max_dispatch_tokens_per_rank=2), ValueError, r"x has 3 tokens, more than"),
     (lambda a: a | dict(parity=2), ValueError, r"parity must be 0 or 1 \(the workspace half\), got 2"),
-    (lambda a: a | dict(x=np.zeros((3, 256), np.float64)), TypeError, r"x is a float64 numpy array"),
+    (lambda a: a | dict(x=np.zeros((3, 256), np.float64)), TypeError,
+     r"x is a float64 numpy array, which JAX would cast silently; pass bfloat16"),
+    (lambda a: a | dict(topk_idx=np.zeros((3, 2), np.uint64)), TypeError,
+     r"topk_idx is a uint64 numpy array, which JAX would turn into uint32 without a word"),
     (lambda a: a | dict(buffer=object()), TypeError, r"buffer must be a mooncake_ep.Buffer or a mapping"),
     (lambda a: a | dict(use_ue8m0=True), ValueError, r"use_ue8m0=True needs use_fp8=True and round_scale=True"),
+    (lambda a: a | dict(command_buffer_compatible="no"), TypeError,
+     r"mooncake_ep.jax.dispatch: command_buffer_compatible must be a bool, got str"),
     # with x64 off JAX would wrap 2**32 into expert 0
     (lambda a: a | dict(topk_idx=np.where(np.arange(6).reshape(3, 2) == 5, 2**32, np.zeros((3, 2), np.int64))),
      ValueError, r"topk_idx holds 4294967296 at \(2, 1\), outside int32, and with jax_enable_x64 off"),
 ], ids=["x-float32", "hidden", "topk-float", "active-shape", "too-many-tokens", "parity", "x-float64-numpy",
-        "not-a-buffer", "ue8m0-alone", "int64-id-past-int32"])
+        "topk-uint64-numpy", "not-a-buffer", "ue8m0-alone", "command-buffer-str", "int64-id-past-int32"])
 def test_bad_dispatch_is_refused_at_trace_time_and_the_buffer_still_works(mutate, error, pattern):
     case, buffer, (x, topk, active) = one_rank()
     good = dict(buffer=buffer, x=x, topk_idx=topk, active_ranks=active,
                 num_max_dispatch_tokens_per_rank=case.num_max_tokens, num_experts=case.num_experts)
     bad = mutate(dict(good))
-    call = lambda a: epj.dispatch(**{k: v for k, v in a.items() if k != "parity" and k != "use_ue8m0"},  # noqa: E731
-                                  use_fp8=False, **{k: a[k] for k in ("parity", "use_ue8m0") if k in a})
+    keywords = ("parity", "use_ue8m0", "command_buffer_compatible")
+    call = lambda a: epj.dispatch(**{k: v for k, v in a.items() if k not in keywords},  # noqa: E731
+                                  use_fp8=False, **{k: a[k] for k in keywords if k in a})
     with pytest.raises(error, match=pattern):
         call(bad)
     with pytest.raises(error, match=pattern):
@@ -508,6 +514,20 @@ def test_bad_dispatch_is_refused_at_trace_time_and_the_buffer_still_works(mutate
     dispatched = reference.dispatch(0, case.xs, case.topk_idxs, case.actives, case.num_max_tokens, case.num_experts,
                                     use_fp8=False)
     check_rank(0, dispatched, recv, count, FLAGS["bf16"])
+
+
+@pytest.mark.parametrize("flags,pattern", [
+    (dict(renormalize="no"), r"mooncake_ep.jax.combine: renormalize must be a bool, got str"),
+    (dict(renormalize=0), r"mooncake_ep.jax.combine: renormalize must be a bool, got int"),
+    (dict(command_buffer_compatible=None), r"mooncake_ep.jax.combine: command_buffer_compatible must be a bool, "
+                                           r"got NoneType"),
+], ids=["renormalize-str", "renormalize-int", "command-buffer-none"])
+def test_combine_flags_must_be_bools(flags, pattern):
+    """As Buffer.combine's: renormalize="no" had been taken as true."""
+    case, buffer, (x, topk, active) = one_rank()
+    recv, _, handle, _ = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)
+    with pytest.raises(TypeError, match=pattern):
+        epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0]), active, handle, **flags)
 
 
 def test_cpu_combine_refuses_ids_other_than_its_dispatchs():

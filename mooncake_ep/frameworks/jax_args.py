@@ -149,6 +149,10 @@ def abstract_view(array) -> _AbstractView:
     return _AbstractView(tuple(int(n) for n in array.shape), np.dtype(array.dtype).name)
 
 
+# The float dtype each float argument of the ops takes, for the advice to a caller passing float64.
+_FLOAT_DTYPES = {"x": "bfloat16", "topk_weights": "float32"}
+
+
 def as_jax(where: str, name: str, value):
     """A JAX array (or tracer) for an op argument, never a silent cast.
 
@@ -158,7 +162,8 @@ def as_jax(where: str, name: str, value):
     wrap, 2**32 turning into expert 0) are refused.
 
     Raises:
-        TypeError: a float64 numpy array, or an object of another framework (convert it with
+        TypeError: a float64 numpy array, another numpy array JAX would convert to another dtype
+            (but int64 to int32), or an object of another framework (convert it with
             ``jax.dlpack.from_dlpack``).
         ValueError: a 64-bit integer numpy array with values outside int32 while x64 is off.
     """
@@ -170,7 +175,7 @@ def as_jax(where: str, name: str, value):
     if isinstance(value, (np.ndarray, np.generic)):
         if value.dtype == np.float64:
             raise TypeError(f"{where}: {name} is a float64 numpy array, which JAX would cast silently; pass "
-                            f"float32")
+                            f"{_FLOAT_DTYPES.get(name, 'float32')}")
         if value.dtype.kind in "iu" and value.dtype.itemsize == 8 and value.size and not jax.config.jax_enable_x64:
             low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
             outside = (value < low) | (value > high)
@@ -179,7 +184,12 @@ def as_jax(where: str, name: str, value):
                 raise ValueError(f"{where}: {name} holds {int(value[first])} at {first}, outside int32, and with "
                                  f"jax_enable_x64 off JAX would wrap it into int32 without a word; pass int32 "
                                  f"values, or enable jax_enable_x64")
-        return jnp.asarray(value)
+        converted = jnp.asarray(value)
+        if converted.dtype != value.dtype and not (value.dtype == np.int64 and converted.dtype == np.int32):
+            # e.g. uint64 into uint32 with x64 off: name the caller's dtype, not the one JAX made of it
+            raise TypeError(f"{where}: {name} is a {value.dtype} numpy array, which JAX would turn into "
+                            f"{converted.dtype} without a word; pass one of the dtypes {name} takes")
+        return converted
     raise TypeError(f"{where}: {name} must be a jax.Array (or a numpy array), got {type(value).__module__}."
                     f"{type(value).__qualname__}; convert it with jax.dlpack.from_dlpack")
 

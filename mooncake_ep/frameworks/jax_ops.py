@@ -45,7 +45,7 @@ from mooncake_ep import reference
 from mooncake_ep._reference_backend import MESH_POSITION
 from mooncake_ep.frameworks.jax_args import Ranks, abstract_view, check_parity, manual_axes, varying_like
 from mooncake_ep.tensor import ArrayView, numpy_dtype, read_array
-from mooncake_ep.validation import check_same_routing
+from mooncake_ep.validation import check_bool, check_flags, check_same_routing
 
 __all__ = ["Handle", "PendingDispatch", "PendingCombine", "DispatchConfig", "CombineConfig", "dispatch", "combine",
            "dispatch_config", "combine_config", "check_handle"]
@@ -270,6 +270,7 @@ def dispatch_config(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max
     Also puts the configuration's layout on every Buffer's device, outside any recording.
     """
     parity = check_parity(where, parity)
+    check_bool(where, "command_buffer_compatible", command_buffer_compatible)
     specs = None
     for buffer in ranks.buffers:
         specs = buffer._check_dispatch(where, abstract_view(x), abstract_view(topk_idx), abstract_view(active_ranks),
@@ -277,8 +278,8 @@ def dispatch_config(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max
                                        use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0).specs
     specs = list(specs)
     config = DispatchConfig(ranks, int(x.shape[0]), int(x.shape[1]), int(topk_idx.shape[1]), int(num_experts),
-                            int(num_max_dispatch_tokens_per_rank), bool(use_fp8), bool(round_scale),
-                            bool(use_ue8m0), int(timeout_us), parity, bool(command_buffer_compatible))
+                            int(num_max_dispatch_tokens_per_rank), use_fp8, round_scale, use_ue8m0,
+                            int(timeout_us), parity, command_buffer_compatible)
     for buffer in ranks.buffers:
         buffer._prepare(config.num_max_dispatch_tokens_per_rank, config.hidden, config.num_experts)
     return config, specs
@@ -420,12 +421,14 @@ def combine_config(where: str, ranks: Ranks, x, topk_idx, topk_weights, active_r
                    timeout_us: int, renormalize: bool, command_buffer_compatible: bool) -> tuple[CombineConfig, list]:
     """Checks a combine against its dispatch's handle at trace time; returns its configuration and specs."""
     check_handle(where, handle, ranks)
+    check_flags(where, renormalize=renormalize)
+    check_bool(where, "command_buffer_compatible", command_buffer_compatible)
     specs = None
     for buffer in ranks.buffers:
         specs = list(buffer._check_combine(where, handle.config, abstract_view(x), abstract_view(topk_idx),
                                            abstract_view(topk_weights), abstract_view(active_ranks),
                                            timeout_us=timeout_us).specs)
-    return CombineConfig(handle.config, int(timeout_us), bool(renormalize), bool(command_buffer_compatible)), specs
+    return CombineConfig(handle.config, int(timeout_us), renormalize, command_buffer_compatible), specs
 
 
 def combine(where: str, ranks: Ranks, x, topk_idx, topk_weights, active_ranks, handle: Handle, *, timeout_us: int,
