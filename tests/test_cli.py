@@ -280,6 +280,54 @@ def test_a_signal_while_a_process_starts_leaves_none_running(monkeypatch, capsys
     capsys.readouterr()
 
 
+def test_a_suspended_launcher_suspends_its_processes(tmp_path):
+    """Ctrl-Z (SIGTSTP) to --launch's process stops its ranks too, which lead process groups of their
+    own that the terminal's signal does not reach; continuing the launcher continues them, and the
+    launch then ends as usual."""
+    signal = pytest.importorskip("signal")
+    if not hasattr(signal, "SIGTSTP") or not hasattr(os, "killpg") or not os.path.isdir("/proc/self"):
+        pytest.skip("POSIX job control, and /proc to see the processes' states")
+    go = tmp_path / "go"
+    rank_code = (
+        "import os, time\n"
+        f"open({str(tmp_path)!r} + '/rank' + os.environ['RANK'], 'w').write(str(os.getpid()))\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+    )
+    launcher_code = ("import sys\nfrom mooncake_ep.cli import launch\n"
+                     f"sys.exit(launch.launch('test', [sys.executable, '-c', {rank_code!r}], 2))\n")
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    try:
+        rank_files = [tmp_path / f"rank{rank}" for rank in range(2)]
+        _wait_until(lambda: all(f.exists() and f.read_text() for f in rank_files), launcher)
+        ranks = [int(f.read_text()) for f in rank_files]
+        launcher.send_signal(signal.SIGTSTP)
+        _wait_until(lambda: [_state(pid) for pid in [launcher.pid, *ranks]] == ["T"] * 3)
+        launcher.send_signal(signal.SIGCONT)
+        _wait_until(lambda: all(_state(pid) not in ("T", None) for pid in [launcher.pid, *ranks]))
+        go.touch()
+        assert launcher.wait(PROCESS_LIMIT_S) == cli.EXIT_OK
+    finally:
+        if launcher.poll() is None:  # a failed check: continue and end the launch, which ends its ranks
+            launcher.send_signal(signal.SIGCONT)
+            launcher.terminate()
+            launcher.wait(PROCESS_LIMIT_S)
+
+
+def _wait_until(condition, proc: subprocess.Popen | None = None, limit_s: float = 30.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        assert proc is None or proc.poll() is None, f"exited {proc.returncode}"
+        time.sleep(0.02)
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (T stopped, Z zombie); None if there is none."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
+
+
 def test_launched_processes_children_are_stopped_with_them(tmp_path, monkeypatch, capsys):
     """A rank's own child processes go with it: rank 0 fails, rank 1 hangs beside a child of its own,
     and once the grace has passed neither rank 1 nor its child is left running."""
@@ -312,14 +360,19 @@ def test_launched_processes_children_are_stopped_with_them(tmp_path, monkeypatch
 
 
 def _start_time(pid: int) -> str | None:
-    """When the process ``pid`` started (/proc/PID/stat's 22nd field); None if there is none, or a
-    zombie. A pid taken again by a new process reads another time."""
+    """When the process ``pid`` started; None if there is none, or a zombie. A pid taken again by a
+    new process reads another time."""
+    fields = _stat_fields(pid)
+    return None if not fields or fields[0] == "Z" else fields[19]
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat from its 3rd field (the state) on; None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()  # from the 3rd field, the state, on
+            return stat.read().rsplit(")", 1)[1].split()
     except FileNotFoundError:
         return None
-    return None if fields[0] == "Z" else fields[19]
 
 
 def test_bench_finishes_when_its_stderr_is_a_closed_pipe():

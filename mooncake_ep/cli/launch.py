@@ -4,7 +4,8 @@
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), each of which
 joins through ``mooncake_ep.init_group()``, and passes only if every process exits 0. Whatever
 ends the launch (a failed rank, a signal, the last exit), it leaves no process of the ranks' own
-running: on POSIX each rank leads a process group, which is stopped as a whole.
+running: on POSIX each rank leads a process group, which is stopped as a whole; Ctrl-Z suspends the
+ranks with the launcher, and ``fg`` or ``bg`` continues them.
 :func:`use_process_device` is what one such process does first on a GPU.
 """
 
@@ -108,11 +109,12 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     print(f"mooncake_ep {command}: launching {num_processes} processes, store at {LAUNCH_ADDR}:{port}")
     sys.stdout.flush()
-    procs = []
-    # A launcher stopped by SIGINT, SIGTERM or SIGHUP stops its processes too: the handler only notes
-    # the signal, and the loops below raise KeyboardInterrupt where every started process is in
-    # procs (raised inside Popen, after its fork, it would leave that process unknown, and running).
-    stop = _StopOnSignal()
+    procs: list[subprocess.Popen] = []
+    # A launcher stopped by SIGINT, SIGTERM or SIGHUP stops its processes too, and one suspended
+    # (SIGTSTP: Ctrl-Z) suspends them with it: the handler only notes the signal, and the loops below
+    # act on it where every started process is in procs (raised inside Popen, after its fork, it
+    # would leave that process unknown, and running).
+    stop = _StopOnSignal(procs)
     try:
         for rank in range(num_processes):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
@@ -139,23 +141,47 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
 class _StopOnSignal:
     """Notes SIGINT, SIGTERM and SIGHUP in this (main) thread; :meth:`check` raises KeyboardInterrupt then.
 
+    SIGTSTP (Ctrl-Z) is noted too where the ranks lead process groups of their own (_OWN_SESSIONS),
+    which the terminal's signal does not reach: :meth:`check` then stops every rank's group and this
+    process, and once this process is continued (``fg``, ``bg``, SIGCONT) continues them. SIGSTOP,
+    not SIGTSTP, on both sides: a rank's group has no parent in its own session (it is orphaned),
+    so the kernel would discard a SIGTSTP to it. The ranks' timeouts are wall-clock time: a
+    suspension longer than a rank's wait for a peer (GROUP_TIMEOUT_S in a collective) can fail
+    that wait when they are continued.
+
     Off the main thread (where handlers cannot be set) it notes nothing and Python's own SIGINT
     handling stays.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
         self.signum: int | None = None
+        self._procs = procs
+        self._suspend = False
         self._previous: dict = {}
         if threading.current_thread() is threading.main_thread():
             for name in ("SIGINT", "SIGTERM", "SIGHUP"):
                 sig = getattr(signal, name, None)
                 if sig is not None:
                     self._previous[sig] = signal.signal(sig, self._note)
+            if _OWN_SESSIONS:
+                self._previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._note_suspend)
 
     def _note(self, signum, frame) -> None:
         self.signum = signum
 
+    def _note_suspend(self, signum, frame) -> None:
+        self._suspend = True
+
     def check(self) -> None:
+        if self._suspend:
+            self._suspend = False
+            for proc in self._procs:
+                if proc.returncode is None:  # not reaped: its group id is still its own
+                    _signal_rank(proc, signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)  # returns once this process is continued
+            for proc in self._procs:
+                if proc.returncode is None:
+                    _signal_rank(proc, signal.SIGCONT)
         if self.signum is not None:
             raise KeyboardInterrupt(f"signal {self.signum}")
 
