@@ -218,7 +218,8 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
     Args:
         buffer: as given to the :func:`dispatch` of ``handle``.
         x: ``[num_local_experts, num_ranks * T, hidden]`` bf16 expert outputs, rows laid out as recv_x.
-        topk_idx: ``[num_tokens, num_topk]`` the ids given to that dispatch.
+        topk_idx: ``[num_tokens, num_topk]`` the ids given to that dispatch; an entry may be -1 where
+            the dispatch had an expert (it then adds nothing, and gets no gradient).
         topk_weights: ``[num_tokens, num_topk]`` float32 (float64 is refused, never cast).
         active_ranks: ``[num_ranks]`` int32 (pass the mask dispatch returned).
         handle: the :class:`Handle` returned by that dispatch.
@@ -292,11 +293,13 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
     num_rows = config.num_ranks * config.num_max_dispatch_tokens_per_rank
     grad_y32 = grad_y.astype(jnp.float32)
     # grad of expert row (t, k) is w_k * grad_y[t]: dispatch those t*K rows as t*K tokens, token t*K+k
-    # routed (top-1) to expert topk_idx[t, k]. A local expert then receives them in the order (source
-    # rank, t, k) of the forward's rows, with the same counts, so they land on the forward's rows.
-    rows = (topk_weights[:, :, None] * grad_y32[:, None, :]).astype(jnp.bfloat16).reshape(num_tokens * num_topk,
-                                                                                         hidden)
-    routes = topk_idx.reshape(num_tokens * num_topk, 1)
+    # routed (top-1) to the expert the dispatch sent (t, k) to. A local expert then receives them in
+    # the order (source rank, t, k) of the forward's rows, with the same counts, so they land on the
+    # forward's rows. An entry combine's topk_idx leaves out (-1) added nothing: it sends zeros.
+    named = (topk_idx >= 0) & (topk_idx < config.num_experts)
+    weights = jnp.where(named, topk_weights, jnp.zeros((), topk_weights.dtype))
+    rows = (weights[:, :, None] * grad_y32[:, None, :]).astype(jnp.bfloat16).reshape(num_tokens * num_topk, hidden)
+    routes = handle.dispatched_topk_idx.reshape(num_tokens * num_topk, 1)
     grad_T = config.num_max_dispatch_tokens_per_rank * num_topk
     recv, count, grad_handle, grad_active = jax_ops.dispatch(
         where, static.grad_ranks, rows, routes, active, grad_T, config.num_experts, timeout_us=static.timeout_us,
@@ -313,8 +316,8 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
                                             timeout_us=static.timeout_us, renormalize=False,
                                             command_buffer_compatible=static.command_buffer_compatible,
                                             through=(recv,))
-        grad_w = jnp.sum(unsummed.astype(jnp.float32).reshape(num_tokens, num_topk, hidden) * grad_y32[:, None, :],
-                         axis=-1)
+        grad_w = jnp.where(named, jnp.sum(unsummed.astype(jnp.float32).reshape(num_tokens, num_topk, hidden)
+                                          * grad_y32[:, None, :], axis=-1), jnp.zeros((), jnp.float32))
     grad_x = None
     if want_x:
         forward_count = handle.recv_count

@@ -16,8 +16,9 @@ Example::
 Gradients (every rank must run the same backward, since each step below is a collective):
     - combine, w.r.t. the expert outputs: ``grad[row(t, k)] = w_k * grad_y[t]``, exactly, as a
       dispatch on ``grad_buffer`` of the ``t * K`` rows ``w_k * grad_y[t]``, row ``t * K + k`` routed
-      (top-1) to expert ``topk_idx[t, k]``. A local expert receives them ordered by (source rank, t,
-      k), with the forward's counts, so each lands on the forward's row; rows past recv_count get 0.
+      (top-1) to the expert the forward's dispatch sent (t, k) to. A local expert receives them
+      ordered by (source rank, t, k), with the forward's counts, so each lands on the forward's row;
+      rows past recv_count get 0, and so do the rows of entries combine's topk_idx leaves out (-1).
       ``grad_buffer`` is a Buffer of the same group sized for ``T * K`` tokens
       (:func:`grad_buffer_size_hint`): its receive layout is K times the forward's.
     - combine, w.r.t. topk_weights: ``grad_w[t, k] = <expert_out[row(t, k)], grad_y[t]>``, from a
@@ -49,9 +50,9 @@ from mooncake_ep.buffer import Buffer, Handle
 
 __all__ = ["dispatch", "combine", "grad_buffer_size_hint", "DispatchFunction", "CombineFunction"]
 
-# The forward recv_count of each dispatch handle, for the check in combine's backward (Handle is
-# frozen and belongs to buffer.py, so it is not stored on it).
-_forward_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per dispatch handle of :func:`dispatch`: its recv_count and topk_idx, which combine's backward routes
+# by and checks against (Handle belongs to buffer.py, so they are not stored on it).
+_forward_routing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def grad_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
@@ -95,7 +96,10 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     Args:
         buffer: the Buffer of the dispatch of ``handle``.
         x: ``[num_local_experts, num_ranks * T, hidden]`` bf16 expert outputs, laid out as recv_x.
-        topk_idx: the ids given to that dispatch.
+        topk_idx: the ids given to that dispatch; an entry may be -1 where the dispatch had an expert
+            (it then adds nothing, and gets no gradient). With a handle of :meth:`Buffer.dispatch`
+            the backward routes the gradient by these ids, so there they must be the dispatch's
+            own, -1 entries included; :func:`dispatch`'s handle brings the dispatch's ids along.
         topk_weights: ``[num_tokens, num_topk]`` fp32 (may require grad).
         active_ranks: ``[num_ranks]`` int32, updated in place.
         handle: from :func:`dispatch` (or :meth:`Buffer.dispatch`).
@@ -111,9 +115,11 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         ValueError: grad_buffer is of another group size or too small.
 
     Note:
-        A rank that fails during the backward moves the gradient rows of the ranks after it; the
-        experts whose row counts then differ from the forward's get a zero gradient rather than a
-        misplaced one, and active_ranks shows the failure.
+        A rank that fails during the backward moves the gradient rows of the ranks after it; with a
+        handle of :func:`dispatch`, the experts whose row counts then differ from the forward's get
+        a zero gradient rather than a misplaced one, and active_ranks shows the failure (a handle
+        of :meth:`Buffer.dispatch` does not bring the forward's counts to compare with).
+        Differentiable once: a double backward (``create_graph=True``) through it is refused.
     """
     # Checked here, not in forward (which autograd runs with grad mode off): an evaluation under
     # no_grad records no backward, so a Parameter among the inputs needs no grad_buffer there.
@@ -133,7 +139,7 @@ class DispatchFunction(torch.autograd.Function):
     def forward(ctx, x, topk_idx, active_ranks, buffer, num_max_dispatch_tokens_per_rank, num_experts, timeout_us):
         recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                            num_experts, timeout_us, use_fp8=False)
-        _forward_counts[handle] = recv_count
+        _forward_routing[handle] = (recv_count, topk_idx)
         ctx.mark_non_differentiable(recv_count)
         ctx.save_for_backward(topk_idx)
         # active_ranks is updated in place by every later call: keep the tensor, not a saved version.
@@ -142,6 +148,7 @@ class DispatchFunction(torch.autograd.Function):
         return recv_x, recv_count, handle
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the calls below record no graph: refuse a double backward
     def backward(ctx, grad_recv_x, grad_recv_count, grad_handle):
         if grad_recv_x is None:
             return (None,) * 7
@@ -168,24 +175,29 @@ class CombineFunction(torch.autograd.Function):
     def forward(ctx, x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us):
         need_w = ctx.needs_input_grad[1]  # grad_w reads the forward's expert outputs
         combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
-        ctx.save_for_backward(x if need_w else None, topk_idx, topk_weights)
+        forward_count, dispatched_idx = _forward_routing.get(handle, (None, topk_idx))
+        ctx.save_for_backward(x if need_w else None, topk_idx, topk_weights, dispatched_idx)
         ctx.active_ranks = active_ranks
         ctx.config = (buffer, grad_buffer, handle, timeout_us)
-        ctx.forward_count = _forward_counts.get(handle)
+        ctx.forward_count = forward_count
         return combined
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        expert_out, topk_idx, topk_weights = ctx.saved_tensors
+        expert_out, topk_idx, topk_weights, dispatched_idx = ctx.saved_tensors
         buffer, grad_buffer, handle, timeout_us = ctx.config
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         num_tokens, num_topk, hidden = handle.num_tokens, handle.num_topk, handle.hidden
         num_rows = buffer.num_ranks * handle.num_max_dispatch_tokens_per_rank
         grad_y32 = grad_y.float()
-        # Row t*K+k is the gradient of expert row (t, k), routed top-1 to expert topk_idx[t, k].
-        rows = (topk_weights[:, :, None] * grad_y32[:, None, :]).to(torch.bfloat16).reshape(num_tokens * num_topk,
-                                                                                           hidden)
-        routes = topk_idx.reshape(num_tokens * num_topk, 1)
+        # An entry of combine's topk_idx that names no expert added nothing, whatever its dispatch sent.
+        named = (topk_idx >= 0) & (topk_idx < handle.num_experts)
+        # Row t*K+k is the gradient of expert row (t, k), routed top-1 to the expert the dispatch sent
+        # (t, k) to: then each lands on the forward's row, and an entry combine left out sends zeros.
+        weights = torch.where(named, topk_weights.float(), torch.zeros((), device=topk_weights.device))
+        rows = (weights[:, :, None] * grad_y32[:, None, :]).to(torch.bfloat16).reshape(num_tokens * num_topk, hidden)
+        routes = dispatched_idx.reshape(num_tokens * num_topk, 1)
         recv, count, grad_handle, _, _ = grad_buffer.dispatch(
             rows, routes, ctx.active_ranks, handle.num_max_dispatch_tokens_per_rank * num_topk, handle.num_experts,
             timeout_us, use_fp8=False)
@@ -195,7 +207,7 @@ class CombineFunction(torch.autograd.Function):
             padded[:, :num_rows] = expert_out
             ones = torch.ones(routes.shape, dtype=torch.float32, device=recv.device)
             unsummed, _, _ = grad_buffer.combine(padded, routes, ones, ctx.active_ranks, timeout_us, grad_handle)
-            grad_w = (unsummed.float().view(num_tokens, num_topk, hidden) * grad_y32[:, None, :]).sum(-1)
+            grad_w = (unsummed.float().view(num_tokens, num_topk, hidden) * grad_y32[:, None, :]).sum(-1) * named
         if need_x:
             rows_index = torch.arange(num_rows, device=recv.device)
             valid = rows_index[None, :] < count[:, None]

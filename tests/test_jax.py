@@ -154,6 +154,48 @@ def test_the_mask_comes_back_and_the_input_is_untouched():
     assert list(dispatched[1].active_ranks) == [0, 1]  # the case exercises a change
 
 
+def test_a_rank_without_tokens_keeps_its_ops_under_jit():
+    """XLA replaces a result of no elements by a constant: a rank with no tokens this step (x of shape
+    [0, H]) would lose its combine, whose combined_x is empty, and the dispatch feeding it, from its
+    jitted program alone (in the forward and in the gradient), and its peers would wait for it (here
+    the reference's collectives time out). The layer returns only what a model uses."""
+    case = make_case(3, num_tokens=[4, 0])
+    flags = FLAGS["bf16"]
+    cpu_devices(2)
+
+    def rank_fn(group):
+        buffer = reference_buffer(group, case)
+        grad_buffer = reference_buffer(group, case, epj.grad_buffer_size_hint(
+            case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts, case.num_topk))
+        rank = group.rank
+
+        def layer(x, weights, topk, active):
+            recv, _, handle, active = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts,
+                                                   **flags)
+            combined, _ = epj.combine(buffer, expert_fn(rank, recv, flags), topk, weights, active, handle,
+                                      grad_buffer=grad_buffer)
+            return combined
+
+        def loss(x, weights, topk, active):
+            return jnp.sum(layer(x, weights, topk, active).astype(jnp.float32) ** 2)
+
+        with jax.default_device(jax.devices("cpu")[rank]):
+            args = [jnp.asarray(a) for a in (case.xs[rank], case.weights[rank], case.topk_idxs[rank],
+                                              case.actives[rank])]
+            combined = np.asarray(jax.jit(layer)(*args))
+            grads = [jax.tree_util.tree_map(np.asarray, grad(*args)) for grad in
+                     (jax.jit(jax.grad(loss, argnums=(0, 1))), jax.grad(loss, argnums=(0, 1)))]
+        return combined, grads
+
+    _, want = expected(case, flags)
+    for rank, (combined, (jitted, eager)) in enumerate(spawn(2, rank_fn)):
+        np.testing.assert_array_equal(bits(combined), bits(want[rank][0]), err_msg=f"rank {rank}: combined")
+        for got, ref, name in zip(jitted, eager, ("x", "topk_weights")):
+            assert got.shape == ref.shape == (case.xs[rank].shape[0], case.hidden if name == "x" else case.num_topk)
+            np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64), rtol=2.0**-7,
+                                       atol=1e-6, err_msg=f"rank {rank}: gradient of {name}, jit against eager")
+
+
 # --- shard_map: one device per rank, one program ------------------------------------------------------
 
 
@@ -319,11 +361,19 @@ def grad_case(seed: int, num_ranks: int):
     return case, grad_size
 
 
-def test_gradients_of_dispatch_and_combine_match_float64():
-    """The vjp of each op against its float64 formula, with routing across 2 ranks (shard_map)."""
+@pytest.mark.parametrize("combine_drops", [False, True], ids=["same-ids", "combine-drops-entries"])
+def test_gradients_of_dispatch_and_combine_match_float64(combine_drops):
+    """The vjp of each op against its float64 formula, with routing across 2 ranks (shard_map).
+    combine_drops: combine's topk_idx is -1 at some entries the dispatch sent (they add nothing): their
+    expert rows and weights get no gradient, and every other row still gets its own."""
     num_ranks = 2
     devices = cpu_devices(num_ranks)
     case, grad_size = grad_case(6, num_ranks)
+    combine_topks = [t.copy() for t in case.topk_idxs]
+    if combine_drops:
+        for t in combine_topks:
+            t[::2, 0] = -1
+        assert any(((t < 0) & (d >= 0)).any() for t, d in zip(combine_topks, case.topk_idxs))
     buffers = epj.make_buffers(devices, case.size_hint)
     grad_buffers = epj.make_buffers(devices, grad_size)
     mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
@@ -336,7 +386,7 @@ def test_gradients_of_dispatch_and_combine_match_float64():
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-    def vjps(x, topk, weights, active, grad_recv, expert_out, grad_y):
+    def vjps(x, topk, combine_topk, weights, active, grad_recv, expert_out, grad_y):
         # <op(...), cotangent> differentiated is the vjp of the op applied to the cotangent (bf16 cotangents
         # survive the float32 products exactly).
         def dispatched(x):
@@ -346,14 +396,14 @@ def test_gradients_of_dispatch_and_combine_match_float64():
         grad_x, (count, handle) = jax.grad(dispatched, has_aux=True)(x)
 
         def combined(y, w):
-            out, _ = epj.combine(buffers, y, topk, w, active, handle, grad_buffer=grad_buffers)
+            out, _ = epj.combine(buffers, y, combine_topk, w, active, handle, grad_buffer=grad_buffers)
             return jnp.sum(out.astype(jnp.float32) * grad_y.astype(jnp.float32))
 
         grad_expert_out, grad_w = jax.grad(combined, argnums=(0, 1))(expert_out, weights)
         return count, grad_x, grad_expert_out, grad_w
 
     count, grad_x, grad_expert_out, grad_w = vjps(
-        *(sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.weights, case.actives)),
+        *(sharded(mesh, a) for a in (case.xs, case.topk_idxs, combine_topks, case.weights, case.actives)),
         *(sharded(mesh, np.split(a, num_ranks)) for a in (grad_recv, expert_out, grad_y)))
     dispatched = [reference.dispatch(r, case.xs, case.topk_idxs, case.actives, T, E, use_fp8=False)
                   for r in range(num_ranks)]
@@ -377,6 +427,9 @@ def test_gradients_of_dispatch_and_combine_match_float64():
                     g_row = grad_recv64[owner * num_local + e, row]
                     if src == rank:
                         want_x[t] += g_row
+                    if combine_topks[src][t, k] < 0:
+                        continue
+                    if src == rank:
                         want_w[t, k] = expert_out64[owner * num_local + e, row] @ grad_y.astype(np.float64)[
                             rank * T + t]
                     if owner == rank:
@@ -391,7 +444,7 @@ def test_gradients_of_dispatch_and_combine_match_float64():
         # weights: an fp32 dot product of bf16 rows (H = 128 terms): fp32 accumulation error only.
         got_w = np.asarray(grad_w, np.float64)[rank * T:(rank + 1) * T]
         np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-4, err_msg=f"rank {rank}: grad topk_weights")
-        assert np.all(got_w[case.topk_idxs[rank] < 0] == 0), "no gradient for -1 entries"
+        assert np.all(got_w[combine_topks[rank] < 0] == 0), "no gradient for -1 entries"
     epj.destroy_buffers(buffers)
     epj.destroy_buffers(grad_buffers)
 
@@ -755,6 +808,9 @@ def test_the_callback_launches_on_xlas_stream_with_the_static_parity():
     assert args["active_ptr"] == outs[-1].ptr, "the kernels update the aliased output mask, not the input"
     assert (args["recv_x_ptr"], args["recv_scales_ptr"], args["recv_count_ptr"]) == tuple(o.ptr for o in outs[:3])
     assert args["timeout_ns"] == 250_000 and args["topk_is_int64"] is False
+    # The GPU handle: recv_count, and the ids as given (combine's gradient routes by them).
+    handle = jax_ops._dispatch_results(config, specs, outs, ins[1])[2]
+    assert handle.arrays == (outs[2], ins[1]) and handle.dispatched_topk_idx is ins[1]
     # A stage other than EXECUTE (XLA preparing the handler) launches nothing.
     preparing = type("Ctx", (), {"stream": 1, "stage": type("S", (), {"name": "PREPARE"})()})()
     callback(preparing, outs, *ins)

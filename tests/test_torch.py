@@ -48,10 +48,18 @@ def buffers(group, T, H, E, K):
             ep.Buffer(group, ept.grad_buffer_size_hint(T, H, R, E, K), backend="reference"))
 
 
+@pytest.mark.parametrize("combine_drops", [False, True], ids=["same-ids", "combine-drops-entries"])
 @pytest.mark.parametrize("num_ranks,num_tokens", [(2, [4, 4]), (3, [4, 1, 0])], ids=["R2", "R3-uneven"])
-def test_gradients_match_float64_formulas(num_ranks, num_tokens):
+def test_gradients_match_float64_formulas(num_ranks, num_tokens, combine_drops):
+    """combine_drops: combine's topk_idx is -1 at some entries the dispatch sent (they add nothing): their
+    expert rows and weights get no gradient, and every other row still gets its own."""
     T, H, E, K = 4, 128, 2 * num_ranks, 2
     xs, topks, weights = make_inputs(1, num_ranks, T, H, E, K, num_tokens)
+    combine_topks = [t.clone() for t in topks]
+    if combine_drops:
+        for t in combine_topks:
+            t[::2, 0] = -1
+        assert any(((t < 0) & (d >= 0)).any() for t, d in zip(combine_topks, topks))
     rng = np.random.default_rng(2)
     num_local, num_rows = E // num_ranks, num_ranks * T
     grad_recvs = [torch.from_numpy(rng.standard_normal((num_local, num_rows, H)).astype(np.float32)).bfloat16()
@@ -70,7 +78,7 @@ def test_gradients_match_float64_formulas(num_ranks, num_tokens):
         (recv.float() * grad_recvs[r].float()).sum().backward()
         y = expert_outs[r].clone().requires_grad_()
         w = weights[r].clone().requires_grad_()
-        out = ept.combine(buffer, y, topks[r], w, active, handle, grad_buffer=grad_buffer)
+        out = ept.combine(buffer, y, combine_topks[r], w, active, handle, grad_buffer=grad_buffer)
         out.backward(grad_ys[r])
         return to_np(count), x.grad.float().numpy(), y.grad.float().numpy(), w.grad.numpy(), active.numpy().copy()
 
@@ -87,6 +95,8 @@ def test_gradients_match_float64_formulas(num_ranks, num_tokens):
             for row in range(res.recv_count[e]):
                 src, t, k = (int(a[e, row]) for a in (res.recv_src_rank, res.recv_src_token, res.recv_src_topk))
                 want_x[src][t] += to_np(grad_recvs[owner])[e, row].astype(np.float64)
+                if combine_topks[src][t, k] < 0:
+                    continue
                 want_y[owner][e, row] = weights[src].double()[t, k].item() * to_np(grad_ys[src])[t].astype(np.float64)
                 want_w[src][t, k] = to_np(expert_outs[owner])[e, row].astype(np.float64) @ \
                     to_np(grad_ys[src])[t].astype(np.float64)
@@ -101,7 +111,7 @@ def test_gradients_match_float64_formulas(num_ranks, num_tokens):
             assert not grad_y[e, n:].any(), f"rank {r} expert {e}: rows past recv_count get no gradient"
         # weights: fp32 dot products of H bf16 products.
         np.testing.assert_allclose(grad_w, want_w[r], rtol=1e-5, atol=1e-4, err_msg=f"rank {r}: grad weights")
-        assert np.all(grad_w[np_topks[r] < 0] == 0)
+        assert np.all(grad_w[combine_topks[r].numpy() < 0] == 0)
 
 
 def test_experts_whose_rows_a_failure_moved_during_the_backward_get_zero_gradient():
@@ -179,6 +189,26 @@ def test_a_moe_layer_trains_like_the_dense_layer():
     for got, want, name in ((got_x, x_all.grad, "x"), (got_w, w_all.grad, "weights"),
                             (got_experts, experts_all.grad, "experts")):
         torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0, msg=f"grad {name}")
+
+
+def test_a_double_backward_is_refused():
+    """The backward's dispatches and combines record no graph: a second derivative through them (a
+    gradient penalty, create_graph=True) raises instead of dropping its terms without a word."""
+    T, H, E, K = 4, 128, 2, 2
+    xs, topks, weights = make_inputs(6, 1, T, H, E, K)
+
+    def rank_fn(group):
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        active = torch.ones(1, dtype=torch.int32)
+        x = xs[0].clone().requires_grad_()
+        recv, _, handle = ept.dispatch(buffer, x, topks[0], active, T, E)
+        w = weights[0].clone().requires_grad_()
+        out = ept.combine(buffer, recv * 2, topks[0], w, active, handle, grad_buffer=grad_buffer)
+        grad_x, grad_w = torch.autograd.grad((out.float() ** 2).sum(), (x, w), create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            ((grad_x.float() ** 2).sum() + (grad_w ** 2).sum()).backward()
+
+    ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
 
 
 def test_only_the_needed_gradients_are_computed():

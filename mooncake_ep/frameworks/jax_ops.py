@@ -28,9 +28,12 @@ Ordering:
     for (the gradients use it). The ops of one rank per device declare no side effect: a jitted
     function holding an effect loses JAX's C++ dispatch path and pays the Python one on every call
     (~170 µs on the H200's host, 7x the GPU time of a decode step). So XLA may drop an op whose
-    results nothing reads (on every rank that runs the program alike), and merge two ops of one
-    configuration and the same operands, which only a program that does not pass ``active_ranks``
-    on from step to step can hold. The split form keeps the effect (see
+    results nothing reads, and merge two ops of one configuration and the same operands, which only
+    a program that does not pass ``active_ranks`` on from step to step can hold. One exception: the
+    ops of a rank with no tokens this step (``x`` of shape ``[0, hidden]``) keep the effect, since
+    XLA replaces a result of no elements by a constant, so the combine (whose ``combined_x`` is
+    empty), and with it the dispatch that feeds it, would vanish from that rank's program alone
+    while its peers wait for it. The split form keeps the effect (see
     :mod:`mooncake_ep.frameworks.jax_split`).
 """
 
@@ -138,9 +141,12 @@ class Handle:
     Attributes:
         config: the :class:`DispatchConfig` (static, compared by value under ``jax.jit``).
         recv_count: ``[num_local_experts]`` int32, the dispatch's received rows per local expert.
-        arrays: ``(recv_count,)`` on the GPU, where the routing stays in the workspace; on the CPU
-            also recv_src_rank, recv_src_token, recv_src_topk ``[num_local_experts, num_ranks * T]``
-            int32 and layout_range ``[num_local_experts, num_ranks, 2]`` int32.
+        dispatched_topk_idx: ``[num_tokens, num_topk]``, the ids the dispatch was given (combine's
+            gradient routes by them).
+        arrays: ``(recv_count, topk_idx)`` on the GPU, where the routing stays in the workspace
+            (topk_idx: the dispatch's operand, as given); on the CPU recv_count, then recv_src_rank,
+            recv_src_token, recv_src_topk ``[num_local_experts, num_ranks * T]`` int32, layout_range
+            ``[num_local_experts, num_ranks, 2]`` int32 and the ids as int32.
 
     Note:
         The fields ``num_tokens``, ``hidden``, ... of the configuration are readable on the handle,
@@ -154,6 +160,10 @@ class Handle:
     @property
     def recv_count(self):
         return self.arrays[0]
+
+    @property
+    def dispatched_topk_idx(self):
+        return self.arrays[-1]
 
     def __getattr__(self, name: str):
         if name in ("num_tokens", "hidden", "num_topk", "num_experts", "num_max_dispatch_tokens_per_rank",
@@ -313,9 +323,9 @@ def dispatch(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max_dispat
     position = _mesh_position(ranks)
     outputs = _call(where, _DispatchCallback(where, config, SEND | RECV, position is not None), out_specs,
                     [x, topk_idx, active_ranks, *after, *([] if position is None else [position])], {2: len(specs)},
-                    config.command_buffer_compatible)
+                    config.command_buffer_compatible, has_side_effect=config.num_tokens == 0)
     outputs = varying_like(outputs, x, topk_idx, active_ranks)
-    return _dispatch_results(config, specs, outputs)
+    return _dispatch_results(config, specs, outputs, topk_idx)
 
 
 def _mesh_position(ranks: Ranks):
@@ -338,11 +348,12 @@ def _mesh_position(ranks: Ranks):
     return jax.lax.axis_index(axes[0]).reshape(1)
 
 
-def _dispatch_results(config: DispatchConfig, specs, outputs):
+def _dispatch_results(config: DispatchConfig, specs, outputs, topk_idx):
     num_recv = len(specs) - 1
     recv = tuple(outputs[:num_recv])
     recv_count, active = outputs[num_recv], outputs[num_recv + 1]
-    handle = Handle(config, (recv_count, *outputs[num_recv + 2:]))
+    # The CPU path's metadata ends with a copy of the ids; on the GPU the operand itself is kept.
+    handle = Handle(config, (recv_count, *outputs[num_recv + 2:], *([topk_idx] if config.backend != "reference" else [])))
     return (recv if config.use_fp8 else recv[0]), recv_count, handle, active
 
 
@@ -448,7 +459,8 @@ def combine(where: str, ranks: Ranks, x, topk_idx, topk_weights, active_ranks, h
     operands = [x, topk_idx, topk_weights, active_ranks, *handle.arrays, *after, *through]
     aliases = {3: 1} | {len(operands) - len(through) + i: 2 + i for i in range(len(through))}
     combined, active, *passed = _call(where, _CombineCallback(where, config, SEND | RECV), out_specs, operands,
-                                      aliases, config.command_buffer_compatible)
+                                      aliases, config.command_buffer_compatible,
+                                      has_side_effect=config.dispatch.num_tokens == 0)
     return (*varying_like((combined, active), x, topk_idx, topk_weights, active_ranks),
             *(varying_like(out, source) for out, source in zip(passed, through)))
 

@@ -89,7 +89,7 @@ def dispatch_recv(where: str, pending: Sequence[PendingDispatch]) -> list:
         callback = _DispatchRecvCallback(where, c, index, tuple(q.config.ranks.single.rank for q in pending))
         outputs = _call(where, callback, out_specs, operands,
                         {3 * index + 2: len(specs)}, c.command_buffer_compatible, has_side_effect=True)
-        results.append(_dispatch_results(c, specs, varying_like(outputs, *p.arrays)))
+        results.append(_dispatch_results(c, specs, varying_like(outputs, *p.arrays), p.arrays[1]))
     return results
 
 
