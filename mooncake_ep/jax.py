@@ -63,6 +63,7 @@ Note:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -252,7 +253,8 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
     x, topk_idx, topk_weights, active_ranks = (
         jax_args.as_jax(where, name, value) for name, value in
         (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
-    jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, topk_weights=topk_weights, active_ranks=active_ranks)
+    jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, topk_weights=topk_weights, active_ranks=active_ranks,
+                           handle=handle.recv_count)
     grad_parity = jax_args.check_parity(where, grad_parity, "grad_parity")
     static = _CombineStatic(ranks, grad_ranks, grad_parity, timeout_us, renormalize,
                             command_buffer_compatible)
@@ -486,7 +488,8 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, **options) ->
     """One Buffer per JAX device, as ranks of one in-process group, rank ``i`` on ``devices[i]``.
 
     Args:
-        devices: JAX devices in rank order, ``mesh.devices.flat`` of the ``shard_map``'s mesh: the
+        devices: distinct JAX devices in rank order, ``mesh.devices.flat`` of the ``shard_map``'s
+            mesh (or ``mesh.devices`` itself, read in that flat order): the
             program's data (its experts) is sharded by mesh position, so the Buffer of the device at
             position ``i`` must be rank ``i``. The CPU path checks it in every dispatch; on GPUs a
             mismatch is not detected (reading the position there would cost a host sync per call).
@@ -498,9 +501,17 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, **options) ->
         ``{device: Buffer}``, for the ``buffer`` argument of the ops. Destroy the Buffers with
         :func:`destroy_buffers`.
     """
-    devices = list(devices)
+    # A mesh's device array (any number of axes) in its flat order, the order of mesh positions.
+    devices = list(devices.flat) if isinstance(devices, np.ndarray) else list(devices)
     if not devices:
         raise ValueError("make_buffers: devices is empty; pass one JAX device per rank")
+    for device in devices:
+        if not isinstance(device, jax.Device):
+            raise TypeError(f"make_buffers: devices must be JAX devices, got {type(device).__name__}")
+    repeated = [d for d, n in collections.Counter(devices).items() if n > 1]
+    if repeated:
+        raise ValueError(f"make_buffers: devices must be distinct, one per rank; {repeated[0]} appears "
+                         f"{devices.count(repeated[0])} times")
     platforms = {d.platform for d in devices}
     if len(platforms) != 1:
         raise ValueError(f"make_buffers: devices must share one platform, got {sorted(platforms)}")

@@ -541,7 +541,12 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
     (lambda a: a | dict(x=np.zeros((3, 256), np.float64)), TypeError,
      r"x is a float64 numpy array, which JAX would cast silently; pass bfloat16"),
     (lambda a: a | dict(topk_idx=np.zeros((3, 2), np.uint64)), TypeError,
-     r"topk_idx is a uint64 numpy array, which JAX would turn into uint32 without a word"),
+     r"topk_idx is a uint64 numpy array, which JAX would turn into uint32 without a word; pass int32 \(int64 with"),
+    # int64 is taken as ids only: Buffer.dispatch refuses an int64 active_ranks, and so does x64 mode
+    (lambda a: a | dict(active_ranks=np.ones(1, np.int64)), TypeError,
+     r"active_ranks is a int64 numpy array, which JAX would turn into int32 without a word; pass int32"),
+    (lambda a: a | dict(x=np.zeros((3, 256), np.int64)), TypeError,
+     r"x is a int64 numpy array, which JAX would turn into int32 without a word; pass bfloat16"),
     (lambda a: a | dict(buffer=object()), TypeError, r"buffer must be a mooncake_ep.Buffer or a mapping"),
     (lambda a: a | dict(use_ue8m0=True), ValueError, r"use_ue8m0=True needs use_fp8=True and round_scale=True"),
     (lambda a: a | dict(command_buffer_compatible="no"), TypeError,
@@ -550,7 +555,7 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
     (lambda a: a | dict(topk_idx=np.where(np.arange(6).reshape(3, 2) == 5, 2**32, np.zeros((3, 2), np.int64))),
      ValueError, r"topk_idx holds 4294967296 at \(2, 1\), outside int32, and with jax_enable_x64 off"),
 ], ids=["x-float32", "hidden", "topk-float", "active-shape", "too-many-tokens", "parity", "x-float64-numpy",
-        "topk-uint64-numpy", "not-a-buffer", "ue8m0-alone", "command-buffer-str", "int64-id-past-int32"])
+        "topk-uint64-numpy", "active-int64-numpy", "x-int64-numpy", "not-a-buffer", "ue8m0-alone", "command-buffer-str", "int64-id-past-int32"])
 def test_bad_dispatch_is_refused_at_trace_time_and_the_buffer_still_works(mutate, error, pattern):
     case, buffer, (x, topk, active) = one_rank()
     good = dict(buffer=buffer, x=x, topk_idx=topk, active_ranks=active,
@@ -672,7 +677,8 @@ def test_unsupported_transformations_name_the_alternative():
 
 def test_split_form_refusals():
     case = make_case(11, num_ranks=2, num_tokens=[2, 2])
-    buffers = spawn(2, lambda g: reference_buffer(g, case))
+    num_bytes = ep.Buffer.get_ep_buffer_size_hint(2 * case.num_max_tokens, case.hidden, 2, case.num_experts)
+    buffers = spawn(2, lambda g: reference_buffer(g, case, num_bytes))
     args = lambda r: (jnp.asarray(case.xs[r]), jnp.asarray(case.topk_idxs[r]),  # noqa: E731
                       jnp.asarray(case.actives[r]))
     sent = [epj.dispatch_send(buffers[r], *args(r), case.num_max_tokens, case.num_experts, use_fp8=False)
@@ -686,7 +692,23 @@ def test_split_form_refusals():
         epj.dispatch_recv([sent[0], odd])
     with pytest.raises(TypeError, match="buffer must be one rank's mooncake_ep.Buffer"):
         epj.dispatch_send({jax.devices("cpu")[0]: buffers[0]}, *args(0), case.num_max_tokens, case.num_experts)
-    assert len(epj.dispatch_recv(sent)) == 2  # still usable
+    # Rank 1 of another group of the same size: on a GPU each kernel would wait for a peer that never sends.
+    others = spawn(2, lambda g: reference_buffer(g, case))
+    foreign = epj.dispatch_send(others[1], *args(1), case.num_max_tokens, case.num_experts, use_fp8=False)
+    with pytest.raises(ValueError, match="different Buffers: rank 1's Buffer belongs to another group than rank 0's"):
+        epj.dispatch_recv([sent[0], foreign])
+    received = epj.dispatch_recv(sent)  # still usable
+    assert len(received) == 2
+    # Combines of two different steps (here T and 2T): every field of the dispatch's step is compared.
+    longer = epj.dispatch_recv([epj.dispatch_send(buffers[r], *args(r), 2 * case.num_max_tokens, case.num_experts,
+                                                  use_fp8=False) for r in range(2)])
+
+    def combine_send(rank, results):
+        recv, _, handle, active = results[rank]
+        return epj.combine_send(buffers[rank], recv, args(rank)[1], jnp.asarray(case.weights[rank]), active, handle)
+    with pytest.raises(ValueError, match="every rank's combine must answer the same step"):
+        epj.combine_recv([combine_send(0, received), combine_send(1, longer)])
+    assert len(epj.combine_recv([combine_send(r, longer) for r in range(2)])) == 2
 
 
 def test_empty_buffer_mappings_are_refused():
@@ -694,6 +716,20 @@ def test_empty_buffer_mappings_are_refused():
         epj.make_buffers([], 1 << 20)
     with pytest.raises(ValueError, match="destroy_buffers: buffers is empty"):
         epj.destroy_buffers({})
+
+
+def test_make_buffers_takes_distinct_devices_or_a_mesh_array():
+    """A repeated device made a group of two ranks and a mapping of one (rank 0 leaked, and the
+    mapping could not be destroyed); a 2-D mesh.devices failed on its rows' missing .platform."""
+    devices = cpu_devices(4)
+    with pytest.raises(ValueError, match="devices must be distinct, one per rank; cpu:0 appears 2 times"):
+        epj.make_buffers([devices[0], devices[0]], 1 << 20)
+    with pytest.raises(TypeError, match="devices must be JAX devices, got int"):
+        epj.make_buffers([0, 1], 1 << 20)
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("ep", "dp"))
+    buffers = epj.make_buffers(mesh.devices, 1 << 20)
+    assert [(device, buffer.rank) for device, buffer in buffers.items()] == list(zip(mesh.devices.flat, range(4)))
+    epj.destroy_buffers(buffers)
 
 
 def test_programs_traced_before_destroy_buffers_are_traced_again_and_refused():
@@ -875,6 +911,18 @@ def test_eager_calls_check_the_arrays_devices_at_once():
     on_two = [jax.device_put(a, devices[2]) for a in args]
     with pytest.raises(ValueError, match=r"mooncake_ep.jax.dispatch: x: no Buffer for cpu:2; the mapping has cpu:0"):
         epj.dispatch(mapping, *on_two, T, E)
+    # Arrays of one call on different devices, named (XLA's message names "args[1] of buffer_callback").
+    one = mapping[devices[0]]
+    with pytest.raises(ValueError, match=r"dispatch: topk_idx is on cpu:2, x on cpu:0; put every array of the call"):
+        epj.dispatch(one, args[0], on_two[1], args[2], T, E, use_fp8=False)
+    recv, _, handle, active = epj.dispatch(one, *args, T, E, use_fp8=False)
+    weights = jnp.asarray(case.weights[0])
+    with pytest.raises(ValueError, match=r"combine: topk_weights is on cpu:2, x on cpu:0"):
+        epj.combine(one, recv, args[1], jax.device_put(weights, devices[2]), active, handle)
+    moved = [jax.device_put(a, devices[2]) for a in (recv, args[1], weights, active)]
+    with pytest.raises(ValueError, match=r"combine: handle is on cpu:0, x on cpu:2"):
+        epj.combine(one, *moved, handle)
+    epj.combine(one, recv, args[1], weights, active, handle)  # still usable
 
 
 def test_a_cuda_buffer_refuses_cpu_buffers_and_the_wrong_gpu():

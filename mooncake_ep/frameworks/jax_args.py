@@ -150,22 +150,26 @@ def abstract_view(array) -> _AbstractView:
 
 
 # The float dtype each float argument of the ops takes, for the advice to a caller passing float64.
-_FLOAT_DTYPES = {"x": "bfloat16", "topk_weights": "float32"}
+# The dtypes each op argument takes, for the advice of as_jax's refusals.
+_DTYPES_TAKEN = {"x": "bfloat16", "topk_idx": "int32 (int64 with jax_enable_x64)", "topk_weights": "float32",
+                 "active_ranks": "int32"}
 
 
 def as_jax(where: str, name: str, value):
     """A JAX array (or tracer) for an op argument, never a silent cast.
 
     JAX arrays and tracers pass through. numpy arrays are converted, except float64 ones, which JAX
-    would turn into float32 without a word when ``jax_enable_x64`` is off. 64-bit integers become
-    int32 the same way; expert ids fit, so that is accepted, but values outside int32 (which would
-    wrap, 2**32 turning into expert 0) are refused.
+    would turn into float32 without a word when ``jax_enable_x64`` is off, and any other that JAX
+    would turn into another dtype, but one: int64 ``topk_idx``, which becomes int32 the same way.
+    Expert ids fit, so that is accepted, but values outside int32 (which would wrap, 2**32 turning
+    into expert 0) are refused. (An int64 ``active_ranks`` is refused whatever x64 says, as
+    :meth:`mooncake_ep.Buffer.dispatch` refuses it.)
 
     Raises:
         TypeError: a float64 numpy array, another numpy array JAX would convert to another dtype
-            (but int64 to int32), or an object of another framework (convert it with
+            (but an int64 topk_idx to int32), or an object of another framework (convert it with
             ``jax.dlpack.from_dlpack``).
-        ValueError: a 64-bit integer numpy array with values outside int32 while x64 is off.
+        ValueError: an int64 topk_idx with values outside int32 while x64 is off.
     """
     import jax
     import jax.numpy as jnp
@@ -175,8 +179,9 @@ def as_jax(where: str, name: str, value):
     if isinstance(value, (np.ndarray, np.generic)):
         if value.dtype == np.float64:
             raise TypeError(f"{where}: {name} is a float64 numpy array, which JAX would cast silently; pass "
-                            f"{_FLOAT_DTYPES.get(name, 'float32')}")
-        if value.dtype.kind in "iu" and value.dtype.itemsize == 8 and value.size and not jax.config.jax_enable_x64:
+                            f"{_DTYPES_TAKEN.get(name, 'float32')}")
+        narrowed_ids = name == "topk_idx" and value.dtype == np.int64 and not jax.config.jax_enable_x64
+        if narrowed_ids and value.size:
             low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
             outside = (value < low) | (value > high)
             if outside.any():
@@ -185,10 +190,10 @@ def as_jax(where: str, name: str, value):
                                  f"jax_enable_x64 off JAX would wrap it into int32 without a word; pass int32 "
                                  f"values, or enable jax_enable_x64")
         converted = jnp.asarray(value)
-        if converted.dtype != value.dtype and not (value.dtype == np.int64 and converted.dtype == np.int32):
+        if converted.dtype != value.dtype and not narrowed_ids:
             # e.g. uint64 into uint32 with x64 off: name the caller's dtype, not the one JAX made of it
             raise TypeError(f"{where}: {name} is a {value.dtype} numpy array, which JAX would turn into "
-                            f"{converted.dtype} without a word; pass one of the dtypes {name} takes")
+                            f"{converted.dtype} without a word; pass {_DTYPES_TAKEN.get(name, value.dtype.name)}")
         return converted
     raise TypeError(f"{where}: {name} must be a jax.Array (or a numpy array), got {type(value).__module__}."
                     f"{type(value).__qualname__}; convert it with jax.dlpack.from_dlpack")
@@ -205,13 +210,22 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
     Raises:
         TypeError, ValueError: an array on a device no Buffer of ``ranks`` serves, as
             :meth:`Ranks.select` says.
-        ValueError: outside ``shard_map``, an array spread over several devices.
+        ValueError: outside ``shard_map``, an array spread over several devices; concrete arrays on
+            different devices (XLA's own message would name ``args[i] of buffer_callback``).
     """
     import jax
 
     # Outside shard_map, as far as this JAX can say (one without get_abstract_mesh cannot: no check).
     outside_shard_map = hasattr(jax.sharding, "get_abstract_mesh") and not manual_axes()
+    first = None  # (name, devices) of the first concrete array
     for name, array in arrays.items():
+        if not isinstance(array, jax.core.Tracer) and hasattr(array, "devices"):
+            devices = array.devices()
+            if first is None:
+                first = (name, devices)
+            elif devices != first[1]:
+                raise ValueError(f"{where}: {name} is on {_device_names(devices)}, {first[0]} on "
+                                 f"{_device_names(first[1])}; put every array of the call on one device")
         if outside_shard_map:
             count = _device_count(array)
             if count > 1:
@@ -226,6 +240,10 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
             else:
                 key = (DLPACK_CUDA, int(device.local_hardware_id))
             ranks.select(f"{where}: {name}", key)
+
+
+def _device_names(devices) -> str:
+    return ", ".join(sorted(f"{d.platform}:{d.id}" for d in devices))
 
 
 def manual_axes() -> tuple[str, ...]:

@@ -70,14 +70,6 @@ def dispatch_recv(where: str, pending: Sequence[PendingDispatch]) -> list:
     """The receive halves of every given rank's dispatch: ``[(recv_x, recv_count, handle, active_ranks)]``."""
     _register_pytrees()
     pending = _check_pending(where, pending, PendingDispatch, "dispatch_send")
-    base = pending[0].config
-    for p in pending:
-        c = p.config
-        if (c.num_max_dispatch_tokens_per_rank, c.hidden, c.num_experts, c.num_ranks, c.flags, c.parity) != \
-                (base.num_max_dispatch_tokens_per_rank, base.hidden, base.num_experts, base.num_ranks, base.flags,
-                 base.parity):
-            raise ValueError(f"{where}: every rank's dispatch must have the same T, hidden, num_experts, fp8 flags "
-                             f"and parity; rank {c.ranks.single.rank} differs from rank {base.ranks.single.rank}")
     operands = [a for p in pending for a in p.arrays]
     results = []
     for index, p in enumerate(pending):
@@ -101,11 +93,23 @@ def _check_pending(where: str, pending, kind: type, producer: str) -> list:
     for p in pending:
         if not isinstance(p, kind):
             raise TypeError(f"{where}: pending must hold {producer} results, got {type(p).__name__}")
-    ranks = [p.config.ranks.single.rank if isinstance(p, PendingDispatch) else p.config.dispatch.ranks.single.rank
-             for p in pending]
+    # A combine's step is its dispatch's: the same configuration on every rank, one Buffer's group.
+    dispatches = [p.config if isinstance(p, PendingDispatch) else p.config.dispatch for p in pending]
+    ranks = [c.ranks.single.rank for c in dispatches]
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"{where}: pending holds rank(s) {sorted({r for r in ranks if ranks.count(r) > 1})} more "
                          f"than once")
+    base = dispatches[0]
+    for c in dispatches[1:]:
+        if c.ranks.single._token != base.ranks.single._token:
+            raise ValueError(f"{where}: pending holds ranks of different Buffers: rank {c.ranks.single.rank}'s Buffer "
+                             f"belongs to another group than rank {base.ranks.single.rank}'s; every rank's call must be on the "
+                             f"Buffers of one group")
+        if (c.num_max_dispatch_tokens_per_rank, c.hidden, c.num_experts, c.flags, c.parity) != \
+                (base.num_max_dispatch_tokens_per_rank, base.hidden, base.num_experts, base.flags, base.parity):
+            raise ValueError(f"{where}: every rank's {'dispatch' if kind is PendingDispatch else 'combine'} must "
+                             f"answer the same step: the same T, hidden, num_experts, fp8 flags and parity; rank "
+                             f"{c.ranks.single.rank} differs from rank {base.ranks.single.rank}")
     return pending
 
 
@@ -172,9 +176,6 @@ def combine_recv(where: str, pending: Sequence[PendingCombine]) -> list:
     """The receive halves of every given rank's combine: ``[(combined_x, active_ranks)]``."""
     _register_pytrees()
     pending = _check_pending(where, pending, PendingCombine, "combine_send")
-    parities = {p.config.dispatch.parity for p in pending}
-    if len(parities) != 1:
-        raise ValueError(f"{where}: every rank's combine must answer dispatches of the same parity, got {parities}")
     sizes = [len(p.arrays) for p in pending]
     operands = [a for p in pending for a in p.arrays]
     results = []
