@@ -7,6 +7,7 @@ masks a dead rank instead of hanging. ``import mooncake_ep`` needs neither a GPU
 
 __version__ = "0.1.0"
 
+from mooncake_ep._handshake import RankMismatchError
 from mooncake_ep.buffer import Buffer, EventOverlap, Handle
 from mooncake_ep.group import Group, GroupError, LocalGroup, init_group
 from mooncake_ep.kernels import KernelCompileError
@@ -20,6 +21,7 @@ __all__ = [
     "Handle",
     "KernelCompileError",
     "LocalGroup",
+    "RankMismatchError",
     "TransportError",
     "__version__",
     "init_group",

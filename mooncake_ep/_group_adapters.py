@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from mooncake_ep import _tcp_store
 from mooncake_ep._group_common import (
     DEFAULT_TIMEOUT_S,
     GroupError,
@@ -49,6 +50,9 @@ DEFAULT_PREFIX = "mooncake_ep"
 _FOREVER_S = 30 * 24 * 3600.0
 # jax's blocking get takes whole milliseconds; a wait of less than 1 ms would read as "no wait".
 _MIN_WAIT_MS = 1
+# Seconds torch's TCPStore gets at least once its listener answered (its own handshake), however
+# little of timeout_s the wait for the listener left.
+_MIN_TORCH_TIMEOUT_S = 1.0
 # The status text jax's coordination service gives a blocking get that ran out of time.
 _JAX_DEADLINE = "DEADLINE_EXCEEDED"
 
@@ -321,12 +325,20 @@ def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_po
         GroupError: torch is missing, or the agent's store is unreachable within ``timeout_s``.
     """
     dist = _torch_distributed("init_group (under torchrun)")
+    where = f"init_group: rank {rank} cannot reach torchrun's store at {master_addr}:{master_port} " \
+            f"({TORCHRUN_AGENT_STORE_VAR}=True)"
+    # Our own bounded wait for the listener first: TCPStore's connect tries again after its timeout,
+    # which took twice timeout_s (and pages of C++ frames) where nothing listens.
+    deadline = time.monotonic() + _finite_s(timeout_s)
     try:
-        store = dist.TCPStore(master_addr, master_port, world_size, False,
-                              timeout=datetime.timedelta(seconds=_finite_s(timeout_s)))
+        _tcp_store.connect(master_addr, master_port, timeout_s).close()
+    except OSError as exc:
+        raise GroupError(f"{where}: nothing answered within {timeout_s} s ({exc})") from exc
+    try:
+        store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=datetime.timedelta(
+            seconds=max(deadline - time.monotonic(), _MIN_TORCH_TIMEOUT_S)))
     except RuntimeError as exc:
-        raise GroupError(f"init_group: rank {rank} cannot reach torchrun's store at {master_addr}:{master_port} "
-                         f"({TORCHRUN_AGENT_STORE_VAR}=True): {exc}") from exc
+        raise GroupError(f"{where}: {exc}") from exc
     return TorchStoreGroup(store, rank, world_size, timeout_s=timeout_s, device=device)
 
 

@@ -21,6 +21,15 @@ import json
 import struct
 from collections.abc import Callable, Sequence
 
+
+class RankMismatchError(ValueError):
+    """The ranks are not making the same call, or not with the same configuration.
+
+    Each rank's arguments may be fine on their own; together they do not fit (another Buffer size,
+    fp8 flag, call, mooncake_ep version, ...). Raised on every rank at once, naming each rank's value.
+    A ValueError, as every argument error of the library.
+    """
+
 CONSTRUCT = "construct"
 UPDATE = "update"
 
@@ -69,7 +78,7 @@ def exchange(group, mine: RankConfig, where: str) -> list[RankConfig]:
     """Every rank's config, in rank order, after checking that they fit together (collective).
 
     Raises:
-        ValueError: ranks differ in version, backend, num_ep_buffer_bytes or dispatch count, or a
+        RankMismatchError: ranks differ in version, backend, num_ep_buffer_bytes or dispatch count, or a
             rank is in another collective (a call of a Buffer: its blob is no RankConfig).
         RuntimeError: some rank has receive hooks pending (update_ep_member).
         GroupError: from the group (a rank that does not come is named by it).
@@ -83,7 +92,7 @@ def _unpack(blob: bytes, rank: int, where: str) -> RankConfig:
     try:
         return RankConfig.unpack(blob)
     except (ValueError, TypeError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"{where}: the ranks are not in the same call: rank {rank} is not building a Buffer or in "
+        raise RankMismatchError(f"{where}: the ranks are not in the same call: rank {rank} is not building a Buffer or in "
                          f"update_ep_member (a dispatch or combine?); every rank must make the same calls, on the "
                          f"same Buffers, in the same order") from error
 
@@ -103,7 +112,7 @@ def check(configs: Sequence[RankConfig], where: str) -> None:
     on_gpu = any(c.backend != "reference" for c in configs)
     if on_gpu and len({c.num_dispatches for c in running}) > 1:
         counts = by_rank({r: c.num_dispatches for r, c in enumerate(configs) if c.phase == UPDATE})
-        raise ValueError(f"{where}: ranks made different numbers of dispatches ({counts}); every rank must call "
+        raise RankMismatchError(f"{where}: ranks made different numbers of dispatches ({counts}); every rank must call "
                          f"dispatch and combine in the same order")
     pending = [r for r, c in enumerate(configs) if c.num_pending_hooks]
     if pending:
@@ -171,12 +180,12 @@ def check_same_configuration(group, num_max_dispatch_tokens_per_rank: int, hidde
     places.
 
     Raises:
-        ValueError: the ranks differ (naming them and their values).
+        RankMismatchError: the ranks differ (naming them and their values).
     """
     mine = _CONFIGURATION.pack(num_max_dispatch_tokens_per_rank, hidden, num_experts)
     seen = [_CONFIGURATION.unpack(blob) for blob in group.allgather_bytes(mine)]
     if len(set(seen)) > 1:
-        raise ValueError(
+        raise RankMismatchError(
             f"{where}: ranks disagree on (num_max_dispatch_tokens_per_rank, hidden, num_experts): "
             f"{by_rank(dict(enumerate(seen)))}; every rank must dispatch the same configuration, or the kernels "
             f"would read peers' workspaces at the wrong offsets")
@@ -186,7 +195,7 @@ def _same(where: str, configs: Sequence[RankConfig], field: str, what: str, valu
           fix: str) -> None:
     values = {r: value(c) for r, c in enumerate(configs)}
     if len(set(values.values())) > 1:
-        raise ValueError(f"{where}: ranks disagree on {what} ({by_rank(values)}); {fix}")
+        raise RankMismatchError(f"{where}: ranks disagree on {what} ({by_rank(values)}); {fix}")
 
 
 def by_rank(values: dict[int, object]) -> str:

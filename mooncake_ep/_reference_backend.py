@@ -17,7 +17,7 @@ import pickle
 import numpy as np
 
 from mooncake_ep import reference
-from mooncake_ep._handshake import by_rank
+from mooncake_ep._handshake import RankMismatchError, by_rank
 
 
 class ReferenceBackend:
@@ -48,7 +48,7 @@ class ReferenceBackend:
             values = {rank: their_call.get(field) for rank, their_call in enumerate(calls)}
             if field == MESH_POSITION:
                 if any(position != rank for rank, position in values.items()):
-                    raise ValueError(f"{where}: the shard_map's mesh does not put each rank's device at the rank's "
+                    raise RankMismatchError(f"{where}: the shard_map's mesh does not put each rank's device at the rank's "
                                      f"position (mesh positions by rank: {by_rank(values)}), so the program's data "
                                      f"(its experts, sharded by the mesh) would meet another rank's rows; give "
                                      f"make_buffers the mesh's devices in its order, make_buffers(mesh.devices.flat, "
@@ -58,7 +58,7 @@ class ReferenceBackend:
                 if field == "Buffer":  # tokens, named by first appearance
                     ordinals = {token: i for i, token in enumerate(dict.fromkeys(values.values()))}
                     values = {rank: f"Buffer #{ordinals[token]}" for rank, token in values.items()}
-                raise ValueError(f"{where}: the ranks are not in the same call: they disagree on {field} "
+                raise RankMismatchError(f"{where}: the ranks are not in the same call: they disagree on {field} "
                                  f"({by_rank(values)}); every rank must make the same calls, with the same "
                                  f"arguments, on the same Buffers, in the same order")
         return [arrays for _, arrays in gathered]

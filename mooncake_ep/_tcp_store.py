@@ -516,6 +516,21 @@ def _hung_up(sock: socket.socket | None) -> bool:
 _PORT_RANGE = (20000, 32768)
 
 
+def connect(host: str, port: int, timeout_s: float) -> socket.socket:
+    """A TCP connection to ``host:port``, tried again (backing off) until ``timeout_s`` has passed:
+    the listener may not be up yet. Raises the last attempt's OSError once the time is spent."""
+    deadline = time.monotonic() + timeout_s
+    delay = _CONNECT_RETRY_FIRST_S
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=_wait_arg(timeout_s))
+        except OSError:  # refused (server not up yet), unreachable, unresolvable
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2 * delay, _CONNECT_RETRY_MAX_S)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now on ``host``, for a store to listen on, below Linux's ephemeral range
     (32768-60999), from which the OS gives every outgoing connection on the machine its local port: a
@@ -568,21 +583,12 @@ class TCPStoreClient:
         self._who = who
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
-        deadline = time.monotonic() + self.timeout_s
-        delay = _CONNECT_RETRY_FIRST_S
-        while True:
-            try:
-                self._sock = socket.create_connection(
-                    (host, port), timeout=_wait_arg(self.timeout_s))
-                break
-            except OSError as exc:  # refused (server not up yet), unreachable, unresolvable
-                if time.monotonic() + delay > deadline:
-                    raise GroupError(
-                        f"{who}: could not connect to the store at {host}:{port} within "
-                        f"{self.timeout_s} s ({exc}); rank 0 serves it: check that rank 0 is "
-                        f"running and that MASTER_ADDR and MASTER_PORT match on every rank") from exc
-                time.sleep(delay)
-                delay = min(2 * delay, _CONNECT_RETRY_MAX_S)
+        try:
+            self._sock = connect(host, port, self.timeout_s)
+        except OSError as exc:
+            raise GroupError(f"{who}: could not connect to the store at {host}:{port} within {self.timeout_s} s "
+                             f"({exc}); rank 0 serves it: check that rank 0 is running and that MASTER_ADDR and "
+                             f"MASTER_PORT match on every rank") from exc
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _forget_after_fork_in_children(self)
         self._hello()

@@ -82,6 +82,7 @@ __all__ = [
     "LocalRankGroup",
     "MPIGroup",
     "StoreTimeoutError",
+    "TORCHRUN_AGENT_STORE_VAR",
     "TCPGroup",
     "TCPStoreClient",
     "TCPStoreServer",
@@ -394,10 +395,7 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
         group = _detect_group()
     if group is None and not tcp_args and rank is None and world_size is None and not rejoin \
             and os.environ.get(TORCHRUN_AGENT_STORE_VAR) == "True":
-        rank, world_size = _check_rank(where, _env_int(where, "RANK", "rank"),
-                                       _env_int(where, "WORLD_SIZE", "world_size"))
-        master_addr = os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
-        master_port = _check_port(where, _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT))
+        rank, world_size, master_addr, master_port = _tcp_settings(where, None, None, None, None)
         return torchrun_store_group(rank, world_size, master_addr, master_port, timeout_s=timeout_s, device=device)
     if group is None or group == "tcp":
         return _init_tcp_group(where, rank, world_size, master_addr, master_port, timeout_s, device, rejoin)
@@ -429,16 +427,36 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
     return adapter
 
 
-def _init_tcp_group(where: str, rank: int | None, world_size: int | None, master_addr: str | None,
-                    master_port: int | None, timeout_s: float, device: int | None, rejoin: bool) -> TCPGroup:
-    rank = _env_int(where, "RANK", "rank") if rank is None else rank
-    world_size = _env_int(where, "WORLD_SIZE", "world_size") if world_size is None else world_size
-    rank, world_size = _check_rank(where, rank, world_size)
+def _tcp_settings(where: str, rank: int | None, world_size: int | None, master_addr: str | None,
+                  master_port: int | None) -> tuple[int, int, str, int]:
+    """(rank, world_size, master_addr, master_port): the arguments given, the rest from the
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), checked. A value out of range that came
+    from the environment is refused with the variables read, which the caller set, not the argument."""
+    from_env = {}
+    if rank is None:
+        rank = from_env["RANK"] = _env_int(where, "RANK", "rank")
+    if world_size is None:
+        world_size = from_env["WORLD_SIZE"] = _env_int(where, "WORLD_SIZE", "world_size")
     if master_addr is None:
         master_addr = os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
     if master_port is None:
         master_port = _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT)
-    master_port = _check_port(where, master_port)
+        if "MASTER_PORT" in os.environ:
+            from_env["MASTER_PORT"] = master_port
+    try:
+        rank, world_size = _check_rank(where, rank, world_size)
+        master_port = _check_port(where, master_port)
+    except ValueError as exc:
+        if not from_env:
+            raise
+        read = ", ".join(f"{var}={value}" for var, value in from_env.items())
+        raise ValueError(f"{exc} (read from the environment: {read})") from None
+    return rank, world_size, master_addr, master_port
+
+
+def _init_tcp_group(where: str, rank: int | None, world_size: int | None, master_addr: str | None,
+                    master_port: int | None, timeout_s: float, device: int | None, rejoin: bool) -> TCPGroup:
+    rank, world_size, master_addr, master_port = _tcp_settings(where, rank, world_size, master_addr, master_port)
     if rejoin and rank == 0:
         raise ValueError(f"{where}: rejoin=True cannot take over rank 0: rank 0 serves the store, which died "
                          f"with it; restart every rank")

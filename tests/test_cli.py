@@ -219,6 +219,46 @@ def test_group_init_without_a_launchers_environment_is_a_usage_error(monkeypatch
     assert "error: --group init: init_group: rank was not given" in capsys.readouterr().err
 
 
+def test_ranks_started_with_other_flags_fail_in_one_line():
+    """Ranks of a --group init job (torchrun's, a custom launcher's) given different flags: every rank
+    says which value differs where, in one line (it was a 30-line traceback of a ValueError)."""
+    from mooncake_ep.group import free_port
+
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")),
+               PYTHONPATH=str(REPO_ROOT))
+    procs = [subprocess.Popen([sys.executable, "-m", "mooncake_ep", "demo", "--group", "init", "--backend", "reference",
+                               "--experts", "4", "--tokens", "8", "--hidden", hidden], cwd=REPO_ROOT, text=True,
+                              env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for rank, hidden in enumerate(["128", "256"])]
+    for proc in procs:
+        out, err = proc.communicate(timeout=PROCESS_LIMIT_S)
+        assert proc.returncode == cli.EXIT_FAILURE, out + err
+        assert "Traceback" not in err, err
+        assert "RankMismatchError: Buffer: ranks disagree on num_ep_buffer_bytes (rank 0: " in err, err
+
+
+@pytest.mark.parametrize("local_rank", ["", "abc", "-1"])
+def test_a_bad_local_rank_is_a_usage_error(monkeypatch, local_rank):
+    """A launcher's LOCAL_RANK that names no index (empty, as $SLURM_LOCALID outside srun): named, not a
+    traceback of int(); -1 had been wrapped silently onto the last GPU."""
+    from mooncake_ep.cli import launch
+
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    with pytest.raises(cli.UsageError, match=f"LOCAL_RANK must be a non-negative integer .*got {local_rank!r}"):
+        launch.use_process_device()
+
+
+def test_a_launch_inside_a_torchrun_worker_meets_at_its_own_store(monkeypatch, capsys):
+    """torchrun's TORCHELASTIC_USE_AGENT_STORE is not passed on: with it the ranks looked for torchrun's
+    store at the launch's port, where nothing serves it, and failed after twice the group timeout."""
+    from mooncake_ep.cli import launch
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    rank_code = "import os, sys; sys.exit(3 if 'TORCHELASTIC_USE_AGENT_STORE' in os.environ else 0)"
+    assert launch.launch("test", [sys.executable, "-c", rank_code], 2) == cli.EXIT_OK
+    assert "all 2 processes passed" in capsys.readouterr().out
+
+
 def test_the_demo_prints_the_tolerance_it_used():
     proc = run_cli("demo", *TINY, "--backend", "reference", "--tolerance", "0.025")
     assert proc.returncode == 0, proc.stdout + proc.stderr

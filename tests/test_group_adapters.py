@@ -194,6 +194,20 @@ def test_init_group_under_torchrun_uses_the_agent_store(tmp_path):
     assert results == [["TorchStoreGroup", r, 2, ["00", "0101"]] for r in range(2)], proc.stdout
 
 
+def test_an_unreachable_torchrun_store_is_named_within_the_timeout(clean_env):
+    """Nothing listens at MASTER_PORT under TORCHELASTIC_USE_AGENT_STORE=True: a GroupError naming the
+    store and the wait (TCPStore's own connect tried again after its timeout, twice timeout_s, and
+    raised pages of C++ frames)."""
+    pytest.importorskip("torch.distributed")
+    port = free_port()
+    clean_env.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        clean_env.setenv(name, value)
+    with pytest.raises(GroupError, match=rf"rank 1 cannot reach torchrun's store at 127.0.0.1:{port} "
+                                         rf"\(TORCHELASTIC_USE_AGENT_STORE=True\): nothing answered within 2.0 s"):
+        init_group(timeout_s=2.0)
+
+
 # ----------------------------------------------------------------------------- torch stores, threads
 
 
@@ -485,6 +499,17 @@ def test_init_group_argument_errors(clean_env):
     with pytest.raises(ValueError, match="RANK is not set.*or pass init_group\\(group=...\\) a torch ProcessGroup"):
         init_group("tcp")
     assert isinstance(init_group("tcp", rank=0, world_size=1), TCPGroup)
+    # Values out of range that came from the environment name the variables the caller set.
+    clean_env.setenv("RANK", "5")
+    clean_env.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\) = \[0, 2\), got 5 \(read from the "
+                                         r"environment: RANK=5, WORLD_SIZE=2\)"):
+        init_group()
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("MASTER_PORT", "99999")
+    with pytest.raises(ValueError, match=r"master_port must be in \[1, 65535\], got 99999 \(read from the "
+                                         r"environment: RANK=0, WORLD_SIZE=2, MASTER_PORT=99999\)"):
+        init_group()
 
 
 def test_init_group_returns_an_existing_group():

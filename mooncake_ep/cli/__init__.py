@@ -48,9 +48,11 @@ class OutputError(Exception):
 
 
 # Failures of the runtime that deserve a one-line message rather than a traceback: the user's
-# environment (a peer that never came, a kernel that does not compile here, no peer access, a
-# result file the system would not take).
-_REPORTED_ERRORS = (mooncake_ep.GroupError, mooncake_ep.KernelCompileError, mooncake_ep.TransportError, OutputError)
+# environment (a peer that never came, ranks of a --group init job started with other flags or
+# another mooncake_ep, a kernel that does not compile here, no peer access, a result file the
+# system would not take).
+_REPORTED_ERRORS = (mooncake_ep.GroupError, mooncake_ep.RankMismatchError, mooncake_ep.KernelCompileError,
+                    mooncake_ep.TransportError, OutputError)
 
 
 class UsageError(Exception):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mooncake_ep
 from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
-from mooncake_ep.group import free_port
+from mooncake_ep.group import TORCHRUN_AGENT_STORE_VAR, free_port
 
 # Seconds a launched process waits for its peers, to join and in each collective: long enough for N
 # processes to import their libraries and build their inputs on a loaded host, short enough to end a
@@ -85,11 +85,16 @@ def join_group(backend: str, device: int | None = None) -> mooncake_ep.Group:
 
 def use_process_device() -> int:
     """This process's GPU: LOCAL_RANK (set by torchrun and --launch) modulo the GPUs it sees, made
-    current for torch and cupy. Several processes may share one GPU; they time-slice it."""
+    current for torch and cupy. Several processes may share one GPU; they time-slice it. UsageError
+    for a LOCAL_RANK that is not a non-negative integer (a launcher's empty or unset variable)."""
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    if not (local_rank.isascii() and local_rank.isdigit()):
+        raise UsageError(f"--group init: the environment variable LOCAL_RANK must be a non-negative integer (this "
+                         f"process's index on its host), got {local_rank!r}")
     import cupy
     import torch
 
-    device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    device = int(local_rank) % torch.cuda.device_count()
     torch.cuda.set_device(device)
     cupy.cuda.Device(device).use()
     return device
@@ -109,6 +114,9 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     print(f"mooncake_ep {command}: launching {num_processes} processes, store at {LAUNCH_ADDR}:{port}")
     sys.stdout.flush()
+    # A launch inside a torchrun worker: its ranks meet at this launch's store, not torchrun's agent's
+    # (init_group would look for that one at the MASTER_PORT given here, where nothing serves it).
+    inherited = {name: value for name, value in os.environ.items() if name != TORCHRUN_AGENT_STORE_VAR}
     procs: list[subprocess.Popen] = []
     # A launcher stopped by SIGINT, SIGTERM or SIGHUP stops its processes too, and one suspended
     # (SIGTSTP: Ctrl-Z) suspends them with it: the handler only notes the signal, and the loops below
@@ -117,7 +125,7 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     stop = _StopOnSignal(procs)
     try:
         for rank in range(num_processes):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
+            env = dict(inherited, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR=LAUNCH_ADDR, MASTER_PORT=str(port),
                        PYTHONPATH=python_path, **{LAUNCHER_PID_ENV: str(os.getpid())})
             procs.append(subprocess.Popen(list(argv), env=env, start_new_session=_OWN_SESSIONS))
