@@ -92,9 +92,9 @@ def _unpack(blob: bytes, rank: int, where: str) -> RankConfig:
     try:
         return RankConfig.unpack(blob)
     except (ValueError, TypeError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise RankMismatchError(f"{where}: the ranks are not in the same call: rank {rank} is not building a Buffer or in "
-                         f"update_ep_member (a dispatch or combine?); every rank must make the same calls, on the "
-                         f"same Buffers, in the same order") from error
+        raise RankMismatchError(f"{where}: the ranks are not in the same call: rank {rank} is not building a Buffer "
+                                f"or in update_ep_member (a dispatch or combine?); every rank must make the same "
+                                f"calls, on the same Buffers, in the same order") from error
 
 
 def check(configs: Sequence[RankConfig], where: str) -> None:
@@ -112,8 +112,8 @@ def check(configs: Sequence[RankConfig], where: str) -> None:
     on_gpu = any(c.backend != "reference" for c in configs)
     if on_gpu and len({c.num_dispatches for c in running}) > 1:
         counts = by_rank({r: c.num_dispatches for r, c in enumerate(configs) if c.phase == UPDATE})
-        raise RankMismatchError(f"{where}: ranks made different numbers of dispatches ({counts}); every rank must call "
-                         f"dispatch and combine in the same order")
+        raise RankMismatchError(f"{where}: ranks made different numbers of dispatches ({counts}); every rank must "
+                                f"call dispatch and combine in the same order")
     pending = [r for r, c in enumerate(configs) if c.num_pending_hooks]
     if pending:
         raise RuntimeError(f"{where}: ranks {pending} have receive hooks pending; call them (on every rank) before "

@@ -48,19 +48,19 @@ class ReferenceBackend:
             values = {rank: their_call.get(field) for rank, their_call in enumerate(calls)}
             if field == MESH_POSITION:
                 if any(position != rank for rank, position in values.items()):
-                    raise RankMismatchError(f"{where}: the shard_map's mesh does not put each rank's device at the rank's "
-                                     f"position (mesh positions by rank: {by_rank(values)}), so the program's data "
-                                     f"(its experts, sharded by the mesh) would meet another rank's rows; give "
-                                     f"make_buffers the mesh's devices in its order, make_buffers(mesh.devices.flat, "
-                                     f"...)")
+                    raise RankMismatchError(
+                        f"{where}: the shard_map's mesh does not put each rank's device at the rank's position (mesh "
+                        f"positions by rank: {by_rank(values)}), so the program's data (its experts, sharded by the "
+                        f"mesh) would meet another rank's rows; give make_buffers the mesh's devices in its order, "
+                        f"make_buffers(mesh.devices.flat, ...)")
                 continue
             if len(set(values.values())) > 1:
                 if field == "Buffer":  # tokens, named by first appearance
                     ordinals = {token: i for i, token in enumerate(dict.fromkeys(values.values()))}
                     values = {rank: f"Buffer #{ordinals[token]}" for rank, token in values.items()}
                 raise RankMismatchError(f"{where}: the ranks are not in the same call: they disagree on {field} "
-                                 f"({by_rank(values)}); every rank must make the same calls, with the same "
-                                 f"arguments, on the same Buffers, in the same order")
+                                        f"({by_rank(values)}); every rank must make the same calls, with the same "
+                                        f"arguments, on the same Buffers, in the same order")
         return [arrays for _, arrays in gathered]
 
     def dispatch(self, gathered: list[tuple], num_max_dispatch_tokens_per_rank: int, num_experts: int, *,

@@ -555,7 +555,8 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
     (lambda a: a | dict(topk_idx=np.where(np.arange(6).reshape(3, 2) == 5, 2**32, np.zeros((3, 2), np.int64))),
      ValueError, r"topk_idx holds 4294967296 at \(2, 1\), outside int32, and with jax_enable_x64 off"),
 ], ids=["x-float32", "hidden", "topk-float", "active-shape", "too-many-tokens", "parity", "x-float64-numpy",
-        "topk-uint64-numpy", "active-int64-numpy", "x-int64-numpy", "not-a-buffer", "ue8m0-alone", "command-buffer-str", "int64-id-past-int32"])
+        "topk-uint64-numpy", "active-int64-numpy", "x-int64-numpy", "not-a-buffer", "ue8m0-alone",
+        "command-buffer-str", "int64-id-past-int32"])
 def test_bad_dispatch_is_refused_at_trace_time_and_the_buffer_still_works(mutate, error, pattern):
     case, buffer, (x, topk, active) = one_rank()
     good = dict(buffer=buffer, x=x, topk_idx=topk, active_ranks=active,

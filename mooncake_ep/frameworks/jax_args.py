@@ -149,7 +149,6 @@ def abstract_view(array) -> _AbstractView:
     return _AbstractView(tuple(int(n) for n in array.shape), np.dtype(array.dtype).name)
 
 
-# The float dtype each float argument of the ops takes, for the advice to a caller passing float64.
 # The dtypes each op argument takes, for the advice of as_jax's refusals.
 _DTYPES_TAKEN = {"x": "bfloat16", "topk_idx": "int32 (int64 with jax_enable_x64)", "topk_weights": "float32",
                  "active_ranks": "int32"}

@@ -353,7 +353,8 @@ def _dispatch_results(config: DispatchConfig, specs, outputs, topk_idx):
     recv = tuple(outputs[:num_recv])
     recv_count, active = outputs[num_recv], outputs[num_recv + 1]
     # The CPU path's metadata ends with a copy of the ids; on the GPU the operand itself is kept.
-    handle = Handle(config, (recv_count, *outputs[num_recv + 2:], *([topk_idx] if config.backend != "reference" else [])))
+    kept_ids = [topk_idx] if config.backend != "reference" else []
+    handle = Handle(config, (recv_count, *outputs[num_recv + 2:], *kept_ids))
     return (recv if config.use_fp8 else recv[0]), recv_count, handle, active
 
 
