@@ -262,7 +262,8 @@ class CudaBackend:
         if found is not None:
             return found
         if len(self._layouts) >= MAX_LAYOUTS:
-            raise ValueError(f"Buffer: more than {MAX_LAYOUTS} distinct (T, hidden, num_experts) configurations")
+            raise ValueError(f"dispatch: this Buffer already holds {MAX_LAYOUTS} distinct (T, hidden, num_experts) "
+                             f"configurations, the most it can; reuse one of them or build another Buffer")
         workspace_layout = layout.compute_layout(self.group.world_size, num_experts, num_max_tokens, hidden,
                                                  self.workspace.num_bytes)
         offset = len(self._layouts) * layout.LAYOUT_SLOT_BYTES

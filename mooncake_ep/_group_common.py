@@ -247,6 +247,12 @@ class _KeyValueGroup:
         return self._epoch
 
     @property
+    def broken(self) -> str | None:
+        """Why the group's collectives refuse to run until :meth:`renew_membership` (a collective
+        that failed); None while the group is sound."""
+        return self._broken
+
+    @property
     def timeout_s(self) -> float:
         """Seconds each collective waits for its peers before raising GroupError."""
         return self._timeout_s

@@ -197,6 +197,8 @@ class Buffer:
         configs = _handshake.exchange(group, self._rank_config(_handshake.CONSTRUCT), "Buffer")
         self._num_dispatches = _handshake.running_dispatches(configs)
         self._token = _handshake.buffer_token(configs)
+        # The group's membership epoch this Buffer's peers were last connected in (update_ep_member).
+        self._membership_epoch = getattr(group, "membership_epoch", None)
         if use_cuda:
             self._cuda = self._build_cuda_backend(configs, kernel_cache_dir)
         self.backend = "cuda" if self._cuda is not None else "reference"
@@ -376,13 +378,15 @@ class Buffer:
                                                dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
             self._num_dispatches += 1
         else:
-            self._num_dispatches += 1
             launch = self._dispatch_launcher(x_view, topk_view, active_view, [view for view, _ in outputs],
                                              parity=handle.parity,
                                              num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                              num_experts=num_experts, timeout_us=timeout_us, use_fp8=use_fp8,
                                              round_scale=round_scale, use_ue8m0=use_ue8m0)
             receive = self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
+            # Counted once the send half is launched: a configuration refused on the way (the layout
+            # limit, ranks that disagree on it) used no parity, and the handles before it stay valid.
+            self._num_dispatches += 1
         event, hook = self._finish("dispatch", handle, receive, async_finish, return_recv_hook, stream_ptr, x_view,
                                    (x_view, topk_view, active_view), outputs)
         if written_tensors:
@@ -510,6 +514,10 @@ class Buffer:
         where = "combine"
         if self._destroyed:  # the flag first: this is every call's path
             self._check_alive(where)
+        if handle is None and isinstance(timeout_us, Handle):  # DeepEP's order: (x, topk_idx, topk_weights, handle)
+            raise TypeError(f"{where}: the Handle was passed as timeout_us, the 5th argument (mooncake_ep's order is "
+                            f"combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)); pass "
+                            f"handle=handle")
         self._check_handle(where, handle)
         topk_view = read_array(topk_idx, name="combine: topk_idx")
         stream_ptr = self._stream_for(topk_view)
@@ -699,6 +707,10 @@ class Buffer:
         ``renew_membership`` (the store groups) starts its next membership epoch first, which also
         repairs a group broken by a timed-out collective; the configurations are then checked
         again and, on the GPU, the peers' workspaces re-mapped (the dead one's mapping closed).
+        Several Buffers of one group (a forward Buffer and a ``grad_buffer``): every survivor
+        updates each of them, in the order in which the replacement builds them; the first update
+        starts the epoch and the others join it (as does a retry of a refused update), unless the
+        group broke since.
 
         Returns:
             The ranks whose process was replaced, ascending: set ``active_ranks[r] = 1`` for them
@@ -716,12 +728,18 @@ class Buffer:
         """
         self._check_alive("update_ep_member")
         renew = getattr(self.group, "renew_membership", None)
-        if renew is not None:
+        epoch = getattr(self.group, "membership_epoch", None)
+        # One epoch per change of members, whatever the number of Buffers: the replacement joins one
+        # round (init_group(rejoin=True)), then builds each Buffer in it. An epoch newer than this
+        # Buffer's was started by another Buffer's update, or by this one's refused after renewing.
+        if renew is not None and (epoch is None or epoch == self._membership_epoch or
+                                  getattr(self.group, "broken", None) is not None):
             renew()
         configs = _handshake.exchange(self.group, self._rank_config(_handshake.UPDATE), "update_ep_member")
         self._num_dispatches = _handshake.running_dispatches(configs)  # equal on the GPU, the most on the CPU
         if self._cuda is not None:
             self._cuda.connect()
+        self._membership_epoch = getattr(self.group, "membership_epoch", None)
         return _handshake.replaced_ranks(configs)
 
     def destroy(self) -> None:

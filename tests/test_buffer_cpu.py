@@ -965,6 +965,9 @@ COMBINE_REJECTIONS = [
     ("handle-none", TypeError, r"combine: handle must be the Handle returned by dispatch, got NoneType",
      lambda c: dict(handle=None)),
     ("handle-tuple", TypeError, r"combine: handle must be the Handle", lambda c: dict(handle=(1, 2, 3))),
+    # DeepEP's order, combine(x, topk_idx, topk_weights, handle): the handle lands in timeout_us
+    ("handle-as-timeout", TypeError, r"combine: the Handle was passed as timeout_us, the 5th argument .*pass "
+                                     r"handle=handle", lambda c: dict(timeout_us=c.handle, handle=None)),
     ("out-wrong-dtype", TypeError, r"combine: out combined_x must be bfloat16, got float32",
      lambda c: dict(out=np.zeros((VCASE.xs[c.rank].shape[0], 256), np.float32))),
     ("out-read-only", ValueError, r"combine: out combined_x is read-only",

@@ -194,6 +194,32 @@ def test_parity_alternates_and_combine_answers_its_dispatch(setup):
         buf.combine(expert_out, inputs["topk_idx"], weights, inputs["active_ranks"], 10, handles[0], out=combined)
 
 
+def test_a_dispatch_refused_on_its_way_to_the_launch_uses_no_parity(setup):
+    """A configuration the backend refuses (here: past its layout limit) launches nothing, so it is not
+    counted: the next dispatch takes the parity the refused one would have, and the handle before it
+    stays valid (it had been refused as stale after one real dispatch)."""
+    buf, cuda, device, inputs = setup
+    weights = device(np.ones((3, K), np.float32))
+    def dispatch():
+        return buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                            out=dispatch_out(device, False))[2]
+    first = dispatch()
+    real_layout_for = cuda.layout_for
+
+    def refuse(*args):
+        raise ValueError("dispatch: this Buffer already holds 64 distinct (T, hidden, num_experts) configurations")
+    cuda.layout_for = refuse
+    with pytest.raises(ValueError, match="already holds 64 distinct"):
+        dispatch()
+    cuda.layout_for = real_layout_for
+    second = dispatch()
+    assert [l.parity for l in cuda.launches if l.phases & SEND] == [0, 1]
+    assert (first.dispatch_index, second.dispatch_index) == (0, 1)
+    expert_out = device(np.zeros((E // R, R * T, H), ml_dtypes.bfloat16))
+    combined = device(np.zeros((3, H), ml_dtypes.bfloat16))
+    buf.combine(expert_out, inputs["topk_idx"], weights, inputs["active_ranks"], handle=first, out=combined)  # valid
+
+
 def test_int32_expert_ids_reach_both_kernels_as_int32(setup):
     buf, cuda, device, inputs = setup
     topk32 = device(np.array([[0, 5], [7, -1], [2, 3]], dtype=np.int32))

@@ -341,6 +341,57 @@ def test_a_second_replacement_joins_the_next_epoch():
     run_in_threads([lambda g=g: g.close() for g in groups])
 
 
+def test_a_replacement_builds_every_buffer_the_survivors_update_and_a_refused_update_is_retried():
+    """Two Buffers per rank (a forward Buffer and a grad_buffer): the survivors update both, the
+    replacement joins once and builds both. The first update is refused (hooks pending, on every
+    rank, the replacement's Buffer too); the retries meet. Each update had renewed the epoch, so the
+    second Buffer's (and every retry's) waited in an epoch the replacement never joined."""
+    import numpy as np
+
+    import mooncake_ep as ep
+    from mooncake_ep.reference import bfloat16
+
+    world_size, T, H, E, K = 3, 4, 128, 6, 2
+    size = ep.Buffer.get_ep_buffer_size_hint(T, H, world_size, E)
+    port = free_port()
+    groups = join(port, world_size)
+    buffers = run_in_threads([lambda g=g: [ep.Buffer(g, size, backend="reference") for _ in range(2)] for g in groups])
+
+    def step(buffer, hook: bool):
+        rng = np.random.default_rng(buffer.rank)
+        x = rng.standard_normal((T, H)).astype(bfloat16)
+        topk = np.argsort(rng.random((T, E)), axis=1)[:, :K].copy()
+        active = np.ones(world_size, np.int32)
+        recv, _, handle, _, receive = buffer.dispatch(x, topk, active, T, E, use_fp8=False, return_recv_hook=hook)
+        if hook:
+            return receive
+        combined, _, _ = buffer.combine(recv, topk, np.ones((T, K), np.float32), active, handle=handle)
+        return combined
+
+    hooks = run_in_threads([lambda b=b: step(b[0], hook=True) for b in buffers])
+    die(groups[2])  # with its hook pending, as the survivors' are
+
+    def survivor(rank):
+        forward, grad = buffers[rank]
+        with pytest.raises(RuntimeError, match=r"update_ep_member: ranks \[0, 1\] have receive hooks pending"):
+            forward.update_ep_member()
+        hooks[rank]()
+        return forward.update_ep_member(), grad.update_ep_member(), step(forward, hook=False).shape
+
+    def replacement():
+        group = join_while_claimed(lambda: TCPGroup(2, world_size, master_port=port, timeout_s=LONG_TIMEOUT_S,
+                                                    rejoin=True))
+        with pytest.raises(RuntimeError, match=r"Buffer: ranks \[0, 1\] have receive hooks pending"):
+            ep.Buffer(group, size, backend="reference")
+        forward, grad = ep.Buffer(group, size, backend="reference"), ep.Buffer(group, size, backend="reference")
+        return group, step(forward, hook=False).shape
+
+    *survivors, (groups[2], replaced_shape) = run_in_threads([lambda: survivor(0), lambda: survivor(1), replacement])
+    assert survivors == [([2], [2], (T, H))] * 2 and replaced_shape == (T, H), survivors
+    assert [g.membership_epoch for g in groups] == [1, 1, 1]
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
 def test_renew_times_out_naming_the_missing_rank_and_can_be_retried():
     port = free_port()
     groups = join(port, 3)
