@@ -514,7 +514,7 @@ class Buffer:
         where = "combine"
         if self._destroyed:  # the flag first: this is every call's path
             self._check_alive(where)
-        if handle is None and isinstance(active_ranks, Handle) or isinstance(timeout_us, Handle):
+        if handle is None and (isinstance(active_ranks, Handle) or isinstance(timeout_us, Handle)):
             # DeepEP's order, combine(x, topk_idx, topk_weights, handle), or the handle one place early
             misplaced = "active_ranks, the 4th" if isinstance(active_ranks, Handle) else "timeout_us, the 5th"
             raise TypeError(f"{where}: the Handle was passed as {misplaced} argument (mooncake_ep's order is "

@@ -444,6 +444,7 @@ def _tcp_settings(where: str, rank: int | None, world_size: int | None, master_a
         master_port = _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT)
         if "MASTER_PORT" in os.environ:
             from_env["MASTER_PORT"] = master_port
+
     def checked(check, *variables):
         try:
             return check()
