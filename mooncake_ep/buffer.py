@@ -122,7 +122,8 @@ class Buffer:
             among the ranks on it (threads or processes). Every rank on a GPU must fit at once, since
             a waiting block holds its SM.
         backend: ``"auto"`` (GPU if one is visible, else the numpy reference), ``"cuda"`` or
-            ``"reference"``. A call whose arrays live elsewhere than the backend is refused.
+            ``"reference"``. Host (numpy, CPU torch or JAX) arrays run on the reference path whatever
+            the backend; CUDA arrays need the ``"cuda"`` backend (refused on a reference Buffer).
         kernel_cache_dir: where compiled kernels are cached (default: see :mod:`mooncake_ep.kernels`).
 
     Note:
@@ -278,6 +279,26 @@ class Buffer:
         check_int(where, "num_ranks", num_ranks, minimum=1, maximum=_constants.MAX_RANKS)
         check_experts(where, num_experts, num_ranks)
         return layout.compute_layout(num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden).num_bytes
+
+    @staticmethod
+    def get_grad_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                  num_experts: int, num_topk: int) -> int:
+        """Bytes of the ``grad_buffer`` of ``mooncake_ep.torch.combine`` / ``mooncake_ep.jax.combine``.
+
+        The gradient of combine is a dispatch of ``num_tokens * num_topk`` rows, one per copy, so
+        the gradient's Buffer is sized for ``T * num_topk`` tokens: its receive layout holds
+        ``num_local_experts * num_ranks * T * num_topk`` rows, num_topk times the forward's (the cost
+        of placing gradient rows exactly with the low-latency kernels). Both front ends export it
+        as ``grad_buffer_size_hint``.
+
+        Args:
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts: as for
+                :meth:`get_ep_buffer_size_hint`.
+            num_topk: K, in [1, 16].
+        """
+        check_int("grad_buffer_size_hint", "num_topk", num_topk, minimum=1, maximum=_constants.MAX_TOPK)
+        return Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank * num_topk, hidden, num_ranks,
+                                              num_experts)
 
     # --- dispatch -------------------------------------------------------------------------------
 

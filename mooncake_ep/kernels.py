@@ -7,7 +7,8 @@ disk, :func:`warmup` fills that cache ahead of time, and :class:`Launcher` is a 
 with its launch settings. Everything a buffer needs is compiled and loaded when the buffer is
 built, never inside a call: loading a module during graph capture breaks the capture.
 
-The cache lives in ``$MOONCAKE_EP_CACHE_DIR`` if set, else ``~/.cache/mooncake_ep/kernels``.
+The cache lives in ``$MOONCAKE_EP_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/mooncake_ep/kernels``
+(``~/.cache/mooncake_ep/kernels`` where XDG_CACHE_HOME is unset).
 """
 
 from __future__ import annotations

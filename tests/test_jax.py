@@ -762,8 +762,9 @@ def test_programs_traced_before_destroy_buffers_are_traced_again_and_refused():
 
 def test_grad_buffer_size_hint_is_the_hint_for_t_times_k_tokens():
     assert epj.grad_buffer_size_hint(8, 256, 2, 4, 3) == ep.Buffer.get_ep_buffer_size_hint(24, 256, 2, 4)
-    with pytest.raises(ValueError, match=r"num_topk must be an int in \[1, 16\], got 0"):
+    with pytest.raises(ValueError, match=r"grad_buffer_size_hint: num_topk must be >= 1, got 0"):
         epj.grad_buffer_size_hint(8, 256, 2, 4, 0)
+    assert epj.grad_buffer_size_hint is ep.Buffer.get_grad_buffer_size_hint  # one rule for both front ends
 
 
 # --- the GPU launch path of the ops, on a recording backend ----------------------------------------------
