@@ -395,6 +395,12 @@ class CudaBackend:
             self.layout_table.free()
             if self._owns_comm_stream:
                 _return_comm_stream(self.device_id, self.comm_stream)  # idle: this process's work is done
+        # In-process ranks share the device: none may return and launch again (its next Buffer's
+        # kernels wait for peers) while a peer is still in the device-wide synchronisation of its
+        # free, which would wait for that kernel as the kernel waits for the peer. Every rank frees
+        # before any returns.
+        if self.transport == "local" and self.group.world_size > 1 and failure is None:
+            failure = self._barrier()
         if failure is not None and raise_group_error:
             raise failure
 

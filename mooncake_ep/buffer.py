@@ -524,7 +524,10 @@ class Buffer:
             timeout_us: microseconds to wait for an expert rank before masking it; -1 waits forever.
             handle: the handle of the dispatch this combine answers (that dispatch or the one after).
             zero_copy: the expert outputs were written into :meth:`get_next_combine_buffer`.
-            async_finish, return_recv_hook: as in :meth:`dispatch`.
+            async_finish, return_recv_hook: as in :meth:`dispatch`. With a hook, in-process peers
+                (the ``local`` transport) read ``x`` where it is until this rank's ``hook()`` has
+                run on the stream: the call keeps ``x`` alive until then, and the caller must not
+                write it meanwhile.
             out: ``[num_tokens, hidden]`` bf16 array to write into.
             renormalize: scale each token's live weights so they sum to the sum of all its weights.
 
@@ -837,6 +840,11 @@ class Buffer:
             else:
                 self._pending_combine_hooks[handle.parity] = self._pending_combine_hooks.get(handle.parity, 0) + 1
             called = []
+            # The call's arrays live until the receive half is launched: it writes the outputs, and
+            # with direct reads in-process peers read a combine's x in their receive halves, which
+            # this rank's own receive half waits for. Dropped by the caller meanwhile, their memory
+            # could go to new work, which the kernels would then read or overwrite.
+            arrays = [inputs, outputs]
 
             def hook() -> None:
                 if called:
@@ -846,6 +854,7 @@ class Buffer:
                 try:
                     self._receive(call, handle, receive)
                 finally:
+                    arrays.clear()  # launched: the stream orders any later use of that memory after it
                     if call == "dispatch":
                         self._pending_hooks.discard(handle.parity)
                     else:
