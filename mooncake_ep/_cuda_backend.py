@@ -361,7 +361,10 @@ class CudaBackend:
     def stream_wait(self, stream_ptr: int, event) -> None:
         import cupy
 
-        cupy.cuda.runtime.streamWaitEvent(stream_ptr, event.ptr, 0)
+        # On this rank's device: a default-stream handle (0, 2) names the current device's stream,
+        # and the calling thread may have another device current.
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.runtime.streamWaitEvent(stream_ptr, event.ptr, 0)
 
     # --- teardown ---------------------------------------------------------------------------------
 
