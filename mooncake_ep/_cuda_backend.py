@@ -220,7 +220,8 @@ class CudaBackend:
                 # (the caller has nothing of its own in flight: see Buffer.update_ep_member).
                 "steps": list(_STEPS.unpack(self.workspace.peek(state, _STEPS.size))),
                 "agreed": sorted(self._agreed)}
-        records = [json.loads(blob) for blob in self.group.allgather_bytes(json.dumps(mine).encode())]
+        records = [_agreement_record(blob, rank) for rank, blob in
+                   enumerate(self.group.allgather_bytes(json.dumps(mine).encode()))]
         digests = {rank: record["digest"][:12] for rank, record in enumerate(records)}
         if len(set(digests.values())) > 1:
             nvrtc = {rank: ".".join(map(str, record["nvrtc"])) for rank, record in enumerate(records)}
@@ -422,6 +423,19 @@ class CudaBackend:
 
         with cupy.cuda.Device(self.device_id):
             cupy.cuda.runtime.deviceSynchronize()
+
+
+def _agreement_record(blob: bytes, rank: int) -> dict:
+    """A rank's record of _agree_on_kernels_and_steps; RankMismatchError if that rank is in another call."""
+    try:
+        record = json.loads(blob)
+        if isinstance(record, dict) and {"digest", "nvrtc", "steps", "agreed"} <= record.keys():
+            return record
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        pass
+    raise _handshake.RankMismatchError(f"Buffer: the ranks are not in the same call: rank {rank} is not connecting "
+                                       f"a Buffer's workspace (a dispatch or combine of the reference backend, or "
+                                       f"another collective?); every rank must make the same calls in the same order")
 
 
 def _release_unreachable(rank: int, ipc, workspace: DeviceWorkspace, layout_table: DeviceWorkspace,
