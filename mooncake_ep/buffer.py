@@ -768,10 +768,11 @@ class Buffer:
             renew()
         configs = _handshake.exchange(self.group, self._rank_config(_handshake.UPDATE), "update_ep_member")
         self._num_dispatches = _handshake.running_dispatches(configs)  # equal on the GPU, the most on the CPU
+        replaced = _handshake.replaced_ranks(configs)
         if self._cuda is not None:
-            self._cuda.connect()
+            self._cuda.connect(replaced)
         self._membership_epoch = getattr(self.group, "membership_epoch", None)
-        return _handshake.replaced_ranks(configs)
+        return replaced
 
     def destroy(self) -> None:
         """Free the workspace after every rank is done with it (collective; idempotent).
