@@ -550,6 +550,29 @@ class LocalRankGroup:
         stream = self.local_group._streams[self.rank]
         return None if stream is None else int(stream.ptr)
 
+    def claim_stream(self, device_id: int, stream_ptr: int) -> int | None:
+        """Note that this rank's calls now run on stream ``stream_ptr`` of ``device_id``, unless
+        another rank's latest call ran there: that rank is returned, and nothing is noted.
+
+        Ranks sharing a stream serialise: a rank's receive half, waiting for a peer's send queued
+        behind it, could only time out and mask a healthy peer (the Buffers refuse such a call).
+        """
+        group = self.local_group
+        # cudaStreamPerThread (2) is a stream per thread, and so not shared by two threads' ranks.
+        key = (device_id, stream_ptr, threading.get_ident() if stream_ptr == _PER_THREAD_STREAM else 0)
+        previous = group._stream_of_rank.get(self.rank)
+        if previous == key:  # every call after the first on a stream
+            return None
+        with group._state_lock:
+            owner = group._rank_of_stream.get(key)
+            if owner is not None and owner != self.rank:
+                return owner
+            if previous is not None:
+                group._rank_of_stream.pop(previous, None)
+            group._rank_of_stream[key] = self.rank
+            group._stream_of_rank[self.rank] = key
+        return None
+
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order. Collective over the LocalGroup's rank threads.
 
@@ -584,6 +607,9 @@ class LocalRankGroup:
                              f"round {odd}; every rank must make the same sequence of collective calls")
         return [d for _, d in slots]
 
+
+# cudaStreamPerThread's handle: each thread's own default stream.
+_PER_THREAD_STREAM = 2
 
 # Communication streams of every LocalGroup made in this process: never destroyed (_make_streams).
 _kept_streams: list[Any] = []
@@ -632,6 +658,9 @@ class LocalGroup:
         self._threads: list[threading.Thread] = []
         self._streams: list[Any] = [None] * num_ranks  # cupy.cuda.Stream per rank
         self._comm_streams: list[Any] = [None] * num_ranks  # and each rank's communication stream
+        # The stream of each rank's latest call, and the reverse (LocalRankGroup.claim_stream).
+        self._stream_of_rank: dict[int, tuple[int, int, int]] = {}
+        self._rank_of_stream: dict[tuple[int, int, int], int] = {}
         self._torch_streams: list[Any] = [None] * num_ranks  # torch.cuda.ExternalStream per rank
         self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
 
