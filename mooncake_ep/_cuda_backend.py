@@ -142,9 +142,11 @@ class CudaBackend:
         self.device_id = device_id
         self.num_sms = num_sms
         self.transport = "local" if in_process or group.world_size == 1 else "ipc"
-        # With local, every peer can dereference this process's device addresses: combine reads
-        # the caller's expert outputs where they are instead of copying them into the workspace.
-        self.direct_peer_reads = self.transport == "local"
+        # With local on one GPU, every peer can dereference the caller's memory: combine reads the
+        # expert outputs where they are instead of copying them into the workspace. Across GPUs
+        # peer access covers cudaMalloc memory only, not a stream-ordered pool's (torch's and
+        # cupy's cudaMallocAsync allocators; that needs cudaMemPoolSetAccess by its owner): copy.
+        self.direct_peer_reads = self.transport == "local" and all_on_one_device
         # In one process on one GPU, GPU-scope ordering is enough (kernels_cu/ptx.cuh); ranks in
         # other processes, even on this GPU, need system scope.
         self.sys_scope = not (all_on_one_device and in_process)
