@@ -152,8 +152,12 @@ class CudaBackend:
         self.sys_scope = not (all_on_one_device and in_process)
         self._runtime = cupy.cuda.runtime
         try:
+            arch = device_arch(device_id)
+            if int(arch[3:]) < kernels.MIN_ARCH:
+                raise RuntimeError(f"Buffer: cuda:{device_id} is {arch}; the kernels need sm_{kernels.MIN_ARCH} or "
+                                   f"newer (Turing on)")
             with cupy.cuda.Device(device_id):  # the modules load into this device's context
-                self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache, self.sys_scope)
+                self.launchers = kernels.load_low_latency_kernels(arch, cache, self.sys_scope)
             self.workspace = DeviceWorkspace(num_ep_buffer_bytes, device_id)
             self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id, host_mirror=True)
         except Exception as exc:
