@@ -434,7 +434,8 @@ def test_bench_finishes_when_its_stderr_is_a_closed_pipe():
 
 
 def test_running_out_of_memory_is_one_line_naming_which(monkeypatch, capsys):
-    """numpy's MemoryError is the host's; cupy's (a MemoryError) and torch.cuda's (a RuntimeError) the device's."""
+    """numpy's MemoryError and torch's CPU allocator's RuntimeError are the host's; cupy's (a MemoryError) and
+    torch.cuda's (a RuntimeError) the device's."""
     from mooncake_ep.cli import demo
 
     class OutOfMemoryError(RuntimeError):  # torch.cuda.OutOfMemoryError's name and base
@@ -444,7 +445,9 @@ def test_running_out_of_memory_is_one_line_naming_which(monkeypatch, capsys):
         __module__ = "cupy.cuda.memory"
 
     for error, which in ((MemoryError("Unable to allocate 1 TiB"), "host"), (CupyOutOfMemory("pool"), "device"),
-                         (OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB\nmore"), "device")):
+                         (OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB\nmore"), "device"),
+                         (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
+                                       "memory: you tried to allocate 31457280000 bytes.\nmore"), "host")):
         monkeypatch.setattr(demo, "run", lambda args, error=error: (_ for _ in ()).throw(error))
         assert cli.main(["demo"]) == 1
         err = capsys.readouterr().err
