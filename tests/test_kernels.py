@@ -310,6 +310,23 @@ def test_cache_round_trip(tmp_path):
     assert entry_path(cache).stat().st_mode & 0o044 == 0o044
 
 
+def test_folders_the_cache_makes_are_reachable_by_other_users_whatever_the_umask(tmp_path):
+    """A umask of 077 made them 0700: the 0644 entries of a cache warmed by one user (an image build)
+    could not be reached by another (the server), which recompiled everything. Folders that exist
+    keep their mode."""
+    existing = tmp_path / "existing"
+    existing.mkdir(mode=0o700)
+    cache = kernels.KernelCache(existing / "new" / "folder")
+    previous = os.umask(0o077)
+    try:
+        cache.save(DIGEST, b"cubin")
+    finally:
+        os.umask(previous)
+    assert [oct(p.stat().st_mode & 0o777) for p in (existing, existing / "new", cache.directory)] == \
+        ["0o700", "0o755", "0o755"]
+    assert oct(entry_path(cache).stat().st_mode & 0o777) == "0o644"
+
+
 def _truncate_to_half(blob: bytes) -> bytes:
     return blob[: len(blob) // 2]
 
