@@ -20,6 +20,7 @@ import importlib.resources
 import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -281,8 +282,9 @@ class KernelCache:
             ) from exc
 
     def _make_directory(self) -> None:
-        """Create the folder and its missing parents, each ``_CACHE_DIR_MODE`` (a umask of 077 made
-        them 0700, and the 0644 entries unreachable to other users); folders that exist stay as they are."""
+        """Create the folder and its missing parents, each with at least ``_CACHE_DIR_MODE`` (a umask of
+        077 made them 0700, and the 0644 entries unreachable to other users); folders that exist stay
+        as they are."""
         missing = []
         path = self.directory.absolute()
         while not path.is_dir() and path != path.parent:
@@ -293,7 +295,8 @@ class KernelCache:
                 folder.mkdir()
             except FileExistsError:  # another process made it meanwhile (or a file is there: mkstemp says)
                 continue
-            os.chmod(folder, self._CACHE_DIR_MODE)
+            # Bits added, none taken: a umask of 002 keeps group write, a setgid parent its bit.
+            os.chmod(folder, stat.S_IMODE(folder.stat().st_mode) | self._CACHE_DIR_MODE)
 
     def check_writable(self) -> None:
         """Create the folder if it is missing and check that a file can be written in it.

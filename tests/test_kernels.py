@@ -13,6 +13,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import stat
 import re
 import struct
 import subprocess
@@ -325,6 +326,21 @@ def test_folders_the_cache_makes_are_reachable_by_other_users_whatever_the_umask
     assert [oct(p.stat().st_mode & 0o777) for p in (existing, existing / "new", cache.directory)] == \
         ["0o700", "0o755", "0o755"]
     assert oct(entry_path(cache).stat().st_mode & 0o777) == "0o644"
+
+
+def test_folders_the_cache_makes_keep_what_the_umask_and_a_setgid_parent_give(tmp_path):
+    """The mode is only added to: a group-shared cache (umask 002, a setgid folder) keeps group
+    write and the setgid bit, for the group's other users to add entries."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o2775)
+    cache = kernels.KernelCache(shared / "kernels")
+    previous = os.umask(0o002)
+    try:
+        cache.check_writable()
+    finally:
+        os.umask(previous)
+    assert oct(stat.S_IMODE(cache.directory.stat().st_mode)) == "0o2775"
 
 
 def _truncate_to_half(blob: bytes) -> bytes:
