@@ -392,6 +392,13 @@ class CudaBackend:
             cupy.cuda.runtime.eventRecord(event.ptr, stream_ptr)
         return event
 
+    def stream_is_capturing(self, stream_ptr: int) -> bool:
+        """Whether ``stream_ptr`` is capturing a CUDA graph (it runs nothing meanwhile)."""
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            return bool(cupy.cuda.runtime.streamIsCapturing(stream_ptr))
+
     def stream_wait(self, stream_ptr: int, event) -> None:
         import cupy
 
