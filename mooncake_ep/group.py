@@ -547,6 +547,7 @@ class LocalRankGroup:
         self.device = None if local_group.devices is None else local_group.devices[rank]
         self._seq = 0
         self._num_calls: Counter[str] = Counter()
+        self._stream_calls = local_group._stream_calls
 
     def __repr__(self) -> str:
         return f"LocalRankGroup(rank={self.rank}, world_size={self.world_size}, device={self.device})"
@@ -577,14 +578,15 @@ class LocalRankGroup:
         share a stream (ranks that swap streams between steps): each waits only for its own
         collective's peers, whose calls are issued already.
         """
-        group = self.local_group
         # cudaStreamPerThread (2) is a stream per thread, and so not shared by two threads' ranks.
-        key = (device_id, stream_ptr, threading.get_ident() if stream_ptr == _PER_THREAD_STREAM else 0)
-        with group._state_lock:  # checked and noted at once: two ranks' same call must not both pass
-            owner = group._stream_calls.get(key)
-            if owner is not None and owner[0] != self.rank and owner[1] == call:
-                return owner[0]
-            group._stream_calls[key] = (self.rank, call)
+        key = (device_id, stream_ptr) if stream_ptr != _PER_THREAD_STREAM else (device_id, threading.get_ident())
+        # No lock (this is every call's path): two ranks' same call interleaved between the lookup and
+        # the store could both pass, once; a program that shares a stream does so every step, and the
+        # next step's call is caught.
+        owner = self._stream_calls.get(key)
+        if owner is not None and owner[1] == call and owner[0] != self.rank:
+            return owner[0]
+        self._stream_calls[key] = (self.rank, call)
         return None
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
@@ -673,7 +675,7 @@ class LocalGroup:
         self._streams: list[Any] = [None] * num_ranks  # cupy.cuda.Stream per rank
         self._comm_streams: list[Any] = [None] * num_ranks  # and each rank's communication stream
         # (rank, call) of the latest call on each stream (LocalRankGroup.claim_stream).
-        self._stream_calls: dict[tuple[int, int, int], tuple[int, Hashable]] = {}
+        self._stream_calls: dict[tuple[int, int], tuple[int, Hashable]] = {}
         self._torch_streams: list[Any] = [None] * num_ranks  # torch.cuda.ExternalStream per rank
         self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
 
