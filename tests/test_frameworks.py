@@ -99,10 +99,10 @@ class RecordingCuda:
         return launch
 
 
-def test_cupy_raw_bits_are_accepted_as_bf16_and_fp8(monkeypatch):
-    cupy_glue = frameworks.get("cupy")
-    monkeypatch.setattr(cupy_glue, "current_stream", lambda device_id: 0xC0)
-    T, H, E = 4, 128, 2
+def recording_cupy_call(monkeypatch, T: int, H: int, E: int):
+    """A one-rank Buffer whose CUDA backend records its launches, and cupy-like ``(x, topk_idx,
+    active_ranks)`` for a dispatch of 3 tokens: ``(buffer, cuda, x, topk, active)``."""
+    monkeypatch.setattr(frameworks.get("cupy"), "current_stream", lambda device_id: 0xC0)
     buffer = ep.LocalGroup(1).spawn(lambda g: ep.Buffer(g, ep.Buffer.get_ep_buffer_size_hint(T, H, 1, E),
                                                         backend="reference"))[0]
     cuda = RecordingCuda()
@@ -110,6 +110,12 @@ def test_cupy_raw_bits_are_accepted_as_bf16_and_fp8(monkeypatch):
     x = CupyLikeArray(np.zeros((3, H), np.uint16))  # bf16 bits
     topk = CupyLikeArray(np.array([[0], [1], [-1]], np.int64))
     active = CupyLikeArray(np.ones(1, np.int32))
+    return buffer, cuda, x, topk, active
+
+
+def test_cupy_raw_bits_are_accepted_as_bf16_and_fp8(monkeypatch):
+    T, H, E = 4, 128, 2
+    buffer, cuda, x, topk, active = recording_cupy_call(monkeypatch, T, H, E)
     out = ((CupyLikeArray(np.zeros((E, T, H), np.uint8)), CupyLikeArray(np.zeros((E, T, 1), np.float32))),
            CupyLikeArray(np.zeros(E, np.int32)))
     (q, scales), count, handle, _, _ = buffer.dispatch(x, topk, active, T, E, use_fp8=True, out=out)
@@ -218,15 +224,8 @@ def test_jax_memory_through_a_capsule_is_refused_where_a_call_writes_and_left_as
 def test_a_remembered_plan_does_not_let_a_jax_capsule_through(monkeypatch):
     """Device arrays' checked plans are remembered by their layouts; a JAX capsule with the layout of a writable
     capsule that an earlier call was accepted with must still be refused, and nothing launched for it."""
-    monkeypatch.setattr(frameworks.get("cupy"), "current_stream", lambda device_id: 0xC0)
     T, H, E = 4, 128, 2
-    buffer = ep.LocalGroup(1).spawn(lambda g: ep.Buffer(g, ep.Buffer.get_ep_buffer_size_hint(T, H, 1, E),
-                                                        backend="reference"))[0]
-    cuda = RecordingCuda()
-    buffer._cuda, buffer.backend = cuda, "cuda"
-    x = CupyLikeArray(np.zeros((3, H), np.uint16))  # bf16 bits
-    topk = CupyLikeArray(np.array([[0], [1], [-1]], np.int64))
-    active = CupyLikeArray(np.ones(1, np.int32))
+    buffer, cuda, x, topk, active = recording_cupy_call(monkeypatch, T, H, E)
     recv_x = CupyLikeArray(np.zeros((E, T, H), np.uint16))
     counts = np.zeros(E, np.int32)
 
