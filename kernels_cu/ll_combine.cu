@@ -19,9 +19,11 @@
 //   Receive half, on the token owner:
 //     - threads d < R of every block wait for combine_flag[parity][d] (timed; a rank that times out
 //       is written 0 in active_ranks and its experts are left out), then read d's combine_source;
-//     - each block reads, for every expert e of a live rank d, where this rank's rows start among
-//       d's rows: d's recv_range[parity][e_l][rank].first; copy (token, k) is row first +
-//       send_slot[token*K+k] (the slot this rank computed in its own dispatch);
+//     - each block reads, for every expert e of a live rank d, where this rank's rows are among d's
+//       rows: d's recv_range[parity][e_l][rank] = (first, count); copy (token, k) is row first +
+//       send_slot[token*K+k] (the slot this rank computed in its own dispatch) if that slot is in
+//       [0, count), else it adds nothing: d holds no rows of a rank it took as dead in the dispatch
+//       (count 0, though this combine may find d live and d us), and slot -1 is a dropped copy;
 //     - warps share the tokens (several warps per token when tokens are few): a warp computes its
 //       token's K row addresses once, then for each 16-byte column of its slices accumulates
 //       w_k * y_k in fp32 with fmaf in k order (renormalize: weights scaled by sum(all weights) /
@@ -111,7 +113,8 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
            int topk_is_int64, int num_topk, const float* __restrict__ topk_weights, int* active_ranks,
            int4* combined_x, int renormalize, long long timeout_ns) {
     __shared__ int s_rows[EP_MAX_EXPERTS];  // send: first valid row of each local expert, flattened
-    __shared__ int s_first[EP_MAX_EXPERTS];  // recv: first row of this rank's copies, per global expert
+    // recv: where this rank's copies are among each global expert's rows, (first, count): d's recv_range
+    __shared__ int2 s_range[EP_MAX_EXPERTS];
     __shared__ uint64_t s_base[EP_MAX_RANKS];  // recv: where rank d's expert output rows start
     __shared__ int s_direct[EP_MAX_RANKS];     // recv: rank d's rows were read from its caller's array
     __shared__ int s_scratch[kWarpSize + 1];
@@ -186,12 +189,11 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
         const int num_experts = static_cast<int>(layout.num_experts);
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
             const int expert_rank = e / num_local_experts, local_expert = e % num_local_experts;
-            int first = 0;
-            if (s_live[expert_rank]) {
-                const int2* range = reinterpret_cast<const int2*>(route[expert_rank] + layout.recv_range[parity]);
-                first = ld_cg_int(reinterpret_cast<const int*>(range + local_expert * num_ranks + rank));
-            }
-            s_first[e] = first;
+            int2 range = make_int2(0, 0);
+            if (s_live[expert_rank])
+                range = ld_cg_int2(reinterpret_cast<const int2*>(route[expert_rank] + layout.recv_range[parity]) +
+                                   local_expert * num_ranks + rank);
+            s_range[e] = range;
         }
         __syncthreads();
         EP_TRACE_POINT(5);
@@ -214,8 +216,14 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
                 weight = topk_weights[i];
                 if (expert >= 0) {
                     const int expert_rank = expert / num_local_experts, local_expert = expert % num_local_experts;
-                    if (s_live[expert_rank]) {
-                        const int64_t row_idx = local_expert * num_rows_per_expert + s_first[expert] + send_slot[i];
+                    // A row the expert rank holds: none from a rank it took as dead in the dispatch
+                    // (count 0, even if this combine finds it live), none for a copy the dispatch
+                    // dropped or never had (slot -1: past T, or combine names an expert where the
+                    // dispatch had -1).
+                    const int2 range = s_range[expert];
+                    const int slot = send_slot[i];
+                    if (s_live[expert_rank] && slot >= 0 && slot < range.y) {
+                        const int64_t row_idx = local_expert * num_rows_per_expert + range.x + slot;
                         row = reinterpret_cast<const int4*>(s_base[expert_rank]) + row_idx * num_vectors;
                     }
                 }

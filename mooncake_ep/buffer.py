@@ -292,7 +292,9 @@ class Buffer:
             topk_idx: ``[num_tokens, num_topk]`` int64 (int32 accepted) global expert ids; -1 = no expert.
                 num_topk <= 16. Host arrays with ids outside [-1, num_experts) are refused; device
                 arrays are not read by the host (that would need a sync), and the kernels treat such
-                ids as -1.
+                ids as -1. So are a rank's copies to one expert past its first T (recv_x's rows per
+                source; only tokens naming an expert twice make them): refused in host arrays, dropped
+                by the kernels, in (token, k) order.
             active_ranks: ``[num_ranks]`` int32 on x's device; 1 = alive. The kernels write 0 for a rank
                 that timed out; senders skip ranks marked 0.
             num_max_dispatch_tokens_per_rank: T, equal on every rank.

@@ -48,7 +48,9 @@ class Case:
     # each rank's send half and receive half meeting peers of the other kind)
     mode: str = "sync"
     zero_copy: bool = False
-    routing: str = "uniform"  # uniform | skewed | repeated (some tokens name one expert twice)
+    # uniform | skewed | repeated (some tokens name one expert twice) | past_t (rank 0 sends expert 0
+    # more than T copies, naming it twice in tokens: copies past the first T are dropped, as -1)
+    routing: str = "uniform"
     renormalize: bool = False
     dead_rank: int | None = None  # a rank that stops launching at dead_phase
     dead_phase: str = "dispatch"  # dispatch: it never launches; combine: it dispatches, never combines
@@ -82,6 +84,11 @@ def make_inputs(case: Case):
             topk[repeat, 1] = topk[repeat, 0]
         if num_tokens:
             topk[rng.random(topk.shape) < 0.1] = -1
+        if case.routing == "past_t" and rank == 0:
+            # Expert 0 in every token, twice in the first chunk of 128 that the kernel ranks (those
+            # chunks are ranked serially; a later one with each expert once per token by bitmap).
+            topk[:, 0] = 0
+            topk[:128, 1] = 0
         xs.append(x.astype(ml_dtypes.bfloat16))
         topks.append(topk.astype(case.topk_dtype))
         weights.append(rng.random((num_tokens, case.num_topk), dtype=np.float32))
@@ -269,6 +276,20 @@ def poison(*tensors) -> None:
             tensor.fill_(-1)
 
 
+def drop_copies_past(topk: np.ndarray, num_max_tokens: int, num_experts: int) -> np.ndarray:
+    """``topk`` with each expert's copies past its first ``num_max_tokens`` in (token, k) order set to
+    -1: what the kernels keep of ids that send one expert more copies than recv_x has rows for."""
+    kept = topk.copy()
+    seen = np.zeros(num_experts, np.int64)
+    for index in np.ndindex(*kept.shape):
+        expert = int(kept[index])
+        if 0 <= expert < num_experts:
+            seen[expert] += 1
+            if seen[expert] > num_max_tokens:
+                kept[index] = -1
+    return kept
+
+
 def check_case(case: Case):
     xs, topks, weights = make_inputs(case)
     size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
@@ -277,7 +298,9 @@ def check_case(case: Case):
 
     dispatched_ok = [r is not None for r in results]  # ranks that ran dispatch
     ref_xs = [x if ok else None for x, ok in zip(xs, dispatched_ok)]
-    ref_topks = [t if ok else None for t, ok in zip(topks, dispatched_ok)]
+    # Device ids are not checked by the host: a rank's copies past T to one expert are dropped.
+    ref_topks = [drop_copies_past(t, case.num_max_tokens, case.num_experts) if ok else None
+                 for t, ok in zip(topks, dispatched_ok)]
     actives = [np.ones(case.num_ranks, np.int32) for _ in range(case.num_ranks)]
     dispatched = [
         reference.dispatch(rank, ref_xs, ref_topks, actives, case.num_max_tokens, case.num_experts,
@@ -320,6 +343,8 @@ GRID = [
     Case(8, 64, 3584, 8, routing="skewed", use_fp8=True),
     Case(4, 512, 1024, 16, routing="skewed"),
     Case(4, 64, 1024, 4, num_max_tokens=300, routing="repeated", use_fp8=True),
+    Case(2, 8, 1024, 4, num_max_tokens=64, routing="past_t", use_fp8=True, renormalize=True),
+    Case(2, 8, 1024, 4, num_max_tokens=300, routing="past_t"),
     Case(2, 16, 1024, 8, num_max_tokens=300),
     Case(8, 8, 7168, 1, num_max_tokens=64),
 ]
@@ -401,6 +426,47 @@ def test_a_source_masked_only_by_its_receiver_delivers_nothing(use_fp8):
         want = reference.dispatch(rank, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=use_fp8)
         assert_dispatch_equal(rank, got["recv"], got["count"], got["active"], want, use_fp8)
     assert results[2]["active"][0] == 0, "rank 2 timed out on rank 0, which never signalled it"
+
+
+def test_a_combine_that_finds_alive_a_rank_its_dispatch_masked_adds_nothing_of_it():
+    """Rank 0's dispatch masks rank 2 (and rank 2, never signalled, masks rank 0); then every rank
+    combines with a fresh all-ones mask, so rank 0 and rank 2 find each other live. Neither holds rows
+    of the other, so neither may add any (the kernel had read rows at first + slot that the dispatch
+    never delivered, other tokens' rows); the reference adds nothing for them."""
+    case = Case(4, 32, 1024, 4, timeout_us=FAULT_TIMEOUT_US, seed=3)
+    xs, topks, weights = make_inputs(case)
+    dispatch_actives = [np.array(row, np.int32) for row in ([1, 1, 0, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1])]
+    size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
+
+    def run(group):
+        rank = group.rank
+        buffer = ep.Buffer(group, size)
+        settle(group)
+        recv, count, handle, _, _ = buffer.dispatch(to_torch(xs[rank]), to_torch(topks[rank]),
+                                                    to_torch(dispatch_actives[rank]), case.num_max_tokens,
+                                                    case.num_experts, timeout_us=case.timeout_us, use_fp8=False)
+        wait_idle()
+        settle(group)
+        y = expert_function(recv, case, rank)
+        combined = torch.full((xs[rank].shape[0], case.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        buffer.combine(y, to_torch(topks[rank]), to_torch(weights[rank]), active, case.timeout_us, handle, out=combined)
+        result = dict(y=to_numpy(y), combined=to_numpy(combined), active=to_numpy(active))
+        buffer.destroy()
+        return result
+
+    results = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks).spawn(run)
+    dispatched = [reference.dispatch(rank, xs, topks, dispatch_actives, case.num_max_tokens, case.num_experts)
+                  for rank in range(case.num_ranks)]
+    assert dispatched[2].active_ranks[0] == 0, "rank 2 timed out on rank 0 in the dispatch"
+    combine_actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
+    expert_outs = [r["y"] for r in results]
+    for rank, got in enumerate(results):
+        want, want_mask = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], combine_actives)
+        assert np.isfinite(got["combined"].astype(np.float32)).all(), f"rank {rank}: unwritten elements"
+        np.testing.assert_allclose(got["combined"].astype(np.float32), want.astype(np.float32), rtol=BF16_RTOL,
+                                   atol=1e-3, err_msg=f"rank {rank} combined_x")
+        np.testing.assert_array_equal(got["active"], want_mask, err_msg=f"rank {rank} active_ranks after combine")
 
 
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
