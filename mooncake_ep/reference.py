@@ -63,7 +63,9 @@ def quantize_fp8(x: np.ndarray, *, round_scale: bool, use_ue8m0: bool) -> tuple[
     """
     num_tokens, hidden = x.shape
     blocks = x.astype(np.float32).reshape(num_tokens, hidden // FP8_BLOCK, FP8_BLOCK)
-    amax = np.maximum(np.abs(blocks).max(axis=2, initial=np.float32(0)), np.float32(FP8_AMAX_FLOOR))
+    # fmax, not max: a NaN channel is left out of its block's amax (the kernels' fmaxf does the
+    # same), so it stays NaN alone instead of turning every value of the block into NaN.
+    amax = np.maximum(np.fmax.reduce(np.abs(blocks), axis=2, initial=np.float32(0)), np.float32(FP8_AMAX_FLOOR))
     # DeepEP's recipe: the stored scale is amax times the fp32 reciprocal of 448 (one rounding of
     # 1/448, one of the product); values are multiplied by 448 / amax (one division per block), or
     # by 1 / scale, exact, when the scale is rounded to a power of two. Each step is one correctly

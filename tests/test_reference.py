@@ -195,6 +195,28 @@ def test_dequantize_round_trip_within_fp8_error_of_block_amax(round_scale, use_u
         np.testing.assert_array_equal(deq, reference.dequantize_fp8(q2, plain, use_ue8m0=False))
 
 
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_a_nan_channel_stays_nan_alone_and_the_block_is_scaled_by_the_rest(round_scale):
+    """The kernels' fmaxf leaves NaN out of a block's amax; so does the reference (np.max spread the
+    NaN into the scale and so into every value of the block)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 2 * FP8_BLOCK)).astype(np.float32)
+    clean = x.astype(BF16)
+    x[0, 5] = np.nan
+    q, scales = reference.quantize_fp8(x.astype(BF16), round_scale=round_scale, use_ue8m0=False)
+    q_clean, scales_clean = reference.quantize_fp8(clean, round_scale=round_scale, use_ue8m0=False)
+    zeroed = clean.copy()  # the NaN's channel as a zero, which leaves the block's amax to the others
+    zeroed[0, 5] = 0
+    want = reference.quantize_fp8(zeroed, round_scale=round_scale, use_ue8m0=False)
+    assert np.isnan(q.astype(np.float32)[0, 5]) and np.isfinite(scales).all()
+    assert scales[0, 0] == want[1][0, 0]
+    others = np.ones(q.shape, bool)
+    others[0, 5] = False
+    np.testing.assert_array_equal(q.view(np.uint8)[others], want[0].view(np.uint8)[others])
+    np.testing.assert_array_equal(q.view(np.uint8)[1], q_clean.view(np.uint8)[1])
+    np.testing.assert_array_equal(scales[1], scales_clean[1])
+
+
 def test_quantize_zero_tokens():
     q, scales = reference.quantize_fp8(np.zeros((0, 256), BF16), round_scale=True, use_ue8m0=True)
     assert q.shape == (0, 256) and scales.shape == (0, 1)
