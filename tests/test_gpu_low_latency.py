@@ -428,6 +428,41 @@ def test_a_source_masked_only_by_its_receiver_delivers_nothing(use_fp8):
     assert results[2]["active"][0] == 0, "rank 2 timed out on rank 0, which never signalled it"
 
 
+@pytest.mark.parametrize("round_scale", [False, True], ids=["plain-scale", "round_scale"])
+def test_fp8_blocks_holding_inf_or_nan_quantise_as_the_reference(round_scale):
+    """A block with +inf, one with -inf, one with a NaN: bit for bit the reference (an inf block's
+    rounded scale is inf; its multiplier had wrapped to -inf and flipped every finite value's sign;
+    a NaN stays in its channel, the block scaled by the rest)."""
+    num_tokens, hidden, num_experts = 4, 1024, 8
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((num_tokens, hidden), dtype=np.float32)
+    x[0, 3], x[1, 130], x[2, 260] = np.inf, -np.inf, np.nan
+    x = x.astype(ml_dtypes.bfloat16)
+    topk = np.stack([rng.choice(num_experts, 2, replace=False) for _ in range(num_tokens)]).astype(np.int64)
+
+    def run(group):
+        buffer = ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(num_tokens, hidden, 1, num_experts))
+        recv, count, _, _, _ = buffer.dispatch(to_torch(x), to_torch(topk), torch.ones(1, dtype=torch.int32,
+                                               device="cuda"), num_tokens, num_experts, use_fp8=True,
+                                               round_scale=round_scale)
+        result = (tuple(to_numpy(t) for t in recv), to_numpy(count))
+        buffer.destroy()
+        return result
+
+    (recv, count), = ep.LocalGroup(1, devices=[0]).spawn(run)
+    want = reference.dispatch(0, [x], [topk], [np.ones(1, np.int32)], num_tokens, num_experts, use_fp8=True,
+                              round_scale=round_scale)
+    np.testing.assert_array_equal(count, want.recv_count)
+    for e, n in enumerate(want.recv_count):
+        got_q, want_q = recv[0][e, :n].astype(np.float32), want.recv_x[e, :n].astype(np.float32)
+        # NaN where the reference has NaN (inf * 0, a NaN input), whatever its sign bit; the rest bit for bit
+        np.testing.assert_array_equal(np.isnan(got_q), np.isnan(want_q), err_msg=f"expert {e}: NaN channels")
+        finite = ~np.isnan(want_q)
+        np.testing.assert_array_equal(recv[0][e, :n].view(np.uint8)[finite], want.recv_x[e, :n].view(np.uint8)[finite],
+                                      err_msg=f"expert {e}: fp8 bytes")
+        np.testing.assert_array_equal(recv[1][e, :n], want.recv_scales[e, :n], err_msg=f"expert {e}: scales")
+
+
 def test_a_combine_that_finds_alive_a_rank_its_dispatch_masked_adds_nothing_of_it():
     """Rank 0's dispatch masks rank 2 (and rank 2, never signalled, masks rank 0); then every rank
     combines with a fresh all-ones mask, so rank 0 and rank 2 find each other live. Neither holds rows
