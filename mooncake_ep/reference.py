@@ -78,7 +78,8 @@ def quantize_fp8(x: np.ndarray, *, round_scale: bool, use_ue8m0: bool) -> tuple[
         multiplier = (np.float32(FP8_E4M3_MAX) / amax).astype(np.float32)
     # The product cannot exceed 448 by more than its rounding, which the cast rounds back to 448
     # (the kernels saturate).
-    q = (blocks * multiplier[:, :, None]).astype(float8_e4m3fn).reshape(num_tokens, hidden)
+    with np.errstate(invalid="ignore"):  # inf * 0 in a block holding inf: NaN, as in the kernels
+        q = (blocks * multiplier[:, :, None]).astype(float8_e4m3fn).reshape(num_tokens, hidden)
     if not use_ue8m0:
         return q, scale
     exponent_bytes = ((scale.view(np.uint32) >> _FP32_MANTISSA_BITS) & np.uint32(0xFF)).astype(np.uint8)
