@@ -18,7 +18,8 @@
 //       for kSourceCopy, else block 0 (nothing but its combine_source to publish).
 //   Receive half, on the token owner:
 //     - threads d < R of every block wait for combine_flag[parity][d] (timed; a rank that times out
-//       is written 0 in active_ranks and its experts are left out), then read d's combine_source;
+//       is written 0 in active_ranks and its experts are left out), the grid's one verdict per rank
+//       in combine_verdict[parity][d] (decide_source), then read d's combine_source;
 //     - each block reads, for every expert e of a live rank d, where this rank's rows are among d's
 //       rows: d's recv_range[parity][e_l][rank] = (first, count); copy (token, k) is row first +
 //       send_slot[token*K+k] (the slot this rank computed in its own dispatch) if that slot is in
@@ -176,11 +177,14 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
 
     if (phases & kPhaseRecv) {
         EP_TRACE_POINT(3);
-        wait_ranks(at<uint64_t>(workspace, layout.combine_flag) + parity * EP_MAX_RANKS, step, active_ranks, num_ranks,
-                   timeout_ns, s_live);
+        // One verdict per expert rank for the grid: blocks that each timed a rank on their own clock
+        // could disagree on it (some tokens with its experts, some without, renormalised apart).
+        decide_ranks(at<uint64_t>(workspace, layout.combine_verdict) + parity * EP_MAX_RANKS,
+                     at<uint64_t>(workspace, layout.combine_flag) + parity * EP_MAX_RANKS, step, active_ranks,
+                     num_ranks, timeout_ns, s_live);
         if (threadIdx.x < num_ranks) {
             const int d = threadIdx.x;
-            // Published by d before its flag, which this thread acquired in wait_ranks.
+            // Published by d before its flag, whose live verdict this thread acquired in decide_ranks.
             const uint64_t direct = s_live[d] ? ld_cg_u64(reinterpret_cast<const uint64_t*>(route[d] + layout.combine_source) + parity) : 0ull;
             s_direct[d] = direct != 0ull;
             s_base[d] = direct != 0ull ? direct : route[d] + layout.combine_x[parity];
