@@ -516,10 +516,12 @@ class Buffer:
         where = "combine"
         if self._destroyed:  # the flag first: this is every call's path
             self._check_alive(where)
-        if handle is None and isinstance(timeout_us, Handle):  # DeepEP's order: (x, topk_idx, topk_weights, handle)
-            raise TypeError(f"{where}: the Handle was passed as timeout_us, the 5th argument (mooncake_ep's order is "
-                            f"combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)); pass "
-                            f"handle=handle")
+        if handle is None and isinstance(active_ranks, Handle) or isinstance(timeout_us, Handle):
+            # DeepEP's order, combine(x, topk_idx, topk_weights, handle), or the handle one place early
+            misplaced = "active_ranks, the 4th" if isinstance(active_ranks, Handle) else "timeout_us, the 5th"
+            raise TypeError(f"{where}: the Handle was passed as {misplaced} argument (mooncake_ep's order is "
+                            f"combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle), DeepEP's "
+                            f"has no active_ranks); pass handle=handle")
         self._check_handle(where, handle)
         topk_view = read_array(topk_idx, name="combine: topk_idx")
         stream_ptr = self._stream_for(topk_view)

@@ -141,7 +141,8 @@ class Group(Protocol):
 
     # Optional, and not part of the runtime check: ``renew_membership() -> list[int]`` (the store
     # groups have it) starts the group's next membership epoch; Buffer.update_ep_member calls it
-    # when it is there.
+    # when it is there. With ``membership_epoch`` (an int) and ``broken`` (None while sound) too,
+    # the updates of several Buffers renew once per change of members; without, every update renews.
 
 
 # ----------------------------------------------------------------------------- TCPGroup
@@ -443,14 +444,16 @@ def _tcp_settings(where: str, rank: int | None, world_size: int | None, master_a
         master_port = _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT)
         if "MASTER_PORT" in os.environ:
             from_env["MASTER_PORT"] = master_port
-    try:
-        rank, world_size = _check_rank(where, rank, world_size)
-        master_port = _check_port(where, master_port)
-    except ValueError as exc:
-        if not from_env:
-            raise
-        read = ", ".join(f"{var}={value}" for var, value in from_env.items())
-        raise ValueError(f"{exc} (read from the environment: {read})") from None
+    def checked(check, *variables):
+        try:
+            return check()
+        except ValueError as exc:
+            read = ", ".join(f"{var}={from_env[var]}" for var in variables if var in from_env)
+            if not read:  # the values were arguments
+                raise
+            raise ValueError(f"{exc} (read from the environment: {read})") from None
+    rank, world_size = checked(lambda: _check_rank(where, rank, world_size), "RANK", "WORLD_SIZE")
+    master_port = checked(lambda: _check_port(where, master_port), "MASTER_PORT")
     return rank, world_size, master_addr, master_port
 
 

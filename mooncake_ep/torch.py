@@ -207,7 +207,9 @@ class CombineFunction(torch.autograd.Function):
             padded[:, :num_rows] = expert_out
             ones = torch.ones(routes.shape, dtype=torch.float32, device=recv.device)
             unsummed, _, _ = grad_buffer.combine(padded, routes, ones, ctx.active_ranks, timeout_us, grad_handle)
-            grad_w = (unsummed.float().view(num_tokens, num_topk, hidden) * grad_y32[:, None, :]).sum(-1) * named
+            grad_w = (unsummed.float().view(num_tokens, num_topk, hidden) * grad_y32[:, None, :]).sum(-1)
+            # where, not a product: a left-out entry's row may be anything (an uncomputed capacity row)
+            grad_w = torch.where(named, grad_w, torch.zeros((), device=grad_w.device))
         if need_x:
             rows_index = torch.arange(num_rows, device=recv.device)
             valid = rows_index[None, :] < count[:, None]

@@ -968,6 +968,9 @@ COMBINE_REJECTIONS = [
     # DeepEP's order, combine(x, topk_idx, topk_weights, handle): the handle lands in timeout_us
     ("handle-as-timeout", TypeError, r"combine: the Handle was passed as timeout_us, the 5th argument .*pass "
                                      r"handle=handle", lambda c: dict(timeout_us=c.handle, handle=None)),
+    ("handle-in-deepeps-place", TypeError, r"combine: the Handle was passed as active_ranks, the 4th argument .*"
+                                           r"DeepEP's has no active_ranks\); pass handle=handle",
+     lambda c: dict(active_ranks=c.handle, handle=None)),
     ("out-wrong-dtype", TypeError, r"combine: out combined_x must be bfloat16, got float32",
      lambda c: dict(out=np.zeros((VCASE.xs[c.rank].shape[0], 256), np.float32))),
     ("out-read-only", ValueError, r"combine: out combined_x is read-only",
@@ -1002,11 +1005,12 @@ def validation_rank(group, phase: str, make_overrides, exc, pattern: str, reject
     if rank in rejecting_ranks:
         for _ in range(2):
             overrides = make_overrides(ctx)
-            active_before = overrides.get("active_ranks", np.zeros(0)).copy()
+            given_mask = overrides.get("active_ranks")
+            active_before = given_mask.copy() if isinstance(given_mask, np.ndarray) else None
             with pytest.raises(exc, match=pattern):
                 (ctx.dispatch if phase == "dispatch" else ctx.combine)(buf, **overrides)
-            if "active_ranks" in overrides:  # a rejected mask is never written, nor replaced
-                np.testing.assert_array_equal(overrides["active_ranks"], active_before)
+            if active_before is not None:  # a rejected mask is never written, nor replaced
+                np.testing.assert_array_equal(given_mask, active_before)
     combined, _, _ = buf.combine(ctx.expert_out, args["topk_idx"], VCASE.weights[rank], args["active_ranks"], -1,
                                  handle)
     first = Step(recv_x.copy(), None, count.copy(), combined.copy())

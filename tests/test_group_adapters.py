@@ -508,8 +508,11 @@ def test_init_group_argument_errors(clean_env):
     clean_env.setenv("RANK", "0")
     clean_env.setenv("MASTER_PORT", "99999")
     with pytest.raises(ValueError, match=r"master_port must be in \[1, 65535\], got 99999 \(read from the "
-                                         r"environment: RANK=0, WORLD_SIZE=2, MASTER_PORT=99999\)"):
+                                         r"environment: MASTER_PORT=99999\)"):
         init_group()
+    # A bad argument beside values from the environment is the argument's, named alone.
+    with pytest.raises(ValueError, match=r"master_port must be >= 1, got 0$"):
+        init_group("tcp", master_port=0)
 
 
 def test_init_group_returns_an_existing_group():

@@ -696,7 +696,7 @@ def test_split_form_refusals():
     # Rank 1 of another group of the same size: on a GPU each kernel would wait for a peer that never sends.
     others = spawn(2, lambda g: reference_buffer(g, case))
     foreign = epj.dispatch_send(others[1], *args(1), case.num_max_tokens, case.num_experts, use_fp8=False)
-    with pytest.raises(ValueError, match="different Buffers: rank 1's Buffer belongs to another group than rank 0's"):
+    with pytest.raises(ValueError, match="different Buffers: rank 1's is not on the Buffer rank 0's is on"):
         epj.dispatch_recv([sent[0], foreign])
     received = epj.dispatch_recv(sent)  # still usable
     assert len(received) == 2
@@ -912,18 +912,22 @@ def test_eager_calls_check_the_arrays_devices_at_once():
     on_two = [jax.device_put(a, devices[2]) for a in args]
     with pytest.raises(ValueError, match=r"mooncake_ep.jax.dispatch: x: no Buffer for cpu:2; the mapping has cpu:0"):
         epj.dispatch(mapping, *on_two, T, E)
-    # Arrays of one call on different devices, named (XLA's message names "args[1] of buffer_callback").
+    # Arrays of one call placed on different devices, named (XLA's message names "args[1] of
+    # buffer_callback").
     one = mapping[devices[0]]
+    placed = [jax.device_put(a, devices[0]) for a in args]
     with pytest.raises(ValueError, match=r"dispatch: topk_idx is on cpu:2, x on cpu:0; put every array of the call"):
-        epj.dispatch(one, args[0], on_two[1], args[2], T, E, use_fp8=False)
-    recv, _, handle, active = epj.dispatch(one, *args, T, E, use_fp8=False)
-    weights = jnp.asarray(case.weights[0])
+        epj.dispatch(one, placed[0], on_two[1], placed[2], T, E, use_fp8=False)
+    recv, _, handle, active = epj.dispatch(one, *placed, T, E, use_fp8=False)
+    weights = jax.device_put(jnp.asarray(case.weights[0]), devices[0])
     with pytest.raises(ValueError, match=r"combine: topk_weights is on cpu:2, x on cpu:0"):
-        epj.combine(one, recv, args[1], jax.device_put(weights, devices[2]), active, handle)
-    moved = [jax.device_put(a, devices[2]) for a in (recv, args[1], weights, active)]
+        epj.combine(one, recv, placed[1], jax.device_put(weights, devices[2]), active, handle)
+    moved = [jax.device_put(a, devices[2]) for a in (recv, placed[1], weights, active)]
     with pytest.raises(ValueError, match=r"combine: handle is on cpu:0, x on cpu:2"):
         epj.combine(one, *moved, handle)
-    epj.combine(one, recv, args[1], weights, active, handle)  # still usable
+    epj.combine(one, recv, placed[1], weights, active, handle)  # still usable
+    # An array not committed to a device (numpy, converted) goes where the others are, as JAX moves it.
+    epj.dispatch(one, placed[0], case.topk_idxs[0], placed[2], T, E, use_fp8=False)
 
 
 def test_a_cuda_buffer_refuses_cpu_buffers_and_the_wrong_gpu():

@@ -114,6 +114,31 @@ def test_gradients_match_float64_formulas(num_ranks, num_tokens, combine_drops):
         assert np.all(grad_w[combine_topks[r].numpy() < 0] == 0)
 
 
+def test_entries_combine_leaves_out_get_no_gradient_whatever_their_rows_hold():
+    """Combine leaves out every entry naming expert 1 (-1), whose rows are NaN (never computed, as a
+    capacity-dropped token's torch.empty row): the output is finite, and so are the gradients, 0 for
+    the left-out weights and rows (a product with a 0 mask had made them NaN)."""
+    T, H, E, K = 2, 128, 2, 2
+
+    def rank_fn(group):
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        topk = torch.tensor([[0, 1], [1, 0]])
+        active = torch.ones(1, dtype=torch.int32)
+        recv, _, handle = ept.dispatch(buffer, torch.ones(T, H, dtype=torch.bfloat16), topk, active, T, E)
+        y = recv.detach().clone()
+        y[1] = float("nan")
+        y.requires_grad_()
+        weights = torch.full((T, K), 0.5, requires_grad=True)
+        out = ept.combine(buffer, y, torch.where(topk == 1, -1, topk), weights, active, handle, grad_buffer=grad_buffer)
+        out.float().sum().backward()
+        return out.float(), weights.grad, y.grad.float()
+
+    (out, grad_w, grad_y), = ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+    assert torch.isfinite(out).all()
+    assert grad_w.tolist() == [[H, 0.0], [0.0, H]]  # d sum(out) / d w = the sum of the kept row's ones
+    assert torch.isfinite(grad_y).all() and not grad_y[1].any()
+
+
 def test_experts_whose_rows_a_failure_moved_during_the_backward_get_zero_gradient():
     """Rank 0 masked between forward and backward: its gradient rows no longer arrive, so the rows of
     the ranks after it move up into its rows' places. Experts that had rows from it get 0 rather than

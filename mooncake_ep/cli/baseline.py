@@ -22,6 +22,7 @@ Note:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -79,7 +80,8 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[n, H]`` bf16 → ``(q [n, H] float8_e4m3fn, scales [n, H / 128] fp32)``, one scale per 128 channels."""
     num_tokens, hidden = x.shape
     blocks = x.float().view(num_tokens, hidden // FP8_BLOCK, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=2).clamp_min(FP8_AMAX_FLOOR)
+    # A NaN channel is left out of its block's amax, as in mooncake_ep (fmax): it stays NaN alone.
+    amax = blocks.abs().nan_to_num(nan=0.0, posinf=math.inf).amax(dim=2).clamp_min(FP8_AMAX_FLOOR)
     # As mooncake_ep quantises (DeepEP's recipe): scale = amax * fp32(1/448), values times 448 / amax.
     # The division is tensor by tensor: CUDA torch turns a Python-scalar operand into a multiply by a
     # reciprocal, which rounds differently; a tensor one is a correctly rounded division, as on the CPU.

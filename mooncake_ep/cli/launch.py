@@ -153,7 +153,9 @@ class _StopOnSignal:
     which the terminal's signal does not reach: :meth:`check` then stops every rank's group and this
     process, and once this process is continued (``fg``, ``bg``, SIGCONT) continues them. SIGSTOP,
     not SIGTSTP, on both sides: a rank's group has no parent in its own session (it is orphaned),
-    so the kernel would discard a SIGTSTP to it. The ranks' timeouts are wall-clock time: a
+    so the kernel would discard a SIGTSTP to it. Where this process's own group is orphaned (a
+    launcher started with setsid, or by a supervisor), no one could continue it, and the kernel
+    would discard the SIGTSTP: so is it here. The ranks' timeouts are wall-clock time: a
     suspension longer than a rank's wait for a peer (GROUP_TIMEOUT_S in a collective) can fail
     that wait when they are continued.
 
@@ -183,6 +185,8 @@ class _StopOnSignal:
     def check(self) -> None:
         if self._suspend:
             self._suspend = False
+            if _group_is_orphaned():
+                return
             for proc in self._procs:
                 if proc.returncode is None:  # not reaped: its group id is still its own
                     _signal_rank(proc, signal.SIGSTOP)
@@ -196,6 +200,35 @@ class _StopOnSignal:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _group_is_orphaned() -> bool:
+    """Whether this process's group is orphaned: no member has a parent in another group of the same
+    session (a job-control shell), which is when the kernel discards a SIGTSTP to it. Members are
+    read from /proc; without it, this process is taken as the only one."""
+    group, session = os.getpgrp(), os.getsid(0)
+    try:
+        stats = [f"/proc/{entry}/stat" for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        stats = None
+    parents = []
+    for stat in stats or []:
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == group:
+            parents.append(int(fields[1]))
+    if stats is None:
+        parents = [os.getppid()]
+    for parent in parents:
+        try:
+            if os.getpgid(parent) != group and os.getsid(parent) == session:
+                return False
+        except OSError:  # the parent is gone, or in a namespace this process cannot see
+            continue
+    return True
 
 
 def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> None:

@@ -209,16 +209,18 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
     Raises:
         TypeError, ValueError: an array on a device no Buffer of ``ranks`` serves, as
             :meth:`Ranks.select` says.
-        ValueError: outside ``shard_map``, an array spread over several devices; concrete arrays on
-            different devices (XLA's own message would name ``args[i] of buffer_callback``).
+        ValueError: outside ``shard_map``, an array spread over several devices; arrays placed on
+            different devices (XLA's own message would name ``args[i] of buffer_callback``). An
+            array JAX has not committed to a device (a converted numpy array, a plain ``jnp.ones``)
+            goes where the others are, as JAX moves it.
     """
     import jax
 
     # Outside shard_map, as far as this JAX can say (one without get_abstract_mesh cannot: no check).
     outside_shard_map = hasattr(jax.sharding, "get_abstract_mesh") and not manual_axes()
-    first = None  # (name, devices) of the first concrete array
+    first = None  # (name, devices) of the first concrete array committed to its device
     for name, array in arrays.items():
-        if not isinstance(array, jax.core.Tracer) and hasattr(array, "devices"):
+        if not isinstance(array, jax.core.Tracer) and getattr(array, "committed", False):
             devices = array.devices()
             if first is None:
                 first = (name, devices)

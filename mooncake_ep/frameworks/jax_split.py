@@ -102,9 +102,9 @@ def _check_pending(where: str, pending, kind: type, producer: str) -> list:
     base = dispatches[0]
     for c in dispatches[1:]:
         if c.ranks.single._token != base.ranks.single._token:
-            raise ValueError(f"{where}: pending holds ranks of different Buffers: rank {c.ranks.single.rank}'s "
-                             f"Buffer belongs to another group than rank {base.ranks.single.rank}'s; every rank's "
-                             f"call must be on the Buffers of one group")
+            raise ValueError(f"{where}: pending holds calls on different Buffers: rank {c.ranks.single.rank}'s is "
+                             f"not on the Buffer rank {base.ranks.single.rank}'s is on (another Buffer, or another "
+                             f"group's); every rank's call must be on its rank of one Buffer")
         if (c.num_max_dispatch_tokens_per_rank, c.hidden, c.num_experts, c.flags, c.parity) != \
                 (base.num_max_dispatch_tokens_per_rank, base.hidden, base.num_experts, base.flags, base.parity):
             raise ValueError(f"{where}: every rank's {'dispatch' if kind is PendingDispatch else 'combine'} must "
