@@ -218,15 +218,17 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
                 const int64_t i = static_cast<int64_t>(token) * num_topk + lane;
                 expert = read_expert(topk_idx, topk_is_int64, i, num_experts);
                 weight = topk_weights[i];
+                // A copy the dispatch dropped or never had (slot -1: past T, or combine names an
+                // expert where the dispatch had -1) is a -1 entry: it adds nothing and, under
+                // renormalize, is not part of the token's total either.
+                const int slot = expert >= 0 ? send_slot[i] : -1;
+                if (slot < 0) expert = -1;
                 if (expert >= 0) {
                     const int expert_rank = expert / num_local_experts, local_expert = expert % num_local_experts;
                     // A row the expert rank holds: none from a rank it took as dead in the dispatch
-                    // (count 0, even if this combine finds it live), none for a copy the dispatch
-                    // dropped or never had (slot -1: past T, or combine names an expert where the
-                    // dispatch had -1).
+                    // (count 0, even if this combine finds it live).
                     const int2 range = s_range[expert];
-                    const int slot = send_slot[i];
-                    if (s_live[expert_rank] && slot >= 0 && slot < range.y) {
+                    if (s_live[expert_rank] && slot < range.y) {
                         const int64_t row_idx = local_expert * num_rows_per_expert + range.x + slot;
                         row = reinterpret_cast<const int4*>(s_base[expert_rank]) + row_idx * num_vectors;
                     }

@@ -85,8 +85,10 @@ def make_inputs(case: Case):
         if num_tokens:
             topk[rng.random(topk.shape) < 0.1] = -1
         if case.routing == "past_t" and rank == 0:
-            # Expert 0 in every token, twice in the first chunk of 128 that the kernel ranks (those
-            # chunks are ranked serially; a later one with each expert once per token by bitmap).
+            # Expert 0 in every token, twice in the first chunk of 128 that the kernel ranks (that
+            # chunk is ranked serially, the later ones, each expert once per token, by bitmap, so
+            # with T = 300 the count passes T inside a bitmap chunk: 256 after the first, 384).
+            topk[topk == 0] = -1
             topk[:, 0] = 0
             topk[:128, 1] = 0
         xs.append(x.astype(ml_dtypes.bfloat16))
@@ -319,7 +321,8 @@ def check_case(case: Case):
     for rank, result in enumerate(results):
         if result is None or result["combined"] is None:
             continue
-        want, want_mask = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], masks,
+        # The dropped copies are -1 entries to combine as well (renormalize leaves them out of the total).
+        want, want_mask = reference.combine(rank, expert_outs, dispatched, ref_topks[rank], weights[rank], masks,
                                             renormalize=case.renormalize)
         got = result["combined"].astype(np.float32)
         want = want.astype(np.float32)
