@@ -220,7 +220,8 @@ class CudaBackend:
                 # (the caller has nothing of its own in flight: see Buffer.update_ep_member).
                 "steps": list(_STEPS.unpack(self.workspace.peek(state, _STEPS.size))),
                 "agreed": sorted(self._agreed)}
-        records = [json.loads(blob) for blob in self.group.allgather_bytes(json.dumps(mine).encode())]
+        records = [_agreement_record(blob, rank) for rank, blob in
+                   enumerate(self.group.allgather_bytes(json.dumps(mine).encode()))]
         digests = {rank: record["digest"][:12] for rank, record in enumerate(records)}
         if len(set(digests.values())) > 1:
             nvrtc = {rank: ".".join(map(str, record["nvrtc"])) for rank, record in enumerate(records)}
@@ -361,7 +362,10 @@ class CudaBackend:
     def stream_wait(self, stream_ptr: int, event) -> None:
         import cupy
 
-        cupy.cuda.runtime.streamWaitEvent(stream_ptr, event.ptr, 0)
+        # On this rank's device: a default-stream handle (0, 2) names the current device's stream,
+        # and the calling thread may have another device current.
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.runtime.streamWaitEvent(stream_ptr, event.ptr, 0)
 
     # --- teardown ---------------------------------------------------------------------------------
 
@@ -395,6 +399,12 @@ class CudaBackend:
             self.layout_table.free()
             if self._owns_comm_stream:
                 _return_comm_stream(self.device_id, self.comm_stream)  # idle: this process's work is done
+        # In-process ranks share the device: none may return and launch again (its next Buffer's
+        # kernels wait for peers) while a peer is still in the device-wide synchronisation of its
+        # free, which would wait for that kernel as the kernel waits for the peer. Every rank frees
+        # before any returns.
+        if self.transport == "local" and self.group.world_size > 1 and failure is None:
+            failure = self._barrier()
         if failure is not None and raise_group_error:
             raise failure
 
@@ -413,6 +423,19 @@ class CudaBackend:
 
         with cupy.cuda.Device(self.device_id):
             cupy.cuda.runtime.deviceSynchronize()
+
+
+def _agreement_record(blob: bytes, rank: int) -> dict:
+    """A rank's record of _agree_on_kernels_and_steps; RankMismatchError if that rank is in another call."""
+    try:
+        record = json.loads(blob)
+        if isinstance(record, dict) and {"digest", "nvrtc", "steps", "agreed"} <= record.keys():
+            return record
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        pass
+    raise _handshake.RankMismatchError(f"Buffer: the ranks are not in the same call: rank {rank} is not connecting "
+                                       f"a Buffer's workspace (a dispatch or combine of the reference backend, or "
+                                       f"another collective?); every rank must make the same calls in the same order")
 
 
 def _release_unreachable(rank: int, ipc, workspace: DeviceWorkspace, layout_table: DeviceWorkspace,

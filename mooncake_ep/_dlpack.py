@@ -231,6 +231,10 @@ def _export_error(obj: Any, name: str, error: Exception) -> TypeError:
     if kind.__module__.partition(".")[0] == "jax" and "Tracer" in kind.__name__:
         return TypeError(f"{name}: a JAX tracer ({kind.__qualname__}) holds no memory to read: inside jax.jit, grad "
                          f"or shard_map call mooncake_ep.jax.dispatch / combine")
+    is_deleted = getattr(obj, "is_deleted", None)
+    if callable(is_deleted) and is_deleted() is True:  # JAX: its __dlpack_device__ then fails obscurely
+        return TypeError(f"{name}: this {kind.__qualname__} was deleted (donated to a jitted call, or .delete()); "
+                         f"pass a live array")
     return TypeError(f"{name}: {kind.__qualname__} could not be exported through DLPack "
                      f"({type(error).__name__}: {error})")
 
@@ -246,6 +250,8 @@ class CapsuleTensor:
         strides: in elements; None where ``dlpack.h`` has NULL (compact row-major).
         ptr: ``data + byte_offset`` (``data`` NULL reads as 0).
         readonly: ``DLPACK_FLAG_BITMASK_READ_ONLY``; always False for a legacy capsule.
+        copied: ``DLPACK_FLAG_BITMASK_IS_COPIED`` (the producer exported a copy); always False
+            for a legacy capsule.
     """
 
     code: int
@@ -257,6 +263,7 @@ class CapsuleTensor:
     strides: tuple[int, ...] | None
     ptr: int
     readonly: bool
+    copied: bool
     _address: int
     _deleter: int | None
     _used_name: int
@@ -270,6 +277,9 @@ def open_capsule(capsule: Any, name: str) -> CapsuleTensor:
             ``used_`` name was consumed already), or is versioned with another major version.
             The capsule is left untouched: its own destructor frees it.
     """
+    if type(capsule).__name__ != "PyCapsule":  # a producer's bug: PyCapsule_GetName would say nothing useful
+        raise TypeError(f"{name}: __dlpack__ returned a {type(capsule).__module__}.{type(capsule).__qualname__}, "
+                        f"not a DLPack capsule")
     capsule_name = _PyCapsule_GetName(capsule)
     if capsule_name == _VERSIONED_NAME:
         address = _PyCapsule_GetPointer(capsule, capsule_name)
@@ -280,11 +290,12 @@ def open_capsule(capsule: Any, name: str) -> CapsuleTensor:
             raise TypeError(f"{name}: DLPack {version[0]}.{version[1]} capsule, this reader "
                             f"speaks DLPack {DLPACK_VERSION[0]}.x")
         readonly = bool(managed.flags & DLPACK_FLAG_BITMASK_READ_ONLY)
+        copied = bool(managed.flags & DLPACK_FLAG_BITMASK_IS_COPIED)
         used_name = _USED_VERSIONED_NAME
     elif capsule_name == _LEGACY_NAME:
         address = _PyCapsule_GetPointer(capsule, capsule_name)
         managed = DLManagedTensor.from_address(address)
-        readonly = False  # a legacy capsule cannot say
+        readonly = copied = False  # a legacy capsule cannot say
         used_name = _USED_LEGACY_NAME
     else:
         raise TypeError(f"{name}: __dlpack__ returned a capsule named {capsule_name!r}, expected "
@@ -296,7 +307,7 @@ def open_capsule(capsule: Any, name: str) -> CapsuleTensor:
         device_type=tensor.device.device_type, device_id=tensor.device.device_id,
         shape=tuple(tensor.shape[i] for i in range(ndim)),
         strides=tuple(tensor.strides[i] for i in range(ndim)) if tensor.strides else None,
-        ptr=(tensor.data or 0) + tensor.byte_offset, readonly=readonly,
+        ptr=(tensor.data or 0) + tensor.byte_offset, readonly=readonly, copied=copied,
         _address=address, _deleter=managed.deleter, _used_name=used_name)
 
 

@@ -122,7 +122,8 @@ class Buffer:
             among the ranks on it (threads or processes). Every rank on a GPU must fit at once, since
             a waiting block holds its SM.
         backend: ``"auto"`` (GPU if one is visible, else the numpy reference), ``"cuda"`` or
-            ``"reference"``. A call whose arrays live elsewhere than the backend is refused.
+            ``"reference"``. Host (numpy, CPU torch or JAX) arrays run on the reference path whatever
+            the backend; CUDA arrays need the ``"cuda"`` backend (refused on a reference Buffer).
         kernel_cache_dir: where compiled kernels are cached (default: see :mod:`mooncake_ep.kernels`).
 
     Note:
@@ -278,6 +279,26 @@ class Buffer:
         check_int(where, "num_ranks", num_ranks, minimum=1, maximum=_constants.MAX_RANKS)
         check_experts(where, num_experts, num_ranks)
         return layout.compute_layout(num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden).num_bytes
+
+    @staticmethod
+    def get_grad_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                  num_experts: int, num_topk: int) -> int:
+        """Bytes of the ``grad_buffer`` of ``mooncake_ep.torch.combine`` / ``mooncake_ep.jax.combine``.
+
+        The gradient of combine is a dispatch of ``num_tokens * num_topk`` rows, one per copy, so
+        the gradient's Buffer is sized for ``T * num_topk`` tokens: its receive layout holds
+        ``num_local_experts * num_ranks * T * num_topk`` rows, num_topk times the forward's (the cost
+        of placing gradient rows exactly with the low-latency kernels). Both front ends export it
+        as ``grad_buffer_size_hint``.
+
+        Args:
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts: as for
+                :meth:`get_ep_buffer_size_hint`.
+            num_topk: K, in [1, 16].
+        """
+        check_int("grad_buffer_size_hint", "num_topk", num_topk, minimum=1, maximum=_constants.MAX_TOPK)
+        return Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank * num_topk, hidden, num_ranks,
+                                              num_experts)
 
     # --- dispatch -------------------------------------------------------------------------------
 
@@ -505,7 +526,10 @@ class Buffer:
             timeout_us: microseconds to wait for an expert rank before masking it; -1 waits forever.
             handle: the handle of the dispatch this combine answers (that dispatch or the one after).
             zero_copy: the expert outputs were written into :meth:`get_next_combine_buffer`.
-            async_finish, return_recv_hook: as in :meth:`dispatch`.
+            async_finish, return_recv_hook: as in :meth:`dispatch`. With a hook, in-process peers
+                (the ``local`` transport) read ``x`` where it is until this rank's ``hook()`` has
+                run on the stream: the call keeps ``x`` alive until then, and the caller must not
+                write it meanwhile.
             out: ``[num_tokens, hidden]`` bf16 array to write into.
             renormalize: scale each token's live weights so they sum to the sum of all its weights.
 
@@ -516,7 +540,7 @@ class Buffer:
         where = "combine"
         if self._destroyed:  # the flag first: this is every call's path
             self._check_alive(where)
-        if handle is None and isinstance(active_ranks, Handle) or isinstance(timeout_us, Handle):
+        if handle is None and (isinstance(active_ranks, Handle) or isinstance(timeout_us, Handle)):
             # DeepEP's order, combine(x, topk_idx, topk_weights, handle), or the handle one place early
             misplaced = "active_ranks, the 4th" if isinstance(active_ranks, Handle) else "timeout_us, the 5th"
             raise TypeError(f"{where}: the Handle was passed as {misplaced} argument (mooncake_ep's order is "
@@ -818,6 +842,11 @@ class Buffer:
             else:
                 self._pending_combine_hooks[handle.parity] = self._pending_combine_hooks.get(handle.parity, 0) + 1
             called = []
+            # The call's arrays live until the receive half is launched: it writes the outputs, and
+            # with direct reads in-process peers read a combine's x in their receive halves, which
+            # this rank's own receive half waits for. Dropped by the caller meanwhile, their memory
+            # could go to new work, which the kernels would then read or overwrite.
+            arrays = [inputs, outputs]
 
             def hook() -> None:
                 if called:
@@ -827,6 +856,7 @@ class Buffer:
                 try:
                     self._receive(call, handle, receive)
                 finally:
+                    arrays.clear()  # launched: the stream orders any later use of that memory after it
                     if call == "dispatch":
                         self._pending_hooks.discard(handle.parity)
                     else:

@@ -119,19 +119,21 @@ class _PeerAbortedError(GroupError):
 
 @runtime_checkable
 class Group(Protocol):
-    """What the buffers need from a set of ranks.
+    """What the buffers need from a set of ranks: the four members below, which ``isinstance``
+    checks (and any object with them is a Group, as the Buffer takes it).
 
     Attributes:
         rank: this rank's index in ``[0, world_size)``.
         world_size: number of ranks.
-        is_in_process: True only for :class:`LocalRankGroup` (all ranks share this process).
-        device: CUDA device ordinal this rank uses; None = not set (CPU, or chosen by the caller).
+
+    Optional attributes, read where present: ``is_in_process`` (True only for
+    :class:`LocalRankGroup`: all ranks share this process; absent reads False) and ``device`` (the
+    CUDA device ordinal this rank uses; absent or None: not set, the CPU or the caller's choice).
+    The groups of this module have both.
     """
 
     rank: int
     world_size: int
-    is_in_process: bool
-    device: int | None
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order. Collective: every rank must call it."""
@@ -424,7 +426,7 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
                         f"one of {list(_GROUP_NAMES)} or a mooncake_ep Group, got {_describe(group)}")
     _check_same(where, "rank", rank, adapter.rank)
     _check_same(where, "world_size", world_size, adapter.world_size)
-    _check_same(where, "device", device, adapter.device)
+    _check_same(where, "device", device, getattr(adapter, "device", None))
     return adapter
 
 
@@ -444,6 +446,7 @@ def _tcp_settings(where: str, rank: int | None, world_size: int | None, master_a
         master_port = _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT)
         if "MASTER_PORT" in os.environ:
             from_env["MASTER_PORT"] = master_port
+
     def checked(check, *variables):
         try:
             return check()

@@ -25,6 +25,7 @@ another's (the split combine copies the expert outputs into the workspace instea
 read them in place, which would make each receive half wait until every peer had read), so the
 order cannot deadlock::
 
+    buffers = ep.LocalGroup(R, devices=[0] * R).spawn(lambda g: ep.Buffer(g, size))  # a list, rank order
     sent = [epj.dispatch_send(buffers[r], xs[r], topks[r], actives[r], T, E) for r in range(R)]
     results = epj.dispatch_recv(sent)         # [(recv_x, recv_count, handle, active) per rank]
 
@@ -355,19 +356,8 @@ def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg
     return grad_ranks
 
 
-def grad_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
-                          num_topk: int) -> int:
-    """Bytes of the ``grad_buffer`` of :func:`combine`: a Buffer for ``T * num_topk`` tokens.
-
-    Its receive layout holds ``num_local_experts * num_ranks * T * num_topk`` rows, num_topk times the
-    forward's: that is the cost of placing gradient rows exactly with the low-latency kernels.
-    """
-    if isinstance(num_topk, bool) or not isinstance(num_topk, (int, np.integer)) or not \
-            1 <= num_topk <= _constants.MAX_TOPK:
-        raise ValueError(f"grad_buffer_size_hint: num_topk must be an int in [1, {_constants.MAX_TOPK}], "
-                         f"got {num_topk!r}")
-    return Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank * num_topk, hidden, num_ranks,
-                                          num_experts)
+# Bytes of the grad_buffer of combine: a Buffer for T * num_topk tokens (the same in mooncake_ep.torch).
+grad_buffer_size_hint = Buffer.get_grad_buffer_size_hint
 
 
 # --- the split form -----------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ disk, :func:`warmup` fills that cache ahead of time, and :class:`Launcher` is a 
 with its launch settings. Everything a buffer needs is compiled and loaded when the buffer is
 built, never inside a call: loading a module during graph capture breaks the capture.
 
-The cache lives in ``$MOONCAKE_EP_CACHE_DIR`` if set, else ``~/.cache/mooncake_ep/kernels``.
+The cache lives in ``$MOONCAKE_EP_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/mooncake_ep/kernels``
+(``~/.cache/mooncake_ep/kernels`` where XDG_CACHE_HOME is unset).
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ class KernelKey:
         from mooncake_ep import __version__
 
         digest = hashlib.sha256()
-        for part in (_CACHE_FORMAT, __version__, repr(nvrtc_version()), self.name, *self.nvrtc_options()):
+        for part in (_CACHE_FORMAT, __version__, repr(nvrtc_version()), self.name, *self.nvrtc_options(),
+                     _cuda_headers_digest()):
             digest.update(part.encode() + b"\0")
         for name in _source_closure(self.file):
             digest.update(name.encode() + b"\0" + _read_source(name).encode() + b"\0")
@@ -170,6 +172,25 @@ def _include_dirs() -> tuple[str, ...]:
         if root and os.path.isfile(os.path.join(root, "include", "cuda_fp8.h")):
             dirs.append(os.path.join(root, "include"))
     return tuple(dict.fromkeys(dirs))
+
+
+# The CUDA headers the kernels include from outside kernels_cu/ (cuda_bf16.h and cuda_fp8.h, with what
+# they include): they come from a wheel or a toolkit of their own version, beside NVRTC's.
+_CUDA_HEADERS = ("cuda_bf16.h", "cuda_bf16.hpp", "cuda_fp16.h", "cuda_fp16.hpp", "cuda_fp8.h", "cuda_fp8.hpp")
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_headers_digest() -> str:
+    """Hash of the CUDA headers NVRTC would find first on the include path (a cache key part)."""
+    digest = hashlib.sha256()
+    for header in _CUDA_HEADERS:
+        for folder in _include_dirs():
+            path = os.path.join(folder, header)
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    digest.update(header.encode() + b"\0" + f.read() + b"\0")
+                break
+    return digest.hexdigest()
 
 
 def compile_kernel(key: KernelKey) -> bytes:
@@ -275,10 +296,10 @@ class KernelCache:
     def save(self, digest: str, cubin: bytes) -> None:
         fd, tmp = self._mkstemp()
         try:
-            # mkstemp makes the file private (0600); a cache warmed by one user (an image build) is
-            # read by another (the server), and a cubin is no secret.
-            os.fchmod(fd, self._CACHE_FILE_MODE)
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(fd, "wb") as f:  # owns fd from here: closed whatever fails below
+                # mkstemp makes the file private (0600); a cache warmed by one user (an image build)
+                # is read by another (the server), and a cubin is no secret.
+                os.fchmod(f.fileno(), self._CACHE_FILE_MODE)
                 f.write(hashlib.sha256(cubin).digest() + cubin)
             os.replace(tmp, self._path(digest))
         except BaseException:

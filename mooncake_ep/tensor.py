@@ -177,6 +177,8 @@ class ArrayView:
         readonly: the producer marked the memory read-only (DLPack >= 1.0 flag, or a numpy
             array that is not writeable). Legacy capsules cannot say so and read ``False``;
             JAX, for one, exports its immutable arrays that way.
+        copied: the producer exported a copy of its array (the DLPack >= 1.0 ``IS_COPIED``
+            flag): what the library reads is right, what it writes never reaches the caller.
 
     Note:
         The memory is valid only while this view (or ``obj``) is alive; keep the view, not a
@@ -187,10 +189,11 @@ class ArrayView:
     """
 
     __slots__ = ("obj", "ptr", "shape", "strides", "dtype", "device_type", "device_id", "framework", "keepalive",
-                 "readonly")
+                 "readonly", "copied")
 
     def __init__(self, obj: Any, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str,
-                 device_type: str, device_id: int, framework: str, keepalive: Any, readonly: bool = False) -> None:
+                 device_type: str, device_id: int, framework: str, keepalive: Any, readonly: bool = False,
+                 copied: bool = False) -> None:
         self.obj = obj
         self.ptr = ptr
         self.shape = shape
@@ -201,6 +204,7 @@ class ArrayView:
         self.framework = framework
         self.keepalive = keepalive
         self.readonly = readonly
+        self.copied = copied
 
     def __repr__(self) -> str:
         return (f"ArrayView(ptr={self.ptr:#x}, shape={self.shape}, strides={self.strides}, dtype={self.dtype}, "
@@ -437,7 +441,7 @@ def _view_from_capsule(capsule: Any, obj: Any, name: str, framework: str) -> Arr
     owner = _dlpack.consume_capsule(capsule, opened, name)
     return ArrayView(obj=obj, ptr=opened.ptr, shape=shape, strides=strides, dtype=dtype,
                      device_type=device_type, device_id=device_id, framework=framework,
-                     keepalive=owner, readonly=opened.readonly)
+                     keepalive=owner, readonly=opened.readonly, copied=opened.copied)
 
 
 def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:

@@ -29,7 +29,7 @@ Gradients (every rank must run the same backward, since each step below is a col
       use a routing once), so the backward first re-runs the dispatch with zeros (fp8, half the
       bytes) to rebuild it.
 
-    Cost per layer: forward 1 dispatch + 1 combine; backward 2 dispatches + 2 combines (1 + 1 when
+    Cost per layer: forward 1 dispatch + 1 combine; backward 2 dispatches + 2 combines (2 + 1 when
     topk_weights needs no gradient), all on torch's current stream, no host synchronisation.
 
 Note:
@@ -55,14 +55,8 @@ __all__ = ["dispatch", "combine", "grad_buffer_size_hint", "DispatchFunction", "
 _forward_routing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def grad_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
-                          num_topk: int) -> int:
-    """Bytes of the ``grad_buffer`` of :func:`combine`: a Buffer for ``T * num_topk`` tokens."""
-    if isinstance(num_topk, bool) or not isinstance(num_topk, int) or not 1 <= num_topk <= _constants.MAX_TOPK:
-        raise ValueError(f"grad_buffer_size_hint: num_topk must be an int in [1, {_constants.MAX_TOPK}], "
-                         f"got {num_topk!r}")
-    return Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank * num_topk, hidden, num_ranks,
-                                          num_experts)
+# Bytes of the grad_buffer of combine: a Buffer for T * num_topk tokens (the same in mooncake_ep.jax).
+grad_buffer_size_hint = Buffer.get_grad_buffer_size_hint
 
 
 def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ranks: torch.Tensor,

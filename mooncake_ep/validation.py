@@ -179,6 +179,9 @@ def check_writable(where: str, name: str, view: ArrayView) -> None:
                         f"into it; pass a torch, cupy or numpy array (or {view.framework} arrays throughout)")
     if view.readonly:
         raise ValueError(f"{where}: {name} is read-only, and the call writes into it; pass a writable array")
+    if view.copied:
+        raise ValueError(f"{where}: {name} was exported by its producer as a copy (DLPack IS_COPIED), so what the "
+                         f"call writes would never reach it; pass an array whose memory can be shared")
 
 
 # The kernels move rows of x, recv_x, expert outputs and combined_x as 16-byte vectors.

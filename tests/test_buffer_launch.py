@@ -9,6 +9,8 @@ parity, hooks) runs without a GPU. The kernels themselves are tested on the GPU
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import ml_dtypes
 import numpy as np
@@ -155,6 +157,28 @@ def test_hook_mode_launches_the_receive_half_only_when_called(setup):
     assert [(l.phases, l.stream) for l in cuda.launches] == [(SEND, CALLER_STREAM), (RECV, CALLER_STREAM)]
     with pytest.raises(RuntimeError, match="already called"):
         hook()
+
+
+def test_a_hook_keeps_the_calls_arrays_until_it_has_launched(setup):
+    """In-process peers read a combine's x in their receive halves (direct reads), and the receive half
+    writes the outputs: the arrays live until the hook launched, though the caller dropped them (their
+    memory could otherwise go to new work before the kernels are done with it)."""
+    buf, cuda, device, inputs = setup
+    _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                      out=dispatch_out(device, False))
+    owners = [np.zeros((E // R, R * T, H), ml_dtypes.bfloat16), np.zeros((3, H), ml_dtypes.bfloat16)]
+    alive = [weakref.ref(owner) for owner in owners]
+    x, combined = (DeviceMemoryArray(o.ctypes.data, o.shape, "bfloat16", "cuda", 0, owner=o) for o in owners)
+    del owners
+    _, _, hook = buf.combine(x, inputs["topk_idx"], device(np.ones((3, K), np.float32)), inputs["active_ranks"],
+                             handle=handle, return_recv_hook=True, out=combined)
+    assert cuda.launches[-1].args["direct_reads"], "the case of peers reading x in place"
+    del x, combined
+    gc.collect()
+    assert all(ref() is not None for ref in alive), "dropped by the caller, kept by the pending hook"
+    hook()
+    gc.collect()
+    assert all(ref() is None for ref in alive), "released once the receive half is launched"
 
 
 def test_async_mode_runs_both_halves_on_the_comm_stream_after_the_caller(setup):

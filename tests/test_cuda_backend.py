@@ -9,6 +9,7 @@ tests' part (test_gpu_ipc.py).
 
 from __future__ import annotations
 
+import json
 import logging
 import struct
 import threading
@@ -358,11 +359,13 @@ def test_destroy_hands_the_communication_stream_to_the_next_buffer_of_its_device
     assert idle_comm_streams == {0: []}
 
 
-def test_destroy_with_the_local_transport_needs_one_barrier():
+def test_destroy_with_the_local_transport_frees_between_two_barriers():
     log: list = []
     backend = stub_backend(RecordingGroup(log), log)
     backend.destroy()
-    assert log == ["synchronize", "barrier", "free workspace", "free layout table"]
+    # And one after the frees: an in-process peer that returned and launched again would hold up
+    # the device-wide synchronisation of a rank still freeing, and wait for it.
+    assert log == ["synchronize", "barrier", "free workspace", "free layout table", "barrier"]
 
 
 def test_destroy_with_a_missing_peer_still_releases_then_raises(caplog):
@@ -410,3 +413,13 @@ def test_combine_reads_in_place_only_where_asked_and_possible():
     assert backend._combine_source(zero_copy=True, direct_reads=True) == _cuda_backend.SOURCE_WORKSPACE
     backend.direct_peer_reads = False  # ipc: peers cannot read the caller's memory
     assert backend._combine_source(zero_copy=False, direct_reads=True) == _cuda_backend.SOURCE_COPY
+
+
+def test_a_peer_in_another_collective_is_named_at_the_kernel_agreement():
+    """A peer whose blob is no agreement record (it is in a dispatch's exchange, say) is named, where a
+    bare KeyError('digest') or a JSON error came out before."""
+    record = {"digest": "d", "nvrtc": [12, 9], "steps": [0] * 14, "agreed": []}
+    assert _cuda_backend._agreement_record(json.dumps(record).encode(), 1) == record
+    for blob in (b'{"call": "dispatch"}', b"\x80\x04 pickled", b"[1, 2]"):
+        with pytest.raises(ep.RankMismatchError, match=r"rank 2 is not connecting a Buffer's workspace"):
+            _cuda_backend._agreement_record(blob, 2)

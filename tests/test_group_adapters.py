@@ -521,6 +521,19 @@ def test_init_group_returns_an_existing_group():
     with pytest.raises(ValueError, match="world_size=3 differs"):
         init_group(rank_group, world_size=3)
 
+    class FourMembers:  # all a Group needs (as the Buffer takes it): no is_in_process, no device
+        rank, world_size = 0, 1
+
+        def allgather_bytes(self, data):
+            return [data]
+
+        def barrier(self):
+            pass
+    group = FourMembers()
+    assert isinstance(group, Group) and init_group(group) is group
+    import mooncake_ep as ep
+    ep.Buffer(group, 1 << 20, backend="reference").destroy()
+
 
 def test_init_group_detects_initialised_jax_distributed(clean_env):
     # jax.distributed's state as a one-process initialize() leaves it; detection only reads sys.modules.

@@ -300,3 +300,20 @@ def test_close_is_idempotent_and_garbage_collection_closes_too():
     out = run(3, rank_fn)
     assert out == [sorted(mapped(r) for r in range(3) if r != rank) for rank in range(3)]
     assert all(r.open_mappings == {} for r in runtimes)
+
+
+def test_local_connect_fails_on_every_rank_when_some_lack_peer_access():
+    """In-process ranks on cuda:0-2, where cuda:1 and cuda:2 have no peer access: ranks 1 and 2 fail,
+    and so does rank 0, which could reach both (it had kept routes to the workspaces they then free)."""
+    from mooncake_ep.transport import local
+
+    runtime = FakeRuntime(visible=(0, 1, 2), peer_pairs=((0, 1), (0, 2)))
+    out = run(3, lambda group: local.connect(group, FakeWorkspace(workspace_ptr(group.rank), group.rank), runtime))
+    assert all(isinstance(e, TransportError) for e in out), out
+    for e in out:
+        assert str(e) == ("rank 1 on cuda:1 cannot access the memory of rank 2 on cuda:2 (no peer access between "
+                          "these GPUs); rank 2 on cuda:2 cannot access the memory of rank 1 on cuda:1 (no peer "
+                          "access between these GPUs)")
+    runtime = FakeRuntime(visible=(0, 1, 2), peer_pairs=((0, 1), (0, 2), (1, 2)))
+    routes = run(3, lambda group: local.connect(group, FakeWorkspace(workspace_ptr(group.rank), group.rank), runtime))
+    assert routes == [[workspace_ptr(r) for r in range(3)]] * 3

@@ -547,6 +547,8 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
      r"active_ranks is a int64 numpy array, which JAX would turn into int32 without a word; pass int32"),
     (lambda a: a | dict(x=np.zeros((3, 256), np.int64)), TypeError,
      r"x is a int64 numpy array, which JAX would turn into int32 without a word; pass bfloat16"),
+    (lambda a: a | dict(active_ranks=np.ones(1, ">i4")), TypeError,
+     r"mooncake_ep.jax.dispatch: active_ranks is a byte-swapped numpy array \(>i4\); pass native byte order"),
     (lambda a: a | dict(buffer=object()), TypeError, r"buffer must be a mooncake_ep.Buffer or a mapping"),
     (lambda a: a | dict(use_ue8m0=True), ValueError, r"use_ue8m0=True needs use_fp8=True and round_scale=True"),
     (lambda a: a | dict(command_buffer_compatible="no"), TypeError,
@@ -555,7 +557,8 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
     (lambda a: a | dict(topk_idx=np.where(np.arange(6).reshape(3, 2) == 5, 2**32, np.zeros((3, 2), np.int64))),
      ValueError, r"topk_idx holds 4294967296 at \(2, 1\), outside int32, and with jax_enable_x64 off"),
 ], ids=["x-float32", "hidden", "topk-float", "active-shape", "too-many-tokens", "parity", "x-float64-numpy",
-        "topk-uint64-numpy", "active-int64-numpy", "x-int64-numpy", "not-a-buffer", "ue8m0-alone",
+        "topk-uint64-numpy", "active-int64-numpy", "x-int64-numpy", "active-byte-swapped", "not-a-buffer",
+        "ue8m0-alone",
         "command-buffer-str", "int64-id-past-int32"])
 def test_bad_dispatch_is_refused_at_trace_time_and_the_buffer_still_works(mutate, error, pattern):
     case, buffer, (x, topk, active) = one_rank()
@@ -759,8 +762,9 @@ def test_programs_traced_before_destroy_buffers_are_traced_again_and_refused():
 
 def test_grad_buffer_size_hint_is_the_hint_for_t_times_k_tokens():
     assert epj.grad_buffer_size_hint(8, 256, 2, 4, 3) == ep.Buffer.get_ep_buffer_size_hint(24, 256, 2, 4)
-    with pytest.raises(ValueError, match=r"num_topk must be an int in \[1, 16\], got 0"):
+    with pytest.raises(ValueError, match=r"grad_buffer_size_hint: num_topk must be >= 1, got 0"):
         epj.grad_buffer_size_hint(8, 256, 2, 4, 0)
+    assert epj.grad_buffer_size_hint is ep.Buffer.get_grad_buffer_size_hint  # one rule for both front ends
 
 
 # --- the GPU launch path of the ops, on a recording backend ----------------------------------------------

@@ -249,6 +249,30 @@ def test_digest_changes_when_a_source_changes(edited, read_source, monkeypatch):
 
 
 @needs_nvrtc
+def test_digest_changes_with_the_cuda_headers_found(tmp_path, monkeypatch):
+    """cuda_bf16.h and cuda_fp8.h come from a wheel or toolkit of their own version: another copy on the
+    include path is another binary (the first folder holding a header is the one NVRTC reads)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder, text in ((first, "// bf16 v1\n"), (second, "// bf16 v2\n")):
+        folder.mkdir()
+        (folder / "cuda_bf16.h").write_text(text)
+
+    def digest(*folders) -> str:
+        monkeypatch.setattr(kernels, "_include_dirs", lambda: tuple(str(f) for f in folders))
+        kernels._cuda_headers_digest.cache_clear()
+        return kernels.combine_key(ARCH).digest
+    try:
+        assert digest(first, second) != digest(second, first)
+        assert digest(first, second) == digest(first)  # a header found later is not read
+        unpatched = digest(first)
+        (first / "cuda_bf16.h").write_text("// bf16 v1, patched\n")
+        assert digest(first) != unpatched
+    finally:
+        monkeypatch.undo()
+        kernels._cuda_headers_digest.cache_clear()
+
+
+@needs_nvrtc
 def test_digest_changes_with_nvrtc_and_library_version(monkeypatch):
     before = kernels.combine_key(ARCH).digest
     monkeypatch.setattr(kernels, "nvrtc_version", lambda: (99, 0))

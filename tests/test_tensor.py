@@ -91,6 +91,22 @@ class LegacyProducer(DLPackOnly):
         return self.array.__dlpack__()
 
 
+class CopyingProducer(DLPackOnly):
+    """A producer that cannot share its memory and exports a copy, flagged IS_COPIED (which DLPack allows
+    when the consumer does not ask for copy=False)."""
+
+    def __dlpack__(self, **kwargs):
+        self.calls.append(kwargs)
+        return self.array.__dlpack__(max_version=kwargs.get("max_version"), copy=True)
+
+
+class NotACapsule(DLPackOnly):
+    """A producer whose __dlpack__ returns the array itself (a bug)."""
+
+    def __dlpack__(self, **kwargs):
+        return self.array
+
+
 class StreamlessProducer(DLPackOnly):
     """A producer whose __dlpack__ takes no argument at all (TensorFlow's EagerTensor)."""
 
@@ -224,7 +240,8 @@ def test_arrays_without_plain_memory_are_refused_naming_the_argument():
         torch.vmap(lambda row: read_array(row, name="dispatch: x").ptr)(x)
     deleted = jnp.zeros((4, 128), jnp.bfloat16)
     deleted.delete()
-    with pytest.raises(TypeError, match=r"^dispatch: x: ArrayImpl could not be exported through DLPack"):
+    # Named as deleted (JAX's own __dlpack_device__ fails with an unrelated TypeError then).
+    with pytest.raises(TypeError, match=r"^dispatch: x: this ArrayImpl was deleted \(donated to a jitted call"):
         read_array(deleted, name="dispatch: x")
     import jax
 
@@ -351,6 +368,22 @@ def test_errors_name_the_argument():
         read_array(np.zeros(2), name="dispatch: x", stream=-2)
     with pytest.raises(TypeError, match=r"^dispatch: x: .*refused to export"):
         read_array(DLPackOnly(np.zeros(2, ml_dtypes.bfloat16)), name="dispatch: x")
+    with pytest.raises(TypeError, match=r"^dispatch: x: __dlpack__ returned a numpy.ndarray, not a DLPack capsule"):
+        read_array(NotACapsule(np.zeros(2, np.float32)), name="dispatch: x")
+
+
+def test_a_copy_exported_by_its_producer_is_read_but_never_written():
+    """DLPack lets a producer that cannot share its memory export a copy, flagged IS_COPIED: read, it is
+    the right values; written (out=, active_ranks), the writes would never reach the caller."""
+    values = np.arange(4, dtype=np.int32)
+    view = read_array(CopyingProducer(values), name="dispatch: active_ranks")
+    assert view.copied and not view.readonly and view.ptr != values.ctypes.data
+    np.testing.assert_array_equal(view.numpy(), values)
+    assert not read_array(DLPackOnly(values), name="x").copied
+    from mooncake_ep.validation import check_writable
+    with pytest.raises(ValueError, match=r"^dispatch: active_ranks was exported by its producer as a copy \(DLPack "
+                                         r"IS_COPIED\)"):
+        check_writable("dispatch", "active_ranks", view)
 
 
 def test_unsupported_device_leaves_capsule_unconsumed():

@@ -301,5 +301,6 @@ def test_refusals_name_the_argument_and_leave_the_buffer_usable():
 
 def test_grad_buffer_size_hint():
     assert ept.grad_buffer_size_hint(8, 256, 2, 4, 3) == ep.Buffer.get_ep_buffer_size_hint(24, 256, 2, 4)
-    with pytest.raises(ValueError, match=r"num_topk must be an int in \[1, 16\], got 17"):
+    with pytest.raises(ValueError, match=r"grad_buffer_size_hint: num_topk must be <= 16, got 17"):
         ept.grad_buffer_size_hint(8, 256, 2, 4, 17)
+    assert ept.grad_buffer_size_hint(8, 256, 2, 4, np.int64(3)) == ept.grad_buffer_size_hint(8, 256, 2, 4, 3)

@@ -13,18 +13,30 @@ from mooncake_ep.transport.workspace import DeviceWorkspace, TransportError
 _ENTRY = struct.Struct("<qq")  # (workspace address, device id)
 
 
-def connect(group, workspace: DeviceWorkspace) -> list[int]:
+def connect(group, workspace: DeviceWorkspace, runtime=None) -> list[int]:
     """Exchange workspace addresses through ``group``; return the route table (one address per rank).
 
+    Args:
+        runtime: the CUDA runtime module (default ``cupy.cuda.runtime``; tests pass a fake).
+
     Raises:
-        TransportError: two ranks' devices cannot access each other's memory.
+        TransportError: two ranks' devices cannot access each other's memory, on every rank at once
+            (a rank that could connect would otherwise keep routes to the workspaces the failing
+            ranks free).
     """
     entries = [_ENTRY.unpack(blob) for blob in group.allgather_bytes(_ENTRY.pack(workspace.ptr, workspace.device_id))]
-    for peer_rank, (_, peer_device) in enumerate(entries):
-        if peer_device != workspace.device_id:
-            enable_peer_access(workspace.device_id, peer_device,
-                               f"rank {group.rank} on cuda:{workspace.device_id} cannot access the memory of rank "
-                               f"{peer_rank} on cuda:{peer_device}")
+    problem = ""
+    try:
+        for peer_rank, (_, peer_device) in enumerate(entries):
+            if peer_device != workspace.device_id:
+                enable_peer_access(workspace.device_id, peer_device,
+                                   f"rank {group.rank} on cuda:{workspace.device_id} cannot access the memory of "
+                                   f"rank {peer_rank} on cuda:{peer_device}", runtime)
+    except TransportError as exc:
+        problem = str(exc)
+    problems = [blob.decode() for blob in group.allgather_bytes(problem.encode())]
+    if any(problems):
+        raise TransportError("; ".join(p for p in problems if p))
     return [address for address, _ in entries]
 
 

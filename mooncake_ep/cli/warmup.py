@@ -79,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "one process on one GPU), or both")
     parser.add_argument("--cache-dir", default=str(kernels.default_cache_dir()), metavar="DIR",
                         help="kernel cache folder; the default is $MOONCAKE_EP_CACHE_DIR when set, "
-                             "else ~/.cache/mooncake_ep/kernels")
+                             "else $XDG_CACHE_HOME/mooncake_ep/kernels, ~/.cache/mooncake_ep/kernels where that "
+                             "is unset")
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, MAX_DEFAULT_JOBS), metavar="N",
                         help="kernels compiled at once")
     parser.add_argument("--json", metavar="PATH", help="also write the summary as JSON here")

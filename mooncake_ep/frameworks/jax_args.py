@@ -176,6 +176,9 @@ def as_jax(where: str, name: str, value):
     if isinstance(value, jax.Array):
         return value
     if isinstance(value, (np.ndarray, np.generic)):
+        if not value.dtype.isnative:  # JAX's own refusal names neither the call nor the argument
+            raise TypeError(f"{where}: {name} is a byte-swapped numpy array ({value.dtype.str}); pass native byte "
+                            f"order, e.g. {name}.astype({name}.dtype.newbyteorder('='))")
         if value.dtype == np.float64:
             raise TypeError(f"{where}: {name} is a float64 numpy array, which JAX would cast silently; pass "
                             f"{_DTYPES_TAKEN.get(name, 'float32')}")
