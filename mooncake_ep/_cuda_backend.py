@@ -374,8 +374,10 @@ class CudaBackend:
 
         The order CUDA IPC requires: this process's kernels are done; barrier (no kernel reads any
         workspace); close the mappings of the peers' workspaces; barrier (no peer maps this one);
-        free. With ``local`` one barrier suffices. A peer that never arrives (dead) makes the
-        barrier raise GroupError after the group's timeout: the memory is released anyway.
+        free. With ``local`` (ranks of one process): this process's kernels are done; barrier;
+        free; barrier (none returns and launches again, its next Buffer's kernels waiting for peers,
+        while a peer's free still synchronises the device). A peer that never arrives (dead) makes
+        a barrier raise GroupError after the group's timeout: the memory is released anyway.
 
         Args:
             raise_group_error: re-raise a failed barrier after releasing (False: only log it).

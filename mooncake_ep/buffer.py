@@ -296,6 +296,8 @@ class Buffer:
                 :meth:`get_ep_buffer_size_hint`.
             num_topk: K, in [1, 16].
         """
+        check_int("grad_buffer_size_hint", "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank,
+                  minimum=1)
         check_int("grad_buffer_size_hint", "num_topk", num_topk, minimum=1, maximum=_constants.MAX_TOPK)
         return Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank * num_topk, hidden, num_ranks,
                                               num_experts)
@@ -775,6 +777,7 @@ class Buffer:
 
         On the GPU each rank waits for its own kernels, then (barrier) closes its mappings of the
         peers' workspaces, then (barrier) frees its own: CUDA requires that no peer still maps it.
+        Ranks of one process free after one barrier, and return after another, all of them freed.
         A Buffer dropped without destroy() is released when garbage-collected, without waiting
         for the peers (no collective can run there): destroy() on every rank is the safe way.
         """
@@ -855,8 +858,11 @@ class Buffer:
                 called.append(True)
                 try:
                     self._receive(call, handle, receive)
+                    # Launched: the stream orders any later use of that memory after it. A launch that
+                    # failed leaves them with the hook: peers may still read x, and nothing here knows
+                    # when they are done.
+                    arrays.clear()
                 finally:
-                    arrays.clear()  # launched: the stream orders any later use of that memory after it
                     if call == "dispatch":
                         self._pending_hooks.discard(handle.parity)
                     else:
@@ -1002,7 +1008,8 @@ _MAX_DISJOINT_ADDRESSES = 1024
 
 def _signature(view: ArrayView) -> tuple:
     """Everything the layout checks read of an array: two arrays with equal signatures pass or fail alike."""
-    return view.shape, view.strides, view.dtype, view.device_type, view.device_id, view.framework, view.readonly
+    return (view.shape, view.strides, view.dtype, view.device_type, view.device_id, view.framework, view.readonly,
+            view.copied)
 
 
 def _dlpack_stream(first: ArrayView, stream_ptr: int) -> int | None:

@@ -174,8 +174,9 @@ def _include_dirs() -> tuple[str, ...]:
     return tuple(dict.fromkeys(dirs))
 
 
-# The CUDA headers the kernels include from outside kernels_cu/ (cuda_bf16.h and cuda_fp8.h, with what
-# they include): they come from a wheel or a toolkit of their own version, beside NVRTC's.
+# The CUDA headers the kernels include from outside kernels_cu/ (cuda_bf16.h and cuda_fp8.h, and the
+# fp16 and .hpp files they pull in; not vector_types.h and the like, which do not change code): they
+# come from a wheel or a toolkit of their own version, beside NVRTC's.
 _CUDA_HEADERS = ("cuda_bf16.h", "cuda_bf16.hpp", "cuda_fp16.h", "cuda_fp16.hpp", "cuda_fp8.h", "cuda_fp8.hpp")
 
 

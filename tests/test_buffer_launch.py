@@ -159,6 +159,31 @@ def test_hook_mode_launches_the_receive_half_only_when_called(setup):
         hook()
 
 
+class CopiedDeviceArray(DeviceMemoryArray):
+    """A CUDA producer that exported a copy: IS_COPIED on its versioned capsule."""
+
+    def __dlpack__(self, *args, **kwargs):
+        capsule = super().__dlpack__(*args, **kwargs)
+        name = _dlpack._PyCapsule_GetName(capsule)
+        managed = _dlpack.DLManagedTensorVersioned.from_address(_dlpack._PyCapsule_GetPointer(capsule, name))
+        managed.flags |= _dlpack.DLPACK_FLAG_BITMASK_IS_COPIED
+        return capsule
+
+
+def test_an_active_ranks_exported_as_a_copy_is_refused_after_a_remembered_plan_too(setup):
+    """The call writes active_ranks: one its producer exported as a copy would never show the ranks the
+    kernels mask, so it is refused, also once an ordinary call of the same layout left a checked plan."""
+    buf, cuda, device, inputs = setup
+    kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+    buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
+    mask = np.ones(R, np.int32)
+    with pytest.raises(ValueError, match=r"dispatch: active_ranks was exported by its producer as a copy"):
+        buf.dispatch(inputs["x"], inputs["topk_idx"], CopiedDeviceArray(mask.ctypes.data, mask.shape, "int32", "cuda",
+                                                                        0, owner=mask),
+                     **kwargs, out=dispatch_out(device, False))
+    assert len([launch for launch in cuda.launches if launch.kernel == "dispatch"]) == 1
+
+
 def test_a_hook_keeps_the_calls_arrays_until_it_has_launched(setup):
     """In-process peers read a combine's x in their receive halves (direct reads), and the receive half
     writes the outputs: the arrays live until the hook launched, though the caller dropped them (their
@@ -179,6 +204,36 @@ def test_a_hook_keeps_the_calls_arrays_until_it_has_launched(setup):
     hook()
     gc.collect()
     assert all(ref() is None for ref in alive), "released once the receive half is launched"
+
+
+def test_a_hook_whose_launch_failed_keeps_the_calls_arrays(setup):
+    """The send half ran, so in-process peers may still read x in place; with the receive half's launch
+    failed nothing orders their reads before a reuse of the memory: the hook keeps it."""
+    buf, cuda, device, inputs = setup
+    _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                      out=dispatch_out(device, False))
+    owner = np.zeros((E // R, R * T, H), ml_dtypes.bfloat16)
+    alive = weakref.ref(owner)
+    x = DeviceMemoryArray(owner.ctypes.data, owner.shape, "bfloat16", "cuda", 0, owner=owner)
+    del owner
+    real_launch = cuda.combine_launch
+
+    def failing_receive(parity, layout_ptr, **args):
+        launch = real_launch(parity, layout_ptr, **args)
+
+        def run(phases, stream_ptr):
+            if phases & RECV:
+                raise RuntimeError("cuLaunchKernel: the receive half failed")
+            launch(phases, stream_ptr)
+        return run
+    cuda.combine_launch = failing_receive
+    _, _, hook = buf.combine(x, inputs["topk_idx"], device(np.ones((3, K), np.float32)), inputs["active_ranks"],
+                             handle=handle, return_recv_hook=True, out=device(np.zeros((3, H), ml_dtypes.bfloat16)))
+    del x
+    with pytest.raises(RuntimeError, match="the receive half failed"):
+        hook()
+    gc.collect()
+    assert alive() is not None
 
 
 def test_async_mode_runs_both_halves_on_the_comm_stream_after_the_caller(setup):

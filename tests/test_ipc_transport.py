@@ -311,9 +311,19 @@ def test_local_connect_fails_on_every_rank_when_some_lack_peer_access():
     out = run(3, lambda group: local.connect(group, FakeWorkspace(workspace_ptr(group.rank), group.rank), runtime))
     assert all(isinstance(e, TransportError) for e in out), out
     for e in out:
-        assert str(e) == ("rank 1 on cuda:1 cannot access the memory of rank 2 on cuda:2 (no peer access between "
-                          "these GPUs); rank 2 on cuda:2 cannot access the memory of rank 1 on cuda:1 (no peer "
-                          "access between these GPUs)")
+        assert str(e) == ("Buffer (local transport): could not reach the peers' workspaces: on rank 1: cuda:1 cannot "
+                          "access the memory of rank 2 on cuda:2 (no peer access between these GPUs); on rank 2: "
+                          "cuda:2 cannot access the memory of rank 1 on cuda:1 (no peer access between these GPUs)")
     runtime = FakeRuntime(visible=(0, 1, 2), peer_pairs=((0, 1), (0, 2), (1, 2)))
     routes = run(3, lambda group: local.connect(group, FakeWorkspace(workspace_ptr(group.rank), group.rank), runtime))
     assert routes == [[workspace_ptr(r) for r in range(3)]] * 3
+
+    class FailingOnDevice2(FakeRuntime):  # a CUDA error, not a refusal, on one rank only
+        def deviceCanAccessPeer(self, device, peer):
+            if device == 2:
+                raise FakeCudaError("cudaErrorUnknown: unknown error")
+            return super().deviceCanAccessPeer(device, peer)
+    runtime = FailingOnDevice2(visible=(0, 1, 2), peer_pairs=((0, 1), (0, 2), (1, 2)))
+    out = run(3, lambda group: local.connect(group, FakeWorkspace(workspace_ptr(group.rank), group.rank), runtime))
+    assert all(isinstance(e, TransportError) and str(e).endswith("on rank 2: FakeCudaError: cudaErrorUnknown: "
+                                                                 "unknown error") for e in out), out

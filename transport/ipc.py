@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Iterator
 
 from mooncake_ep.transport.local import enable_peer_access
-from mooncake_ep.transport.workspace import TransportError
+from mooncake_ep.transport.workspace import TransportError, raise_if_any_failed
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -182,15 +182,10 @@ class IpcTransport:
         _check_one_host(where, records)
         try:
             replaced = self._map(records)
-            failure = b""
+            failure = ""
         except TransportError as exc:
-            replaced, failure = [], str(exc).encode()
-        # Agree: a rank that failed to map a peer raises, and so does every other rank, instead of
-        # going on to the barrier that the failing one never reaches.
-        failures = {rank: blob.decode() for rank, blob in enumerate(self.group.allgather_bytes(failure)) if blob}
-        if failures:
-            raise TransportError(f"{where}: could not map the peers' workspaces: "
-                                 + "; ".join(f"on rank {rank}: {message}" for rank, message in failures.items()))
+            replaced, failure = [], str(exc)
+        raise_if_any_failed(self.group, f"{where}: could not map the peers' workspaces", failure)
         self.peers = records
         return [self._mappings[rank].ptr for rank in range(len(records))], replaced
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 
-from mooncake_ep.transport.workspace import DeviceWorkspace, TransportError
+from mooncake_ep.transport.workspace import DeviceWorkspace, TransportError, raise_if_any_failed
 
 _ENTRY = struct.Struct("<qq")  # (workspace address, device id)
 
@@ -25,18 +25,16 @@ def connect(group, workspace: DeviceWorkspace, runtime=None) -> list[int]:
             ranks free).
     """
     entries = [_ENTRY.unpack(blob) for blob in group.allgather_bytes(_ENTRY.pack(workspace.ptr, workspace.device_id))]
-    problem = ""
+    failure = ""
     try:
         for peer_rank, (_, peer_device) in enumerate(entries):
             if peer_device != workspace.device_id:
                 enable_peer_access(workspace.device_id, peer_device,
-                                   f"rank {group.rank} on cuda:{workspace.device_id} cannot access the memory of "
-                                   f"rank {peer_rank} on cuda:{peer_device}", runtime)
-    except TransportError as exc:
-        problem = str(exc)
-    problems = [blob.decode() for blob in group.allgather_bytes(problem.encode())]
-    if any(problems):
-        raise TransportError("; ".join(p for p in problems if p))
+                                   f"cuda:{workspace.device_id} cannot access the memory of rank {peer_rank} on "
+                                   f"cuda:{peer_device}", runtime)
+    except Exception as exc:  # noqa: BLE001 - a runtime error too: every rank must hear of it
+        failure = str(exc) if isinstance(exc, TransportError) else f"{type(exc).__name__}: {exc}"
+    raise_if_any_failed(group, "Buffer (local transport): could not reach the peers' workspaces", failure)
     return [address for address, _ in entries]
 
 

@@ -29,6 +29,17 @@ class TransportError(RuntimeError):
     """A workspace could not be allocated, mapped or reached."""
 
 
+def raise_if_any_failed(group, what: str, failure: str) -> None:
+    """Collective: every rank says whether its part of a connection failed (``failure``, empty if
+    not); if any did, every rank raises TransportError naming each failing rank's reason. A rank
+    that failed alone would otherwise leave the others waiting at a barrier it never reaches, or
+    connected to workspaces it then frees."""
+    failures = {rank: blob.decode() for rank, blob in enumerate(group.allgather_bytes(failure.encode())) if blob}
+    if failures:
+        raise TransportError(f"{what}: " + "; ".join(f"on rank {rank}: {message}"
+                                                      for rank, message in failures.items()))
+
+
 def _free_device_memory(device_id: int, ptr: int) -> None:
     """cudaFree on ``device_id`` (a finalizer: it never raises)."""
     try:
