@@ -32,6 +32,8 @@
 #              without the graph's own nodes around the fork/join (--graph-ends none), and with 32
 #              hardware queues instead of the driver's default 8
 #   routing    the decode benchmark with skewed routing (zipf, k_hot), with the torch baseline
+#   parities   the decode benchmark with every graph on one workspace half (the tables so far) and with
+#              input set k on half k mod 2, as a model's consecutive calls, alternated twice
 #   repeat     the async and hook test cases, 20 times over, traced, with every rank's flags dumped on a
 #              failure (scripts/repeat_case.py), with 8 and with 32 hardware work queues
 set -uo pipefail
@@ -111,6 +113,15 @@ if has routing; then
   # the same bytes; the busiest rank's share is the report's load.
   step bench_zipf 300 "${bench[@]}" "${decode[@]}" --routing zipf --iters 100 --json "$out/bench_zipf.json"
   step bench_k_hot 300 "${bench[@]}" "${decode[@]}" --routing k_hot --iters 100 --json "$out/bench_k_hot.json"
+fi
+if has parities; then
+  # A dispatch restaging into the rows its last replay left in L2 (one half) against alternating halves.
+  for round in 1 2; do
+    for parities in one alternate; do
+      step "bench_parities_${parities}_$round" 200 "${bench[@]}" "${decode[@]}" --parities "$parities" --iters 100 \
+        --no-baseline --json "$out/bench_parities_${parities}_$round.json"
+    done
+  done
 fi
 if has repeat; then
   # With the driver's default 8 hardware work queues, then with 32 (CUDA_DEVICE_MAX_CONNECTIONS):

@@ -325,6 +325,7 @@ def test_bench_bad_flag_exits_2():
     (["--routing", "k_hot", "--hot-experts", "1", "--topk", "2"], "--hot-experts must be in [--topk=2, --experts=8]"),
     (["--peer-reads", "workspace"], "--peer-reads sets where the GPU kernels read"),
     (["--graph-ends", "none"], "--graph-ends shapes the CUDA graphs; the reference backend has none"),
+    (["--parities", "alternate"], "--parities places the CUDA graphs' calls; the reference backend has none"),
     (["--plot", "/no/such/dir/x.png"], "does not exist"),
     (["--mode", "eager"], "invalid choice"),
     (["--launch", "2", "--group", "init"], "leave out --group"),
@@ -390,17 +391,19 @@ def test_baseline_on_cuda_is_the_baseline_on_cpu(shape, use_fp8):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU with cupy and CUDA torch")
-@pytest.mark.parametrize("mode, graph", [("async", "--graph"), ("hook", "--graph"), ("sync", "--no-graph"),
-                                         ("async", "--no-graph")])
-def test_bench_cuda_each_mode(tmp_path, mode, graph):
+@pytest.mark.parametrize("mode, graph, parities", [("async", "--graph", "one"), ("hook", "--graph", "one"),
+                                                   ("sync", "--no-graph", "one"), ("async", "--no-graph", "one"),
+                                                   ("sync", "--graph", "alternate"), ("hook", "--graph", "alternate")])
+def test_bench_cuda_each_mode(tmp_path, mode, graph, parities):
     path = tmp_path / "bench.json"
     proc = run_bench("--backend", "cuda", "--ranks", "4", "--tokens", "8", "--hidden", "256", "--topk", "2",
                      "--experts", "8", "--iters", "5", "--warmup", "2", "--no-baseline", "--mode", mode, graph,
-                     "--json", str(path))
+                     "--parities", parities, "--json", str(path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(path.read_text())
     check_schema(report, with_baseline=False, backend="cuda")
-    assert (report["config"]["mode"], report["config"]["graph"]) == (mode, graph == "--graph")
+    assert (report["config"]["mode"], report["config"]["graph"], report["config"]["parities"]) == \
+        (mode, graph == "--graph", parities)
 
 
 class LoggedStream:

@@ -204,6 +204,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "meet at a barrier before every replay")
     parser.add_argument("--iters", type=int, default=200, help="timed replays per phase")
     parser.add_argument("--input-sets", type=int, default=4, help="input sets rotated between replays")
+    parser.add_argument("--parities", choices=("one", "alternate"), default="one",
+                        help="the workspace halves the graphs' calls use: one (each phase's graphs all on one half, "
+                             "so a dispatch restages into the rows the last replay left in L2; the tables up to "
+                             "2026-12-05), or alternate (input set k's graphs on half k mod 2, as consecutive calls "
+                             "of a model use them; needs an even --input-sets)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the same dispatch and combine written with plain torch operations")
@@ -637,6 +642,12 @@ def measure_cuda(args, progress, group=None) -> dict:
                 continue
             graph_handles = [[None] * args.ranks for _ in sets]  # each set of graphs answers its own dispatches
             for k, inputs in enumerate(sets):
+                # --parities alternate: set k's dispatch graph on half k mod 2 (a capture of a set's
+                # graphs makes two dispatches, so the next set would have the same half): one eager,
+                # uncaptured step moves the dispatch count on where it does not.
+                if args.parities == "alternate" and buffers[local_ranks[0]]._num_dispatches % 2 != k % 2:
+                    forked(lambda: run_phase("step", inputs, graph_handles[k]))
+                    torch.cuda.synchronize()
                 for phase in captured:
                     pair = None
                     if with_inner:
@@ -934,7 +945,7 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "timer": timer,
         "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
                                                  "mode", "graph", "graph_ends", "peer_reads", "routing", "iters",
-                                                 "input_sets", "warmup", "warmup_ms", "seed", "baseline")}
+                                                 "input_sets", "parities", "warmup", "warmup_ms", "seed", "baseline")}
                   | routing_parameters(args)
                   # The flags as they applied, not as given.
                   | {"inner_events": inner_events_timed(args), "kernel_span": spans is not None},
@@ -1082,6 +1093,9 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
                                  ("--input-sets", args.input_sets, 1)):
         if value < minimum:
             raise UsageError(f"{flag} must be >= {minimum}, got {value}")
+    if args.parities == "alternate" and args.input_sets % 2:
+        raise UsageError(f"--parities alternate takes an even --input-sets (set k on half k mod 2, replayed in "
+                         f"rotation), got {args.input_sets}")
     if not args.hold_ms <= HOLD_MS_MAX:  # also refuses nan and inf
         raise UsageError(f"--hold-ms must be at most {HOLD_MS_MAX:g}, got {args.hold_ms}")
     if not args.warmup_ms <= WARMUP_MS_MAX:  # a warm-up loop runs until this much time has passed
@@ -1172,6 +1186,8 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
                              "none")
         if args.graph_ends != "both":
             raise UsageError("--graph-ends shapes the CUDA graphs; the reference backend has none")
+        if args.parities != "one":
+            raise UsageError("--parities places the CUDA graphs' calls; the reference backend has none")
     if args.graph is None:
         args.graph = backend == "cuda"
     check_args(args, ranks_flag)
