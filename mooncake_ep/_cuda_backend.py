@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from mooncake_ep import _constants, _handshake, kernels, layout
 from mooncake_ep.group import GroupError
-from mooncake_ep.transport import DeviceWorkspace
+from mooncake_ep.transport import DeviceWorkspace, TransportError
 from mooncake_ep.transport import ipc as ipc_transport
 from mooncake_ep.transport import local as local_transport
 
@@ -149,10 +149,16 @@ class CudaBackend:
         # other processes, even on this GPU, need system scope.
         self.sys_scope = not (all_on_one_device and in_process)
         self._runtime = cupy.cuda.runtime
-        with cupy.cuda.Device(device_id):  # the modules load into this device's context
-            self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache, self.sys_scope)
-        self.workspace = DeviceWorkspace(num_ep_buffer_bytes, device_id)
-        self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id, host_mirror=True)
+        try:
+            with cupy.cuda.Device(device_id):  # the modules load into this device's context
+                self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache, self.sys_scope)
+            self.workspace = DeviceWorkspace(num_ep_buffer_bytes, device_id)
+            self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id, host_mirror=True)
+        except Exception as exc:
+            # The peers go on to connect's first collective: tell them there why this rank will not
+            # come, or they would wait for it the group's whole timeout and name no cause.
+            _announce_setup_failure(group, exc)
+            raise
         self._ipc = ipc_transport.IpcTransport(group, self.workspace) if self.transport == "ipc" else None
         self._layouts: dict[tuple[int, int, int], tuple[layout.WorkspaceLayout, int]] = {}
         self._pending_layouts: list[tuple[int, bytes]] = []  # (offset in layout_table, packed layout)
@@ -173,6 +179,11 @@ class CudaBackend:
         self.comm_stream = _take_comm_stream(device_id) if group_stream is None else group_stream
         try:
             self.connect()
+        except _PeerSetupFailed:
+            # Nothing is exchanged yet (the agreement comes first), and the failed peer takes no part
+            # in a collective release: release alone.
+            self._release_alone()
+            raise
         except BaseException:
             # Every rank fails here alike (the checks and the transport agree first), so the
             # collective release can run; if a peer is gone it gives up and frees anyway.
@@ -410,6 +421,19 @@ class CudaBackend:
         if failure is not None and raise_group_error:
             raise failure
 
+    def _release_alone(self) -> None:
+        """Release without the peers: before any rank has the others' addresses (construction)."""
+        self._destroyed = True
+        self._finalizer.detach()
+        try:
+            if self._ipc is not None:
+                self._ipc.close()  # opens nothing before connect: here for symmetry with destroy
+        finally:
+            self.workspace.free()
+            self.layout_table.free()
+            if self._owns_comm_stream:
+                _return_comm_stream(self.device_id, self.comm_stream)
+
     def _barrier(self) -> GroupError | None:
         try:
             self.group.barrier()
@@ -427,10 +451,29 @@ class CudaBackend:
             cupy.cuda.runtime.deviceSynchronize()
 
 
+class _PeerSetupFailed(TransportError):
+    """A peer could not set up its side of a Buffer (kernels, workspace) and said so at the agreement."""
+
+
+def _announce_setup_failure(group, exc: Exception) -> None:
+    """On a rank whose setup failed: take part in the agreement's collective with the reason, so that
+    the peers raise at once (:func:`_agreement_record`). A failure of the collective itself is left
+    to the peers' own wait: this rank raises its setup error either way."""
+    try:
+        group.allgather_bytes(json.dumps({"failed": f"{type(exc).__name__}: {exc}"}).encode())
+    except Exception as group_error:  # noqa: BLE001 - logged; the setup error is the one raised
+        logger.warning("mooncake_ep: rank %d could not tell its peers that its setup failed: %s", group.rank,
+                       group_error)
+
+
 def _agreement_record(blob: bytes, rank: int) -> dict:
-    """A rank's record of _agree_on_kernels_and_steps; RankMismatchError if that rank is in another call."""
+    """A rank's record of _agree_on_kernels_and_steps; _PeerSetupFailed if that rank's setup failed,
+    RankMismatchError if it is in another call."""
     try:
         record = json.loads(blob)
+        if isinstance(record, dict) and "failed" in record:
+            raise _PeerSetupFailed(f"Buffer: rank {rank} could not set up its GPU side ({record['failed']}); this "
+                                   f"rank released its own")
         if isinstance(record, dict) and {"digest", "nvrtc", "steps", "agreed"} <= record.keys():
             return record
     except ValueError:  # JSONDecodeError and UnicodeDecodeError

@@ -423,3 +423,38 @@ def test_a_peer_in_another_collective_is_named_at_the_kernel_agreement():
     for blob in (b'{"call": "dispatch"}', b"\x80\x04 pickled", b"[1, 2]"):
         with pytest.raises(ep.RankMismatchError, match=r"rank 2 is not connecting a Buffer's workspace"):
             _cuda_backend._agreement_record(blob, 2)
+
+
+def test_a_rank_whose_setup_failed_says_so_at_the_agreement_and_the_others_release_alone():
+    """A rank whose kernels or workspace could not be set up (out of memory, a compile error) takes part
+    in connect's first collective with its reason: the others raise at once, naming it, and release
+    their own memory without the collective release it would never join (they waited for it the
+    group's whole timeout, and named no cause)."""
+    announced = []
+
+    class FailedRank:  # rank 1, announcing
+        rank, world_size = 1, 2
+
+        def allgather_bytes(self, data):
+            announced.append(data)
+            return [b"{}", data]
+    _cuda_backend._announce_setup_failure(FailedRank(), MemoryError("out of memory allocating 123 bytes"))
+    assert [json.loads(blob) for blob in announced] == [{"failed": "MemoryError: out of memory allocating 123 bytes"}]
+
+    log: list = []
+
+    class Rank0:  # connecting, and hearing rank 1's announcement
+        rank, world_size = 0, 2
+
+        def allgather_bytes(self, data):
+            log.append("allgather")
+            return [data, announced[0]]
+
+        def barrier(self):  # pragma: no cover - the release must not wait for the failed rank
+            raise AssertionError("no collective after a peer's setup failed")
+    backend = stub_backend(Rank0(), log)
+    with pytest.raises(ep.transport.TransportError, match=r"rank 1 could not set up its GPU side \(MemoryError: out "
+                                                            r"of memory allocating 123 bytes\)"):
+        backend.connect()
+    backend._release_alone()
+    assert log == ["allgather", "free workspace", "free layout table"]
