@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import sys
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -723,10 +724,12 @@ class Buffer:
             start, nbytes = buffer.ctypes.data, buffer.nbytes
         else:
             start, nbytes = self._combine_buffer_ptr(handle), math.prod(self._combine_buffer_shape(handle)) * 2
-        for name, view in written:
-            if view is not None and view.nbytes and start < view.ptr + view.nbytes and view.ptr < start + nbytes:
-                raise ValueError(f"{where}: {name} shares memory with get_next_combine_buffer(handle), which a "
-                                 f"zero-copy combine reads; pass separate arrays")
+        written = [(name, view) for name, view in written if view is not None]
+        # The one overlap rule: the written arrays, then the buffer as an array the call reads.
+        check_disjoint(where, (*(name for name, _ in written), "get_next_combine_buffer(handle), which a zero-copy "
+                                                               "combine reads"),
+                       [*(view for _, view in written), types.SimpleNamespace(ptr=start)],
+                       (*(view.nbytes for _, view in written), nbytes), len(written))
 
     def update_ep_member(self) -> list[int]:
         """Take in the group's current members and re-exchange the route table (collective).

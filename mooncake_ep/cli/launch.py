@@ -208,20 +208,19 @@ def _group_is_orphaned() -> bool:
     read from /proc; without it, this process is taken as the only one."""
     group, session = os.getpgrp(), os.getsid(0)
     try:
-        stats = [f"/proc/{entry}/stat" for entry in os.listdir("/proc") if entry.isdigit()]
+        pids = [entry for entry in os.listdir("/proc") if entry.isdigit()]
     except OSError:
-        stats = None
-    parents = []
-    for stat in stats or []:
-        try:
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[2]) == group:
-            parents.append(int(fields[1]))
-    if stats is None:
         parents = [os.getppid()]
+    else:
+        parents = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[2]) == group:
+                parents.append(int(fields[1]))
     for parent in parents:
         try:
             if os.getpgid(parent) != group and os.getsid(parent) == session:
