@@ -18,7 +18,7 @@ import logging
 import struct
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from mooncake_ep import _constants, _handshake, kernels, layout
 from mooncake_ep.group import GroupError
@@ -142,16 +142,22 @@ class CudaBackend:
         self.device_id = device_id
         self.num_sms = num_sms
         self.transport = "local" if in_process or group.world_size == 1 else "ipc"
-        # With local, every peer can dereference this process's device addresses: combine reads
-        # the caller's expert outputs where they are instead of copying them into the workspace.
-        self.direct_peer_reads = self.transport == "local"
+        # With local on one GPU, every peer can dereference the caller's memory: combine reads the
+        # expert outputs where they are instead of copying them into the workspace. Across GPUs
+        # peer access covers cudaMalloc memory only, not a stream-ordered pool's (torch's and
+        # cupy's cudaMallocAsync allocators; that needs cudaMemPoolSetAccess by its owner): copy.
+        self.direct_peer_reads = self.transport == "local" and all_on_one_device
         # In one process on one GPU, GPU-scope ordering is enough (kernels_cu/ptx.cuh); ranks in
         # other processes, even on this GPU, need system scope.
         self.sys_scope = not (all_on_one_device and in_process)
         self._runtime = cupy.cuda.runtime
         try:
+            arch = device_arch(device_id)
+            if int(arch[3:]) < kernels.MIN_ARCH:
+                raise RuntimeError(f"Buffer: cuda:{device_id} is {arch}; the kernels need sm_{kernels.MIN_ARCH} or "
+                                   f"newer (Turing on)")
             with cupy.cuda.Device(device_id):  # the modules load into this device's context
-                self.launchers = kernels.load_low_latency_kernels(device_arch(device_id), cache, self.sys_scope)
+                self.launchers = kernels.load_low_latency_kernels(arch, cache, self.sys_scope)
             self.workspace = DeviceWorkspace(num_ep_buffer_bytes, device_id)
             self.layout_table = DeviceWorkspace(MAX_LAYOUTS * layout.LAYOUT_SLOT_BYTES, device_id, host_mirror=True)
         except Exception as exc:
@@ -170,13 +176,14 @@ class CudaBackend:
         # Garbage collection cannot wait for the peers; it releases in the order that is safe for
         # this process (mappings of the peers first, then its own memory) and says so. Ranks in
         # this process keep the memory instead (see _release_unreachable).
-        self._finalizer = weakref.finalize(self, _release_unreachable, group.rank, self._ipc, self.workspace,
-                                           self.layout_table, in_process and group.world_size > 1)
-        self._finalizer.atexit = False
         # In-process ranks use the one their group made beside their own stream (LocalGroup._make_streams).
         group_stream = getattr(group, "comm_stream", None)
         self._owns_comm_stream = group_stream is None
         self.comm_stream = _take_comm_stream(device_id) if group_stream is None else group_stream
+        self._finalizer = weakref.finalize(self, _release_unreachable, group.rank, self._ipc, self.workspace,
+                                           self.layout_table, in_process and group.world_size > 1,
+                                           self.comm_stream if self._owns_comm_stream else None)
+        self._finalizer.atexit = False
         try:
             self.connect()
         except _PeerSetupFailed:
@@ -190,29 +197,38 @@ class CudaBackend:
             self.destroy(raise_group_error=False)
             raise
 
-    def connect(self) -> list[int]:
+    def connect(self, replaced_ranks: Sequence[int] = ()) -> list[int]:
         """Exchange workspace addresses and write the route table (collective).
 
-        Every call brings a replacement's step counters to the survivors'. With ``ipc``, called
-        again (``update_ep_member``), it also waits for this rank's kernels, maps the workspaces
-        that changed (a replacement's) and clears the flags the dead process left in this one.
+        Every call brings a replacement's step counters to the survivors'. Called again
+        (``update_ep_member``), it first waits for this rank's kernels (the step counters it reads
+        and the flags it clears must be final), and clears the flags the replaced ranks' old
+        Buffers left in this workspace, or a stale flag could pass for one of a step the
+        replacement has not reached. With ``ipc`` it also maps the workspaces that changed.
+
+        Args:
+            replaced_ranks: the ranks building a new Buffer while this one reconnects (local: ranks
+                of one process share no workspace identity to compare; ipc finds them itself, as
+                the ranks whose workspace changed).
 
         Returns:
-            The ranks whose workspace was replaced (ipc; empty otherwise and on the first call).
+            The ranks whose workspace was replaced (empty on the first call).
         """
-        replaced: list[int] = []
+        if self._connected:
+            # With peers in this process the sync waits for their kernels too; they finish without
+            # any host's help, as every rank is here, past its last launch and with no hook pending
+            # (update_ep_member checked), and a dead rank's are bounded by their timeouts.
+            self._synchronize()
+        self._agree_on_kernels_and_steps()
         if self._ipc is None:
             # In one process a replacement (a fresh Buffer of a rank that stopped) also starts its
             # step counters at 0: it adopts the survivors' as across processes.
-            self._agree_on_kernels_and_steps()
             route = local_transport.connect(self.group, self.workspace)
+            replaced = sorted(replaced_ranks) if self._connected else []
         else:
-            if self._connected:
-                self._synchronize()  # a mapping about to be replaced may still be read
-            self._agree_on_kernels_and_steps()
             route, replaced = self._ipc.connect()
-            for rank in replaced:
-                self._clear_flags_from(rank)
+        for rank in replaced:
+            self._clear_flags_from(rank)
         self.workspace.write(layout.ROUTE_OFFSET, struct.pack(f"<{len(route)}Q", *route))
         self.group.barrier()  # every route table is written before any rank launches
         self._connected = True
@@ -228,7 +244,7 @@ class CudaBackend:
         state = layout.HEADER_OFFSETS["state"]
         mine = {"digest": protocol_digest(self.sys_scope), "nvrtc": list(kernels.nvrtc_version()),
                 # peek: no device-wide sync, which in one process would wait for peers' kernels
-                # (the caller has nothing of its own in flight: see Buffer.update_ep_member).
+                # (this rank has nothing in flight: a new Buffer, or connect synchronised first).
                 "steps": list(_STEPS.unpack(self.workspace.peek(state, _STEPS.size))),
                 "agreed": sorted(self._agreed)}
         records = [_agreement_record(blob, rank) for rank, blob in
@@ -345,6 +361,12 @@ class CudaBackend:
             if self._pending_layouts:
                 self.upload_layouts(stream_ptr)
             launcher(self.num_sms, args, stream_ptr)
+        except Exception as exc:
+            # cupy's message is the driver's alone ("invalid argument"): say which launch it was.
+            raise RuntimeError(f"Buffer rank {self.group.rank}: launching {launcher.name} "
+                               f"({_PHASE_NAMES.get(args[0], f'phases {args[0]}')}, {self.num_sms} blocks) on "
+                               f"stream {stream_ptr:#x} of cuda:{self.device_id} failed: {type(exc).__name__}: "
+                               f"{exc}") from exc
         finally:
             if previous != self.device_id:
                 self._runtime.setDevice(previous)
@@ -406,12 +428,7 @@ class CudaBackend:
                 if failure is None:  # a failed barrier broke the group: the next would fail at once
                     failure = self._barrier()  # every rank closed its mappings: nobody maps ours
         finally:
-            if self._ipc is not None:
-                self._ipc.close()  # idempotent; here for an exception above
-            self.workspace.free()
-            self.layout_table.free()
-            if self._owns_comm_stream:
-                _return_comm_stream(self.device_id, self.comm_stream)  # idle: this process's work is done
+            self._release_memory()
         # In-process ranks share the device: none may return and launch again (its next Buffer's
         # kernels wait for peers) while a peer is still in the device-wide synchronisation of its
         # free, which would wait for that kernel as the kernel waits for the peer. Every rank frees
@@ -425,14 +442,25 @@ class CudaBackend:
         """Release without the peers: before any rank has the others' addresses (construction)."""
         self._destroyed = True
         self._finalizer.detach()
-        try:
-            if self._ipc is not None:
-                self._ipc.close()  # opens nothing before connect: here for symmetry with destroy
-        finally:
-            self.workspace.free()
-            self.layout_table.free()
-            if self._owns_comm_stream:
-                _return_comm_stream(self.device_id, self.comm_stream)
+        self._release_memory()
+
+    def _release_memory(self) -> None:
+        """Close the mappings (idempotent), free both allocations and hand the communication stream
+        on, each tried even if one before it failed (a faulted kernel fails every wait); raises
+        the first failure. Memory whose free failed stays with its own finalizer."""
+        steps = [self.workspace.free, self.layout_table.free]
+        if self._ipc is not None:
+            steps.insert(0, self._ipc.close)  # the peers' workspaces before our own memory
+        failures = []
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - raised below, after the other steps
+                failures.append(exc)
+        if self._owns_comm_stream and not failures:
+            _return_comm_stream(self.device_id, self.comm_stream)  # idle: this process's work is done
+        if failures:
+            raise failures[0]
 
     def _barrier(self) -> GroupError | None:
         try:
@@ -449,6 +477,10 @@ class CudaBackend:
 
         with cupy.cuda.Device(self.device_id):
             cupy.cuda.runtime.deviceSynchronize()
+
+
+# The phases argument of a launch (kPhaseSend / kPhaseRecv in ll_dispatch.cu, ll_combine.cu), for error messages.
+_PHASE_NAMES = {1: "send half", 2: "receive half", 3: "both halves"}
 
 
 class _PeerSetupFailed(TransportError):
@@ -484,12 +516,14 @@ def _agreement_record(blob: bytes, rank: int) -> dict:
 
 
 def _release_unreachable(rank: int, ipc, workspace: DeviceWorkspace, layout_table: DeviceWorkspace,
-                         has_in_process_peers: bool) -> None:
+                         has_in_process_peers: bool, comm_stream=None) -> None:
     """The finalizer of a CudaBackend dropped without destroy(): no collective can run here.
 
     With peers in this process the memory is kept until the process ends: freeing synchronises
     the device, and collection runs on whichever thread allocates next, possibly while that rank's
     peers' kernels wait for it: the free would stall them all until their timeouts masked it.
+    ``comm_stream`` (the Buffer's own, None for a group's) is handed to the next Buffer of its
+    device once the frees have waited for the device, as destroy() does.
     """
     if has_in_process_peers:
         logger.warning("mooncake_ep: the Buffer of in-process rank %d was garbage-collected without destroy(): "
@@ -508,5 +542,7 @@ def _release_unreachable(rank: int, ipc, workspace: DeviceWorkspace, layout_tabl
             ipc.close()  # the peers' workspaces first, then our own memory
         workspace.free()
         layout_table.free()
+        if comm_stream is not None:
+            _return_comm_stream(workspace.device_id, comm_stream)  # idle: the frees waited for the device
     except Exception as exc:  # noqa: BLE001 - a finalizer may not raise
         logger.warning("mooncake_ep: releasing the Buffer of rank %d failed: %s", rank, exc)

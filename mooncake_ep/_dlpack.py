@@ -6,10 +6,12 @@ DeviceMemoryArray); this module is what it stands on, and knows nothing of our v
 - the ABI facts: version bounds, flag bits, device type and type codes, the ctypes structs;
 - the consumer side: :func:`request_capsule` asks a producer for a capsule,
   :func:`open_capsule` reads its tensor as plain values, :func:`consume_capsule` takes it over;
+- who made a capsule: :func:`made_by_jax` tells JAX's legacy capsules, which cannot say that
+  their memory is read-only, from the others';
 - the producer side: :func:`build_capsule` makes the capsule a :class:`DeviceMemoryArray`
   exports.
 
-No framework is imported: ctypes over ``dlpack.h`` and the CPython capsule API only.
+No framework is imported: ctypes over ``dlpack.h``, the CPython capsule API and ``dladdr``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,9 +253,12 @@ class CapsuleTensor:
         shape: extents.
         strides: in elements; None where ``dlpack.h`` has NULL (compact row-major).
         ptr: ``data + byte_offset`` (``data`` NULL reads as 0).
-        readonly: ``DLPACK_FLAG_BITMASK_READ_ONLY``; always False for a legacy capsule.
+        readonly: ``DLPACK_FLAG_BITMASK_READ_ONLY``. A legacy capsule has no flags: it reads
+            True when JAX made it (:attr:`made_by_jax`), False otherwise.
         copied: ``DLPACK_FLAG_BITMASK_IS_COPIED`` (the producer exported a copy); always False
             for a legacy capsule.
+        made_by_jax: a legacy capsule whose deleter is jaxlib's code (:func:`made_by_jax`): the
+            memory of a JAX array, which JAX assumes never changes.
     """
 
     code: int
@@ -264,6 +271,7 @@ class CapsuleTensor:
     ptr: int
     readonly: bool
     copied: bool
+    made_by_jax: bool
     _address: int
     _deleter: int | None
     _used_name: int
@@ -291,11 +299,15 @@ def open_capsule(capsule: Any, name: str) -> CapsuleTensor:
                             f"speaks DLPack {DLPACK_VERSION[0]}.x")
         readonly = bool(managed.flags & DLPACK_FLAG_BITMASK_READ_ONLY)
         copied = bool(managed.flags & DLPACK_FLAG_BITMASK_IS_COPIED)
+        jax = False  # the flags say it (JAX's buffer_callback buffers set READ_ONLY on their inputs)
         used_name = _USED_VERSIONED_NAME
     elif capsule_name == _LEGACY_NAME:
         address = _PyCapsule_GetPointer(capsule, capsule_name)
         managed = DLManagedTensor.from_address(address)
-        readonly = copied = False  # a legacy capsule cannot say
+        # A legacy capsule has no flags. JAX exports its immutable arrays through legacy capsules
+        # only (even when asked for max_version), so one JAX made is read-only; others may be written.
+        readonly = jax = made_by_jax(managed.deleter)
+        copied = False
         used_name = _USED_LEGACY_NAME
     else:
         raise TypeError(f"{name}: __dlpack__ returned a capsule named {capsule_name!r}, expected "
@@ -308,7 +320,7 @@ def open_capsule(capsule: Any, name: str) -> CapsuleTensor:
         shape=tuple(tensor.shape[i] for i in range(ndim)),
         strides=tuple(tensor.strides[i] for i in range(ndim)) if tensor.strides else None,
         ptr=(tensor.data or 0) + tensor.byte_offset, readonly=readonly, copied=copied,
-        _address=address, _deleter=managed.deleter, _used_name=used_name)
+        made_by_jax=jax, _address=address, _deleter=managed.deleter, _used_name=used_name)
 
 
 def consume_capsule(capsule: Any, opened: CapsuleTensor, name: str) -> object:
@@ -326,6 +338,84 @@ def consume_capsule(capsule: Any, opened: CapsuleTensor, name: str) -> object:
     if _PyCapsule_SetName(capsule, opened._used_name) != 0:
         raise RuntimeError(f"{name}: PyCapsule_SetName failed on a DLPack capsule")
     return _ConsumedTensor(opened._address, opened._deleter)
+
+
+# ---------------------------------------------------------------------------------------------
+# Who made a capsule: JAX's legacy capsules
+
+
+class _DlInfo(ctypes.Structure):
+    """``Dl_info`` of ``<dlfcn.h>``, which ``dladdr`` fills."""
+
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _load_dladdr() -> Any:
+    """``dladdr`` from the C library (glibc >= 2.34, macOS) or libdl (older glibc); None without one (Windows)."""
+    for library in (None, "libdl.so.2"):
+        try:
+            function = ctypes.CDLL(library).dladdr  # a CDLL of our own: its function objects are ours to set
+        except (AttributeError, OSError, TypeError):  # no such symbol, no such library, CDLL(None) on Windows
+            continue
+        function.restype = ctypes.c_int
+        function.argtypes = (ctypes.c_void_p, ctypes.POINTER(_DlInfo))
+        return function
+    return None
+
+
+_dladdr: list[Any] = []  # [dladdr or None], loaded when the first legacy capsule's deleter is looked up
+
+
+def _library_of(address: int) -> str | None:
+    """The path of the shared library whose code is at ``address``; None where dladdr cannot tell."""
+    if not _dladdr:
+        _dladdr.append(_load_dladdr())
+    dladdr = _dladdr[0]
+    info = _DlInfo()
+    if dladdr is None or not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.fsdecode(info.dli_fname)
+
+
+def _is_code_of(address: int, package: str) -> bool:
+    """Whether the code at ``address`` is in a shared library inside an imported package's directory."""
+    module = sys.modules.get(package)
+    if module is None:  # never imported, so none of its code is loaded
+        return False
+    library = _library_of(address)
+    if library is None:
+        return False
+    library = os.path.realpath(library)
+    return any(library.startswith(os.path.join(os.path.realpath(folder), ""))
+               for folder in getattr(module, "__path__", ()))
+
+
+def made_by_jax(deleter: int | None) -> bool:
+    """Whether a capsule whose managed tensor has this ``deleter`` was made by JAX.
+
+    JAX's export code, and so its deleter, is in a shared library of the ``jaxlib`` package
+    (``libjax_common.so``, ``xla_extension.so`` in older releases); ``dladdr`` names the library
+    of an address. Remembered per deleter (a process has a few), so a capsule costs one lookup.
+
+    Note:
+        Where ``dladdr`` is missing (Windows) nothing reads as JAX's. The legacy capsules of the
+        buffers XLA hands a ``buffer_callback`` read as JAX's too, its writable outputs included:
+        :func:`request_capsule` asks for a versioned capsule, whose flags tell them apart.
+    """
+    if not deleter:
+        return False
+    found = _MADE_BY_JAX.get(deleter)
+    if found is None:
+        if len(_MADE_BY_JAX) >= _MAX_DELETERS:
+            _MADE_BY_JAX.clear()
+        found = _MADE_BY_JAX[deleter] = _is_code_of(deleter, "jaxlib")
+    return found
+
+
+# deleter address -> whether it is jaxlib's code.
+_MADE_BY_JAX: dict[int, bool] = {}
+_MAX_DELETERS = 64
 
 
 # ---------------------------------------------------------------------------------------------

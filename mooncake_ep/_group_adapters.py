@@ -242,8 +242,9 @@ class TorchStoreGroup(_KeyValueGroup):
         prefix: namespace of our keys in the store.
 
     Raises:
-        GroupError: some ranks did not join within ``timeout_s``, two processes claimed the same
-            rank, or ranks disagree on ``world_size``.
+        GroupError: some ranks did not join within ``timeout_s``, or two processes claimed the same
+            rank.
+        RankMismatchError: ranks disagree on ``world_size`` (each rank's value named).
     """
 
     _same_rank_hint = "every process needs its own rank"

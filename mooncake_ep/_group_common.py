@@ -16,10 +16,13 @@ import logging
 import os
 import struct
 import threading
+import time
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from mooncake_ep._handshake import RankMismatchError, by_rank
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -108,8 +111,12 @@ def _check_data(where: str, data: Any) -> bytes:
 # 2: membership epochs (renew_membership) and rank claims held by the store connection.
 # 3: the store's request and reply lengths are u64 (a reply of every rank's value passed 4 GiB).
 # 4: a store connection opens with a hello (magic, version), so a mismatch is named, not misread.
-_PROTOCOL_VERSION = 4
-_U8, _U32 = struct.Struct("!B"), struct.Struct("!I")
+# 5: rank 0 publishes its init hello under {namespace}init/world_size, which every other rank reads first.
+_PROTOCOL_VERSION = 5
+_U8 = struct.Struct("!B")
+# What each rank shows the others when it joins (the init_group round, and rank 0's init/world_size key):
+# protocol version, world_size.
+_INIT = struct.Struct("!II")
 # First byte of every value a collective publishes, so ranks that call different collectives
 # in the same round are caught instead of reading each other's payloads.
 _TAGS = {"init_group": 0, "allgather_bytes": 1, "barrier": 2, "close": 3}
@@ -118,6 +125,12 @@ _TAGS = {"init_group": 0, "allgather_bytes": 1, "barrier": 2, "close": 3}
 _JOIN = struct.Struct("!IIB")
 # How long a replacement looks at a renew_membership round to tell whether it already completed.
 _PROBE_S = 0.05
+# A rank 0 whose store closes when it raises, having found ranks started with another world_size,
+# keeps the store up for them at most this long (and within its timeout_s), twice: for the ranks
+# beyond its own world_size that a larger one says exist, which may still be starting, to come and
+# read why (instead of finding no store); then for the connected ranks to hang up. The first is
+# what rank 0's error is delayed by when no such rank comes (one rank's WORLD_SIZE was too large).
+_MISMATCH_GRACE_S = 30.0
 
 
 # What this process shares with a child it forks and the child must let go of (the store groups,
@@ -139,12 +152,33 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_everything_after_fork)
 
 
+def _init_mismatch(pairs: dict[int, tuple[int, int]]) -> str | None:
+    """What the ranks' (protocol version, world_size) ``pairs`` disagree on, in words; None if nothing."""
+    pairs = dict(sorted(pairs.items()))
+    sizes = {r: size for r, (_, size) in pairs.items()}
+    versions = {r: version for r, (version, _) in pairs.items()}
+    problems = []
+    if len(set(sizes.values())) > 1:
+        outside = [r for r in sizes if 0 in sizes and r >= sizes[0]]
+        beyond = (f", and {'rank' if len(outside) == 1 else 'ranks'} {', '.join(map(str, outside))} "
+                  f"{'is' if len(outside) == 1 else 'are'} outside rank 0's group of {sizes[0]}" if outside else "")
+        problems.append(f"ranks disagree on world_size ({by_rank(sizes)}){beyond}: start every rank with the "
+                        f"same world_size (WORLD_SIZE)")
+    if len(set(versions.values())) > 1:
+        problems.append(f"ranks disagree on the store protocol ({by_rank(versions)}): every rank must run the "
+                        f"same mooncake_ep version")
+    return "; ".join(problems) or None
+
+
 class _KeyValueGroup:
     """Collectives of one rank over a key-value store that all ranks reach.
 
     Construction ends in :meth:`_rendezvous`: the rank claims its rank (:meth:`_claim_rank`; a
     second process with the same rank is refused) and all ranks exchange (protocol version,
-    world_size). Every collective then publishes ``{namespace}c/{seq}/{rank}`` for a per-call
+    world_size). Rank 0 publishes its pair first, under ``{namespace}init/world_size`` (kept), and
+    every other rank reads it before it claims its rank: a rank started with another world_size, or
+    with a rank outside rank 0's group, raises :class:`RankMismatchError` at once. Every collective
+    then publishes ``{namespace}c/{seq}/{rank}`` for a per-call
     sequence number ``seq`` and waits for the other ranks' keys of the same ``seq``, so
     consecutive calls never mix. Each rank deletes its key of call ``seq - 1`` once call ``seq``
     completes (all peers have read it by then), so the store stays small.
@@ -179,6 +213,8 @@ class _KeyValueGroup:
     _namespace = ""
     # Said when two processes claim the same rank.
     _same_rank_hint = "every process needs its own RANK"
+    # Whether the store closes when rank 0 gives up (the TCP store, which rank 0 serves).
+    _store_closes_with_rank0 = False
 
     def _init_collectives(self, timeout_s: float) -> None:
         self._timeout_s = timeout_s
@@ -190,6 +226,7 @@ class _KeyValueGroup:
         self._broken: str | None = None
         self._closed = False
         self._closed_because = "the group is closed"
+        self._largest_world_seen = 0  # in the rendezvous, when the ranks disagree on world_size
         _forget_after_fork_in_children(self)
 
     def _forget_after_fork(self) -> None:
@@ -393,14 +430,117 @@ class _KeyValueGroup:
         return f"{self._namespace}{epoch}c/{seq}/{rank}"
 
     def _rendezvous(self) -> None:
-        self._claim_rank()
-        hello = _U32.pack(_PROTOCOL_VERSION) + _U32.pack(self.world_size)
-        replies = self._collective("init_group", hello)
-        if len(set(replies)) > 1:
-            seen = {r: tuple(struct.unpack("!II", v)) for r, v in enumerate(replies)}
-            raise GroupError(f"init_group: ranks disagree on (protocol version, world_size): {seen}")
+        """Join: claim this rank, then the init_group round, in which every rank shows the others its
+        (protocol version, world_size); all of it within ``timeout_s``.
 
-    def _collective(self, name: str, data: bytes) -> list[bytes]:
+        Rank 0 first publishes its pair under ``{namespace}init/world_size``, and every other rank
+        reads it before anything else: a rank started with another world_size (or a rank outside
+        rank 0's group) learns so from the store at once, where in the round it would wait for
+        keys that never all come, until its timeout or until rank 0, having seen the mismatch,
+        closed the store under it ("store closed", no cause named). It also leaves its pair in its
+        slot of rank 0's round, where that round's ranks read it: they raise naming it, at once if
+        the round is otherwise complete, else when their wait runs out (:meth:`_check_arrived`).
+
+        Raises:
+            RankMismatchError: the ranks disagree on world_size or protocol version (each rank's
+                value named), on every rank that saw it.
+            GroupError: this rank joined twice, or ranks did not come within ``timeout_s`` (named).
+        """
+        mine = _INIT.pack(_PROTOCOL_VERSION, self.world_size)
+        deadline = time.monotonic() + self._timeout_s
+        if self.rank == 0:
+            self._kv_set(self._init_key(), mine)
+        else:
+            self._check_rank0(mine)  # before the claim: a rank that does not fit leaves no claim behind
+        self._claim_rank()
+        try:
+            replies = self._collective("init_group", mine, timeout_s=max(deadline - time.monotonic(), _PROBE_S),
+                                       on_wait_error=self._check_arrived)
+            self._check_init(dict(enumerate(replies)))
+        except RankMismatchError:
+            if self.rank == 0 and self._store_closes_with_rank0:
+                self._wait_for_larger_world(deadline)
+            raise
+
+    def _init_key(self) -> str:
+        """Where rank 0 keeps its (protocol version, world_size) for the other ranks to check theirs against."""
+        return f"{self._namespace}init/world_size"
+
+    def _check_rank0(self, mine: bytes) -> None:
+        """Raise RankMismatchError if this rank does not fit rank 0's pair (``mine`` is this rank's),
+        waiting up to ``timeout_s`` for rank 0 to publish it."""
+        label = f"init_group #{self._num_calls['init_group']}"
+        try:
+            rank0 = self._kv_multi_get([self._init_key()], self._timeout_s)[0]
+        except _StoreWaitError as exc:
+            raise GroupError(f"{label} {self._wait_failure(exc)} waiting for ranks [0] of {self.world_size} "
+                             f"({self._where()})") from None
+        pairs = {0: _INIT.unpack(rank0), self.rank: _INIT.unpack(mine)}
+        if _init_mismatch(pairs) is None:
+            return
+        # This rank's pair in its slot of round 0 (unclaimed: it does not join): within rank 0's group,
+        # that round's ranks then name it too; beyond, it tells rank 0 that this rank has read why.
+        try:
+            self._kv_set(self._collective_key(0, self.rank), _U8.pack(_TAGS["init_group"]) + mine)
+        except GroupError:
+            pass  # the store is going away: this rank's own error below still names the cause
+        self._check_init(pairs)
+
+    def _check_arrived(self, keys: list[str], missing_keys: list[str], failure: str) -> None:
+        """After the init_group round's wait failed (``failure``, naming the ranks that did not come):
+        raise RankMismatchError if the pairs that did arrive disagree, which is why those ranks never
+        come (they were started with another world_size). A store that is gone leaves the failure as is."""
+        arrived = [(r, k) for r, k in enumerate(keys) if k not in missing_keys]
+        try:
+            values = self._kv_multi_get([k for _, k in arrived], _PROBE_S)
+        except GroupError:  # the store closed (rank 0 gave up), or a key went meanwhile
+            return
+        self._check_init({r: v[1:] for (r, _), v in zip(arrived, values)}, failure)
+
+    def _check_init(self, pairs: dict[int, bytes | tuple[int, int]], failure: str | None = None) -> None:
+        """Raise RankMismatchError if the ranks' (protocol version, world_size) ``pairs`` (packed or
+        not) disagree; ``failure``: how the round failed besides, added to the message."""
+        pairs = {r: _INIT.unpack(p) if isinstance(p, bytes) else p for r, p in pairs.items()}
+        message = _init_mismatch(pairs)
+        if message is not None:
+            self._largest_world_seen = max(size for _, size in pairs.values())
+            raise RankMismatchError(f"init_group: {message}" + (f"; {failure}" if failure else "")) from None
+
+    def _wait_for_larger_world(self, deadline: float) -> None:
+        """Rank 0, about to raise RankMismatchError and close its store: first wait until the ranks
+        beyond its world_size, which a peer's larger world_size says exist, have read why (each leaves
+        its pair in round 0 once it has; see :meth:`_check_rank0`), until ``deadline`` (the
+        rendezvous's) and at most :data:`_MISMATCH_GRACE_S`."""
+        ranks = range(self.world_size, self._largest_world_seen)
+        keys = [self._collective_key(0, r) for r in ranks]
+        wait_s = min(deadline - time.monotonic(), _MISMATCH_GRACE_S)
+        if not keys or wait_s <= 0:
+            return
+        try:
+            self._kv_multi_get(keys, min(wait_s, _PROBE_S))
+            return
+        except GroupError:
+            pass
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]} to {ranks[-1]}"
+        logger.warning("init_group: ranks were started with a larger world_size than rank 0's %d: rank 0 keeps "
+                       "the store up for %s to read why, %.0f s at most, then raises", self.world_size, which, wait_s)
+        try:
+            self._kv_multi_get(keys, wait_s)
+        except GroupError:  # they did not all come: rank 0 raises anyway
+            pass
+
+    def _wait_failure(self, exc: _StoreWaitError) -> str:
+        """How a store wait of a collective ended, in words: "timed out after 3.0 s", "was cut short ..."."""
+        return f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError) else exc.cut_short
+
+    def _collective(self, name: str, data: bytes, timeout_s: float | None = None,
+                    on_wait_error: Callable[[list[str], list[str], str], None] | None = None) -> list[bytes]:
+        """Every rank's ``data`` for the collective ``name``, in rank order.
+
+        ``timeout_s``: the wait's limit, when not the group's (what is left of the rendezvous's).
+        ``on_wait_error(keys, missing_keys, failure)``: called when the wait fails, before GroupError
+        ``failure`` is raised; it may raise a more telling error instead.
+        """
         with self._lock:
             label = f"{name} #{self._num_calls[name]}"
             self._num_calls[name] += 1
@@ -414,17 +554,18 @@ class _KeyValueGroup:
                 return [data]
             seq, self._seq = self._seq, self._seq + 1
             keys = [self._collective_key(seq, r) for r in range(self.world_size)]
+            wait_s = self._timeout_s if timeout_s is None else timeout_s
             try:
                 self._kv_set(keys[self.rank], _U8.pack(_TAGS[name]) + data)
-                values = self._kv_multi_get(keys, self._timeout_s, reply_bytes=self.world_size * (1 + len(data)))
+                values = self._kv_multi_get(keys, wait_s, reply_bytes=self.world_size * (1 + len(data)))
                 if seq > 0:
                     self._kv_delete(self._collective_key(seq - 1, self.rank))
             except _StoreWaitError as exc:
                 missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
-                what = (f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError)
-                        else exc.cut_short)
-                self._broken = (f"{label} {what} waiting for ranks {missing} of {self.world_size} "
-                                f"({self._where()})")
+                self._broken = (f"{label} {self._wait_failure(exc)} waiting for ranks {missing} of "
+                                f"{self.world_size} ({self._where()})")
+                if on_wait_error is not None:
+                    on_wait_error(keys, exc.missing_keys, self._broken)
                 raise GroupError(self._broken) from None
             except GroupError as exc:
                 self._broken = f"{label} on rank {self.rank} failed: {exc}"

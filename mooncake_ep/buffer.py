@@ -150,7 +150,9 @@ class Buffer:
         ahead (``out=``, a warmed pool) and keep such calls between steps, or capture the step in a
         graph; separate processes do not share this hazard. The calls themselves make none: a new
         configuration's layout is copied ahead of the launch on its stream, from pinned memory
-        allocated at construction.
+        allocated at construction. Each such rank calls on a stream of its own (``LocalGroup.spawn``
+        makes one current in each rank's thread): a call on the stream of another rank's latest
+        call raises ValueError, unless ``async_finish`` puts it on the rank's communication stream.
     """
 
     def __init__(self, group, num_ep_buffer_bytes: int, *, num_sms: int | None = None, backend: str = "auto",
@@ -204,6 +206,8 @@ class Buffer:
         if use_cuda:
             self._cuda = self._build_cuda_backend(configs, kernel_cache_dir)
         self.backend = "cuda" if self._cuda is not None else "reference"
+        # In-process ranks on one GPU must not share a stream (LocalRankGroup.claim_stream).
+        self._claim_stream = getattr(group, "claim_stream", None) if self._in_process_ranks_on_device > 1 else None
 
     def _choose_device(self) -> int:
         device_id = getattr(self.group, "device", None)
@@ -409,7 +413,7 @@ class Buffer:
                                              num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                              num_experts=num_experts, timeout_us=timeout_us, use_fp8=use_fp8,
                                              round_scale=round_scale, use_ue8m0=use_ue8m0)
-            receive = self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
+            receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
             # Counted once the send half is launched: a configuration refused on the way (the layout
             # limit, ranks that disagree on it) used no parity, and the handles before it stay valid.
             self._num_dispatches += 1
@@ -604,7 +608,7 @@ class Buffer:
                                             num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank,
                                             hidden=handle.hidden, num_experts=handle.num_experts, zero_copy=zero_copy,
                                             renormalize=renormalize, timeout_us=timeout_us)
-            receive = self._launch_halves(launch, async_finish, return_recv_hook, stream_ptr)
+            receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
         event, hook = self._finish("combine", handle, receive, async_finish, return_recv_hook, stream_ptr, topk_view,
                                    (x_view, topk_view, weights_view, active_view), outputs)
         if written_tensors:
@@ -770,10 +774,11 @@ class Buffer:
             renew()
         configs = _handshake.exchange(self.group, self._rank_config(_handshake.UPDATE), "update_ep_member")
         self._num_dispatches = _handshake.running_dispatches(configs)  # equal on the GPU, the most on the CPU
+        replaced = _handshake.replaced_ranks(configs)
         if self._cuda is not None:
-            self._cuda.connect()
+            self._cuda.connect(replaced)
         self._membership_epoch = getattr(self.group, "membership_epoch", None)
-        return _handshake.replaced_ranks(configs)
+        return replaced
 
     def destroy(self) -> None:
         """Free the workspace after every rank is done with it (collective; idempotent).
@@ -813,13 +818,25 @@ class Buffer:
         self._cuda.stream_wait(self._cuda.comm_stream.ptr, ready)
         return self._cuda.comm_stream.ptr
 
-    def _launch_halves(self, launch: Callable[[int, int], None], async_finish: bool, return_recv_hook: bool,
-                       stream_ptr: int) -> Callable[[], None] | None:
+    def _launch_halves(self, where: str, launch: Callable[[int, int], None], async_finish: bool,
+                       return_recv_hook: bool, stream_ptr: int) -> Callable[[], None] | None:
         """Launch both halves now in one kernel, or the send half now and return the receive half as the hook's work.
 
         A send half never waits on a peer; only receive halves (which can time out) wait, so the
         hook mode holds no SM between its two launches. ``launch(phases, stream)`` launches.
+
+        Raises:
+            ValueError: in-process ranks on one GPU call on one stream (nothing is launched).
         """
+        if self._claim_stream is not None and not async_finish:
+            other = self._claim_stream(self._cuda.device_id, stream_ptr)
+            if other is not None:
+                raise ValueError(
+                    f"{where}: rank {self.rank} calls on stream {stream_ptr:#x} of cuda:{self._cuda.device_id}, where "
+                    f"rank {other} of this process made its latest call; ranks sharing a stream serialise, and a "
+                    f"rank's receive half would wait for a peer's send queued behind it until the timeout masked "
+                    f"that peer. Give each rank a stream of its own (LocalGroup.spawn makes one current in each "
+                    f"rank's thread), or pass async_finish=True (each rank's communication stream)")
         launch_stream = self._launch_stream(async_finish, stream_ptr)
         if return_recv_hook:
             launch(_SEND, launch_stream)

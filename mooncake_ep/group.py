@@ -59,6 +59,7 @@ from mooncake_ep._group_common import (
     _check_rank,
     _check_timeout,
     _KeyValueGroup,
+    _MISMATCH_GRACE_S,
     _wait_arg,
 )
 from mooncake_ep._group_adapters import (
@@ -69,6 +70,7 @@ from mooncake_ep._group_adapters import (
     TorchStoreGroup,
     torchrun_store_group,
 )
+from mooncake_ep._handshake import RankMismatchError
 from mooncake_ep._tcp_store import TCPStoreClient, TCPStoreServer, free_port
 
 __all__ = [
@@ -174,10 +176,15 @@ class TCPGroup(_KeyValueGroup):
 
     Raises:
         GroupError: the port is taken (rank 0), rank 0 is unreachable, a rank joined twice (or,
-            without ``rejoin``, joined again after its process died), ranks disagree on
-            ``world_size``, or some ranks did not join within ``timeout_s``. With ``rejoin``: the
-            rank never joined, its first process is still connected, or the running ranks did
-            not renew the membership within ``timeout_s``.
+            without ``rejoin``, joined again after its process died), or some ranks did not join
+            within ``timeout_s``. With ``rejoin``: the rank never joined, its first process is
+            still connected, or the running ranks did not renew the membership within ``timeout_s``.
+        RankMismatchError: ranks were started with different ``world_size`` (or this ``rank`` is
+            outside rank 0's group), naming each rank's value. Raised on this rank at once when
+            rank 0's value differs from its own; rank 0's group raises it as soon as the rank's
+            value arrives in its round, or when its wait for the ranks that never come runs out.
+            Rank 0, whose store closes when it raises, first waits for the ranks of a larger
+            world_size beyond its own to read why (up to 30 s, within ``timeout_s``).
         ValueError: ``rejoin=True`` with rank 0.
 
     Note:
@@ -191,6 +198,8 @@ class TCPGroup(_KeyValueGroup):
         replacement in. A host that vanishes without closing its sockets (power loss) keeps its
         claim until TCP gives the connection up.
     """
+
+    _store_closes_with_rank0 = True
 
     def __init__(self, rank: int, world_size: int, *, master_addr: str = DEFAULT_MASTER_ADDR,
                  master_port: int = DEFAULT_MASTER_PORT, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -225,8 +234,13 @@ class TCPGroup(_KeyValueGroup):
                 self._join_as_replacement()
             else:
                 self._rendezvous()
-        except BaseException:
-            self._shutdown(drain_s=0.0)
+        except BaseException as exc:
+            # A rank 0 that saw ranks started differently keeps its store up until they have hung up
+            # (they raise once they read its world_size or the round's pairs): closed at once, it cut
+            # them off with "store closed" before they could read why. (Ranks beyond its world_size
+            # that may still be starting it waited for in _rendezvous.)
+            drain_s = min(self._timeout_s, _MISMATCH_GRACE_S) if isinstance(exc, RankMismatchError) else 0.0
+            self._shutdown(drain_s=drain_s)
             raise
 
     def __repr__(self) -> str:
@@ -385,6 +399,8 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
             were given with an adapter, ``rank``/``world_size`` contradict the adapter's, or
             ``rejoin=True`` with anything but the TCP store (or with rank 0).
         GroupError: as the chosen group's constructor (a peer that never joins is named).
+        RankMismatchError: the store groups' ranks were started with different ``world_size``
+            (each rank's value named), as the chosen group's constructor.
     """
     where = "init_group"
     timeout_s = _check_timeout(where, timeout_s)
@@ -550,6 +566,29 @@ class LocalRankGroup:
         stream = self.local_group._streams[self.rank]
         return None if stream is None else int(stream.ptr)
 
+    def claim_stream(self, device_id: int, stream_ptr: int) -> int | None:
+        """Note that this rank's calls now run on stream ``stream_ptr`` of ``device_id``, unless
+        another rank's latest call ran there: that rank is returned, and nothing is noted.
+
+        Ranks sharing a stream serialise: a rank's receive half, waiting for a peer's send queued
+        behind it, could only time out and mask a healthy peer (the Buffers refuse such a call).
+        """
+        group = self.local_group
+        # cudaStreamPerThread (2) is a stream per thread, and so not shared by two threads' ranks.
+        key = (device_id, stream_ptr, threading.get_ident() if stream_ptr == _PER_THREAD_STREAM else 0)
+        previous = group._stream_of_rank.get(self.rank)
+        if previous == key:  # every call after the first on a stream
+            return None
+        with group._state_lock:
+            owner = group._rank_of_stream.get(key)
+            if owner is not None and owner != self.rank:
+                return owner
+            if previous is not None:
+                group._rank_of_stream.pop(previous, None)
+            group._rank_of_stream[key] = self.rank
+            group._stream_of_rank[self.rank] = key
+        return None
+
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order. Collective over the LocalGroup's rank threads.
 
@@ -584,6 +623,9 @@ class LocalRankGroup:
                              f"round {odd}; every rank must make the same sequence of collective calls")
         return [d for _, d in slots]
 
+
+# cudaStreamPerThread's handle: each thread's own default stream.
+_PER_THREAD_STREAM = 2
 
 # Communication streams of every LocalGroup made in this process: never destroyed (_make_streams).
 _kept_streams: list[Any] = []
@@ -632,6 +674,9 @@ class LocalGroup:
         self._threads: list[threading.Thread] = []
         self._streams: list[Any] = [None] * num_ranks  # cupy.cuda.Stream per rank
         self._comm_streams: list[Any] = [None] * num_ranks  # and each rank's communication stream
+        # The stream of each rank's latest call, and the reverse (LocalRankGroup.claim_stream).
+        self._stream_of_rank: dict[int, tuple[int, int, int]] = {}
+        self._rank_of_stream: dict[tuple[int, int, int], int] = {}
         self._torch_streams: list[Any] = [None] * num_ranks  # torch.cuda.ExternalStream per rank
         self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
 

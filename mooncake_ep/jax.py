@@ -143,13 +143,16 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
     Raises:
         TypeError, ValueError: at trace time, with :meth:`Buffer.dispatch`'s messages; also for a
             float64 numpy argument, an array of another framework, a parity outside {0, 1}, or a GPU
-            Buffer whose device holds several ranks.
+            Buffer whose device holds several ranks. Bad ids in a CPU ``topk_idx`` raise ValueError
+            when called eagerly; under ``jit`` (values unknown at trace time) the op raises when it
+            runs, and JAX reports that as a ``JaxRuntimeError`` carrying the same message.
     """
     where = "mooncake_ep.jax.dispatch"
     ranks = jax_args.as_ranks(where, buffer)
     x, topk_idx, active_ranks = (jax_args.as_jax(where, name, value) for name, value in
                                  (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
     jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, active_ranks=active_ranks)
+    jax_args.check_eager_expert_ids(where, topk_idx, num_experts, num_max_dispatch_tokens_per_rank)
     static = _DispatchStatic(ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
                              round_scale, use_ue8m0, jax_args.check_parity(where, parity), command_buffer_compatible)
     return _dispatch(static, x, topk_idx, active_ranks)
@@ -398,6 +401,7 @@ def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_to
         raise TypeError(f"{where}: buffer must be one rank's mooncake_ep.Buffer, got {type(buffer).__name__}")
     arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
+    jax_args.check_eager_expert_ids(where, arrays[1], num_experts, num_max_dispatch_tokens_per_rank)
     options = dict(timeout_us=timeout_us, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                    parity=parity, command_buffer_compatible=command_buffer_compatible)
     return _dispatch_send((buffer, num_max_dispatch_tokens_per_rank, num_experts, tuple(sorted(options.items()))),

@@ -78,10 +78,15 @@ def _source_closure(name: str) -> list[str]:
     return seen
 
 
+# The oldest architecture built for. NVRTC 12.x warns that those before sm_75 are deprecated on
+# every compile (compile_kernel refuses any warning) and CUDA 13 dropped them.
+MIN_ARCH = 75
+
+
 def validate_arch(arch: str) -> str:
     """Check an architecture name like ``sm_90``; return it."""
-    if not isinstance(arch, str) or not _ARCH_RE.match(arch) or int(_ARCH_RE.match(arch).group(1)) < 70:
-        raise ValueError(f"arch must name a CUDA architecture sm_70 or newer, like 'sm_90', got {arch!r}")
+    if not isinstance(arch, str) or not _ARCH_RE.match(arch) or int(_ARCH_RE.match(arch).group(1)) < MIN_ARCH:
+        raise ValueError(f"arch must name a CUDA architecture sm_{MIN_ARCH} or newer, like 'sm_90', got {arch!r}")
     return arch
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import numpy as np
 
@@ -132,7 +133,6 @@ class WorkspaceLayout:
         return record.tobytes()
 
 
-@functools.lru_cache(maxsize=256)
 def compute_layout(num_ranks: int, num_experts: int, num_max_tokens: int, hidden: int,
                    num_workspace_bytes: int | None = None) -> WorkspaceLayout:
     """Lay out the workspace for R ranks, E experts, T tokens per rank and hidden H.
@@ -150,6 +150,16 @@ def compute_layout(num_ranks: int, num_experts: int, num_max_tokens: int, hidden
     Raises:
         ValueError: the configuration does not fit in ``num_workspace_bytes``.
     """
+    # Python ints, whatever integer type the caller's came as: numpy's int32 products wrap (a
+    # negative size passed any check), and the cache would hand the wrapped layout to equal ints.
+    return _compute_layout(operator.index(num_ranks), operator.index(num_experts), operator.index(num_max_tokens),
+                           operator.index(hidden), None if num_workspace_bytes is None
+                           else operator.index(num_workspace_bytes))
+
+
+@functools.lru_cache(maxsize=256)
+def _compute_layout(num_ranks: int, num_experts: int, num_max_tokens: int, hidden: int,
+                    num_workspace_bytes: int | None) -> WorkspaceLayout:
     num_local_experts = num_experts // num_ranks
     offsets: dict = {name: value for name, value in HEADER_OFFSETS.items() if name != "end"}
     sizes = {

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
-from mooncake_ep._constants import FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, NO_EXPERT, UE8M0_PER_INT32
+from mooncake_ep._constants import FP8_AMAX_FLOOR, FP8_BLOCK, FP8_E4M3_MAX, UE8M0_PER_INT32
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -118,13 +118,14 @@ def expert_slots(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
 
     Returns:
         ``[num_tokens, num_topk]`` int64: for a valid entry, how many entries with the same expert
-        come before it in (token, k) order; ``-1`` where the entry is ``-1``.
+        come before it in (token, k) order; ``-1`` where the entry names no expert (-1, or an id
+        outside [0, E), which the kernels read as -1).
     """
     flat = topk_idx.reshape(-1).astype(np.int64)
     slots = np.full(flat.shape, -1, dtype=np.int64)
     seen = np.zeros(num_experts, dtype=np.int64)
     for i, expert in enumerate(flat):
-        if expert != NO_EXPERT:
+        if 0 <= expert < num_experts:
             slots[i] = seen[expert]
             seen[expert] += 1
     return slots.reshape(topk_idx.shape)
@@ -296,13 +297,41 @@ def combine(
     valid &= named
     weights = np.where(valid, topk_weights.astype(np.float32), np.float32(0))
     if renormalize:
-        total = np.where(named, topk_weights.astype(np.float32), 0).sum(axis=1, dtype=np.float32)
-        kept = weights.sum(axis=1, dtype=np.float32)
+        total = _warp_sum(np.where(named, topk_weights.astype(np.float32), np.float32(0)))
+        kept = _warp_sum(weights)
         factor = np.where(kept != 0, total / np.where(kept != 0, kept, 1), np.float32(0)).astype(np.float32)
         weights = (weights * factor[:, None]).astype(np.float32)
     acc = np.zeros((num_tokens, hidden), dtype=np.float32)
     for topk in range(num_topk):
-        # One rounding per step, like fmaf: the fp32 product is exact in fp64.
-        step = weights[:, topk, None].astype(np.float64) * gathered[:, topk].astype(np.float64)
-        acc = np.where(valid[:, topk, None], (step + acc.astype(np.float64)).astype(np.float32), acc)
+        acc = np.where(valid[:, topk, None], _fmaf(weights[:, topk, None], gathered[:, topk], acc), acc)
     return acc.astype(bfloat16), mask
+
+
+def _warp_sum(values: np.ndarray) -> np.ndarray:
+    """Each row of ``[t, K]`` fp32 summed as common.cuh's ``warp_sum`` adds its 32 lanes (lane k
+    holds entry k, the lanes past K 0): a butterfly over xor partners 16, 8, 4, 2, 1, in fp32."""
+    lanes = np.zeros((values.shape[0], 32), dtype=np.float32)
+    lanes[:, :values.shape[1]] = values
+    partner = np.arange(32)
+    for mask in (16, 8, 4, 2, 1):
+        lanes = lanes + lanes[:, partner ^ mask]
+    return lanes[:, 0]
+
+
+def _fmaf(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fp32 ``a * b + c`` rounded once, as CUDA's ``fmaf``.
+
+    The product of two fp32 values is exact in fp64; the fp64 sum is not always, and rounding it
+    to fp64 and then to fp32 can round twice. Rounded to odd instead (the sum's error, from
+    TwoSum, forces the last bit to 1 when it is not 0), its cast to fp32 is the correctly
+    rounded result: fp64 keeps more than 24 + 1 bits.
+    """
+    product = a.astype(np.float64) * b.astype(np.float64)
+    addend = c.astype(np.float64)
+    total = product + addend
+    virtual = total - product
+    error = (product - (total - virtual)) + (addend - virtual)
+    even = (total.view(np.uint64) & 1) == 0
+    inexact = np.isfinite(error) & (error != 0) & even
+    towards = np.where(error > 0, np.inf, -np.inf)
+    return np.where(inexact, np.nextafter(total, towards), total).astype(np.float32)

@@ -174,11 +174,14 @@ class ArrayView:
             ``"jax"``, ``"cupy"``, or ``"dlpack"`` for any other producer.
         keepalive: what keeps the memory valid while the view lives: the caller's array, or
             the owner of a consumed capsule, whose deleter runs when it is collected.
-        readonly: the producer marked the memory read-only (DLPack >= 1.0 flag, or a numpy
-            array that is not writeable). Legacy capsules cannot say so and read ``False``;
-            JAX, for one, exports its immutable arrays that way.
+        readonly: the memory must not be written: the producer marked it read-only (DLPack >= 1.0
+            flag, or a numpy array that is not writeable), or it is a JAX array's (:attr:`jax_memory`).
+            Other legacy capsules cannot say so and read ``False``.
         copied: the producer exported a copy of its array (the DLPack >= 1.0 ``IS_COPIED``
             flag): what the library reads is right, what it writes never reaches the caller.
+        jax_memory: the memory is a JAX array's, read from a legacy capsule JAX made (a JAX array,
+            or a capsule or wrapper of one): JAX assumes it never changes, and such a capsule has no
+            READ_ONLY flag to say so, so ``readonly`` is True too; this names the cause in errors.
 
     Note:
         The memory is valid only while this view (or ``obj``) is alive; keep the view, not a
@@ -189,11 +192,11 @@ class ArrayView:
     """
 
     __slots__ = ("obj", "ptr", "shape", "strides", "dtype", "device_type", "device_id", "framework", "keepalive",
-                 "readonly", "copied")
+                 "readonly", "copied", "jax_memory")
 
     def __init__(self, obj: Any, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str,
                  device_type: str, device_id: int, framework: str, keepalive: Any, readonly: bool = False,
-                 copied: bool = False) -> None:
+                 copied: bool = False, jax_memory: bool = False) -> None:
         self.obj = obj
         self.ptr = ptr
         self.shape = shape
@@ -205,6 +208,7 @@ class ArrayView:
         self.keepalive = keepalive
         self.readonly = readonly
         self.copied = copied
+        self.jax_memory = jax_memory
 
     def __repr__(self) -> str:
         return (f"ArrayView(ptr={self.ptr:#x}, shape={self.shape}, strides={self.strides}, dtype={self.dtype}, "
@@ -439,9 +443,12 @@ def _view_from_capsule(capsule: Any, obj: Any, name: str, framework: str) -> Arr
     strides = opened.strides if opened.strides is not None else c_contiguous_strides(shape)
     # Checked before consuming: a refused capsule stays with its producer's destructor.
     owner = _dlpack.consume_capsule(capsule, opened, name)
+    # A JAX capsule's readonly (opened.readonly is set) keeps it from out= and active_ranks even where a
+    # remembered plan skips the checks: the plans' keys hold readonly, not jax_memory.
     return ArrayView(obj=obj, ptr=opened.ptr, shape=shape, strides=strides, dtype=dtype,
                      device_type=device_type, device_id=device_id, framework=framework,
-                     keepalive=owner, readonly=opened.readonly, copied=opened.copied)
+                     keepalive=owner, readonly=opened.readonly, copied=opened.copied,
+                     jax_memory=opened.made_by_jax)
 
 
 def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
@@ -449,7 +456,8 @@ def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
 
     Args:
         obj: the array. numpy arrays, torch tensors and cupy arrays are read directly; anything else through
-            ``obj.__dlpack__`` (a bare DLPack capsule is accepted and consumed too).
+            ``obj.__dlpack__`` (a bare DLPack capsule is accepted and consumed too). A legacy capsule made by
+            JAX reads as read-only: JAX arrays are immutable, and such a capsule has no flag to say so.
         name: call and argument for error messages, e.g. ``"dispatch: x"``.
         stream: the CUDA stream (``cudaStream_t`` as an int) the caller will launch on; 0 is the
             legacy default stream (passed to DLPack as 1), 2 the per-thread default, -1 asks

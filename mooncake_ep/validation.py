@@ -173,11 +173,16 @@ def check_out(where: str, out_views, specs, like: ArrayView) -> None:
 def check_writable(where: str, name: str, view: ArrayView) -> None:
     """An array the call writes into (out=, active_ranks) must not be marked read-only, nor be of an
     immutable framework: the write would fail after the peers have been told, be dropped without a
-    word, or (a JAX array, whose DLPack export cannot say read-only) change a value JAX shares."""
+    word, or (JAX memory, whose legacy DLPack capsules cannot say read-only) change a value JAX shares.
+    JAX memory is told apart however it comes: a JAX array, or a capsule JAX made (bare, or from a
+    wrapper's ``__dlpack__``), which reads as read-only (ArrayView.jax_memory)."""
     if view.framework in IMMUTABLE_FRAMEWORKS:
         raise TypeError(f"{where}: {name} is a {view.framework} array, which is immutable, and the call writes "
                         f"into it; pass a torch, cupy or numpy array (or {view.framework} arrays throughout)")
     if view.readonly:
+        if view.jax_memory:
+            raise TypeError(f"{where}: {name} is a JAX array's memory (its DLPack capsule was made by JAX), which "
+                            f"is immutable, and the call writes into it; pass a torch, cupy or numpy array")
         raise ValueError(f"{where}: {name} is read-only, and the call writes into it; pass a writable array")
     if view.copied:
         raise ValueError(f"{where}: {name} was exported by its producer as a copy (DLPack IS_COPIED), so what the "

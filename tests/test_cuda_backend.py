@@ -9,6 +9,7 @@ tests' part (test_gpu_ipc.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import struct
@@ -311,12 +312,18 @@ def test_a_launch_runs_on_the_ranks_device_and_gives_the_caller_its_own_back():
     backend.dispatch_launch(0, 0, **DISPATCH_ARGUMENTS)(3, 0xA0)
     assert log == ["dispatch on device 1"]
 
-    def failing(num_blocks, args, stream):
-        raise RuntimeError("launch failed")
-    backend.launchers["combine"] = failing
+    class FailingLauncher:
+        name = "ll_combine"
+
+        def __call__(self, num_blocks, args, stream):
+            raise RuntimeError("CUDA_ERROR_INVALID_VALUE: invalid argument")
+    backend.launchers["combine"] = FailingLauncher()
     runtime.current = 0
-    with pytest.raises(RuntimeError, match="launch failed"):
-        backend.combine_launch(0, 0, **combine)(3, 0xA0)
+    with pytest.raises(RuntimeError) as failure:
+        backend.combine_launch(0, 0, **combine)(2, 0xA0)
+    # The driver's words alone named neither the kernel nor the rank.
+    assert str(failure.value) == ("Buffer rank 0: launching ll_combine (receive half, 4 blocks) on stream 0xa0 of "
+                                  "cuda:1 failed: RuntimeError: CUDA_ERROR_INVALID_VALUE: invalid argument")
     assert runtime.current == 0, "a failed launch gives the caller its device back too"
 
 
@@ -334,6 +341,33 @@ def test_a_replacement_in_the_same_process_also_adopts_the_survivors_steps():
 
     ep.LocalGroup(2, timeout_s=30.0).spawn(rank_fn)
     assert results == {0: survivor_steps, 1: survivor_steps}
+
+
+def test_an_in_process_reconnect_waits_for_its_kernels_and_clears_the_replaced_ranks_flags():
+    """As with ipc: a survivor's queued kernels may still move its step counters and flags, and the
+    flags an in-process rank's old Buffer left could pass for ones of a step its replacement has not
+    reached. Rank 1 is the replacement (update_ep_member names it); rank 2 survived."""
+    logs = {0: [], 1: [], 2: []}
+    backends = {}
+
+    def rank_fn(rank_group):
+        log = logs[rank_group.rank]
+        backend = stub_backend(rank_group, log, workspace_fill=0xFF if rank_group.rank != 1 else 0)
+        backend._connected = rank_group.rank != 1
+        backends[rank_group.rank] = backend
+        backend.connect([1])
+
+    ep.LocalGroup(3, timeout_s=30.0).spawn(rank_fn)
+    assert logs == {0: ["synchronize"], 1: [], 2: ["synchronize"]}  # a new Buffer has no kernels to wait for
+    for rank in (0, 2):
+        memory = backends[rank].workspace.memory
+        for region in ("dispatch_flag", "combine_flag"):
+            for parity in range(layout.NUM_PARITIES):
+                for src_rank in range(3):
+                    offset = (layout.HEADER_OFFSETS[region] +
+                              (parity * _constants.MAX_RANKS + src_rank) * layout.FLAG_BYTES)
+                    flag = bytes(memory[offset:offset + layout.FLAG_BYTES])
+                    assert flag == (bytes(8) if src_rank == 1 else b"\xff" * 8), (rank, region, parity, src_rank)
 
 
 # ----------------------------------------------------------------------------- teardown
@@ -383,14 +417,60 @@ def test_destroy_with_a_missing_peer_still_releases_then_raises(caplog):
     assert log[-2:] == ["free workspace", "free layout table"]
 
 
-def test_garbage_collection_closes_the_peers_mappings_before_freeing(caplog):
+def test_destroy_whose_free_fails_still_frees_the_rest_and_keeps_the_stream(idle_comm_streams):
+    """A faulted kernel makes the first free's device wait raise: the layout table is still freed
+    (its own wait raises too, on a real device), the error comes out, and the stream, which may hold
+    the faulted work, goes to no later Buffer."""
+    log: list = []
+    backend = stub_backend(RecordingGroup(log), log, RecordingTransport(log, [1, 2], []))
+
+    def faulted_free():
+        log.append("free workspace")
+        raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+    backend.workspace.free = faulted_free
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        backend.destroy()
+    assert log == ["synchronize", "barrier", "close", "barrier", "close", "free workspace", "free layout table"]
+    assert idle_comm_streams == {}
+
+
+def test_a_workspace_whose_device_wait_fails_keeps_its_memory_with_its_finalizer(monkeypatch):
+    """The finalizer was detached before the wait: a failed wait lost the memory for good."""
+    import cupy
+
+    from mooncake_ep.transport import DeviceWorkspace
+
+    freed = []
+    waits = [RuntimeError("cudaErrorLaunchTimeout"), None]
+
+    def device_synchronize():
+        failure = waits.pop(0)
+        if failure is not None:
+            raise failure
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device_id: contextlib.nullcontext())
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceSynchronize", device_synchronize)
+    monkeypatch.setattr(cupy.cuda.runtime, "free", freed.append)
+    workspace = object.__new__(DeviceWorkspace)
+    workspace.ptr, workspace.device_id = 0x5000, 0
+    workspace._finalizer = weakref.finalize(workspace, freed.append, "by the finalizer")
+    with pytest.raises(RuntimeError, match="cudaErrorLaunchTimeout"):
+        workspace.free()
+    assert workspace.ptr == 0x5000 and workspace._finalizer.alive and freed == []
+    workspace.free()  # a later free tries again
+    workspace.free()
+    assert workspace.ptr == 0 and not workspace._finalizer.alive and freed == [0x5000]
+
+
+def test_garbage_collection_closes_the_peers_mappings_before_freeing(caplog, idle_comm_streams):
     log: list = []
     transport = RecordingTransport(log, [1, 2], [])
     with caplog.at_level(logging.WARNING, logger="mooncake_ep"):
         _cuda_backend._release_unreachable(3, transport, HostWorkspace(8, log, "workspace"),
-                                           HostWorkspace(8, log, "layout table"), False)
+                                           HostWorkspace(8, log, "layout table"), False, "stream 3")
     assert log == ["close", "free workspace", "free layout table"]
     assert "the Buffer of rank 3 was garbage-collected without destroy()" in caplog.text
+    # Its communication stream goes to the next Buffer of the device, as destroy() hands it on.
+    assert idle_comm_streams == {0: ["stream 3"]}
 
 
 def test_garbage_collection_frees_nothing_while_ranks_of_this_process_may_run(caplog):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import mooncake_ep as ep
-from mooncake_ep import frameworks, layout, reference
-from mooncake_ep.tensor import DeviceMemoryArray
+from mooncake_ep import _dlpack, frameworks, layout, reference
+from mooncake_ep.tensor import DeviceMemoryArray, DLDevice, DLDeviceType, DLManagedTensor
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
@@ -147,3 +147,102 @@ def test_cupy_glue_returns_raw_bits(monkeypatch):
     cupy_glue.wrap(DeviceMemoryArray(0x2000, (4,), "float8_e4m3fn", "cuda", 0, owner=None))
     cupy_glue.wrap(DeviceMemoryArray(0x3000, (4,), "float32", "cuda", 0, owner=None))
     assert seen == [("uint16", 0x1000, (2, 3)), ("uint8", 0x2000, (4,)), ("float32", 0x3000, (4,))]
+
+
+# --- JAX memory where a call writes -------------------------------------------------------------------
+
+
+class Wrapper:
+    """Any object whose __dlpack__ hands on its array's capsule (a JAX array's: legacy, no READ_ONLY flag)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def jax_memory_refused(name: str) -> str:
+    return (rf"^{name} is a JAX array's memory \(its DLPack capsule was made by JAX\), which is immutable, and the "
+            rf"call writes into it; pass a torch, cupy or numpy array$")
+
+
+def test_jax_memory_through_a_capsule_is_refused_where_a_call_writes_and_left_as_it_was():
+    """A JAX array's capsule (bare, or from another object's __dlpack__) as out= or active_ranks is refused before
+    anything is written or exchanged, on the reference backend; torch's and numpy's legacy capsules are still written
+    into, and the refused calls leave the buffer as it was (the first handle is still fresh)."""
+    T, H, E = 4, 128, 2
+    x = (np.arange(3 * H) % 64).astype(BF16).reshape(3, H)
+    topk = np.array([[0], [1], [-1]], np.int64)
+    weights = np.ones((3, 1), np.float32)
+    buffer = ep.LocalGroup(1).spawn(lambda g: ep.Buffer(g, ep.Buffer.get_ep_buffer_size_hint(T, H, 1, E),
+                                                        backend="reference"))[0]
+    want_x, want_count, handle, _, _ = buffer.dispatch(x, topk, np.ones(1, np.int32), T, E, use_fp8=False)
+    recv_x = np.full((E, T, H), 5, BF16)
+    count = jnp.full(E, 7, jnp.int32)
+    jax_recv_x = jnp.full((E, T, H), 5, jnp.bfloat16)
+    jax_active = jnp.ones(1, jnp.int32)
+    refused = [("dispatch: out recv_count", dict(out=(recv_x, count.__dlpack__()))),
+               ("dispatch: out recv_count", dict(out=(recv_x, Wrapper(count)))),
+               ("dispatch: out recv_x", dict(out=(jax_recv_x.__dlpack__(), np.zeros(E, np.int32)))),
+               ("dispatch: active_ranks", dict(active_ranks=jax_active.__dlpack__()))]
+    for name, call in refused:
+        args = dict(x=x, topk_idx=topk, active_ranks=np.ones(1, np.int32), num_max_dispatch_tokens_per_rank=T,
+                    num_experts=E, use_fp8=False)
+        with pytest.raises(TypeError, match=jax_memory_refused(name)):
+            buffer.dispatch(**{**args, **call})
+    np.testing.assert_array_equal(np.asarray(count), [7, 7])
+    np.testing.assert_array_equal(np.asarray(jax_recv_x).astype(np.float32), 5)
+    np.testing.assert_array_equal(recv_x.astype(np.float32), 5)  # nor the array beside the refused one
+
+    torch_count = torch.full((E,), 7, dtype=torch.int32)
+    buffer.dispatch(x, topk, np.ones(1, np.int32), T, E, use_fp8=False,
+                    out=(recv_x, torch.utils.dlpack.to_dlpack(torch_count)))
+    np.testing.assert_array_equal(torch_count.numpy(), want_count)  # torch's legacy capsule is written
+    for row in range(E):
+        np.testing.assert_array_equal(recv_x[row, :want_count[row]], want_x[row, :want_count[row]])
+
+    combined = jnp.zeros((3, H), jnp.bfloat16)
+    with pytest.raises(TypeError, match=jax_memory_refused("combine: out combined_x")):
+        buffer.combine(want_x, topk, weights, np.ones(1, np.int32), -1, handle, out=combined.__dlpack__())
+    np.testing.assert_array_equal(np.asarray(combined).astype(np.float32), 0)
+    want_combined, _, _ = buffer.combine(want_x, topk, weights, np.ones(1, np.int32), -1, handle)
+    out = np.zeros((3, H), BF16)
+    buffer.combine(want_x, topk, weights, np.ones(1, np.int32), -1, handle, out=out)
+    np.testing.assert_array_equal(out.view(np.uint16), want_combined.view(np.uint16))
+
+
+def test_a_remembered_plan_does_not_let_a_jax_capsule_through(monkeypatch):
+    """Device arrays' checked plans are remembered by their layouts; a JAX capsule with the layout of a writable
+    capsule that an earlier call was accepted with must still be refused, and nothing launched for it."""
+    monkeypatch.setattr(frameworks.get("cupy"), "current_stream", lambda device_id: 0xC0)
+    T, H, E = 4, 128, 2
+    buffer = ep.LocalGroup(1).spawn(lambda g: ep.Buffer(g, ep.Buffer.get_ep_buffer_size_hint(T, H, 1, E),
+                                                        backend="reference"))[0]
+    cuda = RecordingCuda()
+    buffer._cuda, buffer.backend = cuda, "cuda"
+    x = CupyLikeArray(np.zeros((3, H), np.uint16))  # bf16 bits
+    topk = CupyLikeArray(np.array([[0], [1], [-1]], np.int64))
+    active = CupyLikeArray(np.ones(1, np.int32))
+    recv_x = CupyLikeArray(np.zeros((E, T, H), np.uint16))
+    counts = np.zeros(E, np.int32)
+
+    def writable_count():
+        """A legacy capsule of memory we may write, on cuda:0 as the other arrays claim to be."""
+        return DeviceMemoryArray(counts.ctypes.data, counts.shape, "int32", "cuda", 0, owner=counts).__dlpack__()
+
+    buffer.dispatch(x, topk, active, T, E, use_fp8=False, out=(recv_x, writable_count()))
+    assert len(buffer._plans) == 1 and len(cuda.launches) == 1
+    count = jnp.full(E, 7, jnp.int32)
+    capsule = count.__dlpack__()
+    managed = DLManagedTensor.from_address(_dlpack._PyCapsule_GetPointer(capsule, b"dltensor"))
+    managed.dl_tensor.device = DLDevice(DLDeviceType.kDLCUDA, 0)  # the layout of writable_count(), JAX's deleter
+    with pytest.raises(TypeError, match=jax_memory_refused("dispatch: out recv_count")):
+        buffer.dispatch(x, topk, active, T, E, use_fp8=False, out=(recv_x, capsule))
+    assert len(cuda.launches) == 1
+    np.testing.assert_array_equal(np.asarray(count), [7, 7])
+    buffer.dispatch(x, topk, active, T, E, use_fp8=False, out=(recv_x, writable_count()))  # still usable
+    assert len(cuda.launches) == 2 and len(buffer._plans) == 1

@@ -20,6 +20,7 @@ import pytest
 
 import _threads
 
+from mooncake_ep import RankMismatchError, _group_common
 from mooncake_ep.group import (
     Group,
     GroupError,
@@ -321,6 +322,87 @@ def test_tcp_group_in_threads_missing_and_duplicate_rank():
     assert all(f"waiting for ranks [2] of 3 (MASTER_ADDR=127.0.0.1, MASTER_PORT={port})" in m for m in waited)
 
 
+def mismatch_message(sizes: str, outside: str = "") -> str:
+    """The start of what every rank of a rendezvous with different world sizes raises."""
+    return (f"init_group: ranks disagree on world_size ({sizes}){outside}: start every rank with the same "
+            f"world_size (WORLD_SIZE)")
+
+
+@pytest.mark.parametrize("sizes, seen", [
+    # A smaller WORLD_SIZE on rank 1, with a rank 2 that fits rank 0: the round completes for ranks 0 and 2.
+    ((3, 2, 3), ["ranks [0, 2]: 3, rank 1: 2", "rank 0: 3, rank 1: 2", "ranks [0, 2]: 3, rank 1: 2"]),
+    # A larger one on ranks 1 and 2: rank 0 saw it in its round and closed its store, and rank 1, waiting
+    # for rank 2, was told only "store closed"; rank 2 is outside rank 0's group, and now reads rank 0's
+    # world_size, which rank 0 keeps serving until it has, instead of waiting in a round it has no part in.
+    ((2, 3, 3), ["rank 0: 2, rank 1: 3", "rank 0: 2, rank 1: 3", "rank 0: 2, rank 2: 3"]),
+])
+def test_tcp_group_world_size_mismatch_is_named_on_every_rank(sizes, seen):
+    port = free_port()
+    out = run_in_threads([lambda r=r, w=w: TCPGroup(r, w, master_port=port, timeout_s=PROCESS_LIMIT_S)
+                          for r, w in enumerate(sizes)])
+    assert all(isinstance(e, RankMismatchError) for e in out), out
+    outside = ["", "", ", and rank 2 is outside rank 0's group of 2" if sizes[0] == 2 else ""]
+    assert [str(e) for e in out] == [mismatch_message(s, o) for s, o in zip(seen, outside)]
+
+
+def test_tcp_group_larger_world_size_on_rank1_only(monkeypatch, caplog):
+    """RANK=1 WORLD_SIZE=3 with a rank 0 of 2, and no rank 2: rank 1 reads rank 0's world_size and
+    raises at once (it was told "store closed"); rank 0 names it from its round, after waiting (here
+    briefly) for the rank 2 that rank 1's world_size says exists."""
+    monkeypatch.setattr(_group_common, "_MISMATCH_GRACE_S", 0.1)
+    port = free_port()
+    out = run_in_threads([lambda r=r, w=w: TCPGroup(r, w, master_port=port, timeout_s=PROCESS_LIMIT_S)
+                          for r, w in enumerate((2, 3))])
+    assert all(isinstance(e, RankMismatchError) for e in out), out
+    assert [str(e) for e in out] == [mismatch_message("rank 0: 2, rank 1: 3")] * 2
+    assert "rank 0 keeps the store up for rank 2 to read why" in caplog.text
+
+
+def test_tcp_group_rank0_names_a_smaller_world_size_when_its_wait_runs_out(monkeypatch):
+    """Rank 1 said 2 and left; rank 0 (3) waits for a rank 2 that never comes. When the wait runs
+    out it names rank 1's world_size, which it reads from rank 1's slot of the round, not only the
+    missing rank."""
+    port = free_port()
+    rank1_done = threading.Event()
+    wait = TCPGroup._kv_multi_get
+
+    def round_after_rank1(self, keys, timeout_s, **kwargs):
+        if self.rank == 0 and len(keys) == 3:  # rank 0's init_group round starts once rank 1 has left
+            assert rank1_done.wait(PROCESS_LIMIT_S)
+        return wait(self, keys, timeout_s, **kwargs)
+
+    def rank1():
+        try:
+            return TCPGroup(1, 2, master_port=port, timeout_s=PROCESS_LIMIT_S)
+        finally:
+            rank1_done.set()
+
+    monkeypatch.setattr(TCPGroup, "_kv_multi_get", round_after_rank1)
+    out = run_in_threads([lambda: TCPGroup(0, 3, master_port=port, timeout_s=SHORT_TIMEOUT_S), rank1])
+    assert all(isinstance(e, RankMismatchError) for e in out), out
+    message = mismatch_message("rank 0: 3, rank 1: 2")
+    assert str(out[1]) == message
+    assert str(out[0]) == (f"{message}; init_group #0 timed out after {SHORT_TIMEOUT_S} s waiting for ranks [2] of 3 "
+                           f"(MASTER_ADDR=127.0.0.1, MASTER_PORT={port})")
+
+
+def test_tcp_group_rank_outside_a_running_group_is_refused_and_leaves_it_alone():
+    port = free_port()
+    groups = run_in_threads([lambda r=r: TCPGroup(r, 2, master_port=port, timeout_s=PROCESS_LIMIT_S) for r in range(2)])
+    assert all(isinstance(g, TCPGroup) for g in groups), groups
+    # Two rounds: rank 0's key of round 0 is gone, which a process with RANK=2 WORLD_SIZE=3 waited for before.
+    rounds = run_in_threads([lambda g=g: [g.allgather_bytes(bytes([g.rank])) for _ in range(2)] for g in groups])
+    assert rounds == [[[b"\0", b"\1"]] * 2] * 2
+    with pytest.raises(RankMismatchError) as info:
+        TCPGroup(2, 3, master_port=port, timeout_s=PROCESS_LIMIT_S)
+    assert str(info.value) == mismatch_message("rank 0: 2, rank 2: 3", ", and rank 2 is outside rank 0's group of 2")
+    # So is a second rank 1 started with another world_size, before it claims the rank.
+    with pytest.raises(RankMismatchError, match=r"\(rank 0: 2, rank 1: 3\)"):
+        TCPGroup(1, 3, master_port=port, timeout_s=PROCESS_LIMIT_S)
+    assert run_in_threads([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1"]] * 2
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
 def test_tcp_group_in_threads_collectives_and_broken_after_timeout():
     port = free_port()
     groups = run_in_threads([lambda r=r: TCPGroup(r, 2, master_port=port, timeout_s=30.0) for r in range(2)])
@@ -445,6 +527,40 @@ def test_tcp_group_peer_missing_from_collective_is_named():
     assert out[0]["error"].startswith("allgather_bytes #0 timed out after 1.0 s waiting for ranks [2] of 3")
     assert out[1]["error"].startswith("allgather_bytes #0 ")
     assert "waiting for ranks [2] of 3" in out[1]["error"]
+
+
+MISMATCH_WORKER = textwrap.dedent("""
+    import json
+    from mooncake_ep.group import init_group
+
+    try:
+        init_group(timeout_s=60.0)
+        print(json.dumps({"error": None}))
+    except Exception as exc:
+        print(json.dumps({"error": [type(exc).__name__, str(exc)]}))
+""")
+
+
+def test_tcp_group_world_size_mismatch_across_processes():
+    """As launched: RANK=0 WORLD_SIZE=2, then RANK=1 and RANK=2 with WORLD_SIZE=3. Rank 0 saw the
+    mismatch, raised and exited; rank 1 was told only that the store closed, and rank 2 that it could
+    not connect (or nothing at all, when it connected just before the store closed)."""
+    port = free_port()
+    procs = []
+    for rank, world_size in ((0, 2), (1, 3), (2, 3)):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=str(REPO_ROOT))
+        procs.append(subprocess.Popen([sys.executable, "-c", MISMATCH_WORKER], env=env, cwd=REPO_ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        out = [json.loads(proc.communicate(timeout=PROCESS_LIMIT_S)[0]) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert out == [{"error": ["RankMismatchError", mismatch_message("rank 0: 2, rank 1: 3")]}] * 2 + [
+        {"error": ["RankMismatchError", mismatch_message("rank 0: 2, rank 2: 3",
+                                                         ", and rank 2 is outside rank 0's group of 2")]}]
 
 
 # ----------------------------------------------------------------------------- init_group

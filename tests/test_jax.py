@@ -578,6 +578,31 @@ def test_bad_dispatch_is_refused_at_trace_time_and_the_buffer_still_works(mutate
     check_rank(0, dispatched, recv, count, FLAGS["bf16"])
 
 
+@pytest.mark.parametrize("ids,pattern", [
+    ([[0, 2], [1, -1], [0, 1]], r"topk_idx entries must be -1 or in \[0, 2\), got 2 at \(0, 1\)"),
+    ([[0, -2], [1, -1], [0, 1]], r"topk_idx entries must be -1 or in \[0, 2\), got -2 at \(0, 1\)"),
+    ([[0, 0], [0, -1], [0, 1]], r"topk_idx sends 4 copies to expert 0, more than num_max_dispatch_tokens_per_rank=3"),
+], ids=["past-E", "below-minus-one", "copies-past-T"])
+@pytest.mark.parametrize("form", ["dispatch", "dispatch_send"])
+def test_bad_cpu_ids_raise_valueerror_eagerly_and_the_buffer_still_works(ids, pattern, form):
+    """Eager calls check the ids before the op: raised inside its callback, XLA wrapped the ValueError
+    in a JaxRuntimeError. Under jit the values are unknown at trace time: the op raises when it runs."""
+    case, buffer, (x, topk, active) = one_rank()
+    call = getattr(epj, form)
+    bad = jnp.asarray(np.array(ids, np.int32))
+    num_max_tokens = 3  # the tokens x has
+    with pytest.raises(ValueError, match=rf"^mooncake_ep\.jax\.{form}: {pattern}"):
+        call(buffer, x, bad, active, num_max_tokens, case.num_experts, use_fp8=False)
+    if form == "dispatch":
+        with pytest.raises(jax.errors.JaxRuntimeError, match=pattern):
+            jax.block_until_ready(jax.jit(lambda ids: call(buffer, x, ids, active, num_max_tokens,
+                                                           case.num_experts, use_fp8=False))(bad))
+    recv, count, _, _ = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)
+    dispatched = reference.dispatch(0, case.xs, case.topk_idxs, case.actives, case.num_max_tokens, case.num_experts,
+                                    use_fp8=False)
+    check_rank(0, dispatched, recv, count, FLAGS["bf16"])
+
+
 @pytest.mark.parametrize("flags,pattern", [
     (dict(renormalize="no"), r"mooncake_ep.jax.combine: renormalize must be a bool, got str"),
     (dict(renormalize=0), r"mooncake_ep.jax.combine: renormalize must be a bool, got int"),

@@ -233,3 +233,25 @@ def test_a_configuration_too_large_for_the_workspace_is_refused():
     layout.compute_layout(8, 256, 128, 7168, num_workspace_bytes=needed)  # exactly the hint fits
     with pytest.raises(ValueError, match="needs .* workspace bytes"):
         layout.compute_layout(8, 256, 128, 7168, num_workspace_bytes=needed - 1)
+
+
+@pytest.mark.parametrize("integer", [np.int32, np.int64, np.uint32], ids=lambda t: t.__name__)
+def test_numpy_integer_sizes_lay_out_as_python_ints(integer):
+    """numpy int32 products wrap: T = np.int32(8192) made 'needed' negative, a 1 MiB buffer passed
+    dispatch's size check for 7.5 GB of regions (kernels writing far outside the workspace), and
+    the cache then served the wrapped layout to the same sizes given as Python ints."""
+    R, E, T, H = 1, 32, 8192, 7168
+    want = layout.compute_layout(R, E, T, H)
+    assert want.num_bytes > 2**32
+    got = layout.compute_layout(integer(R), integer(E), integer(T), integer(H))
+    assert got == want and type(got.num_bytes) is int
+    assert layout.compute_layout(R, E, T, H) == want
+    assert ep.Buffer.get_ep_buffer_size_hint(integer(T), integer(H), integer(R), integer(E)) == want.num_bytes
+
+    def rank_fn(group):
+        buffer = ep.Buffer(group, 1 << 20, backend="reference")
+        x = np.zeros((2, H), np.float32).astype(ep.reference.bfloat16)
+        with pytest.raises(ValueError, match=rf"the buffer has 1048576 bytes, this configuration \(T={T}, "
+                                             rf"hidden={H}, num_experts={E}, num_ranks=1\) needs {want.num_bytes}"):
+            buffer.dispatch(x, np.array([[0], [1]]), np.ones(1, np.int32), integer(T), integer(E), use_fp8=False)
+    ep.LocalGroup(1).spawn(rank_fn)

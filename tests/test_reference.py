@@ -8,6 +8,8 @@ its source. Random cases check the same rules against independent numpy computat
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -574,3 +576,66 @@ def test_renormalize_random_weights_sum_is_preserved():
     total = np.where(idx >= 0, weights, 0).sum(axis=1)
     expected = np.where(live.any(axis=1), total, 0)
     np.testing.assert_allclose(combined[:, 0].astype(np.float32), expected, rtol=BF16_REL_ERROR)
+
+
+def _fp32_nearest(exact: Fraction) -> np.float32:
+    """``exact`` rounded to fp32, to nearest with ties to even (the oracle of _fmaf)."""
+    guess = np.float32(float(exact))
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+    return min(candidates, key=lambda v: (abs(Fraction(float(v)) - exact), int(np.array(v).view(np.uint32)) & 1))
+
+
+def test_combine_steps_round_once_like_fmaf():
+    """An fp64 sum rounded to fp32 rounds twice: acc = 1 + 2^-8 plus w * y = 2^-24 (1 + 2^-30) lies just
+    above an fp32 midpoint, which the fp64 sum lands on and the cast then rounds to even (down);
+    fmaf, as ll_combine.cu uses, rounds up once, and bf16 keeps the difference."""
+    w0, y0 = np.float32(1 + 2**-8), 1.0
+    w1, y1 = np.float32(5237765 * 2.0**-47), 205 * 2.0**-7
+    topk_idx = np.array([[0, 1]])
+    x = np.zeros((1, 128), BF16)
+    dispatched = reference.dispatch(0, [x], [topk_idx], [np.ones(1, np.int32)], 1, 2, use_fp8=False)
+    out = np.zeros((2, 1, 128), BF16)
+    out[0, 0], out[1, 0] = y0, y1
+    combined, _ = reference.combine(0, [out], [dispatched], topk_idx, np.array([[w0, w1]], np.float32),
+                                    [np.ones(1, np.int32)])
+    want = _fp32_nearest(Fraction(float(w1)) * Fraction(y1) + Fraction(float(_fp32_nearest(Fraction(float(w0))))))
+    assert float(want) == 1 + 2**-8 + 2**-23 and float(combined[0, 0]) == float(BF16.type(want)) == 1.0078125
+
+
+def test_fmaf_is_correctly_rounded_over_wide_exponents():
+    rng = np.random.default_rng(11)
+    n = 3000
+    a = (rng.standard_normal(n) * 2.0 ** rng.integers(-30, 30, n)).astype(np.float32)
+    b = (rng.standard_normal(n) * 2.0 ** rng.integers(-30, 30, n)).astype(BF16).astype(np.float32)
+    c = (rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n)).astype(np.float32)
+    c[::3] = -(a[::3].astype(np.float64) * b[::3]).astype(np.float32)  # near cancellation
+    got = reference._fmaf(a, b, c)
+    for i in range(n):
+        want = _fp32_nearest(Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i])))
+        assert got[i] == want, (i, a[i], b[i], c[i], got[i], want)
+
+
+def test_renormalize_sums_weights_in_the_kernels_butterfly_order():
+    """warp_sum adds lanes k and k ^ 16, then ^ 8, ^ 4, ^ 2, ^ 1, and fp32 sums depend on the order:
+    here (1 + -1) meets the two 2^-24 only after they have met each other (2^-23), where adding left
+    to right loses both to 1's rounding (0)."""
+    weights = np.array([[1.0, 2**-24, 2**-24, 0, 0, 0, 0, 0, -1.0]], np.float32)
+    left_to_right = np.float32(0)
+    for w in weights[0]:
+        left_to_right = np.float32(left_to_right + w)
+    assert left_to_right == 0
+    assert reference._warp_sum(weights).tolist() == [2**-23]
+
+
+def test_dispatch_reads_ids_outside_the_experts_as_none():
+    """As the kernels' read_expert does (device ids are not checked), and as combine already did: an id
+    below -1 or at least E sends nothing; it had raised IndexError."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 128)).astype(BF16)
+    ids = np.array([[0, 4], [1, -7], [9, 2]])
+    cleaned = np.where((ids >= 0) & (ids < 4), ids, -1)
+    got = reference.dispatch(0, [x], [ids], [np.ones(1, np.int32)], 3, 4, use_fp8=False)
+    want = reference.dispatch(0, [x], [cleaned], [np.ones(1, np.int32)], 3, 4, use_fp8=False)
+    for field in ("recv_x", "recv_count", "recv_src_rank", "recv_src_token", "recv_src_topk"):
+        np.testing.assert_array_equal(getattr(got, field).view(np.uint8), getattr(want, field).view(np.uint8))
+    assert want.recv_count.tolist() == [1, 1, 1, 0]

@@ -386,6 +386,49 @@ def test_a_copy_exported_by_its_producer_is_read_but_never_written():
         check_writable("dispatch", "active_ranks", view)
 
 
+def test_a_legacy_capsule_jax_made_reads_as_read_only():
+    """JAX exports its immutable arrays through legacy capsules (even when asked for max_version), which have no
+    READ_ONLY flag: a capsule whose deleter is jaxlib's code reads as read-only JAX memory, however it arrives,
+    and is refused where the call writes. Other producers' legacy capsules stay writable."""
+    from mooncake_ep.validation import check_writable
+
+    values = positional((2, 3), "int32")
+    array = jnp.asarray(values)
+    for obj, framework in [(array.__dlpack__(), "dlpack"), (DLPackOnly(array), "dlpack"), (array, "jax")]:
+        view = read_array(obj, name="combine: out combined_x")
+        assert (view.readonly, view.jax_memory, view.framework) == (True, True, framework)
+        host = view.numpy()
+        assert not host.flags.writeable  # not even our own numpy view may change JAX's values
+        np.testing.assert_array_equal(host, values)
+    with pytest.raises(TypeError, match=r"^combine: out combined_x is a JAX array's memory \(its DLPack capsule was "
+                                        r"made by JAX\), which is immutable, and the call writes into it; pass a "
+                                        r"torch, cupy or numpy array$"):
+        check_writable("combine", "out combined_x", read_array(array.__dlpack__(), name="combine: out combined_x"))
+    writable = [torch.utils.dlpack.to_dlpack(torch.from_numpy(values.copy())), values.copy().__dlpack__(),
+                LegacyProducer(values.copy())]
+    for obj in writable:
+        view = read_array(obj, name="combine: out combined_x")
+        assert not view.readonly and not view.jax_memory
+        check_writable("combine", "out combined_x", view)
+        view.numpy()[...] = 0
+
+
+def test_jax_buffer_callback_buffers_keep_their_flags():
+    """The buffers XLA hands a buffer_callback (what mooncake_ep.jax writes its results into) are read through
+    versioned capsules, whose READ_ONLY flag JAX sets on the inputs only: the outputs stay writable."""
+    buffer_callback = pytest.importorskip("jax.experimental.buffer_callback").buffer_callback
+    seen = []
+
+    def callback(ctx, out, x):
+        views = [read_array(b, name=name) for b, name in ((out, "output"), (x, "input"))]
+        seen.extend((view.readonly, view.jax_memory) for view in views)
+        views[0].numpy()[...] = 7
+
+    result = buffer_callback(callback, jax.ShapeDtypeStruct((3,), jnp.int32))(jnp.zeros(3, jnp.int32))
+    assert seen == [(False, False), (True, False)]
+    np.testing.assert_array_equal(np.asarray(result), [7, 7, 7])
+
+
 def test_unsupported_device_leaves_capsule_unconsumed():
     array, alive = exported(positional((4,), "float32"))
     capsule = array.__dlpack__()

@@ -158,12 +158,16 @@ class DeviceWorkspace:
         self._finalizer.detach()
 
     def free(self) -> None:
-        """Wait for this process's work on the device, then free the memory. Idempotent."""
+        """Wait for this process's work on the device, then free the memory. Idempotent.
+
+        A failed wait (a kernel faulted: the context is gone) raises and frees nothing: the
+        finalizer still owns the memory, and a later ``free`` tries again.
+        """
         if self.ptr:
             import cupy
 
-            self._finalizer.detach()
             with cupy.cuda.Device(self.device_id):
                 cupy.cuda.runtime.deviceSynchronize()
-                cupy.cuda.runtime.free(self.ptr)
-            self.ptr = 0
+                self._finalizer.detach()
+                ptr, self.ptr = self.ptr, 0  # a failed cudaFree is not retried: the memory is lost either way
+                cupy.cuda.runtime.free(ptr)

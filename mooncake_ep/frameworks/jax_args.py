@@ -14,7 +14,7 @@ import numpy as np
 
 from mooncake_ep.buffer import Buffer
 from mooncake_ep.tensor import c_contiguous_strides, numpy_dtype
-from mooncake_ep.validation import first_index
+from mooncake_ep.validation import check_expert_ids, first_index
 
 __all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_devices", "check_parity", "manual_axes",
            "varying_like", "DLPACK_CPU", "DLPACK_CUDA"]
@@ -244,6 +244,32 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
             else:
                 key = (DLPACK_CUDA, int(device.local_hardware_id))
             ranks.select(f"{where}: {name}", key)
+
+
+def check_eager_expert_ids(where: str, topk_idx, num_experts, num_max_dispatch_tokens_per_rank) -> None:
+    """An eager call's topk_idx on the CPU: its values checked here, where the error reaches the
+    caller as itself; the op's own check runs in a callback inside XLA, which wraps what it
+    raises in a JaxRuntimeError. Under ``jit`` (a tracer) that one remains; on a GPU values are
+    never read. Arguments of the wrong type are left to the op's checks.
+
+    Raises:
+        ValueError: an id outside [-1, num_experts), or an expert sent more than T copies.
+    """
+    import jax
+
+    if isinstance(topk_idx, jax.core.Tracer) or not getattr(topk_idx, "is_fully_addressable", False):
+        return
+    if any(device.platform != "cpu" for device in topk_idx.devices()) or getattr(topk_idx, "ndim", 0) != 2:
+        return
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+               for n in (num_experts, num_max_dispatch_tokens_per_rank)):
+        return
+    if topk_idx.shape[0] > num_max_dispatch_tokens_per_rank or topk_idx.dtype not in (np.int32, np.int64):
+        return  # the op names the token count, or the dtype, first
+    from mooncake_ep.tensor import read_array
+
+    check_expert_ids(where, read_array(np.asarray(topk_idx), name=f"{where}: topk_idx"), num_experts,
+                     num_max_dispatch_tokens_per_rank)
 
 
 def _device_names(devices) -> str:
