@@ -238,7 +238,9 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
             if (renormalize) {
                 const float total = warp_sum(expert >= 0 ? weight : 0.0f);
                 const float kept = warp_sum(valid ? weight : 0.0f);
-                weight = weight * (kept != 0.0f ? total / kept : 0.0f);
+                // Live weights summing to 0 are kept for a total of 0 (weights that cancel), else
+                // dropped: no factor scales them to another total.
+                weight = weight * (kept != 0.0f ? total / kept : (total == 0.0f ? 1.0f : 0.0f));
             }
             const unsigned valid_mask = __ballot_sync(kFullMask, valid);
             float weights[EP_MAX_TOPK];

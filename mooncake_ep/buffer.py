@@ -538,7 +538,8 @@ class Buffer:
                 run on the stream: the call keeps ``x`` alive until then, and the caller must not
                 write it meanwhile.
             out: ``[num_tokens, hidden]`` bf16 array to write into.
-            renormalize: scale each token's live weights so they sum to the sum of all its weights.
+            renormalize: scale each token's live weights so they sum to the sum of all its weights
+                (live weights summing to 0 are kept as they are for a sum of 0, else dropped).
 
         Returns:
             ``(combined_x, event, hook)``: combined_x ``[num_tokens, hidden]`` bf16, the fp32 sum of

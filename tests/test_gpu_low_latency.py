@@ -52,6 +52,9 @@ class Case:
     # more than T copies, naming it twice in tokens: copies past the first T are dropped, as -1)
     routing: str = "uniform"
     renormalize: bool = False
+    # Weights of every token with K named experts cancel pairwise (w_2j+1 = -w_2j, K even): their
+    # sum is 0, which renormalize keeps as is (live weights summing to 0 for a total of 0).
+    cancelling_weights: bool = False
     dead_rank: int | None = None  # a rank that stops launching at dead_phase
     dead_phase: str = "dispatch"  # dispatch: it never launches; combine: it dispatches, never combines
     # Combine copies expert outputs into the workspace first, as transports whose peers cannot read
@@ -93,7 +96,12 @@ def make_inputs(case: Case):
             topk[:128, 1] = 0
         xs.append(x.astype(ml_dtypes.bfloat16))
         topks.append(topk.astype(case.topk_dtype))
-        weights.append(rng.random((num_tokens, case.num_topk), dtype=np.float32))
+        token_weights = rng.random((num_tokens, case.num_topk), dtype=np.float32)
+        if case.cancelling_weights:
+            assert case.num_topk % 2 == 0, "weights cancel in pairs"
+            whole = (topk >= 0).all(axis=1)
+            token_weights[whole, 1::2] = -token_weights[whole, 0::2]
+        weights.append(token_weights)
     return xs, topks, weights
 
 
@@ -357,6 +365,7 @@ MODES = [
     Case(4, 32, 1024, 4, mode="hook", zero_copy=True),
     Case(4, 32, 1152, 4, zero_copy=True, use_fp8=True),
     Case(4, 32, 1024, 4, renormalize=True),
+    Case(4, 32, 1024, 4, renormalize=True, cancelling_weights=True),
     Case(4, 32, 1024, 4, copy_source=True),
     Case(4, 32, 2048, 8, mode="hook", copy_source=True, use_fp8=True),
     Case(4, 32, 1024, 4, mode="mixed"),
@@ -379,7 +388,8 @@ FAULTS = [
 def _case_id(case: Case) -> str:
     parts = [f"R{case.num_ranks}", f"E{case.num_experts}", f"H{case.hidden}", f"K{case.num_topk}", f"T{case.num_max_tokens}",
              "fp8" if case.use_fp8 else "bf16", case.mode, case.routing]
-    parts += [name for name in ("round_scale", "use_ue8m0", "zero_copy", "renormalize", "copy_source")
+    parts += [name for name in ("round_scale", "use_ue8m0", "zero_copy", "renormalize", "cancelling_weights",
+                                "copy_source")
               if getattr(case, name)]
     if case.topk_dtype != np.int64:
         parts.append(np.dtype(case.topk_dtype).name)
