@@ -12,11 +12,11 @@ step counters, so that a replacement process joins the survivors' epoch.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
 import struct
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -50,30 +50,30 @@ assert layout.STATE_FIELDS[:2] == ("dispatch_step", "combine_step") and layout.N
 # (Buffer._finish does, for async calls) when that tensor is freed, which may be after its Buffer is
 # gone: a destroyed stream there crashes the process. Reuse keeps the streams made few. (In-process
 # ranks use their LocalGroup's instead: see LocalGroup._make_streams for why.)
-_idle_comm_streams: dict[int, list] = {}
+# No lock: the finalizer of a collected Buffer hands its stream back (_release_unreachable), and
+# collection runs on whichever thread allocates next, possibly one inside these functions, which
+# would wait on itself for a lock it holds. A deque's append and pop are atomic, as is setdefault.
+_idle_comm_streams: dict[int, collections.deque] = {}
 _all_comm_streams: list = []  # every one made: a Buffer collected without destroy() must not free its own
-_comm_streams_lock = threading.Lock()
 
 
 def _take_comm_stream(device_id: int):
     """An idle communication stream of ``device_id``, or a new non-blocking one."""
     import cupy
 
-    with _comm_streams_lock:
-        idle = _idle_comm_streams.setdefault(device_id, [])
-        if idle:
-            return idle.pop()
+    try:
+        return _idle_comm_streams.setdefault(device_id, collections.deque()).pop()
+    except IndexError:  # none idle
+        pass
     with cupy.cuda.Device(device_id):
         stream = cupy.cuda.Stream(non_blocking=True)
-    with _comm_streams_lock:
-        _all_comm_streams.append(stream)
+    _all_comm_streams.append(stream)
     return stream
 
 
 def _return_comm_stream(device_id: int, stream) -> None:
     """Give a stream with no work left on it to the next Buffer of ``device_id``."""
-    with _comm_streams_lock:
-        _idle_comm_streams.setdefault(device_id, []).append(stream)
+    _idle_comm_streams.setdefault(device_id, collections.deque()).append(stream)
 
 
 def device_sm_count(device_id: int) -> int:
@@ -391,6 +391,13 @@ class CudaBackend:
             event = cupy.cuda.Event(block=False, disable_timing=True)
             cupy.cuda.runtime.eventRecord(event.ptr, stream_ptr)
         return event
+
+    def stream_is_capturing(self, stream_ptr: int) -> bool:
+        """Whether ``stream_ptr`` is capturing a CUDA graph (it runs nothing meanwhile)."""
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            return bool(cupy.cuda.runtime.streamIsCapturing(stream_ptr))
 
     def stream_wait(self, stream_ptr: int, event) -> None:
         import cupy

@@ -473,8 +473,16 @@ class _KeyValueGroup:
         try:
             rank0 = self._kv_multi_get([self._init_key()], self._timeout_s)[0]
         except _StoreWaitError as exc:
-            raise GroupError(f"{label} {self._wait_failure(exc)} waiting for ranks [0] of {self.world_size} "
-                             f"({self._where()})") from None
+            failure = (f"{label} {self._wait_failure(exc)} waiting for ranks [0] of {self.world_size} "
+                       f"({self._where()})")
+            # A rank 0 of an older store protocol writes no init key, only its slot of round 0 (the
+            # adapters' stores have no hello to name the versions): name them from there.
+            try:
+                self._check_init({0: self._kv_multi_get([self._collective_key(0, 0)], _PROBE_S)[0][1:],
+                                  self.rank: mine}, failure)
+            except GroupError:  # no slot either (or the store is gone): rank 0 never came
+                pass
+            raise GroupError(failure) from None
         pairs = {0: _INIT.unpack(rank0), self.rank: _INIT.unpack(mine)}
         if _init_mismatch(pairs) is None:
             return

@@ -151,8 +151,9 @@ class Buffer:
         graph; separate processes do not share this hazard. The calls themselves make none: a new
         configuration's layout is copied ahead of the launch on its stream, from pinned memory
         allocated at construction. Each such rank calls on a stream of its own (``LocalGroup.spawn``
-        makes one current in each rank's thread): a call on the stream of another rank's latest
-        call raises ValueError, unless ``async_finish`` puts it on the rank's communication stream.
+        makes one current in each rank's thread): a call on the stream where another rank made the
+        same call raises ValueError, unless ``async_finish`` puts it on the rank's communication
+        stream, or the stream is capturing a graph (where its replays run is the caller's choice).
     """
 
     def __init__(self, group, num_ep_buffer_bytes: int, *, num_sms: int | None = None, backend: str = "auto",
@@ -206,8 +207,10 @@ class Buffer:
         if use_cuda:
             self._cuda = self._build_cuda_backend(configs, kernel_cache_dir)
         self.backend = "cuda" if self._cuda is not None else "reference"
-        # In-process ranks on one GPU must not share a stream (LocalRankGroup.claim_stream).
+        # In-process ranks on one GPU must not make one call on one stream (LocalRankGroup.claim_stream);
+        # a call is named by the Buffer's name (equal on every rank) and this count of its launched calls.
         self._claim_stream = getattr(group, "claim_stream", None) if self._in_process_ranks_on_device > 1 else None
+        self._num_launched_calls = 0
 
     def _choose_device(self) -> int:
         device_id = getattr(self.group, "device", None)
@@ -534,8 +537,8 @@ class Buffer:
             handle: the handle of the dispatch this combine answers (that dispatch or the one after).
             zero_copy: the expert outputs were written into :meth:`get_next_combine_buffer`.
             async_finish, return_recv_hook: as in :meth:`dispatch`. With a hook, in-process peers
-                (the ``local`` transport) read ``x`` where it is until this rank's ``hook()`` has
-                run on the stream: the call keeps ``x`` alive until then, and the caller must not
+                on one GPU read ``x`` where it is until this rank's ``hook()`` has run on the
+                stream: the call keeps ``x`` alive until then, and the caller must not
                 write it meanwhile.
             out: ``[num_tokens, hidden]`` bf16 array to write into.
             renormalize: scale each token's live weights so they sum to the sum of all its weights
@@ -830,19 +833,22 @@ class Buffer:
             ValueError: in-process ranks on one GPU call on one stream (nothing is launched).
         """
         if self._claim_stream is not None and not async_finish:
-            other = self._claim_stream(self._cuda.device_id, stream_ptr)
-            if other is not None:
+            other = self._claim_stream(self._cuda.device_id, stream_ptr, (self._token, self._num_launched_calls))
+            # A capture runs nothing: where its graphs are replayed is the caller's to choose.
+            if other is not None and not self._cuda.stream_is_capturing(stream_ptr):
                 raise ValueError(
                     f"{where}: rank {self.rank} calls on stream {stream_ptr:#x} of cuda:{self._cuda.device_id}, where "
-                    f"rank {other} of this process made its latest call; ranks sharing a stream serialise, and a "
+                    f"rank {other} of this process made the same call; ranks sharing a stream serialise, and a "
                     f"rank's receive half would wait for a peer's send queued behind it until the timeout masked "
                     f"that peer. Give each rank a stream of its own (LocalGroup.spawn makes one current in each "
                     f"rank's thread), or pass async_finish=True (each rank's communication stream)")
         launch_stream = self._launch_stream(async_finish, stream_ptr)
         if return_recv_hook:
             launch(_SEND, launch_stream)
+            self._num_launched_calls += 1
             return lambda: launch(_RECV, stream_ptr)
         launch(_SEND | _RECV, launch_stream)
+        self._num_launched_calls += 1
         return None
 
     def _finish(self, call: str, handle: Handle, receive, async_finish, return_recv_hook, stream_ptr, like: ArrayView,

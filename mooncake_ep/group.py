@@ -45,7 +45,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from mooncake_ep import _group_common, _tcp_store
@@ -547,6 +547,7 @@ class LocalRankGroup:
         self.device = None if local_group.devices is None else local_group.devices[rank]
         self._seq = 0
         self._num_calls: Counter[str] = Counter()
+        self._stream_calls = local_group._stream_calls
 
     def __repr__(self) -> str:
         return f"LocalRankGroup(rank={self.rank}, world_size={self.world_size}, device={self.device})"
@@ -566,27 +567,26 @@ class LocalRankGroup:
         stream = self.local_group._streams[self.rank]
         return None if stream is None else int(stream.ptr)
 
-    def claim_stream(self, device_id: int, stream_ptr: int) -> int | None:
-        """Note that this rank's calls now run on stream ``stream_ptr`` of ``device_id``, unless
-        another rank's latest call ran there: that rank is returned, and nothing is noted.
+    def claim_stream(self, device_id: int, stream_ptr: int, call: Hashable) -> int | None:
+        """Note that this rank's ``call`` runs on stream ``stream_ptr`` of ``device_id``, unless
+        another rank's same call already ran there: that rank is returned, and nothing is noted.
 
-        Ranks sharing a stream serialise: a rank's receive half, waiting for a peer's send queued
-        behind it, could only time out and mask a healthy peer (the Buffers refuse such a call).
+        ``call`` names one collective call, equal on every rank that makes it (a Buffer's name and
+        the count of its calls). Ranks whose calls of one collective share a stream serialise: a
+        rank's receive half, waiting for a peer's send queued behind it, could only time out and
+        mask a healthy peer (the Buffers refuse such a call). Calls of different collectives may
+        share a stream (ranks that swap streams between steps): each waits only for its own
+        collective's peers, whose calls are issued already.
         """
-        group = self.local_group
         # cudaStreamPerThread (2) is a stream per thread, and so not shared by two threads' ranks.
-        key = (device_id, stream_ptr, threading.get_ident() if stream_ptr == _PER_THREAD_STREAM else 0)
-        previous = group._stream_of_rank.get(self.rank)
-        if previous == key:  # every call after the first on a stream
-            return None
-        with group._state_lock:
-            owner = group._rank_of_stream.get(key)
-            if owner is not None and owner != self.rank:
-                return owner
-            if previous is not None:
-                group._rank_of_stream.pop(previous, None)
-            group._rank_of_stream[key] = self.rank
-            group._stream_of_rank[self.rank] = key
+        key = (device_id, stream_ptr) if stream_ptr != _PER_THREAD_STREAM else (device_id, threading.get_ident())
+        # No lock (this is every call's path): two ranks' same call interleaved between the lookup and
+        # the store could both pass, once; a program that shares a stream does so every step, and the
+        # next step's call is caught.
+        owner = self._stream_calls.get(key)
+        if owner is not None and owner[1] == call and owner[0] != self.rank:
+            return owner[0]
+        self._stream_calls[key] = (self.rank, call)
         return None
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
@@ -674,9 +674,8 @@ class LocalGroup:
         self._threads: list[threading.Thread] = []
         self._streams: list[Any] = [None] * num_ranks  # cupy.cuda.Stream per rank
         self._comm_streams: list[Any] = [None] * num_ranks  # and each rank's communication stream
-        # The stream of each rank's latest call, and the reverse (LocalRankGroup.claim_stream).
-        self._stream_of_rank: dict[int, tuple[int, int, int]] = {}
-        self._rank_of_stream: dict[tuple[int, int, int], int] = {}
+        # (rank, call) of the latest call on each stream (LocalRankGroup.claim_stream).
+        self._stream_calls: dict[tuple[int, int], tuple[int, Hashable]] = {}
         self._torch_streams: list[Any] = [None] * num_ranks  # torch.cuda.ExternalStream per rank
         self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
 

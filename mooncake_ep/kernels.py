@@ -20,6 +20,7 @@ import importlib.resources
 import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -258,7 +259,10 @@ class KernelCache:
     """
 
     _CHECKSUM_BYTES = 32
+    # A cache warmed by one user (an image build) is read by another (the server), and a cubin is
+    # no secret: entries, and the folders the cache makes, are readable by all whatever the umask.
     _CACHE_FILE_MODE = 0o644
+    _CACHE_DIR_MODE = 0o755
 
     def __init__(self, directory: str | os.PathLike | None = None):
         self.directory = Path(directory) if directory is not None else default_cache_dir()
@@ -269,13 +273,30 @@ class KernelCache:
     def _mkstemp(self) -> tuple[int, str]:
         """A new temporary file in the cache folder (created if missing), as ``(fd, path)``."""
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self._make_directory()
             return tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".cubin")
         except OSError as exc:
             raise OSError(
                 f"kernel cache directory {self.directory} is not writable ({exc}); "
                 f"set {_constants.CACHE_DIR_ENV} to a writable folder"
             ) from exc
+
+    def _make_directory(self) -> None:
+        """Create the folder and its missing parents, each with at least ``_CACHE_DIR_MODE`` (a umask of
+        077 made them 0700, and the 0644 entries unreachable to other users); folders that exist stay
+        as they are."""
+        missing = []
+        path = self.directory.absolute()
+        while not path.is_dir() and path != path.parent:
+            missing.append(path)
+            path = path.parent
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+            except FileExistsError:  # another process made it meanwhile (or a file is there: mkstemp says)
+                continue
+            # Bits added, none taken: a umask of 002 keeps group write, a setgid parent its bit.
+            os.chmod(folder, stat.S_IMODE(folder.stat().st_mode) | self._CACHE_DIR_MODE)
 
     def check_writable(self) -> None:
         """Create the folder if it is missing and check that a file can be written in it.
@@ -303,8 +324,7 @@ class KernelCache:
         fd, tmp = self._mkstemp()
         try:
             with os.fdopen(fd, "wb") as f:  # owns fd from here: closed whatever fails below
-                # mkstemp makes the file private (0600); a cache warmed by one user (an image build)
-                # is read by another (the server), and a cubin is no secret.
+                # mkstemp makes the file private (0600): see _CACHE_FILE_MODE.
                 os.fchmod(f.fileno(), self._CACHE_FILE_MODE)
                 f.write(hashlib.sha256(cubin).digest() + cubin)
             os.replace(tmp, self._path(digest))

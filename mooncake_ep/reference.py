@@ -330,12 +330,14 @@ def _fmaf(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     TwoSum, forces the last bit to 1 when it is not 0), its cast to fp32 is the correctly
     rounded result: fp64 keeps more than 24 + 1 bits.
     """
-    product = a.astype(np.float64) * b.astype(np.float64)
-    addend = c.astype(np.float64)
-    total = product + addend
-    virtual = total - product
-    error = (product - (total - virtual)) + (addend - virtual)
-    even = (total.view(np.uint64) & 1) == 0
-    inexact = np.isfinite(error) & (error != 0) & even
-    towards = np.where(error > 0, np.inf, -np.inf)
-    return np.where(inexact, np.nextafter(total, towards), total).astype(np.float32)
+    # inf - inf in the error term (inf or NaN operands, a sum past fp32) is NaN, and left out: quietly.
+    with np.errstate(invalid="ignore", over="ignore"):
+        product = a.astype(np.float64) * b.astype(np.float64)
+        addend = c.astype(np.float64)
+        total = product + addend
+        virtual = total - product
+        error = (product - (total - virtual)) + (addend - virtual)
+        even = (total.view(np.uint64) & 1) == 0
+        inexact = np.isfinite(error) & (error != 0) & even
+        towards = np.where(error > 0, np.inf, -np.inf)
+        return np.where(inexact, np.nextafter(total, towards), total).astype(np.float32)

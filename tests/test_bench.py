@@ -332,10 +332,25 @@ def test_bench_bad_flag_exits_2():
     (["--launch", "2", "--ranks", "4"], "must match --launch"),
     (["--launch", "0"], "--launch must be >= 1"),
     (["--graph"], "no CUDA graphs"),
+    (["--experts", "-8"], "--experts must be >= 1, got -8"),
+    # Each rank's expert outputs (E_l x R*T x H bf16) counted, and the sweep's largest point: these
+    # runs went into torch's allocator, with a traceback after the first points. (Sized for any host:
+    # 60 TB at the sweep's T = 4096, 15 GB at T = 1; 2.6 TB of expert outputs beside 2.6 GB of the rest.)
+    (["--ranks", "1", "--experts", "1024", "--hidden", "7168", "--tokens", "1", "--input-sets", "1000",
+      "--plot", "/tmp/x.png", "--sweep-tokens", "1,4096"], "GiB of host memory, this machine has"),
+    (["--ranks", "1", "--experts", "1024", "--hidden", "128", "--tokens", "1", "--input-sets", "10000000"],
+     "GiB of host memory, this machine has"),
 ])
 def test_bench_bad_usage_exits_2_with_the_reason(argv, message, capsys):
     assert cli.main(["bench", "--backend", "reference", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_a_usage_error_before_anything_runs(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert cli.main(["bench", "--backend", "reference", "--plot", str(tmp_path / "x.png")]) == 2
+    captured = capsys.readouterr()
+    assert "--plot needs matplotlib (pip install matplotlib)" in captured.err and "phase" not in captured.out
 
 
 def test_bench_help_shows_the_new_flags_and_backend_defaults(capsys):

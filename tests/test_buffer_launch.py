@@ -67,6 +67,11 @@ class RecordingCuda:
     def record_event(self, stream_ptr):
         return ("event", stream_ptr)
 
+    capturing = False
+
+    def stream_is_capturing(self, stream_ptr):
+        return self.capturing
+
     def stream_wait(self, stream_ptr, event):
         self.waits.append((stream_ptr, event))
 
@@ -499,34 +504,38 @@ def test_device_arrays_whose_rows_move_as_vectors_must_start_on_16_bytes(setup):
     assert [launch.kernel for launch in cuda.launches] == ["dispatch"]
 
 
-def test_in_process_ranks_on_one_gpu_calling_on_one_stream_are_refused(setup):
+def test_in_process_ranks_on_one_gpu_making_one_call_on_one_stream_are_refused(setup):
     """torch and cupy callers too, as JAX's: a rank's receive half would wait for a peer's send queued
     behind it on the shared stream, until the timeout masked a healthy peer. The Buffer is rank 0 of a
-    LocalGroup whose rank 1 made its latest call on the legacy stream (0), the caller's stream here."""
+    LocalGroup whose rank 1 made the same call on the legacy stream (0), the caller's stream here."""
     buf, cuda, device, inputs = setup
     local = ep.LocalGroup(R)
     rank0, rank1 = (ep.group.LocalRankGroup(local, rank) for rank in range(R))
     buf._claim_stream = rank0.claim_stream
-    assert rank0.claim_stream(1, CALLER_STREAM) is None
-    assert rank1.claim_stream(0, CALLER_STREAM) is None, "another device's legacy stream is another stream"
+    call = lambda n: (buf._token, n)  # noqa: E731 - the n-th call of this Buffer, on every rank
+    assert rank1.claim_stream(1, CALLER_STREAM, call(0)) is None, "another device's legacy stream is another"
+    assert rank1.claim_stream(0, CALLER_STREAM, call(0)) is None
     kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
-    num_dispatches, num_launches = buf._num_dispatches, len(cuda.launches)
     for hook_mode in (False, True):
         with pytest.raises(ValueError, match=r"dispatch: rank 0 calls on stream 0x0 of cuda:0, where rank 1 of "
-                                             r"this process made its latest call; ranks sharing a stream "
+                                             r"this process made the same call; ranks sharing a stream "
                                              r"serialise.*Give each rank a stream of its own"):
             buf.dispatch(**inputs, **kwargs, return_recv_hook=hook_mode, out=dispatch_out(device, False))
-    assert buf._num_dispatches == num_dispatches and len(cuda.launches) == num_launches, "refused before a launch"
+    assert buf._num_dispatches == 0 and cuda.launches == [], "refused before a launch"
+    # Captured, it runs nothing: where its graph replays is the caller's choice.
+    cuda.capturing = True
+    buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
+    cuda.capturing = False
     # async_finish launches on the rank's own communication stream: accepted.
+    rank1.claim_stream(0, CALLER_STREAM, call(1))
     _, _, handle, _, _ = buf.dispatch(**inputs, **kwargs, async_finish=True, out=dispatch_out(device, False))
-    assert cuda.launches[-1].stream == COMM_STREAM
-    combine_args = (None, inputs["topk_idx"], device(np.ones((3, K), np.float32)), inputs["active_ranks"])
-    with pytest.raises(ValueError, match=r"combine: rank 0 calls on stream 0x0 of cuda:0, where rank 1"):
-        buf.combine(*combine_args, handle=handle, zero_copy=True, out=device(np.zeros((3, H), ml_dtypes.bfloat16)))
-    # Once rank 1 calls elsewhere, the stream is rank 0's to take, and the same Buffer goes on.
-    assert rank1.claim_stream(0, 0xBEEF) is None
-    buf.combine(*combine_args, handle=handle, zero_copy=True, out=device(np.zeros((3, H), ml_dtypes.bfloat16)))
-    assert cuda.launches[-1].stream == CALLER_STREAM and rank1.claim_stream(0, CALLER_STREAM) == 0
+    assert [launch.stream for launch in cuda.launches] == [CALLER_STREAM, COMM_STREAM]
+    # Another call may follow rank 1's on the stream (ranks that swap streams between steps): it waits
+    # only for its own call's peers. Rank 1's same call then is refused there.
+    combined = device(np.zeros((3, H), ml_dtypes.bfloat16))
+    buf.combine(None, inputs["topk_idx"], device(np.ones((3, K), np.float32)), inputs["active_ranks"],
+                handle=handle, zero_copy=True, out=combined)
+    assert cuda.launches[-1].stream == CALLER_STREAM and rank1.claim_stream(0, CALLER_STREAM, call(2)) == 0
 
 
 def test_the_per_thread_default_stream_is_each_threads_own():
@@ -534,10 +543,10 @@ def test_the_per_thread_default_stream_is_each_threads_own():
 
     local = ep.LocalGroup(2)
     rank0, rank1 = (ep.group.LocalRankGroup(local, rank) for rank in range(2))
-    assert rank0.claim_stream(0, 2) is None
+    assert rank0.claim_stream(0, 2, "call 0") is None
     other = []
-    thread = threading.Thread(target=lambda: other.append(rank1.claim_stream(0, 2)))
+    thread = threading.Thread(target=lambda: other.append(rank1.claim_stream(0, 2, "call 0")))
     thread.start()
     thread.join()
     assert other == [None]
-    assert rank1.claim_stream(0, 2) == 0, "one thread driving both ranks shares its per-thread stream"
+    assert rank1.claim_stream(0, 2, "call 0") == 0, "one thread driving both ranks shares its per-thread stream"

@@ -388,9 +388,31 @@ def test_destroy_hands_the_communication_stream_to_the_next_buffer_of_its_device
     backend = stub_backend(RecordingGroup(log), log)
     backend.destroy()
     backend.destroy()  # idempotent: handed back once
-    assert idle_comm_streams == {0: [backend.comm_stream]}
+    assert {d: list(q) for d, q in idle_comm_streams.items()} == {0: [backend.comm_stream]}
     assert _cuda_backend._take_comm_stream(0) == backend.comm_stream
-    assert idle_comm_streams == {0: []}
+    assert {d: list(q) for d, q in idle_comm_streams.items()} == {0: []}
+
+
+def test_a_collected_buffer_hands_its_stream_back_even_inside_the_pool(monkeypatch):
+    """The finalizer of a Buffer collected without destroy() returns its stream, and collection runs
+    on whichever thread allocates next: one inside _take_comm_stream here. With a lock around the
+    pool that thread waited on itself (Python >= 3.12 runs collections between any two calls)."""
+    returned = []
+
+    class CollectedMeanwhile(dict):
+        def setdefault(self, key, default):
+            if not returned:  # the collection, at this point of _take_comm_stream
+                returned.append(key)
+                _cuda_backend._return_comm_stream(key, "stream of a collected Buffer")
+            return super().setdefault(key, default)
+
+    monkeypatch.setattr(_cuda_backend, "_idle_comm_streams", CollectedMeanwhile())
+    taken = []
+    thread = threading.Thread(target=lambda: taken.append(_cuda_backend._take_comm_stream(0)), daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the pool waited on itself"
+    assert taken == ["stream of a collected Buffer"]
 
 
 def test_destroy_with_the_local_transport_frees_between_two_barriers():
@@ -470,7 +492,7 @@ def test_garbage_collection_closes_the_peers_mappings_before_freeing(caplog, idl
     assert log == ["close", "free workspace", "free layout table"]
     assert "the Buffer of rank 3 was garbage-collected without destroy()" in caplog.text
     # Its communication stream goes to the next Buffer of the device, as destroy() hands it on.
-    assert idle_comm_streams == {0: ["stream 3"]}
+    assert {d: list(q) for d, q in idle_comm_streams.items()} == {0: ["stream 3"]}
 
 
 def test_garbage_collection_frees_nothing_while_ranks_of_this_process_may_run(caplog):

@@ -65,13 +65,22 @@ def test_split_layer_matches_the_dense_layer_on_the_cpu():
     assert_close(example.check(result, params, x, 2), example.TOLERANCE)
 
 
-def test_a_wrong_layer_fails_the_check():
-    """The check is not vacuous: a layer that drops one expert's contribution fails it."""
+@pytest.mark.parametrize("num_ranks", [1, 128], ids=["8-tokens", "1024-tokens"])
+def test_a_wrong_layer_fails_the_check(num_ranks):
+    """The check is not vacuous: a layer that loses one token, or one expert's share of one token,
+    fails it, also among 1024 tokens (one norm over them all had diluted that token under 2e-2)."""
     example = load_example()
-    params, x = inputs(example, 1)
-    dense = np.asarray(example.dense_layer(jax.tree_util.tree_map(jax.numpy.asarray, params), jax.numpy.asarray(x), 2))
+    params, x = inputs(example, num_ranks)
+    jparams = jax.tree_util.tree_map(jax.numpy.asarray, params)
+    dense = np.asarray(example.dense_layer(jparams, jax.numpy.asarray(x), 2))
+    assert example.check({"out": dense}, params, x, 2)["ok"]
     broken = dense.copy()
     broken[0] = 0
+    assert not example.check({"out": broken}, params, x, 2)["ok"]
+    one_expert = np.asarray(example.dense_layer(jparams, jax.numpy.asarray(x[:1]), 1))  # token 0's first expert
+    weights = np.asarray(example.route(jparams["router"], jax.numpy.asarray(x[:1]), 2)[1])
+    broken = dense.copy()
+    broken[0] -= weights[0, 0] * one_expert[0]  # its first expert's term left out
     assert not example.check({"out": broken}, params, x, 2)["ok"]
 
 
@@ -82,6 +91,20 @@ def test_the_script_runs(capsys):
     with pytest.raises(SystemExit) as refused:  # the split form has no gradient to check
         example.main(["--mode", "split", "--train"])
     assert refused.value.code == 2 and "--train checks gradients through shard_map" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ranks", "0"], "--ranks must be >= 1, got 0"),  # had run 4 ranks
+    (["--ranks", "-1"], "--ranks must be >= 1, got -1"),
+    (["--tokens", "0"], "--tokens must be >= 1, got 0"),
+    (["--topk", "9"], "--topk (9) must be <= --experts (8)"),
+    (["--hidden", "100"], "hidden must be a multiple of 128, got 100"),
+    (["--mode", "split", "--ranks", "3"], "num_experts must be a multiple of num_ranks=3, got 8"),
+])
+def test_bad_arguments_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as refused:
+        load_example().main(argv)
+    assert refused.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.gpu

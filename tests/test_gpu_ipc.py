@@ -51,7 +51,7 @@ def test_processes_on_one_gpu_equal_reference(tmp_path, num_ranks, shape):
     seed = 7000 + 10 * num_ranks + shape.hidden
     assert_on_the_gpu(launch(tmp_path, "steps", num_ranks, shape, seed))
     for name, flags in PRECISIONS.items():
-        procs.check_step(tmp_path, name, seed, shape, flags, num_ranks, [True] * num_ranks, exact_combine=False)
+        procs.check_step(tmp_path, name, seed, shape, flags, num_ranks, [True] * num_ranks)
 
 
 def test_mismatched_hidden_between_processes_raises_on_every_rank(tmp_path):
@@ -63,7 +63,7 @@ def test_mismatched_hidden_between_processes_raises_on_every_rank(tmp_path):
             f"dispatch: ranks disagree on (num_max_dispatch_tokens_per_rank, hidden, num_experts): rank 0: (6, 256, 4), "
             f"rank 1: (6, 512, 4); every rank must dispatch the same configuration, or the kernels would read peers' "
             f"workspaces at the wrong offsets"), report
-    procs.check_step(tmp_path, "fp8", seed, SMALL, PRECISIONS["fp8"], 2, [True, True], exact_combine=False)
+    procs.check_step(tmp_path, "fp8", seed, SMALL, PRECISIONS["fp8"], 2, [True, True])
 
 
 def test_killed_process_is_masked_then_replaced_and_included(tmp_path):
@@ -74,9 +74,8 @@ def test_killed_process_is_masked_then_replaced_and_included(tmp_path):
                                     mask_timeout=MASK_TIMEOUT_S, limit_s=PROCESS_LIMIT_S)
     assert_on_the_gpu(reports)
     assert [reports[r]["replaced"] for r in (0, 1)] == [[2], [2]]
-    procs.check_step(tmp_path, "step0", seed, SMALL, PRECISIONS["fp8"], 3, [True] * 3, exact_combine=False)
+    procs.check_step(tmp_path, "step0", seed, SMALL, PRECISIONS["fp8"], 3, [True] * 3)
     # Step 1 as the reference sees it with rank 2 absent: no rows from it, its experts left out,
     # and active_ranks[2] = 0 on both survivors.
-    procs.check_step(tmp_path, "step1", seed + 1, SMALL, PRECISIONS["fp8"], 3, [True, True, False],
-                     exact_combine=False)
-    procs.check_step(tmp_path, "step2", seed + 2, SMALL, PRECISIONS["bf16"], 3, [True] * 3, exact_combine=False)
+    procs.check_step(tmp_path, "step1", seed + 1, SMALL, PRECISIONS["fp8"], 3, [True, True, False])
+    procs.check_step(tmp_path, "step2", seed + 2, SMALL, PRECISIONS["bf16"], 3, [True] * 3)

@@ -23,6 +23,7 @@ import pytest
 
 import _threads
 
+from mooncake_ep import RankMismatchError
 from mooncake_ep.cli.launch import free_port
 from mooncake_ep.group import (
     Group,
@@ -250,6 +251,25 @@ def test_torch_store_group_duplicate_rank_and_bad_input():
         TorchStoreGroup(store, 2, 2)
     solo = TorchStoreGroup(store, 0, 1)
     assert solo.allgather_bytes(b"x") == [b"x"] and solo.barrier() is None
+
+
+def test_a_rank_0_of_the_older_store_protocol_is_named_by_its_version(monkeypatch):
+    """The store groups' rank 0 of protocol 4 writes no init key, only its slot of round 0: a rank of
+    this version, reading the key first, timed out naming no cause (the adapters' stores have no hello)."""
+    dist = pytest.importorskip("torch.distributed")
+    from mooncake_ep import _group_common
+
+    class OlderRank0(TorchStoreGroup):
+        def _rendezvous(self):  # protocol 4's: claim, then the round, with no init key
+            self._claim_rank()
+            self._collective("init_group", _group_common._INIT.pack(4, self.world_size))
+
+    store = dist.HashStore()
+    out = run_in_threads([lambda: OlderRank0(store, 0, 2, timeout_s=SHORT_TIMEOUT_S),
+                          lambda: TorchStoreGroup(store, 1, 2, timeout_s=SHORT_TIMEOUT_S)])
+    assert isinstance(out[1], RankMismatchError), out
+    assert str(out[1]).startswith("init_group: ranks disagree on the store protocol (rank 0: 4, rank 1: 5): every "
+                                  "rank must run the same mooncake_ep version; init_group #0 timed out after"), out[1]
 
 
 def test_torch_group_refuses_uninitialised_torch_distributed():

@@ -13,6 +13,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import stat
 import re
 import struct
 import subprocess
@@ -308,6 +309,38 @@ def test_cache_round_trip(tmp_path):
     assert temp_files(cache.directory) == []
     # Another user (the server, after an image build warmed the cache) can read the entry.
     assert entry_path(cache).stat().st_mode & 0o044 == 0o044
+
+
+def test_folders_the_cache_makes_are_reachable_by_other_users_whatever_the_umask(tmp_path):
+    """A umask of 077 made them 0700: the 0644 entries of a cache warmed by one user (an image build)
+    could not be reached by another (the server), which recompiled everything. Folders that exist
+    keep their mode."""
+    existing = tmp_path / "existing"
+    existing.mkdir(mode=0o700)
+    cache = kernels.KernelCache(existing / "new" / "folder")
+    previous = os.umask(0o077)
+    try:
+        cache.save(DIGEST, b"cubin")
+    finally:
+        os.umask(previous)
+    assert [oct(p.stat().st_mode & 0o777) for p in (existing, existing / "new", cache.directory)] == \
+        ["0o700", "0o755", "0o755"]
+    assert oct(entry_path(cache).stat().st_mode & 0o777) == "0o644"
+
+
+def test_folders_the_cache_makes_keep_what_the_umask_and_a_setgid_parent_give(tmp_path):
+    """The mode is only added to: a group-shared cache (umask 002, a setgid folder) keeps group
+    write and the setgid bit, for the group's other users to add entries."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o2775)
+    cache = kernels.KernelCache(shared / "kernels")
+    previous = os.umask(0o002)
+    try:
+        cache.check_writable()
+    finally:
+        os.umask(previous)
+    assert oct(stat.S_IMODE(cache.directory.stat().st_mode)) == "0o2775"
 
 
 def _truncate_to_half(blob: bytes) -> bytes:

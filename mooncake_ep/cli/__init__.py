@@ -201,10 +201,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print(f"{where}: out of {where_from} memory ({exc}); lower --hidden, --experts or --tokens", file=sys.stderr)
         return EXIT_FAILURE
     except RuntimeError as exc:
-        if type(exc).__name__ != "OutOfMemoryError":  # torch.cuda's (a RuntimeError): one line too
+        # torch.cuda's OutOfMemoryError (a RuntimeError), and torch's CPU allocator's plain one: one line too.
+        host = "can't allocate memory" in str(exc)
+        if type(exc).__name__ != "OutOfMemoryError" and not host:
             raise
-        print(f"{where}: out of device memory ({str(exc).splitlines()[0]}); lower --hidden, --experts or --tokens",
-              file=sys.stderr)
+        print(f"{where}: out of {'host' if host else 'device'} memory ({str(exc).splitlines()[0]}); lower --hidden, "
+              f"--experts or --tokens", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)

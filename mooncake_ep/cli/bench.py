@@ -63,7 +63,7 @@ from collections.abc import Callable
 import numpy as np
 
 import mooncake_ep as ep
-from mooncake_ep.cli import (EXIT_FAILURE, EXIT_OK, UsageError, check_host_memory, check_moe_shape, check_output_path,
+from mooncake_ep.cli import (EXIT_OK, UsageError, check_host_memory, check_moe_shape, check_output_path,
                              kernel_span, launch, write_json)
 from mooncake_ep.cli.gpu import gpu_status
 
@@ -1088,6 +1088,7 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
     """Refuse flags that do not fit together (UsageError, exit 2) before anything runs; ``ranks_flag``
     names where the ranks came from (``--launch`` starts that many processes)."""
     for flag, value, minimum in ((ranks_flag, args.ranks, 1), ("--tokens", args.tokens, 1), ("--topk", args.topk, 1),
+                                 ("--experts", args.experts, 1),
                                  ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
                                  ("--warmup-ms", args.warmup_ms, 0), ("--hold-ms", args.hold_ms, 0),
                                  ("--input-sets", args.input_sets, 1)):
@@ -1116,6 +1117,11 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
         raise UsageError(f"--hot-fraction must be in [0, 1], got {args.hot_fraction}")
     check_output_path("--json", args.json)
     check_output_path("--plot", args.plot, suffix=".png")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401 - only checked here, before a long run, and used at the end
+        except ImportError:
+            raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
 
 
 def run(args) -> int:
@@ -1193,11 +1199,14 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
     check_args(args, ranks_flag)
     if backend == "reference":
         args.warmup_ms, args.hold_ms = 0.0, 0.0  # GPU timing only: recorded as not applied
-        # Every rank's received rows (a byte a channel) and the input sets, in this host.
-        recv_bytes = args.experts * args.ranks * args.tokens * args.hidden
-        input_bytes = args.input_sets * args.ranks * args.tokens * args.hidden * 2
-        check_host_memory("bench on the reference backend", recv_bytes + input_bytes,
-                          f"--tokens, --hidden, --experts, --input-sets or {ranks_flag}")
+        # Every rank's received rows (a byte a channel) and the input sets (x, and the expert outputs
+        # laid out as every rank's received rows, bf16), in this host, at the sweep's largest point.
+        tokens = max([args.tokens, *args.sweep_tokens]) if args.plot is not None else args.tokens
+        rows = args.experts * args.ranks * tokens * args.hidden
+        input_bytes = args.input_sets * (args.ranks * tokens * args.hidden + rows) * 2
+        check_host_memory("bench on the reference backend", rows + input_bytes,
+                          f"--tokens{', --sweep-tokens' if args.plot is not None else ''}, --hidden, --experts, "
+                          f"--input-sets or {ranks_flag}")
 
 
 def run_ranks(args, backend: str, why: str, group) -> int:
@@ -1205,12 +1214,6 @@ def run_ranks(args, backend: str, why: str, group) -> int:
     ``group``, where rank 0 prints and writes the files."""
     settle_args(args, backend, "--ranks" if group is None else "WORLD_SIZE")  # a group's ranks: the environment's
     reporting = group is None or group.rank == 0
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401 - only checked here, before a long run, and used at the end
-        except ImportError:
-            print("bench: --plot needs matplotlib (pip install matplotlib)")
-            return EXIT_FAILURE
     try:
         from tqdm import tqdm
     except ImportError:
