@@ -33,8 +33,11 @@ __device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float* 
     const float unrounded = __fmul_rn(floored, kInverseE4M3Max);
     if (round_scale) {
         *scale = round_scale_up_pow2(unrounded);
-        // 2^-e from the exponent bits: exact, no division (the scale is a normal power of two).
-        *multiplier = __uint_as_float((254u - ((__float_as_uint(*scale) >> 23) & 0xFFu)) << 23);
+        // 2^-e from the exponent bits: exact, no division (the scale is a normal power of two). A
+        // block holding inf rounds to an inf scale (exponent 255), whose reciprocal is 0, as the
+        // reference's 1 / scale: the subtraction alone would wrap to -inf and flip every sign.
+        const uint32_t exponent = (__float_as_uint(*scale) >> 23) & 0xFFu;
+        *multiplier = __uint_as_float((254u - min(exponent, 254u)) << 23);
     } else {
         *scale = unrounded;
         *multiplier = __fdiv_rn(EP_FP8_E4M3_MAX, floored);

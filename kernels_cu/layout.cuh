@@ -15,6 +15,8 @@
 //   dispatch_verdict[P][R] u64, written by this rank's receiving blocks: the call's one decision
 //                          on whether source r delivered or was masked (signal.cuh, decide_source)
 //   combine_flag[P][R]     u64, written by peer r: "my expert outputs for this step are ready"
+//   combine_verdict[P][R]  u64, written by this rank's combining blocks: the call's one decision on
+//                          whether expert rank r answered or was masked (as dispatch_verdict)
 //   combine_ack[P][R]      u64, written by peer r: "I have read your expert outputs of this step"
 //                          (only when they were read from the caller's own array, see combine_source)
 //   combine_source[P]      u64, written by this rank before its combine flags: where peers read its
@@ -29,7 +31,7 @@
 //   send_slot[P]           [T*K_max] i32: the position of copy (token, k) inside its expert's group
 //   recv_range[P]          [E_l][R] int2: (first row, rows) of source rank r in local expert e_l
 //   combine_x[P]           [E_l][R*T][H] bf16: expert outputs, read by the token owners in combine
-// The first seven are laid out independently of the configuration, so epochs survive a change of
+// The first eight are laid out independently of the configuration, so epochs survive a change of
 // shape; the rest depend on (T, H, E, R) and lie parity-major: parity p's in the p-th half of the
 // workspace past the header, whatever the configuration, so the call before, which peers may still
 // be reading, never shares a byte with this one, even when its (T, H, E) differed.
@@ -65,6 +67,7 @@ struct Layout {
     int64_t dispatch_flag;
     int64_t dispatch_verdict;
     int64_t combine_flag;
+    int64_t combine_verdict;
     int64_t combine_ack;
     int64_t combine_source;
     int64_t route;

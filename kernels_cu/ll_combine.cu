@@ -18,10 +18,13 @@
 //       for kSourceCopy, else block 0 (nothing but its combine_source to publish).
 //   Receive half, on the token owner:
 //     - threads d < R of every block wait for combine_flag[parity][d] (timed; a rank that times out
-//       is written 0 in active_ranks and its experts are left out), then read d's combine_source;
-//     - each block reads, for every expert e of a live rank d, where this rank's rows start among
-//       d's rows: d's recv_range[parity][e_l][rank].first; copy (token, k) is row first +
-//       send_slot[token*K+k] (the slot this rank computed in its own dispatch);
+//       is written 0 in active_ranks and its experts are left out), the grid's one verdict per rank
+//       in combine_verdict[parity][d] (decide_source), then read d's combine_source;
+//     - each block reads, for every expert e of a live rank d, where this rank's rows are among d's
+//       rows: d's recv_range[parity][e_l][rank] = (first, count); copy (token, k) is row first +
+//       send_slot[token*K+k] (the slot this rank computed in its own dispatch) if that slot is in
+//       [0, count), else it adds nothing: d holds no rows of a rank it took as dead in the dispatch
+//       (count 0, though this combine may find d live and d us), and slot -1 is a dropped copy;
 //     - warps share the tokens (several warps per token when tokens are few): a warp computes its
 //       token's K row addresses once, then for each 16-byte column of its slices accumulates
 //       w_k * y_k in fp32 with fmaf in k order (renormalize: weights scaled by sum(all weights) /
@@ -111,7 +114,8 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
            int topk_is_int64, int num_topk, const float* __restrict__ topk_weights, int* active_ranks,
            int4* combined_x, int renormalize, long long timeout_ns) {
     __shared__ int s_rows[EP_MAX_EXPERTS];  // send: first valid row of each local expert, flattened
-    __shared__ int s_first[EP_MAX_EXPERTS];  // recv: first row of this rank's copies, per global expert
+    // recv: where this rank's copies are among each global expert's rows, (first, count): d's recv_range
+    __shared__ int2 s_range[EP_MAX_EXPERTS];
     __shared__ uint64_t s_base[EP_MAX_RANKS];  // recv: where rank d's expert output rows start
     __shared__ int s_direct[EP_MAX_RANKS];     // recv: rank d's rows were read from its caller's array
     __shared__ int s_scratch[kWarpSize + 1];
@@ -173,11 +177,14 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
 
     if (phases & kPhaseRecv) {
         EP_TRACE_POINT(3);
-        wait_ranks(at<uint64_t>(workspace, layout.combine_flag) + parity * EP_MAX_RANKS, step, active_ranks, num_ranks,
-                   timeout_ns, s_live);
+        // One verdict per expert rank for the grid: blocks that each timed a rank on their own clock
+        // could disagree on it (some tokens with its experts, some without, renormalised apart).
+        decide_ranks(at<uint64_t>(workspace, layout.combine_verdict) + parity * EP_MAX_RANKS,
+                     at<uint64_t>(workspace, layout.combine_flag) + parity * EP_MAX_RANKS, step, active_ranks,
+                     num_ranks, timeout_ns, s_live);
         if (threadIdx.x < num_ranks) {
             const int d = threadIdx.x;
-            // Published by d before its flag, which this thread acquired in wait_ranks.
+            // Published by d before its flag, whose live verdict this thread acquired in decide_ranks.
             const uint64_t direct = s_live[d] ? ld_cg_u64(reinterpret_cast<const uint64_t*>(route[d] + layout.combine_source) + parity) : 0ull;
             s_direct[d] = direct != 0ull;
             s_base[d] = direct != 0ull ? direct : route[d] + layout.combine_x[parity];
@@ -186,12 +193,11 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
         const int num_experts = static_cast<int>(layout.num_experts);
         for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
             const int expert_rank = e / num_local_experts, local_expert = e % num_local_experts;
-            int first = 0;
-            if (s_live[expert_rank]) {
-                const int2* range = reinterpret_cast<const int2*>(route[expert_rank] + layout.recv_range[parity]);
-                first = ld_cg_int(reinterpret_cast<const int*>(range + local_expert * num_ranks + rank));
-            }
-            s_first[e] = first;
+            int2 range = make_int2(0, 0);
+            if (s_live[expert_rank])
+                range = ld_cg_int2(reinterpret_cast<const int2*>(route[expert_rank] + layout.recv_range[parity]) +
+                                   local_expert * num_ranks + rank);
+            s_range[e] = range;
         }
         __syncthreads();
         EP_TRACE_POINT(5);
@@ -212,10 +218,18 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
                 const int64_t i = static_cast<int64_t>(token) * num_topk + lane;
                 expert = read_expert(topk_idx, topk_is_int64, i, num_experts);
                 weight = topk_weights[i];
+                // A copy the dispatch dropped or never had (slot -1: past T, or combine names an
+                // expert where the dispatch had -1) is a -1 entry: it adds nothing and, under
+                // renormalize, is not part of the token's total either.
+                const int slot = expert >= 0 ? send_slot[i] : -1;
+                if (slot < 0) expert = -1;
                 if (expert >= 0) {
                     const int expert_rank = expert / num_local_experts, local_expert = expert % num_local_experts;
-                    if (s_live[expert_rank]) {
-                        const int64_t row_idx = local_expert * num_rows_per_expert + s_first[expert] + send_slot[i];
+                    // A row the expert rank holds: none from a rank it took as dead in the dispatch
+                    // (count 0, even if this combine finds it live).
+                    const int2 range = s_range[expert];
+                    if (s_live[expert_rank] && slot < range.y) {
+                        const int64_t row_idx = local_expert * num_rows_per_expert + range.x + slot;
                         row = reinterpret_cast<const int4*>(s_base[expert_rank]) + row_idx * num_vectors;
                     }
                 }
@@ -224,7 +238,9 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
             if (renormalize) {
                 const float total = warp_sum(expert >= 0 ? weight : 0.0f);
                 const float kept = warp_sum(valid ? weight : 0.0f);
-                weight = weight * (kept != 0.0f ? total / kept : 0.0f);
+                // Live weights summing to 0 are kept for a total of 0 (weights that cancel), else
+                // dropped: no factor scales them to another total.
+                weight = weight * (kept != 0.0f ? total / kept : (total == 0.0f ? 1.0f : 0.0f));
             }
             const unsigned valid_mask = __ballot_sync(kFullMask, valid);
             float weights[EP_MAX_TOPK];

@@ -13,7 +13,9 @@
 //       this call's send half is out (below);
 //     - block 0 then ranks the copies in (token, k) order (a shared bitmap per 128 tokens and popc,
 //       see build_send_lists) and writes send_slot[token*K+k] (position among this rank's copies to
-//       that expert) and send_list (token*K+k grouped by expert);
+//       that expert) and send_list (token*K+k grouped by expert). recv_x holds T rows per (expert,
+//       source): copies past a source's first T to one expert (only tokens naming an expert twice
+//       make them) are dropped, slot -1, as -1 entries are;
 //     - the other blocks stage the tokens into send_x, spread over their staging warps so that a few
 //       tokens still keep every SM busy: bf16 copied as 16-byte vectors; fp8 quantised with a
 //       half-warp per 128-channel block, the fp32 scales to send_scales;
@@ -76,7 +78,7 @@ constexpr int kChannelsPerVector = 8;  // bf16 channels in one 16-byte vector
 // expert-grouped list of this rank's copies.
 //
 // slot(t, k) = the number of copies to expert e = topk[t][k] that come before (t, k) in (token, k)
-// order. Tokens are ranked kListTokens at a time: every copy sets bit t of its expert's row in a
+// order; -1 from T on (recv_x's rows per source: the host checks host ids, never device ones). Tokens are ranked kListTokens at a time: every copy sets bit t of its expert's row in a
 // shared bitmap, then finds its slot with popc of the bits below t, plus the running count of the
 // expert from earlier chunks: all threads at once, no serial pass. A token that names one expert
 // twice (never a router's choice, but legal) shares a bit with itself, so a chunk holding such a
@@ -115,6 +117,7 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
     int* send_list = at<int>(workspace, layout.send_list[parity]);
     int* send_expert_offset = at<int>(workspace, layout.send_expert_offset[parity]);
     const int num_copies = num_tokens * num_topk;
+    const int num_max_tokens = static_cast<int>(layout.num_max_tokens);
 
     // Copies per expert and their prefix, then the routing flag: receivers plan from the prefix
     // while the slots, the list and the staging are still being written.
@@ -125,6 +128,8 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
         if (expert >= 0) atomicAdd(s_offset + expert, 1);
     }
     __syncthreads();
+    // No barrier after the clamp: block_exclusive_scan reads entry e in the thread that wrote it.
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) s_offset[e] = min(s_offset[e], num_max_tokens);
     EP_TRACE_POINT(9);
     const int total = block_exclusive_scan(s_offset, num_experts, s_scratch);
     if (threadIdx.x == 0) s_offset[num_experts] = total;
@@ -160,7 +165,7 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
             if (warp == 0) rank_chunk_serially(s_chunk, chunk_size, s_running);
             __syncthreads();
             for (int i = threadIdx.x; i < chunk_size; i += blockDim.x) {
-                const int slot = s_chunk[i];
+                const int slot = s_chunk[i] < num_max_tokens ? s_chunk[i] : -1;
                 send_slot[chunk + i] = slot;
                 if (slot >= 0)
                     send_list[s_offset[read_expert(topk_idx, topk_is_int64, chunk + i, num_experts)] + slot] = chunk + i;
@@ -176,7 +181,9 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
                 const uint32_t* row = s_bits + expert * kListWords;
                 slot = s_running[expert] + __popc(row[token / kWarpSize] & ((1u << (token % kWarpSize)) - 1u));
                 for (int w = 0; w < token / kWarpSize; ++w) slot += __popc(row[w]);
-                send_list[s_offset[expert] + slot] = chunk + i;
+                // Past T only after an earlier chunk named an expert twice in a token.
+                if (slot < num_max_tokens) send_list[s_offset[expert] + slot] = chunk + i;
+                else slot = -1;
             }
             send_slot[chunk + i] = slot;
         }

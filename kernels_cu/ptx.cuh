@@ -70,6 +70,7 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 
 __device__ __forceinline__ int4 ld_cg_int4(const int4* ptr) { return __ldcg(ptr); }
 __device__ __forceinline__ int ld_cg_int(const int* ptr) { return __ldcg(ptr); }
+__device__ __forceinline__ int2 ld_cg_int2(const int2* ptr) { return __ldcg(ptr); }
 __device__ __forceinline__ float ld_cg_float(const float* ptr) { return __ldcg(ptr); }
 __device__ __forceinline__ uint64_t ld_cg_u64(const uint64_t* ptr) { return __ldcg(reinterpret_cast<const unsigned long long*>(ptr)); }
 

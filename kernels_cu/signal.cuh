@@ -132,4 +132,15 @@ __device__ __forceinline__ void wait_ranks(const uint64_t* flags, uint32_t step,
     __syncthreads();
 }
 
+// wait_ranks with one verdict per rank for the whole grid (decide_source): every block of the call
+// takes the same s_live, even for a flag that lands just as some block's timeout passes.
+__device__ __forceinline__ void decide_ranks(uint64_t* verdicts, const uint64_t* flags, uint32_t step,
+                                             int* active_ranks, int num_ranks, int64_t timeout_ns, int* s_live) {
+    const int src = threadIdx.x;
+    if (src < num_ranks)
+        s_live[src] = decide_source(verdicts + src, flags + src, step, active_ranks, src, timeout_ns,
+                                    global_timer_ns()) == kSourceLive;
+    __syncthreads();
+}
+
 }  // namespace ep

@@ -323,7 +323,9 @@ class Buffer:
             topk_idx: ``[num_tokens, num_topk]`` int64 (int32 accepted) global expert ids; -1 = no expert.
                 num_topk <= 16. Host arrays with ids outside [-1, num_experts) are refused; device
                 arrays are not read by the host (that would need a sync), and the kernels treat such
-                ids as -1.
+                ids as -1. So are a rank's copies to one expert past its first T (recv_x's rows per
+                source; only tokens naming an expert twice make them): refused in host arrays, dropped
+                by the kernels, in (token, k) order.
             active_ranks: ``[num_ranks]`` int32 on x's device; 1 = alive. The kernels write 0 for a rank
                 that timed out; senders skip ranks marked 0.
             num_max_dispatch_tokens_per_rank: T, equal on every rank.
@@ -539,7 +541,8 @@ class Buffer:
                 stream: the call keeps ``x`` alive until then, and the caller must not
                 write it meanwhile.
             out: ``[num_tokens, hidden]`` bf16 array to write into.
-            renormalize: scale each token's live weights so they sum to the sum of all its weights.
+            renormalize: scale each token's live weights so they sum to the sum of all its weights
+                (live weights summing to 0 are kept as they are for a sum of 0, else dropped).
 
         Returns:
             ``(combined_x, event, hook)``: combined_x ``[num_tokens, hidden]`` bf16, the fp32 sum of

@@ -44,6 +44,7 @@ LAYOUT_DTYPE = np.dtype(
             "dispatch_flag",
             "dispatch_verdict",
             "combine_flag",
+            "combine_verdict",
             "combine_ack",
             "combine_source",
             "route",
@@ -66,6 +67,7 @@ def _header_offsets() -> dict[str, int]:
                             ("dispatch_flag", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
                             ("dispatch_verdict", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
                             ("combine_flag", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
+                            ("combine_verdict", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
                             ("combine_ack", NUM_PARITIES * MAX_RANKS * FLAG_BYTES),
                             ("combine_source", NUM_PARITIES * SOURCE_BYTES),
                             ("route", MAX_RANKS * ROUTE_ENTRY_BYTES)):

@@ -261,7 +261,8 @@ def combine(
             expert here (-1, or outside [0, E)) adds nothing, whatever the dispatch sent for it.
         topk_weights: ``[t, K]`` fp32 routing weights.
         active_ranks: per rank, its ``[R]`` int32 mask as passed to combine.
-        renormalize: rescale each token's live weights so they sum to the sum of all its weights.
+        renormalize: rescale each token's live weights so they sum to the sum of all its weights
+            (live weights summing to 0 are kept when that sum is 0 too, else dropped).
 
     Returns:
         ``(combined_x [t, H] bf16, active_ranks [R] int32 after the call)``.
@@ -299,7 +300,10 @@ def combine(
     if renormalize:
         total = _warp_sum(np.where(named, topk_weights.astype(np.float32), np.float32(0)))
         kept = _warp_sum(weights)
-        factor = np.where(kept != 0, total / np.where(kept != 0, kept, 1), np.float32(0)).astype(np.float32)
+        # Live weights summing to 0 cannot be scaled to another total (factor 0: the token gets
+        # nothing), and need not be to a total of 0 (factor 1: weights that cancel, nothing lost).
+        factor = np.where(kept != 0, total / np.where(kept != 0, kept, 1),
+                          np.where(total == 0, np.float32(1), np.float32(0))).astype(np.float32)
         weights = (weights * factor[:, None]).astype(np.float32)
     acc = np.zeros((num_tokens, hidden), dtype=np.float32)
     for topk in range(num_topk):

@@ -53,7 +53,7 @@ def dump_workspace(cuda, trace: bool) -> dict:
     out = {"rank": cuda.group.rank,
            "state": {n: list(state[per_field * i: per_field * (i + 1)]) for i, n in enumerate(layout.STATE_FIELDS)}}
     num_ranks = cuda.group.world_size
-    for region in ("dispatch_flag", "dispatch_verdict", "combine_flag", "combine_ack"):
+    for region in ("dispatch_flag", "dispatch_verdict", "combine_flag", "combine_verdict", "combine_ack"):
         raw = cuda.workspace.peek(layout.HEADER_OFFSETS[region], layout.NUM_PARITIES * _constants.MAX_RANKS * 8)
         flags = np.frombuffer(raw, dtype=np.uint64).reshape(layout.NUM_PARITIES, _constants.MAX_RANKS)[:, :num_ranks]
         out[region] = [[[int(f >> np.uint64(32)), int(f & np.uint64(0xFFFFFFFF))] for f in row] for row in flags]

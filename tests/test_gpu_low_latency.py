@@ -51,8 +51,13 @@ class Case:
     # each rank's send half and receive half meeting peers of the other kind)
     mode: str = "sync"
     zero_copy: bool = False
-    routing: str = "uniform"  # uniform | skewed | repeated (some tokens name one expert twice)
+    # uniform | skewed | repeated (some tokens name one expert twice) | past_t (rank 0 sends expert 0
+    # more than T copies, naming it twice in tokens: copies past the first T are dropped, as -1)
+    routing: str = "uniform"
     renormalize: bool = False
+    # Weights of every token with K named experts cancel pairwise (w_2j+1 = -w_2j, K even): their
+    # sum is 0, which renormalize keeps as is (live weights summing to 0 for a total of 0).
+    cancelling_weights: bool = False
     dead_rank: int | None = None  # a rank that stops launching at dead_phase
     dead_phase: str = "dispatch"  # dispatch: it never launches; combine: it dispatches, never combines
     # Combine copies expert outputs into the workspace first, as transports whose peers cannot read
@@ -85,9 +90,21 @@ def make_inputs(case: Case):
             topk[repeat, 1] = topk[repeat, 0]
         if num_tokens:
             topk[rng.random(topk.shape) < 0.1] = -1
+        if case.routing == "past_t" and rank == 0:
+            # Expert 0 in every token, twice in the first chunk of 128 that the kernel ranks (that
+            # chunk is ranked serially, the later ones, each expert once per token, by bitmap, so
+            # with T = 300 the count passes T inside a bitmap chunk: 256 after the first, 384).
+            topk[topk == 0] = -1
+            topk[:, 0] = 0
+            topk[:128, 1] = 0
         xs.append(x.astype(ml_dtypes.bfloat16))
         topks.append(topk.astype(case.topk_dtype))
-        weights.append(rng.random((num_tokens, case.num_topk), dtype=np.float32))
+        token_weights = rng.random((num_tokens, case.num_topk), dtype=np.float32)
+        if case.cancelling_weights:
+            assert case.num_topk % 2 == 0, "weights cancel in pairs"
+            whole = (topk >= 0).all(axis=1)
+            token_weights[whole, 1::2] = -token_weights[whole, 0::2]
+        weights.append(token_weights)
     return xs, topks, weights
 
 
@@ -276,6 +293,20 @@ def poison(*tensors) -> None:
             tensor.fill_(-1)
 
 
+def drop_copies_past(topk: np.ndarray, num_max_tokens: int, num_experts: int) -> np.ndarray:
+    """``topk`` with each expert's copies past its first ``num_max_tokens`` in (token, k) order set to
+    -1: what the kernels keep of ids that send one expert more copies than recv_x has rows for."""
+    kept = topk.copy()
+    seen = np.zeros(num_experts, np.int64)
+    for index in np.ndindex(*kept.shape):
+        expert = int(kept[index])
+        if 0 <= expert < num_experts:
+            seen[expert] += 1
+            if seen[expert] > num_max_tokens:
+                kept[index] = -1
+    return kept
+
+
 def check_case(case: Case):
     xs, topks, weights = make_inputs(case)
     size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
@@ -284,7 +315,9 @@ def check_case(case: Case):
 
     dispatched_ok = [r is not None for r in results]  # ranks that ran dispatch
     ref_xs = [x if ok else None for x, ok in zip(xs, dispatched_ok)]
-    ref_topks = [t if ok else None for t, ok in zip(topks, dispatched_ok)]
+    # Device ids are not checked by the host: a rank's copies past T to one expert are dropped.
+    ref_topks = [drop_copies_past(t, case.num_max_tokens, case.num_experts) if ok else None
+                 for t, ok in zip(topks, dispatched_ok)]
     actives = [np.ones(case.num_ranks, np.int32) for _ in range(case.num_ranks)]
     dispatched = [
         reference.dispatch(rank, ref_xs, ref_topks, actives, case.num_max_tokens, case.num_experts,
@@ -303,7 +336,8 @@ def check_case(case: Case):
     for rank, result in enumerate(results):
         if result is None or result["combined"] is None:
             continue
-        want, want_mask = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], masks,
+        # The dropped copies are -1 entries to combine as well (renormalize leaves them out of the total).
+        want, want_mask = reference.combine(rank, expert_outs, dispatched, ref_topks[rank], weights[rank], masks,
                                             renormalize=case.renormalize)
         got = result["combined"].astype(np.float32)
         want = want.astype(np.float32)
@@ -327,6 +361,8 @@ GRID = [
     Case(8, 64, 3584, 8, routing="skewed", use_fp8=True),
     Case(4, 512, 1024, 16, routing="skewed"),
     Case(4, 64, 1024, 4, num_max_tokens=300, routing="repeated", use_fp8=True),
+    Case(2, 8, 1024, 4, num_max_tokens=64, routing="past_t", use_fp8=True, renormalize=True),
+    Case(2, 8, 1024, 4, num_max_tokens=300, routing="past_t"),
     Case(2, 16, 1024, 8, num_max_tokens=300),
     Case(8, 8, 7168, 1, num_max_tokens=64),
 ]
@@ -336,6 +372,7 @@ MODES = [
     Case(4, 32, 1024, 4, mode="hook", zero_copy=True),
     Case(4, 32, 1152, 4, zero_copy=True, use_fp8=True),
     Case(4, 32, 1024, 4, renormalize=True),
+    Case(4, 32, 1024, 4, renormalize=True, cancelling_weights=True),
     Case(4, 32, 1024, 4, copy_source=True),
     Case(4, 32, 2048, 8, mode="hook", copy_source=True, use_fp8=True),
     Case(4, 32, 1024, 4, mode="mixed"),
@@ -358,7 +395,8 @@ FAULTS = [
 def _case_id(case: Case) -> str:
     parts = [f"R{case.num_ranks}", f"E{case.num_experts}", f"H{case.hidden}", f"K{case.num_topk}", f"T{case.num_max_tokens}",
              "fp8" if case.use_fp8 else "bf16", case.mode, case.routing]
-    parts += [name for name in ("round_scale", "use_ue8m0", "zero_copy", "renormalize", "copy_source")
+    parts += [name for name in ("round_scale", "use_ue8m0", "zero_copy", "renormalize", "cancelling_weights",
+                                "copy_source")
               if getattr(case, name)]
     if case.topk_dtype != np.int64:
         parts.append(np.dtype(case.topk_dtype).name)
@@ -409,6 +447,82 @@ def test_a_source_masked_only_by_its_receiver_delivers_nothing(use_fp8):
         want = reference.dispatch(rank, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=use_fp8)
         assert_dispatch_equal(rank, got["recv"], got["count"], got["active"], want, use_fp8)
     assert results[2]["active"][0] == 0, "rank 2 timed out on rank 0, which never signalled it"
+
+
+@pytest.mark.parametrize("round_scale", [False, True], ids=["plain-scale", "round_scale"])
+def test_fp8_blocks_holding_inf_or_nan_quantise_as_the_reference(round_scale):
+    """A block with +inf, one with -inf, one with a NaN: bit for bit the reference (an inf block's
+    rounded scale is inf; its multiplier had wrapped to -inf and flipped every finite value's sign;
+    a NaN stays in its channel, the block scaled by the rest)."""
+    num_tokens, hidden, num_experts = 4, 1024, 8
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((num_tokens, hidden), dtype=np.float32)
+    x[0, 3], x[1, 130], x[2, 260] = np.inf, -np.inf, np.nan
+    x = x.astype(ml_dtypes.bfloat16)
+    topk = np.stack([rng.choice(num_experts, 2, replace=False) for _ in range(num_tokens)]).astype(np.int64)
+
+    def run(group):
+        buffer = ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(num_tokens, hidden, 1, num_experts))
+        recv, count, _, _, _ = buffer.dispatch(to_torch(x), to_torch(topk), torch.ones(1, dtype=torch.int32,
+                                               device="cuda"), num_tokens, num_experts, use_fp8=True,
+                                               round_scale=round_scale)
+        result = (tuple(to_numpy(t) for t in recv), to_numpy(count))
+        buffer.destroy()
+        return result
+
+    (recv, count), = ep.LocalGroup(1, devices=[0]).spawn(run)
+    want = reference.dispatch(0, [x], [topk], [np.ones(1, np.int32)], num_tokens, num_experts, use_fp8=True,
+                              round_scale=round_scale)
+    np.testing.assert_array_equal(count, want.recv_count)
+    for e, n in enumerate(want.recv_count):
+        got_q, want_q = recv[0][e, :n].astype(np.float32), want.recv_x[e, :n].astype(np.float32)
+        # NaN where the reference has NaN (inf * 0, a NaN input), whatever its sign bit; the rest bit for bit
+        np.testing.assert_array_equal(np.isnan(got_q), np.isnan(want_q), err_msg=f"expert {e}: NaN channels")
+        finite = ~np.isnan(want_q)
+        np.testing.assert_array_equal(recv[0][e, :n].view(np.uint8)[finite], want.recv_x[e, :n].view(np.uint8)[finite],
+                                      err_msg=f"expert {e}: fp8 bytes")
+        np.testing.assert_array_equal(recv[1][e, :n], want.recv_scales[e, :n], err_msg=f"expert {e}: scales")
+
+
+def test_a_combine_that_finds_alive_a_rank_its_dispatch_masked_adds_nothing_of_it():
+    """Rank 0's dispatch masks rank 2 (and rank 2, never signalled, masks rank 0); then every rank
+    combines with a fresh all-ones mask, so rank 0 and rank 2 find each other live. Neither holds rows
+    of the other, so neither may add any (the kernel had read rows at first + slot that the dispatch
+    never delivered, other tokens' rows); the reference adds nothing for them."""
+    case = Case(4, 32, 1024, 4, timeout_us=FAULT_TIMEOUT_US, seed=3)
+    xs, topks, weights = make_inputs(case)
+    dispatch_actives = [np.array(row, np.int32) for row in ([1, 1, 0, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1])]
+    size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
+
+    def run(group):
+        rank = group.rank
+        buffer = ep.Buffer(group, size)
+        settle(group)
+        recv, count, handle, _, _ = buffer.dispatch(to_torch(xs[rank]), to_torch(topks[rank]),
+                                                    to_torch(dispatch_actives[rank]), case.num_max_tokens,
+                                                    case.num_experts, timeout_us=case.timeout_us, use_fp8=False)
+        wait_idle()
+        settle(group)
+        y = expert_function(recv, case, rank)
+        combined = torch.full((xs[rank].shape[0], case.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        buffer.combine(y, to_torch(topks[rank]), to_torch(weights[rank]), active, case.timeout_us, handle, out=combined)
+        result = dict(y=to_numpy(y), combined=to_numpy(combined), active=to_numpy(active))
+        buffer.destroy()
+        return result
+
+    results = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks).spawn(run)
+    dispatched = [reference.dispatch(rank, xs, topks, dispatch_actives, case.num_max_tokens, case.num_experts)
+                  for rank in range(case.num_ranks)]
+    assert dispatched[2].active_ranks[0] == 0, "rank 2 timed out on rank 0 in the dispatch"
+    combine_actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
+    expert_outs = [r["y"] for r in results]
+    for rank, got in enumerate(results):
+        want, want_mask = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], combine_actives)
+        assert np.isfinite(got["combined"].astype(np.float32)).all(), f"rank {rank}: unwritten elements"
+        np.testing.assert_array_equal(got["combined"].astype(np.float32), want.astype(np.float32),
+                                      err_msg=f"rank {rank} combined_x")
+        np.testing.assert_array_equal(got["active"], want_mask, err_msg=f"rank {rank} active_ranks after combine")
 
 
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])

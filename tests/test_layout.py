@@ -125,6 +125,7 @@ def region_sizes(num_ranks: int, num_experts: int, num_max_tokens: int, hidden: 
         "dispatch_flag": layout.NUM_PARITIES * MAX_RANKS * 8,
         "dispatch_verdict": layout.NUM_PARITIES * MAX_RANKS * 8,
         "combine_flag": layout.NUM_PARITIES * MAX_RANKS * 8,
+        "combine_verdict": layout.NUM_PARITIES * MAX_RANKS * 8,
         "combine_ack": layout.NUM_PARITIES * MAX_RANKS * 8,
         "combine_source": layout.NUM_PARITIES * 8,
         "route": MAX_RANKS * 8,
@@ -175,7 +176,8 @@ def test_num_bytes_is_the_size_hint(config):
 def test_header_regions_do_not_depend_on_the_configuration():
     # layout.cuh: state, flags and route lie where every configuration finds them (epochs survive).
     fronts = {tuple(layout.compute_layout(*c).offsets[n] for n in ("state", "dispatch_flag", "dispatch_verdict",
-                                                                 "combine_flag", "combine_ack", "combine_source",
+                                                                 "combine_flag", "combine_verdict", "combine_ack",
+                                                                 "combine_source",
                                                                  "route"))
               for c in CONFIGS}
     assert len(fronts) == 1

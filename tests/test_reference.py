@@ -558,6 +558,23 @@ def test_renormalize_rescales_live_weights_to_the_sum_of_valid_weights():
     np.testing.assert_array_equal(renorm_combine(ones(2), renormalize=False), [0.75, 1.0, 1.0])
 
 
+def test_renormalize_keeps_live_weights_that_cancel_for_a_total_of_zero():
+    """Weights (1, -1) sum to 0: nothing masked, renormalize has nothing to rescale and keeps them (a
+    factor 0 had zeroed the token); masked to (1, -1) of a total 0.5, no factor reaches it: 0."""
+    xs = [np.ones((2, 128), BF16), np.ones((0, 128), BF16)]
+    ids = topk([[0, 1, -1], [0, 1, 2]])
+    topk_idxs = [ids, np.zeros((0, 3), np.int64)]
+    results = [reference.dispatch(r, xs, topk_idxs, ones(2), 2, 4, use_fp8=False) for r in range(2)]
+    outs = [(r.recv_x.astype(np.float32) * np.array([1, 3], np.float32)[:, None, None] * (1 + 4 * rank)).astype(BF16)
+            for rank, r in enumerate(results)]  # expert e's output: x * (1, 3, 5, 15)[e]
+    weights = np.array([[1.0, -1.0, 0.0], [1.0, -1.0, 0.5]], np.float32)
+    live, _ = reference.combine(0, outs, results, ids, weights, ones(2), renormalize=True)
+    assert live[:, 0].astype(np.float32).tolist() == [1 - 3, 1 - 3 + 0.5 * 5]
+    cut = [np.array([1, 0], np.int32), np.array([0, 1], np.int32)]  # rank 0 loses expert 2
+    masked, _ = reference.combine(0, outs, results, ids, weights, cut, renormalize=True)
+    assert masked[:, 0].astype(np.float32).tolist() == [1 - 3, 0]
+
+
 def test_renormalize_random_weights_sum_is_preserved():
     rng = np.random.default_rng(20)
     num_ranks, num_local_experts, num_topk, num_tokens = 4, 2, 4, 6
