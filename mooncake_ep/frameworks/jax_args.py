@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_ep.buffer import Buffer
-from mooncake_ep.tensor import c_contiguous_strides, numpy_dtype
+from mooncake_ep.tensor import c_contiguous_strides, numpy_dtype, read_array
 from mooncake_ep.validation import check_expert_ids, first_index
 
 __all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_devices", "check_parity", "manual_axes",
@@ -266,8 +266,6 @@ def check_eager_expert_ids(where: str, topk_idx, num_experts, num_max_dispatch_t
         return
     if topk_idx.shape[0] > num_max_dispatch_tokens_per_rank or topk_idx.dtype not in (np.int32, np.int64):
         return  # the op names the token count, or the dtype, first
-    from mooncake_ep.tensor import read_array
-
     check_expert_ids(where, read_array(np.asarray(topk_idx), name=f"{where}: topk_idx"), num_experts,
                      num_max_dispatch_tokens_per_rank)
 
