@@ -583,12 +583,14 @@ def load_low_latency_kernels(arch: str, cache: KernelCache | None = None, sys_sc
     Returns:
         ``{"dispatch/<fp8>/<round>/<ue8m0>": Launcher, "combine": Launcher}``.
     """
-    launchers: dict[str, Launcher] = {}
-    for mode in DISPATCH_MODES:
-        cubin, _ = get_cubin(dispatch_key(arch, *mode, sys_scope), cache)
-        launchers[dispatch_launcher_name(*mode)] = Launcher(cubin, "ll_dispatch", DISPATCH_ARG_FORMAT)
-    cubin, _ = get_cubin(combine_key(arch, sys_scope), cache)
-    launchers["combine"] = Launcher(cubin, "ll_combine", COMBINE_ARG_FORMAT)
+    def launcher(key: KernelKey, arg_format: str) -> Launcher:
+        cubin, _ = get_cubin(key, cache)
+        # Blocks of the size the kernel was built for (its __launch_bounds__ and warp roles).
+        return Launcher(cubin, key.name, arg_format, num_threads=int(dict(key.macros)["EP_NUM_THREADS"]))
+
+    launchers = {dispatch_launcher_name(*mode): launcher(dispatch_key(arch, *mode, sys_scope), DISPATCH_ARG_FORMAT)
+                 for mode in DISPATCH_MODES}
+    launchers["combine"] = launcher(combine_key(arch, sys_scope), COMBINE_ARG_FORMAT)
     return launchers
 
 

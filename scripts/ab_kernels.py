@@ -27,8 +27,10 @@ from mooncake_ep.cli import main as cli_main
 
 
 # Macros the library sets for every kernel, or per dispatch mode: the host launches to match them,
-# so a variant may not change them (the mode macros would be overwritten anyway).
-RESERVED_MACROS = frozenset(kernels._common_macros(True)) | {"EP_USE_FP8", "EP_ROUND_SCALE", "EP_USE_UE8M0"}
+# so a variant may not change them (the mode macros would be overwritten anyway). EP_NUM_THREADS is
+# the exception: the launchers take their block size from the kernel's own macros.
+RESERVED_MACROS = (frozenset(kernels._common_macros(True)) - {"EP_NUM_THREADS"}) | {"EP_USE_FP8", "EP_ROUND_SCALE",
+                                                                                    "EP_USE_UE8M0"}
 
 
 @functools.cache

@@ -609,7 +609,7 @@ def test_ab_kernels_runs_each_variant_and_tabulates(tmp_path):
 @pytest.mark.parametrize("argv", [["--variant", ""], ["--variant", ":EP_TRACE=1"], ["--variant", "x:TRY=1"],
                                   ["--variant", "x:EP_TRACE"], ["--variant", "x:EP_TRACE=one"],
                                   ["--variant", "x:EP_NOT_IN_THE_SOURCES=1"],  # would compile the same kernels
-                                  ["--variant", "x:EP_NUM_THREADS=256"], ["--variant", "x:EP_USE_FP8=0"],
+                                  ["--variant", "x:EP_MAX_RANKS=16"], ["--variant", "x:EP_USE_FP8=0"],
                                   ["--variant", "x:", "--", "--launch", "2"], ["--variant", "x:", "--", "--group=init"]])
 def test_ab_kernels_refuses_what_it_cannot_measure(argv):
     result = subprocess.run([sys.executable, "scripts/ab_kernels.py", *argv], cwd=REPO_ROOT, capture_output=True,
