@@ -1,8 +1,7 @@
 // ll_dispatch.cu: low-latency dispatch. One launch runs both halves (phases = send | receive); the
 // hook mode launches the send half now and the receive half in hook().
 // Macros: EP_USE_FP8, EP_ROUND_SCALE, EP_USE_UE8M0, EP_NUM_THREADS, EP_MAX_RANKS, EP_MAX_EXPERTS,
-//         EP_FP8_BLOCK, EP_FP8_E4M3_MAX, EP_FP8_AMAX_FLOOR, EP_SYS_SCOPE, EP_TRACE; and one experiment,
-//         off unless ab_kernels / MOONCAKE_EP_TEST_MACROS sets it: EP_EXPERT_MAJOR_ROWS (below).
+//         EP_FP8_BLOCK, EP_FP8_E4M3_MAX, EP_FP8_AMAX_FLOOR, EP_SYS_SCOPE, EP_TRACE.
 //
 // Protocol (pull): a rank stages its own tokens once and the receivers copy the rows they need.
 //   Send half (never waits on a peer):
@@ -57,10 +56,6 @@
 #include "layout.cuh"
 #include "signal.cuh"
 #include "trace.cuh"
-
-#ifndef EP_EXPERT_MAJOR_ROWS
-#define EP_EXPERT_MAJOR_ROWS 0  // experiment: the grid's rows numbered (expert, source, token), not (source, expert, token)
-#endif
 
 static_assert(EP_NUM_THREADS % 32 == 0 && EP_NUM_THREADS <= 1024, "EP_NUM_THREADS must be whole warps, <= 1024");
 static_assert(EP_MAX_RANKS <= EP_NUM_THREADS, "one thread waits per source rank");
@@ -201,8 +196,7 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
 
 // The planning warp of a receiving block: every source's verdict (lane r for source r), then the
 // plan in shared memory. Per (source, local expert) pair, source-major: its rows (s_counts, and
-// s_flat, scanned into the pair's first row in the grid's numbering; with EP_EXPERT_MAJOR_ROWS
-// s_flat is in (expert, source) order instead), its first send_list entry
+// s_flat, scanned into the pair's first row in the grid's numbering), its first send_list entry
 // (s_start) and its first row inside its expert (s_base); s_target: the staging count each live
 // source announced. Block 0 also writes recv_range and recv_count. Returns the rows to copy, in
 // every lane; the arrays are visible to the block after its next barrier.
@@ -268,13 +262,7 @@ __device__ int plan_receive(const Layout& layout, uint8_t* workspace, const uint
             if (blockIdx.x == 0) recv_range[e * num_ranks + src] = make_int2(s_base[i], s_counts[i]);
         }
         if (blockIdx.x == 0) recv_count[e] = rows;
-#if EP_EXPERT_MAJOR_ROWS
-        for (int src = 0; src < num_ranks; ++src) s_flat[e * num_ranks + src] = s_counts[src * num_local_experts + e];
-#endif
     }
-#if EP_EXPERT_MAJOR_ROWS
-    __syncwarp();  // s_flat rewritten in (expert, source) order by the lanes of other experts
-#endif
     const int num_rows = warp_exclusive_scan(s_flat, num_pairs);
     EP_TRACE_POINT_WARP(5);
     return num_rows;
@@ -516,19 +504,10 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             int my_src = 0, my_token = 0;
             int64_t my_out_row = 0;
             if (my_n < num_rows) {
-#if EP_EXPERT_MAJOR_ROWS
-                // s_flat in (expert, source) order: a rank's rows of one expert are one run of recv_x.
-                const int ordinal = upper_bound(s_flat, num_pairs, my_n) - 1;
-                const int local_expert = ordinal / num_ranks;
-                const int j = my_n - s_flat[ordinal];
-                my_src = ordinal - local_expert * num_ranks;
-                const int pair = my_src * num_local_experts + local_expert;
-#else
                 const int pair = upper_bound(s_flat, num_pairs, my_n) - 1;
                 const int local_expert = pair % num_local_experts;
                 const int j = my_n - s_flat[pair];
                 my_src = pair / num_local_experts;
-#endif
                 if (s_staged[my_src]) {
                     const int* send_list = reinterpret_cast<const int*>(route[my_src] + layout.send_list[parity]);
                     my_token = ld_cg_int(send_list + s_start[pair] + j) / num_topk;
