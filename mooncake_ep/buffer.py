@@ -931,11 +931,15 @@ class Buffer:
         results = []
         for (name, shape, dtype), strides in zip(plan.specs, plan.result_strides):
             obj = fw.empty(shape, dtype, like.device_type, like.device_id)
+            # An array just made contiguous with the spec's shape and dtype: only its address is new, so
+            # read_array's checks are skipped for torch and cupy (~1 us per result).
             if like.framework == "torch":
-                # A tensor just made contiguous with the spec's shape and dtype (torch has them all):
-                # only its address is new, so read_array's checks are skipped (~1 us per result).
                 view = ArrayView(obj, obj.data_ptr(), shape, strides, dtype, like.device_type, like.device_id,
                                  "torch", obj)
+            elif like.framework == "cupy":
+                # bf16 and fp8 arrive as cupy's raw-bits uint arrays, which read_array names by their uint dtype.
+                view = ArrayView(obj, obj.data.ptr, shape, strides, fw.RAW_BITS_DTYPES.get(dtype, dtype),
+                                 like.device_type, like.device_id, "cupy", obj)
             else:
                 view = read_array(obj, name=name)
             results.append((view, obj))
