@@ -39,7 +39,8 @@ if jax is not None:
 
 
 def _experiment_macros() -> dict[str, int]:
-    """MOONCAKE_EP_TEST_MACROS, parsed as ab_kernels' variants are (the library's own macros refused)."""
+    """MOONCAKE_EP_TEST_MACROS, parsed as ab_kernels' variants are (the library's own macros refused,
+    but for the block size EP_NUM_THREADS)."""
     spec = os.environ.get("MOONCAKE_EP_TEST_MACROS", "")
     if not spec:
         return {}

@@ -447,6 +447,25 @@ def test_cupy_arrays_in_and_out_on_cupys_stream(flag_id):
     check(case, xs, topks, weights, flags, results)
 
 
+@pytest.mark.parametrize("shape", [(4, 8, 128), (4, 0, 128), (0, 7), (3,), (1, 1, 1)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32", "int32"])
+def test_allocated_cupy_results_read_as_read_array_reads_them(shape, dtype):
+    """_allocate builds the views of cupy results it just made without read_array: every field the
+    same (bf16 and fp8 by their raw-bits uint dtypes), as test_buffer_cpu.py checks for torch."""
+    cupy = pytest.importorskip("cupy")
+    from mooncake_ep.buffer import _Plan
+    from mooncake_ep.tensor import ArrayView, read_array
+
+    buffer = ep.LocalGroup(1).spawn(lambda g: ep.Buffer(g, ep.Buffer.get_ep_buffer_size_hint(8, 128, 1, 4),
+                                                        backend="reference"))[0]
+    like = read_array(cupy.ones((2, 2), cupy.float32), name="like")
+    ((view, obj),) = buffer._allocate(_Plan.of(0, 0, 0, [("out", list(shape), dtype)]), like)
+    expected = read_array(obj, name="out")
+    fields = [name for name in ArrayView.__slots__ if name not in ("obj", "keepalive")]
+    assert [getattr(view, name) for name in fields] == [getattr(expected, name) for name in fields]
+    assert view.obj is obj and view.keepalive is obj and view.is_contiguous
+
+
 def test_cupy_zero_copy_combine():
     cupy = pytest.importorskip("cupy")
     case = Case(seed=6)

@@ -200,6 +200,22 @@ def test_launcher_packs_one_8_byte_slot_per_parameter_and_launches_through_the_p
     assert slot_addresses == [ctypes.addressof(launcher._slots) + 8 * i for i in range(3)]
 
 
+def test_launchers_use_the_block_size_their_kernels_were_built_for(monkeypatch):
+    """A kernel built with another EP_NUM_THREADS (an ab_kernels variant) is launched with blocks of
+    that size: its __launch_bounds__ and its warps' roles assume it."""
+    cupy = pytest.importorskip("cupy")
+    original = kernels._common_macros
+    monkeypatch.setattr(kernels, "_common_macros", lambda sys_scope: original(sys_scope) | {"EP_NUM_THREADS": 256})
+    built = []
+    monkeypatch.setattr(kernels, "get_cubin", lambda key, cache=None: (built.append(key) or key.digest.encode(), False))
+    monkeypatch.setattr(kernels, "_loaded_function", lambda cubin, name, device_id: types.SimpleNamespace(ptr=1))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    launchers = kernels.load_low_latency_kernels("sm_90")
+    assert len(built) == len(launchers) and all(dict(key.macros)["EP_NUM_THREADS"] == "256" for key in built)
+    assert {launcher.num_threads for launcher in launchers.values()} == {256}
+    assert kernels.NUM_THREADS != 256  # the library's own size is not what the launchers got
+
+
 @pytest.mark.parametrize("arg_format", ["", "iQx"])
 def test_launcher_refuses_an_unknown_parameter_code(arg_format):
     pytest.importorskip("cupy_backends.cuda.api.driver")
