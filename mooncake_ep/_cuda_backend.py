@@ -452,20 +452,9 @@ class CudaBackend:
         self._release_memory()
 
     def _release_memory(self) -> None:
-        """Close the mappings (idempotent), free both allocations and hand the communication stream
-        on, each tried even if one before it failed (a faulted kernel fails every wait); raises
-        the first failure. Memory whose free failed stays with its own finalizer."""
-        steps = [self.workspace.free, self.layout_table.free]
-        if self._ipc is not None:
-            steps.insert(0, self._ipc.close)  # the peers' workspaces before our own memory
-        failures = []
-        for step in steps:
-            try:
-                step()
-            except Exception as exc:  # noqa: BLE001 - raised below, after the other steps
-                failures.append(exc)
-        if self._owns_comm_stream and not failures:
-            _return_comm_stream(self.device_id, self.comm_stream)  # idle: this process's work is done
+        """:func:`_release` this Buffer's mappings, memory and communication stream; raises the first failure."""
+        failures = _release(self._ipc, self.workspace, self.layout_table,
+                            self.comm_stream if self._owns_comm_stream else None)
         if failures:
             raise failures[0]
 
@@ -540,16 +529,29 @@ def _release_unreachable(rank: int, ipc, workspace: DeviceWorkspace, layout_tabl
         workspace.abandon()
         layout_table.abandon()
         return
-    try:
-        if ipc is not None:
-            if ipc.exported:
-                logger.warning("mooncake_ep: the Buffer of rank %d was garbage-collected without destroy(): its "
-                               "workspace is freed without waiting for the peers, which must not use it any more; "
-                               "call destroy() on every rank", rank)
-            ipc.close()  # the peers' workspaces first, then our own memory
-        workspace.free()
-        layout_table.free()
-        if comm_stream is not None:
-            _return_comm_stream(workspace.device_id, comm_stream)  # idle: the frees waited for the device
-    except Exception as exc:  # noqa: BLE001 - a finalizer may not raise
+    if ipc is not None and ipc.exported:
+        logger.warning("mooncake_ep: the Buffer of rank %d was garbage-collected without destroy(): its "
+                       "workspace is freed without waiting for the peers, which must not use it any more; "
+                       "call destroy() on every rank", rank)
+    for exc in _release(ipc, workspace, layout_table, comm_stream):  # a finalizer may not raise
         logger.warning("mooncake_ep: releasing the Buffer of rank %d failed: %s", rank, exc)
+
+
+def _release(ipc, workspace: DeviceWorkspace, layout_table: DeviceWorkspace, comm_stream) -> list[Exception]:
+    """Close the mappings of the peers' workspaces (idempotent), free our own memory, then hand
+    ``comm_stream`` (None: a group's, not ours) to the next Buffer of the device; each step tried
+    even if one before it failed (a faulted kernel fails every device wait). Returns the failures.
+    Memory whose free failed stays with its own finalizer; the stream, which may hold the faulted
+    work, goes to no one."""
+    steps = [workspace.free, layout_table.free]
+    if ipc is not None:
+        steps.insert(0, ipc.close)  # the peers' workspaces before our own memory
+    failures = []
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - the caller raises or logs them, after the other steps
+            failures.append(exc)
+    if comm_stream is not None and not failures:
+        _return_comm_stream(workspace.device_id, comm_stream)  # idle: the frees waited for the device
+    return failures

@@ -495,6 +495,24 @@ def test_garbage_collection_closes_the_peers_mappings_before_freeing(caplog, idl
     assert {d: list(q) for d, q in idle_comm_streams.items()} == {0: ["stream 3"]}
 
 
+def test_garbage_collection_whose_free_fails_still_frees_the_rest_and_keeps_the_stream(caplog, idle_comm_streams):
+    """As destroy(): a faulted kernel fails the first free's device wait; the layout table is still
+    freed, the failure is logged (a finalizer may not raise), and the stream goes to no later Buffer."""
+    log: list = []
+    workspace = HostWorkspace(8, log, "workspace")
+
+    def faulted_free():
+        log.append("free workspace")
+        raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+    workspace.free = faulted_free
+    with caplog.at_level(logging.WARNING, logger="mooncake_ep"):
+        _cuda_backend._release_unreachable(3, RecordingTransport(log, [1, 2], []), workspace,
+                                           HostWorkspace(8, log, "layout table"), False, "stream 3")
+    assert log == ["close", "free workspace", "free layout table"]
+    assert "releasing the Buffer of rank 3 failed: cudaErrorIllegalAddress" in caplog.text
+    assert idle_comm_streams == {}
+
+
 def test_garbage_collection_frees_nothing_while_ranks_of_this_process_may_run(caplog):
     """Freeing synchronises the device: in one process it could stall peers' kernels waiting for us."""
     log: list = []
