@@ -1,8 +1,8 @@
 """Tests of the group adapters (torch.distributed, torch stores, mpi4py, jax.distributed) and init_group's choice.
 
 torch runs gloo across real processes on loopback, jax.distributed runs real processes on the CPU, the
-mpi4py adapter runs over a fake communicator of threads (a real mpirun test runs only where mpi4py is
-installed). CPU only; no assertion is about elapsed time, the limits only turn a hang into a failure.
+mpi4py adapter runs over a fake communicator of threads and over real MPI processes (mpiexec of the
+MPICH wheel that the test extra installs next to the interpreter, or one on PATH). CPU only; no assertion is about elapsed time, the limits only turn a hang into a failure.
 """
 
 from __future__ import annotations
@@ -359,11 +359,15 @@ MPI_WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or shutil.which("mpiexec") is None,
-                    reason="needs mpi4py and an MPI launcher (mpiexec)")
+# The MPICH wheel puts mpiexec beside the interpreter, which PATH lacks unless the venv is activated.
+MPIEXEC = shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or MPIEXEC is None,
+                    reason="needs mpi4py and an MPI launcher (mpiexec); the test extra installs both on Linux")
 def test_mpi_group_real_mpi(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", MPI_WORKER, str(tmp_path)], cwd=REPO_ROOT,
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", MPI_WORKER, str(tmp_path)], cwd=REPO_ROOT,
                           env={**env, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
                           timeout=PROCESS_LIMIT_S)
     assert proc.returncode == 0, proc.stderr
