@@ -325,7 +325,7 @@ def test_a_suspended_launcher_suspends_its_processes(tmp_path, detached):
     """Ctrl-Z (SIGTSTP) to --launch's process stops its ranks too, which lead process groups of their
     own that the terminal's signal does not reach; continuing the launcher continues them, and the
     launch then ends as usual. A launcher of an orphaned group (setsid: no shell could continue it)
-    ignores SIGTSTP, as the kernel does for such a group, and runs on with its ranks."""
+    ignores SIGTSTP, as the kernel does for such a group, says so on stderr, and runs on with its ranks."""
     signal = pytest.importorskip("signal")
     if not hasattr(signal, "SIGTSTP") or not hasattr(os, "killpg") or not os.path.isdir("/proc/self"):
         pytest.skip("POSIX job control, and /proc to see the processes' states")
@@ -340,15 +340,18 @@ def test_a_suspended_launcher_suspends_its_processes(tmp_path, detached):
     # A group of its own whose parent (this test) is in another group of the session, as a shell's
     # job; or a session of its own.
     placement = dict(start_new_session=True) if detached else dict(process_group=0)
-    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), **placement)
+    stderr_path = tmp_path / "launcher.err"
+    with stderr_path.open("w") as stderr:  # the launcher has its own copy of the descriptor
+        launcher = subprocess.Popen([sys.executable, "-c", launcher_code], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                    stderr=stderr, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), **placement)
     try:
         rank_files = [tmp_path / f"rank{rank}" for rank in range(2)]
         _wait_until(lambda: all(f.exists() and f.read_text() for f in rank_files), launcher)
         ranks = [int(f.read_text()) for f in rank_files]
         launcher.send_signal(signal.SIGTSTP)
         if detached:
-            time.sleep(0.5)  # the launcher looks at its signals every 50 ms
+            # The line comes where the launcher decided: had it stopped anything, it would be stopped by now.
+            _wait_until(lambda: "SIGTSTP ignored" in stderr_path.read_text(), launcher)
             assert [_state(pid) for pid in [launcher.pid, *ranks]].count("T") == 0
         else:
             _wait_until(lambda: [_state(pid) for pid in [launcher.pid, *ranks]] == ["T"] * 3)

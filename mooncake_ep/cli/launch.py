@@ -155,7 +155,7 @@ class _StopOnSignal:
     not SIGTSTP, on both sides: a rank's group has no parent in its own session (it is orphaned),
     so the kernel would discard a SIGTSTP to it. Where this process's own group is orphaned (a
     launcher started with setsid, or by a supervisor), no one could continue it, and the kernel
-    would discard the SIGTSTP: so is it here. The ranks' timeouts are wall-clock time: a
+    would discard the SIGTSTP: so is it here, with a line on stderr that says so. The ranks' timeouts are wall-clock time: a
     suspension longer than a rank's wait for a peer (GROUP_TIMEOUT_S in a collective) can fail
     that wait when they are continued.
 
@@ -186,6 +186,9 @@ class _StopOnSignal:
         if self._suspend:
             self._suspend = False
             if _group_is_orphaned():
+                # Said, not silent: whoever sent it (a supervisor, a kill by hand) learns why nothing stopped.
+                print("mooncake_ep launch: SIGTSTP ignored: this launch's process group is orphaned (started with "
+                      "setsid or by a supervisor), so nothing could continue it", file=sys.stderr, flush=True)
                 return
             for proc in self._procs:
                 if proc.returncode is None:  # not reaped: its group id is still its own
