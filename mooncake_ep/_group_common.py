@@ -120,6 +120,19 @@ _INIT = struct.Struct("!II")
 # First byte of every value a collective publishes, so ranks that call different collectives
 # in the same round are caught instead of reading each other's payloads.
 _TAGS = {"init_group": 0, "allgather_bytes": 1, "barrier": 2, "close": 3}
+_TAG_BYTES = {name: _U8.pack(tag) for name, tag in _TAGS.items()}
+_TAG_NAMES = {tag: name for name, tag in _TAG_BYTES.items()}
+
+
+def _slot_value(name: str, data: bytes) -> bytes:
+    """What a rank stores in its slot of a round of the collective ``name``: the tag, then ``data``."""
+    return _TAG_BYTES[name] + data
+
+
+def _slot_data(value: bytes) -> bytes:
+    """The data of a slot's value (:func:`_slot_value`), without its tag."""
+    return value[1:]
+
 # A renew_membership value: protocol version, world_size, and whether the sender is a process that
 # just took over its rank (a replacement).
 _JOIN = struct.Struct("!IIB")
@@ -482,7 +495,7 @@ class _KeyValueGroup:
             # A rank 0 of an older store protocol writes no init key, only its slot of round 0 (the
             # adapters' stores have no hello to name the versions): name them from there.
             try:
-                self._check_init({0: self._kv_multi_get([self._collective_key(0, 0)], _PROBE_S)[0][1:],
+                self._check_init({0: _slot_data(self._kv_multi_get([self._collective_key(0, 0)], _PROBE_S)[0]),
                                   self.rank: mine}, failure)
             except GroupError:  # no slot either (or the store is gone): rank 0 never came
                 pass
@@ -493,7 +506,7 @@ class _KeyValueGroup:
         # This rank's pair in its slot of round 0 (unclaimed: it does not join): within rank 0's group,
         # that round's ranks then name it too; beyond, it tells rank 0 that this rank has read why.
         try:
-            self._kv_set(self._collective_key(0, self.rank), _U8.pack(_TAGS["init_group"]) + mine)
+            self._kv_set(self._collective_key(0, self.rank), _slot_value("init_group", mine))
         except GroupError:
             pass  # the store is going away: this rank's own error below still names the cause
         self._check_init(pairs)
@@ -507,7 +520,7 @@ class _KeyValueGroup:
             values = self._kv_multi_get([k for _, k in arrived], _PROBE_S)
         except GroupError:  # the store closed (rank 0 gave up), or a key went meanwhile
             return
-        self._check_init({r: v[1:] for (r, _), v in zip(arrived, values)}, failure)
+        self._check_init({r: _slot_data(v) for (r, _), v in zip(arrived, values)}, failure)
 
     def _check_init(self, pairs: dict[int, bytes | tuple[int, int]], failure: str | None = None) -> None:
         """Raise RankMismatchError if the ranks' (protocol version, world_size) ``pairs`` (packed or
@@ -570,7 +583,7 @@ class _KeyValueGroup:
             keys = [self._collective_key(seq, r) for r in range(self.world_size)]
             wait_s = self._timeout_s if timeout_s is None else timeout_s
             try:
-                self._kv_set(keys[self.rank], _U8.pack(_TAGS[name]) + data)
+                self._kv_set(keys[self.rank], _slot_value(name, data))
                 values = self._wait_round(label, keys, wait_s, 1 + len(data), on_wait_error)
                 if seq > 0:
                     self._kv_delete(self._collective_key(seq - 1, self.rank))
@@ -587,13 +600,12 @@ class _KeyValueGroup:
             except BaseException as exc:  # the round is spent whatever stopped it (an interrupt, a bug)
                 self._broken = f"{label} on rank {self.rank} stopped: {type(exc).__name__}: {exc}"
                 raise
-            names = {_U8.pack(tag): n for n, tag in _TAGS.items()}
-            odd = {r: names.get(v[:1], "?") for r, v in enumerate(values) if v[:1] != _U8.pack(_TAGS[name])}
+            odd = {r: _TAG_NAMES.get(v[:1], "?") for r, v in enumerate(values) if v[:1] != _TAG_BYTES[name]}
             if odd:
                 self._broken = (f"{label}: ranks called other collectives in the same round {odd}; "
                                 f"every rank must make the same sequence of collective calls")
                 raise GroupError(self._broken)
-            return [v[1:] for v in values]
+            return [_slot_data(v) for v in values]
 
     def _wait_round(self, label: str, keys: list[str], wait_s: float, value_bytes: int,
                     on_arrivals: Callable[[list[str], list[str], str], None] | None) -> list[bytes]:
