@@ -144,10 +144,6 @@ _PROBE_S = 0.05
 # read why (instead of finding no store); then for the connected ranks to hang up. The first is
 # what rank 0's error is delayed by when no such rank comes (one rank's WORLD_SIZE was too large).
 _MISMATCH_GRACE_S = 30.0
-# The init_group round looks at the pairs already in its slots this often while it waits: a rank that
-# read rank 0's pair, found another world_size and left its own there is then named at once, where
-# rank 0 would otherwise wait for ranks that its world_size says exist and never come, for timeout_s.
-_ARRIVALS_CHECK_S = 0.5
 
 
 # What this process shares with a child it forks and the child must let go of (the store groups,
@@ -564,9 +560,7 @@ class _KeyValueGroup:
 
         ``timeout_s``: the wait's limit, when not the group's (what is left of the rendezvous's).
         ``on_wait_error(keys, missing_keys, failure)``: called when the wait fails, before GroupError
-        ``failure`` is raised; it may raise a more telling error instead. It is also called every
-        :data:`_ARRIVALS_CHECK_S` while the wait goes on (``failure`` then says what is still awaited),
-        so an error it can tell from the keys already there ends the wait early.
+        ``failure`` is raised; it may raise a more telling error instead.
         """
         with self._lock:
             label = f"{name} #{self._num_calls[name]}"
@@ -584,7 +578,7 @@ class _KeyValueGroup:
             wait_s = self._timeout_s if timeout_s is None else timeout_s
             try:
                 self._kv_set(keys[self.rank], _slot_value(name, data))
-                values = self._wait_round(label, keys, wait_s, 1 + len(data), on_wait_error)
+                values = self._kv_multi_get(keys, wait_s, reply_bytes=self.world_size * (1 + len(data)))
                 if seq > 0:
                     self._kv_delete(self._collective_key(seq - 1, self.rank))
             except _StoreWaitError as exc:
@@ -606,23 +600,3 @@ class _KeyValueGroup:
                                 f"every rank must make the same sequence of collective calls")
                 raise GroupError(self._broken)
             return [_slot_data(v) for v in values]
-
-    def _wait_round(self, label: str, keys: list[str], wait_s: float, value_bytes: int,
-                    on_arrivals: Callable[[list[str], list[str], str], None] | None) -> list[bytes]:
-        """The values of a round's ``keys`` once all are set, within ``wait_s``; with ``on_arrivals``,
-        waited for in slices of :data:`_ARRIVALS_CHECK_S`, ``on_arrivals(keys, missing_keys, what)``
-        after each slice that ends with keys missing and time left (it may raise)."""
-        reply_bytes = len(keys) * value_bytes
-        if on_arrivals is None:
-            return self._kv_multi_get(keys, wait_s, reply_bytes=reply_bytes)
-        deadline = time.monotonic() + wait_s
-        while True:
-            left_s = deadline - time.monotonic()
-            try:
-                return self._kv_multi_get(keys, max(min(left_s, _ARRIVALS_CHECK_S), _PROBE_S), reply_bytes=reply_bytes)
-            except StoreTimeoutError as exc:
-                if deadline - time.monotonic() <= 0:
-                    raise
-                missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
-                on_arrivals(keys, exc.missing_keys, f"{label} was still waiting for ranks {missing} of "
-                                                    f"{self.world_size} ({self._where()})")
