@@ -187,8 +187,11 @@ class _StopOnSignal:
             self._suspend = False
             if _group_is_orphaned():
                 # Said, not silent: whoever sent it (a supervisor, a kill by hand) learns why nothing stopped.
-                print("mooncake_ep launch: SIGTSTP ignored: this launch's process group is orphaned (started with "
-                      "setsid or by a supervisor), so nothing could continue it", file=sys.stderr, flush=True)
+                try:
+                    print("mooncake_ep launch: SIGTSTP ignored: this launch's process group is orphaned (started "
+                          "with setsid or by a supervisor), so nothing could continue it", file=sys.stderr, flush=True)
+                except OSError:  # a stderr nobody reads any more (a closed pipe) must not end the launch
+                    pass
                 return
             for proc in self._procs:
                 if proc.returncode is None:  # not reaped: its group id is still its own
