@@ -3,7 +3,9 @@
 # stages, each with its own time limit; logs and JSON go to OUTDIR. Exits non-zero if any failed.
 #   usage: scripts/gpu_check.sh OUTDIR [STAGE ...]
 # PACK_TO=FILE.tar.gz (outside OUTDIR) also packs OUTDIR into one archive at the end (for callers that
-# can fetch only a few files back).
+# can fetch only a few files back). BUDGET_S=N: the whole call's seconds; each step's limit is cut to
+# what is left of them (less PACK_RESERVE_S, 20 by default), and a step with nothing left is skipped
+# and fails, so the pack still runs before a caller's own limit kills the call.
 # Stages (default: tests bench warmup sanitizer):
 #   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S); a
 #              test that skips fails, unless it needs more GPUs (MOONCAKE_EP_REQUIRE_GPU);
@@ -48,6 +50,15 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to OUTDIR/NAME.log, echo its tail
   local name=$1 limit=$2
   shift 2
+  if [ -n "${BUDGET_S:-}" ]; then
+    local left=$((BUDGET_S - SECONDS - ${PACK_RESERVE_S:-20}))
+    if [ "$left" -le 0 ]; then
+      echo "== $name skipped: BUDGET_S=$BUDGET_S spent"
+      status=1
+      return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "== $name: $*"
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
