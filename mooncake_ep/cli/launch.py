@@ -155,9 +155,9 @@ class _StopOnSignal:
     not SIGTSTP, on both sides: a rank's group has no parent in its own session (it is orphaned),
     so the kernel would discard a SIGTSTP to it. Where this process's own group is orphaned (a
     launcher started with setsid, or by a supervisor), no one could continue it, and the kernel
-    would discard the SIGTSTP: so is it here, with a line on stderr that says so. The ranks' timeouts are wall-clock time: a
-    suspension longer than a rank's wait for a peer (GROUP_TIMEOUT_S in a collective) can fail
-    that wait when they are continued.
+    would discard the SIGTSTP: so is it here, with a line on stderr that says so. The ranks'
+    timeouts are wall-clock time: a suspension longer than a rank's wait for a peer
+    (GROUP_TIMEOUT_S in a collective) can fail that wait when they are continued.
 
     Off the main thread (where handlers cannot be set) it notes nothing and Python's own SIGINT
     handling stays.
