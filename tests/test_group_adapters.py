@@ -2,7 +2,8 @@
 
 torch runs gloo across real processes on loopback, jax.distributed runs real processes on the CPU, the
 mpi4py adapter runs over a fake communicator of threads and over real MPI processes (mpiexec of the
-MPICH wheel that the test extra installs next to the interpreter, or one on PATH). CPU only; no assertion is about elapsed time, the limits only turn a hang into a failure.
+MPICH wheel that the test extra installs next to the interpreter, or one on PATH). CPU only; no
+assertion is about elapsed time, the limits only turn a hang into a failure.
 """
 
 from __future__ import annotations
