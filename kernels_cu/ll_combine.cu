@@ -23,8 +23,9 @@
 //     - each block reads, for every expert e of a live rank d, where this rank's rows are among d's
 //       rows: d's recv_range[parity][e_l][rank] = (first, count); copy (token, k) is row first +
 //       send_slot[token*K+k] (the slot this rank computed in its own dispatch) if that slot is in
-//       [0, count), else it adds nothing: d holds no rows of a rank it took as dead in the dispatch
-//       (count 0, though this combine may find d live and d us), and slot -1 is a dropped copy;
+//       [0, count), else it adds nothing: d holds no rows of a rank it took as dead in the dispatch,
+//       nor of one whose staging it timed out on (count 0 for both, ll_dispatch.cu, though this
+//       combine may find d live and d us), and slot -1 is a dropped copy;
 //     - warps share the tokens (several warps per token when tokens are few): a warp computes its
 //       token's K row addresses once, then for each 16-byte column of its slices accumulates
 //       w_k * y_k in fp32 with fmaf in k order (renormalize: weights scaled by sum(all weights) /
