@@ -139,7 +139,8 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
     if (phases & kPhaseSend) {
         EP_TRACE_POINT(0);
         if (source == kSourceCopy) {
-            // Valid rows per local expert from the dispatch's recv_range: the last source's end.
+            // Valid rows per local expert from the dispatch's recv_range: the last source's end (short
+            // of recv_count when that source's staging timed out: its zero rows nobody reads back).
             const int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
             for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) {
                 const int2 last = recv_range[e * num_ranks + num_ranks - 1];

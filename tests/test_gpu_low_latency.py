@@ -564,12 +564,14 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
         active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
         num_tokens = xs[group.rank].shape[0]
         first_outputs, second_outputs = poisoned_outputs(case, num_tokens), poisoned_outputs(case, num_tokens)
+        # The combine's inputs before the settle: an allocation after it could wait behind the peers'
+        # kernels, already waiting on this rank, past the fault timeout (settle says why).
+        live_again = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        first_y, topk, weight = (to_torch(a[group.rank]) for a in (first_ys, topks, weights))
         settle(group)
         _, first, first_handle = dispatched(buffer, group.rank, active, first_outputs)
         settle(group)
-        live_again = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
-        combined, _, _ = buffer.combine(to_torch(first_ys[group.rank]), to_torch(topks[group.rank]),
-                                        to_torch(weights[group.rank]), live_again, case.timeout_us, first_handle,
+        combined, _, _ = buffer.combine(first_y, topk, weight, live_again, case.timeout_us, first_handle,
                                         out=first_outputs[2])
         first.update(combined=to_numpy(combined), active_after_combine=to_numpy(live_again))
         settle(group)
