@@ -8,7 +8,8 @@
 //   finish_block               the block finish counter: returns true in every thread of the last
 //                              block of the grid to finish a phase, with every earlier block's
 //                              writes ordered before (fence / relaxed atomic / fence, barrier);
-//                              that block resets the counter for the next call on this parity.
+//                              that block resets the counter for the next call on this parity;
+//                              a block may also mark the phase, and the last one learns whether any did
 //   warp_copy                  one warp copies 16-byte vectors, kCopyUnroll loads in flight per lane
 #pragma once
 
@@ -95,16 +96,23 @@ __device__ __forceinline__ int upper_bound(const int* values, int count, int key
 // in the one block of the grid that finishes last; that block's threads then see every other block's
 // writes of the phase (fence / relaxed atomic / fence in thread 0, then the barrier), and it resets
 // the counter for the next call on this parity (stream order publishes the reset).
-__device__ __forceinline__ bool finish_block(uint32_t* counter, int* s_is_last) {
+// With s_any_marked: a block passes marked (the same in all its threads), and the last block finds in
+// *s_any_marked whether any block of the grid did. The marks ride on the counter's atomic, above the
+// bits that count blocks, so a phase nobody marked costs no load more.
+constexpr uint32_t kFinishMark = 1u << 16;  // above any grid's block count
+__device__ __forceinline__ bool finish_block(uint32_t* counter, int* s_is_last, bool marked = false,
+                                             int* s_any_marked = nullptr) {
     __syncthreads();
     if (threadIdx.x == 0) {
         fence_acq_rel_sys();
-        const bool is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        const uint32_t before = atomicAdd(counter, 1u + (marked ? kFinishMark : 0u));
+        const bool is_last = (before & (kFinishMark - 1u)) == gridDim.x - 1;
         if (is_last) {
             fence_acq_rel_sys();
             *counter = 0u;
         }
         *s_is_last = is_last;
+        if (s_any_marked != nullptr) *s_any_marked = marked || before >= kFinishMark;
     }
     __syncthreads();
     return *s_is_last;

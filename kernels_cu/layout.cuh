@@ -29,7 +29,9 @@
 //   send_expert_offset[P]  [E+1] i32: exclusive prefix of this rank's copies per expert
 //   send_list[P]           [T*K_max] i32: token*K+k of each copy, grouped by expert in (token, k) order
 //   send_slot[P]           [T*K_max] i32: the position of copy (token, k) inside its expert's group
-//   recv_range[P]          [E_l][R] int2: (first row, rows) of source rank r in local expert e_l
+//   recv_range[P]          [E_l][R] int2: (first row, rows) of source rank r in local expert e_l;
+//                          rows 0 for a source whose staging timed out (its zero rows, which
+//                          recv_count still counts, are not read back by combine)
 //   combine_x[P]           [E_l][R*T][H] bf16: expert outputs, read by the token owners in combine
 // The first eight are laid out independently of the configuration, so epochs survive a change of
 // shape; the rest depend on (T, H, E, R) and lie parity-major: parity p's in the p-th half of the
@@ -53,6 +55,11 @@ struct State {
     uint32_t combine_send_done[kNumParities];
     uint32_t combine_recv_done[kNumParities];
     uint32_t dispatch_staged_target[kNumParities];  // dispatch_staged once the current call's send half is out
+    // dispatch: the sources that some receiving block of the current call found routed but never
+    // staged (their rows written as zeros), a bit per rank: ranks 0-31 low, 32-63 high. The last
+    // block to finish takes them out of recv_range and clears the bits.
+    uint32_t dispatch_unstaged_low[kNumParities];
+    uint32_t dispatch_unstaged_high[kNumParities];
 };
 
 struct Layout {

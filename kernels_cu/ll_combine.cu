@@ -23,8 +23,9 @@
 //     - each block reads, for every expert e of a live rank d, where this rank's rows are among d's
 //       rows: d's recv_range[parity][e_l][rank] = (first, count); copy (token, k) is row first +
 //       send_slot[token*K+k] (the slot this rank computed in its own dispatch) if that slot is in
-//       [0, count), else it adds nothing: d holds no rows of a rank it took as dead in the dispatch
-//       (count 0, though this combine may find d live and d us), and slot -1 is a dropped copy;
+//       [0, count), else it adds nothing: d holds no rows of a rank it took as dead in the dispatch,
+//       nor of one whose staging it timed out on (count 0 for both, ll_dispatch.cu, though this
+//       combine may find d live and d us), and slot -1 is a dropped copy;
 //     - warps share the tokens (several warps per token when tokens are few): a warp computes its
 //       token's K row addresses once, then for each 16-byte column of its slices accumulates
 //       w_k * y_k in fp32 with fmaf in k order (renormalize: weights scaled by sum(all weights) /
@@ -138,7 +139,8 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
     if (phases & kPhaseSend) {
         EP_TRACE_POINT(0);
         if (source == kSourceCopy) {
-            // Valid rows per local expert from the dispatch's recv_range: the last source's end.
+            // Valid rows per local expert from the dispatch's recv_range: the last source's end (short
+            // of recv_count when that source's staging timed out: its zero rows nobody reads back).
             const int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
             for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) {
                 const int2 last = recv_range[e * num_ranks + num_ranks - 1];

@@ -34,13 +34,17 @@
 //       in time (it stopped after its routing flag) is masked, and its rows, already counted, are
 //       written as zeros (fp8: scale 0). Each block decides this for its own rows: a count that
 //       lands just as the timeout passes can leave some blocks' rows of that source copied and
-//       others' zero (the counts are the same either way);
+//       others' zero (the counts are the same either way). A block that finds a source so sets its
+//       bit in state.dispatch_unstaged_*[parity];
 //     - the rows are numbered over the grid in pair order; warp w of W copies the rows numbered w
 //       modulo W: one load per lane finds the source tokens of its next 32 rows, then each row (and
 //       its scales; packed to UE8M0 when asked) is copied from the source's send_x into
 //       recv_x[e_l][row];
 //     - block 0 writes recv_range and recv_count (the handle combine reads); the last block to
-//       finish stores step into state.dispatch_step[parity].
+//       finish sets to 0 the rows in recv_range of every source a block found unstaged, clears those
+//       bits, and stores step into state.dispatch_step[parity]. The zero rows stay counted in
+//       recv_count (some blocks may have copied theirs), but no combine reads them back for their
+//       tokens, even one that finds the source live again: the reference's rows of a masked source.
 // Epoch: step = state.dispatch_step[parity] + 1, read by every block at entry; nothing but device
 //        memory carries state between calls, so a captured graph replays correctly. The staging
 //        count needs none: each call's target is past every earlier call's.
@@ -59,6 +63,7 @@
 
 static_assert(EP_NUM_THREADS % 32 == 0 && EP_NUM_THREADS <= 1024, "EP_NUM_THREADS must be whole warps, <= 1024");
 static_assert(EP_MAX_RANKS <= EP_NUM_THREADS, "one thread waits per source rank");
+static_assert(EP_MAX_RANKS <= 64, "state.dispatch_unstaged_* hold a bit per source rank");
 static_assert(EP_NUM_THREADS >= 2 * 32, "a block of both halves has a planning warp and at least one staging warp");
 static_assert(EP_FP8_BLOCK == 128, "a 128-channel scale block is 16 lanes of 8 channels");
 
@@ -410,6 +415,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
     __shared__ int s_num_rows;
     __shared__ int s_flag;
     __shared__ int s_is_last;
+    __shared__ int s_any_unstaged;  // recv, last block: some block found a live source unstaged
     static_assert(EP_MAX_EXPERTS * kListWords >= 2 * EP_MAX_EXPERTS + EP_MAX_RANKS,
                   "s_bits holds the pairs' bases and every source's prefix");
 
@@ -483,6 +489,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         __syncthreads();  // the plan; in a staging block, also this block's staging
         // Every live source's send half, a thread each, in one round: its lists and staged rows
         // are readable once its count reaches the target its routing flag announced.
+        bool unstaged_here = false;  // a live source's staging timed out in this block
         if (threadIdx.x < num_ranks) {
             const int src = threadIdx.x;
             bool staged = false;
@@ -492,8 +499,12 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                                     start_ns);
             }
             s_staged[src] = staged;
+            unstaged_here = s_verdict[src] == kSourceLive && !staged;
+            if (unstaged_here)  // its rows are zeros here: the last block keeps every combine off them
+                atomicOr(src < 32 ? state->dispatch_unstaged_low + parity : state->dispatch_unstaged_high + parity,
+                         1u << (src % 32));
         }
-        __syncthreads();
+        const bool block_unstaged = __syncthreads_or(unstaged_here);
         EP_TRACE_POINT(8);
         const int num_rows = s_num_rows;
 
@@ -535,9 +546,22 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             }
         }
         EP_TRACE_POINT(6);
-        if (finish_block(&state->dispatch_recv_done[parity], &s_is_last) && threadIdx.x == 0) {
-            state->dispatch_step[parity] = step;
-            EP_TRACE_POINT(7);
+        if (finish_block(&state->dispatch_recv_done[parity], &s_is_last, block_unstaged, &s_any_unstaged)) {
+            if (s_any_unstaged) {
+                // Every block's bits and block 0's recv_range are ordered before this (finish_block).
+                const uint64_t unstaged = static_cast<uint64_t>(ld_acquire_u32(state->dispatch_unstaged_high + parity))
+                                              << 32 |
+                                          ld_acquire_u32(state->dispatch_unstaged_low + parity);
+                int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
+                for (int i = threadIdx.x; i < num_pairs; i += blockDim.x)  // i = local expert * R + source
+                    if ((unstaged >> (i % num_ranks)) & 1ull) recv_range[i].y = 0;
+                __syncthreads();  // every thread has read the bits
+                if (threadIdx.x == 0) state->dispatch_unstaged_low[parity] = state->dispatch_unstaged_high[parity] = 0u;
+            }
+            if (threadIdx.x == 0) {
+                state->dispatch_step[parity] = step;
+                EP_TRACE_POINT(7);
+            }
         }
     }
 }

@@ -17,9 +17,9 @@ from mooncake_ep._constants import FP8_BLOCK, MAX_RANKS, MAX_TOPK, WORKSPACE_ALI
 
 NUM_PARITIES = 2
 # ep::State, field by field: each an array of NUM_PARITIES u32 (epochs, block finish counters, dispatch's
-# staging count and the count its current call announced).
+# staging count and the count its current call announced, the sources it found unstaged as two bit words).
 STATE_FIELDS = ("dispatch_step", "combine_step", "dispatch_staged", "dispatch_recv_done", "combine_send_done",
-                "combine_recv_done", "dispatch_staged_target")
+                "combine_recv_done", "dispatch_staged_target", "dispatch_unstaged_low", "dispatch_unstaged_high")
 STATE_BYTES = len(STATE_FIELDS) * NUM_PARITIES * 4
 FLAG_BYTES = 8
 ROUTE_ENTRY_BYTES = 8

@@ -531,12 +531,20 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
     raises rank 1's recorded target by hand, standing for a rank that stopped between the two. Every
     rank (rank 1 too, which receives from itself) waits for it until its timeout, masks it, and
     writes its rows, already counted, as zeros; every other row, and every count, is the reference's.
-    Then the three others dispatch and combine again without rank 1, and equal the reference."""
+    That dispatch's combine, with every rank live again (a fresh mask) and random expert outputs,
+    adds nothing to rank 1's tokens from those zero rows: the reference's combine of a dispatch that
+    had no rows from rank 1, and every other token as the reference's. Then the three others
+    dispatch and combine again without rank 1, and equal the reference."""
     case = Case(4, 32, 1024, 4, use_fp8=use_fp8, timeout_us=FAULT_TIMEOUT_US, seed=6)  # rank 1: 26 tokens
     stalled = 1
     xs, topks, weights = make_inputs(case)
     assert (topks[stalled] >= 0).any(), "the seed must give rank 1 copies to send"
     size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
+    # Expert outputs of the first dispatch: random on every row, the zero rows' too (an expert's
+    # output of a zero row is anything, a bias say), so that a combine reading them shows.
+    rng = np.random.default_rng(16)
+    recv_shape = (case.num_experts // case.num_ranks, case.num_ranks * case.num_max_tokens, case.hidden)
+    first_ys = [rng.standard_normal(recv_shape, np.float32).astype(ml_dtypes.bfloat16) for _ in range(case.num_ranks)]
 
     def dispatched(buffer, rank, active, outputs):
         recv_out, recv_count, _ = outputs  # poisoned: the zeros of the stalled rank's rows are the kernel's
@@ -556,8 +564,16 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
         active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
         num_tokens = xs[group.rank].shape[0]
         first_outputs, second_outputs = poisoned_outputs(case, num_tokens), poisoned_outputs(case, num_tokens)
+        # The combine's inputs before the settle: an allocation after it could wait behind the peers'
+        # kernels, already waiting on this rank, past the fault timeout (settle says why).
+        live_again = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        first_y, topk, weight = (to_torch(a[group.rank]) for a in (first_ys, topks, weights))
         settle(group)
-        _, first, _ = dispatched(buffer, group.rank, active, first_outputs)
+        _, first, first_handle = dispatched(buffer, group.rank, active, first_outputs)
+        settle(group)
+        combined, _, _ = buffer.combine(first_y, topk, weight, live_again, case.timeout_us, first_handle,
+                                        out=first_outputs[2])
+        first.update(combined=to_numpy(combined), active_after_combine=to_numpy(live_again))
         settle(group)
         second = None
         if group.rank != stalled:
@@ -574,6 +590,7 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
     masked = np.ones(case.num_ranks, np.int32)
     masked[stalled] = 0
     zeroed_rows = 0
+    firsts = []
     for rank, (got, _) in enumerate(results):
         want = reference.dispatch(rank, xs, topks, all_live, case.num_max_tokens, case.num_experts, use_fp8=use_fp8)
         from_stalled = want.recv_src_rank == stalled
@@ -583,7 +600,16 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
             want.recv_scales[from_stalled] = 0
         want.active_ranks = masked
         assert_dispatch_equal(rank, got["recv"], got["count"], got["active"], want, use_fp8)
+        want.recv_src_rank[from_stalled] = -1  # counted, but rows of no source: combine reads none back
+        firsts.append(want)
     assert zeroed_rows > 0, "the seed must route rank 1's tokens somewhere"
+    for rank, (got, _) in enumerate(results):
+        combined, mask = reference.combine(rank, first_ys, firsts, topks[rank], weights[rank], all_live)
+        # Every rank took rank 1 as unstaged, so none holds a row that answers its tokens.
+        assert (combined.astype(np.float32) == 0).all() or rank != stalled
+        np.testing.assert_array_equal(got["combined"].astype(np.float32), combined.astype(np.float32),
+                                      err_msg=f"rank {rank} combined_x of the dispatch that zeroed rank 1's rows")
+        np.testing.assert_array_equal(got["active_after_combine"], mask, err_msg=f"rank {rank} mask after that combine")
 
     survivors_xs = [None if r == stalled else x for r, x in enumerate(xs)]
     survivors_topks = [None if r == stalled else t for r, t in enumerate(topks)]
