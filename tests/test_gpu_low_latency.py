@@ -497,17 +497,22 @@ def test_a_combine_that_finds_alive_a_rank_its_dispatch_masked_adds_nothing_of_i
     def run(group):
         rank = group.rank
         buffer = ep.Buffer(group, size)
+        # Every device array before the settle: an allocation after it can wait behind the peers'
+        # kernels, already waiting on this rank, past the fault timeout, and a healthy rank is masked.
+        x, topk, weight = (to_torch(a[rank]) for a in (xs, topks, weights))
+        dispatch_active = to_torch(dispatch_actives[rank])
+        recv_out, recv_count, combined = poisoned_outputs(case, xs[rank].shape[0])
         settle(group)
-        recv, count, handle, _, _ = buffer.dispatch(to_torch(xs[rank]), to_torch(topks[rank]),
-                                                    to_torch(dispatch_actives[rank]), case.num_max_tokens,
-                                                    case.num_experts, timeout_us=case.timeout_us, use_fp8=False)
+        recv, count, handle, _, _ = buffer.dispatch(x, topk, dispatch_active, case.num_max_tokens, case.num_experts,
+                                                    timeout_us=case.timeout_us, use_fp8=False,
+                                                    out=(recv_out, recv_count))
         wait_idle()
-        settle(group)
         y = expert_function(recv, case, rank)
-        combined = torch.full((xs[rank].shape[0], case.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
         active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
-        buffer.combine(y, to_torch(topks[rank]), to_torch(weights[rank]), active, case.timeout_us, handle, out=combined)
-        result = dict(y=to_numpy(y), combined=to_numpy(combined), active=to_numpy(active))
+        settle(group)
+        buffer.combine(y, topk, weight, active, case.timeout_us, handle, out=combined)
+        result = dict(y=to_numpy(y), combined=to_numpy(combined), active=to_numpy(active),
+                      dispatch_active=to_numpy(dispatch_active))
         buffer.destroy()
         return result
 
@@ -515,6 +520,9 @@ def test_a_combine_that_finds_alive_a_rank_its_dispatch_masked_adds_nothing_of_i
     dispatched = [reference.dispatch(rank, xs, topks, dispatch_actives, case.num_max_tokens, case.num_experts)
                   for rank in range(case.num_ranks)]
     assert dispatched[2].active_ranks[0] == 0, "rank 2 timed out on rank 0 in the dispatch"
+    for rank, got in enumerate(results):  # else the reference below combines another dispatch than the kernels'
+        np.testing.assert_array_equal(got["dispatch_active"], dispatched[rank].active_ranks,
+                                      err_msg=f"rank {rank}: the dispatch masked a rank the test kept live")
     combine_actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
     expert_outs = [r["y"] for r in results]
     for rank, got in enumerate(results):
@@ -546,11 +554,11 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
     recv_shape = (case.num_experts // case.num_ranks, case.num_ranks * case.num_max_tokens, case.hidden)
     first_ys = [rng.standard_normal(recv_shape, np.float32).astype(ml_dtypes.bfloat16) for _ in range(case.num_ranks)]
 
-    def dispatched(buffer, rank, active, outputs):
+    def dispatched(buffer, x, topk, active, outputs):
         recv_out, recv_count, _ = outputs  # poisoned: the zeros of the stalled rank's rows are the kernel's
-        recv, count, handle, _, _ = buffer.dispatch(to_torch(xs[rank]), to_torch(topks[rank]), active,
-                                                    case.num_max_tokens, case.num_experts, timeout_us=case.timeout_us,
-                                                    use_fp8=use_fp8, out=(recv_out, recv_count))
+        recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
+                                                    timeout_us=case.timeout_us, use_fp8=use_fp8,
+                                                    out=(recv_out, recv_count))
         return recv, dict(recv=tuple(to_numpy(t) for t in recv) if use_fp8 else to_numpy(recv), count=to_numpy(count),
                           active=to_numpy(active)), handle
 
@@ -564,12 +572,12 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
         active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
         num_tokens = xs[group.rank].shape[0]
         first_outputs, second_outputs = poisoned_outputs(case, num_tokens), poisoned_outputs(case, num_tokens)
-        # The combine's inputs before the settle: an allocation after it could wait behind the peers'
+        # The calls' inputs before the settle: an allocation after it could wait behind the peers'
         # kernels, already waiting on this rank, past the fault timeout (settle says why).
         live_again = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
-        first_y, topk, weight = (to_torch(a[group.rank]) for a in (first_ys, topks, weights))
+        x, first_y, topk, weight = (to_torch(a[group.rank]) for a in (xs, first_ys, topks, weights))
         settle(group)
-        _, first, first_handle = dispatched(buffer, group.rank, active, first_outputs)
+        _, first, first_handle = dispatched(buffer, x, topk, active, first_outputs)
         settle(group)
         combined, _, _ = buffer.combine(first_y, topk, weight, live_again, case.timeout_us, first_handle,
                                         out=first_outputs[2])
@@ -577,10 +585,9 @@ def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_
         settle(group)
         second = None
         if group.rank != stalled:
-            recv, second, handle = dispatched(buffer, group.rank, active, second_outputs)
+            recv, second, handle = dispatched(buffer, x, topk, active, second_outputs)
             y = expert_function(recv, case, group.rank)
-            combined, _, _ = buffer.combine(y, to_torch(topks[group.rank]), to_torch(weights[group.rank]), active,
-                                            case.timeout_us, handle, out=second_outputs[2])
+            combined, _, _ = buffer.combine(y, topk, weight, active, case.timeout_us, handle, out=second_outputs[2])
             second.update(y=to_numpy(y), combined=to_numpy(combined), active=to_numpy(active))
         buffer.destroy()
         return first, second
