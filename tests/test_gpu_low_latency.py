@@ -431,12 +431,11 @@ def test_a_source_masked_only_by_its_receiver_delivers_nothing(use_fp8):
 
     def run(group):
         buffer = ep.Buffer(group, size)
-        active = to_torch(actives[group.rank])
+        x, topk, active = (to_torch(a[group.rank]) for a in (xs, topks, actives))  # before the settle (settle)
         recv_out, recv_count, _ = poisoned_outputs(case, xs[group.rank].shape[0])
         settle(group)
-        recv, count, _, _, _ = buffer.dispatch(to_torch(xs[group.rank]), to_torch(topks[group.rank]), active,
-                                               case.num_max_tokens, case.num_experts, timeout_us=case.timeout_us,
-                                               use_fp8=use_fp8, out=(recv_out, recv_count))
+        recv, count, _, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
+                                               timeout_us=case.timeout_us, use_fp8=use_fp8, out=(recv_out, recv_count))
         result = dict(recv=tuple(to_numpy(t) for t in recv) if use_fp8 else to_numpy(recv), count=to_numpy(count),
                       active=to_numpy(active))
         buffer.destroy()
