@@ -377,7 +377,7 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
         raise TypeError(f"{name} must be on a CPU or CUDA device, got torch device {obj.device}")
     try:
         ptr = obj.data_ptr()
-        shape = tuple(obj.shape)
+        shape = obj.shape  # torch.Size: a tuple already
         strides = obj.stride()
     except RuntimeError as error:  # torch's, for tensors without plain strided memory (nested, vmapped)
         raise TypeError(f"{name}: this {type(obj).__qualname__} cannot be read as a strided array in memory "
