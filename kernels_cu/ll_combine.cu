@@ -187,7 +187,8 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
         if (threadIdx.x < num_ranks) {
             const int d = threadIdx.x;
             // Published by d before its flag, whose live verdict this thread acquired in decide_ranks.
-            const uint64_t direct = s_live[d] ? ld_cg_u64(reinterpret_cast<const uint64_t*>(route[d] + layout.combine_source) + parity) : 0ull;
+            const auto* combine_source = reinterpret_cast<const uint64_t*>(route[d] + layout.combine_source);
+            const uint64_t direct = s_live[d] ? ld_cg_u64(combine_source + parity) : 0ull;
             s_direct[d] = direct != 0ull;
             s_base[d] = direct != 0ull ? direct : route[d] + layout.combine_x[parity];
         }

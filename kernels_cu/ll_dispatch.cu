@@ -78,9 +78,10 @@ constexpr int kChannelsPerVector = 8;  // bf16 channels in one 16-byte vector
 // expert-grouped list of this rank's copies.
 //
 // slot(t, k) = the number of copies to expert e = topk[t][k] that come before (t, k) in (token, k)
-// order; -1 from T on (recv_x's rows per source: the host checks host ids, never device ones). Tokens are ranked kListTokens at a time: every copy sets bit t of its expert's row in a
-// shared bitmap, then finds its slot with popc of the bits below t, plus the running count of the
-// expert from earlier chunks: all threads at once, no serial pass. A token that names one expert
+// order; -1 from T on (recv_x's rows per source: the host checks host ids, never device ones).
+// Tokens are ranked kListTokens at a time: every copy sets bit t of its expert's row in a shared
+// bitmap, then finds its slot with popc of the bits below t, plus the running count of the expert
+// from earlier chunks: all threads at once, no serial pass. A token that names one expert
 // twice (never a router's choice, but legal) shares a bit with itself, so a chunk holding such a
 // token is ranked serially instead, by one warp with __match_any_sync in (token, k) order.
 constexpr int kListTokens = 128;
@@ -375,7 +376,8 @@ __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* sr
         st_once(static_cast<uint32_t*>(dst_scale_row) + w, word);
     }
 #else
-    for (int j = lane; j < num_scales; j += kWarpSize) st_once(static_cast<float*>(dst_scale_row) + j, ld_cg_float(src_scale_row + j));
+    for (int j = lane; j < num_scales; j += kWarpSize)
+        st_once(static_cast<float*>(dst_scale_row) + j, ld_cg_float(src_scale_row + j));
 #endif
 #endif
     warp_copy<true>(reinterpret_cast<const int4*>(src_row), reinterpret_cast<int4*>(dst_row),

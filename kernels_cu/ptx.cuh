@@ -72,7 +72,9 @@ __device__ __forceinline__ int4 ld_cg_int4(const int4* ptr) { return __ldcg(ptr)
 __device__ __forceinline__ int ld_cg_int(const int* ptr) { return __ldcg(ptr); }
 __device__ __forceinline__ int2 ld_cg_int2(const int2* ptr) { return __ldcg(ptr); }
 __device__ __forceinline__ float ld_cg_float(const float* ptr) { return __ldcg(ptr); }
-__device__ __forceinline__ uint64_t ld_cg_u64(const uint64_t* ptr) { return __ldcg(reinterpret_cast<const unsigned long long*>(ptr)); }
+__device__ __forceinline__ uint64_t ld_cg_u64(const uint64_t* ptr) {
+    return __ldcg(reinterpret_cast<const unsigned long long*>(ptr));
+}
 
 // Cache policies of the bulk rows (chosen by A/B on the H200, scripts/ab_kernels.py, 2026-12-03:
 // together decode dispatch 55 -> 48 us, combine 64 -> 60 us, the same run; docs/performance.md).

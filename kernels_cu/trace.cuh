@@ -5,8 +5,9 @@
 //   ep_trace[EP_TRACE_MAX_RANKS][EP_TRACE_NUM_POINTS][EP_TRACE_MAX_BLOCKS]   u64 %globaltimer (ns)
 // written by thread 0 of each block at each named point of a kernel, overwritten by every launch:
 // read after a replay, it is that replay's timeline. Indexed by the kernel's `rank` argument: the
-// in-process ranks of one device share one loaded module (kernels.py), hence one array. %globaltimer is common to all SMs, so points of
-// different blocks and of different ranks' kernels can be compared. Points, in both protocols:
+// in-process ranks of one device share one loaded module (kernels.py), hence one array.
+// %globaltimer is common to all SMs, so points of different blocks and of different ranks' kernels
+// can be compared. Points, in both protocols:
 //   0 send entry   1 send work done   2 flags stored   3 receive entry
 //   4 flags seen   5 receive plan ready   6 rows done   7 receive exit (last block)   8 staging seen
 //   9-13 dispatch block 0's list building, step by step (below)
