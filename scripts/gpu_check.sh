@@ -26,7 +26,8 @@
 #              pass and a fill of known bytes (scripts/trace_phases.py --profiler-range)
 #   host       host time per call for torch, cupy and JAX, eager and graph / jit (scripts/profile_host.py)
 #   fault      time a survivor loses when a rank stops, against timeout_us (scripts/fault_latency.py)
-#   sanitizer  compute-sanitizer memcheck and racecheck on two small cases
+#   sanitizer  compute-sanitizer memcheck and racecheck in every rank's process, on the cases of 2 and 4
+#              ranks of tests/test_gpu_ipc.py (sync, async and hook)
 #   ab         kernel variants (AB_VARIANTS, extra NVRTC macros) benchmarked side by side on the decode shape
 #   inner      the decode benchmark with and without the events inside a copy of each phase's graph
 #              (--inner-events), alternated twice: the events around the other graphs should not move
@@ -205,20 +206,23 @@ if has host; then
     --no-command-buffers --json "$out/host_jax_plain.json"
 fi
 if has sanitizer; then
-  # racecheck looks at shared memory; memcheck at every global access. API errors are not
-  # reported: cuda.bindings resolves driver entry points with cuGetProcAddress, which answers
-  # "not found" for the ones this driver lacks by design; our code checks every result itself.
-  # No dead-rank case: its survivors' timeout (tens of ms) is shorter than the launch skew of
-  # sanitized ranks, so they mask healthy peers; the healthy cases' timeout is raised from 10 s to
-  # 120 s for the same reason (a racecheck run once masked a healthy peer after 10 s). racecheck gets
-  # the 2-rank cases (bf16 and fp8): the 4-rank async case ran past its stage limit under it.
-  declare -A sanitizer_cases=(
-    [memcheck]="(R2-E8-H1152 or R4-E32-H1024-K4-T32-fp8-async) and not dead"
-    [racecheck]="R2-E8-H1152 or R2-E64-H2048"
-  )
+  # Each rank is a process of its own, under a tool of its own: the launcher puts compute-sanitizer
+  # before each rank's python (tests/test_gpu_ipc.py's cases of 2 and 4 ranks: bf16 and fp8 sync, fp8
+  # async and hook, the peers' workspaces through CUDA IPC). Ranks in one process under one tool (the
+  # in-process tests) masked healthy peers after the 120 s timeout in each of the last three runs: the
+  # tool seems to hold one rank's launch behind another's waiting kernel. A log per rank (%p: its pid);
+  # racecheck looks at shared memory, memcheck at every global access. API errors are not reported:
+  # cuda.bindings resolves driver entry points with cuGetProcAddress, which answers "not found" for
+  # the ones this driver lacks by design; our code checks every result itself.
   for tool in memcheck racecheck; do
-    MOONCAKE_EP_TEST_TIMEOUT_US=120000000 step "sanitizer_$tool" 300 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 python3 -m pytest -q \
-      -p no:cacheprovider tests/test_gpu_low_latency.py -k "${sanitizer_cases[$tool]}"
+    MOONCAKE_EP_TEST_RANK_PREFIX="compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 \
+--log-file $out/sanitizer_${tool}_rank_%p.log" MOONCAKE_EP_TEST_TIMEOUT_US=120000000 \
+      step "sanitizer_$tool" 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_ipc.py -k equal_reference
+    # A rank with errors exits 99 and fails its test; no logs at all would mean no rank ran under the tool.
+    num_logs=$(ls "$out"/sanitizer_"$tool"_rank_*.log 2>/dev/null | wc -l)
+    echo "$tool: $num_logs rank logs"
+    [ "$num_logs" -gt 0 ] || status=1
+    cat "$out"/sanitizer_"$tool"_rank_*.log 2>/dev/null | grep "SUMMARY" | sort | uniq -c
   done
 fi
 if [ -n "${PACK_TO:-}" ]; then

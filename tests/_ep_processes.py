@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -41,11 +42,17 @@ from mooncake_ep.cli.launch import free_port  # noqa: F401 - the tests take it f
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 PRECISIONS = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True)}
+# Launch modes besides sync that the "steps" scenario runs on the cuda backend (saved as fp8-MODE).
+GPU_MODES = ("async", "hook")
+# A command the launcher puts before each rank's python (shell words), e.g. compute-sanitizer and its
+# options: a tool then runs in every rank's process of its own (scripts/gpu_check.sh's sanitizer stage).
+RANK_PREFIX_VAR = "MOONCAKE_EP_TEST_RANK_PREFIX"
 # Share of top-k entries set to -1 (no expert).
 NO_EXPERT_SHARE = 0.2
 # How long a GPU kernel waits for a live peer: processes on one GPU time-slice without MPS, so this
-# is generous; a bug shows as a masked rank after 30 s, never as a hang.
-KERNEL_TIMEOUT_US = 30_000_000
+# is generous; a bug shows as a masked rank after 30 s, never as a hang. The sanitizer stage of
+# scripts/gpu_check.sh raises it through the environment, as for test_gpu_low_latency.
+KERNEL_TIMEOUT_US = int(os.environ.get("MOONCAKE_EP_TEST_TIMEOUT_US", 30_000_000))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +133,16 @@ def host_step(buffer, rank: int, inputs, shape: Shape, flags: dict, active: np.n
     return saved
 
 
-def cuda_step(buffer, rank: int, inputs, shape: Shape, flags: dict, active, timeout_us: int) -> dict:
-    """The same step with torch CUDA tensors, outputs poisoned, expert work on the host (exact)."""
+def cuda_step(buffer, rank: int, inputs, shape: Shape, flags: dict, active, timeout_us: int,
+              mode: str = "sync") -> dict:
+    """The same step with torch CUDA tensors, outputs poisoned, expert work on the host (exact).
+
+    ``mode``: sync, async (``async_finish``: the work on the communication stream, waited for through
+    its event) or hook (``return_recv_hook``: the send half now, the receive half in ``hook()``).
+    """
     import torch
+
+    modes = dict(async_finish=mode == "async", return_recv_hook=mode == "hook")
 
     num_ranks = buffer.num_ranks
     num_experts, num_local = shape.num_experts(num_ranks), shape.experts_per_rank
@@ -144,22 +158,33 @@ def cuda_step(buffer, rank: int, inputs, shape: Shape, flags: dict, active, time
         recv = torch.full((num_local, rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     combined = torch.full((x.shape[0], hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     torch.cuda.synchronize()
-    _, _, handle, _, _ = buffer.dispatch(x, topk_idx, active, shape.num_max_tokens, num_experts,
-                                         timeout_us=timeout_us, out=(recv, recv_count), **flags)
-    torch.cuda.synchronize()
+    _, _, handle, event, hook = buffer.dispatch(x, topk_idx, active, shape.num_max_tokens, num_experts,
+                                                timeout_us=timeout_us, out=(recv, recv_count), **flags, **modes)
+    _finish(event, hook)
     if flags["use_fp8"]:
         q, scales = recv[0].view(torch.uint8).cpu().numpy().view(reference.float8_e4m3fn), recv[1].cpu().numpy()
     else:
         q, scales = recv.view(torch.uint16).cpu().numpy().view(reference.bfloat16), None
     expert_out = torch.from_numpy(expert_fn(rank, q, scales).view(np.uint16)).view(torch.bfloat16).cuda()
     torch.cuda.synchronize()
-    buffer.combine(expert_out, topk_idx, weights, active, timeout_us, handle, out=combined)
-    torch.cuda.synchronize()
+    _, event, hook = buffer.combine(expert_out, topk_idx, weights, active, timeout_us, handle, out=combined, **modes)
+    _finish(event, hook)
     saved = {"recv_x": bits(q), "recv_count": recv_count.cpu().numpy(),
              "combined": combined.view(torch.uint16).cpu().numpy(), "active_ranks": active.cpu().numpy()}
     if scales is not None:
         saved["recv_scales"] = scales
     return saved
+
+
+def _finish(event, hook) -> None:
+    """Completes a call the way its mode says (hook(), or the caller's stream waiting for the event),
+    then waits for the device, so the outputs are read after every kernel of the call."""
+    import torch
+
+    if hook is not None:
+        hook()
+    event.current_stream_wait()
+    torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -168,7 +193,9 @@ def cuda_step(buffer, rank: int, inputs, shape: Shape, flags: dict, active, time
 def worker_main(argv: list[str]) -> None:
     """One rank. ``argv``: SCENARIO BACKEND OUT_DIR SEED SHAPE LONG_TIMEOUT_S MASK_TIMEOUT (see the module)."""
     import mooncake_ep as ep
+    from _experiment import apply_experiment_macros
 
+    apply_experiment_macros()
     scenario, backend, out_dir, seed = argv[0], argv[1], Path(argv[2]), int(argv[3])
     shape, long_timeout_s, mask_timeout = Shape.from_arg(argv[4]), float(argv[5]), float(argv[6])
     report: dict = {"scenario": scenario}
@@ -191,14 +218,18 @@ def worker_main(argv: list[str]) -> None:
                 return torch.ones(num_ranks, dtype=torch.int32, device="cuda")
             return np.ones(num_ranks, np.int32)
 
-        def save(label: str, step_seed: int, flags: dict, active, timeout_us: int) -> None:
-            saved = run(buffer, rank, make_inputs(step_seed, num_ranks, shape), shape, flags, active, timeout_us)
+        def save(label: str, step_seed: int, flags: dict, active, timeout_us: int, **mode) -> None:
+            saved = run(buffer, rank, make_inputs(step_seed, num_ranks, shape), shape, flags, active, timeout_us,
+                        **mode)
             np.savez(out_dir / f"rank{rank}_{label}.npz", **saved)
 
         long_us = min(int(long_timeout_s * 1e6), KERNEL_TIMEOUT_US)
         if scenario == "steps":
             for name, flags in PRECISIONS.items():
                 save(name, seed, flags, mask(), long_us)
+            if backend == "cuda":  # the other two launch modes (their kernel variants), fp8
+                for mode in GPU_MODES:
+                    save(f"fp8-{mode}", seed, PRECISIONS["fp8"], mask(), long_us, mode=mode)
         elif scenario == "mismatch":  # the last rank dispatches twice the hidden size of the others
             wide = dataclasses.replace(shape, hidden=2 * shape.hidden)
             wrong = wide if rank == num_ranks - 1 else shape
@@ -265,7 +296,8 @@ class Launcher:
         env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
         env.update(RANK=str(rank), WORLD_SIZE=str(self.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port),
                    PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")]))
-        proc = subprocess.Popen([sys.executable, "-c", code, scenario, *self.common], env=env, cwd=REPO_ROOT,
+        prefix = shlex.split(os.environ.get(RANK_PREFIX_VAR, ""))
+        proc = subprocess.Popen([*prefix, sys.executable, "-c", code, scenario, *self.common], env=env, cwd=REPO_ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.procs.append((rank, scenario, proc))
         return proc

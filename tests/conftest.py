@@ -8,10 +8,10 @@ module runs; JAX's default device stays cpu:0, so other tests see no difference.
 On a GPU, JAX would take 75% of the device memory at start-up; the GPU tests share the device
 between JAX, torch, cupy and the Buffers' workspaces, so JAX allocates as it goes instead.
 
-With MOONCAKE_EP_TEST_MACROS="EP_NAME=INTEGER,..." every kernel this process builds gets those extra
-NVRTC macros: an experiment's variant (scripts/ab_kernels.py) is then checked by the GPU tests and
-the sanitizer before it is written in (`pytest -m gpu`; the CPU tests of the kernel cache expect the
-library's own keys and fail under it). Processes that a test spawns build the library's own kernels.
+With MOONCAKE_EP_TEST_MACROS="EP_NAME=INTEGER,..." every kernel this process and the rank processes
+its tests spawn build gets those extra NVRTC macros (_experiment.py): an experiment's variant
+(scripts/ab_kernels.py) is then checked by the GPU tests and the sanitizer before it is written in
+(`pytest -m gpu`; the CPU tests of the kernel cache expect the library's own keys and fail under it).
 
 With MOONCAKE_EP_REQUIRE_GPU set, a GPU test that skips fails instead (see pytest_runtest_makereport).
 """
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import os
 import re
-import sys
-from pathlib import Path
 
 import pytest
+
+from _experiment import apply_experiment_macros
 
 NUM_JAX_CPU_DEVICES = 8
 
@@ -38,24 +38,7 @@ if jax is not None:
     jax.config.update("jax_num_cpu_devices", NUM_JAX_CPU_DEVICES)
 
 
-def _experiment_macros() -> dict[str, int]:
-    """MOONCAKE_EP_TEST_MACROS, parsed as ab_kernels' variants are (the library's own macros refused,
-    but for the block size EP_NUM_THREADS)."""
-    spec = os.environ.get("MOONCAKE_EP_TEST_MACROS", "")
-    if not spec:
-        return {}
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import ab_kernels  # a development tool of scripts/
-
-    return dict(ab_kernels.parse_macro(item, "MOONCAKE_EP_TEST_MACROS") for item in spec.split(",") if item)
-
-
-EXPERIMENT_MACROS = _experiment_macros()
-if EXPERIMENT_MACROS:
-    from mooncake_ep import kernels
-
-    _library_macros = kernels._common_macros
-    kernels._common_macros = lambda sys_scope: _library_macros(sys_scope) | EXPERIMENT_MACROS
+EXPERIMENT_MACROS = apply_experiment_macros()
 
 
 def pytest_report_header(config):

@@ -52,6 +52,8 @@ def test_processes_on_one_gpu_equal_reference(tmp_path, num_ranks, shape):
     assert_on_the_gpu(launch(tmp_path, "steps", num_ranks, shape, seed))
     for name, flags in PRECISIONS.items():
         procs.check_step(tmp_path, name, seed, shape, flags, num_ranks, [True] * num_ranks)
+    for mode in procs.GPU_MODES:
+        procs.check_step(tmp_path, f"fp8-{mode}", seed, shape, PRECISIONS["fp8"], num_ranks, [True] * num_ranks)
 
 
 def test_mismatched_hidden_between_processes_raises_on_every_rank(tmp_path):
