@@ -577,8 +577,9 @@ class _KeyValueGroup:
             keys = [self._collective_key(seq, r) for r in range(self.world_size)]
             wait_s = self._timeout_s if timeout_s is None else timeout_s
             try:
-                self._kv_set(keys[self.rank], _slot_value(name, data))
-                values = self._kv_multi_get(keys, wait_s, reply_bytes=self.world_size * (1 + len(data)))
+                mine = _slot_value(name, data)
+                self._kv_set(keys[self.rank], mine)
+                values = self._kv_multi_get(keys, wait_s, reply_bytes=self.world_size * len(mine))
                 if seq > 0:
                     self._kv_delete(self._collective_key(seq - 1, self.rank))
             except _StoreWaitError as exc:
