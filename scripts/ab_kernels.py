@@ -46,7 +46,7 @@ def parse_macro(item: str, where: str) -> tuple[str, int]:
     named in the kernel sources the installed package compiles: an undefined macro is 0 to the
     preprocessor, so a macro of another tree (an experiment's branch not checked out) would compile
     the unchanged kernels without a word. ``where`` names the flag in the error (also
-    scripts/trace_phases.py's and repeat_case.py's ``--macro``, and tests/conftest.py's
+    scripts/trace_phases.py's and repeat_case.py's ``--macro``, and tests/_experiment.py's
     MOONCAKE_EP_TEST_MACROS)."""
     key, sep, value = item.partition("=")
     if not sep or not key.startswith("EP_") or not value.lstrip("-").isdigit():

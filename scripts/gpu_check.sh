@@ -9,7 +9,7 @@
 # Stages (default: tests bench warmup sanitizer):
 #   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S); a
 #              test that skips fails, unless it needs more GPUs (MOONCAKE_EP_REQUIRE_GPU);
-#              with MOONCAKE_EP_TEST_MACROS=EP_X=1,... (tests/conftest.py) an experiment's kernel variant
+#              with MOONCAKE_EP_TEST_MACROS=EP_X=1,... (tests/_experiment.py) an experiment's kernel variant
 #              runs them, and the sanitizer's cases too
 #   bench      the decode-shape benchmark (with the torch baseline), the same with combine reading the
 #              expert outputs from the workspace (the protocol of ranks in other processes), one rank
@@ -215,14 +215,18 @@ if has sanitizer; then
   # cuda.bindings resolves driver entry points with cuGetProcAddress, which answers "not found" for
   # the ones this driver lacks by design; our code checks every result itself.
   for tool in memcheck racecheck; do
+    rm -f "$out"/sanitizer_"$tool"_rank_*.log  # an earlier run's, in a reused OUTDIR
     MOONCAKE_EP_TEST_RANK_PREFIX="compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 \
---log-file $out/sanitizer_${tool}_rank_%p.log" MOONCAKE_EP_TEST_TIMEOUT_US=120000000 \
+--log-file $(printf %q "$out/sanitizer_${tool}_rank_%p.log")" MOONCAKE_EP_TEST_TIMEOUT_US=120000000 \
       step "sanitizer_$tool" 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_ipc.py -k equal_reference
-    # A rank with errors exits 99 and fails its test; no logs at all would mean no rank ran under the tool.
-    num_logs=$(ls "$out"/sanitizer_"$tool"_rank_*.log 2>/dev/null | wc -l)
-    echo "$tool: $num_logs rank logs"
-    [ "$num_logs" -gt 0 ] || status=1
-    cat "$out"/sanitizer_"$tool"_rank_*.log 2>/dev/null | grep "SUMMARY" | sort | uniq -c
+    # A rank with errors exits 99 and fails its test. Every rank's log must end in the tool's summary
+    # (a rank killed mid-run leaves none); no logs at all would mean no rank ran under the tool.
+    logs=("$out"/sanitizer_"$tool"_rank_*.log)
+    [ -e "${logs[0]}" ] || logs=()
+    num_summaries=$( (( ${#logs[@]} )) && grep -l "SUMMARY" "${logs[@]}" | wc -l || echo 0)
+    echo "$tool: ${#logs[@]} rank logs, $num_summaries with a summary"
+    if [ "${#logs[@]}" -eq 0 ] || [ "$num_summaries" -ne "${#logs[@]}" ]; then status=1; fi
+    (( ${#logs[@]} )) && grep -h "SUMMARY" "${logs[@]}" | sort | uniq -c
   done
 fi
 if [ -n "${PACK_TO:-}" ]; then

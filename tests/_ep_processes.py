@@ -12,7 +12,8 @@ bytes, -1 counts), so an element the kernels did not write cannot pass.
 
 Scenarios (``worker_main``'s first argument):
 
-- ``steps``: every rank runs one bf16 and one fp8 dispatch + combine.
+- ``steps``: every rank runs one bf16 and one fp8 dispatch + combine; on the cuda backend also one
+  fp8 step in each of the other launch modes (async, hook).
 - ``mismatch``: the last rank's first dispatch has twice the others' hidden (every rank must
   raise ValueError, GPU only: the per-configuration check), then one fp8 step with the right one.
 - ``member`` / ``victim`` / ``replacement``: step 0 with every rank; the victim then kills itself
@@ -46,12 +47,15 @@ PRECISIONS = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True)}
 GPU_MODES = ("async", "hook")
 # A command the launcher puts before each rank's python (shell words), e.g. compute-sanitizer and its
 # options: a tool then runs in every rank's process of its own (scripts/gpu_check.sh's sanitizer stage).
+# For the steps and mismatch scenarios: a victim's SIGKILL would reach its python, not the tool, whose
+# exit code the launcher would then read.
 RANK_PREFIX_VAR = "MOONCAKE_EP_TEST_RANK_PREFIX"
 # Share of top-k entries set to -1 (no expert).
 NO_EXPERT_SHARE = 0.2
 # How long a GPU kernel waits for a live peer: processes on one GPU time-slice without MPS, so this
 # is generous; a bug shows as a masked rank after 30 s, never as a hang. The sanitizer stage of
-# scripts/gpu_check.sh raises it through the environment, as for test_gpu_low_latency.
+# scripts/gpu_check.sh raises it through the environment, as for test_gpu_low_latency (up to the
+# launching test's own long timeout: worker_main takes the smaller).
 KERNEL_TIMEOUT_US = int(os.environ.get("MOONCAKE_EP_TEST_TIMEOUT_US", 30_000_000))
 
 
@@ -297,8 +301,9 @@ class Launcher:
         env.update(RANK=str(rank), WORLD_SIZE=str(self.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port),
                    PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")]))
         prefix = shlex.split(os.environ.get(RANK_PREFIX_VAR, ""))
+        # A session of its own, so that a kill reaches the rank's python under a prefix's tool too.
         proc = subprocess.Popen([*prefix, sys.executable, "-c", code, scenario, *self.common], env=env, cwd=REPO_ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.procs.append((rank, scenario, proc))
         return proc
 
@@ -311,7 +316,7 @@ class Launcher:
                 try:
                     output, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    _kill_session(proc)
                     output, _ = proc.communicate()
                     raise AssertionError(f"rank {rank} ({scenario}) ran past {limit_s} s:\n{output}") from None
                 codes[(rank, scenario)] = proc.returncode
@@ -324,8 +329,16 @@ class Launcher:
     def kill(self) -> None:
         for _, _, proc in self.procs:
             if proc.poll() is None:
-                proc.kill()
+                _kill_session(proc)
                 proc.wait()
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL a launched rank and whatever else runs in its session (its python under a prefix's tool)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # gone meanwhile
+        pass
 
 
 # ----------------------------------------------------------------------------- checking

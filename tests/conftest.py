@@ -8,8 +8,9 @@ module runs; JAX's default device stays cpu:0, so other tests see no difference.
 On a GPU, JAX would take 75% of the device memory at start-up; the GPU tests share the device
 between JAX, torch, cupy and the Buffers' workspaces, so JAX allocates as it goes instead.
 
-With MOONCAKE_EP_TEST_MACROS="EP_NAME=INTEGER,..." every kernel this process and the rank processes
-its tests spawn build gets those extra NVRTC macros (_experiment.py): an experiment's variant
+With MOONCAKE_EP_TEST_MACROS="EP_NAME=INTEGER,..." every kernel this process and the rank processes of
+_ep_processes.py build gets those extra NVRTC macros (_experiment.py; other processes that tests spawn,
+the CLI's and the benchmark's, build the library's own kernels): an experiment's variant
 (scripts/ab_kernels.py) is then checked by the GPU tests and the sanitizer before it is written in
 (`pytest -m gpu`; the CPU tests of the kernel cache expect the library's own keys and fail under it).
 
