@@ -27,7 +27,7 @@
 #   host       host time per call for torch, cupy and JAX, eager and graph / jit (scripts/profile_host.py)
 #   fault      time a survivor loses when a rank stops, against timeout_us (scripts/fault_latency.py)
 #   sanitizer  compute-sanitizer memcheck and racecheck in every rank's process, on the cases of 2 and 4
-#              ranks of tests/test_gpu_ipc.py (sync, async and hook)
+#              ranks of tests/test_gpu_ipc.py (sync, async and hook), and on the one-rank in-process cases
 #   ab         kernel variants (AB_VARIANTS, extra NVRTC macros) benchmarked side by side on the decode shape
 #   inner      the decode benchmark with and without the events inside a copy of each phase's graph
 #              (--inner-events), alternated twice: the events around the other graphs should not move
@@ -227,6 +227,10 @@ if has sanitizer; then
     echo "$tool: ${#logs[@]} rank logs, $num_summaries with a summary"
     if [ "${#logs[@]}" -eq 0 ] || [ "$num_summaries" -ne "${#logs[@]}" ]; then status=1; fi
     (( ${#logs[@]} )) && grep -h "SUMMARY" "${logs[@]}" | sort | uniq -c
+    # The variants of ranks in one process on one GPU (memory ordered at GPU scope), on one rank alone:
+    # nothing then waits on a peer in the same process.
+    MOONCAKE_EP_TEST_TIMEOUT_US=120000000 step "sanitizer_${tool}_in_process" 300 compute-sanitizer --tool "$tool" \
+      --report-api-errors no --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_low_latency.py -k "R1-"
   done
 fi
 if [ -n "${PACK_TO:-}" ]; then

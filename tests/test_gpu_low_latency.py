@@ -381,6 +381,9 @@ MODES = [
     # 9 scale blocks a row: the last UE8M0 word of each row is three quarters padding.
     Case(4, 32, 1152, 4, mode="mixed", use_fp8=True, round_scale=True, use_ue8m0=True),
     Case(3, 24, 1152, 4, use_fp8=True, round_scale=True, use_ue8m0=True, routing="skewed"),
+    # One rank in the process: the sanitizer stage of scripts/gpu_check.sh runs the R1 cases in-process
+    # (the kernels ordered at GPU scope, which ranks in processes of their own never build).
+    Case(1, 8, 1152, 4, mode="hook", use_fp8=True, round_scale=True, use_ue8m0=True),
 ]
 FAULT_TIMEOUT_US = 50_000  # the survivors' calls return this long after the rank stopped; well above the
 # skew of the ranks' launches (threads of one interpreter: a GIL switch interval is 5 ms)
