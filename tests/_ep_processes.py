@@ -47,8 +47,8 @@ PRECISIONS = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True)}
 GPU_MODES = ("async", "hook")
 # A command the launcher puts before each rank's python (shell words), e.g. compute-sanitizer and its
 # options: a tool then runs in every rank's process of its own (scripts/gpu_check.sh's sanitizer stage).
-# For the steps and mismatch scenarios: a victim's SIGKILL would reach its python, not the tool, whose
-# exit code the launcher would then read.
+# Meant for the steps and mismatch scenarios: under a tool, a victim's SIGKILL ends its python, and the
+# launcher would read the tool's exit code instead of -SIGKILL.
 RANK_PREFIX_VAR = "MOONCAKE_EP_TEST_RANK_PREFIX"
 # Share of top-k entries set to -1 (no expert).
 NO_EXPERT_SHARE = 0.2
@@ -231,7 +231,7 @@ def worker_main(argv: list[str]) -> None:
         if scenario == "steps":
             for name, flags in PRECISIONS.items():
                 save(name, seed, flags, mask(), long_us)
-            if backend == "cuda":  # the other two launch modes (their kernel variants), fp8
+            if backend == "cuda":  # the other two launch modes (the halves apart; the communication stream), fp8
                 for mode in GPU_MODES:
                     save(f"fp8-{mode}", seed, PRECISIONS["fp8"], mask(), long_us, mode=mode)
         elif scenario == "mismatch":  # the last rank dispatches twice the hidden size of the others

@@ -29,8 +29,8 @@ pytestmark = [
 
 # A bug shows up as a masked rank after 10 s, never as a hang. Under compute-sanitizer a rank can
 # reach its peer's wait later than that (racecheck instruments every shared access), so a run under
-# the tool raises the timeout through the environment (tests/_ep_processes.py's ranks, which
-# scripts/gpu_check.sh's sanitizer stage runs, take the same variable).
+# the tool raises the timeout through the environment, as scripts/gpu_check.sh's sanitizer stage
+# does (tests/_ep_processes.py's ranks take the same variable).
 TIMEOUT_US = int(os.environ.get("MOONCAKE_EP_TEST_TIMEOUT_US", 10_000_000))
 # combined_x is compared bit for bit: ll_combine.cu adds w_k * y_k with fmaf in k order (renormalize's
 # sums in warp_sum's order) and rounds to bf16 once, and reference.combine does the same on the same
