@@ -215,22 +215,24 @@ if has sanitizer; then
   # cuda.bindings resolves driver entry points with cuGetProcAddress, which answers "not found" for
   # the ones this driver lacks by design; our code checks every result itself.
   for tool in memcheck racecheck; do
+    sanitizer=(compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99)
     rm -f "$out"/sanitizer_"$tool"_rank_*.log  # an earlier run's, in a reused OUTDIR
-    MOONCAKE_EP_TEST_RANK_PREFIX="compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 \
---log-file $(printf %q "$out/sanitizer_${tool}_rank_%p.log")" MOONCAKE_EP_TEST_TIMEOUT_US=120000000 \
+    MOONCAKE_EP_TEST_RANK_PREFIX="${sanitizer[*]} --log-file $(printf %q "$out/sanitizer_${tool}_rank_%p.log")" \
+      MOONCAKE_EP_TEST_TIMEOUT_US=120000000 \
       step "sanitizer_$tool" 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_ipc.py -k equal_reference
     # A rank with errors exits 99 and fails its test. Every rank's log must end in the tool's summary
     # (a rank killed mid-run leaves none); no logs at all would mean no rank ran under the tool.
+    shopt -s nullglob
     logs=("$out"/sanitizer_"$tool"_rank_*.log)
-    [ -e "${logs[0]}" ] || logs=()
-    num_summaries=$( (( ${#logs[@]} )) && grep -l "SUMMARY" "${logs[@]}" | wc -l || echo 0)
+    shopt -u nullglob
+    num_summaries=$(grep -l "SUMMARY" "${logs[@]}" /dev/null | wc -l)  # /dev/null: never stdin
     echo "$tool: ${#logs[@]} rank logs, $num_summaries with a summary"
     if [ "${#logs[@]}" -eq 0 ] || [ "$num_summaries" -ne "${#logs[@]}" ]; then status=1; fi
-    (( ${#logs[@]} )) && grep -h "SUMMARY" "${logs[@]}" | sort | uniq -c
+    grep -h "SUMMARY" "${logs[@]}" /dev/null | sort | uniq -c
     # The variants of ranks in one process on one GPU (memory ordered at GPU scope), on one rank alone:
     # nothing then waits on a peer in the same process.
-    MOONCAKE_EP_TEST_TIMEOUT_US=120000000 step "sanitizer_${tool}_in_process" 300 compute-sanitizer --tool "$tool" \
-      --report-api-errors no --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_low_latency.py -k "R1-"
+    MOONCAKE_EP_TEST_TIMEOUT_US=120000000 step "sanitizer_${tool}_in_process" 300 "${sanitizer[@]}" \
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_low_latency.py -k "R1-"
   done
 fi
 if [ -n "${PACK_TO:-}" ]; then
