@@ -56,10 +56,9 @@ struct State {
     uint32_t combine_recv_done[kNumParities];
     uint32_t dispatch_staged_target[kNumParities];  // dispatch_staged once the current call's send half is out
     // dispatch: the sources that some receiving block of the current call found routed but never
-    // staged (their rows written as zeros), a bit per rank: ranks 0-31 low, 32-63 high. The last
-    // block to finish takes them out of recv_range and clears the bits.
-    uint32_t dispatch_unstaged_low[kNumParities];
-    uint32_t dispatch_unstaged_high[kNumParities];
+    // staged (their rows written as zeros), bit r for rank r. The last block to finish takes them
+    // out of recv_range and clears the word.
+    uint64_t dispatch_unstaged[kNumParities];
 };
 
 struct Layout {

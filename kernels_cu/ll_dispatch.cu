@@ -35,7 +35,7 @@
 //       written as zeros (fp8: scale 0). Each block decides this for its own rows: a count that
 //       lands just as the timeout passes can leave some blocks' rows of that source copied and
 //       others' zero (the counts are the same either way). A block that finds a source so sets its
-//       bit in state.dispatch_unstaged_*[parity];
+//       bit in state.dispatch_unstaged[parity];
 //     - the rows are numbered over the grid in pair order; warp w of W copies the rows numbered w
 //       modulo W: one load per lane finds the source tokens of its next 32 rows, then each row (and
 //       its scales; packed to UE8M0 when asked) is copied from the source's send_x into
@@ -63,7 +63,7 @@
 
 static_assert(EP_NUM_THREADS % 32 == 0 && EP_NUM_THREADS <= 1024, "EP_NUM_THREADS must be whole warps, <= 1024");
 static_assert(EP_MAX_RANKS <= EP_NUM_THREADS, "one thread waits per source rank");
-static_assert(EP_MAX_RANKS <= 64, "state.dispatch_unstaged_* hold a bit per source rank");
+static_assert(EP_MAX_RANKS <= 64, "state.dispatch_unstaged holds a bit per source rank");
 static_assert(EP_NUM_THREADS >= 2 * 32, "a block of both halves has a planning warp and at least one staging warp");
 static_assert(EP_FP8_BLOCK == 128, "a 128-channel scale block is 16 lanes of 8 channels");
 
@@ -503,8 +503,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             s_staged[src] = staged;
             unstaged_here = s_verdict[src] == kSourceLive && !staged;
             if (unstaged_here)  // its rows are zeros here: the last block keeps every combine off them
-                atomicOr(src < 32 ? state->dispatch_unstaged_low + parity : state->dispatch_unstaged_high + parity,
-                         1u << (src % 32));
+                atomicOr(reinterpret_cast<unsigned long long*>(state->dispatch_unstaged + parity), 1ull << src);
         }
         const bool block_unstaged = __syncthreads_or(unstaged_here);
         EP_TRACE_POINT(8);
@@ -551,14 +550,12 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         if (finish_block(&state->dispatch_recv_done[parity], &s_is_last, block_unstaged, &s_any_unstaged)) {
             if (s_any_unstaged) {
                 // Every block's bits and block 0's recv_range are ordered before this (finish_block).
-                const uint64_t unstaged = static_cast<uint64_t>(ld_acquire_u32(state->dispatch_unstaged_high + parity))
-                                              << 32 |
-                                          ld_acquire_u32(state->dispatch_unstaged_low + parity);
+                const uint64_t unstaged = ld_acquire_sys(state->dispatch_unstaged + parity);
                 int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
                 for (int i = threadIdx.x; i < num_pairs; i += blockDim.x)  // i = local expert * R + source
                     if ((unstaged >> (i % num_ranks)) & 1ull) recv_range[i].y = 0;
                 __syncthreads();  // every thread has read the bits
-                if (threadIdx.x == 0) state->dispatch_unstaged_low[parity] = state->dispatch_unstaged_high[parity] = 0u;
+                if (threadIdx.x == 0) state->dispatch_unstaged[parity] = 0ull;
             }
             if (threadIdx.x == 0) {
                 state->dispatch_step[parity] = step;

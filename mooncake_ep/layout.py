@@ -16,11 +16,17 @@ import numpy as np
 from mooncake_ep._constants import FP8_BLOCK, MAX_RANKS, MAX_TOPK, WORKSPACE_ALIGNMENT
 
 NUM_PARITIES = 2
-# ep::State, field by field: each an array of NUM_PARITIES u32 (epochs, block finish counters, dispatch's
-# staging count and the count its current call announced, the sources it found unstaged as two bit words).
-STATE_FIELDS = ("dispatch_step", "combine_step", "dispatch_staged", "dispatch_recv_done", "combine_send_done",
-                "combine_recv_done", "dispatch_staged_target", "dispatch_unstaged_low", "dispatch_unstaged_high")
-STATE_BYTES = len(STATE_FIELDS) * NUM_PARITIES * 4
+# ep::State, field by field, each an array of NUM_PARITIES: u32 epochs, block finish counters, dispatch's
+# staging count and the count its current call announced; then the sources dispatch found unstaged, a
+# u64 bit word.
+STATE_DTYPE = np.dtype(
+    [(name, np.uint32, (NUM_PARITIES,))
+     for name in ("dispatch_step", "combine_step", "dispatch_staged", "dispatch_recv_done", "combine_send_done",
+                  "combine_recv_done", "dispatch_staged_target")]
+    + [("dispatch_unstaged", np.uint64, (NUM_PARITIES,))]
+)
+STATE_FIELDS = STATE_DTYPE.names
+STATE_BYTES = STATE_DTYPE.itemsize
 FLAG_BYTES = 8
 ROUTE_ENTRY_BYTES = 8
 SOURCE_BYTES = 8  # one u64 address per parity
@@ -84,7 +90,8 @@ ROUTE_OFFSET = HEADER_OFFSETS["route"]
 
 def state_offset(field: str, parity: int) -> int:
     """Byte offset of ``State.field[parity]`` in the workspace."""
-    return HEADER_OFFSETS["state"] + (STATE_FIELDS.index(field) * NUM_PARITIES + parity) * 4
+    dtype, offset = STATE_DTYPE.fields[field][:2]
+    return HEADER_OFFSETS["state"] + offset + parity * dtype.base.itemsize
 
 
 def header_bytes() -> int:

@@ -29,7 +29,6 @@ import faulthandler
 import gc
 import json
 import os
-import struct
 import sys
 import threading
 import time
@@ -47,11 +46,9 @@ from mooncake_ep import _constants, _cuda_backend, buffer, kernels, layout  # no
 
 def dump_workspace(cuda, trace: bool) -> dict:
     """Steps and flags of this rank's workspace (no kernel of any rank runs: see destroy below)."""
-    state = struct.unpack(f"<{layout.STATE_BYTES // 4}I", cuda.workspace.peek(layout.HEADER_OFFSETS["state"],
-                                                                            layout.STATE_BYTES))
-    per_field = layout.NUM_PARITIES
-    out = {"rank": cuda.group.rank,
-           "state": {n: list(state[per_field * i: per_field * (i + 1)]) for i, n in enumerate(layout.STATE_FIELDS)}}
+    raw = cuda.workspace.peek(layout.HEADER_OFFSETS["state"], layout.STATE_BYTES)
+    state = np.frombuffer(raw, dtype=layout.STATE_DTYPE)[0]
+    out = {"rank": cuda.group.rank, "state": {name: state[name].tolist() for name in layout.STATE_FIELDS}}
     num_ranks = cuda.group.world_size
     for region in ("dispatch_flag", "dispatch_verdict", "combine_flag", "combine_verdict", "combine_ack"):
         raw = cuda.workspace.peek(layout.HEADER_OFFSETS[region], layout.NUM_PARITIES * _constants.MAX_RANKS * 8)

@@ -86,8 +86,10 @@ def test_every_field_has_the_header_offset_and_size(header_layout):
 def test_every_state_field_has_the_header_offset(header_layout):
     for name in layout.STATE_FIELDS:
         offset = layout.state_offset(name, 0) - layout.HEADER_OFFSETS["state"]
-        assert header_layout[f"State.{name}"] == (offset, layout.NUM_PARITIES * 4), (
-            f"ep::State::{name} is at {header_layout[f'State.{name}']} in layout.cuh, layout.py puts it at {offset}")
+        size = layout.STATE_DTYPE.fields[name][0].itemsize
+        assert header_layout[f"State.{name}"] == (offset, size), (
+            f"ep::State::{name} is at {header_layout[f'State.{name}']} in layout.cuh, layout.py puts it at "
+            f"{(offset, size)} (offset, bytes)")
 
 
 def test_struct_sizes_match(header_layout):
