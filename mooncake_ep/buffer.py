@@ -304,9 +304,9 @@ class Buffer:
                 :meth:`get_ep_buffer_size_hint`.
             num_topk: K, in [1, 16].
         """
-        check_int("grad_buffer_size_hint", "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank,
-                  minimum=1)
-        check_int("grad_buffer_size_hint", "num_topk", num_topk, minimum=1, maximum=_constants.MAX_TOPK)
+        num_max_dispatch_tokens_per_rank = check_int("grad_buffer_size_hint", "num_max_dispatch_tokens_per_rank",
+                                                     num_max_dispatch_tokens_per_rank, minimum=1)
+        num_topk = check_int("grad_buffer_size_hint", "num_topk", num_topk, minimum=1, maximum=_constants.MAX_TOPK)
         return Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank * num_topk, hidden, num_ranks,
                                               num_experts)
 
@@ -359,15 +359,16 @@ class Buffer:
         if self._destroyed:  # the flag first: this is every call's path
             self._check_alive(where)
         x_view = read_array(x, name="dispatch: x")
-        stream_ptr = self._stream_for(x_view)
+        stream_ptr = self._stream_for(where, "x", x_view)
         order = _dlpack_stream(x_view, stream_ptr)
         topk_view = read_array(topk_idx, name="dispatch: topk_idx", stream=order)
         active_view = read_array(active_ranks, name="dispatch: active_ranks", stream=order)
         check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                      async_finish=async_finish, return_recv_hook=return_recv_hook)
-        check_mutable(where, x_view, out, return_recv_hook)
-        check_timeout(where, timeout_us)
-        check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        check_mutable(where, "x", x_view, out, return_recv_hook)
+        timeout_us = check_timeout(where, timeout_us)
+        num_max_dispatch_tokens_per_rank = check_int(where, "num_max_dispatch_tokens_per_rank",
+                                                     num_max_dispatch_tokens_per_rank, minimum=1)
         out_views = read_out(where, out, use_fp8, order)
         written_tensors = _torch_outputs(where, out_views, _DISPATCH_SPAN_NAMES[use_fp8, True][0])
         # num_experts's type too: 2.0 equals 2 as a key, and must not find the plan of 2 unchecked.
@@ -379,6 +380,7 @@ class Buffer:
             plan = self._plan_dispatch(where, x_view, topk_view, active_view, out_views,
                                        num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0)
             self._remember(key, plan, x_view)
+        num_experts = int(num_experts)  # checked by the plan; a numpy integer would wrap in the shapes below
         if x_view.device_type == "cpu":  # values of host arrays: read every call
             check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
         elif x_view.ptr % VECTOR_BYTES:
@@ -431,7 +433,7 @@ class Buffer:
     def _plan_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
                        out_views, num_max_tokens: int, num_experts: int, use_fp8: bool, use_ue8m0: bool) -> _Plan:
         """Check everything about a dispatch that its arrays' layouts decide; return what the call needs."""
-        check_experts(where, num_experts, self.num_ranks)
+        num_experts = check_experts(where, num_experts, self.num_ranks)
         check_array(where, "x", x_view, dtypes=("bfloat16",), ndim=2)
         num_tokens, hidden = x_view.shape
         check_hidden(where, "x.shape[1] (hidden)", hidden)
@@ -559,14 +561,14 @@ class Buffer:
                             f"has no active_ranks); pass handle=handle")
         self._check_handle(where, handle)
         topk_view = read_array(topk_idx, name="combine: topk_idx")
-        stream_ptr = self._stream_for(topk_view)
+        stream_ptr = self._stream_for(where, "topk_idx", topk_view)
         order = _dlpack_stream(topk_view, stream_ptr)
         weights_view = read_array(topk_weights, name="combine: topk_weights", stream=order)
         active_view = read_array(active_ranks, name="combine: active_ranks", stream=order)
         check_flags(where, async_finish=async_finish, return_recv_hook=return_recv_hook, zero_copy=zero_copy,
                     renormalize=renormalize)
-        check_mutable(where, topk_view, out, return_recv_hook)
-        check_timeout(where, timeout_us)
+        check_mutable(where, "topk_idx", topk_view, out, return_recv_hook)
+        timeout_us = check_timeout(where, timeout_us)
         if zero_copy and handle.backend == "reference" and "combine_buffer" not in handle.state:
             raise ValueError(f"{where}: zero_copy=True reads the expert outputs from get_next_combine_buffer(handle); "
                              f"call it and write them there first, or pass x with zero_copy=False")
@@ -804,15 +806,17 @@ class Buffer:
 
     # --- shared steps ---------------------------------------------------------------------------
 
-    def _stream_for(self, view: ArrayView) -> int:
-        """The caller's current stream for a CUDA array (0 for host arrays), checking the backend."""
+    def _stream_for(self, where: str, name: str, view: ArrayView) -> int:
+        """The caller's current stream for a CUDA array (0 for host arrays), checking the backend;
+        ``name``: the call's first array, ``view``."""
         if view.device_type == "cpu":
             return 0
         if self._cuda is None:
-            raise TypeError(f"this Buffer runs on the numpy reference backend (backend={self.backend!r}); "
-                            f"arrays on cuda:{view.device_id} need a Buffer built where a GPU is visible")
+            raise TypeError(f"{where}: {name} is on cuda:{view.device_id}, and this Buffer runs on the numpy "
+                            f"reference backend (backend={self.backend!r}); build the Buffer where a GPU is visible")
         if view.device_id != self._cuda.device_id:
-            raise TypeError(f"arrays are on cuda:{view.device_id}, this Buffer's rank uses cuda:{self._cuda.device_id}")
+            raise TypeError(f"{where}: {name} is on cuda:{view.device_id}, this Buffer's rank uses "
+                            f"cuda:{self._cuda.device_id}")
         return frameworks.get(view.framework).current_stream(view.device_id)
 
     def _launch_stream(self, async_finish: bool, stream_ptr: int) -> int:

@@ -79,6 +79,7 @@ from mooncake_ep.buffer import Buffer
 from mooncake_ep.frameworks import jax_args, jax_ops, jax_split
 from mooncake_ep.frameworks.jax_ops import Handle, PendingCombine, PendingDispatch
 from mooncake_ep.group import LocalGroup
+from mooncake_ep.validation import check_int
 
 __all__ = ["Handle", "PendingDispatch", "PendingCombine", "dispatch", "combine", "dispatch_send", "dispatch_recv",
            "combine_send", "combine_recv", "grad_buffer_size_hint", "make_buffers", "destroy_buffers"]
@@ -87,6 +88,13 @@ BufferArg = Buffer | Mapping[Any, Buffer]
 
 
 # --- dispatch ---------------------------------------------------------------------------------------
+
+
+def _static_ints(where: str, num_max_dispatch_tokens_per_rank, num_experts) -> tuple[int, int]:
+    """T and E as Python ints (numpy's small integers would wrap in the shapes worked out from them);
+    the Buffer's checks refuse the rest of what is wrong with them (E not a multiple of the ranks)."""
+    return (check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1),
+            check_int(where, "num_experts", num_experts, minimum=1, maximum=_constants.MAX_EXPERTS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +157,7 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
     """
     where = "mooncake_ep.jax.dispatch"
     ranks = jax_args.as_ranks(where, buffer)
+    num_max_dispatch_tokens_per_rank, num_experts = _static_ints(where, num_max_dispatch_tokens_per_rank, num_experts)
     x, topk_idx, active_ranks = (jax_args.as_jax(where, name, value) for name, value in
                                  (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
     jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, active_ranks=active_ranks)
@@ -344,6 +353,8 @@ def _values(tree):
 def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg, handle: Handle) -> jax_args.Ranks:
     """The Ranks of ``grad_buffer``: other Buffers of the same group, large enough for T * num_topk tokens."""
     grad_ranks = jax_args.as_ranks(f"{where}: grad_buffer", grad_buffer)
+    for buffer in grad_ranks.buffers:  # here, not in a backward pass long after this call
+        buffer._check_alive(f"{where}: grad_buffer")
     config = handle.config
     needed = grad_buffer_size_hint(config.num_max_dispatch_tokens_per_rank, config.hidden, config.num_ranks,
                                    config.num_experts, config.num_topk)
@@ -399,6 +410,7 @@ def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_to
     where = "mooncake_ep.jax.dispatch_send"
     if not isinstance(buffer, Buffer):
         raise TypeError(f"{where}: buffer must be one rank's mooncake_ep.Buffer, got {type(buffer).__name__}")
+    num_max_dispatch_tokens_per_rank, num_experts = _static_ints(where, num_max_dispatch_tokens_per_rank, num_experts)
     arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
     jax_args.check_eager_expert_ids(where, arrays[1], num_experts, num_max_dispatch_tokens_per_rank)

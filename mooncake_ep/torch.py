@@ -222,6 +222,7 @@ def _check_grad_buffer(buffer: Buffer, grad_buffer, handle) -> None:
                         f"mooncake_ep.torch.grad_buffer_size_hint(T, hidden, num_ranks, num_experts, num_topk)")
     if not isinstance(grad_buffer, Buffer):
         raise TypeError(f"{where}: grad_buffer must be a mooncake_ep.Buffer, got {type(grad_buffer).__name__}")
+    grad_buffer._check_alive(f"{where}: grad_buffer")  # here, not in a backward long after this call
     if grad_buffer is buffer or grad_buffer.num_ranks != buffer.num_ranks:
         raise ValueError(f"{where}: grad_buffer must be another Buffer of the same group ({buffer.num_ranks} ranks), "
                          f"got {'the forward Buffer' if grad_buffer is buffer else f'{grad_buffer.num_ranks} ranks'}")

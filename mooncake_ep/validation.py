@@ -20,30 +20,38 @@ __all__ = ["check_int", "check_hidden", "check_experts", "check_timeout", "check
            "IMMUTABLE_FRAMEWORKS", "VECTOR_BYTES"]
 
 
-def check_int(where: str, name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> None:
+def check_int(where: str, name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python int, if it is an int or a numpy integer in [minimum, maximum].
+
+    Callers go on with the returned int: numpy's small integers wrap in the arithmetic of shapes and
+    sizes (``np.int16(256) * 2 * 64`` is 0 with a warning), where a Python int does not.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{where}: {name} must be <= {maximum}, got {value}")
+    return int(value)
 
 
-def check_hidden(where: str, name: str, hidden) -> None:
-    check_int(where, name, hidden, minimum=1)
+def check_hidden(where: str, name: str, hidden) -> int:
+    hidden = check_int(where, name, hidden, minimum=1)
     if hidden % _constants.HIDDEN_ALIGNMENT:
         raise ValueError(f"{where}: {name} must be a multiple of {_constants.HIDDEN_ALIGNMENT}, got {hidden}")
+    return hidden
 
 
-def check_experts(where: str, num_experts, num_ranks: int) -> None:
-    check_int(where, "num_experts", num_experts, minimum=1, maximum=_constants.MAX_EXPERTS)
+def check_experts(where: str, num_experts, num_ranks: int) -> int:
+    num_experts = check_int(where, "num_experts", num_experts, minimum=1, maximum=_constants.MAX_EXPERTS)
     if num_experts % num_ranks:
         raise ValueError(f"{where}: num_experts must be a multiple of num_ranks={num_ranks}, got {num_experts}")
+    return num_experts
 
 
-def check_timeout(where: str, timeout_us) -> None:
-    check_int(where, "timeout_us", timeout_us, minimum=_constants.TIMEOUT_FOREVER,
-              maximum=_constants.MAX_TIMEOUT_US)
+def check_timeout(where: str, timeout_us) -> int:
+    return check_int(where, "timeout_us", timeout_us, minimum=_constants.TIMEOUT_FOREVER,
+                     maximum=_constants.MAX_TIMEOUT_US)
 
 
 def check_bool(where: str, name: str, value) -> None:
@@ -222,9 +230,14 @@ def check_disjoint(where: str, names: tuple[str, ...], views, nbytes: tuple[int,
 IMMUTABLE_FRAMEWORKS = ("jax",)
 
 
-def check_mutable(where: str, view: ArrayView, out, return_recv_hook: bool) -> None:
+def check_mutable(where: str, name: str, view: ArrayView, out, return_recv_hook: bool) -> None:
+    """TypeError for out= or return_recv_hook=True in a call whose results are of an immutable framework
+    (that of ``view``, the call's array ``name``): its results are new arrays, built once the call is
+    done, never arrays filled in place or later."""
     if view.framework not in IMMUTABLE_FRAMEWORKS:
         return
     if return_recv_hook or out is not None:
-        raise TypeError(f"{where}: {view.framework} arrays are immutable, so return_recv_hook=True and out= cannot "
-                        f"fill them later; call without them (or pass torch, cupy or numpy arrays)")
+        given = "out=" if out is not None else "return_recv_hook=True"
+        raise TypeError(f"{where}: {name} is a {view.framework} array, so the results are new {view.framework} arrays "
+                        f"(immutable), built once the call is done, and {given} would fill arrays in place or later; "
+                        f"call without it (or pass torch, cupy or numpy arrays)")

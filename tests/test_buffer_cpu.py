@@ -24,7 +24,7 @@ from _cases import BF16, Case, bits, make_case, reference_step  # one definition
 import mooncake_ep as ep
 from mooncake_ep import reference
 from mooncake_ep.buffer import EventOverlap, Handle, _Plan
-from mooncake_ep.tensor import read_array
+from mooncake_ep.tensor import DeviceMemoryArray, read_array
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 # Seconds a collective waits in these tests: a call that communicated on one rank only fails fast.
@@ -147,9 +147,10 @@ def split_recv(recv_x, flags):
 
 
 def run_step(buf: ep.Buffer, case: Case, rank: int, flags: dict, framework: str = "numpy",
-             renormalize: bool = False) -> Step:
-    """A plain dispatch then combine of ``case`` on ``rank``; expert outputs from :func:`expert_fn`."""
-    args = dispatch_args(case, rank, framework)
+             renormalize: bool = False, **overrides) -> Step:
+    """A plain dispatch then combine of ``case`` on ``rank``; expert outputs from :func:`expert_fn`.
+    ``overrides``: dispatch arguments other than the case's (the same values in another form)."""
+    args = dispatch_args(case, rank, framework, **overrides)
     recv_x, recv_count, handle, _, _ = buf.dispatch(**args, **flags)
     q, scales = split_recv(recv_x, flags)
     dispatch_mask = to_numpy(args["active_ranks"]).copy()
@@ -240,6 +241,21 @@ def test_int32_topk_idx_gives_the_same_results():
     for a, b in spawn(2, rank_fn):
         np.testing.assert_array_equal(bits(a.combined), bits(b.combined))
         np.testing.assert_array_equal(a.recv_count, b.recv_count)
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_numpy_integer_sizes_give_the_results_of_python_ints(framework):
+    # In uint8 arithmetic the R * T = 400 rows per expert of recv_x would wrap to 144.
+    case = make_case(12, num_ranks=2, num_max_tokens=200, hidden=128, num_experts=4)
+    import_framework(framework)
+
+    def rank_fn(group):
+        return run_step(new_buffer(group, case), case, group.rank, BF16_FLAGS, framework,
+                        num_max_dispatch_tokens_per_rank=np.uint8(200), num_experts=np.uint8(4))
+
+    check_steps(case, BF16_FLAGS, spawn(2, rank_fn))
+    assert ep.Buffer.get_grad_buffer_size_hint(np.int16(4096), 128, 2, 4, np.int16(16)) == \
+        ep.Buffer.get_grad_buffer_size_hint(4096, 128, 2, 4, 16)
 
 
 def test_renormalize_equals_reference():
@@ -772,8 +788,9 @@ def test_zero_copy_combine_refuses_to_write_into_the_buffer_it_reads():
     check_steps(case, flags, spawn(2, rank_fn), masks=False)
 
 
-@pytest.mark.parametrize("overrides", [dict(return_recv_hook=True), dict(out="allocated")], ids=["hook", "out"])
-def test_jax_callers_cannot_ask_for_arrays_filled_later(overrides):
+@pytest.mark.parametrize("overrides,given", [(dict(return_recv_hook=True), "return_recv_hook=True"),
+                                             (dict(out="allocated"), "out=")], ids=["hook", "out"])
+def test_jax_callers_cannot_ask_for_arrays_filled_later(overrides, given):
     """JAX arrays are immutable: hook mode, out= and the zero-copy buffer are refused before any communication."""
     pytest.importorskip("jax")
     case = make_case(19, num_ranks=1, hidden=128)
@@ -785,7 +802,8 @@ def test_jax_callers_cannot_ask_for_arrays_filled_later(overrides):
         if call.get("out") == "allocated":
             call["out"] = (np.zeros((case.num_local_experts, case.num_max_tokens, case.hidden), "uint16"),
                            np.zeros(case.num_local_experts, np.int32))
-        with pytest.raises(TypeError, match="immutable"):
+        with pytest.raises(TypeError, match=rf"dispatch: x is a jax array, so the results are new jax arrays "
+                                            rf"\(immutable\), built once the call is done, and {given} would fill"):
             buf.dispatch(**args, **BF16_FLAGS, **call)
         recv_x, _, handle, _, _ = buf.dispatch(**args, **BF16_FLAGS)
         with pytest.raises(TypeError, match=r"get_next_combine_buffer: the dispatch's arrays are jax arrays, which "
@@ -812,6 +830,12 @@ def read_only(a: np.ndarray) -> np.ndarray:
     a = a.copy()
     a.flags.writeable = False
     return a
+
+
+def on_cuda(a: np.ndarray) -> DeviceMemoryArray:
+    """An array that says it is on cuda:0 (its bytes are host memory: a reference Buffer must refuse it unread)."""
+    dtype = "bfloat16" if a.dtype == BF16 else a.dtype.name
+    return DeviceMemoryArray(a.ctypes.data, a.shape, dtype, "cuda", 0, owner=a)
 
 
 def shared_mask_and_count(c) -> dict:
@@ -860,6 +884,8 @@ def other_expert(c) -> np.ndarray:
 
 DISPATCH_REJECTIONS = [
     # (id, exception, pattern the message must match, overrides of the rank's good dispatch)
+    ("x-on-cuda", TypeError, r"dispatch: x is on cuda:0, and this Buffer runs on the numpy reference backend",
+     lambda c: dict(x=on_cuda(VCASE.xs[c.rank]))),
     ("x-float32", TypeError, r"dispatch: x must be bfloat16, got float32",
      lambda c: dict(x=VCASE.xs[c.rank].astype(np.float32))),
     ("x-not-contiguous", ValueError, r"dispatch: x must be contiguous",
@@ -941,6 +967,8 @@ DISPATCH_REJECTIONS = [
 
 
 COMBINE_REJECTIONS = [
+    ("topk-on-cuda", TypeError, r"combine: topk_idx is on cuda:0, and this Buffer runs on the numpy reference backend",
+     lambda c: dict(topk_idx=on_cuda(VCASE.topk_idxs[c.rank]))),
     ("x-float32", TypeError, r"combine: x must be bfloat16, got float32",
      lambda c: dict(x=c.expert_out.astype(np.float32))),
     ("x-not-contiguous", ValueError, r"combine: x must be contiguous", lambda c: dict(x=non_contiguous(c.expert_out))),

@@ -372,7 +372,7 @@ def test_torch_bad_input_is_refused_and_the_buffer_still_works():
         with pytest.raises(TypeError, match=r"dispatch: x must be bfloat16, got float16"):
             buffer.dispatch(x.half(), topk, active, *args)
         if torch.cuda.device_count() > 1:
-            with pytest.raises(TypeError, match=r"arrays are on cuda:1, this Buffer's rank uses cuda:0"):
+            with pytest.raises(TypeError, match=r"dispatch: x is on cuda:1, this Buffer's rank uses cuda:0"):
                 buffer.dispatch(x.to("cuda:1"), topk.to("cuda:1"), active.to("cuda:1"), *args)
         recv, count, handle, _, _ = buffer.dispatch(x, topk, active, *args, timeout_us=TIMEOUT_US, use_fp8=False)
         with pytest.raises(TypeError, match=r"combine: topk_weights must be float32, got float64"):

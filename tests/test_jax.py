@@ -105,10 +105,12 @@ def reference_buffer(group, case: Case, num_bytes=None) -> ep.Buffer:
 # --- one rank per thread, each with its own CPU device: eager and jit ----------------------------------
 
 
-def rank_step(buffer, case: Case, rank: int, flags: dict, jit: bool):
+def rank_step(buffer, case: Case, rank: int, flags: dict, jit: bool, sizes=None):
+    """``sizes``: T and E as the op gets them (the case's ints by default)."""
+    num_max_tokens, num_experts = sizes or (case.num_max_tokens, case.num_experts)
+
     def step(x, topk, weights, active):
-        recv, count, handle, active = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts,
-                                                   **flags)
+        recv, count, handle, active = epj.dispatch(buffer, x, topk, active, num_max_tokens, num_experts, **flags)
         y = expert_fn(rank, recv, flags)
         combined, active = epj.combine(buffer, y, topk, weights, active, handle)
         return recv, count, combined, active
@@ -131,6 +133,20 @@ def test_dispatch_and_combine_equal_reference(flag_id, jit):
         check_rank(rank, dispatched[rank], recv, count, flags)
         np.testing.assert_array_equal(bits(out), bits(combined[rank][0]), err_msg=f"rank {rank}: combined")
         np.testing.assert_array_equal(active, combined[rank][1], err_msg=f"rank {rank}: mask")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_numpy_integer_sizes_give_the_results_of_python_ints(jit):
+    # In uint8 arithmetic the R * T = 400 rows per expert of recv_x would wrap to 144.
+    flags = FLAGS["bf16"]
+    case = make_case(13, num_ranks=2, num_max_tokens=200, hidden=128, num_experts=4)
+    cpu_devices(2)
+    results = spawn(2, lambda g: rank_step(reference_buffer(g, case), case, g.rank, flags, jit,
+                                           sizes=(np.uint8(200), np.uint8(4))))
+    dispatched, combined = expected(case, flags)
+    for rank, (recv, count, out, _) in enumerate(results):
+        check_rank(rank, dispatched[rank], recv, count, flags)
+        np.testing.assert_array_equal(bits(out), bits(combined[rank][0]), err_msg=f"rank {rank}: combined")
 
 
 def test_the_mask_comes_back_and_the_input_is_untouched():
@@ -692,6 +708,11 @@ def test_unsupported_transformations_name_the_alternative():
         epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=buffer)
     with pytest.raises(ValueError, match=r"grad_buffer has \d+ bytes, the gradient needs \d+ \(grad_buffer_size_hint"):
         epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=spawn(1, lambda g: reference_buffer(g, case))[0])
+    destroyed = spawn(1, lambda g: reference_buffer(g, case, epj.grad_buffer_size_hint(T, case.hidden, 1, E,
+                                                                                       case.num_topk)))[0]
+    destroyed.destroy()
+    with pytest.raises(RuntimeError, match=r"mooncake_ep.jax.combine: grad_buffer: this Buffer was destroyed"):
+        epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=destroyed)
     with pytest.raises(ValueError, match=r"grad_parity must be 0 or 1 \(the workspace half\), got True"):
         epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=grad_buffer, grad_parity=True)
     with pytest.raises(TypeError, match=r"dispatch_send is not differentiable; for training use "

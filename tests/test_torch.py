@@ -289,6 +289,9 @@ def test_refusals_name_the_argument_and_leave_the_buffer_usable():
             ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=small)
         with pytest.raises(TypeError, match=r"combine: topk_weights must be float32, got float64"):
             ept.combine(buffer, y, topks[0], weights[0].double(), active, handle, grad_buffer=grad_buffer)
+        small.destroy()
+        with pytest.raises(RuntimeError, match=r"mooncake_ep.torch.combine: grad_buffer: this Buffer was destroyed"):
+            ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=small)
         with torch.no_grad():  # an evaluation records no backward: inputs that require grad need no grad_buffer
             evaluated = ept.combine(buffer, y, topks[0], torch.nn.Parameter(weights[0].clone()), active, handle)
         out = ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=grad_buffer)
