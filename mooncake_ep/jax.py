@@ -1,4 +1,4 @@
-"""JAX dispatch and combine: eager, under ``jax.jit`` and ``shard_map``, differentiable.
+"""JAX dispatch and combine: eager, under ``jax.jit`` and ``jax.jit(shard_map(...))``, differentiable.
 
 Each call is one ``jax.experimental.buffer_callback`` op that runs in XLA's stream: on a GPU it
 launches the kernels of :class:`mooncake_ep.Buffer` on XLA's buffers, on the CPU it runs the numpy
@@ -53,7 +53,10 @@ Note:
     dispatch (fp8, of zeros) to rebuild the routing in the workspace, since the workspace keeps the
     routing of the last dispatches only. Not supported: gradients of an fp8 dispatch, of
     ``renormalize=True``, and of the split form (use :func:`dispatch` / :func:`combine`, one
-    rank per device); ``jax.vmap`` (use ``shard_map``) and forward-mode ``jax.jvp``.
+    rank per device); ``jax.vmap`` (use ``shard_map``), forward-mode ``jax.jvp``, and a
+    ``shard_map`` outside ``jax.jit`` (JAX runs a custom_vjp with symbolic zeros in shard_map only
+    when traced). ``jax.checkpoint`` refuses a step in which a rank has no tokens (its ops keep a
+    side effect, see :mod:`mooncake_ep.frameworks.jax_ops`): give it one token whose ids are all -1.
 
     **CPU.** On the CPU each rank's collective runs through its group (a :class:`LocalGroup` of
     threads): the ranks must run at once, so give each rank its own JAX CPU device
@@ -78,7 +81,7 @@ from mooncake_ep import _constants
 from mooncake_ep.buffer import Buffer
 from mooncake_ep.frameworks import jax_args, jax_ops, jax_split
 from mooncake_ep.frameworks.jax_ops import Handle, PendingCombine, PendingDispatch
-from mooncake_ep.group import LocalGroup
+from mooncake_ep.group import DEFAULT_TIMEOUT_S, LocalGroup
 from mooncake_ep.validation import check_int
 
 __all__ = ["Handle", "PendingDispatch", "PendingCombine", "dispatch", "combine", "dispatch_send", "dispatch_recv",
@@ -164,7 +167,7 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
     jax_args.check_eager_expert_ids(where, topk_idx, num_experts, num_max_dispatch_tokens_per_rank)
     static = _DispatchStatic(ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
                              round_scale, use_ue8m0, jax_args.check_parity(where, parity), command_buffer_compatible)
-    return _dispatch(static, x, topk_idx, active_ranks)
+    return _bind(where, _dispatch, static, x, topk_idx, active_ranks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -271,7 +274,7 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
     grad_parity = jax_args.check_parity(where, grad_parity, "grad_parity")
     static = _CombineStatic(ranks, grad_ranks, grad_parity, timeout_us, renormalize,
                             command_buffer_compatible)
-    return _combine(static, x, topk_idx, topk_weights, active_ranks, handle)
+    return _bind(where, _combine, static, x, topk_idx, topk_weights, active_ranks, handle)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -342,6 +345,21 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd, symbolic_zeros=True)
+
+
+def _bind(where: str, op, *args):
+    """``op(*args)`` (``_dispatch`` or ``_combine``), with JAX's refusal under an eager shard_map named.
+
+    The ops' custom_vjp takes symbolic zeros (a cotangent known to be zero costs no collective), which
+    shard_map supports only when traced, inside ``jax.jit``."""
+    try:
+        return op(*args)
+    except NotImplementedError as error:
+        if "shard_map" not in str(error):
+            raise
+        raise TypeError(f"{where}: shard_map outside jax.jit is not supported (JAX runs a custom_vjp with "
+                        f"symbolic zeros in shard_map only when it is traced); put jax.jit around the shard_map"
+                        ) from error
 
 
 def _values(tree):
@@ -490,7 +508,8 @@ def _combine_recv(static, pending):
 # --- building the Buffers -------------------------------------------------------------------------------
 
 
-def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, **options) -> dict:
+def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 **options) -> dict:
     """One Buffer per JAX device, as ranks of one in-process group, rank ``i`` on ``devices[i]``.
 
     Args:
@@ -501,6 +520,9 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, **options) ->
             mismatch is not detected (reading the position there would cost a host sync per call).
             GPUs get the kernels (``backend="cuda"``); CPU devices the reference.
         num_ep_buffer_bytes: workspace bytes per rank (:meth:`Buffer.get_ep_buffer_size_hint`).
+        timeout_s: seconds a rank's collective waits for the others (the :class:`LocalGroup`'s):
+            on the CPU every call is one, so this bounds how long the other devices' ops wait when
+            one device's op raised (then the group is broken, and every later call raises at once).
         **options: more keyword arguments of :class:`mooncake_ep.Buffer` (``num_sms``, ...).
 
     Returns:
@@ -522,7 +544,8 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, **options) ->
     if len(platforms) != 1:
         raise ValueError(f"make_buffers: devices must share one platform, got {sorted(platforms)}")
     on_gpu = platforms != {"cpu"}
-    group = LocalGroup(len(devices), devices=[d.local_hardware_id for d in devices] if on_gpu else None)
+    group = LocalGroup(len(devices), devices=[d.local_hardware_id for d in devices] if on_gpu else None,
+                       timeout_s=timeout_s)
     options.setdefault("backend", "cuda" if on_gpu else "reference")
     buffers = group.spawn(lambda g: Buffer(g, num_ep_buffer_bytes, **options))
     return dict(zip(devices, buffers))

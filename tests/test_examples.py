@@ -46,14 +46,15 @@ def assert_close(errors: dict, tolerance: float) -> None:
     assert all(v < tolerance for k, v in errors.items() if k != "ok"), errors
 
 
-def test_shard_map_layer_and_gradient_match_the_dense_layer_on_the_cpu():
+@pytest.mark.parametrize("num_topk", [2, 1])  # top-1: the router's gradient is zero (weights renormalised to 1)
+def test_shard_map_layer_and_gradient_match_the_dense_layer_on_the_cpu(num_topk):
     example = load_example()
     devices = jax.devices("cpu")[:4]
     if len(devices) < 4:
         pytest.skip("needs 4 JAX CPU devices")
     params, x = inputs(example, 4)
-    result = example.run_shard_map(devices, params, x, num_max_tokens=8, num_topk=2, train=True)
-    errors = example.check(result, params, x, 2)
+    result = example.run_shard_map(devices, params, x, num_max_tokens=8, num_topk=num_topk, train=True)
+    errors = example.check(result, params, x, num_topk)
     assert set(errors) == {"out", "grad x", "grad experts", "grad router", "ok"}
     assert_close(errors, example.TOLERANCE)
 

@@ -253,6 +253,28 @@ def test_shard_map_equals_reference(flag_id):
     epj.destroy_buffers(buffers)
 
 
+def test_shard_map_needs_jit_and_a_failing_device_breaks_the_group_after_its_timeout():
+    devices = cpu_devices(2)
+    case = make_case(14, num_ranks=2, num_experts=4, num_topk=1, num_tokens=[4, 4])
+    buffers = epj.make_buffers(devices, case.size_hint, timeout_s=0.5)
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+
+    def step(x, topk, active):
+        return epj.dispatch(buffers, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)[1]
+
+    sharded_step = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(step)
+    args = [sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.actives)]
+    with pytest.raises(TypeError, match=r"mooncake_ep.jax.dispatch: shard_map outside jax.jit is not supported .* "
+                                        r"put jax.jit around the shard_map"):
+        sharded_step(*args)
+    # Rank 1's ids are bad: its op raises before the collective, and rank 0's op gives up after the
+    # group's timeout (make_buffers' timeout_s), not the default 300 s.
+    bad = [case.topk_idxs[0], np.full_like(case.topk_idxs[1], case.num_experts)]
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"timed out after 0.5 s|topk_idx entries must be -1 or"):
+        jax.block_until_ready(jax.jit(sharded_step)(args[0], sharded(mesh, bad), args[2]))
+    epj.destroy_buffers(buffers)
+
+
 def test_a_mesh_in_another_order_than_the_buffers_is_refused_on_every_rank_at_once():
     """The mesh position is the rank the program's data assumes; the device's Buffer must have it. Every
     rank's position goes with the exchange, so ranks whose device is where it belongs (0 and 3 here)
