@@ -271,6 +271,7 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
         (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
     jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, topk_weights=topk_weights, active_ranks=active_ranks,
                            handle=handle.recv_count)
+    jax_args.check_eager_routing(where, topk_idx, handle.dispatched_topk_idx, handle.config.num_experts)
     grad_parity = jax_args.check_parity(where, grad_parity, "grad_parity")
     static = _CombineStatic(ranks, grad_ranks, grad_parity, timeout_us, renormalize,
                             command_buffer_compatible)
@@ -480,6 +481,7 @@ def combine_send(buffer: Buffer, x, topk_idx, topk_weights, active_ranks, handle
     jax_ops.check_handle(where, handle, jax_args.Ranks(buffer))
     arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
+    jax_args.check_eager_routing(where, arrays[1], handle.dispatched_topk_idx, handle.config.num_experts)
     options = dict(timeout_us=timeout_us, renormalize=renormalize, command_buffer_compatible=command_buffer_compatible)
     return _combine_send((buffer, tuple(sorted(options.items()))), *arrays, handle)
 

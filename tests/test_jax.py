@@ -669,10 +669,13 @@ def test_cpu_combine_refuses_ids_other_than_its_dispatchs():
                                                **flags)
         y = expert_fn(0, recv, flags)
         other = topk.at[0, 0].set((topk[0, 0] + 1) % case.num_experts)
-        with pytest.raises(jax.errors.JaxRuntimeError, match=r"mooncake_ep\.jax\.combine: topk_idx must name the "
-                                                              r"experts given to the dispatch of handle \(or -1\); "
-                                                              r"entry \(0, 0\) is"):
-            jax.block_until_ready(epj.combine(buffer, y, other, weights, active, handle))
+        refused = (r"mooncake_ep\.jax\.combine: topk_idx must name the experts given to the dispatch of handle "
+                   r"\(or -1\); entry \(0, 0\) is")
+        with pytest.raises(ValueError, match=refused):  # eager: at once, as dispatch's bad ids are
+            epj.combine(buffer, y, other, weights, active, handle)
+        with pytest.raises(jax.errors.JaxRuntimeError, match=refused):  # under jit: by the op, when it runs
+            jitted = jax.jit(lambda y, ids, w, a, h: epj.combine(buffer, y, ids, w, a, h))
+            jax.block_until_ready(jitted(y, other, weights, active, handle))
         return np.asarray(epj.combine(buffer, y, topk, weights, active, handle)[0])
 
     (combined,) = spawn(1, rank_fn)
@@ -684,10 +687,14 @@ def test_cpu_combine_refuses_ids_other_than_its_dispatchs():
     sent = epj.dispatch_send(buffers[0], x, topk, active, case.num_max_tokens, case.num_experts, **flags)
     ((recv, _, handle, active),) = epj.dispatch_recv([sent])
     other = topk.at[0, 1].set((topk[0, 1] + 1) % case.num_experts)
+    y = expert_fn(0, recv, flags)
+    with pytest.raises(ValueError, match=r"mooncake_ep\.jax\.combine_send: topk_idx must name the experts given to "
+                                         r"the dispatch of handle"):
+        epj.combine_send(buffers[0], y, other, weights, active, handle)
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"mooncake_ep\.jax\.combine_recv: topk_idx must name the "
                                                           r"experts given to the dispatch of handle"):
-        jax.block_until_ready(epj.combine_recv([epj.combine_send(buffers[0], expert_fn(0, recv, flags), other,
-                                                                 weights, active, handle)]))
+        split = jax.jit(lambda y, ids, w, a, h: epj.combine_recv([epj.combine_send(buffers[0], y, ids, w, a, h)]))
+        jax.block_until_ready(split(y, other, weights, active, handle))
 
 
 def test_arrays_of_other_frameworks_and_foreign_handles_are_refused():

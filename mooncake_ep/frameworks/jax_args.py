@@ -14,7 +14,7 @@ import numpy as np
 
 from mooncake_ep.buffer import Buffer
 from mooncake_ep.tensor import c_contiguous_strides, numpy_dtype, read_array
-from mooncake_ep.validation import check_expert_ids, first_index
+from mooncake_ep.validation import check_expert_ids, check_same_routing, first_index
 
 __all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_devices", "check_parity", "manual_axes",
            "varying_like", "DLPACK_CPU", "DLPACK_CUDA"]
@@ -255,19 +255,37 @@ def check_eager_expert_ids(where: str, topk_idx, num_experts, num_max_dispatch_t
     Raises:
         ValueError: an id outside [-1, num_experts), or an expert sent more than T copies.
     """
-    import jax
-
-    if isinstance(topk_idx, jax.core.Tracer) or not getattr(topk_idx, "is_fully_addressable", False):
-        return
-    if any(device.platform != "cpu" for device in topk_idx.devices()) or getattr(topk_idx, "ndim", 0) != 2:
-        return
+    if not _host_ids(topk_idx):
+        return  # a tracer, another device or dtype: the op's checks
     if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
                for n in (num_experts, num_max_dispatch_tokens_per_rank)):
         return
-    if topk_idx.shape[0] > num_max_dispatch_tokens_per_rank or topk_idx.dtype not in (np.int32, np.int64):
-        return  # the op names the token count, or the dtype, first
+    if topk_idx.shape[0] > num_max_dispatch_tokens_per_rank:
+        return  # the op names the token count first
     check_expert_ids(where, read_array(np.asarray(topk_idx), name=f"{where}: topk_idx"), num_experts,
                      num_max_dispatch_tokens_per_rank)
+
+
+def check_eager_routing(where: str, topk_idx, dispatched_topk_idx, num_experts: int) -> None:
+    """An eager combine's topk_idx on the CPU against its dispatch's (``validation.check_same_routing``),
+    here for the reason of :func:`check_eager_expert_ids`; other cases are left to the op.
+
+    Raises:
+        ValueError: an entry names another expert than the dispatch was given.
+    """
+    if not (_host_ids(topk_idx) and _host_ids(dispatched_topk_idx)) or topk_idx.shape != dispatched_topk_idx.shape:
+        return
+    check_same_routing(where, np.asarray(topk_idx), np.asarray(dispatched_topk_idx), num_experts)
+
+
+def _host_ids(ids) -> bool:
+    """A concrete 2-D integer JAX array on the CPU, whose values an eager call can read at once."""
+    import jax
+
+    if isinstance(ids, jax.core.Tracer) or not getattr(ids, "is_fully_addressable", False):
+        return False
+    return (all(device.platform == "cpu" for device in ids.devices()) and getattr(ids, "ndim", 0) == 2
+            and ids.dtype in (np.int32, np.int64))
 
 
 def _device_names(devices) -> str:
