@@ -558,6 +558,9 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
     with jax.enable_x64(True):
         with pytest.raises(TypeError, match=r"mooncake_ep.jax.combine: topk_weights must be float32, got float64"):
             epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0], jnp.float64), active, handle)
+        with pytest.raises(TypeError, match=r"mooncake_ep.jax.combine: topk_weights is a float64 numpy array; pass "
+                                            r"float32"):  # x64 on: JAX would keep it, and nothing takes float64
+            epj.combine(buffer, recv, topk, case.weights[0].astype(np.float64), active, handle)
         # with x64 on, int64 ids stay int64 and are accepted as such
         _, _, handle64, _ = epj.dispatch(buffer, x, jnp.asarray(case.topk_idxs[0], jnp.int64), active,
                                          case.num_max_tokens, case.num_experts, use_fp8=False)

@@ -179,9 +179,9 @@ def as_jax(where: str, name: str, value):
         if not value.dtype.isnative:  # JAX's own refusal names neither the call nor the argument
             raise TypeError(f"{where}: {name} is a byte-swapped numpy array ({value.dtype.str}); pass native byte "
                             f"order, e.g. {name}.astype({name}.dtype.newbyteorder('='))")
-        if value.dtype == np.float64:
-            raise TypeError(f"{where}: {name} is a float64 numpy array, which JAX would cast silently; pass "
-                            f"{_DTYPES_TAKEN.get(name, 'float32')}")
+        if value.dtype == np.float64:  # no argument takes float64
+            cast = "" if jax.config.jax_enable_x64 else ", which JAX would cast silently"
+            raise TypeError(f"{where}: {name} is a float64 numpy array{cast}; pass {_DTYPES_TAKEN.get(name, 'float32')}")
         narrowed_ids = name == "topk_idx" and value.dtype == np.int64 and not jax.config.jax_enable_x64
         if narrowed_ids and value.size:
             low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
