@@ -41,6 +41,7 @@ Note:
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -126,6 +127,24 @@ def _requires_grad(value) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
 
+def _differentiable_once(name: str):
+    """Refuse a backward that records a graph (``create_graph=True``, which runs it with grad mode on).
+
+    The backward's dispatches and combines record no graph, so a second derivative through them
+    would be silently zero; torch's ``once_differentiable`` refuses it only when the incoming
+    gradient itself requires grad, not for a loss linear in the output."""
+    def wrap(backward):
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"mooncake_ep.torch.{name}: a double backward (create_graph=True) is not supported: "
+                                   f"its backward is a dispatch and a combine, which record no graph, so the second "
+                                   f"derivative would be silently zero")
+            return backward(ctx, *grads)
+        return checked
+    return wrap
+
+
 class DispatchFunction(torch.autograd.Function):
     """``(x, topk_idx, active_ranks, buffer, T, E, timeout_us) -> (recv_x, recv_count, handle)``; see :func:`dispatch`."""
 
@@ -142,7 +161,8 @@ class DispatchFunction(torch.autograd.Function):
         return recv_x, recv_count, handle
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the calls below record no graph: refuse a double backward
+    @_differentiable_once("dispatch")
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_recv_x, grad_recv_count, grad_handle):
         if grad_recv_x is None:
             return (None,) * 7
@@ -177,6 +197,7 @@ class CombineFunction(torch.autograd.Function):
         return combined
 
     @staticmethod
+    @_differentiable_once("combine")
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         expert_out, topk_idx, topk_weights, dispatched_idx = ctx.saved_tensors

@@ -116,6 +116,15 @@ def test_the_demo_check_fails_one_token_missing_an_expert_among_many_right_ones(
     assert not result.passed and abs(result.relative_error - 0.05) < 1e-3
 
 
+def test_result_files_are_strict_json(tmp_path):
+    """A failed run's non-finite numbers are written as null, never Python's NaN / Infinity tokens."""
+    path = tmp_path / "r.json"
+    cli.write_json("--json", str(path), {"error": float("inf"), "ranks": [{"e": float("nan"), "ok": 1.5}], "t": (2,)})
+    reject = lambda token: pytest.fail(f"non-JSON token {token}")  # noqa: E731
+    assert json.loads(path.read_text(), parse_constant=reject) == {"error": None, "ranks": [{"e": None, "ok": 1.5}],
+                                                                   "t": [2]}
+
+
 def test_a_result_file_the_system_refuses_is_one_line_after_the_run(capsys):
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full (Linux)")
@@ -173,6 +182,7 @@ def test_bad_usage_returns_2(argv, capsys):
     (["demo", "--launch", "3"], "multiple of num_ranks=3"),
     (["demo", "--launch", "2", "--group", "init"], "leave out --group"),
     (["demo", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["demo", "--tolerance", "inf"], "--tolerance must be a finite number > 0, got inf"),
     (["demo", "--experts", "32", "--topk", "17"], "--topk must be <= 16 (the kernels' bound), got 17"),
     (["demo", "--timeout-us", "-5"], "--timeout-us must be >= -1"),
     (["demo", "--timeout-us", "9223372036854776"], "--timeout-us: timeout_us must be <= 9223372036854775"),

@@ -216,9 +216,11 @@ def test_a_moe_layer_trains_like_the_dense_layer():
         torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0, msg=f"grad {name}")
 
 
-def test_a_double_backward_is_refused():
+@pytest.mark.parametrize("loss", ["quadratic", "linear"])
+def test_a_double_backward_is_refused(loss):
     """The backward's dispatches and combines record no graph: a second derivative through them (a
-    gradient penalty, create_graph=True) raises instead of dropping its terms without a word."""
+    gradient penalty, create_graph=True) raises instead of dropping its terms without a word, also
+    for a loss linear in the output, whose incoming gradient does not require grad."""
     T, H, E, K = 4, 128, 2, 2
     xs, topks, weights = make_inputs(6, 1, T, H, E, K)
 
@@ -229,11 +231,14 @@ def test_a_double_backward_is_refused():
         recv, _, handle = ept.dispatch(buffer, x, topks[0], active, T, E)
         w = weights[0].clone().requires_grad_()
         out = ept.combine(buffer, recv * 2, topks[0], w, active, handle, grad_buffer=grad_buffer)
-        grad_x, grad_w = torch.autograd.grad((out.float() ** 2).sum(), (x, w), create_graph=True)
-        with pytest.raises(RuntimeError, match="differentiate twice"):
-            ((grad_x.float() ** 2).sum() + (grad_w ** 2).sum()).backward()
+        value = (out.float() ** 2).sum() if loss == "quadratic" else out.float().sum()
+        with pytest.raises(RuntimeError, match=r"mooncake_ep.torch.combine: a double backward \(create_graph=True\) "
+                                               r"is not supported"):
+            torch.autograd.grad(value, (x, w), create_graph=True, retain_graph=True)
+        grad_x, grad_w = torch.autograd.grad(value, (x, w))  # the graph and the buffers are still usable
+        return grad_x.shape, grad_w.shape
 
-    ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+    assert ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [((T, H), (T, K))]
 
 
 def test_only_the_needed_gradients_are_computed():

@@ -23,6 +23,7 @@ import argparse
 import importlib
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -79,13 +80,26 @@ def check_output_path(flag: str, path: str | None, suffix: str | None = None) ->
 
 
 def write_json(flag: str, path: str, report: dict) -> None:
-    """Write a run's ``report`` to ``path``; OutputError (one line, exit 1) if the system refuses."""
+    """Write a run's ``report`` to ``path`` as strict JSON (a non-finite number, e.g. the relative
+    error of a failed run, as null: Python's NaN and Infinity tokens are not JSON); OutputError (one
+    line, exit 1) if the system refuses."""
     try:
         with open(path, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(_finite(report), f, indent=2, allow_nan=False)
             f.write("\n")
     except OSError as exc:
         raise OutputError(f"{flag} {path}: could not write the results: {exc.strerror or exc}") from None
+
+
+def _finite(value):
+    """``value`` with every non-finite float in its dicts, lists and tuples replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _physical_memory_bytes() -> int | None:

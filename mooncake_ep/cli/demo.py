@@ -316,8 +316,8 @@ def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None
         check_timeout("--timeout-us", config.timeout_us)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if not tolerance > 0:
-        raise UsageError(f"--tolerance must be > 0, got {tolerance}")
+    if not (tolerance > 0 and np.isfinite(tolerance)):  # inf would pass every result
+        raise UsageError(f"--tolerance must be a finite number > 0, got {tolerance}")
 
 
 def _check_memory(config: DemoConfig, backend: str, num_processes: int, ranks_per_process: int,
