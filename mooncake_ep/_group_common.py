@@ -442,9 +442,10 @@ class _KeyValueGroup:
         epoch = f"e{self._epoch}/" if self._epoch else ""
         return f"{self._namespace}{epoch}c/{seq}/{rank}"
 
-    def _rendezvous(self) -> None:
+    def _rendezvous(self, deadline: float | None = None) -> None:
         """Join: claim this rank, then the init_group round, in which every rank shows the others its
-        (protocol version, world_size); all of it within ``timeout_s``.
+        (protocol version, world_size); all of it within ``timeout_s``, or by ``deadline`` (a
+        ``time.monotonic()``: the group's construction, which connected to the store first).
 
         Rank 0 first publishes its pair under ``{namespace}init/world_size``, and every other rank
         reads it before anything else: a rank started with another world_size (or a rank outside
@@ -460,11 +461,12 @@ class _KeyValueGroup:
             GroupError: this rank joined twice, or ranks did not come within ``timeout_s`` (named).
         """
         mine = _INIT.pack(_PROTOCOL_VERSION, self.world_size)
-        deadline = time.monotonic() + self._timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + self._timeout_s
         if self.rank == 0:
             self._kv_set(self._init_key(), mine)
         else:
-            self._check_rank0(mine)  # before the claim: a rank that does not fit leaves no claim behind
+            self._check_rank0(mine, deadline)  # before the claim: a rank that does not fit leaves no claim behind
         self._claim_rank()
         try:
             replies = self._collective("init_group", mine, timeout_s=max(deadline - time.monotonic(), _PROBE_S),
@@ -479,12 +481,12 @@ class _KeyValueGroup:
         """Where rank 0 keeps its (protocol version, world_size) for the other ranks to check theirs against."""
         return f"{self._namespace}init/world_size"
 
-    def _check_rank0(self, mine: bytes) -> None:
+    def _check_rank0(self, mine: bytes, deadline: float) -> None:
         """Raise RankMismatchError if this rank does not fit rank 0's pair (``mine`` is this rank's),
-        waiting up to ``timeout_s`` for rank 0 to publish it."""
+        waiting until ``deadline`` for rank 0 to publish it."""
         label = f"init_group #{self._num_calls['init_group']}"
         try:
-            rank0 = self._kv_multi_get([self._init_key()], self._timeout_s)[0]
+            rank0 = self._kv_multi_get([self._init_key()], max(deadline - time.monotonic(), _PROBE_S))[0]
         except _StoreWaitError as exc:
             failure = (f"{label} {self._wait_failure(exc)} waiting for ranks [0] of {self.world_size} "
                        f"({self._where()})")

@@ -525,9 +525,10 @@ def connect(host: str, port: int, timeout_s: float) -> socket.socket:
         try:
             return socket.create_connection((host, port), timeout=_wait_arg(timeout_s))
         except OSError:  # refused (server not up yet), unreachable, unresolvable
-            if time.monotonic() + delay > deadline:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:  # a last try at the deadline came too
                 raise
-            time.sleep(delay)
+            time.sleep(min(delay, remaining_s))
             delay = min(2 * delay, _CONNECT_RETRY_MAX_S)
 
 

@@ -221,6 +221,7 @@ class TCPGroup(_KeyValueGroup):
         self._client: TCPStoreClient | None = None
         if self.world_size == 1:
             return
+        deadline = time.monotonic() + self._timeout_s  # the connection and the rendezvous together
         try:
             if self.rank == 0:
                 self._server = TCPStoreServer(master_addr, self.master_port)
@@ -233,7 +234,7 @@ class TCPGroup(_KeyValueGroup):
                 self._claim_rank()
                 self._join_as_replacement()
             else:
-                self._rendezvous()
+                self._rendezvous(deadline)
         except BaseException as exc:
             # A rank 0 that saw ranks started differently keeps its store up until they have hung up
             # (they raise once they read its world_size or the round's pairs): closed at once, it cut
@@ -298,11 +299,12 @@ class TCPGroup(_KeyValueGroup):
         deadline = time.monotonic() + self._timeout_s
         delay = _REJOIN_RETRY_FIRST_S
         while not store.claim(member, who):
-            if time.monotonic() + delay > deadline:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:  # a last try at the deadline came too
                 raise GroupError(f"init_group(rejoin=True): rank {self.rank} is still held by a live process "
                                  f"after {self._timeout_s} s ({self._where()}): a replacement takes over only a "
                                  f"rank whose process has exited")
-            time.sleep(delay)
+            time.sleep(min(delay, remaining_s))
             delay = min(2 * delay, _REJOIN_RETRY_MAX_S)
         store.add(joins, 1)
 

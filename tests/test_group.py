@@ -262,6 +262,38 @@ def test_store_keeps_one_copy_of_a_large_value_between_requests():
         assert client.get("big", timeout_s=5.0) == value
 
 
+class FakeClock:
+    """time.monotonic and time.sleep of a module under test: sleeping advances the clock, nothing waits."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.attempts: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_connecting_retries_until_its_timeout_not_before(monkeypatch):
+    """The backoff never gives up early: the last attempt comes at the deadline, and none after it."""
+    from mooncake_ep import _tcp_store
+
+    clock = FakeClock()
+
+    def refuse(address, timeout):
+        clock.attempts.append(clock.now)
+        raise ConnectionRefusedError("refused")
+
+    monkeypatch.setattr(_tcp_store, "time", types.SimpleNamespace(monotonic=clock.monotonic, sleep=clock.sleep))
+    monkeypatch.setattr(_tcp_store.socket, "create_connection", refuse)
+    with pytest.raises(ConnectionRefusedError):
+        _tcp_store.connect("127.0.0.1", 1, timeout_s=3.0)
+    assert clock.attempts[0] == 100.0 and clock.attempts[-1] == pytest.approx(103.0)
+    assert len(clock.attempts) > 3
+
+
 def test_store_port_already_taken():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
