@@ -523,7 +523,8 @@ def connect(host: str, port: int, timeout_s: float) -> socket.socket:
     delay = _CONNECT_RETRY_FIRST_S
     while True:
         try:
-            return socket.create_connection((host, port), timeout=_wait_arg(timeout_s))
+            # The attempt's own limit is what is left: a host that drops packets holds it that long.
+            return socket.create_connection((host, port), timeout=_wait_arg(max(deadline - time.monotonic(), 0.01)))
         except OSError:  # refused (server not up yet), unreachable, unresolvable
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:  # a last try at the deadline came too

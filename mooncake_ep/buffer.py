@@ -193,7 +193,7 @@ class Buffer:
         # XLA stream, which the JAX ops must know (mooncake_ep.frameworks.jax_ops).
         self._in_process_ranks_on_device = 1
         if num_sms is not None:
-            check_int("Buffer", "num_sms", num_sms, minimum=1)
+            num_sms = check_int("Buffer", "num_sms", num_sms, minimum=1)
         use_cuda = backend == "cuda" or (backend == "auto" and _gpu_available())
         self._device_id = self._choose_device() if use_cuda else None
         self._num_sms_asked = num_sms or 0
@@ -282,10 +282,11 @@ class Buffer:
             num_experts: E, a multiple of R.
         """
         where = "get_ep_buffer_size_hint"
-        check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-        check_hidden(where, "hidden", hidden)
-        check_int(where, "num_ranks", num_ranks, minimum=1, maximum=_constants.MAX_RANKS)
-        check_experts(where, num_experts, num_ranks)
+        num_max_dispatch_tokens_per_rank = check_int(where, "num_max_dispatch_tokens_per_rank",
+                                                     num_max_dispatch_tokens_per_rank, minimum=1)
+        hidden = check_hidden(where, "hidden", hidden)
+        num_ranks = check_int(where, "num_ranks", num_ranks, minimum=1, maximum=_constants.MAX_RANKS)
+        num_experts = check_experts(where, num_experts, num_ranks)
         return layout.compute_layout(num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden).num_bytes
 
     @staticmethod
@@ -380,7 +381,7 @@ class Buffer:
             plan = self._plan_dispatch(where, x_view, topk_view, active_view, out_views,
                                        num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0)
             self._remember(key, plan, x_view)
-        num_experts = int(num_experts)  # checked by the plan; a numpy integer would wrap in the shapes below
+        num_experts = int(num_experts)  # the plan checked it; the Handle and the launch get a Python int
         if x_view.device_type == "cpu":  # values of host arrays: read every call
             check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
         elif x_view.ptr % VECTOR_BYTES:
@@ -471,7 +472,8 @@ class Buffer:
         self._check_alive(where)
         check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
         check_timeout(where, timeout_us)
-        check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        num_max_dispatch_tokens_per_rank = check_int(where, "num_max_dispatch_tokens_per_rank",
+                                                     num_max_dispatch_tokens_per_rank, minimum=1)
         plan = self._plan_dispatch(where, x_view, topk_view, active_view, None, num_max_dispatch_tokens_per_rank,
                                    num_experts, use_fp8, use_ue8m0)
         if x_view.device_type == "cpu":

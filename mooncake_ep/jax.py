@@ -255,7 +255,11 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
     Raises:
         TypeError, ValueError: at trace time, with :meth:`Buffer.combine`'s messages; when
             differentiating without ``grad_buffer`` or with ``renormalize=True``; for a grad_buffer
-            that is the forward's, of another group size, or smaller than :func:`grad_buffer_size_hint`.
+            that is the forward's, of another group size, or smaller than :func:`grad_buffer_size_hint`;
+            under a ``shard_map`` outside ``jax.jit``. Ids in a CPU ``topk_idx`` that name other experts
+            than the dispatch's raise ValueError when called eagerly (under ``jit``, from the op as a
+            ``JaxRuntimeError``).
+        RuntimeError: grad_buffer was destroyed.
 
     Note:
         A rank that fails during the backward changes where later ranks' gradient rows land; the
@@ -356,7 +360,7 @@ def _bind(where: str, op, *args):
     try:
         return op(*args)
     except NotImplementedError as error:
-        if "shard_map" not in str(error):
+        if "shard_map" not in str(error) or "symbolic_zeros" not in str(error):
             raise
         raise TypeError(f"{where}: shard_map outside jax.jit is not supported (JAX runs a custom_vjp with "
                         f"symbolic zeros in shard_map only when it is traced); put jax.jit around the shard_map"

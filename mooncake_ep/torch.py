@@ -127,7 +127,7 @@ def _requires_grad(value) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
 
-def _differentiable_once(name: str):
+def _refuse_create_graph(name: str):
     """Refuse a backward that records a graph (``create_graph=True``, which runs it with grad mode on).
 
     The backward's dispatches and combines record no graph, so a second derivative through them
@@ -161,7 +161,7 @@ class DispatchFunction(torch.autograd.Function):
         return recv_x, recv_count, handle
 
     @staticmethod
-    @_differentiable_once("dispatch")
+    @_refuse_create_graph("dispatch")
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_recv_x, grad_recv_count, grad_handle):
         if grad_recv_x is None:
@@ -197,7 +197,7 @@ class CombineFunction(torch.autograd.Function):
         return combined
 
     @staticmethod
-    @_differentiable_once("combine")
+    @_refuse_create_graph("combine")
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         expert_out, topk_idx, topk_weights, dispatched_idx = ctx.saved_tensors

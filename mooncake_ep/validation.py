@@ -24,7 +24,7 @@ def check_int(where: str, name: str, value, *, minimum: int | None = None, maxim
     """``value`` as a Python int, if it is an int or a numpy integer in [minimum, maximum].
 
     Callers go on with the returned int: numpy's small integers wrap in the arithmetic of shapes and
-    sizes (``np.int16(256) * 2 * 64`` is 0 with a warning), where a Python int does not.
+    sizes (``np.int16(4096) * np.int16(16)`` is 0, with a warning), where a Python int does not.
     """
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")

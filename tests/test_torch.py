@@ -216,7 +216,7 @@ def test_a_moe_layer_trains_like_the_dense_layer():
         torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0, msg=f"grad {name}")
 
 
-@pytest.mark.parametrize("loss", ["quadratic", "linear"])
+@pytest.mark.parametrize("loss", ["quadratic", "linear", "dispatch-only"])
 def test_a_double_backward_is_refused(loss):
     """The backward's dispatches and combines record no graph: a second derivative through them (a
     gradient penalty, create_graph=True) raises instead of dropping its terms without a word, also
@@ -231,14 +231,17 @@ def test_a_double_backward_is_refused(loss):
         recv, _, handle = ept.dispatch(buffer, x, topks[0], active, T, E)
         w = weights[0].clone().requires_grad_()
         out = ept.combine(buffer, recv * 2, topks[0], w, active, handle, grad_buffer=grad_buffer)
-        value = (out.float() ** 2).sum() if loss == "quadratic" else out.float().sum()
-        with pytest.raises(RuntimeError, match=r"mooncake_ep.torch.combine: a double backward \(create_graph=True\) "
-                                               r"is not supported"):
-            torch.autograd.grad(value, (x, w), create_graph=True, retain_graph=True)
-        grad_x, grad_w = torch.autograd.grad(value, (x, w))  # the graph and the buffers are still usable
-        return grad_x.shape, grad_w.shape
+        value = {"quadratic": (out.float() ** 2).sum(), "linear": out.float().sum(),
+                 "dispatch-only": (recv.float() ** 2).sum()}[loss]
+        inputs, op = ((x,), "dispatch") if loss == "dispatch-only" else ((x, w), "combine")
+        with pytest.raises(RuntimeError, match=rf"mooncake_ep.torch.{op}: a double backward \(create_graph=True\) "
+                                               rf"is not supported"):
+            torch.autograd.grad(value, inputs, create_graph=True, retain_graph=True)
+        grads = torch.autograd.grad(value, inputs)  # the graph and the buffers are still usable
+        return [tuple(g.shape) for g in grads]
 
-    assert ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [((T, H), (T, K))]
+    want = [(T, H)] if loss == "dispatch-only" else [(T, H), (T, K)]
+    assert ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [want]
 
 
 def test_only_the_needed_gradients_are_computed():

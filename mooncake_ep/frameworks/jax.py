@@ -86,7 +86,7 @@ def current_stream(device_id: int) -> int:
     """
     raise TypeError(f"JAX arrays on cuda:{device_id} cannot be passed to Buffer.dispatch/combine: JAX has no "
                     f"current stream outside XLA; call mooncake_ep.jax.dispatch / mooncake_ep.jax.combine, "
-                    f"which launch in XLA's stream (eagerly, under jax.jit or shard_map)")
+                    f"which launch in XLA's stream (eagerly, or under jax.jit, with or without shard_map)")
 
 
 def wrap(array: DeviceMemoryArray) -> jax.Array:
