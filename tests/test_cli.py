@@ -158,6 +158,10 @@ def test_help_lists_commands_and_defaults():
     assert "--tokens" in proc.stdout and "--no-fp8" in proc.stdout and "--timeout-us" in proc.stdout
     assert "--launch" in proc.stdout and "--group" in proc.stdout
     assert "(default: 64)" in " ".join(proc.stdout.split())  # argparse wraps to the terminal width
+    bench_help = " ".join(run_cli("bench", "--help").stdout.split())
+    # A default decided at run time, or one the help names itself, is not repeated as "(default: ...)".
+    assert "(default: None)" not in bench_help and "(default: the GPU shared evenly) (default" not in bench_help
+    assert "how tokens pick their distinct experts" in bench_help and "(default: uniform)" in bench_help
 
 
 def test_bad_flag_exits_2():

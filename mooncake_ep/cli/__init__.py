@@ -144,6 +144,13 @@ def check_moe_shape(num_tokens: int, hidden: int, num_ranks: int, ranks_flag: st
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows every flag's default, and keeps the line breaks of the command docstrings."""
 
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        # A default of None means "decided at run time", which the help says in words where it
+        # matters, as it does any default it names itself: "(default: None)" would only repeat it.
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
 
 def command_module(name: str) -> ModuleType:
     """The module implementing command ``name`` (one of :data:`COMMANDS`)."""

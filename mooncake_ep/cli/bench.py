@@ -188,7 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where combine's token owners read the expert outputs of ranks in this process: "
                              "in-place (the caller's array), or workspace (copied there first, as ranks in other "
                              "processes need); dispatch always reads the tokens its sources staged")
-    parser.add_argument("--routing", choices=("uniform", "zipf", "k_hot"), default="uniform")
+    parser.add_argument("--routing", choices=("uniform", "zipf", "k_hot"), default="uniform",
+                        help="how tokens pick their distinct experts: uniform; zipf (expert popularity ~ "
+                             "1/rank**alpha, the ranks shuffled); k_hot (a share of tokens among the first experts)")
     parser.add_argument("--alpha", type=float, default=1.2, help="zipf exponent")
     parser.add_argument("--hot-fraction", type=float, default=0.5, help="k_hot: share of tokens that go hot")
     parser.add_argument("--hot-experts", type=int, default=8, help="k_hot: the first N experts are hot")
@@ -209,7 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "so a dispatch restages into the rows the last replay left in L2; the tables up to "
                              "2026-12-05), or alternate (input set k's graphs on half k mod 2, as consecutive calls "
                              "of a model use them; needs an even --input-sets)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tokens and the routing")
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the same dispatch and combine written with plain torch operations")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")

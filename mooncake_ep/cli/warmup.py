@@ -140,7 +140,7 @@ def check_supported(archs: list[str]) -> None:
     for arch in archs:
         base = arch.rstrip("abcdefghijklmnopqrstuvwxyz")  # sm_90a compiles where sm_90 does
         if base not in supported:
-            newer = [a for a in supported if int(a[3:]) >= 70]
+            newer = [a for a in supported if int(a[3:]) >= kernels.MIN_ARCH]  # what --arch takes
             raise UsageError(f"--arch: NVRTC {'.'.join(map(str, kernels.nvrtc_version()))} cannot compile for "
                              f"{arch}; it supports {', '.join(newer)}")
 
