@@ -310,6 +310,7 @@ def test_bench_bad_flag_exits_2():
     (["--sweep-tokens", "0"], "[1, 4096]"),
     (["--sweep-tokens", "8192"], "[1, 4096]"),
     (["--sweep-tokens", "1,x"], "comma-separated"),
+    (["--sweep-tokens", "1,8"], "--sweep-tokens sets the points of the --plot sweep; give --plot PATH.png"),
     (["--backend", "tpu"], "invalid choice"),
     (["--ranks", "two"], "invalid int"),
     (["--ranks", "3"], "multiple of num_ranks"),

@@ -1119,6 +1119,8 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
         raise UsageError(f"--hot-fraction must be in [0, 1], got {args.hot_fraction}")
     check_output_path("--json", args.json)
     check_output_path("--plot", args.plot, suffix=".png")
+    if args.plot is None and args.sweep_tokens != sweep_tokens(DEFAULT_SWEEP_TOKENS):  # else silently unused
+        raise UsageError("--sweep-tokens sets the points of the --plot sweep; give --plot PATH.png as well")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401 - only checked here, before a long run, and used at the end
