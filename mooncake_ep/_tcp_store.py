@@ -35,7 +35,7 @@ import socketserver
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from mooncake_ep._group_common import (
@@ -55,9 +55,10 @@ __all__ = ["StoreTimeoutError", "TCPStoreClient", "TCPStoreServer"]
 
 logger = logging.getLogger("mooncake_ep")
 
-# Connection attempts to a store that is not up yet back off from the first to the second value.
-_CONNECT_RETRY_FIRST_S = 0.01
-_CONNECT_RETRY_MAX_S = 0.5
+# Tries of something that may succeed later (a connection to a store not up yet, a claim a dead
+# process still holds) pause from the first to the second value (retry_pauses).
+_RETRY_FIRST_S = 0.01
+_RETRY_MAX_S = 0.5
 # How often the store's accept loop checks for shutdown (bounds how long close() takes).
 _SERVE_POLL_S = 0.05
 # How often a server-side wait looks whether its client has hung up (died).
@@ -516,21 +517,30 @@ def _hung_up(sock: socket.socket | None) -> bool:
 _PORT_RANGE = (20000, 32768)
 
 
+def retry_pauses(deadline: float) -> Iterator[bool]:
+    """The pauses between tries of something that may succeed later: each ``next()`` sleeps (from
+    :data:`_RETRY_FIRST_S`, doubling up to :data:`_RETRY_MAX_S`, never past ``deadline``, a
+    ``time.monotonic()``) and gives True; once the deadline has passed it gives nothing, so the
+    caller's last try comes at the deadline, not a pause before it."""
+    delay = _RETRY_FIRST_S
+    while (remaining_s := deadline - time.monotonic()) > 0:
+        time.sleep(min(delay, remaining_s))
+        delay = min(2 * delay, _RETRY_MAX_S)
+        yield True
+
+
 def connect(host: str, port: int, timeout_s: float) -> socket.socket:
     """A TCP connection to ``host:port``, tried again (backing off) until ``timeout_s`` has passed:
     the listener may not be up yet. Raises the last attempt's OSError once the time is spent."""
     deadline = time.monotonic() + timeout_s
-    delay = _CONNECT_RETRY_FIRST_S
+    pauses = retry_pauses(deadline)
     while True:
         try:
             # The attempt's own limit is what is left: a host that drops packets holds it that long.
             return socket.create_connection((host, port), timeout=_wait_arg(max(deadline - time.monotonic(), 0.01)))
         except OSError:  # refused (server not up yet), unreachable, unresolvable
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:  # a last try at the deadline came too
+            if not next(pauses, False):
                 raise
-            time.sleep(min(delay, remaining_s))
-            delay = min(2 * delay, _CONNECT_RETRY_MAX_S)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

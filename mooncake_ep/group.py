@@ -71,7 +71,7 @@ from mooncake_ep._group_adapters import (
     torchrun_store_group,
 )
 from mooncake_ep._handshake import RankMismatchError
-from mooncake_ep._tcp_store import TCPStoreClient, TCPStoreServer, free_port
+from mooncake_ep._tcp_store import TCPStoreClient, TCPStoreServer, free_port, retry_pauses
 
 __all__ = [
     "DEFAULT_MASTER_ADDR",
@@ -95,10 +95,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mooncake_ep")
-
-# A replacement polls for the dead process's claim to be released from the first to the second value.
-_REJOIN_RETRY_FIRST_S = 0.01
-_REJOIN_RETRY_MAX_S = 0.5
 
 # torch.distributed's defaults, so launch scripts written for torchrun work unchanged.
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -296,16 +292,12 @@ class TCPGroup(_KeyValueGroup):
                              f"{self._where()}: there is nothing to take over; join without rejoin")
         # The store frees the claim when it sees the old connection close, a moment after the
         # old process died: a replacement started at once retries until then.
-        deadline = time.monotonic() + self._timeout_s
-        delay = _REJOIN_RETRY_FIRST_S
+        pauses = retry_pauses(time.monotonic() + self._timeout_s)
         while not store.claim(member, who):
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:  # a last try at the deadline came too
+            if not next(pauses, False):
                 raise GroupError(f"init_group(rejoin=True): rank {self.rank} is still held by a live process "
                                  f"after {self._timeout_s} s ({self._where()}): a replacement takes over only a "
                                  f"rank whose process has exited")
-            time.sleep(min(delay, remaining_s))
-            delay = min(2 * delay, _REJOIN_RETRY_MAX_S)
         store.add(joins, 1)
 
     def _store(self) -> TCPStoreClient:
