@@ -128,7 +128,8 @@ def _requires_grad(value) -> bool:
 
 
 def _refuse_create_graph(name: str):
-    """Refuse a backward that records a graph (``create_graph=True``, which runs it with grad mode on).
+    """Refuse a backward that records a graph (``create_graph=True``, which runs it with grad mode on;
+    otherwise it runs with grad mode off, so its calls record nothing).
 
     The backward's dispatches and combines record no graph, so a second derivative through them
     would be silently zero; torch's ``once_differentiable`` refuses it only when the incoming
@@ -162,7 +163,6 @@ class DispatchFunction(torch.autograd.Function):
 
     @staticmethod
     @_refuse_create_graph("dispatch")
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_recv_x, grad_recv_count, grad_handle):
         if grad_recv_x is None:
             return (None,) * 7
@@ -198,7 +198,6 @@ class CombineFunction(torch.autograd.Function):
 
     @staticmethod
     @_refuse_create_graph("combine")
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         expert_out, topk_idx, topk_weights, dispatched_idx = ctx.saved_tensors
         buffer, grad_buffer, handle, timeout_us = ctx.config
