@@ -20,6 +20,8 @@ import struct
 import weakref
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from mooncake_ep import _constants, _handshake, kernels, layout
 from mooncake_ep.group import GroupError
 from mooncake_ep.transport import DeviceWorkspace, TransportError
@@ -39,11 +41,10 @@ MAX_LAYOUTS = 64
 # The kernels' protocol digest is taken for this architecture, whatever the GPU: ranks on
 # different GPU generations run different cubins of the same protocol, and may work together.
 _DIGEST_ARCH = "sm_90"
-# The step counters at the front of ep::State (kernels_cu/layout.cuh): dispatch_step[2] and
-# combine_step[2], u32 each. The fields after them are reset by every call, or, like dispatch's
-# staging count and its target, consistent with each other in any workspace, a fresh one included.
-_STEPS = struct.Struct("<4I")
-assert layout.STATE_FIELDS[:2] == ("dispatch_step", "combine_step") and layout.NUM_PARITIES == 2
+# The fields of ep::State (kernels_cu/layout.cuh) a Buffer agrees on with its peers: the step counters,
+# one u32 per parity each. The fields after them are reset by every call, or, like dispatch's staging
+# count and its target, consistent with each other in any workspace, a fresh one included.
+_STEP_FIELDS = ("dispatch_step", "combine_step")
 
 # Communication streams (async_finish), per device: made once, handed from a destroyed Buffer to the
 # next, never destroyed. torch's allocator records an event on every stream a tensor was recorded on
@@ -241,11 +242,10 @@ class CudaBackend:
         The counters are equal on ranks that made the same calls; a replacement's start at 0 and
         must jump to the survivors', or its flags would carry steps they never wait for.
         """
-        state = layout.HEADER_OFFSETS["state"]
         mine = {"digest": protocol_digest(self.sys_scope), "nvrtc": list(kernels.nvrtc_version()),
                 # peek: no device-wide sync, which in one process would wait for peers' kernels
                 # (this rank has nothing in flight: a new Buffer, or connect synchronised first).
-                "steps": list(_STEPS.unpack(self.workspace.peek(state, _STEPS.size))),
+                "steps": self._peek_steps(),
                 "agreed": sorted(self._agreed)}
         records = [_agreement_record(blob, rank) for rank, blob in
                    enumerate(self.group.allgather_bytes(json.dumps(mine).encode()))]
@@ -257,8 +257,21 @@ class CudaBackend:
                              f"kernels_cu sources, on every rank")
         steps = [max(column) for column in zip(*(record["steps"] for record in records))]
         if steps != mine["steps"]:
-            self.workspace.write(state, _STEPS.pack(*steps))
+            self._write_steps(steps)
         self._agreed.update(tuple(key) for record in records for key in record["agreed"])
+
+    def _peek_steps(self) -> list[int]:
+        """The step counters, field by field, parity by parity (``_STEP_FIELDS``)."""
+        state = np.frombuffer(self.workspace.peek(layout.HEADER_OFFSETS["state"], layout.STATE_BYTES),
+                              dtype=layout.STATE_DTYPE)[0]
+        return [int(step) for field in _STEP_FIELDS for step in state[field]]
+
+    def _write_steps(self, steps: Sequence[int]) -> None:
+        """Write the step counters, in ``_peek_steps``'s order; the other State fields stay as they are."""
+        for index, step in enumerate(steps):
+            field = _STEP_FIELDS[index // layout.NUM_PARITIES]
+            word = np.asarray(step, dtype=layout.STATE_DTYPE[field].base)
+            self.workspace.write(layout.state_offset(field, index % layout.NUM_PARITIES), word.tobytes())
 
     def _clear_flags_from(self, rank: int) -> None:
         """Zero the flags ``rank`` writes into this workspace: its old process left steps there."""
