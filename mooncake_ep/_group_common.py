@@ -12,6 +12,7 @@ client) gets its allgather, barrier, rendezvous and error messages from it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
@@ -112,7 +113,9 @@ def _check_data(where: str, data: Any) -> bytes:
 # 3: the store's request and reply lengths are u64 (a reply of every rank's value passed 4 GiB).
 # 4: a store connection opens with a hello (magic, version), so a mismatch is named, not misread.
 # 5: rank 0 publishes its init hello under {namespace}init/world_size, which every other rank reads first.
-_PROTOCOL_VERSION = 5
+# 6: the TCP store's rendezvous slots are claims, settled by the round or withdrawn by a failed wait, and
+#    stay as the record of who joined (a wait's flag that withdraws the waiter's claims).
+_PROTOCOL_VERSION = 6
 _U8 = struct.Struct("!B")
 # What each rank shows the others when it joins (the init_group round, and rank 0's init/world_size key):
 # protocol version, world_size.
@@ -262,14 +265,17 @@ class _KeyValueGroup:
     def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
                       settle: bool = False) -> list[bytes]:
         """The keys' values once all are set (within ``timeout_s``); ``reply_bytes``: about how many
-        bytes they hold, for a store whose transfers count against its time limits; ``settle``: the
-        keys set by :meth:`_kv_set_while_connected` stay from then on."""
+        bytes they hold, for a store whose transfers count against its time limits; ``settle``: a
+        round that completes for every rank or for none: once all keys are there, those set by
+        :meth:`_kv_set_while_connected` stay from then on, and if the wait fails, this process's
+        own such keys among them are removed in the same step (where the store has claims)."""
         raise NotImplementedError
 
-    def _kv_set_while_connected(self, key: str, value: bytes) -> None:
+    def _kv_set_while_connected(self, key: str, value: bytes) -> bool:
         """Set ``key`` for as long as this process's store connection lives, where the store can
-        (the TCP store's claims); elsewhere a plain set."""
+        (the TCP store's claims; False, setting nothing, if the key exists); elsewhere a plain set."""
         self._kv_set(key, value)
+        return True
 
     def _kv_delete(self, key: str) -> None:
         raise NotImplementedError
@@ -280,13 +286,18 @@ class _KeyValueGroup:
     def _shutdown(self, drain_s: float) -> None:
         """Release the store once the group is closed; ``drain_s``: seconds peers may still need it."""
 
-    def _claim_rank(self) -> None:
+    def _claim_rank(self, first_slot: bytes) -> bool:
         """Refuse a second process with this rank. A counter in the store: it cannot tell a dead
         holder from a live one, so only the TCP store (whose claims die with their connection)
-        lets a replacement take a rank over."""
+        lets a replacement take a rank over.
+
+        Returns whether this also wrote ``first_slot``, this rank's value of the rendezvous round,
+        as a claim (the TCP store); else the round writes it.
+        """
         if self._kv_add(f"{self._namespace}claim/{self.rank}", 1) > 1:
             raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
                              f"{self._same_rank_hint}")
+        return False
 
     # --- the Group protocol
 
@@ -387,15 +398,17 @@ class _KeyValueGroup:
             mine = _JOIN.pack(_PROTOCOL_VERSION, self.world_size, self._is_replacement)
             try:
                 if self._is_replacement:  # held while this process lives: one that dies joins nobody
-                    self._kv_set_while_connected(keys[self.rank], mine)
+                    if not self._kv_set_while_connected(keys[self.rank], mine):
+                        raise GroupError(f"init_group(rejoin=True): another process joins the running ranks as "
+                                         f"rank {self.rank} ({self._where()}): only one replacement per rank")
                 else:
                     self._kv_set(keys[self.rank], mine)
                 # Settled once complete: a replacement that exits or dies after the round must still
                 # count as joined for a survivor whose wait is on its way (else the ranks split epochs).
+                # A replacement whose wait fails takes its key with it in the same step: the running
+                # ranks never count it as joined.
                 values = self._kv_multi_get(keys, self._timeout_s, settle=True)
             except _StoreWaitError as exc:
-                if self._is_replacement:  # gone: the running ranks must not count this rank as joined
-                    self._kv_delete(keys[self.rank])
                 missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
                 what = (f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError)
                         else exc.cut_short)
@@ -410,6 +423,8 @@ class _KeyValueGroup:
                 seen = {r: (version, size) for r, (version, size, _) in enumerate(joins)}
                 raise GroupError(f"{label}: ranks disagree on (protocol version, world_size): {seen}")
             old_key = self._collective_key(self._seq - 1, self.rank) if self._seq > 0 else None
+            if old_key == self._first_slot_key(self.rank):
+                old_key = None  # it stays (_first_slot_key)
             self._epoch, self._seq, self._broken = epoch, 0, None
             self._is_replacement = False
             # Where a later replacement looks for the round to join (see _join_as_replacement).
@@ -442,6 +457,12 @@ class _KeyValueGroup:
         epoch = f"e{self._epoch}/" if self._epoch else ""
         return f"{self._namespace}{epoch}c/{seq}/{rank}"
 
+    def _first_slot_key(self, rank: int) -> str:
+        """``rank``'s slot of the rendezvous round (epoch 0, call 0). It stays when later calls clean
+        up: it is the record that the rank joined (the TCP store's rendezvous settles it only if the
+        round completed for every rank)."""
+        return f"{self._namespace}c/0/{rank}"
+
     def _rendezvous(self, deadline: float | None = None) -> None:
         """Join: claim this rank, then the init_group round, in which every rank shows the others its
         (protocol version, world_size); all of it within ``timeout_s``, or by ``deadline`` (a
@@ -467,15 +488,27 @@ class _KeyValueGroup:
             self._kv_set(self._init_key(), mine)
         else:
             self._check_rank0(mine, deadline)  # before the claim: a rank that does not fit leaves no claim behind
-        self._claim_rank()
+        slot_claimed = self._claim_rank(_slot_value("init_group", mine))
         try:
             replies = self._collective("init_group", mine, timeout_s=max(deadline - time.monotonic(), _PROBE_S),
-                                       on_wait_error=self._check_arrived)
+                                       on_wait_error=functools.partial(self._check_arrived, mine),
+                                       slot_claimed=slot_claimed)
             self._check_init(dict(enumerate(replies)))
         except RankMismatchError:
             if self.rank == 0 and self._store_closes_with_rank0:
                 self._wait_for_larger_world(deadline)
             raise
+        except GroupError:
+            # A withdrawn slot reads as a rank that never came: say that this one came and left.
+            try:
+                self._kv_set(self._left_key(self.rank), b"")
+            except GroupError:
+                pass  # the store is gone: nobody is left to tell
+            raise
+
+    def _left_key(self, rank: int) -> str:
+        """Set by a rank whose rendezvous failed (its slot then withdrawn, where the store has claims)."""
+        return f"{self._namespace}init/left/{rank}"
 
     def _init_key(self) -> str:
         """Where rank 0 keeps its (protocol version, world_size) for the other ranks to check theirs against."""
@@ -502,23 +535,48 @@ class _KeyValueGroup:
         if _init_mismatch(pairs) is None:
             return
         # This rank's pair in its slot of round 0 (unclaimed: it does not join): within rank 0's group,
-        # that round's ranks then name it too; beyond, it tells rank 0 that this rank has read why.
+        # that round's ranks then name it too; beyond, it tells rank 0 that this rank has read why. Not
+        # over a slot already there: a process of this rank is in the round, or joined a group that
+        # completed it, and the slot is its own.
+        slot = self._first_slot_key(self.rank)
         try:
-            self._kv_set(self._collective_key(0, self.rank), _slot_value("init_group", mine))
+            if not self._present({slot: self.rank}):
+                self._kv_set(slot, _slot_value("init_group", mine))
         except GroupError:
             pass  # the store is going away: this rank's own error below still names the cause
         self._check_init(pairs)
 
-    def _check_arrived(self, keys: list[str], missing_keys: list[str], failure: str) -> None:
+    def _check_arrived(self, mine: bytes, keys: list[str], missing_keys: list[str], failure: str) -> None:
         """After the init_group round's wait failed (``failure``, naming the ranks that did not come):
-        raise RankMismatchError if the pairs that did arrive disagree, which is why those ranks never
-        come (they were started with another world_size). A store that is gone leaves the failure as is."""
-        arrived = [(r, k) for r, k in enumerate(keys) if k not in missing_keys]
-        try:
-            values = self._kv_multi_get([k for _, k in arrived], _PROBE_S)
-        except GroupError:  # the store closed (rank 0 gave up), or a key went meanwhile
+        raise RankMismatchError if the pairs that did arrive disagree (``mine``: this rank's), which is
+        why those ranks never come (they were started with another world_size). Else, if some of the
+        ranks named came and left (their own rendezvous failed first, taking their slot with it),
+        GroupError saying so. The keys are read as they are now; a store that is gone leaves the
+        failure as is."""
+        arrived = self._present({k: r for r, k in enumerate(keys) if k not in missing_keys and r != self.rank})
+        if arrived is None:
             return
-        self._check_init({r: _slot_data(v) for (r, _), v in zip(arrived, values)}, failure)
+        self._check_init({r: _slot_data(v) for r, v in arrived.values()} | {self.rank: mine}, failure)
+        left = self._present({self._left_key(r): r for r, k in enumerate(keys) if k in missing_keys})
+        if left:
+            raise GroupError(f"{failure}; of these, ranks {sorted(r for r, _ in left.values())} came and left "
+                             f"(their own init_group failed first)")
+
+    def _present(self, ranks_by_key: dict[str, int]) -> dict[str, tuple[int, bytes]] | None:
+        """Of the keys given (each with its rank), those the store holds now, with their values; None if
+        the store is gone."""
+        while ranks_by_key:
+            try:
+                values = self._kv_multi_get(list(ranks_by_key), _PROBE_S)
+                return {k: (r, v) for (k, r), v in zip(ranks_by_key.items(), values)}
+            except _StoreWaitError as exc:  # keys withdrawn meanwhile or never set, or the store is closing
+                still_there = {k: r for k, r in ranks_by_key.items() if k not in exc.missing_keys}
+                if len(still_there) == len(ranks_by_key):  # a store that names no key: nothing more to learn
+                    return None
+                ranks_by_key = still_there
+            except GroupError:  # the connection is gone
+                return None
+        return {}
 
     def _check_init(self, pairs: dict[int, bytes | tuple[int, int]], failure: str | None = None) -> None:
         """Raise RankMismatchError if the ranks' (protocol version, world_size) ``pairs`` (packed or
@@ -557,12 +615,15 @@ class _KeyValueGroup:
         return f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError) else exc.cut_short
 
     def _collective(self, name: str, data: bytes, timeout_s: float | None = None,
-                    on_wait_error: Callable[[list[str], list[str], str], None] | None = None) -> list[bytes]:
+                    on_wait_error: Callable[[list[str], list[str], str], None] | None = None,
+                    slot_claimed: bool = False) -> list[bytes]:
         """Every rank's ``data`` for the collective ``name``, in rank order.
 
         ``timeout_s``: the wait's limit, when not the group's (what is left of the rendezvous's).
         ``on_wait_error(keys, missing_keys, failure)``: called when the wait fails, before GroupError
-        ``failure`` is raised; it may raise a more telling error instead.
+        ``failure`` is raised; it may raise a more telling error instead. ``slot_claimed``: this rank's
+        slot is in the store already, as a claim (the rendezvous over the TCP store): the round
+        settles every slot once complete, or withdraws this one if its wait fails.
         """
         with self._lock:
             label = f"{name} #{self._num_calls[name]}"
@@ -580,9 +641,11 @@ class _KeyValueGroup:
             wait_s = self._timeout_s if timeout_s is None else timeout_s
             try:
                 mine = _slot_value(name, data)
-                self._kv_set(keys[self.rank], mine)
-                values = self._kv_multi_get(keys, wait_s, reply_bytes=self.world_size * len(mine))
-                if seq > 0:
+                if not slot_claimed:
+                    self._kv_set(keys[self.rank], mine)
+                values = self._kv_multi_get(keys, wait_s, reply_bytes=self.world_size * len(mine),
+                                            settle=slot_claimed)
+                if seq > 0 and self._collective_key(seq - 1, self.rank) != self._first_slot_key(self.rank):
                     self._kv_delete(self._collective_key(seq - 1, self.rank))
             except _StoreWaitError as exc:
                 missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)

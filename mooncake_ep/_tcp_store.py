@@ -14,8 +14,10 @@ says why: another protocol version); then one request and one reply at a time::
 A key can be *claimed* (:meth:`TCPStoreClient.claim`): created only if absent and owned by the
 connection that claimed it, so it disappears when that connection closes, which is when its
 process exits or dies (unless a set, a delete, or a wait asked to settle it ended the claim
-first). :class:`mooncake_ep.group.TCPGroup` holds one such key per rank, so a replacement process
-can take over the rank of a dead one (``init_group(rejoin=True)``) and never that of a live one. A
+first), or when a wait of that connection that asked to withdraw it fails.
+:class:`mooncake_ep.group.TCPGroup` holds one such key per rank, so a replacement process can take
+over the rank of a dead one (``init_group(rejoin=True)``) and never that of a live one; its
+rendezvous slots are claims too, settled by the round or withdrawn by a wait that failed. A
 process forked from a rank (a worker pool, a data loader) closes its copies of the store's sockets
 at once: holding them open would keep a dead rank's claims alive for as long as the child runs.
 
@@ -94,8 +96,9 @@ _OK, _TIMEOUT, _ERROR, _CLOSED = 0, 1, 2, 3
 # An interim reply to a wait past its time (body: u64 bytes still coming): a missing key's value is
 # arriving from a peer that set it in time; the client extends its own limit by that transfer.
 _STILL_ARRIVING = 4
-# Bits of a wait's flags byte: return the values; end the claims on the keys once all are there.
-_WAIT_VALUES, _WAIT_SETTLES_CLAIMS = 1, 2
+# Bits of a wait's flags byte: return the values; end the claims on the keys once all are there;
+# remove the keys the waiting connection still holds a claim on when the wait fails.
+_WAIT_VALUES, _WAIT_SETTLES_CLAIMS, _WAIT_WITHDRAWS_CLAIMS = 1, 2, 4
 
 
 class _StoreClosedError(_StoreWaitError):
@@ -474,6 +477,10 @@ class TCPStoreServer:
                                 self._cond.wait(_DEAD_CLIENT_POLL_S)
                     missing = [i for i, k in enumerate(keys) if k not in self._data]
                     if missing:
+                        if flags & _WAIT_WITHDRAWS_CLAIMS:  # in the step that failed the wait: no peer's
+                            for key in keys:  # wait can have found them all there meanwhile
+                                if client is not None and self._claim_owners.get(key) is client:
+                                    del self._data[key], self._claim_owners[key]
                         body = _U32.pack(len(missing)) + b"".join(_U32.pack(i) for i in missing)
                         return (_CLOSED if self._closing else _TIMEOUT), body
                     values = [self._data[k] for k in keys] if flags & _WAIT_VALUES else []
@@ -695,7 +702,7 @@ class TCPStoreClient:
         self._wait("TCPStoreClient.wait", keys, timeout_s, want_values=False)
 
     def multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
-                  settle_claims: bool = False) -> list[bytes]:
+                  settle_claims: bool = False, withdraw_claims: bool = False) -> list[bytes]:
         """Wait as :meth:`wait` does, then return the values of ``keys`` in order (one round trip).
 
         ``reply_bytes``: about how many bytes the values hold; the store needs time to assemble and
@@ -703,15 +710,20 @@ class TCPStoreClient:
         ``settle_claims``: once all keys are there, end the claims on them in the same step, so that
         a peer whose wait for the same keys is still on its way finds them too, whatever becomes of
         their claimers (a round every rank must see complete).
+        ``withdraw_claims``: if the wait fails, remove the keys among ``keys`` that this connection
+        still holds a claim on, in the same step. With ``settle_claims`` on every rank's wait, a
+        round then either completes for every rank or for none: a rank that gave up takes its key
+        with it, and never leaves peers a round whose member has left.
         """
         return self._wait("TCPStoreClient.multi_get", keys, timeout_s, want_values=True, reply_bytes=reply_bytes,
-                          settle_claims=settle_claims)
+                          settle_claims=settle_claims, withdraw_claims=withdraw_claims)
 
     def _wait(self, where: str, keys: Sequence[str], timeout_s: float, want_values: bool,
-              reply_bytes: int = 0, settle_claims: bool = False) -> list[bytes]:
+              reply_bytes: int = 0, settle_claims: bool = False, withdraw_claims: bool = False) -> list[bytes]:
         timeout_s = _check_timeout(where, timeout_s)
         keys = list(keys)
-        flags = (_WAIT_VALUES if want_values else 0) | (_WAIT_SETTLES_CLAIMS if settle_claims else 0)
+        flags = ((_WAIT_VALUES if want_values else 0) | (_WAIT_SETTLES_CLAIMS if settle_claims else 0)
+                 | (_WAIT_WITHDRAWS_CLAIMS if withdraw_claims else 0))
         payload = (_F64.pack(timeout_s) + _U8.pack(flags) + _U32.pack(len(keys))
                    + b"".join(_pack_key(k) for k in keys))
         status, body = self._request(_OP_WAIT, payload, wait_s=timeout_s, reply_bytes=reply_bytes)

@@ -60,6 +60,7 @@ from mooncake_ep._group_common import (
     _check_timeout,
     _KeyValueGroup,
     _MISMATCH_GRACE_S,
+    _PROBE_S,
     _wait_arg,
 )
 from mooncake_ep._group_adapters import (
@@ -193,6 +194,14 @@ class TCPGroup(_KeyValueGroup):
         ``TCPStoreClient.claim``): the OS closes a dead process's socket, which is what lets a
         replacement in. A host that vanishes without closing its sockets (power loss) keeps its
         claim until TCP gives the connection up.
+
+        The rendezvous completes for every rank or for none. Each rank's slot in it is a claim,
+        which the round settles once every rank's is there; a rank whose wait runs out first takes
+        its slot with it in the same step (the others' errors then say it came and left), and a
+        rank that dies first loses it with its connection. So no rank starts a group with a rank
+        that has left, and a process restarted in place of one that left before the round
+        completed joins as a first one does. Once the round completed, the rank counts as joined:
+        a process taking it over must say ``rejoin=True``.
     """
 
     _store_closes_with_rank0 = True
@@ -227,7 +236,7 @@ class TCPGroup(_KeyValueGroup):
             # and thread would stay taken for the life of the process).
             weakref.finalize(self, _release_store, self._client, self._server)
             if rejoin:
-                self._claim_rank()
+                self._claim_rank_to_take_over()
                 self._join_as_replacement()
             else:
                 self._rendezvous(deadline)
@@ -252,15 +261,14 @@ class TCPGroup(_KeyValueGroup):
 
     def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
                       settle: bool = False) -> list[bytes]:
-        return self._store().multi_get(keys, timeout_s, reply_bytes=reply_bytes, settle_claims=settle)
+        return self._store().multi_get(keys, timeout_s, reply_bytes=reply_bytes, settle_claims=settle,
+                                       withdraw_claims=settle)
 
     def _kv_delete(self, key: str) -> None:
         self._store().delete(key)
 
-    def _kv_set_while_connected(self, key: str, value: bytes) -> None:
-        if not self._store().claim(key, value):
-            raise GroupError(f"init_group(rejoin=True): another process joins the running ranks as rank {self.rank} "
-                             f"({self._where()}): only one replacement per rank")
+    def _kv_set_while_connected(self, key: str, value: bytes) -> bool:
+        return self._store().claim(key, value)
 
     @_KeyValueGroup.timeout_s.setter
     def timeout_s(self, value: float) -> None:
@@ -269,36 +277,52 @@ class TCPGroup(_KeyValueGroup):
         if self._client is not None:
             self._client.timeout_s = self._timeout_s
 
-    def _claim_rank(self) -> None:
-        """Hold ``member/{rank}`` for as long as this connection lives; ``claim/{rank}`` counts joins.
+    def _claim_rank(self, first_slot: bytes) -> bool:
+        """Hold ``member/{rank}`` for as long as this connection lives, then this rank's slot of the
+        rendezvous round (``first_slot``), as a claim too.
 
-        The member claim refuses a second live process with this rank; the counter tells a
-        process that joins again after its first one died (it must say ``rejoin=True``) from one
-        that joins for the first time.
+        The member claim refuses a second live process with this rank. The slot stays only if the
+        round completes for every rank (it settles the slots; a rank whose wait fails withdraws
+        its own, and a dead process's claim goes with its connection), so a slot already there
+        means a process with this rank joined before and has exited: it must say ``rejoin=True``.
+        A process that died before the round completed left nothing: its restart joins afresh.
         """
         store, who = self._store(), f"pid {os.getpid()}".encode()
-        member, joins = f"member/{self.rank}", f"claim/{self.rank}"
-        if not self._rejoin:
-            if not store.claim(member, who):
-                raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
-                                 f"{self._same_rank_hint}")
-            if store.add(joins, 1) > 1:
-                raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) before and "
-                                 f"that process has exited; a process taking over its rank must join with "
-                                 f"init_group(rejoin=True)")
-            return
-        if store.add(joins, 0) == 0:
-            raise GroupError(f"init_group(rejoin=True): rank {self.rank} never joined the group at "
-                             f"{self._where()}: there is nothing to take over; join without rejoin")
+        if not store.claim(f"member/{self.rank}", who):
+            raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
+                             f"{self._same_rank_hint}")
+        slot = self._first_slot_key(self.rank)
+        if not store.claim(slot, first_slot):
+            # Another pair there was left by a process of this rank started with another world_size,
+            # which shows it to the round's ranks and leaves (_check_rank0): it never joined. No other
+            # process of this rank can be here meanwhile: this one holds the member claim.
+            if self._kv_multi_get([slot], _PROBE_S)[0] != first_slot and store.delete(slot) \
+                    and store.claim(slot, first_slot):
+                return True
+            raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) before and "
+                             f"that process has exited; a process taking over its rank must join with "
+                             f"init_group(rejoin=True)")
+        return True
+
+    def _claim_rank_to_take_over(self) -> None:
+        """Hold ``member/{rank}`` once the dead process's claim on it is gone (retrying until
+        ``timeout_s``), then check that the rank joined the group: its rendezvous slot is there."""
+        store, who = self._store(), f"pid {os.getpid()}".encode()
         # The store frees the claim when it sees the old connection close, a moment after the
         # old process died: a replacement started at once retries until then.
         pauses = retry_pauses(time.monotonic() + self._timeout_s)
-        while not store.claim(member, who):
+        while not store.claim(f"member/{self.rank}", who):
             if not next(pauses, False):
                 raise GroupError(f"init_group(rejoin=True): rank {self.rank} is still held by a live process "
                                  f"after {self._timeout_s} s ({self._where()}): a replacement takes over only a "
                                  f"rank whose process has exited")
-        store.add(joins, 1)
+        # Looked at once the member claim is ours: the old process's connection is closed, so a
+        # slot of a round it never completed is gone with it.
+        try:
+            self._kv_multi_get([self._first_slot_key(self.rank)], _PROBE_S)
+        except StoreTimeoutError:
+            raise GroupError(f"init_group(rejoin=True): rank {self.rank} never joined the group at "
+                             f"{self._where()}: there is nothing to take over; join without rejoin") from None
 
     def _store(self) -> TCPStoreClient:
         assert self._client is not None  # internal invariant: world_size > 1 and not shut down

@@ -22,3 +22,11 @@ def run_in_threads(fns: list, limit_s: float) -> list:
         t.join(limit_s)
         assert not t.is_alive(), "a rank thread hung"
     return out
+
+
+def call_or_error(fn):
+    """fn()'s result, or the exception it raised (for a thread whose outcome a test inspects)."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - inspected by the test
+        return exc

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -348,10 +349,31 @@ def test_tcp_group_in_threads_missing_and_duplicate_rank():
     messages = sorted(str(e) for e in out)
     assert sum("rank 1 joined" in m and "twice" in m for m in messages) == 1, messages
     # Rank 0 times out; the other rank 1 times out too, or is answered "store closed" when rank 0
-    # gives up first. Either way both name the rank that never came.
+    # gives up first. Either way both name the rank that never came, and rank 1 also rank 0 when
+    # rank 0's wait failed first (it withdrew its slot).
     waited = [m for m in messages if "twice" not in m]
     assert len(waited) == 2 and all(m.startswith("init_group #0 ") for m in waited), messages
-    assert all(f"waiting for ranks [2] of 3 (MASTER_ADDR=127.0.0.1, MASTER_PORT={port})" in m for m in waited)
+    where = re.escape(f" of 3 (MASTER_ADDR=127.0.0.1, MASTER_PORT={port})")
+    assert all(re.search(rf"waiting for ranks \[(0, )?2\]{where}", m) for m in waited), messages
+
+
+def test_tcp_group_names_a_rank_that_came_and_left_the_rendezvous():
+    """Rank 1 gives up first and takes its slot with it: rank 0's wait then names it with the rank
+    that never came, and says that it came and left (not that it never started)."""
+    port = free_port()
+    rank0 = []
+    waiting = threading.Thread(target=lambda: rank0.append(_threads.call_or_error(
+        lambda: TCPGroup(0, 3, master_port=port, timeout_s=4 * SHORT_TIMEOUT_S))))
+    waiting.start()
+    probe = TCPStoreClient("127.0.0.1", port, timeout_s=PROCESS_LIMIT_S)
+    probe.get("c/0/0", timeout_s=PROCESS_LIMIT_S)  # rank 0 is in the round
+    probe.close()
+    with pytest.raises(GroupError, match=r"^init_group #0 timed out after 0\.2 s waiting for ranks \[2\] of 3 "):
+        TCPGroup(1, 3, master_port=port, timeout_s=0.2)
+    waiting.join(PROCESS_LIMIT_S)
+    assert str(rank0[0]) == (f"init_group #0 timed out after {4 * SHORT_TIMEOUT_S} s waiting for ranks [1, 2] of 3 "
+                             f"(MASTER_ADDR=127.0.0.1, MASTER_PORT={port}); of these, ranks [1] came and left (their "
+                             f"own init_group failed first)")
 
 
 def mismatch_message(sizes: str, outside: str = "") -> str:
@@ -390,6 +412,38 @@ def test_tcp_group_larger_world_size_on_rank1_only(monkeypatch, caplog):
     assert "rank 0 keeps the store up for rank 2 to read why" in caplog.text
 
 
+def test_tcp_group_rank_restarted_with_the_right_world_size_joins_a_round_in_progress():
+    """A rank 1 started with WORLD_SIZE=2 in rank 0's group of 3 leaves its pair in its slot for the
+    round's ranks to name, and raises. Restarted right before rank 2 came, rank 1 takes the slot over
+    (that process never joined) and the round completes."""
+    port = free_port()
+    rank0 = []
+    waiting = threading.Thread(target=lambda: rank0.append(_threads.call_or_error(
+        lambda: TCPGroup(0, 3, master_port=port, timeout_s=PROCESS_LIMIT_S))))
+    waiting.start()
+    with TCPStoreClient("127.0.0.1", port, timeout_s=PROCESS_LIMIT_S) as probe:
+        probe.get("c/0/0", timeout_s=PROCESS_LIMIT_S)  # rank 0 is in the round
+    with pytest.raises(RankMismatchError, match=r"\(rank 0: 3, rank 1: 2\)"):
+        TCPGroup(1, 2, master_port=port, timeout_s=PROCESS_LIMIT_S)
+    rank1 = []
+    restarted = threading.Thread(target=lambda: rank1.append(_threads.call_or_error(
+        lambda: TCPGroup(1, 3, master_port=port, timeout_s=PROCESS_LIMIT_S))))
+    restarted.start()
+    right = _group_common._slot_value("init_group", _group_common._INIT.pack(_group_common._PROTOCOL_VERSION, 3))
+    with TCPStoreClient("127.0.0.1", port, timeout_s=PROCESS_LIMIT_S) as probe:
+        deadline = time.monotonic() + PROCESS_LIMIT_S
+        while probe.get("c/0/1", timeout_s=PROCESS_LIMIT_S) != right:  # the restart is in the round
+            assert time.monotonic() < deadline, "rank 1's restart never took its slot over"
+            time.sleep(0.01)
+    rank2 = TCPGroup(2, 3, master_port=port, timeout_s=PROCESS_LIMIT_S)
+    for thread in (waiting, restarted):
+        thread.join(PROCESS_LIMIT_S)
+    groups = rank0 + rank1 + [rank2]
+    assert all(isinstance(g, TCPGroup) for g in groups), groups
+    assert run_in_threads([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1", b"\2"]] * 3
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
 def test_tcp_group_rank0_names_a_smaller_world_size_when_its_wait_runs_out(monkeypatch):
     """Rank 1 said 2 and left; rank 0 (3) waits for a rank 2 that never comes. When the wait runs
     out it names rank 1's world_size, which it reads from rank 1's slot of the round, not only the
@@ -422,15 +476,20 @@ def test_tcp_group_rank_outside_a_running_group_is_refused_and_leaves_it_alone()
     port = free_port()
     groups = run_in_threads([lambda r=r: TCPGroup(r, 2, master_port=port, timeout_s=PROCESS_LIMIT_S) for r in range(2)])
     assert all(isinstance(g, TCPGroup) for g in groups), groups
-    # Two rounds: rank 0's key of round 0 is gone, which a process with RANK=2 WORLD_SIZE=3 waited for before.
+    # Two rounds past the rendezvous (a process with RANK=2 WORLD_SIZE=3 once waited for rank 0's key of
+    # round 0, then deleted by now; the rendezvous's slots stay since, as the record of who joined).
     rounds = run_in_threads([lambda g=g: [g.allgather_bytes(bytes([g.rank])) for _ in range(2)] for g in groups])
     assert rounds == [[[b"\0", b"\1"]] * 2] * 2
     with pytest.raises(RankMismatchError) as info:
         TCPGroup(2, 3, master_port=port, timeout_s=PROCESS_LIMIT_S)
     assert str(info.value) == mismatch_message("rank 0: 2, rank 2: 3", ", and rank 2 is outside rank 0's group of 2")
-    # So is a second rank 1 started with another world_size, before it claims the rank.
+    # So is a second rank 1 started with another world_size, before it claims the rank; it leaves rank 1's
+    # slot of the rendezvous as it was.
     with pytest.raises(RankMismatchError, match=r"\(rank 0: 2, rank 1: 3\)"):
         TCPGroup(1, 3, master_port=port, timeout_s=PROCESS_LIMIT_S)
+    with TCPStoreClient("127.0.0.1", port, timeout_s=PROCESS_LIMIT_S) as probe:
+        assert probe.get("c/0/1", timeout_s=PROCESS_LIMIT_S) == _group_common._slot_value(
+            "init_group", _group_common._INIT.pack(_group_common._PROTOCOL_VERSION, 2))
     assert run_in_threads([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1"]] * 2
     run_in_threads([lambda g=g: g.close() for g in groups])
 

@@ -262,15 +262,16 @@ def test_a_rank_0_of_the_older_store_protocol_is_named_by_its_version(monkeypatc
 
     class OlderRank0(TorchStoreGroup):
         def _rendezvous(self):  # protocol 4's: claim, then the round, with no init key
-            self._claim_rank()
+            self._claim_rank(b"")  # a store without claims: the round writes the slot
             self._collective("init_group", _group_common._INIT.pack(4, self.world_size))
 
     store = dist.HashStore()
     out = run_in_threads([lambda: OlderRank0(store, 0, 2, timeout_s=SHORT_TIMEOUT_S),
                           lambda: TorchStoreGroup(store, 1, 2, timeout_s=SHORT_TIMEOUT_S)])
     assert isinstance(out[1], RankMismatchError), out
-    assert str(out[1]).startswith("init_group: ranks disagree on the store protocol (rank 0: 4, rank 1: 5): every "
-                                  "rank must run the same mooncake_ep version; init_group #0 timed out after"), out[1]
+    assert str(out[1]).startswith(f"init_group: ranks disagree on the store protocol (rank 0: 4, rank 1: "
+                                  f"{_group_common._PROTOCOL_VERSION}): every rank must run the same mooncake_ep "
+                                  f"version; init_group #0 timed out after"), out[1]
 
 
 def test_torch_group_refuses_uninitialised_torch_distributed():

@@ -107,6 +107,96 @@ def test_a_wait_that_settles_claims_keeps_the_keys_after_their_claimer_leaves():
             client.close()
 
 
+def test_a_failed_wait_that_withdraws_removes_only_its_own_unsettled_claims():
+    """A rendezvous round: a rank whose wait fails takes its key with it in the same step, so no peer's
+    wait can complete the round with it afterwards; other connections' claims, plain keys, and keys a
+    completed round settled stay."""
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        quitter = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        peer = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        assert quitter.claim("c/0/1", b"q") and peer.claim("c/0/0", b"p")
+        quitter.set("plain", b"x")
+        with pytest.raises(StoreTimeoutError, match=r"waiting for keys \['c/0/2'\]"):
+            quitter.multi_get(["c/0/0", "c/0/1", "c/0/2", "plain"], 0.1, settle_claims=True, withdraw_claims=True)
+        with pytest.raises(StoreTimeoutError, match=r"waiting for keys \['c/0/1'\]"):  # gone while still connected
+            peer.multi_get(["c/0/0", "c/0/1", "plain"], 0.1)
+        assert peer.claim("c/0/1", b"again")  # a restarted rank claims the slot afresh
+        assert quitter.claim("c/0/0") is False  # the peer's claim stayed
+        # A round that completes settles every key: the failed wait of a rank that comes too late to
+        # see it withdraws nothing.
+        assert peer.multi_get(["c/0/0", "c/0/1"], 1.0, settle_claims=True, withdraw_claims=True) == [b"p", b"again"]
+        with pytest.raises(StoreTimeoutError):
+            peer.multi_get(["c/0/0", "c/0/1", "c/0/2"], 0.1, settle_claims=True, withdraw_claims=True)
+        peer.close()
+        assert quitter.multi_get(["c/0/0", "c/0/1", "plain"], 1.0) == [b"p", b"again", b"x"]
+        quitter.close()
+
+
+def test_a_rank_that_gives_up_in_the_rendezvous_leaves_nothing_behind():
+    """Rank 1 joins, times out waiting for rank 2, and leaves. Before, its slot stayed: rank 2 then
+    completed the round with rank 0 as a group of three with a rank that was gone, and rank 1's
+    restart was refused as one that had joined before. Now the round completes only with the restart."""
+    port = free_port()
+    rank0 = []
+    waiting = threading.Thread(target=lambda: rank0.append(_threads.call_or_error(
+        lambda: TCPGroup(0, 3, master_port=port, timeout_s=LONG_TIMEOUT_S))))
+    waiting.start()
+    probe = eventually(lambda: _threads.call_or_error(lambda: TCPStoreClient("127.0.0.1", port, timeout_s=5.0)))
+    assert isinstance(probe, TCPStoreClient), probe
+    probe.get("c/0/0", timeout_s=PROCESS_LIMIT_S)  # rank 0 is in the round
+    with pytest.raises(GroupError, match=r"init_group #0 timed out after 0\.5 s waiting for ranks \[2\] of 3"):
+        TCPGroup(1, 3, master_port=port, timeout_s=SHORT_TIMEOUT_S)
+    rank2 = []
+    late = threading.Thread(target=lambda: rank2.append(_threads.call_or_error(
+        lambda: TCPGroup(2, 3, master_port=port, timeout_s=LONG_TIMEOUT_S))))
+    late.start()
+    probe.get("c/0/2", timeout_s=PROCESS_LIMIT_S)  # rank 2 in the round: before, it completed here, with rank 1's slot
+    probe.close()
+    assert not rank2 and not rank0
+    restarted = join_while_claimed(lambda: TCPGroup(1, 3, master_port=port, timeout_s=LONG_TIMEOUT_S))
+    for thread in (waiting, late):
+        thread.join(PROCESS_LIMIT_S)
+    groups = [rank0[0], restarted, rank2[0]]
+    assert all(isinstance(g, TCPGroup) for g in groups), groups
+    assert gather_ranks(groups) == [[b"\0\0", b"\1\0", b"\2\0"]] * 3
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
+def test_a_rank_that_dies_in_the_rendezvous_can_be_restarted(monkeypatch):
+    """Rank 1 dies in the round (its connection closes, as the OS closes a killed process's), before
+    rank 2 came. Before, its slot and its join count stayed: ranks 0 and 2 completed the round with
+    a dead rank, and its restart was refused. Now what it held goes with its connection."""
+    port = free_port()
+    wait = TCPGroup._kv_multi_get
+    died = threading.Event()
+
+    def dies_in_its_first_round(self, keys, timeout_s, **kwargs):
+        if self.rank == 1 and len(keys) == 3 and not died.is_set():
+            died.set()
+            self._client.close()
+            raise GroupError("killed")
+        return wait(self, keys, timeout_s, **kwargs)
+
+    monkeypatch.setattr(TCPGroup, "_kv_multi_get", dies_in_its_first_round)
+    out = []
+    rank0 = threading.Thread(target=lambda: out.append(_threads.call_or_error(
+        lambda: TCPGroup(0, 3, master_port=port, timeout_s=LONG_TIMEOUT_S))))
+    rank0.start()
+    first = _threads.call_or_error(lambda: TCPGroup(1, 3, master_port=port, timeout_s=LONG_TIMEOUT_S))  # connects once up
+    assert isinstance(first, GroupError) and "killed" in str(first), first
+    probe = TCPStoreClient("127.0.0.1", port, timeout_s=5.0)
+    eventually(lambda: isinstance(_threads.call_or_error(lambda: probe.get("c/0/1", 0.01)), StoreTimeoutError))
+    probe.close()  # the store has seen the connection go
+    restarted = run_in_threads([
+        lambda: join_while_claimed(lambda: TCPGroup(1, 3, master_port=port, timeout_s=LONG_TIMEOUT_S)),
+        lambda: TCPGroup(2, 3, master_port=port, timeout_s=LONG_TIMEOUT_S)])
+    rank0.join(PROCESS_LIMIT_S)
+    groups = out + restarted
+    assert all(isinstance(g, TCPGroup) for g in groups), groups
+    assert gather_ranks(groups) == [[b"\0\0", b"\1\0", b"\2\0"]] * 3
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
 def test_a_store_names_another_protocol_and_ignores_what_is_not_one(caplog):
     """A client of another store protocol is refused by name; bytes that are no hello, or a request
     length that no data follows, cost the server nothing (it used to allocate whatever length came)."""
@@ -172,7 +262,7 @@ def test_a_wait_goes_on_while_a_value_set_in_time_is_still_arriving():
     with TCPStoreServer("127.0.0.1", 0) as server:
         waiter = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
         result = []
-        waiting = threading.Thread(target=lambda: result.append(_swallow_into(lambda: waiter.multi_get(["big"], 0.3))))
+        waiting = threading.Thread(target=lambda: result.append(_threads.call_or_error(lambda: waiter.multi_get(["big"], 0.3))))
         value = bytes(range(256)) * (8 << 12)  # 8 MiB: a set large enough to be marked arriving
         request = ts._pack_key("big") + ts._pack_blob(value)
         with socket.create_connection(("127.0.0.1", server.port)) as setter:
@@ -233,13 +323,6 @@ def test_a_request_interrupted_midway_closes_the_connection_instead_of_misreadin
             client.get("k", timeout_s=1.0)
         with pytest.raises(GroupError, match=r"rank 1: store at .*: the connection is closed"):
             client.get("k", timeout_s=1.0)
-
-
-def _swallow_into(fn):
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - the test compares it
-        return exc
 
 
 def test_a_stalled_store_is_named_within_a_quarter_of_the_wait_past_it():
