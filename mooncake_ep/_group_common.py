@@ -481,7 +481,7 @@ class _KeyValueGroup:
                 value named), on every rank that saw it.
             GroupError: this rank joined twice, or ranks did not come within ``timeout_s`` (named).
         """
-        mine = _INIT.pack(_PROTOCOL_VERSION, self.world_size)
+        mine = self._init_pair()
         if deadline is None:
             deadline = time.monotonic() + self._timeout_s
         if self.rank == 0:
@@ -505,6 +505,10 @@ class _KeyValueGroup:
             except GroupError:
                 pass  # the store is gone: nobody is left to tell
             raise
+
+    def _init_pair(self) -> bytes:
+        """What this rank shows the others when it joins: (protocol version, world_size), packed."""
+        return _INIT.pack(_PROTOCOL_VERSION, self.world_size)
 
     def _left_key(self, rank: int) -> str:
         """Set by a rank whose rendezvous failed (its slot then withdrawn, where the store has claims)."""

@@ -181,7 +181,8 @@ class TCPGroup(_KeyValueGroup):
             rank 0's value differs from its own; rank 0's group raises it as soon as the rank's
             value arrives in its round, or when its wait for the ranks that never come runs out.
             Rank 0, whose store closes when it raises, first waits for the ranks of a larger
-            world_size beyond its own to read why (up to 30 s, within ``timeout_s``).
+            world_size beyond its own to read why (up to 30 s, within ``timeout_s``). With
+            ``rejoin``, raised on this rank alone, before it joins anything.
         ValueError: ``rejoin=True`` with rank 0.
 
     Note:
@@ -236,6 +237,9 @@ class TCPGroup(_KeyValueGroup):
             # and thread would stay taken for the life of the process).
             weakref.finalize(self, _release_store, self._client, self._server)
             if rejoin:
+                # Before anything is joined: a replacement of another world_size, its join key settled
+                # by the running ranks' renewal, would make that renewal and every later one fail.
+                self._check_rank0(self._init_pair(), deadline)
                 self._claim_rank_to_take_over()
                 self._join_as_replacement()
             else:

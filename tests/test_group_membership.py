@@ -634,6 +634,32 @@ def test_rejoin_errors():
     run_in_threads([lambda g=g: g.close(final_barrier=False) for g in groups[:2]])
 
 
+def test_a_replacement_of_another_world_size_is_refused_before_it_joins_anything():
+    """Before, it joined the survivors' renewal as far as its key went: the survivors settled that
+    key, found the world sizes disagree, and every later renewal failed on the same key, with the
+    right replacement too. Now it reads rank 0's world_size first and leaves nothing behind."""
+    from mooncake_ep import RankMismatchError
+
+    port = free_port()
+    groups = join(port, 3)
+    die(groups[2])
+    for g in groups[:2]:
+        g.timeout_s = SHORT_TIMEOUT_S
+    wrong = run_in_threads([lambda: TCPGroup(2, 4, master_port=port, timeout_s=SHORT_TIMEOUT_S, rejoin=True)]
+                           + [g.renew_membership for g in groups[:2]])
+    assert isinstance(wrong[0], RankMismatchError), wrong
+    assert str(wrong[0]).startswith("init_group: ranks disagree on world_size (rank 0: 3, rank 2: 4)"), wrong[0]
+    assert all(isinstance(e, GroupError) and "waiting for ranks [2] of 3" in str(e) for e in wrong[1:]), wrong
+    for g in groups[:2]:
+        g.timeout_s = LONG_TIMEOUT_S
+    renewed = run_in_threads([lambda: TCPGroup(2, 3, master_port=port, timeout_s=LONG_TIMEOUT_S, rejoin=True)]
+                             + [g.renew_membership for g in groups[:2]])
+    assert renewed[1:] == [[2], [2]], renewed
+    groups[2] = renewed[0]
+    assert gather_ranks(groups) == [[b"\0\1", b"\1\1", b"\2\1"]] * 3
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
 def test_rejoin_of_a_rank_that_never_joined_is_refused():
     port = free_port()
     server = TCPStoreServer("127.0.0.1", port)  # a store with no group in it
