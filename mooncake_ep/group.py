@@ -239,7 +239,10 @@ class TCPGroup(_KeyValueGroup):
             if rejoin:
                 # Before anything is joined: a replacement of another world_size, its join key settled
                 # by the running ranks' renewal, would make that renewal and every later one fail.
-                self._check_rank0(self._init_pair(), deadline)
+                try:  # a running group's rank 0 published its pair long ago
+                    self._check_rank0(self._init_pair(), time.monotonic() + _PROBE_S)
+                except GroupError:  # (not a RankMismatchError, which is a ValueError)
+                    raise GroupError(self._never_joined("no group's rank 0 serves this store")) from None
                 self._claim_rank_to_take_over()
                 self._join_as_replacement()
             else:
@@ -325,8 +328,11 @@ class TCPGroup(_KeyValueGroup):
         try:
             self._kv_multi_get([self._first_slot_key(self.rank)], _PROBE_S)
         except StoreTimeoutError:
-            raise GroupError(f"init_group(rejoin=True): rank {self.rank} never joined the group at "
-                             f"{self._where()}: there is nothing to take over; join without rejoin") from None
+            raise GroupError(self._never_joined("no process of this rank completed the rendezvous")) from None
+
+    def _never_joined(self, why: str) -> str:
+        return (f"init_group(rejoin=True): rank {self.rank} never joined the group at {self._where()} ({why}): "
+                f"there is nothing to take over; join without rejoin")
 
     def _store(self) -> TCPStoreClient:
         assert self._client is not None  # internal invariant: world_size > 1 and not shut down
