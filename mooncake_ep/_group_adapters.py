@@ -340,7 +340,12 @@ def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_po
             seconds=max(deadline - time.monotonic(), _MIN_TORCH_TIMEOUT_S)))
     except RuntimeError as exc:
         raise GroupError(f"{where}: {exc}") from exc
-    return TorchStoreGroup(store, rank, world_size, timeout_s=timeout_s, device=device)
+    # One timeout_s for the connection and the rendezvous together, as TCPGroup's; the collectives
+    # after it get all of it.
+    rendezvous_s = timeout_s if math.isinf(timeout_s) else max(deadline - time.monotonic(), _MIN_TORCH_TIMEOUT_S)
+    group = TorchStoreGroup(store, rank, world_size, timeout_s=rendezvous_s, device=device)
+    group.timeout_s = timeout_s
+    return group
 
 
 # ----------------------------------------------------------------------------- mpi4py

@@ -385,6 +385,10 @@ class _KeyValueGroup:
                 ranks disagree on the protocol version or world_size, the store is gone, or the
                 group is closed. A timeout leaves the group as it was: every rank may call again.
         """
+        return self._renew(self._timeout_s)
+
+    def _renew(self, wait_s: float) -> list[int]:
+        """:meth:`renew_membership`, waiting ``wait_s`` for the other ranks."""
         with self._lock:
             label = f"renew_membership #{self._num_calls['renew_membership']}"
             self._num_calls["renew_membership"] += 1
@@ -407,9 +411,10 @@ class _KeyValueGroup:
                 # count as joined for a survivor whose wait is on its way (else the ranks split epochs).
                 # A replacement whose wait fails takes its key with it in the same step: the running
                 # ranks never count it as joined.
-                values = self._kv_multi_get(keys, self._timeout_s, settle=True)
+                values = self._kv_multi_get(keys, wait_s, settle=True)
             except _StoreWaitError as exc:
                 missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
+                # A replacement's wait is what its join left of timeout_s: the whole join timed out.
                 what = (f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError)
                         else exc.cut_short)
                 hint = ("the running ranks join it through Buffer.update_ep_member() or "
@@ -435,8 +440,9 @@ class _KeyValueGroup:
                 self._kv_delete(f"{self._namespace}e{epoch - 1}/join/{self.rank}")
             return [r for r, (_, _, replaced) in enumerate(joins) if replaced]
 
-    def _join_as_replacement(self) -> None:
-        """Take this rank over from a dead process: join the survivors' next renew_membership.
+    def _join_as_replacement(self, deadline: float) -> None:
+        """Take this rank over from a dead process: join the survivors' next renew_membership, waiting
+        for them until ``deadline`` (a ``time.monotonic()``).
 
         The target is the first round not yet complete: ``{namespace}epoch`` names the last round
         its members finished, and a round is complete when every rank's join key is there (the
@@ -451,7 +457,7 @@ class _KeyValueGroup:
                 break  # round epoch + 1 still waits for someone: that is the one to join
             epoch += 1
         self._epoch, self._seq, self._is_replacement = epoch, 0, True
-        self.renew_membership()
+        self._renew(max(deadline - time.monotonic(), _PROBE_S))
 
     def _collective_key(self, seq: int, rank: int) -> str:
         epoch = f"e{self._epoch}/" if self._epoch else ""

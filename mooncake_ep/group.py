@@ -243,8 +243,8 @@ class TCPGroup(_KeyValueGroup):
                     self._check_rank0(self._init_pair(), time.monotonic() + _PROBE_S)
                 except GroupError:  # (not a RankMismatchError, which is a ValueError)
                     raise GroupError(self._never_joined("no group's rank 0 serves this store")) from None
-                self._claim_rank_to_take_over()
-                self._join_as_replacement()
+                self._claim_rank_to_take_over(deadline)
+                self._join_as_replacement(deadline)
             else:
                 self._rendezvous(deadline)
         except BaseException as exc:
@@ -311,13 +311,14 @@ class TCPGroup(_KeyValueGroup):
                              f"init_group(rejoin=True)")
         return True
 
-    def _claim_rank_to_take_over(self) -> None:
+    def _claim_rank_to_take_over(self, deadline: float) -> None:
         """Hold ``member/{rank}`` once the dead process's claim on it is gone (retrying until
-        ``timeout_s``), then check that the rank joined the group: its rendezvous slot is there."""
+        ``deadline``, a ``time.monotonic()``), then check that the rank joined the group: its
+        rendezvous slot is there."""
         store, who = self._store(), f"pid {os.getpid()}".encode()
         # The store frees the claim when it sees the old connection close, a moment after the
         # old process died: a replacement started at once retries until then.
-        pauses = retry_pauses(time.monotonic() + self._timeout_s)
+        pauses = retry_pauses(deadline)
         while not store.claim(f"member/{self.rank}", who):
             if not next(pauses, False):
                 raise GroupError(f"init_group(rejoin=True): rank {self.rank} is still held by a live process "

@@ -210,6 +210,36 @@ def test_an_unreachable_torchrun_store_is_named_within_the_timeout(clean_env):
         init_group(timeout_s=2.0)
 
 
+def test_torchrun_store_group_spends_one_timeout_on_the_connection_and_the_rendezvous(clean_env, monkeypatch):
+    """The wait for torchrun's store listener took 1.5 s of a 2 s timeout (a fake clock): the rendezvous,
+    where rank 0 never comes, gets the 0.5 s left instead of 2 s more; the collectives after it all of it."""
+    dist = pytest.importorskip("torch.distributed")
+    from mooncake_ep import _group_adapters
+
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # what torchrun's agent serves
+    now = [100.0]
+
+    def slow_connect(host, port, timeout_s):
+        now[0] += 1.5
+        return real_connect(host, port, timeout_s)
+
+    real_connect = _group_adapters._tcp_store.connect
+    monkeypatch.setattr(_group_adapters._tcp_store, "connect", slow_connect)
+    monkeypatch.setattr(_group_adapters, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(_group_adapters, "_MIN_TORCH_TIMEOUT_S", 0.1)
+    with pytest.raises(GroupError, match=r"^init_group #0 timed out after 0\.5 s waiting for ranks \[0\] of 2"):
+        _group_adapters.torchrun_store_group(1, 2, "127.0.0.1", port, timeout_s=2.0)
+    monkeypatch.undo()  # real time, and a fresh agent: the failed rank 1 took the store's first group number
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    groups = run_in_threads([lambda r=r: _group_adapters.torchrun_store_group(r, 2, "127.0.0.1", port,
+                                                                              timeout_s=LONG_TIMEOUT_S)
+                             for r in range(2)])
+    assert [g.timeout_s for g in groups] == [LONG_TIMEOUT_S] * 2, groups
+    del agent
+
+
 # ----------------------------------------------------------------------------- torch stores, threads
 
 

@@ -12,6 +12,7 @@ import re
 import socket
 import threading
 import time
+import types
 
 import pytest
 
@@ -632,6 +633,40 @@ def test_rejoin_errors():
                                          r"\[0, 1\] of 3 .*Buffer\.update_ep_member\(\)"):
         TCPGroup(2, 3, master_port=port, timeout_s=SHORT_TIMEOUT_S, rejoin=True)
     run_in_threads([lambda g=g: g.close(final_barrier=False) for g in groups[:2]])
+
+
+def test_a_replacement_spends_one_timeout_on_its_whole_join(monkeypatch):
+    """The member claim took 0.4 s of a 1 s timeout (a fake clock): the wait for the survivors' renewal
+    gets the 0.6 s left, not 1 s more."""
+    from mooncake_ep import _group_common, group as group_module
+
+    port = free_port()
+    groups = join(port, 2)
+    die(groups[1])
+    with TCPStoreClient("127.0.0.1", port, timeout_s=5.0) as probe:  # the store has seen it go (the claim
+        # loop below, on the fake clock, would give up at once)
+        eventually(lambda: isinstance(_threads.call_or_error(lambda: probe.get("member/1", 0.01)), StoreTimeoutError))
+    clock = types.SimpleNamespace(now=100.0)
+    fake_time = types.SimpleNamespace(monotonic=lambda: clock.now, sleep=time.sleep)
+    for module in (_group_common, group_module):
+        monkeypatch.setattr(module, "time", fake_time)
+    take_over, renew, waits = TCPGroup._claim_rank_to_take_over, _group_common._KeyValueGroup._renew, []
+
+    def slow_take_over(self, deadline):
+        take_over(self, deadline)
+        clock.now += 0.4
+
+    def recorded_renew(self, wait_s):
+        waits.append(wait_s)
+        return renew(self, 0.1)  # the survivors never renew: fail soon
+
+    monkeypatch.setattr(TCPGroup, "_claim_rank_to_take_over", slow_take_over)
+    monkeypatch.setattr(_group_common._KeyValueGroup, "_renew", recorded_renew)
+    with pytest.raises(GroupError, match=r"^renew_membership #0 \(epoch 1\) timed out after 1\.0 s waiting for "
+                                         r"ranks \[0\] "):
+        TCPGroup(1, 2, master_port=port, timeout_s=1.0, rejoin=True)
+    assert waits == [pytest.approx(0.6)], waits
+    groups[0].close(final_barrier=False)
 
 
 def test_a_replacement_of_another_world_size_is_refused_before_it_joins_anything():
