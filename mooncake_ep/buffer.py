@@ -327,8 +327,8 @@ class Buffer:
                 ids as -1. So are a rank's copies to one expert past its first T (recv_x's rows per
                 source; only tokens naming an expert twice make them): refused in host arrays, dropped
                 by the kernels, in (token, k) order.
-            active_ranks: ``[num_ranks]`` int32 on x's device; 1 = alive. The kernels write 0 for a rank
-                that timed out; senders skip ranks marked 0.
+            active_ranks: ``[num_ranks]`` int32 on x's device; 1 (any nonzero value) = alive, 0 =
+                masked. The kernels write 0 for a rank that timed out; senders skip ranks marked 0.
             num_max_dispatch_tokens_per_rank: T, equal on every rank.
             num_experts: E, a multiple of num_ranks, equal on every rank.
             timeout_us: microseconds a receive waits for a peer before masking it; -1 waits forever.

@@ -135,7 +135,7 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
             multiple of 128.
         topk_idx: ``[num_tokens, num_topk]`` int32 (int64 with ``jax_enable_x64``) global expert ids; -1 =
             no expert. A numpy int64 array becomes int32 (JAX's canonicalisation; ids fit).
-        active_ranks: ``[num_ranks]`` int32, 1 = alive.
+        active_ranks: ``[num_ranks]`` int32, 1 (any nonzero value) = alive, 0 = masked.
         num_max_dispatch_tokens_per_rank: T, equal on every rank.
         num_experts: E, a multiple of num_ranks.
         timeout_us: microseconds a receive waits for a peer before masking it; -1 waits forever.

@@ -69,7 +69,8 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ran
         buffer: this rank's Buffer.
         x: ``[num_tokens, hidden]`` bf16 (may require grad), on the Buffer's device (or the CPU).
         topk_idx: ``[num_tokens, num_topk]`` int64 (int32 accepted); -1 = no expert.
-        active_ranks: ``[num_ranks]`` int32, 1 = alive; updated in place, by the backward too.
+        active_ranks: ``[num_ranks]`` int32, 1 (any nonzero value) = alive, 0 = masked; updated in
+            place, by the backward too.
         num_max_dispatch_tokens_per_rank: T.
         num_experts: E.
         timeout_us: microseconds a receive waits for a peer; -1 waits forever.
