@@ -935,7 +935,8 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
                  copy_bandwidth: float | None, write_bandwidth: float | None, copies: float, load: dict, host: dict,
                  kernel: dict, baseline_stats: dict | None, spans: dict | None = None,
                  inner: dict | None = None) -> dict:
-    """The JSON report; ``copy_bandwidth`` (bytes/s) None means no floor (the reference backend).
+    """The JSON report; ``copy_bandwidth`` (bytes/s) None means no floor (the reference backend), and no
+    rate either: DeepEP's bytes over numpy's wall time would read as a transfer rate of nothing.
     ``write_bandwidth`` (bytes/s) is context only: the floors use the copy bandwidth. ``spans``: per
     phase, the profiled replays' :class:`~mooncake_ep.cli.kernel_span.ReplaySpans` (None: not profiled).
     ``inner``: per phase, the :class:`InnerEvents`' percentiles (None: not recorded)."""
@@ -972,7 +973,8 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
             with_ratio(stats),
             floor_us=floor_us,
             hbm_bytes_floor=floor_bytes[phase],
-            deepep_gbps_per_rank=deepep_bytes[phase] / args.ranks / (stats["p50_us"] * 1e-6) / 1e9,
+            deepep_gbps_per_rank=(None if copy_bandwidth is None else
+                                  deepep_bytes[phase] / args.ranks / (stats["p50_us"] * 1e-6) / 1e9),
             baseline_p50_us=None if base is None else base["p50_us"],
             speedup_vs_baseline=None if base is None else base["p50_us"] / stats["p50_us"],
             inner_events=None if inner is None else with_ratio(inner[phase]),
@@ -1014,7 +1016,8 @@ def print_report(report: dict) -> None:
         graph = row["graph_span"] or missing
         span = row["kernel_span"] or missing
         print(f"{phase:<18}{row['p50_us']:>9.1f}{row['p90_us']:>9.1f}{row['p99_us']:>9.1f}"
-              f"{_cell(row['floor_us'], 10, 1)}{_cell(row['ratio_to_floor'], 7, 2)}{row['deepep_gbps_per_rank']:>11.1f}"
+              f"{_cell(row['floor_us'], 10, 1)}{_cell(row['ratio_to_floor'], 7, 2)}"
+              f"{_cell(row['deepep_gbps_per_rank'], 11, 1)}"
               f"{_cell(row['baseline_p50_us'], 10, 1)}{_cell(row['speedup_vs_baseline'], 9, 2)}"
               f"{_cell(inner['p50_us'], 11, 1)}{_cell(inner['ratio_to_floor'], 7, 2)}"
               f"{_cell(graph['p50_us'], 11, 1)}{_cell(span['p50_us'], 10, 1)}{_cell(span['ratio_to_floor'], 7, 2)}")
