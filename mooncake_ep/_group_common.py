@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import os
 import struct
 import threading
@@ -59,11 +60,12 @@ GroupError.__module__ = StoreTimeoutError.__module__ = "mooncake_ep.group"
 
 
 def _check_int(where: str, name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as a Python int, if it is an integer (numpy's too: they register as Integral) >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}")
-    return value
+    return int(value)
 
 
 def _check_rank(where: str, rank: Any, world_size: Any) -> tuple[int, int]:

@@ -17,6 +17,7 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import _threads
@@ -125,6 +126,14 @@ def test_local_validation_errors():
         LocalGroup(0)
     with pytest.raises(TypeError, match="num_ranks must be an int"):
         LocalGroup(2.0)
+    with pytest.raises(TypeError, match="num_ranks must be an int, got bool np.True_"):
+        LocalGroup(np.bool_(True))
+    # numpy integers are ints, taken as Python ints (a numpy one would wrap in arithmetic).
+    group = LocalGroup(np.int16(2), devices=[np.uint8(0), np.int64(0)])
+    assert type(group.num_ranks) is int and all(type(d) is int for d in group.devices), group
+    ranks = TCPGroup(np.int64(0), np.int32(1), master_port=np.uint16(1), device=np.int8(0))  # world 1: no store
+    assert (ranks.rank, ranks.world_size, ranks.master_port, ranks.device) == (0, 1, 1, 0)
+    assert all(type(v) is int for v in (ranks.rank, ranks.world_size, ranks.master_port, ranks.device))
     with pytest.raises(ValueError, match="devices must have one entry per rank"):
         LocalGroup(2, devices=[0])
     with pytest.raises(ValueError, match="devices"):
