@@ -199,7 +199,8 @@ class _KeyValueGroup:
     then publishes ``{namespace}c/{seq}/{rank}`` for a per-call
     sequence number ``seq`` and waits for the other ranks' keys of the same ``seq``, so
     consecutive calls never mix. Each rank deletes its key of call ``seq - 1`` once call ``seq``
-    completes (all peers have read it by then), so the store stays small.
+    completes (all peers have read it by then), so the store stays small; its key of the
+    rendezvous stays (:meth:`_first_slot_key`).
 
     Membership epochs: :meth:`renew_membership` is a round in which every rank publishes
     ``{namespace}e{epoch}/join/{rank}`` for the next epoch and waits for all of them; the round
@@ -412,7 +413,9 @@ class _KeyValueGroup:
                 # Settled once complete: a replacement that exits or dies after the round must still
                 # count as joined for a survivor whose wait is on its way (else the ranks split epochs).
                 # A replacement whose wait fails takes its key with it in the same step: the running
-                # ranks never count it as joined.
+                # ranks never count it as joined. (A survivor's key is a plain one: a survivor whose
+                # wait fails leaves it, and its next call finds the round complete if the others
+                # completed it meanwhile.)
                 values = self._kv_multi_get(keys, wait_s, settle=True)
             except _StoreWaitError as exc:
                 missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
@@ -487,7 +490,9 @@ class _KeyValueGroup:
         Raises:
             RankMismatchError: the ranks disagree on world_size or protocol version (each rank's
                 value named), on every rank that saw it.
-            GroupError: this rank joined twice, or ranks did not come within ``timeout_s`` (named).
+            GroupError: this rank joined twice, a process of it joined before (the TCP store: it
+                needs ``rejoin``), or ranks did not come within ``timeout_s`` (named; those that
+                came and left said so).
         """
         mine = self._init_pair()
         if deadline is None:
@@ -498,6 +503,7 @@ class _KeyValueGroup:
             self._check_rank0(mine, deadline)  # before the claim: a rank that does not fit leaves no claim behind
         slot_claimed = self._claim_rank(_slot_value("init_group", mine))
         try:
+            self._kv_delete(self._left_key(self.rank))  # an earlier process's, which left: not this one
             replies = self._collective("init_group", mine, timeout_s=max(deadline - time.monotonic(), _PROBE_S),
                                        on_wait_error=functools.partial(self._check_arrived, mine),
                                        slot_claimed=slot_claimed)
@@ -549,7 +555,8 @@ class _KeyValueGroup:
         # This rank's pair in its slot of round 0 (unclaimed: it does not join): within rank 0's group,
         # that round's ranks then name it too; beyond, it tells rank 0 that this rank has read why. Not
         # over a slot already there: a process of this rank is in the round, or joined a group that
-        # completed it, and the slot is its own.
+        # completed it, and the slot is its own. (A look, then a set: one claiming its slot between
+        # the two has it overwritten, two processes started as one rank with different world sizes.)
         slot = self._first_slot_key(self.rank)
         try:
             if not self._present({slot: self.rank}):

@@ -99,6 +99,7 @@ _STILL_ARRIVING = 4
 # Bits of a wait's flags byte: return the values; end the claims on the keys once all are there;
 # remove the keys the waiting connection still holds a claim on when the wait fails.
 _WAIT_VALUES, _WAIT_SETTLES_CLAIMS, _WAIT_WITHDRAWS_CLAIMS = 1, 2, 4
+_DONT_WAIT = getattr(socket, "MSG_DONTWAIT", 0)  # the server's sockets block: a peek must not
 
 
 class _StoreClosedError(_StoreWaitError):
@@ -394,10 +395,22 @@ class TCPStoreServer:
         with self._cond:
             (self._clients.add if delta > 0 else self._clients.discard)(sock)
             if delta < 0:  # the client hung up, exited or died: what it claimed is free again
-                for key in [k for k, owner in self._claim_owners.items() if owner is sock]:
-                    del self._claim_owners[key]
-                    self._data.pop(key, None)
+                self._drop_claims_of(sock)
             self._cond.notify_all()
+
+    def _drop_claims_of(self, sock: socket.socket) -> None:
+        """Remove what the connection ``sock`` claimed (and still holds); call with the lock held."""
+        for key in [k for k, owner in self._claim_owners.items() if owner is sock]:
+            del self._claim_owners[key]
+            self._data.pop(key, None)
+
+    def _dropped_hung_up_claimers(self, keys: list[str]) -> bool:
+        """Whether some of ``keys`` were claimed by a connection that hung up, whose claims are then
+        dropped here (as its handler would, a moment later); call with the lock held."""
+        gone = {owner for owner in map(self._claim_owners.get, keys) if owner is not None and _hung_up(owner)}
+        for sock in gone:
+            self._drop_claims_of(sock)
+        return bool(gone)
 
     def _arriving(self, key: str, num_bytes: int) -> Callable[[], None]:
         """Mark a set of ``num_bytes`` for ``key`` as being received; returns the call that marks it over.
@@ -460,9 +473,13 @@ class TCPStoreServer:
                     # waiting (its socket closed) is let go at once, and with it its claims, instead
                     # of holding them until its wait would have run out. Past the deadline the wait
                     # goes on while a missing key's value is still coming in: its peer was in time.
-                    while not self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys),
-                                                  timeout=max(0.0, min(_DEAD_CLIENT_POLL_S,
-                                                                       deadline - time.monotonic()))):
+                    # A wait that settles claims first drops those of claimers that hung up (a rank
+                    # killed in its own wait, which its handler notices only at its next slice): a
+                    # round is never settled with a member that is gone.
+                    while not self._cond.wait_for(
+                            lambda: self._closing or (all(k in self._data for k in keys) and not (
+                                flags & _WAIT_SETTLES_CLAIMS and self._dropped_hung_up_claimers(keys))),
+                            timeout=max(0.0, min(_DEAD_CLIENT_POLL_S, deadline - time.monotonic()))):
                         arriving = self._arriving_bytes(keys)
                         if (time.monotonic() >= deadline and not arriving) or _hung_up(client):
                             break
@@ -509,13 +526,15 @@ class TCPStoreServer:
 
 
 def _hung_up(sock: socket.socket | None) -> bool:
-    """Whether the client closed its end (it sends nothing while it waits for a reply, so a
-    readable socket during a wait means end of file, or an error)."""
+    """Whether the client closed its end: its socket reads end of file, or an error. (Data waiting
+    is a request; it may be read meanwhile by the connection's own handler, so the peek never blocks.)"""
     if sock is None:
         return False
     try:
         readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and not sock.recv(1, socket.MSG_PEEK)
+        return bool(readable) and not sock.recv(1, socket.MSG_PEEK | _DONT_WAIT)
+    except BlockingIOError:  # its handler read the request between the select and the peek
+        return False
     except OSError:
         return True
 

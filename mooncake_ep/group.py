@@ -156,7 +156,8 @@ class TCPGroup(_KeyValueGroup):
     raises). Every collective then publishes ``f"c/{seq}/{rank}"`` for a per-call sequence
     number ``seq`` and waits for the other ranks' keys of the same ``seq``, so consecutive calls
     never mix. Each rank deletes its key of call ``seq - 1`` once call ``seq`` completes (all
-    peers have read it by then), so the store stays small.
+    peers have read it by then), so the store stays small; its key of the rendezvous stays, as the
+    record that the rank joined.
 
     Args:
         rank: this process's rank in ``[0, world_size)``; rank 0 serves the store.
@@ -166,10 +167,11 @@ class TCPGroup(_KeyValueGroup):
         timeout_s: seconds any rendezvous or collective waits for its peers (math.inf = forever);
             can be changed later through :attr:`timeout_s`.
         device: CUDA device ordinal this rank uses (reported as :attr:`device`), None = unset.
-        rejoin: take over ``rank`` from a process of this group that died: wait (up to
-            ``timeout_s``) for its store connection to be gone, then join the running ranks' next
-            :meth:`renew_membership` (``Buffer.update_ep_member`` on the survivors), instead of
-            the first rendezvous. Rank 0 cannot be taken over: it serves the store.
+        rejoin: take over ``rank`` from a process of this group that died: check rank 0's
+            world_size, wait for the dead process's store connection to be gone, then join the
+            running ranks' next :meth:`renew_membership` (``Buffer.update_ep_member`` on the
+            survivors), instead of the first rendezvous; all of it within ``timeout_s``. Rank 0
+            cannot be taken over: it serves the store.
 
     Raises:
         GroupError: the port is taken (rank 0), rank 0 is unreachable, a rank joined twice (or,
@@ -202,7 +204,9 @@ class TCPGroup(_KeyValueGroup):
         rank that dies first loses it with its connection. So no rank starts a group with a rank
         that has left, and a process restarted in place of one that left before the round
         completed joins as a first one does. Once the round completed, the rank counts as joined:
-        a process taking it over must say ``rejoin=True``.
+        a process taking it over must say ``rejoin=True``. (A rank whose own link to the store fails,
+        or that is interrupted, just as the store answers that the round completed raises while the
+        others complete: as a rank that dies right after joining, which the kernels mask.)
     """
 
     _store_closes_with_rank0 = True
@@ -300,12 +304,15 @@ class TCPGroup(_KeyValueGroup):
                              f"{self._same_rank_hint}")
         slot = self._first_slot_key(self.rank)
         if not store.claim(slot, first_slot):
-            # Another pair there was left by a process of this rank started with another world_size,
-            # which shows it to the round's ranks and leaves (_check_rank0): it never joined. No other
-            # process of this rank can be here meanwhile: this one holds the member claim.
-            if self._kv_multi_get([slot], _PROBE_S)[0] != first_slot and store.delete(slot) \
-                    and store.claim(slot, first_slot):
-                return True
+            held = self._present({slot: self.rank})
+            if held and held[slot][1] != first_slot:
+                # Left by a process of this rank started with another world_size, which shows it to
+                # the round's ranks and leaves (_check_rank0). Not taken over: ranks that read it in
+                # a complete round have raised, and this rank would complete it with the others.
+                raise GroupError(f"init_group: rank {self.rank}'s slot of the rendezvous ({self._where()}) "
+                                 f"holds the world_size of a process of this rank started with another one, "
+                                 f"which ranks waiting in the round may have read and raised on: restart every "
+                                 f"rank with the same world_size (WORLD_SIZE)")
             raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) before and "
                              f"that process has exited; a process taking over its rank must join with "
                              f"init_group(rejoin=True)")

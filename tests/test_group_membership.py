@@ -198,6 +198,42 @@ def test_a_rank_that_dies_in_the_rendezvous_can_be_restarted(monkeypatch):
     run_in_threads([lambda g=g: g.close() for g in groups])
 
 
+def test_a_rank_killed_in_its_rendezvous_wait_is_not_counted_when_the_last_rank_comes(monkeypatch):
+    """Rank 1 is killed while its wait is in the store, whose handler notices the closed socket only
+    at its next poll; rank 2 comes in that window. Before, ranks 0 and 2 settled the round with rank
+    1's slot, and its restart was refused. The settling wait now drops a hung-up claimer's claims."""
+    port = free_port()
+    wait, waiting_rank1 = TCPGroup._kv_multi_get, {}
+
+    def tracked_wait(self, keys, timeout_s, **kwargs):
+        if self.rank == 1 and len(keys) == 3:
+            waiting_rank1[self.rank] = self
+        return wait(self, keys, timeout_s, **kwargs)
+
+    monkeypatch.setattr(TCPGroup, "_kv_multi_get", tracked_wait)
+    out = {}
+
+    def start(rank, name):  # retried while the killed process's member claim is still held
+        thread = threading.Thread(target=lambda: out.__setitem__(name, _threads.call_or_error(
+            lambda: join_while_claimed(lambda: TCPGroup(rank, 3, master_port=port, timeout_s=LONG_TIMEOUT_S)))))
+        thread.start()
+        return thread
+
+    threads = [start(0, "rank 0"), start(1, "killed")]
+    eventually(lambda: waiting_rank1)
+    time.sleep(0.1)  # its wait request is in the store
+    waiting_rank1[1]._client._sock.shutdown(socket.SHUT_RDWR)  # what the OS does to a killed process's socket
+    threads.append(start(2, "rank 2"))
+    threads.append(start(1, "restart"))
+    for thread in threads:
+        thread.join(PROCESS_LIMIT_S)
+    assert isinstance(out["killed"], GroupError), out
+    groups = [out["rank 0"], out["restart"], out["rank 2"]]
+    assert all(isinstance(g, TCPGroup) for g in groups), out
+    assert gather_ranks(groups) == [[b"\0\0", b"\1\0", b"\2\0"]] * 3
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
 def test_a_store_names_another_protocol_and_ignores_what_is_not_one(caplog):
     """A client of another store protocol is refused by name; bytes that are no hello, or a request
     length that no data follows, cost the server nothing (it used to allocate whatever length came)."""
