@@ -118,6 +118,9 @@ def _check_data(where: str, data: Any) -> bytes:
 # 6: the TCP store's rendezvous slots are claims, settled by the round or withdrawn by a failed wait, and
 #    stay as the record of who joined (a wait's flag that withdraws the waiter's claims).
 _PROTOCOL_VERSION = 6
+# The key a store with claims sets, in the same step, beside a claimed key that a failed wait withdrew:
+# a rank that came to a round and left is told from one that never came.
+WITHDRAWN_SUFFIX = ":withdrawn"
 _U8 = struct.Struct("!B")
 # What each rank shows the others when it joins (the init_group round, and rank 0's init/world_size key):
 # protocol version, world_size.
@@ -503,7 +506,8 @@ class _KeyValueGroup:
             self._check_rank0(mine, deadline)  # before the claim: a rank that does not fit leaves no claim behind
         slot_claimed = self._claim_rank(_slot_value("init_group", mine))
         try:
-            self._kv_delete(self._left_key(self.rank))  # an earlier process's, which left: not this one
+            if slot_claimed:  # an earlier process's mark, which left: not this one's
+                self._kv_delete(self._first_slot_key(self.rank) + WITHDRAWN_SUFFIX)
             replies = self._collective("init_group", mine, timeout_s=max(deadline - time.monotonic(), _PROBE_S),
                                        on_wait_error=functools.partial(self._check_arrived, mine),
                                        slot_claimed=slot_claimed)
@@ -512,21 +516,10 @@ class _KeyValueGroup:
             if self.rank == 0 and self._store_closes_with_rank0:
                 self._wait_for_larger_world(deadline)
             raise
-        except GroupError:
-            # A withdrawn slot reads as a rank that never came: say that this one came and left.
-            try:
-                self._kv_set(self._left_key(self.rank), b"")
-            except GroupError:
-                pass  # the store is gone: nobody is left to tell
-            raise
 
     def _init_pair(self) -> bytes:
         """What this rank shows the others when it joins: (protocol version, world_size), packed."""
         return _INIT.pack(_PROTOCOL_VERSION, self.world_size)
-
-    def _left_key(self, rank: int) -> str:
-        """Set by a rank whose rendezvous failed (its slot then withdrawn, where the store has claims)."""
-        return f"{self._namespace}init/left/{rank}"
 
     def _init_key(self) -> str:
         """Where rank 0 keeps its (protocol version, world_size) for the other ranks to check theirs against."""
@@ -576,7 +569,7 @@ class _KeyValueGroup:
         if arrived is None:
             return
         self._check_init({r: _slot_data(v) for r, v in arrived.values()} | {self.rank: mine}, failure)
-        left = self._present({self._left_key(r): r for r, k in enumerate(keys) if k in missing_keys})
+        left = self._present({k + WITHDRAWN_SUFFIX: r for r, k in enumerate(keys) if k in missing_keys})
         if left:
             raise GroupError(f"{failure}; of these, ranks {sorted(r for r, _ in left.values())} came and left "
                              f"(their own init_group failed first)")

@@ -44,6 +44,7 @@ from mooncake_ep._group_common import (
     DEFAULT_TIMEOUT_S,
     GroupError,
     StoreTimeoutError,
+    WITHDRAWN_SUFFIX,
     _PROTOCOL_VERSION,
     _StoreWaitError,
     _check_data,
@@ -210,6 +211,9 @@ class _StoreHandler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         sock: socket.socket = self.request
+        # Blocking, whatever socket.setdefaulttimeout says: an idle client is not dropped, and a peek
+        # at its socket from another connection's wait (_hung_up) never waits.
+        sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         store = self.server.store
         store._connected(sock, +1)
@@ -498,6 +502,7 @@ class TCPStoreServer:
                             for key in keys:  # wait can have found them all there meanwhile
                                 if client is not None and self._claim_owners.get(key) is client:
                                     del self._data[key], self._claim_owners[key]
+                                    self._data[key + WITHDRAWN_SUFFIX] = b""
                         body = _U32.pack(len(missing)) + b"".join(_U32.pack(i) for i in missing)
                         return (_CLOSED if self._closing else _TIMEOUT), body
                     values = [self._data[k] for k in keys] if flags & _WAIT_VALUES else []
@@ -531,8 +536,9 @@ def _hung_up(sock: socket.socket | None) -> bool:
     if sock is None:
         return False
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and not sock.recv(1, socket.MSG_PEEK | _DONT_WAIT)
+        poller = select.poll()  # not select.select: it refuses descriptors past 1023 (a large group's rank 0)
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0)) and not sock.recv(1, socket.MSG_PEEK | _DONT_WAIT)
     except BlockingIOError:  # its handler read the request between the select and the peek
         return False
     except OSError:
@@ -730,7 +736,7 @@ class TCPStoreClient:
         a peer whose wait for the same keys is still on its way finds them too, whatever becomes of
         their claimers (a round every rank must see complete).
         ``withdraw_claims``: if the wait fails, remove the keys among ``keys`` that this connection
-        still holds a claim on, in the same step. With ``settle_claims`` on every rank's wait, a
+        still holds a claim on, in the same step, setting ``key + WITHDRAWN_SUFFIX`` beside each. With ``settle_claims`` on every rank's wait, a
         round then either completes for every rank or for none: a rank that gave up takes its key
         with it, and never leaves peers a round whose member has left.
         """

@@ -305,6 +305,8 @@ class TCPGroup(_KeyValueGroup):
         slot = self._first_slot_key(self.rank)
         if not store.claim(slot, first_slot):
             held = self._present({slot: self.rank})
+            if held is None:
+                raise GroupError(f"init_group: rank {self.rank} lost the store ({self._where()}) while it joined")
             if held and held[slot][1] != first_slot:
                 # Left by a process of this rank started with another world_size, which shows it to
                 # the round's ranks and leaves (_check_rank0). Not taken over: ranks that read it in

@@ -8,6 +8,7 @@ version, with SIGKILL, is in test_buffer_multiprocess.py). Timeouts only bound f
 from __future__ import annotations
 
 import math
+import os
 import re
 import socket
 import threading
@@ -121,6 +122,7 @@ def test_a_failed_wait_that_withdraws_removes_only_its_own_unsettled_claims():
             quitter.multi_get(["c/0/0", "c/0/1", "c/0/2", "plain"], 0.1, settle_claims=True, withdraw_claims=True)
         with pytest.raises(StoreTimeoutError, match=r"waiting for keys \['c/0/1'\]"):  # gone while still connected
             peer.multi_get(["c/0/0", "c/0/1", "plain"], 0.1)
+        assert peer.get("c/0/1:withdrawn", timeout_s=1.0) == b""  # set in the same step: it came and left
         assert peer.claim("c/0/1", b"again")  # a restarted rank claims the slot afresh
         assert quitter.claim("c/0/0") is False  # the peer's claim stayed
         # A round that completes settles every key: the failed wait of a rank that comes too late to
@@ -232,6 +234,28 @@ def test_a_rank_killed_in_its_rendezvous_wait_is_not_counted_when_the_last_rank_
     assert all(isinstance(g, TCPGroup) for g in groups), out
     assert gather_ranks(groups) == [[b"\0\0", b"\1\0", b"\2\0"]] * 3
     run_in_threads([lambda g=g: g.close() for g in groups])
+
+
+def test_a_rank_0_with_more_than_1024_descriptors_open_serves_the_rendezvous():
+    """A large group's rank 0 holds a socket per rank, and torch and CUDA their files: a descriptor past
+    1023 made select() raise, which the store's settling wait answered as a malformed request."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1200
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    held = []
+    try:
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        held = [open(os.devnull) for _ in range(1100)]  # the store's sockets come after these
+        groups = join(free_port(), 3)
+        assert gather_ranks(groups) == [[b"\0\0", b"\1\0", b"\2\0"]] * 3
+        run_in_threads([lambda g=g: g.close() for g in groups])
+    finally:
+        for f in held:
+            f.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_store_names_another_protocol_and_ignores_what_is_not_one(caplog):
