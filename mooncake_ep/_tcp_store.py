@@ -98,7 +98,8 @@ _OK, _TIMEOUT, _ERROR, _CLOSED = 0, 1, 2, 3
 # arriving from a peer that set it in time; the client extends its own limit by that transfer.
 _STILL_ARRIVING = 4
 # Bits of a wait's flags byte: return the values; end the claims on the keys once all are there;
-# remove the keys the waiting connection still holds a claim on when the wait fails.
+# remove the keys the waiting connection still holds a claim on when the wait fails (each leaving
+# key + WITHDRAWN_SUFFIX).
 _WAIT_VALUES, _WAIT_SETTLES_CLAIMS, _WAIT_WITHDRAWS_CLAIMS = 1, 2, 4
 _DONT_WAIT = getattr(socket, "MSG_DONTWAIT", 0)  # the server's sockets block: a peek must not
 
@@ -539,7 +540,7 @@ def _hung_up(sock: socket.socket | None) -> bool:
         poller = select.poll()  # not select.select: it refuses descriptors past 1023 (a large group's rank 0)
         poller.register(sock, select.POLLIN)
         return bool(poller.poll(0)) and not sock.recv(1, socket.MSG_PEEK | _DONT_WAIT)
-    except BlockingIOError:  # its handler read the request between the select and the peek
+    except BlockingIOError:  # its handler read the request between the poll and the peek
         return False
     except OSError:
         return True
@@ -736,9 +737,10 @@ class TCPStoreClient:
         a peer whose wait for the same keys is still on its way finds them too, whatever becomes of
         their claimers (a round every rank must see complete).
         ``withdraw_claims``: if the wait fails, remove the keys among ``keys`` that this connection
-        still holds a claim on, in the same step, setting ``key + WITHDRAWN_SUFFIX`` beside each. With ``settle_claims`` on every rank's wait, a
-        round then either completes for every rank or for none: a rank that gave up takes its key
-        with it, and never leaves peers a round whose member has left.
+        still holds a claim on, in the same step, setting ``key + WITHDRAWN_SUFFIX`` beside each.
+        With ``settle_claims`` on every rank's wait, a round then either completes for every rank
+        or for none: a rank that gave up takes its key with it, and never leaves peers a round
+        whose member has left (and they can tell it came).
         """
         return self._wait("TCPStoreClient.multi_get", keys, timeout_s, want_values=True, reply_bytes=reply_bytes,
                           settle_claims=settle_claims, withdraw_claims=withdraw_claims)
