@@ -260,18 +260,23 @@ class CudaBackend:
             self._write_steps(steps)
         self._agreed.update(tuple(key) for record in records for key in record["agreed"])
 
+    def peek_state(self) -> np.void:
+        """This rank's ``ep::State``, a record of :data:`layout.STATE_DTYPE` (``workspace.peek``: the
+        caller makes sure no kernel of this rank runs)."""
+        raw = self.workspace.peek(layout.HEADER_OFFSETS["state"], layout.STATE_BYTES)
+        return np.frombuffer(raw, dtype=layout.STATE_DTYPE)[0]
+
     def _peek_steps(self) -> list[int]:
         """The step counters, field by field, parity by parity (``_STEP_FIELDS``)."""
-        state = np.frombuffer(self.workspace.peek(layout.HEADER_OFFSETS["state"], layout.STATE_BYTES),
-                              dtype=layout.STATE_DTYPE)[0]
+        state = self.peek_state()
         return [int(step) for field in _STEP_FIELDS for step in state[field]]
 
     def _write_steps(self, steps: Sequence[int]) -> None:
         """Write the step counters, in ``_peek_steps``'s order; the other State fields stay as they are."""
-        for index, step in enumerate(steps):
-            field = _STEP_FIELDS[index // layout.NUM_PARITIES]
-            word = np.asarray(step, dtype=layout.STATE_DTYPE[field].base)
-            self.workspace.write(layout.state_offset(field, index % layout.NUM_PARITIES), word.tobytes())
+        for i, field in enumerate(_STEP_FIELDS):
+            words = np.asarray(steps[i * layout.NUM_PARITIES:(i + 1) * layout.NUM_PARITIES],
+                               dtype=layout.STATE_DTYPE[field].base)
+            self.workspace.write(layout.state_offset(field, 0), words.tobytes())
 
     def _clear_flags_from(self, rank: int) -> None:
         """Zero the flags ``rank`` writes into this workspace: its old process left steps there."""

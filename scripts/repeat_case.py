@@ -46,8 +46,7 @@ from mooncake_ep import _constants, _cuda_backend, buffer, kernels, layout  # no
 
 def dump_workspace(cuda, trace: bool) -> dict:
     """Steps and flags of this rank's workspace (no kernel of any rank runs: see destroy below)."""
-    raw = cuda.workspace.peek(layout.HEADER_OFFSETS["state"], layout.STATE_BYTES)
-    state = np.frombuffer(raw, dtype=layout.STATE_DTYPE)[0]
+    state = cuda.peek_state()
     out = {"rank": cuda.group.rank, "state": {name: state[name].tolist() for name in layout.STATE_FIELDS}}
     num_ranks = cuda.group.world_size
     for region in ("dispatch_flag", "dispatch_verdict", "combine_flag", "combine_verdict", "combine_ack"):
