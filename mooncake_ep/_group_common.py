@@ -436,14 +436,12 @@ class _KeyValueGroup:
                 seen = {r: (version, size) for r, (version, size, _) in enumerate(joins)}
                 raise GroupError(f"{label}: ranks disagree on (protocol version, world_size): {seen}")
             old_key = self._collective_key(self._seq - 1, self.rank) if self._seq > 0 else None
-            if old_key == self._first_slot_key(self.rank):
-                old_key = None  # it stays (_first_slot_key)
             self._epoch, self._seq, self._broken = epoch, 0, None
             self._is_replacement = False
             # Where a later replacement looks for the round to join (see _join_as_replacement).
             self._kv_set(f"{self._namespace}epoch", str(epoch).encode())
             if old_key is not None:
-                self._kv_delete(old_key)  # the last key of the old epoch: every peer has left it
+                self._delete_spent_slot(old_key)  # the last key of the old epoch: every peer has left it
             if epoch > 1:  # every rank has finished the round before this one: nobody reads its keys
                 self._kv_delete(f"{self._namespace}e{epoch - 1}/join/{self.rank}")
             return [r for r, (_, _, replaced) in enumerate(joins) if replaced]
@@ -470,6 +468,12 @@ class _KeyValueGroup:
     def _collective_key(self, seq: int, rank: int) -> str:
         epoch = f"e{self._epoch}/" if self._epoch else ""
         return f"{self._namespace}{epoch}c/{seq}/{rank}"
+
+    def _delete_spent_slot(self, key: str) -> None:
+        """Delete ``key``, this rank's slot of a round every peer has read, unless it is the
+        rendezvous's, which stays (:meth:`_first_slot_key`)."""
+        if key != self._first_slot_key(self.rank):
+            self._kv_delete(key)
 
     def _first_slot_key(self, rank: int) -> str:
         """``rank``'s slot of the rendezvous round (epoch 0, call 0). It stays when later calls clean
@@ -657,8 +661,8 @@ class _KeyValueGroup:
                     self._kv_set(keys[self.rank], mine)
                 values = self._kv_multi_get(keys, wait_s, reply_bytes=self.world_size * len(mine),
                                             settle=slot_claimed)
-                if seq > 0 and self._collective_key(seq - 1, self.rank) != self._first_slot_key(self.rank):
-                    self._kv_delete(self._collective_key(seq - 1, self.rank))
+                if seq > 0:
+                    self._delete_spent_slot(self._collective_key(seq - 1, self.rank))
             except _StoreWaitError as exc:
                 missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
                 self._broken = (f"{label} {self._wait_failure(exc)} waiting for ranks {missing} of "
