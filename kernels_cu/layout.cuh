@@ -27,7 +27,7 @@
 //   send_x[P]              [T][2H] bytes: this rank's tokens, staged (fp8 uses the first H bytes)
 //   send_scales[P]         [T][H/128] fp32: their fp8 scales
 //   send_expert_offset[P]  [E+1] i32: exclusive prefix of this rank's copies per expert
-//   send_list[P]           [T*K_max] i32: token*K+k of each copy, grouped by expert in (token, k) order
+//   send_list[P]           [T*K_max] i32: the token of each copy, grouped by expert in (token, k) order
 //   send_slot[P]           [T*K_max] i32: the position of copy (token, k) inside its expert's group
 //   recv_range[P]          [E_l][R] int2: (first row, rows) of source rank r in local expert e_l;
 //                          rows 0 for a source whose staging timed out (its zero rows, which

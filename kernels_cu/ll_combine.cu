@@ -33,7 +33,7 @@
 //     - the last block to finish acknowledges (combine_ack[parity][rank], release) every live rank
 //       it read from directly; if this rank's own outputs were read directly it waits (timed) for
 //       the acknowledgements of every live rank; then it stores step into state.combine_step[parity].
-// Epoch: step = state.combine_step[parity] + 1, read by every block at entry.
+// Epoch: step = next_step(state.combine_step[parity]), read by every block at entry.
 // Reuse: an expert rank rewrites combine_x[parity] two calls later, after its next dispatch on this
 //        parity received this owner's tokens, which the owner sends only after this receive ended;
 //        expert_out read directly is the caller's to reuse once this call's receive half is done.
@@ -126,7 +126,7 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
     const Layout& layout = *layout_ptr;
     State* state = at<State>(workspace, layout.state);
     const uint64_t* route = at<uint64_t>(workspace, layout.route);
-    const uint32_t step = state->combine_step[parity] + 1u;
+    const uint32_t step = next_step(state->combine_step[parity]);
     const int num_ranks = static_cast<int>(layout.num_ranks);
     const int num_local_experts = static_cast<int>(layout.num_local_experts);
     const int hidden = static_cast<int>(layout.hidden);

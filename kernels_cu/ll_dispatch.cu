@@ -12,7 +12,8 @@
 //       this call's send half is out (below);
 //     - block 0 then ranks the copies in (token, k) order (a shared bitmap per 128 tokens and popc,
 //       see build_send_lists) and writes send_slot[token*K+k] (position among this rank's copies to
-//       that expert) and send_list (token*K+k grouped by expert). recv_x holds T rows per (expert,
+//       that expert) and send_list (the token of each copy, grouped by expert: a receiver needs no
+//       K of its source, which may differ from its own). recv_x holds T rows per (expert,
 //       source): copies past a source's first T to one expert (only tokens naming an expert twice
 //       make them) are dropped, slot -1, as -1 entries are;
 //     - the other blocks stage the tokens into send_x, spread over their staging warps so that a few
@@ -45,7 +46,7 @@
 //       bits, and stores step into state.dispatch_step[parity]. The zero rows stay counted in
 //       recv_count (some blocks may have copied theirs), but no combine reads them back for their
 //       tokens, even one that finds the source live again: the reference's rows of a masked source.
-// Epoch: step = state.dispatch_step[parity] + 1, read by every block at entry; nothing but device
+// Epoch: step = next_step(state.dispatch_step[parity]), read by every block at entry; nothing but device
 //        memory carries state between calls, so a captured graph replays correctly. The staging
 //        count needs none: each call's target is past every earlier call's.
 // Residency: a block that finished its send part waits for every source's blocks, its own
@@ -169,7 +170,8 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
                 const int slot = s_chunk[i] < num_max_tokens ? s_chunk[i] : -1;
                 send_slot[chunk + i] = slot;
                 if (slot >= 0)
-                    send_list[s_offset[read_expert(topk_idx, topk_is_int64, chunk + i, num_experts)] + slot] = chunk + i;
+                    send_list[s_offset[read_expert(topk_idx, topk_is_int64, chunk + i, num_experts)] + slot] =
+                        first_token + i / num_topk;
             }
             EP_TRACE_POINT(13);
             continue;
@@ -183,7 +185,7 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
                 slot = s_running[expert] + __popc(row[token / kWarpSize] & ((1u << (token % kWarpSize)) - 1u));
                 for (int w = 0; w < token / kWarpSize; ++w) slot += __popc(row[w]);
                 // Past T only after an earlier chunk named an expert twice in a token.
-                if (slot < num_max_tokens) send_list[s_offset[expert] + slot] = chunk + i;
+                if (slot < num_max_tokens) send_list[s_offset[expert] + slot] = first_token + token;
                 else slot = -1;
             }
             send_slot[chunk + i] = slot;
@@ -424,7 +426,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
     const Layout& layout = *layout_ptr;
     State* state = at<State>(workspace, layout.state);
     const uint64_t* route = at<uint64_t>(workspace, layout.route);
-    const uint32_t step = state->dispatch_step[parity] + 1u;
+    const uint32_t step = next_step(state->dispatch_step[parity]);
     const int num_ranks = static_cast<int>(layout.num_ranks);
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int hidden = static_cast<int>(layout.hidden);
@@ -522,7 +524,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                 my_src = pair / num_local_experts;
                 if (s_staged[my_src]) {
                     const int* send_list = reinterpret_cast<const int*>(route[my_src] + layout.send_list[parity]);
-                    my_token = ld_cg_int(send_list + s_start[pair] + j) / num_topk;
+                    my_token = ld_cg_int(send_list + s_start[pair] + j);
                 }
                 my_out_row = local_expert * num_rows_per_expert + s_base[pair] + j;
             }

@@ -27,6 +27,11 @@
 
 namespace ep {
 
+// The step after `step`, skipping 0: a zeroed word (a fresh workspace, the flags cleared for a
+// replaced rank, a verdict slot never written) decodes as step 0, so no call may ever expect 0,
+// even after 2^32 calls on one parity wrap the counter.
+__device__ __forceinline__ uint32_t next_step(uint32_t step) { return step == 0xFFFFFFFFu ? 1u : step + 1u; }
+
 __device__ __forceinline__ uint64_t pack_flag(uint32_t step, uint32_t payload) {
     return (static_cast<uint64_t>(step) << 32) | payload;
 }

@@ -67,6 +67,12 @@ class Case:
     timeout_us: int = TIMEOUT_US
     seed: int = 0
     topk_dtype: type = np.int64  # the ids' width: both kernels read int64 and int32
+    # Each rank's own num_topk (num_topk is then the largest): the API lets ranks differ, and a
+    # receiver must find a source's tokens without knowing its K.
+    rank_topk: tuple[int, ...] | None = None
+
+    def topk_of(self, rank: int) -> int:
+        return self.rank_topk[rank] if self.rank_topk is not None else self.num_topk
 
 
 def make_inputs(case: Case):
@@ -79,11 +85,12 @@ def make_inputs(case: Case):
             num_tokens = 0
         x = rng.standard_normal((num_tokens, case.hidden), dtype=np.float32) * 3
         x[:, -1] = rank + 1  # the last channel names the source rank, exact in bf16
+        num_topk = case.topk_of(rank)
         pool = case.num_experts
         if case.routing == "skewed":  # every token to the experts of rank 0 (an incast)
-            pool = max(case.num_topk, case.num_experts // case.num_ranks)
-        topk = np.stack([rng.choice(pool, case.num_topk, replace=False) for _ in range(num_tokens)]) if num_tokens \
-            else np.zeros((0, case.num_topk), dtype=np.int64)
+            pool = max(num_topk, case.num_experts // case.num_ranks)
+        topk = np.stack([rng.choice(pool, num_topk, replace=False) for _ in range(num_tokens)]) if num_tokens \
+            else np.zeros((0, num_topk), dtype=np.int64)
         topk = topk.astype(np.int64)
         if case.routing == "repeated" and num_tokens:
             # Legal but no router's choice: the kernels rank such chunks another way.
@@ -100,9 +107,9 @@ def make_inputs(case: Case):
             topk[:128, 1] = 0
         xs.append(x.astype(ml_dtypes.bfloat16))
         topks.append(topk.astype(case.topk_dtype))
-        token_weights = rng.random((num_tokens, case.num_topk), dtype=np.float32)
+        token_weights = rng.random((num_tokens, num_topk), dtype=np.float32)
         if case.cancelling_weights:
-            assert case.num_topk % 2 == 0, "weights cancel in pairs"
+            assert num_topk % 2 == 0, "weights cancel in pairs"
             whole = (topk >= 0).all(axis=1)
             token_weights[whole, 1::2] = -token_weights[whole, 0::2]
         weights.append(token_weights)
@@ -384,6 +391,9 @@ MODES = [
     # One rank in the process: the sanitizer stage of scripts/gpu_check.sh runs the R1 cases in-process
     # (the kernels ordered at GPU scope, which ranks in processes of their own never build).
     Case(1, 8, 1152, 4, mode="hook", use_fp8=True, round_scale=True, use_ue8m0=True),
+    # Ranks with different top-k: rank 1 routes each token to one expert, rank 2 to 16.
+    Case(4, 64, 2048, 16, rank_topk=(8, 1, 16, 4), use_fp8=True),
+    Case(3, 24, 1024, 9, rank_topk=(4, 9, 2), mode="hook", renormalize=True),
 ]
 FAULT_TIMEOUT_US = 50_000  # the survivors' calls return this long after the rank stopped; well above the
 # skew of the ranks' launches (threads of one interpreter: a GIL switch interval is 5 ms)
@@ -397,7 +407,8 @@ FAULTS = [
 
 
 def _case_id(case: Case) -> str:
-    parts = [f"R{case.num_ranks}", f"E{case.num_experts}", f"H{case.hidden}", f"K{case.num_topk}", f"T{case.num_max_tokens}",
+    topk = case.num_topk if case.rank_topk is None else ",".join(map(str, case.rank_topk))
+    parts = [f"R{case.num_ranks}", f"E{case.num_experts}", f"H{case.hidden}", f"K{topk}", f"T{case.num_max_tokens}",
              "fp8" if case.use_fp8 else "bf16", case.mode, case.routing]
     parts += [name for name in ("round_scale", "use_ue8m0", "zero_copy", "renormalize", "cancelling_weights",
                                 "copy_source")
@@ -744,6 +755,59 @@ def test_repeated_steps_alternating_configurations():
             # The expert outputs are the GPU's, computed from rows just found equal to the reference's.
             want, want_mask = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
             assert np.isfinite(combined.astype(np.float32)).all(), f"{where}: combine left unwritten (NaN) elements"
+            np.testing.assert_array_equal(combined.astype(np.float32), want.astype(np.float32), err_msg=where)
+            np.testing.assert_array_equal(active, want_mask, err_msg=f"{where}: active_ranks")
+
+
+def test_step_counters_wrap_past_zero():
+    """The step counters wrap after 2^32 calls on a parity. The kernels never use step 0, which every
+    zeroed word (a fresh workspace's flags and verdicts, those cleared for a replaced rank) carries:
+    Buffers whose counters are set to the last step before the wrap give the reference's results in
+    three steps (both parities wrap), and count on from 1."""
+    case = Case(4, 32, 1024, 4, use_fp8=True)
+    size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
+    group = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks)
+    steps = [make_inputs(dataclasses.replace(case, seed=seed)) for seed in range(3)]
+    last_step = 2**32 - 1
+
+    def run(g):
+        buffer = ep.Buffer(g, size)
+        buffer._cuda._write_steps([last_step] * 4)  # no kernel of any rank has run on this workspace yet
+        g.barrier()
+        active = torch.ones(g.world_size, dtype=torch.int32, device="cuda")
+        outputs = []
+        for xs, topks, weights in steps:
+            x, topk, w = to_torch(xs[g.rank]), to_torch(topks[g.rank]), to_torch(weights[g.rank])
+            recv_out, recv_count, combined_out = poisoned_outputs(case, x.shape[0])
+            settle(g)
+            recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
+                                                        timeout_us=TIMEOUT_US, use_fp8=True, out=(recv_out, recv_count))
+            settle(g)
+            y = expert_function(recv, case, g.rank)
+            settle(g)
+            combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle, out=combined_out)
+            outputs.append((to_numpy(count), tuple(to_numpy(t) for t in recv), to_numpy(y), to_numpy(combined),
+                            to_numpy(active)))
+        settle(g)
+        counters = buffer._cuda._peek_steps()
+        g.barrier()
+        buffer.destroy()
+        return outputs, counters
+
+    results = group.spawn(run)
+    for rank, (_, counters) in enumerate(results):
+        # Three calls of each kind: parity 0 went last_step -> 1 -> 2, parity 1 last_step -> 1.
+        assert counters == [2, 1, 2, 1], f"rank {rank}: step counters (dispatch 0, 1, combine 0, 1) {counters}"
+    actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
+    for index, (xs, topks, weights) in enumerate(steps):
+        dispatched = [reference.dispatch(r, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=True)
+                      for r in range(case.num_ranks)]
+        expert_outs = [results[r][0][index][2] for r in range(case.num_ranks)]
+        for rank in range(case.num_ranks):
+            count, recv, _, combined, active = results[rank][0][index]
+            where = f"step {index} rank {rank}"
+            assert_rows_equal(where, recv, count, dispatched[rank], use_fp8=True)
+            want, want_mask = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
             np.testing.assert_array_equal(combined.astype(np.float32), want.astype(np.float32), err_msg=where)
             np.testing.assert_array_equal(active, want_mask, err_msg=f"{where}: active_ranks")
 
