@@ -79,7 +79,16 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ran
         ``(recv_x, recv_count, handle)``: recv_x ``[num_local_experts, num_ranks * T, hidden]`` bf16
         (differentiable; rows past recv_count[e] undefined), recv_count ``[num_local_experts]`` int32,
         handle for :func:`combine`.
+
+    Raises:
+        TypeError: x, topk_idx or active_ranks is not a torch.Tensor (before anything is launched).
+
+    Note:
+        A rank that fails (or comes back) between the forward and the backward moves the gradient
+        rows of the ranks after it: the experts whose row counts then differ from the forward's
+        send a zero gradient rather than other tokens' rows, and active_ranks shows the failure.
     """
+    _check_tensors("mooncake_ep.torch.dispatch", x=x, topk_idx=topk_idx, active_ranks=active_ranks)
     return DispatchFunction.apply(x, topk_idx, active_ranks, buffer, num_max_dispatch_tokens_per_rank,
                                   num_experts, timeout_us)
 
@@ -93,9 +102,11 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         buffer: the Buffer of the dispatch of ``handle``.
         x: ``[num_local_experts, num_ranks * T, hidden]`` bf16 expert outputs, laid out as recv_x.
         topk_idx: the ids given to that dispatch; an entry may be -1 where the dispatch had an expert
-            (it then adds nothing, and gets no gradient). With a handle of :meth:`Buffer.dispatch`
-            the backward routes the gradient by these ids, so there they must be the dispatch's
-            own, -1 entries included; :func:`dispatch`'s handle brings the dispatch's ids along.
+            (it then adds nothing, and gets no gradient). The backward routes the gradient by the
+            dispatch's ids: :func:`dispatch`'s handle brings them along, and so does a handle of
+            :meth:`Buffer.dispatch` on CPU tensors; with one of :meth:`Buffer.dispatch` on CUDA
+            tensors they are these, which must then be the dispatch's own, -1 entries included
+            (not checked: the host never reads device ids).
         topk_weights: ``[num_tokens, num_topk]`` fp32 (may require grad).
         active_ranks: ``[num_ranks]`` int32, updated in place.
         handle: from :func:`dispatch` (or :meth:`Buffer.dispatch`).
@@ -107,7 +118,8 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         combined_x ``[num_tokens, hidden]`` bf16.
 
     Raises:
-        TypeError: a gradient is needed and grad_buffer is missing, or not a Buffer.
+        TypeError: x, topk_idx, topk_weights or active_ranks is not a torch.Tensor, or a gradient is
+            needed and grad_buffer is missing, or not a Buffer.
         ValueError: grad_buffer is of another group size or too small.
 
     Note:
@@ -117,11 +129,22 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         of :meth:`Buffer.dispatch` does not bring the forward's counts to compare with).
         Differentiable once: a double backward (``create_graph=True``) through it is refused.
     """
+    _check_tensors("mooncake_ep.torch.combine", x=x, topk_idx=topk_idx, topk_weights=topk_weights,
+                   active_ranks=active_ranks)
     # Checked here, not in forward (which autograd runs with grad mode off): an evaluation under
     # no_grad records no backward, so a Parameter among the inputs needs no grad_buffer there.
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(topk_weights)):
         _check_grad_buffer(buffer, grad_buffer, handle)
     return CombineFunction.apply(x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us)
+
+
+def _check_tensors(where: str, **arrays) -> None:
+    """Refuse what Buffer would take but autograd cannot save (numpy, cupy, JAX arrays), before the
+    collective runs: afterwards the results, and the peers' matching call, would be lost."""
+    for name, value in arrays.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(value).__module__}."
+                            f"{type(value).__qualname__} (Buffer.dispatch / combine take any array, without gradients)")
 
 
 def _requires_grad(value) -> bool:
@@ -157,6 +180,7 @@ class DispatchFunction(torch.autograd.Function):
         _forward_routing[handle] = (recv_count, topk_idx)
         ctx.mark_non_differentiable(recv_count)
         ctx.save_for_backward(topk_idx)
+        ctx.forward_count = recv_count
         # active_ranks is updated in place by every later call: keep the tensor, not a saved version.
         ctx.active_ranks = active_ranks
         ctx.config = (buffer, tuple(x.shape), num_max_dispatch_tokens_per_rank, num_experts, timeout_us)
@@ -172,11 +196,13 @@ class DispatchFunction(torch.autograd.Function):
         device = grad_recv_x.device
         # Rebuild this dispatch's routing in the workspace (only the routing is used: zeros, fp8).
         zeros = torch.zeros(x_shape, dtype=torch.bfloat16, device=device)
-        _, _, handle, _, _ = buffer.dispatch(zeros, topk_idx, ctx.active_ranks, num_max_tokens, num_experts,
-                                             timeout_us, use_fp8=True)
+        _, count, handle, _, _ = buffer.dispatch(zeros, topk_idx, ctx.active_ranks, num_max_tokens, num_experts,
+                                                 timeout_us, use_fp8=True)
+        # A rank that failed or came back since the forward moved the rows: an expert whose count
+        # differs from the forward's sends zeros, not the gradient rows of other tokens.
+        grad_rows = _where_counts_match(count, ctx.forward_count, grad_recv_x.to(torch.bfloat16))
         ones = torch.ones(topk_idx.shape, dtype=torch.float32, device=device)
-        grad_x, _, _ = buffer.combine(grad_recv_x.to(torch.bfloat16).contiguous(), topk_idx, ones, ctx.active_ranks,
-                                      timeout_us, handle)
+        grad_x, _, _ = buffer.combine(grad_rows.contiguous(), topk_idx, ones, ctx.active_ranks, timeout_us, handle)
         return grad_x, None, None, None, None, None, None
 
 
@@ -190,7 +216,12 @@ class CombineFunction(torch.autograd.Function):
     def forward(ctx, x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us):
         need_w = ctx.needs_input_grad[1]  # grad_w reads the forward's expert outputs
         combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
-        forward_count, dispatched_idx = _forward_routing.get(handle, (None, topk_idx))
+        forward_count, dispatched_idx = _forward_routing.get(handle, (None, None))
+        if dispatched_idx is None:  # a handle of Buffer.dispatch: its ids and counts where the host has them
+            host_ids, result = handle.state.get("topk_idx"), handle.state.get("result")
+            dispatched_idx = torch.from_numpy(host_ids) if host_ids is not None else topk_idx
+            if result is not None:
+                forward_count = torch.from_numpy(result.recv_count)
         ctx.save_for_backward(x if need_w else None, topk_idx, topk_weights, dispatched_idx)
         ctx.active_ranks = active_ranks
         ctx.config = (buffer, grad_buffer, handle, timeout_us)
@@ -219,7 +250,8 @@ class CombineFunction(torch.autograd.Function):
         grad_x = grad_w = None
         if need_w:
             padded = torch.zeros(recv.shape, dtype=torch.bfloat16, device=recv.device)
-            padded[:, :num_rows] = expert_out
+            # Rows moved by a failure since the forward (count differs) come back as zeros.
+            padded[:, :num_rows] = _where_counts_match(count, ctx.forward_count, expert_out)
             ones = torch.ones(routes.shape, dtype=torch.float32, device=recv.device)
             unsummed, _, _ = grad_buffer.combine(padded, routes, ones, ctx.active_ranks, timeout_us, grad_handle)
             grad_w = (unsummed.float().view(num_tokens, num_topk, hidden) * grad_y32[:, None, :]).sum(-1)
@@ -228,11 +260,19 @@ class CombineFunction(torch.autograd.Function):
         if need_x:
             rows_index = torch.arange(num_rows, device=recv.device)
             valid = rows_index[None, :] < count[:, None]
-            if ctx.forward_count is not None:
-                valid &= (count == ctx.forward_count)[:, None]
-            grad_x = torch.where(valid[:, :, None], recv[:, :num_rows], torch.zeros((), dtype=recv.dtype,
-                                                                                     device=recv.device))
+            grad_x = _where_counts_match(count, ctx.forward_count,
+                                         torch.where(valid[:, :, None], recv[:, :num_rows],
+                                                     torch.zeros((), dtype=recv.dtype, device=recv.device)))
         return grad_x, grad_w, None, None, None, None, None, None
+
+
+def _where_counts_match(count: torch.Tensor, forward_count: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (``[num_local_experts, ...]``) with the experts whose ``count`` differs from the
+    forward's set to 0; as it is without a forward count (a handle of :meth:`Buffer.dispatch`)."""
+    if forward_count is None:
+        return rows
+    same = (count == forward_count).reshape((-1,) + (1,) * (rows.dim() - 1))
+    return torch.where(same, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
 def _check_grad_buffer(buffer: Buffer, grad_buffer, handle) -> None:

@@ -142,39 +142,79 @@ def test_entries_combine_leaves_out_get_no_gradient_whatever_their_rows_hold():
 def test_experts_whose_rows_a_failure_moved_during_the_backward_get_zero_gradient():
     """Rank 0 masked between forward and backward: its gradient rows no longer arrive, so the rows of
     the ranks after it move up into its rows' places. Experts that had rows from it get 0 rather than
-    a misplaced gradient; the others get their own."""
+    a misplaced gradient, and so do the gradients their rows carry back (x through dispatch's
+    backward, topk_weights through combine's); the others get their own."""
     num_ranks, T, H, E, K = 3, 4, 128, 6, 2
+    num_local, num_rows = E // num_ranks, num_ranks * T
     xs, _, weights = make_inputs(4, num_ranks, T, H, E, K)
     # Rank 0 routes only to experts 2 and 3 (rank 1's), which rank 2 feeds too; experts 4 and 5 (rank
     # 2's) hear from ranks 1 and 2 only.
     topks = [torch.tensor([[2, 3], [3, 2], [2, 3], [3, 2]]), torch.tensor([[0, 4], [1, 5], [2, 4], [3, 5]]),
              torch.tensor([[4, 0], [5, 1], [2, 5], [3, 4]])]
     rng = np.random.default_rng(5)
-    expert_outs = [torch.from_numpy(rng.standard_normal((E // num_ranks, num_ranks * T, H)).astype(np.float32))
-                   .bfloat16() for _ in range(num_ranks)]
+    expert_outs, grad_recvs = ([torch.from_numpy(rng.standard_normal((num_local, num_rows, H)).astype(np.float32))
+                                .bfloat16() for _ in range(num_ranks)] for _ in range(2))
 
     def rank_fn(group):
         buffer, grad_buffer = buffers(group, T, H, E, K)
         active = torch.ones(num_ranks, dtype=torch.int32)
-        _, _, handle = ept.dispatch(buffer, xs[group.rank], topks[group.rank], active, T, E)
+        x = xs[group.rank].clone().requires_grad_()
+        w = weights[group.rank].clone().requires_grad_()
+        recv, _, handle = ept.dispatch(buffer, x, topks[group.rank], active, T, E)
         y = expert_outs[group.rank].clone().requires_grad_()
-        out = ept.combine(buffer, y, topks[group.rank], weights[group.rank], active, handle, grad_buffer=grad_buffer)
+        out = ept.combine(buffer, y, topks[group.rank], w, active, handle, grad_buffer=grad_buffer)
         active[0] = 0  # every rank's mask: rank 0 failed after the forward
-        out.float().sum().backward()
-        return y.grad.float().numpy()
+        # d loss / d out = 1, d loss / d recv = grad_recvs: combine's backward, then dispatch's.
+        (out.float().sum() + (recv.float() * grad_recvs[group.rank].float()).sum()).backward()
+        return y.grad.float().numpy(), x.grad.float().numpy(), w.grad.numpy()
 
     grads = ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
-    assert not grads[1].any(), "rank 1's experts had rows from rank 0: no gradient rather than a misplaced one"
-    # Rank 2's experts had none: the gradient of each of their rows is w_k (d sum(out) / d out = 1).
+    assert not grads[1][0].any(), "rank 1's experts had rows from rank 0: no gradient rather than a misplaced one"
+    # Rank 2's experts had none: every row of theirs gets its own gradient, w_k for y (d out = 1), and
+    # carries back its own to x (grad_recvs' row) and to w (the row's sum, <y_row, 1>).
     forward = reference.dispatch(2, [to_np(x) for x in xs], [t.numpy() for t in topks],
                                  [np.ones(num_ranks, np.int32)] * num_ranks, T, E, use_fp8=False)
-    want = np.zeros_like(grads[2])
-    for e in range(E // num_ranks):
+    want_y = np.zeros_like(grads[2][0])
+    want_x = [np.zeros((T, H)) for _ in range(num_ranks)]
+    want_w = [np.zeros((T, K)) for _ in range(num_ranks)]
+    for e in range(num_local):
         assert forward.recv_count[e] > 0 and not (forward.recv_src_rank[e, :forward.recv_count[e]] == 0).any()
         for row in range(forward.recv_count[e]):
             src, t, k = (int(a[e, row]) for a in (forward.recv_src_rank, forward.recv_src_token, forward.recv_src_topk))
-            want[e, row] = np.float32(weights[src][t, k].item())
-    np.testing.assert_array_equal(grads[2], want.astype(reference.bfloat16).astype(np.float32))
+            want_y[e, row] = np.float32(weights[src][t, k].item())
+            want_x[src][t] += to_np(grad_recvs[2])[e, row].astype(np.float64)
+            want_w[src][t, k] = to_np(expert_outs[2])[e, row].astype(np.float64).sum()
+    np.testing.assert_array_equal(grads[2][0], want_y.astype(reference.bfloat16).astype(np.float32))
+    # The ranks still alive: experts 0 and 1 (rank 0's) are masked, 2 and 3 (rank 1's) moved, so only
+    # rank 2's experts contribute.
+    for r in (1, 2):
+        np.testing.assert_allclose(grads[r][1], want_x[r], rtol=BF16_RTOL, atol=1e-6, err_msg=f"rank {r}: grad x")
+        np.testing.assert_allclose(grads[r][2], want_w[r], rtol=1e-5, atol=1e-4, err_msg=f"rank {r}: grad weights")
+        assert np.all(grads[r][2][topks[r].numpy() < 4] == 0), f"rank {r}: moved or masked experts' weights"
+
+
+def test_a_buffer_dispatch_handle_on_cpu_tensors_routes_the_gradient_by_the_dispatchs_ids():
+    """A handle of Buffer.dispatch (fp8 here: no gradient to x) and a combine whose ids leave out
+    entries the dispatch sent: the backward routes by the dispatch's own ids, which the host has for
+    CPU tensors, so every row still gets its own gradient and left-out ones get 0."""
+    T, H, E, K = 2, 128, 2, 2
+    topk = torch.tensor([[0, 1], [1, 0]])
+    left_out = torch.tensor([[-1, 1], [1, 0]])  # token 0 leaves out expert 0
+
+    def rank_fn(group):
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        active = torch.ones(1, dtype=torch.int32)
+        _, _, handle, _, _ = buffer.dispatch(torch.ones(T, H, dtype=torch.bfloat16), topk, active, T, E)
+        y = torch.zeros(E, T, H, dtype=torch.bfloat16, requires_grad=True)
+        weights = torch.tensor([[2.0, 3.0], [5.0, 7.0]], requires_grad=True)
+        out = ept.combine(buffer, y, left_out, weights, active, handle, grad_buffer=grad_buffer)
+        out.float().sum().backward()
+        return y.grad[:, :, 0].float()
+
+    (grad_rows,), = [ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)]
+    # Expert 0's rows: token 0's copy (left out: 0), then token 1's (weight 7); expert 1's: token 0's
+    # (weight 3), then token 1's (weight 5).
+    assert grad_rows.tolist() == [[0.0, 7.0], [3.0, 5.0]]
 
 
 def test_a_moe_layer_trains_like_the_dense_layer():
@@ -285,6 +325,11 @@ def test_refusals_name_the_argument_and_leave_the_buffer_usable():
             ept.dispatch(buffer, xs[0].repeat(1, 2)[:, ::2], topks[0], active, T, E)
         with pytest.raises(TypeError, match=r"dispatch: active_ranks must be int32, got int64"):
             ept.dispatch(buffer, xs[0], topks[0], active.long(), T, E)
+        # Arrays Buffer takes but autograd cannot save: refused before the collective, which is not counted.
+        with pytest.raises(TypeError, match=r"mooncake_ep.torch.dispatch: topk_idx must be a torch.Tensor, got "
+                                            r"numpy.ndarray"):
+            ept.dispatch(buffer, xs[0], topks[0].numpy(), active, T, E)
+        assert buffer._num_dispatches == 0
         recv, _, handle = ept.dispatch(buffer, xs[0], topks[0], active, T, E)
         y = recv.clone().requires_grad_()
         with pytest.raises(TypeError, match=r"mooncake_ep.torch.combine: the gradient of combine is a dispatch of "
@@ -297,6 +342,9 @@ def test_refusals_name_the_argument_and_leave_the_buffer_usable():
             ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=small)
         with pytest.raises(TypeError, match=r"combine: topk_weights must be float32, got float64"):
             ept.combine(buffer, y, topks[0], weights[0].double(), active, handle, grad_buffer=grad_buffer)
+        with pytest.raises(TypeError, match=r"mooncake_ep.torch.combine: topk_weights must be a torch.Tensor, got "
+                                            r"numpy.ndarray"):
+            ept.combine(buffer, y, topks[0], weights[0].numpy(), active, handle, grad_buffer=grad_buffer)
         small.destroy()
         with pytest.raises(RuntimeError, match=r"mooncake_ep.torch.combine: grad_buffer: this Buffer was destroyed"):
             ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=small)
