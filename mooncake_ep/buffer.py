@@ -355,6 +355,11 @@ class Buffer:
         Note:
             The host never learns recv_count (that would need a sync and break graph capture).
             Buffers of cupy callers: bf16 and fp8 come back as uint16 / uint8 arrays of the same bits.
+            T, num_experts and the flags use_fp8, round_scale, use_ue8m0 must be equal on every rank
+            of a call (the reference backend raises RankMismatchError; ranks in several processes
+            check T and num_experts once per configuration; the flags cannot be checked without a
+            host synchronisation, and a receiver would read its peers' staged rows in the wrong
+            form). num_topk and the number of tokens may differ between ranks.
         """
         where = "dispatch"
         if self._destroyed:  # the flag first: this is every call's path
