@@ -82,7 +82,7 @@ from mooncake_ep.buffer import Buffer
 from mooncake_ep.frameworks import jax_args, jax_ops, jax_split
 from mooncake_ep.frameworks.jax_ops import Handle, PendingCombine, PendingDispatch
 from mooncake_ep.group import DEFAULT_TIMEOUT_S, LocalGroup
-from mooncake_ep.validation import check_int
+from mooncake_ep.validation import check_flags, check_int
 
 __all__ = ["Handle", "PendingDispatch", "PendingCombine", "dispatch", "combine", "dispatch_send", "dispatch_recv",
            "combine_send", "combine_recv", "grad_buffer_size_hint", "make_buffers", "destroy_buffers"]
@@ -165,6 +165,8 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
                                  (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
     jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, active_ranks=active_ranks)
     jax_args.check_eager_expert_ids(where, topk_idx, num_experts, num_max_dispatch_tokens_per_rank)
+    # Here, not only in the op: the gradient's refusal of fp8 reads use_fp8 before the op checks it.
+    check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
     static = _DispatchStatic(ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
                              round_scale, use_ue8m0, jax_args.check_parity(where, parity), command_buffer_compatible)
     return _bind(where, _dispatch, static, x, topk_idx, active_ranks)
@@ -181,12 +183,12 @@ def _dispatch_fwd(static: _DispatchStatic, x, topk_idx, active_ranks):
         raise TypeError("mooncake_ep.jax.dispatch: the gradient of an fp8 dispatch is not supported (its rows are "
                         "quantised); dispatch bf16 (use_fp8=False) for training and quantise inside the experts")
     out = _dispatch(static, x.value, topk_idx.value, active_ranks.value)
-    _, _, _, active_out = out
-    return out, (topk_idx.value, active_out)
+    _, recv_count, _, active_out = out
+    return out, (topk_idx.value, active_out, recv_count)
 
 
 def _dispatch_bwd(static: _DispatchStatic, residuals, cotangents):
-    topk_idx, active = residuals
+    topk_idx, active, forward_count = residuals
     grad_recv_x = cotangents[0]
     if isinstance(grad_recv_x, jax.custom_derivatives.SymbolicZero):
         return None, None, None
@@ -196,11 +198,14 @@ def _dispatch_bwd(static: _DispatchStatic, residuals, cotangents):
     # routing is used), after the gradient exists, so it cannot be scheduled before the forward combine.
     x_shape = (topk_idx.shape[0], grad_recv_x.shape[2])
     zeros = jax_args.varying_like(jnp.zeros(x_shape, jnp.bfloat16), grad_recv_x)
-    _, _, handle, active = jax_ops.dispatch(where, static.ranks, zeros, topk_idx, active,
-                                            static.num_max_dispatch_tokens_per_rank, static.num_experts,
-                                            **(static.options() | dict(use_fp8=True, round_scale=False,
-                                                                       use_ue8m0=False)),
-                                            after=(grad_recv_x,))
+    _, count, handle, active = jax_ops.dispatch(where, static.ranks, zeros, topk_idx, active,
+                                                static.num_max_dispatch_tokens_per_rank, static.num_experts,
+                                                **(static.options() | dict(use_fp8=True, round_scale=False,
+                                                                           use_ue8m0=False)),
+                                                after=(grad_recv_x,))
+    # A rank that failed since the forward moved the rows: an expert whose count differs from the
+    # forward's sends zeros, not the gradient rows of other tokens.
+    grad_recv_x = _where_counts_match(count, forward_count, grad_recv_x)
     ones = jax_args.varying_like(jnp.ones(topk_idx.shape, jnp.float32), grad_recv_x)
     grad_x, _ = jax_ops.combine(where, static.ranks, grad_recv_x, topk_idx, ones, active, handle,
                                 timeout_us=static.timeout_us, renormalize=False,
@@ -262,9 +267,16 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
         RuntimeError: grad_buffer was destroyed.
 
     Note:
-        A rank that fails during the backward changes where later ranks' gradient rows land; the
-        experts whose row counts then differ from the forward's get a zero gradient rather than a
-        misplaced one, and the failure shows in the next step's ``active_ranks``.
+        The backward routes the gradient with the mask this combine returns. A rank masked after the
+        forward's dispatch (by this combine's timeout, or a failure during the backward) changes
+        where later ranks' gradient rows land: the experts whose row counts then differ from the
+        forward's give zero gradients (to ``x`` and, through them, to ``topk_weights`` and the
+        dispatch's ``x``) rather than misplaced ones, and the failure shows in ``active_ranks``.
+
+        Micro-batches: two forward steps in flight at once take parities 0 and 1 (see the module
+        docstring), and their backwards may overlap too: give each combine ``grad_parity`` equal
+        to its dispatch's ``parity``, as XLA does not order one micro-batch's gradient ops after the
+        other's.
     """
     where = "mooncake_ep.jax.combine"
     ranks = jax_args.as_ranks(where, buffer)
@@ -333,7 +345,9 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
         # <expert_out[row(t, k)], grad_y[t]>: the forward's rows come back unsummed through a combine on the
         # t*K layout with unit weights. recv passes through it, so the next op on grad_buffer (whose inputs
         # derive from recv) cannot be scheduled before it.
-        padded = jnp.zeros(recv.shape, jnp.bfloat16).at[:, :num_rows].set(expert_out)
+        # Rows a failure moved since the forward (the count differs) come back as zeros.
+        padded = jnp.zeros(recv.shape, jnp.bfloat16).at[:, :num_rows].set(
+            _where_counts_match(count, handle.recv_count, expert_out))
         ones = jax_args.varying_like(jnp.ones(routes.shape, jnp.float32), grad_y)
         unsummed, _, recv = jax_ops.combine(where, static.grad_ranks, padded, routes, ones, grad_active, grad_handle,
                                             timeout_us=static.timeout_us, renormalize=False,
@@ -343,13 +357,20 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
                                           * grad_y32[:, None, :], axis=-1), jnp.zeros((), jnp.float32))
     grad_x = None
     if want_x:
-        forward_count = handle.recv_count
-        valid = (jnp.arange(num_rows)[None, :] < count[:, None]) & (count == forward_count)[:, None]
-        grad_x = jnp.where(valid[:, :, None], recv[:, :num_rows], jnp.zeros((), jnp.bfloat16))
+        valid = jnp.arange(num_rows)[None, :] < count[:, None]
+        grad_x = _where_counts_match(count, handle.recv_count,
+                                     jnp.where(valid[:, :, None], recv[:, :num_rows], jnp.zeros((), jnp.bfloat16)))
     return grad_x, None, grad_w, None, None
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd, symbolic_zeros=True)
+
+
+def _where_counts_match(count, forward_count, rows):
+    """``rows`` (``[num_local_experts, ...]``) with the experts whose ``count`` differs from the
+    forward's set to 0."""
+    same = (count == forward_count).reshape((-1,) + (1,) * (rows.ndim - 1))
+    return jnp.where(same, rows, jnp.zeros((), rows.dtype))
 
 
 def _bind(where: str, op, *args):
@@ -376,6 +397,10 @@ def _values(tree):
 def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg, handle: Handle) -> jax_args.Ranks:
     """The Ranks of ``grad_buffer``: other Buffers of the same group, large enough for T * num_topk tokens."""
     grad_ranks = jax_args.as_ranks(f"{where}: grad_buffer", grad_buffer)
+    if ranks.devices != grad_ranks.devices:
+        raise ValueError(f"{where}: grad_buffer must serve the devices buffer serves (one Buffer for one Buffer, a "
+                         f"mapping over the same devices for a mapping): buffer is {ranks.describe()}, grad_buffer "
+                         f"{grad_ranks.describe()}")
     for buffer in grad_ranks.buffers:  # here, not in a backward pass long after this call
         buffer._check_alive(f"{where}: grad_buffer")
     config = handle.config

@@ -302,6 +302,41 @@ def test_a_mesh_in_another_order_than_the_buffers_is_refused_on_every_rank_at_on
     epj.destroy_buffers(buffers)
 
 
+def test_one_buffer_inside_a_shard_map_over_several_devices_is_refused_at_trace_time():
+    """Each device of the shard_map is its own rank: one Buffer there would run every device's op as
+    that one rank (on the CPU silently, with the last step's data). So would a grad_buffer that does
+    not serve the forward's devices."""
+    devices = cpu_devices(2)
+    case, grad_size = grad_case(13, 2)
+    buffers, grad_buffers = epj.make_buffers(devices, case.size_hint), epj.make_buffers(devices, grad_size)
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+    args = [sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.weights, case.actives)]
+
+    def step(buffer, grad_buffer):
+        @jax.jit
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        def run(x, topk, w, active):
+            recv, _, handle, active = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts,
+                                                   use_fp8=False)
+            return epj.combine(buffers, recv, topk, w, active, handle, grad_buffer=grad_buffer)[0]
+        return run(*args)
+
+    with pytest.raises(ValueError, match=r"mooncake_ep.jax.dispatch: one Buffer inside a shard_map over 2 devices "
+                                         r"\(axes \('ep',\)\); each device is its own rank: pass the mapping"):
+        step(buffers[devices[0]], None)
+    with pytest.raises(ValueError, match=r"mooncake_ep.jax.combine: grad_buffer must serve the devices buffer serves "
+                                         r".*: buffer is a mapping over cpu:\d, cpu:\d, grad_buffer one Buffer"):
+        step(buffers, grad_buffers[devices[1]])
+    others = epj.make_buffers(cpu_devices(4)[2:], grad_size)
+    with pytest.raises(ValueError, match=r"grad_buffer a mapping over cpu:2, cpu:3"):
+        step(buffers, others)
+    combined = step(buffers, grad_buffers)  # the Buffers still work
+    want = reference_step(case, dict(use_fp8=False), lambda rank, res, flags: res.recv_x)[1]
+    np.testing.assert_array_equal(bits(combined), bits(np.concatenate([c for c, _ in want])))
+    for mapping in (buffers, grad_buffers, others):
+        epj.destroy_buffers(mapping)
+
+
 def test_a_mesh_of_two_axes_is_the_callers_layout():
     """Over several axes the experts may be sharded in either axis order: nothing is refused."""
     devices = cpu_devices(4)
@@ -541,6 +576,66 @@ def test_gradient_of_moe_layers_matches_the_dense_layers(num_layers):
     epj.destroy_buffers(grad_buffers)
 
 
+def test_a_mask_changed_after_the_dispatch_gives_zero_gradients_never_misplaced():
+    """Ranks 0 and 1 mask each other in combine (as a combine that timed out does), rank 2 masks nobody.
+    The backward routes by combine's mask, so on ranks 0 and 1 the rows of the other move: every
+    expert whose count then differs from the forward's gives zero gradients (its weights, its rows'
+    topk_weights and their share of x) instead of other rows'; the others' gradients are exact."""
+    num_ranks, T, H, E, K = 3, 4, 128, 6, 2
+    num_local = E // num_ranks
+    devices = cpu_devices(num_ranks)
+    case, grad_size = grad_case(11, num_ranks)
+    buffers, grad_buffers = epj.make_buffers(devices, case.size_hint), epj.make_buffers(devices, grad_size)
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+    combine_masks = [np.array(m, np.int32) for m in ([1, 0, 1], [0, 1, 1], [1, 1, 1])]
+    expert_weights = np.random.default_rng(12).standard_normal((E, H, H)).astype(np.float32) / np.sqrt(H)
+
+    def moe(x, topk, w, active, combine_active, experts):
+        recv, _, handle, _ = epj.dispatch(buffers, x, topk, active, T, E, use_fp8=False)
+        y = jnp.einsum("erh,ehk->erk", recv.astype(jnp.float32), experts).astype(jnp.bfloat16)
+        out, _ = epj.combine(buffers, y, topk, w, combine_active, handle, grad_buffer=grad_buffers)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    def grads(x, topk, w, active, combine_active, experts):
+        return jax.grad(moe, argnums=(0, 2, 5))(x, topk, w, active, combine_active, experts)
+
+    g_x, g_w, g_experts = (np.asarray(g, np.float32) for g in grads(
+        *(sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.weights, case.actives, combine_masks)),
+        jax.device_put(expert_weights, NamedSharding(mesh, P("ep")))))
+    # Which experts moved: those of a rank whose combine masked a source that sent them rows.
+    forward = [reference.dispatch(r, case.xs, case.topk_idxs, case.actives, T, E, use_fp8=False)
+               for r in range(num_ranks)]
+    moved = np.zeros(E, bool)
+    for owner, res in enumerate(forward):
+        for e in range(num_local):
+            sources = res.recv_src_rank[e, :res.recv_count[e]]
+            moved[owner * num_local + e] = bool((combine_masks[owner][sources] == 0).any())
+    assert moved.any() and not moved.all(), moved
+    topk_all = np.concatenate(case.topk_idxs)
+    source = np.repeat(np.arange(num_ranks), T)
+    # The forward: (token of rank s, expert e) adds in iff s's combine keeps e's rank.
+    live = (topk_all >= 0) & (np.stack(combine_masks)[source[:, None], np.maximum(topk_all, 0) // num_local] != 0)
+    kept = jnp.asarray(live & ~moved[np.maximum(topk_all, 0)])  # the pairs whose gradient comes back
+
+    def dense(x, w, experts):
+        ys = jnp.einsum("th,ehk->tek", x.astype(jnp.float32), experts)
+        picked = jnp.take_along_axis(ys, jnp.maximum(jnp.asarray(topk_all), 0)[:, :, None], axis=1)
+        # Forward values of every live pair; derivatives through the kept ones only.
+        picked = jnp.where(kept[:, :, None], picked, jax.lax.stop_gradient(picked))
+        weights = jnp.where(kept, w, jax.lax.stop_gradient(w))
+        return jnp.sum(jnp.sum(jnp.where(jnp.asarray(live)[:, :, None], weights[:, :, None] * picked, 0), axis=1) ** 2)
+
+    d_x, d_w, d_experts = (np.asarray(g, np.float32) for g in jax.grad(dense, argnums=(0, 1, 2))(
+        jnp.asarray(np.concatenate(case.xs)), jnp.asarray(np.concatenate(case.weights)), jnp.asarray(expert_weights)))
+    assert not g_experts[moved].any() and not g_w[~np.asarray(kept)].any(), "moved experts: zero, not misplaced"
+    for got, want, name in ((g_x, d_x, "x"), (g_w, d_w, "topk_weights"), (g_experts, d_experts, "expert weights")):
+        np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max(), err_msg=f"grad {name}")
+    epj.destroy_buffers(buffers)
+    epj.destroy_buffers(grad_buffers)
+
+
 # --- refusals: clear errors naming the argument, and the buffer still works ------------------------------
 
 
@@ -660,6 +755,18 @@ def test_combine_flags_must_be_bools(flags, pattern):
     recv, _, handle, _ = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)
     with pytest.raises(TypeError, match=pattern):
         epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0]), active, handle, **flags)
+
+
+def test_dispatch_flags_must_be_bools_under_grad_too():
+    """The gradient's refusal of fp8 reads use_fp8 first: a string must still be named as a bad flag."""
+    case, buffer, (x, topk, active) = one_rank()
+
+    def loss(x):
+        recv = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8="no")[0]
+        return jnp.sum(recv.astype(jnp.float32))
+
+    with pytest.raises(TypeError, match=r"mooncake_ep.jax.dispatch: use_fp8 must be a bool, got str"):
+        jax.grad(loss)(x)
 
 
 def test_cpu_combine_refuses_ids_other_than_its_dispatchs():

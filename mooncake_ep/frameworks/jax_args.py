@@ -50,6 +50,17 @@ class Ranks:
     def backend(self) -> str:
         return self.first.backend
 
+    @property
+    def devices(self) -> tuple[tuple[int, int], ...] | None:
+        """The DLPack devices of a mapping, sorted; None for one Buffer."""
+        return None if self.single is not None else tuple(sorted(key for key, _ in self.by_device))
+
+    def describe(self) -> str:
+        """For messages: "one Buffer", or "a mapping over cpu:0, cpu:1"."""
+        if self.single is not None:
+            return "one Buffer"
+        return "a mapping over " + ", ".join(_device_name(key) for key in self.devices)
+
     def select(self, where: str, device: tuple[int, int]) -> Buffer:
         """The Buffer for XLA buffers on DLPack ``device``, checking that it can run there (and still
         exists: a program traced before destroy_buffers records its launches again with a clear error)."""
@@ -220,7 +231,14 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
     import jax
 
     # Outside shard_map, as far as this JAX can say (one without get_abstract_mesh cannot: no check).
-    outside_shard_map = hasattr(jax.sharding, "get_abstract_mesh") and not manual_axes()
+    axes = manual_axes()
+    outside_shard_map = hasattr(jax.sharding, "get_abstract_mesh") and not axes
+    if axes and ranks.single is not None:
+        sizes = jax.sharding.get_abstract_mesh().shape
+        num_devices = math.prod(sizes[axis] for axis in axes)
+        if num_devices > 1:  # every device's op would run as this one rank
+            raise ValueError(f"{where}: one Buffer inside a shard_map over {num_devices} devices (axes {axes}); each "
+                             f"device is its own rank: pass the mapping device -> Buffer (make_buffers)")
     first = None  # (name, devices) of the first concrete array committed to its device
     for name, array in arrays.items():
         if not isinstance(array, jax.core.Tracer) and getattr(array, "committed", False):

@@ -40,6 +40,7 @@ Ordering:
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -201,14 +202,18 @@ class PendingCombine:
 
 
 _registered = False
+_register_lock = threading.Lock()  # rank threads make their first calls at once; JAX refuses a second registration
 
 
 def _register_pytrees() -> None:
     global _registered
-    if not _registered:
-        for cls in (Handle, PendingDispatch, PendingCombine):
-            _register(cls)
-        _registered = True
+    if _registered:
+        return
+    with _register_lock:
+        if not _registered:
+            for cls in (Handle, PendingDispatch, PendingCombine):
+                _register(cls)
+            _registered = True
 
 
 def _shapes(specs) -> list:
