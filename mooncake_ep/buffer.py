@@ -124,7 +124,11 @@ class Buffer:
             a waiting block holds its SM.
         backend: ``"auto"`` (GPU if one is visible, else the numpy reference), ``"cuda"`` or
             ``"reference"``. Host (numpy, CPU torch or JAX) arrays run on the reference path whatever
-            the backend; CUDA arrays need the ``"cuda"`` backend (refused on a reference Buffer).
+            the backend; CUDA arrays need the ``"cuda"`` backend (refused on a reference Buffer). A
+            host call between two CUDA dispatches counts as a call for the workspace's parity but
+            orders no device work: combine a CUDA dispatch (or make another CUDA call) before a
+            host-array dispatch follows it, or a peer may still read the rows the next CUDA
+            dispatch on that parity restages.
         kernel_cache_dir: where compiled kernels are cached (default: see :mod:`mooncake_ep.kernels`).
 
     Note:
