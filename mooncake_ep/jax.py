@@ -184,11 +184,12 @@ def _dispatch_fwd(static: _DispatchStatic, x, topk_idx, active_ranks):
                         "quantised); dispatch bf16 (use_fp8=False) for training and quantise inside the experts")
     out = _dispatch(static, x.value, topk_idx.value, active_ranks.value)
     _, recv_count, _, active_out = out
-    return out, (topk_idx.value, active_out, recv_count)
+    # x[:0]: no bytes, but x's type, whose shard_map axes the gradient must match (_cotangent_like).
+    return out, (topk_idx.value, active_out, recv_count, x.value[:0])
 
 
 def _dispatch_bwd(static: _DispatchStatic, residuals, cotangents):
-    topk_idx, active, forward_count = residuals
+    topk_idx, active, forward_count, x_like = residuals
     grad_recv_x = cotangents[0]
     if isinstance(grad_recv_x, jax.custom_derivatives.SymbolicZero):
         return None, None, None
@@ -210,7 +211,7 @@ def _dispatch_bwd(static: _DispatchStatic, residuals, cotangents):
     grad_x, _ = jax_ops.combine(where, static.ranks, grad_recv_x, topk_idx, ones, active, handle,
                                 timeout_us=static.timeout_us, renormalize=False,
                                 command_buffer_compatible=static.command_buffer_compatible)
-    return grad_x, None, None
+    return _cotangent_like(grad_x, x_like), None, None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
@@ -314,11 +315,11 @@ def _combine_fwd(static: _CombineStatic, x, topk_idx, topk_weights, active_ranks
     handle = _values(handle)
     out = _combine(static, x.value, topk_idx.value, topk_weights.value, active_ranks.value, handle)
     keep_x = x.value if topk_weights.perturbed else None
-    return out, (keep_x, topk_idx.value, topk_weights.value, out[1], handle, x.perturbed)
+    return out, (keep_x, topk_idx.value, topk_weights.value, out[1], handle, x.perturbed, x.value[:0])
 
 
 def _combine_bwd(static: _CombineStatic, residuals, cotangents):
-    expert_out, topk_idx, topk_weights, active, handle, want_x = residuals
+    expert_out, topk_idx, topk_weights, active, handle, want_x, x_like = residuals
     grad_y = cotangents[0]
     if isinstance(grad_y, jax.custom_derivatives.SymbolicZero):
         return None, None, None, None, None
@@ -355,15 +356,26 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
                                             through=(recv,))
         grad_w = jnp.where(named, jnp.sum(unsummed.astype(jnp.float32).reshape(num_tokens, num_topk, hidden)
                                           * grad_y32[:, None, :], axis=-1), jnp.zeros((), jnp.float32))
+        grad_w = _cotangent_like(grad_w, topk_weights)
     grad_x = None
     if want_x:
         valid = jnp.arange(num_rows)[None, :] < count[:, None]
-        grad_x = _where_counts_match(count, handle.recv_count,
-                                     jnp.where(valid[:, :, None], recv[:, :num_rows], jnp.zeros((), jnp.bfloat16)))
+        grad_x = _cotangent_like(_where_counts_match(count, handle.recv_count, jnp.where(
+            valid[:, :, None], recv[:, :num_rows], jnp.zeros((), jnp.bfloat16))), x_like)
     return grad_x, None, grad_w, None, None
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd, symbolic_zeros=True)
+
+
+def _cotangent_like(grad, primal):
+    """``grad`` summed over the ``shard_map`` axes it varies over and ``primal`` does not.
+
+    The ops' results vary over every axis of the shard_map (each device is a rank); an input
+    replicated over an axis (``in_specs`` without it) is the same array on every rank there, so its
+    cotangent is the sum of the ranks' (the transpose of JAX's own broadcast)."""
+    missing = tuple(sorted(jax_args.varying_axes(grad) - jax_args.varying_axes(primal), key=str))
+    return jax.lax.psum(grad, missing) if missing else grad
 
 
 def _where_counts_match(count, forward_count, rows):

@@ -636,6 +636,45 @@ def test_a_mask_changed_after_the_dispatch_gives_zero_gradients_never_misplaced(
     epj.destroy_buffers(grad_buffers)
 
 
+def test_inputs_replicated_over_the_mesh_get_the_sum_of_every_ranks_gradient():
+    """x, topk_idx and topk_weights given whole to every device (in_specs P()): every rank dispatches the
+    same tokens, so each replicated input's gradient is the sum of the ranks' (the transpose of the
+    broadcast), which the dense layer computed R times over gives."""
+    num_ranks, T, H, E, K = 2, 4, 128, 4, 2
+    devices = cpu_devices(num_ranks)
+    case, grad_size = grad_case(15, num_ranks)
+    buffers, grad_buffers = epj.make_buffers(devices, case.size_hint), epj.make_buffers(devices, grad_size)
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+    x, topk, w = case.xs[0], case.topk_idxs[0], case.weights[0]
+    expert_weights = np.random.default_rng(16).standard_normal((E, H, H)).astype(np.float32) / np.sqrt(H)
+
+    def loss(x, topk, w, active, experts):
+        recv, _, handle, active = epj.dispatch(buffers, x, topk, active, T, E, use_fp8=False)
+        y = jnp.einsum("erh,ehk->erk", recv.astype(jnp.float32), experts).astype(jnp.bfloat16)
+        out, _ = epj.combine(buffers, y, topk, w, active, handle, grad_buffer=grad_buffers)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P(), P("ep"), P("ep")),
+                       out_specs=(P(), P(), P("ep")))
+    def grads(x, topk, w, active, experts):
+        return jax.grad(loss, argnums=(0, 2, 4))(x, topk, w, active, experts)
+
+    def dense(x, w, experts):
+        ys = jnp.einsum("th,ehk->tek", x.astype(jnp.float32), experts)
+        picked = jnp.take_along_axis(ys, jnp.maximum(jnp.asarray(topk), 0)[:, :, None], axis=1)
+        out = jnp.sum(jnp.where(jnp.asarray(topk)[:, :, None] >= 0, w[:, :, None] * picked, 0), axis=1)
+        return num_ranks * jnp.sum(out ** 2)
+
+    got = grads(x, topk, w, sharded(mesh, case.actives), jax.device_put(expert_weights, NamedSharding(mesh, P("ep"))))
+    want = jax.grad(dense, argnums=(0, 1, 2))(jnp.asarray(x), jnp.asarray(w), jnp.asarray(expert_weights))
+    for g, d, name in zip(got, want, ("x", "topk_weights", "expert weights")):
+        g, d = np.asarray(g, np.float32), np.asarray(d, np.float32)
+        np.testing.assert_allclose(g, d, atol=0.02 * np.abs(d).max(), err_msg=f"grad {name}")
+    epj.destroy_buffers(buffers)
+    epj.destroy_buffers(grad_buffers)
+
+
 # --- refusals: clear errors naming the argument, and the buffer still works ------------------------------
 
 

@@ -346,10 +346,10 @@ def varying_like(values, *likes):
 
     axes = set()
     for like in likes:
-        axes |= _varying_axes(like)
+        axes |= varying_axes(like)
 
     def cast(value):
-        missing = tuple(sorted(axes - _varying_axes(value), key=str))
+        missing = tuple(sorted(axes - varying_axes(value), key=str))
         if not missing:
             return value
         if hasattr(jax.lax, "pcast"):
@@ -358,7 +358,8 @@ def varying_like(values, *likes):
     return jax.tree_util.tree_map(cast, values)
 
 
-def _varying_axes(value) -> set:
+def varying_axes(value) -> set:
+    """The shard_map axes ``value`` varies over (empty outside one)."""
     import jax
 
     aval = jax.typeof(value)
