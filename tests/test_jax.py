@@ -866,6 +866,9 @@ def test_arrays_of_other_frameworks_and_foreign_handles_are_refused():
         epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0]), active, "handle")
     with pytest.raises(ValueError, match=r"combine: x must have shape \(2, 4, 256\), got \(2, 3, 256\)"):
         epj.combine(buffer, recv[:, :3], topk, jnp.asarray(case.weights[0]), active, handle)
+    with pytest.raises(TypeError, match=r"combine: x must be a jax.Array \(or a numpy array\), got tuple \(an fp8 "
+                                        r"dispatch's \(rows, scales\) pair"):
+        epj.combine(buffer, (recv, recv), topk, jnp.asarray(case.weights[0]), active, handle)
 
 
 def test_unsupported_transformations_name_the_alternative():

@@ -208,8 +208,15 @@ def as_jax(where: str, name: str, value):
             raise TypeError(f"{where}: {name} is a {value.dtype} numpy array, which JAX would turn into "
                             f"{converted.dtype} without a word; pass {_DTYPES_TAKEN.get(name, value.dtype.name)}")
         return converted
-    raise TypeError(f"{where}: {name} must be a jax.Array (or a numpy array), got {type(value).__module__}."
-                    f"{type(value).__qualname__}; convert it with jax.dlpack.from_dlpack")
+    kind = type(value)
+    got = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    if isinstance(value, (tuple, list)):
+        # A dispatch's fp8 recv_x is a (rows, scales) pair: an easy thing to hand to combine as x.
+        hint = (" (an fp8 dispatch's (rows, scales) pair: the experts' bf16 outputs go to combine)" if name == "x"
+                else "") + f"; pass one array, e.g. jnp.asarray({name})"
+    else:
+        hint = "; convert it with jax.dlpack.from_dlpack"
+    raise TypeError(f"{where}: {name} must be a jax.Array (or a numpy array), got {got}{hint}")
 
 
 def check_devices(where: str, ranks: Ranks, **arrays) -> None:
