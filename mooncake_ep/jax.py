@@ -373,7 +373,8 @@ def _cotangent_like(grad, primal):
 
     The ops' results vary over every axis of the shard_map (each device is a rank); an input
     replicated over an axis (``in_specs`` without it) is the same array on every rank there, so its
-    cotangent is the sum of the ranks' (the transpose of JAX's own broadcast)."""
+    cotangent is the sum of the ranks' (the transpose of JAX's own broadcast). A shard_map with
+    ``check_vma=False`` tracks no axes: there, as for JAX's own ops, the caller sums it."""
     missing = tuple(sorted(jax_args.varying_axes(grad) - jax_args.varying_axes(primal), key=str))
     return jax.lax.psum(grad, missing) if missing else grad
 
@@ -409,10 +410,11 @@ def _values(tree):
 def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg, handle: Handle) -> jax_args.Ranks:
     """The Ranks of ``grad_buffer``: other Buffers of the same group, large enough for T * num_topk tokens."""
     grad_ranks = jax_args.as_ranks(f"{where}: grad_buffer", grad_buffer)
-    if ranks.devices != grad_ranks.devices:
-        raise ValueError(f"{where}: grad_buffer must serve the devices buffer serves (one Buffer for one Buffer, a "
-                         f"mapping over the same devices for a mapping): buffer is {ranks.describe()}, grad_buffer "
-                         f"{grad_ranks.describe()}")
+    if ranks.devices != grad_ranks.devices or (ranks.single is None and any(
+            buffer.rank != dict(grad_ranks.by_device)[key].rank for key, buffer in ranks.by_device)):
+        raise ValueError(f"{where}: grad_buffer must serve the devices buffer serves, each with the same rank (one "
+                         f"Buffer for one Buffer, a mapping over the same devices for a mapping): buffer is "
+                         f"{ranks.describe()}, grad_buffer {grad_ranks.describe()}")
     for buffer in grad_ranks.buffers:  # here, not in a backward pass long after this call
         buffer._check_alive(f"{where}: grad_buffer")
     config = handle.config

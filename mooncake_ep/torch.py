@@ -177,10 +177,12 @@ class DispatchFunction(torch.autograd.Function):
     def forward(ctx, x, topk_idx, active_ranks, buffer, num_max_dispatch_tokens_per_rank, num_experts, timeout_us):
         recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                            num_experts, timeout_us, use_fp8=False)
-        _forward_routing[handle] = (recv_count, topk_idx)
+        # A copy: the caller may write into the recv_count it gets back.
+        forward_count = recv_count.clone()
+        _forward_routing[handle] = (forward_count, topk_idx)
         ctx.mark_non_differentiable(recv_count)
         ctx.save_for_backward(topk_idx)
-        ctx.forward_count = recv_count
+        ctx.forward_count = forward_count
         # active_ranks is updated in place by every later call: keep the tensor, not a saved version.
         ctx.active_ranks = active_ranks
         ctx.config = (buffer, tuple(x.shape), num_max_dispatch_tokens_per_rank, num_experts, timeout_us)

@@ -321,15 +321,19 @@ def test_one_buffer_inside_a_shard_map_over_several_devices_is_refused_at_trace_
             return epj.combine(buffers, recv, topk, w, active, handle, grad_buffer=grad_buffer)[0]
         return run(*args)
 
-    with pytest.raises(ValueError, match=r"mooncake_ep.jax.dispatch: one Buffer inside a shard_map over 2 devices "
-                                         r"\(axes \('ep',\)\); each device is its own rank: pass the mapping"):
+    with pytest.raises(ValueError, match=r"mooncake_ep.jax.dispatch: one Buffer inside a shard_map over 2 devices; "
+                                         r"each device is its own rank: pass the mapping"):
         step(buffers[devices[0]], None)
-    with pytest.raises(ValueError, match=r"mooncake_ep.jax.combine: grad_buffer must serve the devices buffer serves "
-                                         r".*: buffer is a mapping over cpu:\d, cpu:\d, grad_buffer one Buffer"):
+    with pytest.raises(ValueError, match=r"mooncake_ep.jax.combine: grad_buffer must serve the devices buffer serves, "
+                                         r"each with the same rank .*: buffer is a mapping over cpu:\d \(rank 0\), "
+                                         r"cpu:\d \(rank 1\), grad_buffer one Buffer"):
         step(buffers, grad_buffers[devices[1]])
     others = epj.make_buffers(cpu_devices(4)[2:], grad_size)
-    with pytest.raises(ValueError, match=r"grad_buffer a mapping over cpu:2, cpu:3"):
+    with pytest.raises(ValueError, match=r"grad_buffer a mapping over cpu:2 \(rank 0\), cpu:3 \(rank 1\)"):
         step(buffers, others)
+    swapped = dict(zip(devices, reversed([grad_buffers[d] for d in devices])))  # rank 1's on rank 0's device
+    with pytest.raises(ValueError, match=r"grad_buffer a mapping over cpu:\d \(rank 1\), cpu:\d \(rank 0\)"):
+        step(buffers, swapped)
     combined = step(buffers, grad_buffers)  # the Buffers still work
     want = reference_step(case, dict(use_fp8=False), lambda rank, res, flags: res.recv_x)[1]
     np.testing.assert_array_equal(bits(combined), bits(np.concatenate([c for c, _ in want])))
@@ -636,10 +640,12 @@ def test_a_mask_changed_after_the_dispatch_gives_zero_gradients_never_misplaced(
     epj.destroy_buffers(grad_buffers)
 
 
-def test_inputs_replicated_over_the_mesh_get_the_sum_of_every_ranks_gradient():
+@pytest.mark.parametrize("active_spec", ["per-rank", "replicated"])
+def test_inputs_replicated_over_the_mesh_get_the_sum_of_every_ranks_gradient(active_spec):
     """x, topk_idx and topk_weights given whole to every device (in_specs P()): every rank dispatches the
     same tokens, so each replicated input's gradient is the sum of the ranks' (the transpose of the
-    broadcast), which the dense layer computed R times over gives."""
+    broadcast), which the dense layer computed R times over gives. With active_ranks replicated too
+    every input is: the results still differ per rank, and are typed so."""
     num_ranks, T, H, E, K = 2, 4, 128, 4, 2
     devices = cpu_devices(num_ranks)
     case, grad_size = grad_case(15, num_ranks)
@@ -654,8 +660,10 @@ def test_inputs_replicated_over_the_mesh_get_the_sum_of_every_ranks_gradient():
         out, _ = epj.combine(buffers, y, topk, w, active, handle, grad_buffer=grad_buffers)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
+    active_in = P("ep") if active_spec == "per-rank" else P()
+
     @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P(), P("ep"), P("ep")),
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P(), active_in, P("ep")),
                        out_specs=(P(), P(), P("ep")))
     def grads(x, topk, w, active, experts):
         return jax.grad(loss, argnums=(0, 2, 4))(x, topk, w, active, experts)
@@ -666,7 +674,8 @@ def test_inputs_replicated_over_the_mesh_get_the_sum_of_every_ranks_gradient():
         out = jnp.sum(jnp.where(jnp.asarray(topk)[:, :, None] >= 0, w[:, :, None] * picked, 0), axis=1)
         return num_ranks * jnp.sum(out ** 2)
 
-    got = grads(x, topk, w, sharded(mesh, case.actives), jax.device_put(expert_weights, NamedSharding(mesh, P("ep"))))
+    active = sharded(mesh, case.actives) if active_spec == "per-rank" else case.actives[0]
+    got = grads(x, topk, w, active, jax.device_put(expert_weights, NamedSharding(mesh, P("ep"))))
     want = jax.grad(dense, argnums=(0, 1, 2))(jnp.asarray(x), jnp.asarray(w), jnp.asarray(expert_weights))
     for g, d, name in zip(got, want, ("x", "topk_weights", "expert weights")):
         g, d = np.asarray(g, np.float32), np.asarray(d, np.float32)

@@ -193,6 +193,22 @@ def test_experts_whose_rows_a_failure_moved_during_the_backward_get_zero_gradien
         assert np.all(grads[r][2][topks[r].numpy() < 4] == 0), f"rank {r}: moved or masked experts' weights"
 
 
+def test_writing_into_the_returned_recv_count_changes_no_gradient():
+    """The backward compares the counts with the forward's own copy, not with the tensor the caller got."""
+    T, H, E, K = 2, 128, 2, 2
+
+    def rank_fn(group):
+        buffer, _ = buffers(group, T, H, E, K)
+        x = torch.ones(T, H, dtype=torch.bfloat16, requires_grad=True)
+        recv, count, _ = ept.dispatch(buffer, x, torch.tensor([[0, 1], [1, 0]]), torch.ones(1, dtype=torch.int32), T, E)
+        count.zero_()
+        recv.float().sum().backward()
+        return x.grad.float()
+
+    (grad_x,) = ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+    assert torch.equal(grad_x, torch.full((T, H), float(K)))  # each token's two rows, each of gradient 1
+
+
 def test_a_buffer_dispatch_handle_on_cpu_tensors_routes_the_gradient_by_the_dispatchs_ids():
     """A handle of Buffer.dispatch (fp8 here: no gradient to x) and a combine whose ids leave out
     entries the dispatch sent: the backward routes by the dispatch's own ids, which the host has for

@@ -17,7 +17,7 @@ from mooncake_ep.tensor import c_contiguous_strides, numpy_dtype, read_array
 from mooncake_ep.validation import check_expert_ids, check_same_routing, first_index
 
 __all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_devices", "check_parity", "manual_axes",
-           "varying_like", "DLPACK_CPU", "DLPACK_CUDA"]
+           "varying_like", "rank_results", "DLPACK_CPU", "DLPACK_CUDA"]
 
 # DLPack device types of XLA's buffers (kDLCPU, kDLCUDA).
 DLPACK_CPU, DLPACK_CUDA = 1, 2
@@ -56,10 +56,11 @@ class Ranks:
         return None if self.single is not None else tuple(sorted(key for key, _ in self.by_device))
 
     def describe(self) -> str:
-        """For messages: "one Buffer", or "a mapping over cpu:0, cpu:1"."""
+        """For messages: "one Buffer", or "a mapping over cpu:0 (rank 0), cpu:1 (rank 1)"."""
         if self.single is not None:
             return "one Buffer"
-        return "a mapping over " + ", ".join(_device_name(key) for key in self.devices)
+        buffers = dict(self.by_device)
+        return "a mapping over " + ", ".join(f"{_device_name(key)} (rank {buffers[key].rank})" for key in self.devices)
 
     def select(self, where: str, device: tuple[int, int]) -> Buffer:
         """The Buffer for XLA buffers on DLPack ``device``, checking that it can run there (and still
@@ -240,12 +241,14 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
     # Outside shard_map, as far as this JAX can say (one without get_abstract_mesh cannot: no check).
     axes = manual_axes()
     outside_shard_map = hasattr(jax.sharding, "get_abstract_mesh") and not axes
-    if axes and ranks.single is not None:
-        sizes = jax.sharding.get_abstract_mesh().shape
-        num_devices = math.prod(sizes[axis] for axis in axes)
-        if num_devices > 1:  # every device's op would run as this one rank
-            raise ValueError(f"{where}: one Buffer inside a shard_map over {num_devices} devices (axes {axes}); each "
-                             f"device is its own rank: pass the mapping device -> Buffer (make_buffers)")
+    if axes and ranks.single is not None and jax.process_count() == 1:
+        # Every device of the mesh is this process's (with one process per device, as under
+        # jax.distributed, each process's one Buffer is its device's rank): every device's op would
+        # run as this one rank. Automatic axes count too: XLA runs the op on each of their devices.
+        num_devices = math.prod(jax.sharding.get_abstract_mesh().shape.values())
+        if num_devices > 1:
+            raise ValueError(f"{where}: one Buffer inside a shard_map over {num_devices} devices; each device is its "
+                             f"own rank: pass the mapping device -> Buffer (make_buffers)")
     first = None  # (name, devices) of the first concrete array committed to its device
     for name, array in arrays.items():
         if not isinstance(array, jax.core.Tracer) and getattr(array, "committed", False):
@@ -346,14 +349,28 @@ def check_parity(where: str, parity, name: str = "parity") -> int:
 def varying_like(values, *likes):
     """``values`` marked as varying over every ``shard_map`` axis any of ``likes`` varies over.
 
-    ``buffer_callback`` results carry no manual-axis type; inside ``shard_map`` they must vary like
-    the per-device inputs they come from (gradients are checked against the inputs' types).
+    For arrays built inside a backward (zeros, ones) that must have the type of the values they
+    meet there (gradients are checked against the inputs' types).
     """
-    import jax
-
     axes = set()
     for like in likes:
         axes |= varying_axes(like)
+    return _vary(values, axes)
+
+
+def rank_results(values):
+    """An op's results, marked as varying over every manual axis of the ``shard_map`` being traced.
+
+    ``buffer_callback`` results carry no manual-axis type, and each device of a shard_map is its own
+    rank, with its own results, even where every input is replicated over an axis: typed as the
+    inputs, such results would be taken as equal on every device (an ``out_specs`` without the
+    axis would pass, and the gradient of a replicated input would be summed over that axis).
+    """
+    return _vary(values, set(manual_axes()))
+
+
+def _vary(values, axes: set):
+    import jax
 
     def cast(value):
         missing = tuple(sorted(axes - varying_axes(value), key=str))

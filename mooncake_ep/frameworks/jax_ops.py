@@ -47,7 +47,8 @@ import numpy as np
 
 from mooncake_ep import reference
 from mooncake_ep._reference_backend import MESH_POSITION
-from mooncake_ep.frameworks.jax_args import Ranks, abstract_view, check_parity, manual_axes, varying_like
+from mooncake_ep.frameworks.jax_args import (Ranks, abstract_view, check_parity, manual_axes, rank_results,
+                                              varying_like)
 from mooncake_ep.tensor import ArrayView, numpy_dtype, read_array
 from mooncake_ep.validation import check_bool, check_flags, check_same_routing
 
@@ -329,7 +330,7 @@ def dispatch(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max_dispat
     outputs = _call(where, _DispatchCallback(where, config, SEND | RECV, position is not None), out_specs,
                     [x, topk_idx, active_ranks, *after, *([] if position is None else [position])], {2: len(specs)},
                     config.command_buffer_compatible, has_side_effect=config.num_tokens == 0)
-    outputs = varying_like(outputs, x, topk_idx, active_ranks)
+    outputs = rank_results(outputs)
     return _dispatch_results(config, specs, outputs, topk_idx)
 
 
@@ -467,7 +468,7 @@ def combine(where: str, ranks: Ranks, x, topk_idx, topk_weights, active_ranks, h
     combined, active, *passed = _call(where, _CombineCallback(where, config, SEND | RECV), out_specs, operands,
                                       aliases, config.command_buffer_compatible,
                                       has_side_effect=config.dispatch.num_tokens == 0)
-    return (*varying_like((combined, active), x, topk_idx, topk_weights, active_ranks),
+    return (*rank_results((combined, active)),
             *(varying_like(out, source) for out, source in zip(passed, through)))
 
 
