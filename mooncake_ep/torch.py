@@ -126,7 +126,7 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         A rank that fails during the backward moves the gradient rows of the ranks after it; with a
         handle of :func:`dispatch`, the experts whose row counts then differ from the forward's get
         a zero gradient rather than a misplaced one, and active_ranks shows the failure (a handle
-        of :meth:`Buffer.dispatch` does not bring the forward's counts to compare with).
+        of :meth:`Buffer.dispatch` on CUDA tensors does not bring the forward's counts to compare with).
         Differentiable once: a double backward (``create_graph=True``) through it is refused.
     """
     _check_tensors("mooncake_ep.torch.combine", x=x, topk_idx=topk_idx, topk_weights=topk_weights,
