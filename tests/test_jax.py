@@ -334,10 +334,14 @@ def test_one_buffer_inside_a_shard_map_over_several_devices_is_refused_at_trace_
     swapped = dict(zip(devices, reversed([grad_buffers[d] for d in devices])))  # rank 1's on rank 0's device
     with pytest.raises(ValueError, match=r"grad_buffer a mapping over cpu:\d \(rank 1\), cpu:\d \(rank 0\)"):
         step(buffers, swapped)
+    four = epj.make_buffers(cpu_devices(4), case.size_hint)  # a group of 4 ranks, a mesh of 2 of them
+    with pytest.raises(ValueError, match=r"mooncake_ep.jax.dispatch: the shard_map runs on 2 devices, the Buffers' "
+                                         r"group has 4 ranks; every rank takes part in each call"):
+        step(four, None)
     combined = step(buffers, grad_buffers)  # the Buffers still work
     want = reference_step(case, dict(use_fp8=False), lambda rank, res, flags: res.recv_x)[1]
     np.testing.assert_array_equal(bits(combined), bits(np.concatenate([c for c, _ in want])))
-    for mapping in (buffers, grad_buffers, others):
+    for mapping in (buffers, grad_buffers, others, four):
         epj.destroy_buffers(mapping)
 
 

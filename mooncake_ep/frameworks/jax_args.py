@@ -241,14 +241,18 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
     # Outside shard_map, as far as this JAX can say (one without get_abstract_mesh cannot: no check).
     axes = manual_axes()
     outside_shard_map = hasattr(jax.sharding, "get_abstract_mesh") and not axes
-    if axes and ranks.single is not None and jax.process_count() == 1:
+    if axes and jax.process_count() == 1:
         # Every device of the mesh is this process's (with one process per device, as under
-        # jax.distributed, each process's one Buffer is its device's rank): every device's op would
-        # run as this one rank. Automatic axes count too: XLA runs the op on each of their devices.
+        # jax.distributed, each process's one Buffer is its device's rank), and XLA runs the op on
+        # each, automatic axes included: each must be a rank, and every rank must take part.
         num_devices = math.prod(jax.sharding.get_abstract_mesh().shape.values())
-        if num_devices > 1:
+        if ranks.single is not None and num_devices > 1:  # every device's op would run as this one rank
             raise ValueError(f"{where}: one Buffer inside a shard_map over {num_devices} devices; each device is its "
                              f"own rank: pass the mapping device -> Buffer (make_buffers)")
+        if ranks.single is None and num_devices != ranks.first.num_ranks:  # a collective that cannot complete
+            raise ValueError(f"{where}: the shard_map runs on {num_devices} devices, the Buffers' group has "
+                             f"{ranks.first.num_ranks} ranks; every rank takes part in each call: use a mesh of "
+                             f"the Buffers' devices")
     first = None  # (name, devices) of the first concrete array committed to its device
     for name, array in arrays.items():
         if not isinstance(array, jax.core.Tracer) and getattr(array, "committed", False):
