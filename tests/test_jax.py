@@ -589,10 +589,10 @@ def test_a_mask_changed_after_the_dispatch_gives_zero_gradients_never_misplaced(
     The backward routes by combine's mask, so on ranks 0 and 1 the rows of the other move: every
     expert whose count then differs from the forward's gives zero gradients (its weights, its rows'
     topk_weights and their share of x) instead of other rows'; the others' gradients are exact."""
-    num_ranks, T, H, E, K = 3, 4, 128, 6, 2
-    num_local = E // num_ranks
+    num_ranks = 3
     devices = cpu_devices(num_ranks)
     case, grad_size = grad_case(11, num_ranks)
+    T, H, E, num_local = case.num_max_tokens, case.hidden, case.num_experts, case.num_local_experts
     buffers, grad_buffers = epj.make_buffers(devices, case.size_hint), epj.make_buffers(devices, grad_size)
     mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
     combine_masks = [np.array(m, np.int32) for m in ([1, 0, 1], [0, 1, 1], [1, 1, 1])]
@@ -650,9 +650,10 @@ def test_inputs_replicated_over_the_mesh_get_the_sum_of_every_ranks_gradient(act
     same tokens, so each replicated input's gradient is the sum of the ranks' (the transpose of the
     broadcast), which the dense layer computed R times over gives. With active_ranks replicated too
     every input is: the results still differ per rank, and are typed so."""
-    num_ranks, T, H, E, K = 2, 4, 128, 4, 2
+    num_ranks = 2
     devices = cpu_devices(num_ranks)
     case, grad_size = grad_case(15, num_ranks)
+    T, H, E = case.num_max_tokens, case.hidden, case.num_experts
     buffers, grad_buffers = epj.make_buffers(devices, case.size_hint), epj.make_buffers(devices, grad_size)
     mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
     x, topk, w = case.xs[0], case.topk_idxs[0], case.weights[0]
