@@ -359,9 +359,8 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
         grad_w = _cotangent_like(grad_w, topk_weights)
     grad_x = None
     if want_x:
-        valid = jnp.arange(num_rows)[None, :] < count[:, None]
-        grad_x = _cotangent_like(_where_counts_match(count, handle.recv_count, jnp.where(
-            valid[:, :, None], recv[:, :num_rows], jnp.zeros((), jnp.bfloat16))), x_like)
+        valid = (jnp.arange(num_rows)[None, :] < count[:, None]) & (count == handle.recv_count)[:, None]
+        grad_x = _cotangent_like(jnp.where(valid[:, :, None], recv[:, :num_rows], jnp.zeros((), jnp.bfloat16)), x_like)
     return grad_x, None, grad_w, None, None
 
 
@@ -410,8 +409,7 @@ def _values(tree):
 def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg, handle: Handle) -> jax_args.Ranks:
     """The Ranks of ``grad_buffer``: other Buffers of the same group, large enough for T * num_topk tokens."""
     grad_ranks = jax_args.as_ranks(f"{where}: grad_buffer", grad_buffer)
-    if ranks.devices != grad_ranks.devices or (ranks.single is None and any(
-            buffer.rank != dict(grad_ranks.by_device)[key].rank for key, buffer in ranks.by_device)):
+    if ranks.placement != grad_ranks.placement:
         raise ValueError(f"{where}: grad_buffer must serve the devices buffer serves, each with the same rank (one "
                          f"Buffer for one Buffer, a mapping over the same devices for a mapping): buffer is "
                          f"{ranks.describe()}, grad_buffer {grad_ranks.describe()}")

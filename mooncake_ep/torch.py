@@ -262,9 +262,10 @@ class CombineFunction(torch.autograd.Function):
         if need_x:
             rows_index = torch.arange(num_rows, device=recv.device)
             valid = rows_index[None, :] < count[:, None]
-            grad_x = _where_counts_match(count, ctx.forward_count,
-                                         torch.where(valid[:, :, None], recv[:, :num_rows],
-                                                     torch.zeros((), dtype=recv.dtype, device=recv.device)))
+            if ctx.forward_count is not None:  # in the mask: one pass over the rows, not two
+                valid &= (count == ctx.forward_count)[:, None]
+            grad_x = torch.where(valid[:, :, None], recv[:, :num_rows], torch.zeros((), dtype=recv.dtype,
+                                                                                     device=recv.device))
         return grad_x, grad_w, None, None, None, None, None, None
 
 

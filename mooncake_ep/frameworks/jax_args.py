@@ -51,16 +51,15 @@ class Ranks:
         return self.first.backend
 
     @property
-    def devices(self) -> tuple[tuple[int, int], ...] | None:
-        """The DLPack devices of a mapping, sorted; None for one Buffer."""
-        return None if self.single is not None else tuple(sorted(key for key, _ in self.by_device))
+    def placement(self) -> tuple[tuple[tuple[int, int], int], ...] | None:
+        """A mapping's (DLPack device, rank) pairs, sorted; None for one Buffer."""
+        return None if self.single is not None else tuple(sorted((key, b.rank) for key, b in self.by_device))
 
     def describe(self) -> str:
         """For messages: "one Buffer", or "a mapping over cpu:0 (rank 0), cpu:1 (rank 1)"."""
         if self.single is not None:
             return "one Buffer"
-        buffers = dict(self.by_device)
-        return "a mapping over " + ", ".join(f"{_device_name(key)} (rank {buffers[key].rank})" for key in self.devices)
+        return "a mapping over " + ", ".join(f"{_device_name(key)} (rank {rank})" for key, rank in self.placement)
 
     def select(self, where: str, device: tuple[int, int]) -> Buffer:
         """The Buffer for XLA buffers on DLPack ``device``, checking that it can run there (and still
