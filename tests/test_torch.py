@@ -227,7 +227,7 @@ def test_a_buffer_dispatch_handle_on_cpu_tensors_routes_the_gradient_by_the_disp
         out.float().sum().backward()
         return y.grad[:, :, 0].float()
 
-    (grad_rows,), = [ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)]
+    (grad_rows,) = ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
     # Expert 0's rows: token 0's copy (left out: 0), then token 1's (weight 7); expert 1's: token 0's
     # (weight 3), then token 1's (weight 5).
     assert grad_rows.tolist() == [[0.0, 7.0], [3.0, 5.0]]
