@@ -318,9 +318,13 @@ class Buffer:
     # --- dispatch -------------------------------------------------------------------------------
 
     def dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                 timeout_us: int = _constants.TIMEOUT_FOREVER, use_fp8: bool = True, round_scale: bool = False,
-                 use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False, out=None):
+                 timeout_us: int = _constants.TIMEOUT_FOREVER, use_fp8: bool = True, async_finish: bool = False,
+                 return_recv_hook: bool = False, *, round_scale: bool = False, use_ue8m0: bool = False, out=None):
         """Send each token to the ranks owning its top-k experts; receive this rank's experts' tokens.
+
+        The positional arguments are Mooncake EP's, in its order (``... timeout_us, use_fp8,
+        async_finish, return_recv_hook``); DeepEP's scale options and ``out`` are keywords only, so
+        that a positional call written for Mooncake EP cannot set them.
 
         Args:
             x: ``[num_tokens, hidden]`` bf16, num_tokens <= num_max_dispatch_tokens_per_rank, hidden a
@@ -385,7 +389,11 @@ class Buffer:
         key = ("dispatch", _signature(x_view), _signature(topk_view), _signature(active_view),
                num_max_dispatch_tokens_per_rank, num_experts, type(num_experts), use_fp8, use_ue8m0,
                None if out_views is None else tuple(_signature(view) for view, _ in out_views))
-        plan = self._plans.get(key)
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable num_experts (a list, a 0-d array): the check names it
+            check_experts(where, num_experts, self.num_ranks)
+            raise
         if plan is None:
             plan = self._plan_dispatch(where, x_view, topk_view, active_view, out_views,
                                        num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0)
@@ -548,6 +556,12 @@ class Buffer:
             active_ranks: ``[num_ranks]`` int32; the kernels write 0 for an expert rank that timed out.
             timeout_us: microseconds to wait for an expert rank before masking it; -1 waits forever.
             handle: the handle of the dispatch this combine answers (that dispatch or the one after).
+                A handle may be combined again (as DeepEP's tests do) only after its earlier
+                combine's hook ran, and only where that combine left nothing in the workspace for
+                peers to read: not after a zero_copy combine, nor where peers read copies of the
+                expert outputs (ranks in other processes, or in-process ranks on several GPUs).
+                Those combines, and get_next_combine_buffer(handle) after them, are refused
+                (RuntimeError): slower peers may still be reading the rows they would rewrite.
             zero_copy: the expert outputs were written into :meth:`get_next_combine_buffer`.
             async_finish, return_recv_hook: as in :meth:`dispatch`. With a hook, in-process peers
                 on one GPU read ``x`` where it is until this rank's ``hook()`` has run on the
@@ -626,6 +640,8 @@ class Buffer:
                                             hidden=handle.hidden, num_experts=handle.num_experts, zero_copy=zero_copy,
                                             renormalize=renormalize, timeout_us=timeout_us)
             receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
+        if zero_copy or (handle.backend != "reference" and not self._cuda.direct_peer_reads):
+            handle.state["combined_through_workspace"] = True
         event, hook = self._finish("combine", handle, receive, async_finish, return_recv_hook, stream_ptr, topk_view,
                                    (x_view, topk_view, weights_view, active_view), outputs)
         if written_tensors:
@@ -886,6 +902,7 @@ class Buffer:
                 self._pending_hooks.add(handle.parity)
             else:
                 self._pending_combine_hooks[handle.parity] = self._pending_combine_hooks.get(handle.parity, 0) + 1
+                handle.state["combine_hook_pending"] = True
             called = []
             # The call's arrays live until the receive half is launched: it writes the outputs, and
             # with direct reads in-process peers read a combine's x in their receive halves, which
@@ -909,6 +926,7 @@ class Buffer:
                         self._pending_hooks.discard(handle.parity)
                     else:
                         self._pending_combine_hooks[handle.parity] -= 1
+                        handle.state["combine_hook_pending"] = False
             return EventOverlap(), hook
         if receive is not None:
             self._receive(call, handle, receive)
@@ -1022,6 +1040,16 @@ class Buffer:
                                f"are undefined: dispatch again")
         if not handle.state["received"]:
             raise RuntimeError(f"{where}: the dispatch of this handle has not received yet: call its hook() first")
+        # One dispatch may be combined again only where the peers read nothing this rank rewrites: its
+        # combine_x half is rewritten by a combine that copies into it and by the caller through
+        # get_next_combine_buffer, and no combine waits for its readers there (the next dispatch on
+        # the parity does). And two combines of one dispatch would take the same step.
+        if handle.state.get("combine_hook_pending"):
+            raise RuntimeError(f"{where}: a combine of this handle still waits for its hook(); call it first")
+        if handle.state.get("combined_through_workspace"):
+            raise RuntimeError(f"{where}: this handle was already combined through the workspace (zero_copy=True, or a "
+                               f"transport whose peers read copies there), whose rows the peers may still be reading; "
+                               f"dispatch again to combine again")
 
 
 class _Plan(NamedTuple):

@@ -40,6 +40,7 @@ class RecordingCuda:
     """What buffer.py uses of _cuda_backend.CudaBackend, recording launches instead of making them."""
 
     device_id = 0
+    direct_peer_reads = True  # in-process ranks on one GPU
     # Where the workspace would be: an address no host array of a test has (nothing reads it).
     workspace = type("Workspace", (), {"ptr": 0x7E00_0000_0000})()
 
@@ -341,6 +342,77 @@ def test_zero_copy_combine_passes_no_expert_output(setup):
     combine = [l for l in cuda.launches if l.kernel == "combine"]
     assert combine[0].args["expert_out_ptr"] == 0 and combine[0].args["zero_copy"]
     assert combine[0].args["timeout_ns"] == -1
+
+
+@pytest.mark.parametrize("first", ["zero_copy", "copy"])
+def test_a_dispatch_combined_through_the_workspace_is_not_combined_or_rewritten_again(setup, first):
+    """A zero-copy combine, or one whose transport copies the expert outputs into the workspace,
+    leaves rows there that slower peers may still be reading: a second combine of that handle, or
+    the caller writing get_next_combine_buffer(handle), would change them under those reads."""
+    buf, cuda, device, inputs = setup
+    cuda.direct_peer_reads = first != "copy"  # ranks in other processes, or in-process across GPUs
+    _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                      out=dispatch_out(device, False))
+    weights, combined = device(np.ones((3, K), np.float32)), device(np.zeros((3, H), ml_dtypes.bfloat16))
+    x = None if first == "zero_copy" else device(np.zeros((E // R, R * T, H), ml_dtypes.bfloat16))
+    buf.combine(x, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, zero_copy=x is None,
+                out=combined)
+    message = r"combine: this handle was already combined through the workspace .* dispatch again"
+    with pytest.raises(RuntimeError, match=message):
+        buf.combine(x, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, zero_copy=x is None,
+                    out=combined)
+    with pytest.raises(RuntimeError, match=message.replace("combine:", "get_next_combine_buffer:")):
+        buf.get_next_combine_buffer(handle)
+    assert [l.kernel for l in cuda.launches] == ["dispatch", "combine"]
+    _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                      out=dispatch_out(device, False))
+    buf.combine(x, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, zero_copy=x is None,
+                out=combined)
+    assert [l.kernel for l in cuda.launches] == ["dispatch", "combine"] * 2
+
+
+def test_a_dispatch_read_in_place_is_combined_again_once_its_combine_hook_ran(setup):
+    """In-process peers on one GPU read the caller's x in place (DeepEP's tests combine one dispatch
+    twice); two combines of one dispatch may not overlap, as both would take the same step."""
+    buf, cuda, device, inputs = setup
+    _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                      out=dispatch_out(device, False))
+    weights, combined = device(np.ones((3, K), np.float32)), device(np.zeros((3, H), ml_dtypes.bfloat16))
+    x = device(np.zeros((E // R, R * T, H), ml_dtypes.bfloat16))
+    _, _, hook = buf.combine(x, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle,
+                             return_recv_hook=True, out=combined)
+    with pytest.raises(RuntimeError, match=r"combine: a combine of this handle still waits for its hook\(\)"):
+        buf.combine(x, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, out=combined)
+    hook()
+    buf.combine(x, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, out=combined)
+    buf.combine(x, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, out=combined)
+    assert [(l.kernel, l.phases) for l in cuda.launches] == [("dispatch", SEND | RECV), ("combine", SEND),
+                                                             ("combine", RECV), ("combine", SEND | RECV),
+                                                             ("combine", SEND | RECV)]
+
+
+def test_positional_flags_are_mooncake_eps_and_the_scale_options_keywords(setup):
+    """Mooncake EP's dispatch takes (..., timeout_us, use_fp8, async_finish, return_recv_hook): a call
+    written for it means the same here; DeepEP's round_scale / use_ue8m0 cannot be set by position."""
+    buf, cuda, device, inputs = setup
+    args = (inputs["x"], inputs["topk_idx"], inputs["active_ranks"], T, E, 250, False)
+    _, _, _, _, hook = buf.dispatch(*args, False, True, out=dispatch_out(device, False))
+    assert hook is not None and [l.phases for l in cuda.launches] == [SEND]
+    hook()
+    with pytest.raises(TypeError, match=r"positional argument"):
+        buf.dispatch(*args, False, False, True, out=dispatch_out(device, False))
+    assert len(cuda.launches) == 2
+
+
+@pytest.mark.parametrize("num_experts", [np.array(E), [E]], ids=["0-d-array", "list"])
+def test_an_unhashable_num_experts_is_named(setup, num_experts):
+    buf, cuda, device, inputs = setup
+    with pytest.raises(TypeError, match=rf"dispatch: num_experts must be an int, got {type(num_experts).__name__}"):
+        buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=num_experts, use_fp8=False,
+                     out=dispatch_out(device, False))
+    buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                 out=dispatch_out(device, False))
+    assert [l.kernel for l in cuda.launches] == ["dispatch"]
 
 
 def test_device_arrays_are_not_read_by_the_host(setup):

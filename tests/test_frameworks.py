@@ -81,6 +81,7 @@ CupyLikeArray.__module__ = "cupy._core.core"
 
 class RecordingCuda:
     device_id = 0
+    direct_peer_reads = True  # in-process ranks on one GPU
 
     def __init__(self):
         self.launches = []
