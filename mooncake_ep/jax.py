@@ -224,6 +224,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
 class _CombineStatic:
     ranks: jax_args.Ranks
     grad_ranks: jax_args.Ranks | None
+    grad_num_topk: int | None
     grad_parity: int
     timeout_us: int
     renormalize: bool
@@ -232,7 +233,8 @@ class _CombineStatic:
 
 def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: Handle, *,
             timeout_us: int = _constants.TIMEOUT_FOREVER, renormalize: bool = False,
-            grad_buffer: BufferArg | None = None, grad_parity: int = 0, command_buffer_compatible: bool = True):
+            grad_buffer: BufferArg | None = None, grad_num_topk: int | None = None, grad_parity: int = 0,
+            command_buffer_compatible: bool = True):
     """Bring expert outputs back to the tokens' ranks and sum them with the routing weights.
 
     The JAX form of :meth:`mooncake_ep.Buffer.combine`. Differentiable w.r.t. ``x`` and
@@ -251,6 +253,10 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
         grad_buffer: for the gradient only: a Buffer (or mapping, like ``buffer``) of the same group
             sized for ``T * num_topk`` tokens (:func:`grad_buffer_size_hint`), used by nothing else
             while a backward runs.
+        grad_num_topk: the top-k the gradient's dispatch is laid out for, equal on every rank: the
+            largest num_topk of any rank, when ranks route with different top-k (the gradient is a
+            dispatch of T * grad_num_topk tokens, and its T must be the same everywhere); by default
+            this rank's num_topk. grad_buffer is sized with it.
         grad_parity: the parity of the gradient's ops on grad_buffer.
         command_buffer_compatible: as in :func:`dispatch`.
 
@@ -282,7 +288,9 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
     where = "mooncake_ep.jax.combine"
     ranks = jax_args.as_ranks(where, buffer)
     jax_ops.check_handle(where, handle, ranks)
-    grad_ranks = None if grad_buffer is None else _check_grad_buffer(where, ranks, grad_buffer, handle)
+    grad_num_topk = None if grad_num_topk is None else check_int(
+        where, "grad_num_topk", grad_num_topk, minimum=handle.config.num_topk, maximum=_constants.MAX_TOPK)
+    grad_ranks = None if grad_buffer is None else _check_grad_buffer(where, ranks, grad_buffer, handle, grad_num_topk)
     x, topk_idx, topk_weights, active_ranks = (
         jax_args.as_jax(where, name, value) for name, value in
         (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
@@ -290,7 +298,7 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
                            handle=handle.recv_count)
     jax_args.check_eager_routing(where, topk_idx, handle.dispatched_topk_idx, handle.config.num_experts)
     grad_parity = jax_args.check_parity(where, grad_parity, "grad_parity")
-    static = _CombineStatic(ranks, grad_ranks, grad_parity, timeout_us, renormalize,
+    static = _CombineStatic(ranks, grad_ranks, grad_num_topk, grad_parity, timeout_us, renormalize,
                             command_buffer_compatible)
     return _bind(where, _combine, static, x, topk_idx, topk_weights, active_ranks, handle)
 
@@ -336,7 +344,8 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
     weights = jnp.where(named, topk_weights, jnp.zeros((), topk_weights.dtype))
     rows = (weights[:, :, None] * grad_y32[:, None, :]).astype(jnp.bfloat16).reshape(num_tokens * num_topk, hidden)
     routes = handle.dispatched_topk_idx.reshape(num_tokens * num_topk, 1)
-    grad_T = config.num_max_dispatch_tokens_per_rank * num_topk
+    grad_num_topk = num_topk if static.grad_num_topk is None else static.grad_num_topk
+    grad_T = config.num_max_dispatch_tokens_per_rank * grad_num_topk
     recv, count, grad_handle, grad_active = jax_ops.dispatch(
         where, static.grad_ranks, rows, routes, active, grad_T, config.num_experts, timeout_us=static.timeout_us,
         use_fp8=False, round_scale=False, use_ue8m0=False, parity=static.grad_parity,
@@ -406,8 +415,10 @@ def _values(tree):
                                   is_leaf=lambda leaf: hasattr(leaf, "perturbed") and hasattr(leaf, "value"))
 
 
-def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg, handle: Handle) -> jax_args.Ranks:
-    """The Ranks of ``grad_buffer``: other Buffers of the same group, large enough for T * num_topk tokens."""
+def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg, handle: Handle,
+                       grad_num_topk: int | None) -> jax_args.Ranks:
+    """The Ranks of ``grad_buffer``: other Buffers of the same group, large enough for T * grad_num_topk
+    tokens (T * num_topk without it)."""
     grad_ranks = jax_args.as_ranks(f"{where}: grad_buffer", grad_buffer)
     if ranks.placement != grad_ranks.placement:
         raise ValueError(f"{where}: grad_buffer must serve the devices buffer serves, each with the same rank (one "
@@ -416,8 +427,9 @@ def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg
     for buffer in grad_ranks.buffers:  # here, not in a backward pass long after this call
         buffer._check_alive(f"{where}: grad_buffer")
     config = handle.config
+    num_topk = config.num_topk if grad_num_topk is None else grad_num_topk
     needed = grad_buffer_size_hint(config.num_max_dispatch_tokens_per_rank, config.hidden, config.num_ranks,
-                                   config.num_experts, config.num_topk)
+                                   config.num_experts, num_topk)
     if set(grad_ranks.buffers) & set(ranks.buffers) or grad_ranks.first.num_ranks != config.num_ranks:
         raise ValueError(f"{where}: grad_buffer must be other Buffers of the same group ({config.num_ranks} ranks), "
                          f"not the forward's")
@@ -426,7 +438,7 @@ def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg
         raise ValueError(f"{where}: grad_buffer has {small[0]} bytes, the gradient needs {needed} "
                          f"(grad_buffer_size_hint(T={config.num_max_dispatch_tokens_per_rank}, hidden={config.hidden}, "
                          f"num_ranks={config.num_ranks}, num_experts={config.num_experts}, "
-                         f"num_topk={config.num_topk}))")
+                         f"num_topk={num_topk}))")
     return grad_ranks
 
 

@@ -48,6 +48,7 @@ import torch
 
 from mooncake_ep import _constants
 from mooncake_ep.buffer import Buffer, Handle
+from mooncake_ep.validation import check_int
 
 __all__ = ["dispatch", "combine", "grad_buffer_size_hint", "DispatchFunction", "CombineFunction"]
 
@@ -95,7 +96,7 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ran
 
 def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             active_ranks: torch.Tensor, handle: Handle, *, grad_buffer: Buffer | None = None,
-            timeout_us: int = _constants.TIMEOUT_FOREVER) -> torch.Tensor:
+            grad_num_topk: int | None = None, timeout_us: int = _constants.TIMEOUT_FOREVER) -> torch.Tensor:
     """A differentiable :meth:`Buffer.combine` (w.r.t. the expert outputs and topk_weights).
 
     Args:
@@ -112,6 +113,10 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         handle: from :func:`dispatch` (or :meth:`Buffer.dispatch`).
         grad_buffer: needed when x or topk_weights requires grad: a Buffer of the same group sized
             with :func:`grad_buffer_size_hint` and used by nothing else during a backward.
+        grad_num_topk: the top-k the gradient's dispatch is laid out for, equal on every rank: the
+            largest num_topk of any rank, when ranks route with different top-k (the gradient is a
+            dispatch of T * grad_num_topk tokens, and its T must be the same everywhere); by default
+            this rank's num_topk. grad_buffer is sized with it.
         timeout_us: microseconds to wait for an expert rank; -1 waits forever.
 
     Returns:
@@ -120,7 +125,8 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     Raises:
         TypeError: x, topk_idx, topk_weights or active_ranks is not a torch.Tensor, or a gradient is
             needed and grad_buffer is missing, or not a Buffer.
-        ValueError: grad_buffer is of another group size or too small.
+        ValueError: grad_buffer is of another group size or too small; grad_num_topk is below this
+            rank's num_topk or above 16.
 
     Note:
         A rank that fails during the backward moves the gradient rows of the ranks after it; with a
@@ -134,8 +140,9 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     # Checked here, not in forward (which autograd runs with grad mode off): an evaluation under
     # no_grad records no backward, so a Parameter among the inputs needs no grad_buffer there.
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(topk_weights)):
-        _check_grad_buffer(buffer, grad_buffer, handle)
-    return CombineFunction.apply(x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us)
+        grad_num_topk = _check_grad_buffer(buffer, grad_buffer, handle, grad_num_topk)
+    return CombineFunction.apply(x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, grad_num_topk,
+                                 timeout_us)
 
 
 def _check_tensors(where: str, **arrays) -> None:
@@ -177,11 +184,12 @@ class DispatchFunction(torch.autograd.Function):
     def forward(ctx, x, topk_idx, active_ranks, buffer, num_max_dispatch_tokens_per_rank, num_experts, timeout_us):
         recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                            num_experts, timeout_us, use_fp8=False)
-        # A copy: the caller may write into the recv_count it gets back.
-        forward_count = recv_count.clone()
-        _forward_routing[handle] = (forward_count, topk_idx)
+        # Copies: the caller may write into the recv_count it gets back, and into topk_idx (combine
+        # documents dropping entries with -1), which the backwards route by.
+        forward_count, forward_idx = recv_count.clone(), topk_idx.detach().clone()
+        _forward_routing[handle] = (forward_count, forward_idx)
         ctx.mark_non_differentiable(recv_count)
-        ctx.save_for_backward(topk_idx)
+        ctx.save_for_backward(forward_idx)
         ctx.forward_count = forward_count
         # active_ranks is updated in place by every later call: keep the tensor, not a saved version.
         ctx.active_ranks = active_ranks
@@ -209,13 +217,14 @@ class DispatchFunction(torch.autograd.Function):
 
 
 class CombineFunction(torch.autograd.Function):
-    """``(x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us) -> combined_x``.
+    """``(x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, grad_num_topk, timeout_us)
+    -> combined_x``.
 
     See :func:`combine`.
     """
 
     @staticmethod
-    def forward(ctx, x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, timeout_us):
+    def forward(ctx, x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, grad_num_topk, timeout_us):
         need_w = ctx.needs_input_grad[1]  # grad_w reads the forward's expert outputs
         combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
         forward_count, dispatched_idx = _forward_routing.get(handle, (None, None))
@@ -226,7 +235,7 @@ class CombineFunction(torch.autograd.Function):
                 forward_count = torch.from_numpy(result.recv_count)
         ctx.save_for_backward(x if need_w else None, topk_idx, topk_weights, dispatched_idx)
         ctx.active_ranks = active_ranks
-        ctx.config = (buffer, grad_buffer, handle, timeout_us)
+        ctx.config = (buffer, grad_buffer, handle, grad_num_topk, timeout_us)
         ctx.forward_count = forward_count
         return combined
 
@@ -234,7 +243,7 @@ class CombineFunction(torch.autograd.Function):
     @_refuse_create_graph("combine")
     def backward(ctx, grad_y):
         expert_out, topk_idx, topk_weights, dispatched_idx = ctx.saved_tensors
-        buffer, grad_buffer, handle, timeout_us = ctx.config
+        buffer, grad_buffer, handle, grad_num_topk, timeout_us = ctx.config
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         num_tokens, num_topk, hidden = handle.num_tokens, handle.num_topk, handle.hidden
         num_rows = buffer.num_ranks * handle.num_max_dispatch_tokens_per_rank
@@ -247,8 +256,8 @@ class CombineFunction(torch.autograd.Function):
         rows = (weights[:, :, None] * grad_y32[:, None, :]).to(torch.bfloat16).reshape(num_tokens * num_topk, hidden)
         routes = dispatched_idx.reshape(num_tokens * num_topk, 1)
         recv, count, grad_handle, _, _ = grad_buffer.dispatch(
-            rows, routes, ctx.active_ranks, handle.num_max_dispatch_tokens_per_rank * num_topk, handle.num_experts,
-            timeout_us, use_fp8=False)
+            rows, routes, ctx.active_ranks, handle.num_max_dispatch_tokens_per_rank * grad_num_topk,
+            handle.num_experts, timeout_us, use_fp8=False)
         grad_x = grad_w = None
         if need_w:
             padded = torch.zeros(recv.shape, dtype=torch.bfloat16, device=recv.device)
@@ -266,7 +275,7 @@ class CombineFunction(torch.autograd.Function):
                 valid &= (count == ctx.forward_count)[:, None]
             grad_x = torch.where(valid[:, :, None], recv[:, :num_rows], torch.zeros((), dtype=recv.dtype,
                                                                                      device=recv.device))
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def _where_counts_match(count: torch.Tensor, forward_count: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
@@ -278,7 +287,8 @@ def _where_counts_match(count: torch.Tensor, forward_count: torch.Tensor | None,
     return torch.where(same, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
-def _check_grad_buffer(buffer: Buffer, grad_buffer, handle) -> None:
+def _check_grad_buffer(buffer: Buffer, grad_buffer, handle, grad_num_topk) -> int:
+    """The gradient's top-k (grad_num_topk, or the handle's), once grad_buffer is found fit for it."""
     where = "mooncake_ep.torch.combine"
     if grad_buffer is None:
         raise TypeError(f"{where}: the gradient of combine is a dispatch of num_tokens * num_topk rows: pass "
@@ -292,9 +302,12 @@ def _check_grad_buffer(buffer: Buffer, grad_buffer, handle) -> None:
                          f"got {'the forward Buffer' if grad_buffer is buffer else f'{grad_buffer.num_ranks} ranks'}")
     if not isinstance(handle, Handle):
         raise TypeError(f"{where}: handle must be the Handle returned by dispatch, got {type(handle).__name__}")
+    num_topk = handle.num_topk if grad_num_topk is None else check_int(
+        where, "grad_num_topk", grad_num_topk, minimum=handle.num_topk, maximum=_constants.MAX_TOPK)
     needed = grad_buffer_size_hint(handle.num_max_dispatch_tokens_per_rank, handle.hidden, buffer.num_ranks,
-                                   handle.num_experts, handle.num_topk)
+                                   handle.num_experts, num_topk)
     if grad_buffer.num_ep_buffer_bytes < needed:
         raise ValueError(f"{where}: grad_buffer has {grad_buffer.num_ep_buffer_bytes} bytes, the gradient needs {needed} "
                          f"(grad_buffer_size_hint(T={handle.num_max_dispatch_tokens_per_rank}, hidden={handle.hidden}, "
-                         f"num_ranks={buffer.num_ranks}, num_experts={handle.num_experts}, num_topk={handle.num_topk}))")
+                         f"num_ranks={buffer.num_ranks}, num_experts={handle.num_experts}, num_topk={num_topk}))")
+    return num_topk

@@ -212,6 +212,44 @@ def test_a_rank_without_tokens_keeps_its_ops_under_jit():
                                        atol=1e-6, err_msg=f"rank {rank}: gradient of {name}, jit against eager")
 
 
+def test_ranks_with_different_topk_differentiate_with_grad_num_topk():
+    """Rank 1 routes top-1 where rank 0 routes top-2: with grad_num_topk=2 on both, the gradients equal
+    those of rank 1 routing top-2 with a second entry of -1 and weight 0 (which adds nothing)."""
+    T, H, E = 4, 128, 4
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal((T, H)).astype(np.float32).astype(jnp.bfloat16) for _ in range(2)]
+    topk0 = np.array([rng.permutation(E)[:2] for _ in range(T)], np.int32)
+    topk1 = rng.integers(0, E, (T, 1)).astype(np.int32)
+    w0, w1 = rng.uniform(0.5, 1.5, (T, 2)).astype(np.float32), rng.uniform(0.5, 1.5, (T, 1)).astype(np.float32)
+    padded = ([topk0, topk1], [w0, w1]), ([topk0, np.pad(topk1, ((0, 0), (0, 1)), constant_values=-1)],
+                                          [w0, np.pad(w1, ((0, 0), (0, 1)))])
+    cpu_devices(2)
+
+    def rank_fn(group):
+        rank = group.rank
+        buffer = ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(T, H, 2, E), backend="reference")
+        grad_buffer = ep.Buffer(group, epj.grad_buffer_size_hint(T, H, 2, E, 2), backend="reference")
+        grads = []
+        for (topks, weights), grad_num_topk in zip(padded, (2, None)):
+            def loss(x, w):
+                active = jnp.ones(2, jnp.int32)
+                recv, _, handle, active = epj.dispatch(buffer, x, topks[rank], active, T, E, use_fp8=False)
+                y = (recv.astype(jnp.float32) * (rank + 2)).astype(jnp.bfloat16)
+                out, _ = epj.combine(buffer, y, topks[rank], w, active, handle, grad_buffer=grad_buffer,
+                                     grad_num_topk=grad_num_topk)
+                return jnp.sum(out.astype(jnp.float32) ** 2)
+
+            with jax.default_device(jax.devices("cpu")[rank]):
+                grad_x, grad_w = jax.grad(loss, argnums=(0, 1))(jnp.asarray(xs[rank]), jnp.asarray(weights[rank]))
+            grads.append((np.asarray(grad_x, np.float32), np.asarray(grad_w)))
+        return grads
+
+    for rank, ((mixed_x, mixed_w), (padded_x, padded_w)) in enumerate(spawn(2, rank_fn)):
+        np.testing.assert_array_equal(mixed_x, padded_x, err_msg=f"rank {rank}: gradient of x")
+        np.testing.assert_array_equal(mixed_w, padded_w[:, :mixed_w.shape[1]], err_msg=f"rank {rank}: weights")
+        assert np.abs(mixed_x).sum() > 0 and np.abs(mixed_w).sum() > 0
+
+
 # --- shard_map: one device per rank, one program ------------------------------------------------------
 
 
@@ -912,6 +950,10 @@ def test_unsupported_transformations_name_the_alternative():
     destroyed.destroy()
     with pytest.raises(RuntimeError, match=r"mooncake_ep.jax.combine: grad_buffer: this Buffer was destroyed"):
         epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=destroyed)
+    with pytest.raises(ValueError, match=r"mooncake_ep.jax.combine: grad_num_topk must be <= 16, got 17"):
+        epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=grad_buffer, grad_num_topk=17)
+    with pytest.raises(ValueError, match=r"grad_buffer has \d+ bytes, the gradient needs \d+ .*num_topk=16\)\)"):
+        epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=grad_buffer, grad_num_topk=16)
     with pytest.raises(ValueError, match=r"grad_parity must be 0 or 1 \(the workspace half\), got True"):
         epj.combine(buffer, recv, topk, w, active2, handle, grad_buffer=grad_buffer, grad_parity=True)
     with pytest.raises(TypeError, match=r"dispatch_send is not differentiable; for training use "

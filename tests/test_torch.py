@@ -21,12 +21,14 @@ GROUP_TIMEOUT_S = 30.0
 BF16_RTOL = 2.0**-8  # one bf16 rounding
 
 
-def make_inputs(seed: int, num_ranks: int, num_max_tokens: int, hidden: int, num_experts: int, num_topk: int,
+def make_inputs(seed: int, num_ranks: int, num_max_tokens: int, hidden: int, num_experts: int, num_topk,
                 num_tokens=None):
+    """num_topk: one K for every rank, or a K per rank."""
     rng = np.random.default_rng(seed)
     num_tokens = num_tokens or [num_max_tokens] * num_ranks
+    rank_topk = num_topk if isinstance(num_topk, (list, tuple)) else [num_topk] * num_ranks
     xs, topks, weights = [], [], []
-    for rank, t in enumerate(num_tokens):
+    for rank, (t, num_topk) in enumerate(zip(num_tokens, rank_topk)):
         x = rng.standard_normal((t, hidden)).astype(np.float32)
         x[:, 0] = rank
         xs.append(torch.from_numpy(x).to(torch.bfloat16))
@@ -48,13 +50,19 @@ def buffers(group, T, H, E, K):
             ep.Buffer(group, ept.grad_buffer_size_hint(T, H, R, E, K), backend="reference"))
 
 
-@pytest.mark.parametrize("combine_drops", [False, True], ids=["same-ids", "combine-drops-entries"])
-@pytest.mark.parametrize("num_ranks,num_tokens", [(2, [4, 4]), (3, [4, 1, 0])], ids=["R2", "R3-uneven"])
-def test_gradients_match_float64_formulas(num_ranks, num_tokens, combine_drops):
+@pytest.mark.parametrize("combine_drops", [False, True, "in-place"],
+                         ids=["same-ids", "combine-drops-entries", "combine-drops-entries-in-place"])
+@pytest.mark.parametrize("num_ranks,num_tokens,rank_topk", [(2, [4, 4], [2, 2]), (3, [4, 1, 0], [2, 2, 2]),
+                                                            (3, [4, 3, 2], [3, 1, 2])],
+                         ids=["R2", "R3-uneven", "R3-mixed-topk"])
+def test_gradients_match_float64_formulas(num_ranks, num_tokens, rank_topk, combine_drops):
     """combine_drops: combine's topk_idx is -1 at some entries the dispatch sent (they add nothing): their
-    expert rows and weights get no gradient, and every other row still gets its own."""
-    T, H, E, K = 4, 128, 2 * num_ranks, 2
-    xs, topks, weights = make_inputs(1, num_ranks, T, H, E, K, num_tokens)
+    expert rows and weights get no gradient, and every other row still gets its own; "in-place": the
+    caller writes the -1 into the tensor it dispatched, which the backward must not route by.
+    Mixed top-k: ranks with different K pass grad_num_topk, the largest."""
+    T, H, E = 4, 128, 2 * num_ranks
+    grad_num_topk = max(rank_topk)
+    xs, topks, weights = make_inputs(1, num_ranks, T, H, E, rank_topk, num_tokens)
     combine_topks = [t.clone() for t in topks]
     if combine_drops:
         for t in combine_topks:
@@ -70,15 +78,21 @@ def test_gradients_match_float64_formulas(num_ranks, num_tokens, combine_drops):
 
     def rank_fn(group):
         r = group.rank
-        buffer, grad_buffer = buffers(group, T, H, E, K)
+        buffer, grad_buffer = buffers(group, T, H, E, grad_num_topk)
         active = torch.ones(num_ranks, dtype=torch.int32)
         x = xs[r].clone().requires_grad_()
-        recv, count, handle = ept.dispatch(buffer, x, topks[r], active, T, E)
+        dispatched_topk = topks[r].clone()
+        recv, count, handle = ept.dispatch(buffer, x, dispatched_topk, active, T, E)
         assert recv.requires_grad and not count.requires_grad
         (recv.float() * grad_recvs[r].float()).sum().backward()
         y = expert_outs[r].clone().requires_grad_()
         w = weights[r].clone().requires_grad_()
-        out = ept.combine(buffer, y, combine_topks[r], w, active, handle, grad_buffer=grad_buffer)
+        combine_topk = combine_topks[r]
+        if combine_drops == "in-place":
+            dispatched_topk.copy_(combine_topk)
+            combine_topk = dispatched_topk
+        out = ept.combine(buffer, y, combine_topk, w, active, handle, grad_buffer=grad_buffer,
+                          grad_num_topk=grad_num_topk if len(set(rank_topk)) > 1 else None)
         out.backward(grad_ys[r])
         return to_np(count), x.grad.float().numpy(), y.grad.float().numpy(), w.grad.numpy(), active.numpy().copy()
 
@@ -89,7 +103,7 @@ def test_gradients_match_float64_formulas(num_ranks, num_tokens, combine_drops):
     dispatched = [reference.dispatch(r, np_xs, np_topks, actives, T, E, use_fp8=False) for r in range(num_ranks)]
     want_x = [np.zeros((t, H)) for t in num_tokens]
     want_y = [np.zeros((num_local, num_rows, H)) for _ in range(num_ranks)]
-    want_w = [np.zeros((t, K)) for t in num_tokens]
+    want_w = [np.zeros((t, k)) for t, k in zip(num_tokens, rank_topk)]
     for owner, res in enumerate(dispatched):
         for e in range(num_local):
             for row in range(res.recv_count[e]):
@@ -356,6 +370,11 @@ def test_refusals_name_the_argument_and_leave_the_buffer_usable():
         with pytest.raises(ValueError, match=r"grad_buffer has \d+ bytes, the gradient needs \d+ "
                                              r"\(grad_buffer_size_hint\(T=3, hidden=128"):
             ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=small)
+        with pytest.raises(ValueError, match=r"mooncake_ep.torch.combine: grad_num_topk must be >= 2, got 1"):
+            ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=grad_buffer, grad_num_topk=1)
+        with pytest.raises(ValueError, match=r"grad_buffer has \d+ bytes, the gradient needs \d+ "
+                                             r"\(grad_buffer_size_hint\(T=3, hidden=128, .*num_topk=3\)\)"):
+            ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=grad_buffer, grad_num_topk=3)
         with pytest.raises(TypeError, match=r"combine: topk_weights must be float32, got float64"):
             ept.combine(buffer, y, topks[0], weights[0].double(), active, handle, grad_buffer=grad_buffer)
         with pytest.raises(TypeError, match=r"mooncake_ep.torch.combine: topk_weights must be a torch.Tensor, got "
