@@ -655,6 +655,14 @@ def measure_cuda(args, progress, group=None) -> dict:
                     if with_inner:
                         pair = InnerEvents(torch, side_stream)
                         inner_events[phase].append(pair)
+                    if phase.startswith("combine"):
+                        # Both combine graphs answer this set's dispatch graph, and every replay of one
+                        # follows a replay of that (replay_answered): no dispatch is combined twice when
+                        # they run, though two captures took its handles (which a combine through the
+                        # workspace marks as used, for eager callers).
+                        for handle in graph_handles[k]:
+                            if handle is not None:
+                                handle.state.pop("combined_through_workspace", None)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
                         forked(lambda: run_phase(phase, inputs, graph_handles[k]), ends=args.graph_ends,
