@@ -424,7 +424,7 @@ class Buffer:
         handle = Handle(self.buffer_id, self._num_dispatches, parity, plan.num_tokens, plan.hidden, plan.num_topk,
                         num_experts, num_max_dispatch_tokens_per_rank, self.backend if x_view.device_type == "cuda"
                         else "reference", x_view.framework, x_view.device_id if x_view.device_type == "cuda" else -1,
-                        state={"received": False})
+                        state={"received": False, "topk_idx_array": topk_idx})  # the caller's, for autograd
         if x_view.device_type == "cpu":
             # The exchange first: ranks found in different calls raise there, all of them, uncounted.
             receive = self._reference_dispatch(handle, x_view, topk_view, active_view, outputs,
@@ -640,13 +640,24 @@ class Buffer:
                                             hidden=handle.hidden, num_experts=handle.num_experts, zero_copy=zero_copy,
                                             renormalize=renormalize, timeout_us=timeout_us)
             receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
-        if zero_copy or (handle.backend != "reference" and not self._cuda.direct_peer_reads):
+        if zero_copy or not self._peers_read_in_place(handle):
             handle.state["combined_through_workspace"] = True
         event, hook = self._finish("combine", handle, receive, async_finish, return_recv_hook, stream_ptr, topk_view,
                                    (x_view, topk_view, weights_view, active_view), outputs)
         if written_tensors:
             frameworks.get("torch").mark_modified(written_tensors)
         return _caller_arrays(outputs, topk_view)[0], event, hook
+
+    def _peers_read_in_place(self, handle: Handle) -> bool:
+        """Whether peers read this rank's expert outputs where the caller holds them, not from copies in
+        the workspace that a second combine of ``handle`` would rewrite while they may still read.
+
+        The reference backend's exchange has no such hazard; it answers as the kernels would for ranks
+        placed as its group's are (in processes: copies), so that a CPU test refuses what a GPU run would.
+        """
+        if handle.backend == "reference":
+            return bool(getattr(self.group, "is_in_process", False))
+        return self._cuda.direct_peer_reads
 
     def _plan_combine(self, where: str, handle: Handle, topk_view: ArrayView, weights_view: ArrayView,
                       active_view: ArrayView, x_view: ArrayView | None, out_views) -> _Plan:

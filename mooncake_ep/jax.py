@@ -280,6 +280,11 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
         forward's give zero gradients (to ``x`` and, through them, to ``topk_weights`` and the
         dispatch's ``x``) rather than misplaced ones, and the failure shows in ``active_ranks``.
 
+        One combine per dispatch: a second combine of ``handle`` (here or with the split form)
+        would copy into the workspace rows that slower peers may still be reading (ranks in other
+        processes, or the split form, read copies there). The host cannot see this inside a jitted
+        program, so it is not refused as :meth:`mooncake_ep.Buffer.combine` refuses it.
+
         Micro-batches: two forward steps in flight at once take parities 0 and 1 (see the module
         docstring), and their backwards may overlap too: give each combine ``grad_parity`` equal
         to its dispatch's ``parity``, as XLA does not order one micro-batch's gradient ops after the

@@ -25,9 +25,8 @@ Gradients (every rank must run the same backward, since each step below is a col
       combine on that same layout of the forward's expert outputs with unit weights: with one
       expert per "token" nothing is summed, so every row comes back to its owner as it was.
     - dispatch, w.r.t. x: ``grad_x[t] = Σ_k grad_recv_x[row(t, k)]``, a combine with unit weights.
-      The workspace keeps the routing of the last two dispatches only (and the combine kernels may
-      use a routing once), so the backward first re-runs the dispatch with zeros (fp8, half the
-      bytes) to rebuild it.
+      The workspace keeps the routing of the last two dispatches only, so the backward first re-runs
+      the dispatch with zeros (fp8, half the bytes) to rebuild it.
 
     Cost per layer: forward 1 dispatch + 1 combine; backward 2 dispatches + 2 combines (2 + 1 when
     topk_weights needs no gradient), all on torch's current stream, no host synchronisation.
@@ -47,6 +46,7 @@ import weakref
 import torch
 
 from mooncake_ep import _constants
+from mooncake_ep._handshake import RankMismatchError
 from mooncake_ep.buffer import Buffer, Handle
 from mooncake_ep.validation import check_int
 
@@ -104,10 +104,9 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         x: ``[num_local_experts, num_ranks * T, hidden]`` bf16 expert outputs, laid out as recv_x.
         topk_idx: the ids given to that dispatch; an entry may be -1 where the dispatch had an expert
             (it then adds nothing, and gets no gradient). The backward routes the gradient by the
-            dispatch's ids: :func:`dispatch`'s handle brings them along, and so does a handle of
-            :meth:`Buffer.dispatch` on CPU tensors; with one of :meth:`Buffer.dispatch` on CUDA
-            tensors they are these, which must then be the dispatch's own, -1 entries included
-            (not checked: the host never reads device ids).
+            dispatch's ids: :func:`dispatch`'s handle brings a copy, and a handle of
+            :meth:`Buffer.dispatch` the host's copy (CPU tensors) or the tensor that dispatch was given
+            (CUDA: not a copy, so write no -1 into that one before the backward; give combine another).
         topk_weights: ``[num_tokens, num_topk]`` fp32 (may require grad).
         active_ranks: ``[num_ranks]`` int32, updated in place.
         handle: from :func:`dispatch` (or :meth:`Buffer.dispatch`).
@@ -228,9 +227,11 @@ class CombineFunction(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1]  # grad_w reads the forward's expert outputs
         combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
         forward_count, dispatched_idx = _forward_routing.get(handle, (None, None))
-        if dispatched_idx is None:  # a handle of Buffer.dispatch: its ids and counts where the host has them
+        if dispatched_idx is None:  # a handle of Buffer.dispatch: its ids, and its counts where the host has them
             host_ids, result = handle.state.get("topk_idx"), handle.state.get("result")
-            dispatched_idx = torch.from_numpy(host_ids) if host_ids is not None else topk_idx
+            given = handle.state.get("topk_idx_array")
+            dispatched_idx = (torch.from_numpy(host_ids) if host_ids is not None
+                              else given if isinstance(given, torch.Tensor) else topk_idx)
             if result is not None:
                 forward_count = torch.from_numpy(result.recv_count)
         ctx.save_for_backward(x if need_w else None, topk_idx, topk_weights, dispatched_idx)
@@ -255,9 +256,15 @@ class CombineFunction(torch.autograd.Function):
         weights = torch.where(named, topk_weights.float(), torch.zeros((), device=topk_weights.device))
         rows = (weights[:, :, None] * grad_y32[:, None, :]).to(torch.bfloat16).reshape(num_tokens * num_topk, hidden)
         routes = dispatched_idx.reshape(num_tokens * num_topk, 1)
-        recv, count, grad_handle, _, _ = grad_buffer.dispatch(
-            rows, routes, ctx.active_ranks, handle.num_max_dispatch_tokens_per_rank * grad_num_topk,
-            handle.num_experts, timeout_us, use_fp8=False)
+        try:
+            recv, count, grad_handle, _, _ = grad_buffer.dispatch(
+                rows, routes, ctx.active_ranks,
+                handle.num_max_dispatch_tokens_per_rank * (num_topk if grad_num_topk is None else grad_num_topk),
+                handle.num_experts, timeout_us, use_fp8=False)
+        except RankMismatchError as exc:  # the likely cause, which the dispatch cannot know
+            raise RankMismatchError(f"mooncake_ep.torch.combine (gradient): {exc}. The gradient is a dispatch of "
+                                    f"T * grad_num_topk tokens: where ranks route with different top-k, every "
+                                    f"rank must pass combine grad_num_topk=, the largest") from exc
         grad_x = grad_w = None
         if need_w:
             padded = torch.zeros(recv.shape, dtype=torch.bfloat16, device=recv.device)

@@ -101,6 +101,11 @@ def worker_main(argv: list[str]) -> None:
                                                                **flags)
             q, scales = recv_x if flags["use_fp8"] else (recv_x, None)
             combined, _, _ = buffer.combine(expert_fn(rank, q, scales), topk_idx, weights, active_ranks, -1, handle)
+            try:  # the kernels' peers in other processes read copies in the workspace: refused, as on a GPU
+                buffer.combine(expert_fn(rank, q, scales), topk_idx, weights, active_ranks, -1, handle)
+                saved[f"{name}_second_combine"] = "accepted"
+            except RuntimeError as exc:
+                saved[f"{name}_second_combine"] = str(exc)
             saved |= {f"{name}_recv_x": bits(q), f"{name}_recv_count": recv_count, f"{name}_combined": bits(combined),
                       f"{name}_active_ranks": active_ranks}
             if scales is not None:
@@ -174,6 +179,8 @@ def test_processes_equal_reference(world_size, tmp_path):
                                             inputs["weights"][rank], actives)
             np.testing.assert_array_equal(got[f"{name}_combined"], bits(combined), err_msg=f"{where}: combined")
             np.testing.assert_array_equal(got[f"{name}_active_ranks"], np.ones(world_size, np.int32), err_msg=where)
+            assert str(got[f"{name}_second_combine"]).startswith("combine: this handle was already combined through "
+                                                                 "the workspace"), where
     if world_size > 2:  # the last rank sent no tokens, yet received rows (a rank without tokens is alive)
         last = np.load(tmp_path / f"rank{world_size - 1}.npz")
         assert last["bf16_combined"].shape == (0, HIDDEN) and sum(last["bf16_recv_count"]) > 0

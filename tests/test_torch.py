@@ -207,6 +207,24 @@ def test_experts_whose_rows_a_failure_moved_during_the_backward_get_zero_gradien
         assert np.all(grads[r][2][topks[r].numpy() < 4] == 0), f"rank {r}: moved or masked experts' weights"
 
 
+def test_ranks_with_different_topk_without_grad_num_topk_are_told_to_pass_it():
+    T, H, E = 4, 128, 4
+    xs, topks, weights = make_inputs(1, 2, T, H, E, [1, 2])
+
+    def rank_fn(group):
+        r = group.rank
+        buffer, grad_buffer = buffers(group, T, H, E, 2)
+        active = torch.ones(2, dtype=torch.int32)
+        recv, _, handle = ept.dispatch(buffer, xs[r], topks[r], active, T, E)
+        y = recv.detach().clone().requires_grad_()
+        out = ept.combine(buffer, y, topks[r], weights[r], active, handle, grad_buffer=grad_buffer)
+        with pytest.raises(ep.RankMismatchError, match=r"mooncake_ep.torch.combine \(gradient\): .* every rank must "
+                                                       r"pass combine grad_num_topk=, the largest"):
+            out.float().sum().backward()
+
+    ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+
+
 def test_writing_into_the_returned_recv_count_changes_no_gradient():
     """The backward compares the counts with the forward's own copy, not with the tensor the caller got."""
     T, H, E, K = 2, 128, 2, 2
@@ -223,10 +241,12 @@ def test_writing_into_the_returned_recv_count_changes_no_gradient():
     assert torch.equal(grad_x, torch.full((T, H), float(K)))  # each token's two rows, each of gradient 1
 
 
-def test_a_buffer_dispatch_handle_on_cpu_tensors_routes_the_gradient_by_the_dispatchs_ids():
+@pytest.mark.parametrize("host_ids", [True, False], ids=["cpu-handle", "handle-without-host-ids"])
+def test_a_buffer_dispatch_handle_routes_the_gradient_by_the_dispatchs_ids(host_ids):
     """A handle of Buffer.dispatch (fp8 here: no gradient to x) and a combine whose ids leave out
-    entries the dispatch sent: the backward routes by the dispatch's own ids, which the host has for
-    CPU tensors, so every row still gets its own gradient and left-out ones get 0."""
+    entries the dispatch sent: the backward routes by the dispatch's own ids, the host's copy for
+    CPU tensors, else (as for CUDA tensors, whose ids the host never reads) the tensor dispatch was
+    given, so every row still gets its own gradient and left-out ones get 0."""
     T, H, E, K = 2, 128, 2, 2
     topk = torch.tensor([[0, 1], [1, 0]])
     left_out = torch.tensor([[-1, 1], [1, 0]])  # token 0 leaves out expert 0
@@ -235,6 +255,8 @@ def test_a_buffer_dispatch_handle_on_cpu_tensors_routes_the_gradient_by_the_disp
         buffer, grad_buffer = buffers(group, T, H, E, K)
         active = torch.ones(1, dtype=torch.int32)
         _, _, handle, _, _ = buffer.dispatch(torch.ones(T, H, dtype=torch.bfloat16), topk, active, T, E)
+        if not host_ids:
+            del handle.state["topk_idx"]  # the host copy of the ids, which a CUDA dispatch never makes
         y = torch.zeros(E, T, H, dtype=torch.bfloat16, requires_grad=True)
         weights = torch.tensor([[2.0, 3.0], [5.0, 7.0]], requires_grad=True)
         out = ept.combine(buffer, y, left_out, weights, active, handle, grad_buffer=grad_buffer)
@@ -388,6 +410,9 @@ def test_refusals_name_the_argument_and_leave_the_buffer_usable():
         out = ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=grad_buffer)
         assert not evaluated.requires_grad and torch.equal(evaluated, out)
         out.float().sum().backward()
+        # The public Function, called without grad_num_topk (None): this rank's num_topk.
+        direct = ept.CombineFunction.apply(y, weights[0], topks[0], active, handle, buffer, grad_buffer, None, -1)
+        direct.float().sum().backward()
         return y.grad.shape
 
     assert ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [(1 * 2, 3, H)]
