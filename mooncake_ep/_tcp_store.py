@@ -28,6 +28,7 @@ Users import :class:`TCPStoreServer`, :class:`TCPStoreClient` and :class:`StoreT
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import logging
 import random
@@ -68,6 +69,11 @@ _SERVE_POLL_S = 0.05
 _DEAD_CLIENT_POLL_S = 0.5
 # close() lets requests already woken by it (waits answered "closed") send their replies this long.
 _CLOSE_REPLY_S = 1.0
+# TCP keepalive on every store connection, both ends: a peer whose host vanished (power, network)
+# leaves an idle connection that TCP would otherwise keep for the system's 2 hours, and with it the
+# rank's claims (member/{rank}), so no replacement could join. Probes from 10 s idle, every 5 s, 3
+# unanswered: ~25 s to drop it.
+_KEEPALIVE_IDLE_S, _KEEPALIVE_INTERVAL_S, _KEEPALIVE_PROBES = 10, 5, 3
 # A client allows the store this long beyond a server-side wait before it calls the link dead: a
 # quarter of the wait, within these bounds (a short wait must not grow by 10 s when rank 0 stalls).
 _REPLY_SLACK_S = (0.5, 10.0)
@@ -113,7 +119,20 @@ class _StoreClosedError(_StoreWaitError):
 # ----------------------------------------------------------------------------- wire format
 
 
+def _configure(sock: socket.socket) -> None:
+    """A store connection's options, on both ends: no Nagle delay (each message is a packet), and
+    TCP keepalive (see _KEEPALIVE_IDLE_S; the per-socket times where the platform has them)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", _KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", _KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", _KEEPALIVE_PROBES)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def _pack_key(key: str) -> bytes:
+    if not isinstance(key, str):
+        raise TypeError(f"TCPStoreClient: a key must be a str, got {type(key).__name__}")
     raw = key.encode()
     if len(raw) > 0xFFFF:
         raise ValueError(f"TCPStoreClient: key must be at most 65535 UTF-8 bytes, got {len(raw)}")
@@ -215,7 +234,7 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         # Blocking, whatever socket.setdefaulttimeout says: an idle client is not dropped, and a peek
         # at its socket from another connection's wait (_hung_up) never waits.
         sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _configure(sock)
         store = self.server.store
         store._connected(sock, +1)
         try:
@@ -290,6 +309,9 @@ class _StoreHandler(socketserver.BaseRequestHandler):
 
 class _StoreTCPServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True  # SO_REUSEADDR: a restarted job may rebind while old sockets linger
+    # Every rank connects at start-up at once: socketserver's queue of 5 left the others to SYN
+    # retransmission back-off (seconds), and past a few hundred ranks, to time out.
+    request_queue_size = socket.SOMAXCONN
     daemon_threads = True
     block_on_close = False
 
@@ -628,13 +650,14 @@ class TCPStoreClient:
         self._who = who
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._closing = False  # close() was called: a request failing now was cut short by it
         try:
             self._sock = connect(host, port, self.timeout_s)
         except OSError as exc:
             raise GroupError(f"{who}: could not connect to the store at {host}:{port} within {self.timeout_s} s "
                              f"({exc}); rank 0 serves it: check that rank 0 is running and that MASTER_ADDR and "
                              f"MASTER_PORT match on every rank") from exc
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _configure(self._sock)
         _forget_after_fork_in_children(self)
         self._hello()
         logger.debug("%s: connected to the store at %s:%d", who, host, port)
@@ -676,7 +699,13 @@ class TCPStoreClient:
         self.close()
 
     def close(self) -> None:
-        """Hang up. Idempotent."""
+        """Hang up. Idempotent. A request in flight on another thread (a wait) fails at once with
+        GroupError, instead of holding this call for its whole timeout."""
+        sock = self._sock
+        if sock is not None:
+            self._closing = True
+            with contextlib.suppress(OSError):  # not connected any more
+                sock.shutdown(socket.SHUT_RDWR)
         with self._lock:
             if self._sock is not None:
                 self._sock.close()
@@ -689,6 +718,8 @@ class TCPStoreClient:
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the counter ``key`` (absent = 0); returns the new value."""
+        if isinstance(amount, bool) or not isinstance(amount, int):
+            raise TypeError(f"TCPStoreClient.add: amount must be an int, got {type(amount).__name__}")
         _, body = self._request(_OP_ADD, _pack_key(key) + _I64.pack(amount))
         return _I64.unpack(body)[0]
 
@@ -748,6 +779,8 @@ class TCPStoreClient:
     def _wait(self, where: str, keys: Sequence[str], timeout_s: float, want_values: bool,
               reply_bytes: int = 0, settle_claims: bool = False, withdraw_claims: bool = False) -> list[bytes]:
         timeout_s = _check_timeout(where, timeout_s)
+        if isinstance(keys, (str, bytes)):  # a sequence, but of characters
+            raise TypeError(f"{where}: keys must be a sequence of str, got one {type(keys).__name__}")
         keys = list(keys)
         flags = ((_WAIT_VALUES if want_values else 0) | (_WAIT_SETTLES_CLAIMS if settle_claims else 0)
                  | (_WAIT_WITHDRAWS_CLAIMS if withdraw_claims else 0))
@@ -803,6 +836,9 @@ class TCPStoreClient:
                 self._sock = None
                 if not isinstance(exc, OSError):  # interrupted (Ctrl-C) mid-request: the link is unusable
                     raise
+                if self._closing:
+                    raise GroupError(f"{where}: the connection was closed (close()) while this request "
+                                     f"waited") from exc
                 if isinstance(exc, TimeoutError):
                     raise GroupError(f"{where}: no reply within {io_timeout:.1f} s: rank 0's process, which "
                                      f"serves the store, stalled or is overloaded; the connection is closed") from exc

@@ -347,6 +347,55 @@ def test_store_close_answers_pending_waits():
     client.close()
 
 
+def test_store_connections_keep_alive_and_the_listener_queues_a_whole_start_up():
+    """A host that vanishes leaves an idle connection, and its rank's claims, that TCP without
+    keepalive keeps for hours; every rank connects at once at start-up (a queue of 5 left the rest
+    to SYN back-off, and hundreds of ranks to time out)."""
+    with TCPStoreServer("127.0.0.1", 0) as server, TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as client:
+        client.set("k", b"v")  # served: the server's end of the connection is configured
+        with server._cond:
+            ends = [client._sock, *server._clients]
+        assert len(ends) == 2
+        for sock in ends:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            if hasattr(socket, "TCP_KEEPIDLE"):
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) <= 10
+        assert server._server.request_queue_size >= 128
+
+
+def test_store_client_close_from_another_thread_ends_a_wait_in_flight():
+    """close() used to wait on the request lock, which a wait holds for its whole timeout (forever
+    with math.inf): a group's close, or the process's exit, stalled behind a rank's pending wait."""
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        client = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+
+        def close_once_the_wait_is_pending():
+            while server._num_busy == 0:  # the wait request is inside the server
+                threading.Event().wait(0.001)
+            start = time.monotonic()
+            client.close()
+            return time.monotonic() - start
+
+        # A finite wait, so that a regression fails (after it) instead of hanging.
+        waited, close_s = run_in_threads([lambda: client.wait(["never"], timeout_s=60.0),
+                                          close_once_the_wait_is_pending])
+        assert isinstance(waited, GroupError) and "was closed (close()) while this request waited" in str(waited), \
+            waited
+        assert close_s < 30.0  # not a timing claim: without the fix it returns only when the wait does
+        client.close()  # idempotent
+
+
+def test_store_client_refuses_keys_and_amounts_of_the_wrong_type():
+    with TCPStoreServer("127.0.0.1", 0) as server, TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as client:
+        with pytest.raises(TypeError, match=r"TCPStoreClient.wait: keys must be a sequence of str, got one str"):
+            client.wait("c/0/0", 0.1)
+        with pytest.raises(TypeError, match=r"TCPStoreClient: a key must be a str, got int"):
+            client.set(7, b"x")
+        with pytest.raises(TypeError, match=r"TCPStoreClient.add: amount must be an int, got str"):
+            client.add("n", "1")
+        assert client.add("n", 1) == 1  # the connection is still in step
+
+
 # ----------------------------------------------------------------------------- TCPGroup, threads
 
 
