@@ -224,7 +224,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
 class _CombineStatic:
     ranks: jax_args.Ranks
     grad_ranks: jax_args.Ranks | None
-    grad_num_topk: int | None
+    grad_num_topk: int
     grad_parity: int
     timeout_us: int
     renormalize: bool
@@ -293,7 +293,7 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
     where = "mooncake_ep.jax.combine"
     ranks = jax_args.as_ranks(where, buffer)
     jax_ops.check_handle(where, handle, ranks)
-    grad_num_topk = None if grad_num_topk is None else check_int(
+    grad_num_topk = handle.config.num_topk if grad_num_topk is None else check_int(
         where, "grad_num_topk", grad_num_topk, minimum=handle.config.num_topk, maximum=_constants.MAX_TOPK)
     grad_ranks = None if grad_buffer is None else _check_grad_buffer(where, ranks, grad_buffer, handle, grad_num_topk)
     x, topk_idx, topk_weights, active_ranks = (
@@ -349,8 +349,7 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
     weights = jnp.where(named, topk_weights, jnp.zeros((), topk_weights.dtype))
     rows = (weights[:, :, None] * grad_y32[:, None, :]).astype(jnp.bfloat16).reshape(num_tokens * num_topk, hidden)
     routes = handle.dispatched_topk_idx.reshape(num_tokens * num_topk, 1)
-    grad_num_topk = num_topk if static.grad_num_topk is None else static.grad_num_topk
-    grad_T = config.num_max_dispatch_tokens_per_rank * grad_num_topk
+    grad_T = config.num_max_dispatch_tokens_per_rank * static.grad_num_topk
     recv, count, grad_handle, grad_active = jax_ops.dispatch(
         where, static.grad_ranks, rows, routes, active, grad_T, config.num_experts, timeout_us=static.timeout_us,
         use_fp8=False, round_scale=False, use_ue8m0=False, parity=static.grad_parity,
@@ -421,9 +420,9 @@ def _values(tree):
 
 
 def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg, handle: Handle,
-                       grad_num_topk: int | None) -> jax_args.Ranks:
+                       grad_num_topk: int) -> jax_args.Ranks:
     """The Ranks of ``grad_buffer``: other Buffers of the same group, large enough for T * grad_num_topk
-    tokens (T * num_topk without it)."""
+    tokens."""
     grad_ranks = jax_args.as_ranks(f"{where}: grad_buffer", grad_buffer)
     if ranks.placement != grad_ranks.placement:
         raise ValueError(f"{where}: grad_buffer must serve the devices buffer serves, each with the same rank (one "
@@ -432,9 +431,8 @@ def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg
     for buffer in grad_ranks.buffers:  # here, not in a backward pass long after this call
         buffer._check_alive(f"{where}: grad_buffer")
     config = handle.config
-    num_topk = config.num_topk if grad_num_topk is None else grad_num_topk
     needed = grad_buffer_size_hint(config.num_max_dispatch_tokens_per_rank, config.hidden, config.num_ranks,
-                                   config.num_experts, num_topk)
+                                   config.num_experts, grad_num_topk)
     if set(grad_ranks.buffers) & set(ranks.buffers) or grad_ranks.first.num_ranks != config.num_ranks:
         raise ValueError(f"{where}: grad_buffer must be other Buffers of the same group ({config.num_ranks} ranks), "
                          f"not the forward's")
@@ -443,7 +441,7 @@ def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg
         raise ValueError(f"{where}: grad_buffer has {small[0]} bytes, the gradient needs {needed} "
                          f"(grad_buffer_size_hint(T={config.num_max_dispatch_tokens_per_rank}, hidden={config.hidden}, "
                          f"num_ranks={config.num_ranks}, num_experts={config.num_experts}, "
-                         f"num_topk={num_topk}))")
+                         f"num_topk={grad_num_topk}))")
     return grad_ranks
 
 
