@@ -293,9 +293,11 @@ class CudaBackend:
             itself on its stream (:meth:`upload_layouts`). With ``ipc`` it is also a collective:
             every rank checks that every rank uses the same (T, hidden, num_experts) and raises
             ValueError otherwise, because a kernel finds a region of a peer's workspace at its own
-            offset. In-process ranks are one program and skip it. The trade-off: a configuration first used after a rank died
-            waits for the group's timeout and raises GroupError instead of masking that rank, and
-            a rank calling a configuration it already used while a peer calls a new one is not
+            offset. In-process ranks skip it (one thread may drive every rank, so a call holds
+            no collective): the Buffer compares their dispatches' arguments through the group
+            instead (``LocalRankGroup.claim_call``). The trade-off with ``ipc``: a configuration
+            first used after a rank died waits for the group's timeout and raises GroupError
+            instead of masking that rank, and a rank calling a configuration it already used while a peer calls a new one is not
             caught here (that peer waits in the check; use one sequence of calls on every rank).
             So call every configuration once at start-up, while every rank is alive. A process
             that replaces a dead rank takes over the configurations the others agreed on.

@@ -214,6 +214,9 @@ class Buffer:
         # In-process ranks on one GPU must not make one call on one stream (LocalRankGroup.claim_stream);
         # a call is named by the Buffer's name (equal on every rank) and this count of its launched calls.
         self._claim_stream = getattr(group, "claim_stream", None) if self._in_process_ranks_on_device > 1 else None
+        # In-process ranks' kernels check no configuration (no collective in a call: one thread may
+        # drive every rank); the group compares each dispatch's arguments instead (claim_call).
+        self._claim_call = getattr(group, "claim_call", None) if self._cuda is not None else None
         self._num_launched_calls = 0
 
     def _choose_device(self) -> int:
@@ -364,10 +367,11 @@ class Buffer:
             The host never learns recv_count (that would need a sync and break graph capture).
             Buffers of cupy callers: bf16 and fp8 come back as uint16 / uint8 arrays of the same bits.
             T, num_experts and the flags use_fp8, round_scale, use_ue8m0 must be equal on every rank
-            of a call (the reference backend raises RankMismatchError; ranks in several processes
-            check T and num_experts once per configuration; the flags cannot be checked without a
-            host synchronisation, and a receiver would read its peers' staged rows in the wrong
-            form). num_topk and the number of tokens may differ between ranks.
+            of a call (the reference backend raises RankMismatchError; so does a later in-process
+            rank of the CUDA backend, against the first rank's call, whose kernel then waits for it;
+            ranks in several processes check T and num_experts once per configuration; their flags
+            cannot be checked without a host synchronisation, and a receiver would read its peers'
+            staged rows in the wrong form). num_topk and the number of tokens may differ between ranks.
         """
         where = "dispatch"
         if self._destroyed:  # the flag first: this is every call's path
@@ -431,6 +435,9 @@ class Buffer:
                                                dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
             self._num_dispatches += 1
         else:
+            if self._claim_call is not None:
+                self._claim_dispatch(where, handle, dict(use_fp8=use_fp8, round_scale=round_scale,
+                                                         use_ue8m0=use_ue8m0))
             launch = self._dispatch_launcher(x_view, topk_view, active_view, [view for view, _ in outputs],
                                              parity=handle.parity,
                                              num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
@@ -500,10 +507,8 @@ class Buffer:
     def _reference_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags):
         topk = topk_view.numpy().copy()
         handle.state["topk_idx"] = topk  # combine's must be the same (_check_same_routing)
-        call = (("call", "dispatch"), ("Buffer", self._token), ("dispatch number", handle.dispatch_index),
-                ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
-                ("hidden", handle.hidden), ("num_experts", handle.num_experts), *flags.items())
-        gathered = self._reference.exchange("dispatch", call, x_view.numpy().copy(), topk, active_view.numpy().copy())
+        gathered = self._reference.exchange("dispatch", self._dispatch_call(handle, flags), x_view.numpy().copy(), topk,
+                                            active_view.numpy().copy())
 
         def receive():
             result = self._reference.dispatch(gathered, handle.num_max_dispatch_tokens_per_rank, handle.num_experts,
@@ -514,6 +519,28 @@ class Buffer:
             _write_mask(active_view, result.active_ranks)
             handle.state["result"] = result
         return receive
+
+    def _dispatch_call(self, handle: Handle, flags: dict[str, bool]) -> tuple[tuple[str, object], ...]:
+        """A dispatch as ``(field, value)`` pairs: which call, then what every rank must pass alike."""
+        return (("call", "dispatch"), ("Buffer", self._token), ("dispatch number", handle.dispatch_index),
+                ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
+                ("hidden", handle.hidden), ("num_experts", handle.num_experts), *flags.items())
+
+    def _claim_dispatch(self, where: str, handle: Handle, flags: dict[str, bool]) -> None:
+        """Refuse a dispatch of an in-process rank whose peer made the same call with other arguments
+        (``LocalRankGroup.claim_call``), before anything is launched."""
+        call = self._dispatch_call(handle, flags)
+        first = self._claim_call((self._token, "dispatch", handle.dispatch_index), call)
+        if first is None:
+            return
+        other, their_call = first
+        theirs = dict(their_call)
+        field, mine = next((field, value) for field, value in call if theirs.get(field) != value)
+        raise _handshake.RankMismatchError(
+            f"{where}: rank {other} of this process made dispatch number {handle.dispatch_index} of this Buffer with "
+            f"{field} {theirs.get(field)!r}, this rank with {mine!r}; every rank must make the same calls, with the "
+            f"same arguments, in the same order (only the tokens and num_topk may differ). Nothing was launched "
+            f"here; rank {other}'s kernel waits for this rank's dispatch (until its timeout_us masks this rank)")
 
     def _dispatch_launcher(self, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
                            out_views: list, *, parity: int, num_max_dispatch_tokens_per_rank: int,

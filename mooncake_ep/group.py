@@ -627,6 +627,29 @@ class LocalRankGroup:
         self._stream_calls[key] = (self.rank, call)
         return None
 
+    def claim_call(self, name: Hashable, call: tuple) -> tuple[int, tuple] | None:
+        """Note that this rank makes the call ``name`` with arguments ``call``, unless another rank
+        made it already with other arguments: that rank and its arguments are returned, and nothing
+        is noted (the caller refuses its call; a retry with the first rank's arguments then passes).
+
+        ``name`` is equal on every rank that makes the call (a Buffer's name and a dispatch's number);
+        ``call`` is what the ranks must agree on, as ``(field, value)`` pairs. The kernels of ranks in
+        one process find a peer's regions at their own offsets, so a rank whose T differs from its
+        peers' would read and write the wrong bytes; ranks in processes check the same with a
+        collective, which in-process ranks driven by one thread (a single controller) cannot make.
+        What this cannot catch: a mismatch between the later ranks when the first is refused by a
+        check after this one, and ranks more than ``_CALLS_KEPT`` calls apart.
+        """
+        group = self.local_group
+        with group._calls_lock:
+            first = group._calls.get(name)
+            if first is not None and first[0] != self.rank:
+                return first if first[1] != call else None
+            group._calls[name] = (self.rank, call)  # first, or this rank's own retry
+            if len(group._calls) > _CALLS_KEPT:
+                del group._calls[next(iter(group._calls))]
+        return None
+
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order. Collective over the LocalGroup's rank threads.
 
@@ -661,6 +684,9 @@ class LocalRankGroup:
                              f"round {odd}; every rank must make the same sequence of collective calls")
         return [d for _, d in slots]
 
+
+# Calls LocalRankGroup.claim_call remembers: ranks further apart than this go unchecked.
+_CALLS_KEPT = 256
 
 # cudaStreamPerThread's handle: each thread's own default stream.
 _PER_THREAD_STREAM = 2
@@ -715,6 +741,9 @@ class LocalGroup:
         # (rank, call) of the latest call on each stream (LocalRankGroup.claim_stream).
         self._stream_calls: dict[tuple[int, int], tuple[int, Hashable]] = {}
         self._torch_streams: list[Any] = [None] * num_ranks  # torch.cuda.ExternalStream per rank
+        # The latest calls' arguments, by call (LocalRankGroup.claim_call), oldest first; at most _CALLS_KEPT.
+        self._calls: dict[Hashable, tuple[int, tuple]] = {}
+        self._calls_lock = threading.Lock()
         self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
 
     def __repr__(self) -> str:

@@ -610,6 +610,62 @@ def test_in_process_ranks_on_one_gpu_making_one_call_on_one_stream_are_refused(s
     assert cuda.launches[-1].stream == CALLER_STREAM and rank1.claim_stream(0, CALLER_STREAM, call(2)) == 0
 
 
+def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is_refused(setup):
+    """The kernels of in-process ranks check no configuration: a rank whose T (or hidden, experts,
+    fp8 flags) differs from its peers' finds their regions at the wrong offsets. The Buffer is rank 0;
+    rank 1 of its LocalGroup made each call first. A refused call launches nothing and uses no
+    dispatch number; the same call with rank 1's arguments then runs."""
+    buf, cuda, device, inputs = setup
+    local = ep.LocalGroup(R)
+    rank0, rank1 = (ep.group.LocalRankGroup(local, rank) for rank in range(R))
+    buf._claim_call = rank0.claim_call
+
+    def peer_dispatches(number, **arguments):
+        flags = dict(use_fp8=False, round_scale=False, use_ue8m0=False) | arguments.pop("flags", {})
+        call = (("call", "dispatch"), ("Buffer", buf._token), ("dispatch number", number),
+                ("num_max_dispatch_tokens_per_rank", T), ("hidden", H), ("num_experts", E)) + tuple(flags.items())
+        call = tuple((field, arguments.get(field, value)) for field, value in call)
+        assert rank1.claim_call((buf._token, "dispatch", number), call) is None
+
+    peer_dispatches(0, num_max_dispatch_tokens_per_rank=T - 1)
+    kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+    with pytest.raises(ep.RankMismatchError, match=r"dispatch: rank 1 of this process made dispatch number 0 of this "
+                                                   rf"Buffer with num_max_dispatch_tokens_per_rank {T - 1}, this rank "
+                                                   rf"with {T}; .*Nothing was launched here"):
+        buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
+    assert buf._num_dispatches == 0 and cuda.launches == []
+    with pytest.raises(ep.RankMismatchError, match=r"with num_max_dispatch_tokens_per_rank"):  # a retry, alike
+        buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
+    fewer_rows = (device(np.zeros((E // R, R * (T - 1), H), ml_dtypes.bfloat16)), device(np.zeros(E // R, np.int32)))
+    buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)), out=fewer_rows)
+    assert buf._num_dispatches == 1 and [launch.kernel for launch in cuda.launches] == ["dispatch"]
+
+    peer_dispatches(1, flags=dict(use_fp8=True))  # staged fp8, which a bf16 receiver would read as bf16
+    with pytest.raises(ep.RankMismatchError, match=r"made dispatch number 1 of this Buffer with use_fp8 True, this "
+                                                   r"rank with False"):
+        buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
+    buf.dispatch(**inputs, **(kwargs | dict(use_fp8=True)), out=dispatch_out(device, True))
+    assert buf._num_dispatches == 2 and len(cuda.launches) == 2
+    # This rank first: the peer's same call is compared with it, and the peer's other call is refused.
+    buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
+    call = lambda tokens: (("call", "dispatch"), ("Buffer", buf._token), ("dispatch number", 2),  # noqa: E731
+                           ("num_max_dispatch_tokens_per_rank", tokens), ("hidden", H), ("num_experts", E),
+                           ("use_fp8", False), ("round_scale", False), ("use_ue8m0", False))
+    assert rank1.claim_call((buf._token, "dispatch", 2), call(T)) is None
+    assert rank1.claim_call((buf._token, "dispatch", 2), call(T + 1)) == (0, call(T))
+
+
+def test_claim_call_remembers_the_latest_calls_only():
+    local = ep.LocalGroup(2)
+    rank0, rank1 = (ep.group.LocalRankGroup(local, rank) for rank in range(2))
+    kept = ep.group._CALLS_KEPT
+    for number in range(kept + 1):
+        assert rank0.claim_call(("Buffer", number), (("T", 8),)) is None
+    assert rank1.claim_call(("Buffer", 0), (("T", 16),)) is None, "the oldest call is forgotten"
+    assert rank1.claim_call(("Buffer", 2), (("T", 16),)) == (0, (("T", 8),))
+    assert len(local._calls) == kept
+
+
 def test_the_per_thread_default_stream_is_each_threads_own():
     import threading
 

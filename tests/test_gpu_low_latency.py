@@ -759,6 +759,59 @@ def test_repeated_steps_alternating_configurations():
             np.testing.assert_array_equal(active, want_mask, err_msg=f"{where}: active_ranks")
 
 
+def test_a_rank_dispatching_another_t_than_its_peers_is_refused_and_can_call_again():
+    """In-process ranks' kernels check no configuration: a rank whose T differs from its peers' would
+    find their regions at the wrong offsets. Ranks 0-2 dispatch first; rank 3's dispatch with half
+    their T is refused before it launches, and its retry with their T completes the call: every
+    rank's rows, counts and combine are the reference's."""
+    case = Case(4, 32, 1024, 4, use_fp8=True, seed=3)
+    late = case.num_ranks - 1
+    xs, topks, weights = make_inputs(case)
+    assert xs[late].shape[0] <= case.num_max_tokens // 2, "rank 3's tokens must fit the refused call's T"
+    size = ep.Buffer.get_ep_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts)
+    smaller = dataclasses.replace(case, num_max_tokens=case.num_max_tokens // 2)
+
+    def run(group):
+        buffer = ep.Buffer(group, size)
+        active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        x, topk, w = (to_torch(a[group.rank]) for a in (xs, topks, weights))
+        recv_out, recv_count, combined = poisoned_outputs(case, x.shape[0])
+        refused_out, refused_count, _ = poisoned_outputs(smaller, x.shape[0])
+        settle(group)  # every allocation before a kernel waits: settle says why
+        refusal = None
+        if group.rank == late:
+            group.barrier()  # after the others' dispatches
+            with pytest.raises(ep.RankMismatchError) as refused:
+                buffer.dispatch(x, topk, active, smaller.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US,
+                                use_fp8=True, out=(refused_out, refused_count))
+            refusal = str(refused.value)
+        recv, count, handle, _, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
+                                                    timeout_us=TIMEOUT_US, use_fp8=True, out=(recv_out, recv_count))
+        if group.rank != late:
+            group.barrier()
+        settle(group)
+        y = expert_function(recv, case, group.rank)
+        settle(group)
+        buffer.combine(y, topk, w, active, TIMEOUT_US, handle, out=combined)
+        result = dict(recv=tuple(to_numpy(t) for t in recv), count=to_numpy(count), y=to_numpy(y),
+                      combined=to_numpy(combined), active=to_numpy(active), refusal=refusal)
+        buffer.destroy()
+        return result
+
+    results = ep.LocalGroup(case.num_ranks, devices=[0] * case.num_ranks).spawn(run)
+    assert f"num_max_dispatch_tokens_per_rank {case.num_max_tokens}, this rank with {smaller.num_max_tokens}" in \
+        results[late]["refusal"]
+    actives = [np.ones(case.num_ranks, np.int32)] * case.num_ranks
+    dispatched = [reference.dispatch(r, xs, topks, actives, case.num_max_tokens, case.num_experts, use_fp8=True)
+                  for r in range(case.num_ranks)]
+    expert_outs = [result["y"] for result in results]
+    for rank, result in enumerate(results):
+        assert_dispatch_equal(rank, result["recv"], result["count"], result["active"], dispatched[rank], use_fp8=True)
+        want, _ = reference.combine(rank, expert_outs, dispatched, topks[rank], weights[rank], actives)
+        np.testing.assert_array_equal(result["combined"].astype(np.float32), want.astype(np.float32),
+                                      err_msg=f"rank {rank} combined")
+
+
 def test_step_counters_wrap_past_zero():
     """The step counters wrap after 2^32 calls on a parity. The kernels never use step 0, which every
     zeroed word (a fresh workspace's flags and verdicts, those cleared for a replaced rank) carries:
