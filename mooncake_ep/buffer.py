@@ -436,8 +436,7 @@ class Buffer:
             self._num_dispatches += 1
         else:
             if self._claim_call is not None:
-                self._claim_dispatch(where, handle, dict(use_fp8=use_fp8, round_scale=round_scale,
-                                                         use_ue8m0=use_ue8m0))
+                self._claim_dispatch(where, handle, use_fp8, round_scale, use_ue8m0)
             launch = self._dispatch_launcher(x_view, topk_view, active_view, [view for view, _ in outputs],
                                              parity=handle.parity,
                                              num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
@@ -526,19 +525,21 @@ class Buffer:
                 ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
                 ("hidden", handle.hidden), ("num_experts", handle.num_experts), *flags.items())
 
-    def _claim_dispatch(self, where: str, handle: Handle, flags: dict[str, bool]) -> None:
+    def _claim_dispatch(self, where: str, handle: Handle, use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> None:
         """Refuse a dispatch of an in-process rank whose peer made the same call with other arguments
         (``LocalRankGroup.claim_call``), before anything is launched."""
-        call = self._dispatch_call(handle, flags)
+        # Values only, in _CLAIMED_FIELDS' order: this is every call's path.
+        call = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, use_fp8, round_scale,
+                use_ue8m0)
         first = self._claim_call((self._token, "dispatch", handle.dispatch_index), call)
         if first is None:
             return
         other, their_call = first
-        theirs = dict(their_call)
-        field, mine = next((field, value) for field, value in call if theirs.get(field) != value)
+        field, theirs, mine = next(difference for difference in zip(_CLAIMED_FIELDS, their_call, call)
+                                   if difference[1] != difference[2])
         raise _handshake.RankMismatchError(
             f"{where}: rank {other} of this process made dispatch number {handle.dispatch_index} of this Buffer with "
-            f"{field} {theirs.get(field)!r}, this rank with {mine!r}; every rank must make the same calls, with the "
+            f"{field} {theirs!r}, this rank with {mine!r}; every rank must make the same calls, with the "
             f"same arguments, in the same order (only the tokens and num_topk may differ). Nothing was launched "
             f"here; rank {other}'s kernel waits for this rank's dispatch (until its timeout_us masks this rank)")
 
@@ -1116,6 +1117,8 @@ class _Plan(NamedTuple):
 _MAX_PLANS = 256
 # Address sets of out= calls a Buffer remembers as disjoint; more than the buffers an engine cycles.
 _MAX_DISJOINT_ADDRESSES = 1024
+# What in-process ranks' same dispatch must agree on (Buffer._claim_dispatch), in its order.
+_CLAIMED_FIELDS = ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "use_fp8", "round_scale", "use_ue8m0")
 
 
 def _signature(view: ArrayView) -> tuple:

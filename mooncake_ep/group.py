@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -640,14 +640,16 @@ class LocalRankGroup:
         What this cannot catch: a mismatch between the later ranks when the first is refused by a
         check after this one, and ranks more than ``_CALLS_KEPT`` calls apart.
         """
-        group = self.local_group
-        with group._calls_lock:
-            first = group._calls.get(name)
-            if first is not None and first[0] != self.rank:
-                return first if first[1] != call else None
-            group._calls[name] = (self.rank, call)  # first, or this rank's own retry
-            if len(group._calls) > _CALLS_KEPT:
-                del group._calls[next(iter(group._calls))]
+        # No lock (this is every dispatch's path; each step is one atomic operation of the dict): two
+        # ranks' same call interleaved between the lookup and the store both pass, and the ranks after
+        # them compare with the later; ranks that all agree are never refused.
+        calls = self.local_group._calls
+        first = calls.get(name)
+        if first is not None and first[0] != self.rank:
+            return first if first[1] != call else None
+        calls[name] = (self.rank, call)  # first, or this rank's own retry
+        if len(calls) > _CALLS_KEPT:
+            calls.popitem(last=False)
         return None
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
@@ -742,8 +744,8 @@ class LocalGroup:
         self._stream_calls: dict[tuple[int, int], tuple[int, Hashable]] = {}
         self._torch_streams: list[Any] = [None] * num_ranks  # torch.cuda.ExternalStream per rank
         # The latest calls' arguments, by call (LocalRankGroup.claim_call), oldest first; at most _CALLS_KEPT.
-        self._calls: dict[Hashable, tuple[int, tuple]] = {}
-        self._calls_lock = threading.Lock()
+        # (An OrderedDict: popping a dict's oldest key scans the slots of those deleted before it.)
+        self._calls: OrderedDict[Hashable, tuple[int, tuple]] = OrderedDict()
         self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
 
     def __repr__(self) -> str:

@@ -620,14 +620,13 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     rank0, rank1 = (ep.group.LocalRankGroup(local, rank) for rank in range(R))
     buf._claim_call = rank0.claim_call
 
-    def peer_dispatches(number, **arguments):
-        flags = dict(use_fp8=False, round_scale=False, use_ue8m0=False) | arguments.pop("flags", {})
-        call = (("call", "dispatch"), ("Buffer", buf._token), ("dispatch number", number),
-                ("num_max_dispatch_tokens_per_rank", T), ("hidden", H), ("num_experts", E)) + tuple(flags.items())
-        call = tuple((field, arguments.get(field, value)) for field, value in call)
-        assert rank1.claim_call((buf._token, "dispatch", number), call) is None
+    def call(tokens=T, use_fp8=False):  # as Buffer._claim_dispatch describes a dispatch
+        return tokens, H, E, use_fp8, False, False
 
-    peer_dispatches(0, num_max_dispatch_tokens_per_rank=T - 1)
+    def peer_dispatches(number, **arguments):
+        assert rank1.claim_call((buf._token, "dispatch", number), call(**arguments)) is None
+
+    peer_dispatches(0, tokens=T - 1)
     kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
     with pytest.raises(ep.RankMismatchError, match=r"dispatch: rank 1 of this process made dispatch number 0 of this "
                                                    rf"Buffer with num_max_dispatch_tokens_per_rank {T - 1}, this rank "
@@ -640,7 +639,7 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)), out=fewer_rows)
     assert buf._num_dispatches == 1 and [launch.kernel for launch in cuda.launches] == ["dispatch"]
 
-    peer_dispatches(1, flags=dict(use_fp8=True))  # staged fp8, which a bf16 receiver would read as bf16
+    peer_dispatches(1, use_fp8=True)  # staged fp8, which a bf16 receiver would read as bf16
     with pytest.raises(ep.RankMismatchError, match=r"made dispatch number 1 of this Buffer with use_fp8 True, this "
                                                    r"rank with False"):
         buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
@@ -648,9 +647,6 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     assert buf._num_dispatches == 2 and len(cuda.launches) == 2
     # This rank first: the peer's same call is compared with it, and the peer's other call is refused.
     buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
-    call = lambda tokens: (("call", "dispatch"), ("Buffer", buf._token), ("dispatch number", 2),  # noqa: E731
-                           ("num_max_dispatch_tokens_per_rank", tokens), ("hidden", H), ("num_experts", E),
-                           ("use_fp8", False), ("round_scale", False), ("use_ue8m0", False))
     assert rank1.claim_call((buf._token, "dispatch", 2), call(T)) is None
     assert rank1.claim_call((buf._token, "dispatch", 2), call(T + 1)) == (0, call(T))
 
