@@ -336,7 +336,9 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
     grad_y = cotangents[0]
     if isinstance(grad_y, jax.custom_derivatives.SymbolicZero):
         return None, None, None, None, None
-    where = "mooncake_ep.jax.combine (gradient)"
+    # The likely cause of ranks disagreeing on this dispatch, which its error cannot know: named here.
+    where = ("mooncake_ep.jax.combine (gradient: a dispatch of T * grad_num_topk tokens; ranks that route with "
+             "different top-k pass combine the same grad_num_topk=, the largest)")
     config = handle.config
     num_tokens, num_topk, hidden = config.num_tokens, config.num_topk, config.hidden
     num_rows = config.num_ranks * config.num_max_dispatch_tokens_per_rank

@@ -242,12 +242,25 @@ def test_ranks_with_different_topk_differentiate_with_grad_num_topk():
             with jax.default_device(jax.devices("cpu")[rank]):
                 grad_x, grad_w = jax.grad(loss, argnums=(0, 1))(jnp.asarray(xs[rank]), jnp.asarray(weights[rank]))
             grads.append((np.asarray(grad_x, np.float32), np.asarray(grad_w)))
-        return grads
 
-    for rank, ((mixed_x, mixed_w), (padded_x, padded_w)) in enumerate(spawn(2, rank_fn)):
+        # Without grad_num_topk each rank lays the gradient's dispatch out for its own top-k: refused
+        # on every rank, naming the argument.
+        def loss_without(x, w):
+            active = jnp.ones(2, jnp.int32)
+            recv, _, handle, active = epj.dispatch(buffer, x, padded[0][0][rank], active, T, E, use_fp8=False)
+            out, _ = epj.combine(buffer, recv, padded[0][0][rank], w, active, handle, grad_buffer=grad_buffer)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        with jax.default_device(jax.devices("cpu")[rank]), pytest.raises(Exception) as refused:
+            jax.block_until_ready(jax.grad(loss_without, argnums=(0, 1))(jnp.asarray(xs[rank]),
+                                                                         jnp.asarray(padded[0][1][rank])))
+        return grads, str(refused.value)
+
+    for rank, (((mixed_x, mixed_w), (padded_x, padded_w)), refusal) in enumerate(spawn(2, rank_fn)):
         np.testing.assert_array_equal(mixed_x, padded_x, err_msg=f"rank {rank}: gradient of x")
         np.testing.assert_array_equal(mixed_w, padded_w[:, :mixed_w.shape[1]], err_msg=f"rank {rank}: weights")
         assert np.abs(mixed_x).sum() > 0 and np.abs(mixed_w).sum() > 0
+        assert "disagree on num_max_dispatch_tokens_per_rank" in refusal and "grad_num_topk=" in refusal, refusal
 
 
 # --- shard_map: one device per rank, one program ------------------------------------------------------
