@@ -216,7 +216,7 @@ class Buffer:
         self._claim_stream = getattr(group, "claim_stream", None) if self._in_process_ranks_on_device > 1 else None
         # In-process ranks' kernels check no configuration (no collective in a call: one thread may
         # drive every rank); the group compares each dispatch's arguments instead (claim_call).
-        self._claim_call = getattr(group, "claim_call", None) if self._cuda is not None else None
+        self._call_claims = group if self._cuda is not None and hasattr(group, "claim_call") else None
         self._num_launched_calls = 0
 
     def _choose_device(self) -> int:
@@ -423,29 +423,35 @@ class Buffer:
         if self._pending_combine_hooks.get(parity):
             raise RuntimeError(f"{where}: a combine of the dispatch two calls ago still waits for its hook(), whose "
                                f"receive half reads that dispatch's routing; call it first")
-        outputs = out_views if out_views is not None else self._allocate(plan, x_view)
-
-        handle = Handle(self.buffer_id, self._num_dispatches, parity, plan.num_tokens, plan.hidden, plan.num_topk,
-                        num_experts, num_max_dispatch_tokens_per_rank, self.backend if x_view.device_type == "cuda"
-                        else "reference", x_view.framework, x_view.device_id if x_view.device_type == "cuda" else -1,
-                        state={"received": False, "topk_idx_array": topk_idx})  # the caller's, for autograd
-        if x_view.device_type == "cpu":
-            # The exchange first: ranks found in different calls raise there, all of them, uncounted.
-            receive = self._reference_dispatch(handle, x_view, topk_view, active_view, outputs,
-                                               dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
-            self._num_dispatches += 1
-        else:
-            if self._claim_call is not None:
-                self._claim_dispatch(where, handle, use_fp8, round_scale, use_ue8m0)
-            launch = self._dispatch_launcher(x_view, topk_view, active_view, [view for view, _ in outputs],
-                                             parity=handle.parity,
-                                             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-                                             num_experts=num_experts, timeout_us=timeout_us, use_fp8=use_fp8,
-                                             round_scale=round_scale, use_ue8m0=use_ue8m0)
-            receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
-            # Counted once the send half is launched: a configuration refused on the way (the layout
-            # limit, ranks that disagree on it) used no parity, and the handles before it stay valid.
-            self._num_dispatches += 1
+        claimed = None
+        if self._call_claims is not None and x_view.device_type == "cuda":
+            claimed = self._claim_dispatch(where, num_max_dispatch_tokens_per_rank, plan.hidden, num_experts, use_fp8,
+                                           round_scale, use_ue8m0, timeout_us)
+        try:
+            outputs = out_views if out_views is not None else self._allocate(plan, x_view)
+            handle = Handle(self.buffer_id, self._num_dispatches, parity, plan.num_tokens, plan.hidden, plan.num_topk,
+                            num_experts, num_max_dispatch_tokens_per_rank, self.backend if x_view.device_type == "cuda"
+                            else "reference", x_view.framework, x_view.device_id if x_view.device_type == "cuda" else -1,
+                            state={"received": False, "topk_idx_array": topk_idx})  # the caller's, for autograd
+            if x_view.device_type == "cpu":
+                # The exchange first: ranks found in different calls raise there, all of them, uncounted.
+                receive = self._reference_dispatch(handle, x_view, topk_view, active_view, outputs,
+                                                   dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
+                self._num_dispatches += 1
+            else:
+                launch = self._dispatch_launcher(x_view, topk_view, active_view, [view for view, _ in outputs],
+                                                 parity=handle.parity,
+                                                 num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                                                 num_experts=num_experts, timeout_us=timeout_us, use_fp8=use_fp8,
+                                                 round_scale=round_scale, use_ue8m0=use_ue8m0)
+                receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
+                # Counted once the send half is launched: a configuration refused on the way (the layout
+                # limit, ranks that disagree on it) used no parity, and the handles before it stay valid.
+                self._num_dispatches += 1
+        except BaseException:
+            if claimed is not None:  # nothing launched: the ranks may make this call again, differently
+                self._call_claims.withdraw_call(*claimed)
+            raise
         event, hook = self._finish("dispatch", handle, receive, async_finish, return_recv_hook, stream_ptr, x_view,
                                    (x_view, topk_view, active_view), outputs)
         if written_tensors:
@@ -525,23 +531,27 @@ class Buffer:
                 ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
                 ("hidden", handle.hidden), ("num_experts", handle.num_experts), *flags.items())
 
-    def _claim_dispatch(self, where: str, handle: Handle, use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> None:
+    def _claim_dispatch(self, where: str, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
+                        use_fp8: bool, round_scale: bool, use_ue8m0: bool, timeout_us: int) -> tuple:
         """Refuse a dispatch of an in-process rank whose peer made the same call with other arguments
-        (``LocalRankGroup.claim_call``), before anything is launched."""
+        (``LocalRankGroup.claim_call``), before anything is allocated or launched; returns what was
+        noted, ``(name, call)``, for ``withdraw_call`` should the call fail before its launch."""
         # Values only, in _CLAIMED_FIELDS' order: this is every call's path.
-        call = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, use_fp8, round_scale,
-                use_ue8m0)
-        first = self._claim_call((self._token, "dispatch", handle.dispatch_index), call)
+        call = (num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8, round_scale, use_ue8m0)
+        name = (self._token, "dispatch", self._num_dispatches)
+        first = self._call_claims.claim_call(name, call)
         if first is None:
-            return
+            return name, call
         other, their_call = first
         field, theirs, mine = next(difference for difference in zip(_CLAIMED_FIELDS, their_call, call)
                                    if difference[1] != difference[2])
+        # The first rank's kernel runs with its own timeout_us, presumably this rank's.
+        waits = "until its timeout_us masks this rank" if timeout_us >= 0 else "forever (timeout_us=-1)"
         raise _handshake.RankMismatchError(
-            f"{where}: rank {other} of this process made dispatch number {handle.dispatch_index} of this Buffer with "
-            f"{field} {theirs!r}, this rank with {mine!r}; every rank must make the same calls, with the "
-            f"same arguments, in the same order (only the tokens and num_topk may differ). Nothing was launched "
-            f"here; rank {other}'s kernel waits for this rank's dispatch (until its timeout_us masks this rank)")
+            f"{where}: rank {other} of this process made dispatch number {self._num_dispatches} of this Buffer with "
+            f"{field} {theirs!r}, this rank with {mine!r}; every rank must make the same calls, with the same "
+            f"arguments, in the same order (only the tokens and num_topk may differ). Nothing was launched here; "
+            f"rank {other}'s kernel waits for this rank's dispatch {waits}: make it with rank {other}'s arguments")
 
     def _dispatch_launcher(self, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
                            out_views: list, *, parity: int, num_max_dispatch_tokens_per_rank: int,

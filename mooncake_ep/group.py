@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -627,30 +627,40 @@ class LocalRankGroup:
         self._stream_calls[key] = (self.rank, call)
         return None
 
-    def claim_call(self, name: Hashable, call: tuple) -> tuple[int, tuple] | None:
+    def claim_call(self, name: Hashable, call: Hashable) -> tuple[int, Hashable] | None:
         """Note that this rank makes the call ``name`` with arguments ``call``, unless another rank
         made it already with other arguments: that rank and its arguments are returned, and nothing
         is noted (the caller refuses its call; a retry with the first rank's arguments then passes).
 
         ``name`` is equal on every rank that makes the call (a Buffer's name and a dispatch's number);
-        ``call`` is what the ranks must agree on, as ``(field, value)`` pairs. The kernels of ranks in
-        one process find a peer's regions at their own offsets, so a rank whose T differs from its
+        ``call`` is what the ranks must agree on (values compared with ``==``). The kernels of ranks
+        in one process find a peer's regions at their own offsets, so a rank whose T differs from its
         peers' would read and write the wrong bytes; ranks in processes check the same with a
         collective, which in-process ranks driven by one thread (a single controller) cannot make.
-        What this cannot catch: a mismatch between the later ranks when the first is refused by a
-        check after this one, and ranks more than ``_CALLS_KEPT`` calls apart.
+        A call that fails after this note, before it launched, withdraws it (:meth:`withdraw_call`).
+        What this cannot catch: ranks more than ``_CALLS_KEPT`` calls apart, and the rare interleaving
+        below.
         """
-        # No lock (this is every dispatch's path; each step is one atomic operation of the dict): two
-        # ranks' same call interleaved between the lookup and the store both pass, and the ranks after
-        # them compare with the later; ranks that all agree are never refused.
-        calls = self.local_group._calls
-        first = calls.get(name)
+        # No lock (this is every dispatch's path; each step is one thread-safe operation of a dict or
+        # a deque, with or without the GIL): two ranks' same call interleaved between the lookup and
+        # the store both pass, and the ranks after them compare with the later; ranks that all agree
+        # are never refused.
+        group = self.local_group
+        first = group._calls.get(name)
         if first is not None and first[0] != self.rank:
             return first if first[1] != call else None
-        calls[name] = (self.rank, call)  # first, or this rank's own retry
-        if len(calls) > _CALLS_KEPT:
-            calls.popitem(last=False)
+        group._calls[name] = (self.rank, call)  # first, or this rank's own retry
+        group._call_order.append(name)
+        if len(group._call_order) > _CALLS_KEPT:
+            group._calls.pop(group._call_order.popleft(), None)
         return None
+
+    def withdraw_call(self, name: Hashable, call: Hashable) -> None:
+        """Forget this rank's note of ``name`` (:meth:`claim_call`) if it is still ``call``: the call
+        failed before it launched, and the ranks will make it again, perhaps with other arguments."""
+        calls = self.local_group._calls
+        if calls.get(name) == (self.rank, call):
+            calls.pop(name, None)
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order. Collective over the LocalGroup's rank threads.
@@ -743,9 +753,11 @@ class LocalGroup:
         # (rank, call) of the latest call on each stream (LocalRankGroup.claim_stream).
         self._stream_calls: dict[tuple[int, int], tuple[int, Hashable]] = {}
         self._torch_streams: list[Any] = [None] * num_ranks  # torch.cuda.ExternalStream per rank
-        # The latest calls' arguments, by call (LocalRankGroup.claim_call), oldest first; at most _CALLS_KEPT.
-        # (An OrderedDict: popping a dict's oldest key scans the slots of those deleted before it.)
-        self._calls: OrderedDict[Hashable, tuple[int, tuple]] = OrderedDict()
+        # The latest calls' arguments, by call (LocalRankGroup.claim_call); at most _CALLS_KEPT.
+        # (Oldest first in a deque of their own: popping a dict's oldest key scans the slots of those
+        # deleted before it, ~2 us a call.)
+        self._calls: dict[Hashable, tuple[int, Hashable]] = {}
+        self._call_order: deque[Hashable] = deque()
         self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
 
     def __repr__(self) -> str:

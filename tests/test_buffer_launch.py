@@ -618,7 +618,7 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     buf, cuda, device, inputs = setup
     local = ep.LocalGroup(R)
     rank0, rank1 = (ep.group.LocalRankGroup(local, rank) for rank in range(R))
-    buf._claim_call = rank0.claim_call
+    buf._call_claims = rank0
 
     def call(tokens=T, use_fp8=False):  # as Buffer._claim_dispatch describes a dispatch
         return tokens, H, E, use_fp8, False, False
@@ -630,7 +630,8 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
     with pytest.raises(ep.RankMismatchError, match=r"dispatch: rank 1 of this process made dispatch number 0 of this "
                                                    rf"Buffer with num_max_dispatch_tokens_per_rank {T - 1}, this rank "
-                                                   rf"with {T}; .*Nothing was launched here"):
+                                                   rf"with {T}; .*Nothing was launched here; rank 1's kernel waits for this rank's dispatch "
+                                                   r"forever \(timeout_us=-1\)"):
         buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
     assert buf._num_dispatches == 0 and cuda.launches == []
     with pytest.raises(ep.RankMismatchError, match=r"with num_max_dispatch_tokens_per_rank"):  # a retry, alike
@@ -648,7 +649,20 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     # This rank first: the peer's same call is compared with it, and the peer's other call is refused.
     buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
     assert rank1.claim_call((buf._token, "dispatch", 2), call(T)) is None
-    assert rank1.claim_call((buf._token, "dispatch", 2), call(T + 1)) == (0, call(T))
+    assert rank1.claim_call((buf._token, "dispatch", 3), call(T + 1)) is None
+    with pytest.raises(ep.RankMismatchError, match=r"waits for this rank's dispatch until its timeout_us masks this "
+                                                   r"rank: make it with rank 1's arguments"):
+        buf.dispatch(**inputs, **kwargs, timeout_us=5000, out=dispatch_out(device, False))
+    # A call that fails after the comparison (here the layout limit) withdraws its note: the ranks
+    # then agree on other arguments, the failed rank's first.
+    rank1.withdraw_call((buf._token, "dispatch", 3), call(T + 1))
+    cuda.layout_for = lambda *arguments: (_ for _ in ()).throw(ValueError("the most configurations"))
+    with pytest.raises(ValueError, match="the most configurations"):
+        buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
+    assert rank1.claim_call((buf._token, "dispatch", 3), call(T - 1)) is None
+    del cuda.layout_for
+    buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)), out=fewer_rows)
+    assert buf._num_dispatches == 4
 
 
 def test_claim_call_remembers_the_latest_calls_only():
