@@ -297,8 +297,9 @@ class CudaBackend:
             no collective): the Buffer compares their dispatches' arguments through the group
             instead (``LocalRankGroup.claim_call``). The trade-off with ``ipc``: a configuration
             first used after a rank died waits for the group's timeout and raises GroupError
-            instead of masking that rank, and a rank calling a configuration it already used while a peer calls a new one is not
-            caught here (that peer waits in the check; use one sequence of calls on every rank).
+            instead of masking that rank, and a rank calling a configuration it already used while
+            a peer calls a new one is not caught here (that peer waits in the check; use one
+            sequence of calls on every rank).
             So call every configuration once at start-up, while every rank is alive. A process
             that replaces a dead rank takes over the configurations the others agreed on.
         """

@@ -638,8 +638,8 @@ class LocalRankGroup:
         peers' would read and write the wrong bytes; ranks in processes check the same with a
         collective, which in-process ranks driven by one thread (a single controller) cannot make.
         A call that fails after this note, before it launched, withdraws it (:meth:`withdraw_call`).
-        What this cannot catch: ranks more than ``_CALLS_KEPT`` calls apart, and the rare interleaving
-        below.
+        What this cannot catch: ranks more than ``_CALLS_KEPT`` calls apart, and two ranks that
+        disagree making the call at the same instant (both pass).
         """
         # No lock (this is every dispatch's path; each step is one thread-safe operation of a dict or
         # a deque, with or without the GIL): two ranks' same call interleaved between the lookup and
