@@ -429,9 +429,10 @@ class Buffer:
                                            round_scale, use_ue8m0, timeout_us)
         try:
             outputs = out_views if out_views is not None else self._allocate(plan, x_view)
+            on_cuda = x_view.device_type == "cuda"
             handle = Handle(self.buffer_id, self._num_dispatches, parity, plan.num_tokens, plan.hidden, plan.num_topk,
-                            num_experts, num_max_dispatch_tokens_per_rank, self.backend if x_view.device_type == "cuda"
-                            else "reference", x_view.framework, x_view.device_id if x_view.device_type == "cuda" else -1,
+                            num_experts, num_max_dispatch_tokens_per_rank, self.backend if on_cuda else "reference",
+                            x_view.framework, x_view.device_id if on_cuda else -1,
                             state={"received": False, "topk_idx_array": topk_idx})  # the caller's, for autograd
             if x_view.device_type == "cpu":
                 # The exchange first: ranks found in different calls raise there, all of them, uncounted.

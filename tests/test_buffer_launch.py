@@ -630,8 +630,8 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
     with pytest.raises(ep.RankMismatchError, match=r"dispatch: rank 1 of this process made dispatch number 0 of this "
                                                    rf"Buffer with num_max_dispatch_tokens_per_rank {T - 1}, this rank "
-                                                   rf"with {T}; .*Nothing was launched here; rank 1's kernel waits for this rank's dispatch "
-                                                   r"forever \(timeout_us=-1\)"):
+                                                   rf"with {T}; .*Nothing was launched here; rank 1's kernel waits "
+                                                   r"for this rank's dispatch forever \(timeout_us=-1\)"):
         buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
     assert buf._num_dispatches == 0 and cuda.launches == []
     with pytest.raises(ep.RankMismatchError, match=r"with num_max_dispatch_tokens_per_rank"):  # a retry, alike
