@@ -294,8 +294,8 @@ class CudaBackend:
             every rank checks that every rank uses the same (T, hidden, num_experts) and raises
             ValueError otherwise, because a kernel finds a region of a peer's workspace at its own
             offset. In-process ranks skip it (one thread may drive every rank, so a call holds
-            no collective): the Buffer compares their dispatches' arguments through the group
-            instead (``LocalRankGroup.claim_call``). The trade-off with ``ipc``: a configuration
+            no collective): the Buffer compares the first dispatch of each configuration through
+            the group instead (``LocalRankGroup.claim_call``). The trade-off with ``ipc``: a configuration
             first used after a rank died waits for the group's timeout and raises GroupError
             instead of masking that rank, and a rank calling a configuration it already used while
             a peer calls a new one is not caught here (that peer waits in the check; use one

@@ -215,8 +215,10 @@ class Buffer:
         # a call is named by the Buffer's name (equal on every rank) and this count of its launched calls.
         self._claim_stream = getattr(group, "claim_stream", None) if self._in_process_ranks_on_device > 1 else None
         # In-process ranks' kernels check no configuration (no collective in a call: one thread may
-        # drive every rank); the group compares each dispatch's arguments instead (claim_call).
+        # drive every rank); the group compares the dispatch that first uses each configuration instead
+        # (claim_call), as ranks in processes check each configuration once.
         self._call_claims = group if self._cuda is not None and hasattr(group, "claim_call") else None
+        self._claimed_configurations: set[tuple] = set()  # (T, hidden, num_experts, fp8 flags) launched
         self._num_launched_calls = 0
 
     def _choose_device(self) -> int:
@@ -368,8 +370,9 @@ class Buffer:
             Buffers of cupy callers: bf16 and fp8 come back as uint16 / uint8 arrays of the same bits.
             T, num_experts and the flags use_fp8, round_scale, use_ue8m0 must be equal on every rank
             of a call (the reference backend raises RankMismatchError; so does a later in-process
-            rank of the CUDA backend, against the first rank's call, whose kernel then waits for it;
-            ranks in several processes check T and num_experts once per configuration; their flags
+            rank of the CUDA backend at its first dispatch of a configuration, against the first
+            rank's same call, whose kernel then waits for it; ranks in several processes check T and
+            num_experts once per configuration; their flags
             cannot be checked without a host synchronisation, and a receiver would read its peers'
             staged rows in the wrong form). num_topk and the number of tokens may differ between ranks.
         """
@@ -425,8 +428,12 @@ class Buffer:
                                f"receive half reads that dispatch's routing; call it first")
         claimed = None
         if self._call_claims is not None and x_view.device_type == "cuda":
-            claimed = self._claim_dispatch(where, num_max_dispatch_tokens_per_rank, plan.hidden, num_experts, use_fp8,
-                                           round_scale, use_ue8m0, timeout_us)
+            # In _CLAIMED_FIELDS' order. Compared only at its first use: comparing every call cost
+            # ~2 us of host time a dispatch (docs/performance.md (39)).
+            configuration = (num_max_dispatch_tokens_per_rank, plan.hidden, num_experts, use_fp8, round_scale,
+                             use_ue8m0)
+            if configuration not in self._claimed_configurations:
+                claimed = self._claim_dispatch(where, configuration, timeout_us)
         try:
             outputs = out_views if out_views is not None else self._allocate(plan, x_view)
             on_cuda = x_view.device_type == "cuda"
@@ -449,6 +456,8 @@ class Buffer:
                 # Counted once the send half is launched: a configuration refused on the way (the layout
                 # limit, ranks that disagree on it) used no parity, and the handles before it stay valid.
                 self._num_dispatches += 1
+                if claimed is not None:
+                    self._claimed_configurations.add(claimed[1])
         except BaseException:
             if claimed is not None:  # nothing launched: the ranks may make this call again, differently
                 self._call_claims.withdraw_call(*claimed)
@@ -532,19 +541,17 @@ class Buffer:
                 ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
                 ("hidden", handle.hidden), ("num_experts", handle.num_experts), *flags.items())
 
-    def _claim_dispatch(self, where: str, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
-                        use_fp8: bool, round_scale: bool, use_ue8m0: bool, timeout_us: int) -> tuple:
-        """Refuse a dispatch of an in-process rank whose peer made the same call with other arguments
-        (``LocalRankGroup.claim_call``), before anything is allocated or launched; returns what was
-        noted, ``(name, call)``, for ``withdraw_call`` should the call fail before its launch."""
-        # Values only, in _CLAIMED_FIELDS' order: this is every call's path.
-        call = (num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8, round_scale, use_ue8m0)
+    def _claim_dispatch(self, where: str, configuration: tuple, timeout_us: int) -> tuple:
+        """Refuse a dispatch of an in-process rank whose peer made the same call with another
+        configuration (``LocalRankGroup.claim_call``), before anything is allocated or launched;
+        returns what was noted, ``(name, configuration)``, for ``withdraw_call`` should the call
+        fail before its launch."""
         name = (self._token, "dispatch", self._num_dispatches)
-        first = self._call_claims.claim_call(name, call)
+        first = self._call_claims.claim_call(name, configuration)
         if first is None:
-            return name, call
-        other, their_call = first
-        field, theirs, mine = next(difference for difference in zip(_CLAIMED_FIELDS, their_call, call)
+            return name, configuration
+        other, theirs_all = first
+        field, theirs, mine = next(difference for difference in zip(_CLAIMED_FIELDS, theirs_all, configuration)
                                    if difference[1] != difference[2])
         # The first rank's kernel runs with its own timeout_us, presumably this rank's.
         waits = "until its timeout_us masks this rank" if timeout_us >= 0 else "forever (timeout_us=-1)"

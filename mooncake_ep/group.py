@@ -641,7 +641,7 @@ class LocalRankGroup:
         What this cannot catch: ranks more than ``_CALLS_KEPT`` calls apart, and two ranks that
         disagree making the call at the same instant (both pass).
         """
-        # No lock (this is every dispatch's path; each step is one thread-safe operation of a dict or
+        # No lock (this is on a dispatch's path; each step is one thread-safe operation of a dict or
         # a deque, with or without the GIL): two ranks' same call interleaved between the lookup and
         # the store both pass, and the ranks after them compare with the later; ranks that all agree
         # are never refused.

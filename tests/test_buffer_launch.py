@@ -124,8 +124,8 @@ class _TwoRankView:
         raise AssertionError("the CUDA path makes no host collective per call")
 
 
-def dispatch_out(device, use_fp8: bool):
-    rows = R * T
+def dispatch_out(device, use_fp8: bool, num_max_tokens: int = T):
+    rows = R * num_max_tokens
     recv_count = device(np.full(E // R, -1, np.int32))
     if use_fp8:
         return ((device(np.zeros((E // R, rows, H), ml_dtypes.float8_e4m3fn)),
@@ -613,8 +613,9 @@ def test_in_process_ranks_on_one_gpu_making_one_call_on_one_stream_are_refused(s
 def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is_refused(setup):
     """The kernels of in-process ranks check no configuration: a rank whose T (or hidden, experts,
     fp8 flags) differs from its peers' finds their regions at the wrong offsets. The Buffer is rank 0;
-    rank 1 of its LocalGroup made each call first. A refused call launches nothing and uses no
-    dispatch number; the same call with rank 1's arguments then runs."""
+    rank 1 of its LocalGroup made most calls first. A refused call launches nothing and uses no
+    dispatch number; the same call with rank 1's arguments then runs. A rank compares the first
+    dispatch of each configuration."""
     buf, cuda, device, inputs = setup
     local = ep.LocalGroup(R)
     rank0, rank1 = (ep.group.LocalRankGroup(local, rank) for rank in range(R))
@@ -636,8 +637,8 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     assert buf._num_dispatches == 0 and cuda.launches == []
     with pytest.raises(ep.RankMismatchError, match=r"with num_max_dispatch_tokens_per_rank"):  # a retry, alike
         buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
-    fewer_rows = (device(np.zeros((E // R, R * (T - 1), H), ml_dtypes.bfloat16)), device(np.zeros(E // R, np.int32)))
-    buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)), out=fewer_rows)
+    buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)),
+                 out=dispatch_out(device, False, T - 1))
     assert buf._num_dispatches == 1 and [launch.kernel for launch in cuda.launches] == ["dispatch"]
 
     peer_dispatches(1, use_fp8=True)  # staged fp8, which a bf16 receiver would read as bf16
@@ -649,20 +650,26 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     # This rank first: the peer's same call is compared with it, and the peer's other call is refused.
     buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
     assert rank1.claim_call((buf._token, "dispatch", 2), call(T)) is None
+    assert rank1.claim_call((buf._token, "dispatch", 2), call(T + 1)) == (0, call(T))
+    # A configuration this rank launched before is not compared again (no host cost per call; ranks in
+    # processes check each configuration once too): a peer's other arguments then go unseen.
     assert rank1.claim_call((buf._token, "dispatch", 3), call(T + 1)) is None
-    with pytest.raises(ep.RankMismatchError, match=r"waits for this rank's dispatch until its timeout_us masks this "
-                                                   r"rank: make it with rank 1's arguments"):
-        buf.dispatch(**inputs, **kwargs, timeout_us=5000, out=dispatch_out(device, False))
-    # A call that fails after the comparison (here the layout limit) withdraws its note: the ranks
-    # then agree on other arguments, the failed rank's first.
-    rank1.withdraw_call((buf._token, "dispatch", 3), call(T + 1))
+    buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
+    assert buf._num_dispatches == 4
+
+    # A call that fails after the comparison (here at the layout) withdraws its note, so the peer's
+    # same call with other arguments is not refused against a call that never ran.
+    fp8_fewer_rows = dict(kwargs, num_max_dispatch_tokens_per_rank=T - 1, use_fp8=True)
     cuda.layout_for = lambda *arguments: (_ for _ in ()).throw(ValueError("the most configurations"))
     with pytest.raises(ValueError, match="the most configurations"):
-        buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
-    assert rank1.claim_call((buf._token, "dispatch", 3), call(T - 1)) is None
+        buf.dispatch(**inputs, **fp8_fewer_rows, out=dispatch_out(device, True, T - 1))
     del cuda.layout_for
-    buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)), out=fewer_rows)
-    assert buf._num_dispatches == 4
+    assert rank1.claim_call((buf._token, "dispatch", 4), call(use_fp8=True)) is None
+    with pytest.raises(ep.RankMismatchError, match=r"waits for this rank's dispatch until its timeout_us masks this "
+                                                   r"rank: make it with rank 1's arguments"):
+        buf.dispatch(**inputs, **fp8_fewer_rows, timeout_us=5000, out=dispatch_out(device, True, T - 1))
+    buf.dispatch(**inputs, **(kwargs | dict(use_fp8=True)), out=dispatch_out(device, True))
+    assert buf._num_dispatches == 5 and len(cuda.launches) == 5
 
 
 def test_claim_call_remembers_the_latest_calls_only():
