@@ -638,8 +638,9 @@ class LocalRankGroup:
         peers' would read and write the wrong bytes; ranks in processes check the same with a
         collective, which in-process ranks driven by one thread (a single controller) cannot make.
         A call that fails after this note, before it launched, withdraws it (:meth:`withdraw_call`).
-        What this cannot catch: ranks more than ``_CALLS_KEPT`` calls apart, and two ranks that
-        disagree making the call at the same instant (both pass).
+        What this cannot catch: ranks more than ``_CALLS_KEPT`` calls apart, two ranks that
+        disagree making the call at the same instant (both pass), and calls a rank does not claim
+        (the Buffer claims only each configuration's first dispatch on a rank).
         """
         # No lock (this is on a dispatch's path; each step is one thread-safe operation of a dict or
         # a deque, with or without the GIL): two ranks' same call interleaved between the lookup and
@@ -649,8 +650,9 @@ class LocalRankGroup:
         first = group._calls.get(name)
         if first is not None and first[0] != self.rank:
             return first if first[1] != call else None
-        group._calls[name] = (self.rank, call)  # first, or this rank's own retry
-        group._call_order.append(name)
+        group._calls[name] = (self.rank, call)  # first, or this rank's own retry (already in the order)
+        if first is None:
+            group._call_order.append(name)
         if len(group._call_order) > _CALLS_KEPT:
             group._calls.pop(group._call_order.popleft(), None)
         return None

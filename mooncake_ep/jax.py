@@ -336,9 +336,10 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
     grad_y = cotangents[0]
     if isinstance(grad_y, jax.custom_derivatives.SymbolicZero):
         return None, None, None, None, None
-    # The likely cause of ranks disagreeing on this dispatch, which its error cannot know: named here.
-    where = ("mooncake_ep.jax.combine (gradient: a dispatch of T * grad_num_topk tokens; ranks that route with "
-             "different top-k pass combine the same grad_num_topk=, the largest)")
+    where = "mooncake_ep.jax.combine (gradient)"
+    # The likely cause of ranks disagreeing on the gradient's dispatch, which its error cannot know.
+    dispatch_where = (f"{where[:-1]}: a dispatch of T * grad_num_topk tokens; ranks that route with different "
+                      f"top-k pass combine the same grad_num_topk=, the largest)")
     config = handle.config
     num_tokens, num_topk, hidden = config.num_tokens, config.num_topk, config.hidden
     num_rows = config.num_ranks * config.num_max_dispatch_tokens_per_rank
@@ -353,7 +354,7 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
     routes = handle.dispatched_topk_idx.reshape(num_tokens * num_topk, 1)
     grad_T = config.num_max_dispatch_tokens_per_rank * static.grad_num_topk
     recv, count, grad_handle, grad_active = jax_ops.dispatch(
-        where, static.grad_ranks, rows, routes, active, grad_T, config.num_experts, timeout_us=static.timeout_us,
+        dispatch_where, static.grad_ranks, rows, routes, active, grad_T, config.num_experts, timeout_us=static.timeout_us,
         use_fp8=False, round_scale=False, use_ue8m0=False, parity=static.grad_parity,
         command_buffer_compatible=static.command_buffer_compatible)
     grad_w = None
