@@ -82,7 +82,7 @@ from mooncake_ep.buffer import Buffer
 from mooncake_ep.frameworks import jax_args, jax_ops, jax_split
 from mooncake_ep.frameworks.jax_ops import Handle, PendingCombine, PendingDispatch
 from mooncake_ep.group import DEFAULT_TIMEOUT_S, LocalGroup
-from mooncake_ep.validation import check_flags, check_int
+from mooncake_ep.validation import check_flags, check_grad_num_topk, check_int
 
 __all__ = ["Handle", "PendingDispatch", "PendingCombine", "dispatch", "combine", "dispatch_send", "dispatch_recv",
            "combine_send", "combine_recv", "grad_buffer_size_hint", "make_buffers", "destroy_buffers"]
@@ -293,8 +293,7 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
     where = "mooncake_ep.jax.combine"
     ranks = jax_args.as_ranks(where, buffer)
     jax_ops.check_handle(where, handle, ranks)
-    grad_num_topk = handle.config.num_topk if grad_num_topk is None else check_int(
-        where, "grad_num_topk", grad_num_topk, minimum=handle.config.num_topk, maximum=_constants.MAX_TOPK)
+    grad_num_topk = check_grad_num_topk(where, grad_num_topk, handle.config.num_topk)
     grad_ranks = None if grad_buffer is None else _check_grad_buffer(where, ranks, grad_buffer, handle, grad_num_topk)
     x, topk_idx, topk_weights, active_ranks = (
         jax_args.as_jax(where, name, value) for name, value in

@@ -48,7 +48,7 @@ import torch
 from mooncake_ep import _constants
 from mooncake_ep._handshake import RankMismatchError
 from mooncake_ep.buffer import Buffer, Handle
-from mooncake_ep.validation import check_int
+from mooncake_ep.validation import check_grad_num_topk
 
 __all__ = ["dispatch", "combine", "grad_buffer_size_hint", "DispatchFunction", "CombineFunction"]
 
@@ -309,8 +309,7 @@ def _check_grad_buffer(buffer: Buffer, grad_buffer, handle, grad_num_topk) -> in
                          f"got {'the forward Buffer' if grad_buffer is buffer else f'{grad_buffer.num_ranks} ranks'}")
     if not isinstance(handle, Handle):
         raise TypeError(f"{where}: handle must be the Handle returned by dispatch, got {type(handle).__name__}")
-    num_topk = handle.num_topk if grad_num_topk is None else check_int(
-        where, "grad_num_topk", grad_num_topk, minimum=handle.num_topk, maximum=_constants.MAX_TOPK)
+    num_topk = check_grad_num_topk(where, grad_num_topk, handle.num_topk)
     needed = grad_buffer_size_hint(handle.num_max_dispatch_tokens_per_rank, handle.hidden, buffer.num_ranks,
                                    handle.num_experts, num_topk)
     if grad_buffer.num_ep_buffer_bytes < needed:

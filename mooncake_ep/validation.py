@@ -49,6 +49,14 @@ def check_experts(where: str, num_experts, num_ranks: int) -> int:
     return num_experts
 
 
+def check_grad_num_topk(where: str, grad_num_topk, num_topk: int) -> int:
+    """The top-k a combine's gradient dispatch is laid out for: ``grad_num_topk`` (at least this
+    rank's ``num_topk``, at most the kernels' top-k), or ``num_topk`` when None."""
+    if grad_num_topk is None:
+        return num_topk
+    return check_int(where, "grad_num_topk", grad_num_topk, minimum=num_topk, maximum=_constants.MAX_TOPK)
+
+
 def check_timeout(where: str, timeout_us) -> int:
     return check_int(where, "timeout_us", timeout_us, minimum=_constants.TIMEOUT_FOREVER,
                      maximum=_constants.MAX_TIMEOUT_US)
