@@ -426,22 +426,22 @@ class Buffer:
         if self._pending_combine_hooks.get(parity):
             raise RuntimeError(f"{where}: a combine of the dispatch two calls ago still waits for its hook(), whose "
                                f"receive half reads that dispatch's routing; call it first")
+        on_cuda = x_view.device_type == "cuda"
         claimed = None
-        if self._call_claims is not None and x_view.device_type == "cuda":
-            # In _CLAIMED_FIELDS' order. Compared only at its first use: comparing every call cost
-            # ~2 us of host time a dispatch (docs/performance.md (39)).
+        if self._call_claims is not None and on_cuda:
+            # Compared only at its first use: comparing every call cost ~2 us of host time a dispatch
+            # (docs/performance.md (39)).
             configuration = (num_max_dispatch_tokens_per_rank, plan.hidden, num_experts, use_fp8, round_scale,
-                             use_ue8m0)
+                             use_ue8m0)  # in _CONFIGURATION_FIELDS' order
             if configuration not in self._claimed_configurations:
                 claimed = self._claim_dispatch(where, configuration, timeout_us)
         try:
             outputs = out_views if out_views is not None else self._allocate(plan, x_view)
-            on_cuda = x_view.device_type == "cuda"
             handle = Handle(self.buffer_id, self._num_dispatches, parity, plan.num_tokens, plan.hidden, plan.num_topk,
                             num_experts, num_max_dispatch_tokens_per_rank, self.backend if on_cuda else "reference",
                             x_view.framework, x_view.device_id if on_cuda else -1,
                             state={"received": False, "topk_idx_array": topk_idx})  # the caller's, for autograd
-            if x_view.device_type == "cpu":
+            if not on_cuda:
                 # The exchange first: ranks found in different calls raise there, all of them, uncounted.
                 receive = self._reference_dispatch(handle, x_view, topk_view, active_view, outputs,
                                                    dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
@@ -537,9 +537,10 @@ class Buffer:
 
     def _dispatch_call(self, handle: Handle, flags: dict[str, bool]) -> tuple[tuple[str, object], ...]:
         """A dispatch as ``(field, value)`` pairs: which call, then what every rank must pass alike."""
+        configuration = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
+                         *(flags[name] for name in _CONFIGURATION_FIELDS[3:]))
         return (("call", "dispatch"), ("Buffer", self._token), ("dispatch number", handle.dispatch_index),
-                ("num_max_dispatch_tokens_per_rank", handle.num_max_dispatch_tokens_per_rank),
-                ("hidden", handle.hidden), ("num_experts", handle.num_experts), *flags.items())
+                *zip(_CONFIGURATION_FIELDS, configuration))
 
     def _claim_dispatch(self, where: str, configuration: tuple, timeout_us: int) -> tuple:
         """Refuse a dispatch of an in-process rank whose peer made the same call with another
@@ -551,7 +552,7 @@ class Buffer:
         if first is None:
             return name, configuration
         other, theirs_all = first
-        field, theirs, mine = next(difference for difference in zip(_CLAIMED_FIELDS, theirs_all, configuration)
+        field, theirs, mine = next(difference for difference in zip(_CONFIGURATION_FIELDS, theirs_all, configuration)
                                    if difference[1] != difference[2])
         # The first rank's kernel runs with its own timeout_us, presumably this rank's.
         waits = "until its timeout_us masks this rank" if timeout_us >= 0 else "forever (timeout_us=-1)"
@@ -1135,8 +1136,10 @@ class _Plan(NamedTuple):
 _MAX_PLANS = 256
 # Address sets of out= calls a Buffer remembers as disjoint; more than the buffers an engine cycles.
 _MAX_DISJOINT_ADDRESSES = 1024
-# What in-process ranks' same dispatch must agree on (Buffer._claim_dispatch), in its order.
-_CLAIMED_FIELDS = ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "use_fp8", "round_scale", "use_ue8m0")
+# What every rank's same dispatch must agree on, in the order of the tuples that carry them (the
+# reference backend's exchange and the in-process ranks' claim: Buffer._dispatch_call, _claim_dispatch).
+_CONFIGURATION_FIELDS = ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "use_fp8", "round_scale",
+                         "use_ue8m0")
 
 
 def _signature(view: ArrayView) -> tuple:
