@@ -169,9 +169,9 @@ class CudaBackend:
         self._ipc = ipc_transport.IpcTransport(group, self.workspace) if self.transport == "ipc" else None
         self._layouts: dict[tuple[int, int, int], tuple[layout.WorkspaceLayout, int]] = {}
         self._pending_layouts: list[tuple[int, bytes]] = []  # (offset in layout_table, packed layout)
-        # Configurations (T, hidden, num_experts) every member has agreed on (ipc). A replacement
-        # adopts the survivors' at connect, so no rank checks one that the others skip.
-        self._agreed: set[tuple[int, int, int]] = set()
+        # Configurations (T, hidden, num_experts, fp8 flags) every member has agreed on (ipc, agree_on).
+        # A replacement adopts the survivors' at connect, so no rank checks one that the others skip.
+        self._agreed: set[tuple] = set()
         self._connected = False
         self._destroyed = False
         # Garbage collection cannot wait for the peers; it releases in the order that is safe for
@@ -285,28 +285,38 @@ class CudaBackend:
                 offset = layout.HEADER_OFFSETS[region] + (parity * _constants.MAX_RANKS + rank) * layout.FLAG_BYTES
                 self.workspace.write(offset, bytes(layout.FLAG_BYTES))
 
+    def agree_on(self, configuration: tuple, where: str = "dispatch") -> None:
+        """Check, at its first use, that every rank dispatches ``configuration`` (T, hidden,
+        num_experts and the fp8 flags, in ``_handshake.CONFIGURATION_FIELDS``' order).
+
+        With ``ipc`` the first use is a collective (``_handshake.check_same_configuration``) that
+        raises RankMismatchError on every rank if any differs: a kernel finds a region of a peer's
+        workspace at its own offset, and reads the peer's staged rows in the form its own flags say.
+        In-process ranks skip it (one thread may drive every rank, so a call holds no collective):
+        the Buffer compares their first dispatch of each configuration through the group instead
+        (``LocalRankGroup.claim_call``).
+
+        Note:
+            The trade-off with ``ipc``: a configuration first used after a rank died waits for the
+            group's timeout and raises GroupError instead of masking that rank, and a rank calling a
+            configuration it already used while a peer calls a new one is not caught here (that peer
+            waits in the check; use one sequence of calls on every rank). So call every
+            configuration once at start-up, while every rank is alive. A process that replaces a
+            dead rank takes over the configurations the others agreed on.
+        """
+        if self._ipc is not None and configuration not in self._agreed:
+            _handshake.check_same_configuration(self.group, configuration, where)
+            self._agreed.add(configuration)
+
     def layout_for(self, num_max_tokens: int, hidden: int, num_experts: int) -> tuple[layout.WorkspaceLayout, int]:
         """The layout of a configuration and the device address of its packed copy.
 
         Note:
             The first call of a configuration computes it; the next launch writes it ahead of
-            itself on its stream (:meth:`upload_layouts`). With ``ipc`` it is also a collective:
-            every rank checks that every rank uses the same (T, hidden, num_experts) and raises
-            ValueError otherwise, because a kernel finds a region of a peer's workspace at its own
-            offset. In-process ranks skip it (one thread may drive every rank, so a call holds
-            no collective): the Buffer compares the first dispatch of each configuration through
-            the group instead (``LocalRankGroup.claim_call``). The trade-off with ``ipc``: a configuration
-            first used after a rank died waits for the group's timeout and raises GroupError
-            instead of masking that rank, and a rank calling a configuration it already used while
-            a peer calls a new one is not caught here (that peer waits in the check; use one
-            sequence of calls on every rank).
-            So call every configuration once at start-up, while every rank is alive. A process
-            that replaces a dead rank takes over the configurations the others agreed on.
+            itself on its stream (:meth:`upload_layouts`). Ranks agree on it beforehand
+            (:meth:`agree_on`).
         """
         key = (num_max_tokens, hidden, num_experts)
-        if self._ipc is not None and key not in self._agreed:
-            _handshake.check_same_configuration(self.group, num_max_tokens, hidden, num_experts)
-            self._agreed.add(key)
         found = self._layouts.get(key)
         if found is not None:
             return found

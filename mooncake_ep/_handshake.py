@@ -5,9 +5,9 @@ One allgather at construction and one at ``update_ep_member``: each rank sends a
 raises on every rank with the same message (naming the ranks and their values) instead of
 letting one rank go on into a collective, or a kernel, that its peers never reach.
 
-The per-call configuration (T, hidden, num_experts) is only known at the first dispatch of each
-configuration: :func:`check_same_configuration` is what ``CudaBackend.layout_for`` runs then, on
-multi-process groups.
+The per-call configuration (T, hidden, num_experts and the fp8 flags) is only known at the first
+dispatch of each configuration: :func:`check_same_configuration` is what ``CudaBackend.agree_on``
+runs then, on multi-process groups.
 
 Construction and ``update_ep_member`` exchange the same record (only ``phase`` differs), so a
 process that replaces a dead rank builds its Buffer in the same collective in which the survivors
@@ -33,7 +33,11 @@ class RankMismatchError(ValueError):
 CONSTRUCT = "construct"
 UPDATE = "update"
 
-_CONFIGURATION = struct.Struct("<qqq")  # (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+# What every rank's dispatch must agree on, in this order: a dispatch's configuration. The first three
+# place the workspace's regions; the flags say in which form the senders stage their rows.
+CONFIGURATION_FIELDS = ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "use_fp8", "round_scale",
+                        "use_ue8m0")
+_CONFIGURATION = struct.Struct("<qqq???")  # a configuration, in CONFIGURATION_FIELDS' order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,24 +175,29 @@ def num_sms_for(configs: Sequence[RankConfig], rank: int, where: str) -> int:
     return effective(rank)
 
 
-def check_same_configuration(group, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
-                             where: str = "dispatch") -> None:
-    """Raise on every rank unless every rank uses the same (T, hidden, num_experts) (collective).
+def check_same_configuration(group, configuration: tuple, where: str = "dispatch") -> None:
+    """Raise on every rank unless every rank dispatches the same ``configuration`` (collective).
 
-    The workspace layout depends on them, and a kernel finds a region of a peer's workspace at
-    its own offset: ranks with different values would read each other's memory at the wrong
-    places.
+    Args:
+        configuration: ``(num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8, round_scale,
+            use_ue8m0)`` (:data:`CONFIGURATION_FIELDS`). The workspace layout depends on the first
+            three, and a kernel finds a region of a peer's workspace at its own offset; a receiver
+            reads its peers' staged rows in the form its own flags say.
 
     Raises:
-        RankMismatchError: the ranks differ (naming them and their values).
+        RankMismatchError: the ranks differ (naming the fields, the ranks and their values).
     """
-    mine = _CONFIGURATION.pack(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-    seen = [_CONFIGURATION.unpack(blob) for blob in group.allgather_bytes(mine)]
-    if len(set(seen)) > 1:
-        raise RankMismatchError(
-            f"{where}: ranks disagree on (num_max_dispatch_tokens_per_rank, hidden, num_experts): "
-            f"{by_rank(dict(enumerate(seen)))}; every rank must dispatch the same configuration, or the kernels "
-            f"would read peers' workspaces at the wrong offsets")
+    seen = [_CONFIGURATION.unpack(blob) for blob in group.allgather_bytes(_CONFIGURATION.pack(*configuration))]
+    if len(set(seen)) == 1:
+        return
+    differing = [i for i, _ in enumerate(CONFIGURATION_FIELDS) if len({theirs[i] for theirs in seen}) > 1]
+    names = ", ".join(CONFIGURATION_FIELDS[i] for i in differing)
+    values = {rank: theirs[differing[0]] if len(differing) == 1 else tuple(theirs[i] for i in differing)
+              for rank, theirs in enumerate(seen)}
+    raise RankMismatchError(
+        f"{where}: ranks disagree on {names if len(differing) == 1 else f'({names})'} ({by_rank(values)}); every "
+        f"rank must dispatch the same T, hidden, num_experts and fp8 flags, or the kernels would read peers' "
+        f"workspaces at the wrong offsets, or their staged rows in the wrong form")
 
 
 def _same(where: str, configs: Sequence[RankConfig], field: str, what: str, value: Callable[[RankConfig], object],

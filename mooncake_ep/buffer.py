@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mooncake_ep import _constants, _handshake, frameworks, layout, reference
+from mooncake_ep._handshake import CONFIGURATION_FIELDS
 from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array
 from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_array, check_disjoint, check_expert_ids,
@@ -214,11 +215,13 @@ class Buffer:
         # In-process ranks on one GPU must not make one call on one stream (LocalRankGroup.claim_stream);
         # a call is named by the Buffer's name (equal on every rank) and this count of its launched calls.
         self._claim_stream = getattr(group, "claim_stream", None) if self._in_process_ranks_on_device > 1 else None
-        # In-process ranks' kernels check no configuration (no collective in a call: one thread may
-        # drive every rank); the group compares the dispatch that first uses each configuration instead
-        # (claim_call), as ranks in processes check each configuration once.
+        # The kernels check no configuration: every rank's first dispatch of each one is compared
+        # instead. Ranks in processes do it in a collective (CudaBackend.agree_on); in-process ranks
+        # hold none in a call (one thread may drive every rank), so the group compares their calls
+        # (claim_call).
         self._call_claims = group if self._cuda is not None and hasattr(group, "claim_call") else None
-        self._claimed_configurations: set[tuple] = set()  # (T, hidden, num_experts, fp8 flags) launched
+        # (T, hidden, num_experts, fp8 flags) this rank launched (in-process) or agreed on (processes)
+        self._claimed_configurations: set[tuple] = set()
         self._num_launched_calls = 0
 
     def _choose_device(self) -> int:
@@ -260,15 +263,19 @@ class Buffer:
         """CUDA ordinal of this rank's workspace; -1 on the reference backend."""
         return self._cuda.device_id if self._cuda is not None else -1
 
-    def _prepare(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Put a configuration's layout on the device now (see ``CudaBackend.layout_for``).
+    def _prepare(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *, use_fp8: bool,
+                 round_scale: bool, use_ue8m0: bool) -> None:
+        """Check a dispatch's configuration across ranks and put its layout on the device now (see
+        ``CudaBackend.agree_on`` and ``layout_for``).
 
-        :meth:`dispatch` has it copied by its first launch, on the launch stream; code that records
-        its launches (the JAX ops, whose ``buffer_callback`` may run inside an XLA command-buffer
-        recording) calls this beforehand, at trace time, where a synchronous copy (and, with ``ipc``,
-        the configuration check) may run.
+        :meth:`dispatch` does both at its first use of the configuration, and has the layout copied
+        by its first launch, on the launch stream; code that records its launches (the JAX ops, whose
+        ``buffer_callback`` may run inside an XLA command-buffer recording) calls this beforehand, at
+        trace time, where the check (a collective with ``ipc``) and a synchronous copy may run.
         """
         if self._cuda is not None:
+            self._cuda.agree_on((num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8, round_scale,
+                                 use_ue8m0))
             self._cuda.layout_for(num_max_dispatch_tokens_per_rank, hidden, num_experts)
             self._cuda.upload_layouts(None)
 
@@ -428,13 +435,17 @@ class Buffer:
                                f"receive half reads that dispatch's routing; call it first")
         on_cuda = x_view.device_type == "cuda"
         claimed = None
-        if self._call_claims is not None and on_cuda:
+        if on_cuda:
             # Compared only at its first use: comparing every call cost ~2 us of host time a dispatch
             # (docs/performance.md (39)).
             configuration = (num_max_dispatch_tokens_per_rank, plan.hidden, num_experts, use_fp8, round_scale,
-                             use_ue8m0)  # in _CONFIGURATION_FIELDS' order
+                             use_ue8m0)  # in CONFIGURATION_FIELDS' order
             if configuration not in self._claimed_configurations:
-                claimed = self._claim_dispatch(where, configuration, timeout_us)
+                if self._call_claims is not None:
+                    claimed = self._claim_dispatch(where, configuration, timeout_us)
+                else:  # agreed, with ipc in a collective, whatever becomes of the launch
+                    self._cuda.agree_on(configuration, where)
+                    self._claimed_configurations.add(configuration)
         try:
             outputs = out_views if out_views is not None else self._allocate(plan, x_view)
             handle = Handle(self.buffer_id, self._num_dispatches, parity, plan.num_tokens, plan.hidden, plan.num_topk,
@@ -538,9 +549,9 @@ class Buffer:
     def _dispatch_call(self, handle: Handle, flags: dict[str, bool]) -> tuple[tuple[str, object], ...]:
         """A dispatch as ``(field, value)`` pairs: which call, then what every rank must pass alike."""
         configuration = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
-                         *(flags[name] for name in _CONFIGURATION_FIELDS[3:]))
+                         *(flags[name] for name in CONFIGURATION_FIELDS[3:]))
         return (("call", "dispatch"), ("Buffer", self._token), ("dispatch number", handle.dispatch_index),
-                *zip(_CONFIGURATION_FIELDS, configuration))
+                *zip(CONFIGURATION_FIELDS, configuration))
 
     def _claim_dispatch(self, where: str, configuration: tuple, timeout_us: int) -> tuple:
         """Refuse a dispatch of an in-process rank whose peer made the same call with another
@@ -552,7 +563,7 @@ class Buffer:
         if first is None:
             return name, configuration
         other, theirs_all = first
-        field, theirs, mine = next(difference for difference in zip(_CONFIGURATION_FIELDS, theirs_all, configuration)
+        field, theirs, mine = next(difference for difference in zip(CONFIGURATION_FIELDS, theirs_all, configuration)
                                    if difference[1] != difference[2])
         # The first rank's kernel runs with its own timeout_us, presumably this rank's.
         waits = "until its timeout_us masks this rank" if timeout_us >= 0 else "forever (timeout_us=-1)"
@@ -1136,11 +1147,6 @@ class _Plan(NamedTuple):
 _MAX_PLANS = 256
 # Address sets of out= calls a Buffer remembers as disjoint; more than the buffers an engine cycles.
 _MAX_DISJOINT_ADDRESSES = 1024
-# What every rank's same dispatch must agree on, in the order of the tuples that carry them (the
-# reference backend's exchange and the in-process ranks' claim: Buffer._dispatch_call, _claim_dispatch).
-_CONFIGURATION_FIELDS = ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "use_fp8", "round_scale",
-                         "use_ue8m0")
-
 
 def _signature(view: ArrayView) -> tuple:
     """Everything the layout checks read of an array: two arrays with equal signatures pass or fail alike."""

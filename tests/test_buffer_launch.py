@@ -48,6 +48,10 @@ class RecordingCuda:
         self.launches: list[Launch] = []
         self.comm_stream = type("Stream", (), {"ptr": COMM_STREAM})()
         self.waits: list[tuple[int, object]] = []
+        self.agreed: list[tuple] = []  # the configurations agree_on was asked, in order
+
+    def agree_on(self, configuration, where="dispatch"):
+        self.agreed.append(configuration)
 
     def layout_for(self, num_max_tokens, hidden, num_experts):
         return layout.compute_layout(R, num_experts, num_max_tokens, hidden), 0x1000
@@ -669,6 +673,31 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
                                                    r"rank: make it with rank 1's arguments"):
         buf.dispatch(**inputs, **fp8_fewer_rows, timeout_us=5000, out=dispatch_out(device, True, T - 1))
     buf.dispatch(**inputs, **(kwargs | dict(use_fp8=True)), out=dispatch_out(device, True))
+    assert buf._num_dispatches == 5 and len(cuda.launches) == 5
+
+
+def test_ranks_in_processes_agree_on_each_configuration_at_its_first_dispatch_before_anything_is_launched(setup):
+    """Ranks in processes (no claim_call) check a dispatch's configuration with their peers in a
+    collective (CudaBackend.agree_on) at its first use: T, hidden, num_experts and each fp8 flag make
+    a configuration. A refused one launches nothing, uses no dispatch number and is not kept."""
+    buf, cuda, device, inputs = setup
+    assert buf._call_claims is None
+    kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E)
+    for use_fp8 in (False, True, False, True):
+        buf.dispatch(**inputs, **kwargs, use_fp8=use_fp8, out=dispatch_out(device, use_fp8))
+    bf16, fp8 = (T, H, E, False, False, False), (T, H, E, True, False, False)
+    assert cuda.agreed == [bf16, fp8] and buf._num_dispatches == 4
+
+    def refuse(configuration, where="dispatch"):
+        cuda.agreed.append(configuration)
+        raise ep.RankMismatchError(f"{where}: ranks disagree on round_scale")
+    cuda.agree_on = refuse
+    with pytest.raises(ep.RankMismatchError, match="dispatch: ranks disagree on round_scale"):
+        buf.dispatch(**inputs, **kwargs, use_fp8=True, round_scale=True, out=dispatch_out(device, True))
+    assert buf._num_dispatches == 4 and len(cuda.launches) == 4
+    del cuda.agree_on
+    buf.dispatch(**inputs, **kwargs, use_fp8=True, round_scale=True, out=dispatch_out(device, True))
+    assert cuda.agreed[2:] == [(T, H, E, True, True, False)] * 2, "asked again after the refusal"
     assert buf._num_dispatches == 5 and len(cuda.launches) == 5
 
 

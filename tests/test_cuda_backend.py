@@ -185,20 +185,22 @@ def test_a_replacement_jumps_to_the_survivors_steps_and_agreed_configurations():
         backend = stub_backend(group, logs[group.rank], RecordingTransport(logs[group.rank], [1, 2], []))
         if group.rank == 0:
             backend.workspace.write(STATE, STEPS.pack(*survivor_steps))
-            backend._agreed = {(4, 128, 8), (8, 256, 8)}
+            backend._agreed = {(4, 128, 8, True, False, False), (8, 256, 8, False, False, False)}
         backend.connect()
         backends[group.rank] = backend
-        # An agreed configuration makes no collective; a new one does, on both ranks.
+        # An agreed configuration makes no collective; a new one does, on both ranks: other flags too.
         before = group.num_collectives
+        backend.agree_on((4, 128, 8, True, False, False))
         backend.layout_for(4, 128, 8)
         assert group.num_collectives == before
-        backend.layout_for(16, 128, 8)
+        backend.agree_on((4, 128, 8, False, False, False))
         assert group.num_collectives == before + 1
 
     ep.LocalGroup(2, timeout_s=30.0).spawn(rank_fn)
     for backend in backends.values():
         assert STEPS.unpack(backend.workspace.read(STATE, STEPS.size)) == survivor_steps
-        assert backend._agreed == {(4, 128, 8), (8, 256, 8), (16, 128, 8)}
+        assert backend._agreed == {(4, 128, 8, True, False, False), (8, 256, 8, False, False, False),
+                                   (4, 128, 8, False, False, False)}
 
 
 def test_ranks_with_different_kernels_are_refused_on_every_rank(monkeypatch):
@@ -230,20 +232,30 @@ def test_protocol_digest_ignores_the_gpu_but_not_the_scope():
 
 
 def test_first_use_of_a_configuration_is_checked_across_ranks_and_a_mismatch_is_not_kept():
-    shapes = {0: (4, 128, 8), 1: (4, 256, 8)}
+    """Rank 1 first dispatches another hidden, then fp8 where rank 0 dispatches bf16 (a receiver would
+    read the staged rows in its own form): both refused on both ranks, then the agreed one passes."""
+    bf16, fp8 = (False, False, False), (True, False, False)
+    configurations = {0: [(4, 128, 8, *bf16)] * 2, 1: [(4, 256, 8, *bf16), (4, 128, 8, *fp8)]}
     out = {}
 
     def rank_fn(group):
         backend = stub_backend(group, [], RecordingTransport([], [1, 2], []))
-        with pytest.raises(ValueError, match=r"dispatch: ranks disagree on \(num_max_dispatch_tokens_per_rank, "
-                                             r"hidden, num_experts\): rank 0: \(4, 128, 8\), rank 1: \(4, 256, 8\)"):
-            backend.layout_for(*shapes[group.rank])
-        assert backend._layouts == {} and backend._agreed == set()  # the rejected call left nothing
-        found, address = backend.layout_for(4, 128, 8)  # the buffer is still usable
-        out[group.rank] = (found.hidden, address, backend.layout_for(4, 128, 8)[1])
+        errors = []
+        for configuration in configurations[group.rank]:
+            with pytest.raises(ep.RankMismatchError) as error:
+                backend.agree_on(configuration)
+            errors.append(str(error.value))
+        assert backend._agreed == set()  # the rejected calls left nothing
+        backend.agree_on((4, 128, 8, *bf16))  # the buffer is still usable
+        found, address = backend.layout_for(4, 128, 8)
+        out[group.rank] = (errors, found.hidden, address, backend._agreed)
 
     ep.LocalGroup(2, timeout_s=30.0).spawn(rank_fn)
-    assert out[0] == out[1] == (128, 0x5000_0000, 0x5000_0000)
+    fix = ("every rank must dispatch the same T, hidden, num_experts and fp8 flags, or the kernels would read peers' "
+           "workspaces at the wrong offsets, or their staged rows in the wrong form")
+    assert out[0] == out[1] == ([f"dispatch: ranks disagree on hidden (rank 0: 128, rank 1: 256); {fix}",
+                                 f"dispatch: ranks disagree on use_fp8 (rank 0: False, rank 1: True); {fix}"],
+                                128, 0x5000_0000, {(4, 128, 8, *bf16)}), out
 
 
 def test_in_process_ranks_make_no_collective_for_a_configuration():

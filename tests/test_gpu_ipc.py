@@ -62,9 +62,9 @@ def test_mismatched_hidden_between_processes_raises_on_every_rank(tmp_path):
     assert_on_the_gpu(reports)
     for report in reports.values():
         assert report["mismatch_error"] == (
-            "dispatch: ranks disagree on (num_max_dispatch_tokens_per_rank, hidden, num_experts): rank 0: (6, 256, 4), "
-            "rank 1: (6, 512, 4); every rank must dispatch the same configuration, or the kernels would read peers' "
-            "workspaces at the wrong offsets"), report
+            "dispatch: ranks disagree on hidden (rank 0: 256, rank 1: 512); every rank must dispatch the same T, "
+            "hidden, num_experts and fp8 flags, or the kernels would read peers' workspaces at the wrong offsets, or "
+            "their staged rows in the wrong form"), report
     procs.check_step(tmp_path, "fp8", seed, SMALL, PRECISIONS["fp8"], 2, [True, True])
 
 

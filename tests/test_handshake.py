@@ -104,16 +104,17 @@ def test_config_round_trips():
     assert RankConfig.unpack(record.pack()) == record
 
 
-def test_same_configuration_check_raises_on_every_rank():
-    shapes = [(T, H, E), (T, H, E), (T, 2 * H, E)]
-    out = on_every_rank(3, lambda g: _handshake.check_same_configuration(g, *shapes[g.rank]))
+def test_same_configuration_check_raises_on_every_rank_naming_the_fields_that_differ():
+    flags = (True, True, False)
+    configurations = [(T, H, E, *flags), (T, H, E, *flags), (T, 2 * H, E, True, False, False)]
+    out = on_every_rank(3, lambda g: _handshake.check_same_configuration(g, configurations[g.rank]))
     for error in out:
-        assert isinstance(error, ValueError), out
-        assert str(error) == (f"dispatch: ranks disagree on (num_max_dispatch_tokens_per_rank, hidden, num_experts): "
-                              f"ranks [0, 1]: ({T}, {H}, {E}), rank 2: ({T}, {2 * H}, {E}); every rank must dispatch "
-                              f"the same configuration, or the kernels would read peers' workspaces at the wrong "
-                              f"offsets")
-    assert on_every_rank(3, lambda g: _handshake.check_same_configuration(g, T, H, E)) == [None] * 3
+        assert isinstance(error, _handshake.RankMismatchError), out
+        assert str(error) == (f"dispatch: ranks disagree on (hidden, round_scale) (ranks [0, 1]: ({H}, True), rank 2: "
+                              f"({2 * H}, False)); every rank must dispatch the same T, hidden, num_experts and fp8 "
+                              f"flags, or the kernels would read peers' workspaces at the wrong offsets, or their "
+                              f"staged rows in the wrong form")
+    assert on_every_rank(3, lambda g: _handshake.check_same_configuration(g, (T, H, E, *flags))) == [None] * 3
 
 
 # ----------------------------------------------------------------------------- through Buffer
