@@ -145,8 +145,8 @@ class Buffer:
         num_ep_buffer_bytes, GPU and num_sms) and a mismatch raises on every rank. On the GPU,
         in-process ranks (:class:`mooncake_ep.LocalGroup`) use the ``local`` transport and ranks
         in separate processes of one host the ``ipc`` one (CUDA IPC); there the first dispatch of
-        each (T, hidden, num_experts) is a collective as well, checking that every rank uses the
-        same one (see ``CudaBackend.layout_for``).
+        each configuration (T, hidden, num_experts, fp8 flags) is a collective as well, checking
+        that every rank uses the same one (see ``CudaBackend.agree_on``).
 
         In-process ranks sharing one GPU: whatever synchronises the device (cudaMalloc of a
         framework growing its memory pool, or dispatch/combine allocating results when ``out=`` is
@@ -378,10 +378,9 @@ class Buffer:
             T, num_experts and the flags use_fp8, round_scale, use_ue8m0 must be equal on every rank
             of a call (the reference backend raises RankMismatchError; so does a later in-process
             rank of the CUDA backend at its first dispatch of a configuration, against the first
-            rank's same call, whose kernel then waits for it; ranks in several processes check T and
-            num_experts once per configuration; their flags
-            cannot be checked without a host synchronisation, and a receiver would read its peers'
-            staged rows in the wrong form). num_topk and the number of tokens may differ between ranks.
+            rank's same call, whose kernel then waits for it; ranks in several processes check all
+            of them at the first dispatch of each configuration, in a collective, and raise it on
+            every rank). num_topk and the number of tokens may differ between ranks.
         """
         where = "dispatch"
         if self._destroyed:  # the flag first: this is every call's path
