@@ -542,6 +542,11 @@ class TCPStoreServer:
             if op == _OP_CLAIM:
                 key, value = reader.key(), reader.blob()
                 with self._cond:
+                    # A claimer that hung up loses its claims here, not only when its handler notices:
+                    # one killed in a wait is seen at that wait's next slice (_DEAD_CLIENT_POLL_S), and
+                    # its process restarted meanwhile was refused as a second live one.
+                    if key in self._data:
+                        self._dropped_hung_up_claimers([key])
                     if key in self._data:
                         return _OK, _U8.pack(False)
                     self._data[key] = value

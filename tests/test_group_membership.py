@@ -433,6 +433,32 @@ def test_claim_of_a_client_that_dies_inside_a_wait_is_released():
         other.close()
 
 
+def test_a_claim_of_a_client_that_hung_up_in_a_wait_is_taken_over_at_once(monkeypatch):
+    """A rank killed in a wait and restarted at once: the store saw the hang-up only at the wait's next
+    slice (_DEAD_CLIENT_POLL_S, here longer than the test), and refused the restart's claim as a second
+    live process's ("joined twice"). A competing claim now looks at the claimer's socket; a claimer
+    still connected, in a wait too, keeps its claim."""
+    from mooncake_ep import _tcp_store
+
+    monkeypatch.setattr(_tcp_store, "_DEAD_CLIENT_POLL_S", PROCESS_LIMIT_S)
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        dying, alive, restart = (TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) for _ in range(3))
+        assert dying.claim("member/1", b"old") and alive.claim("member/2", b"live")
+        waiters = [threading.Thread(target=lambda c=c: _swallow(lambda: c.wait(["never"], timeout_s=PROCESS_LIMIT_S)),
+                                    daemon=True) for c in (dying, alive)]
+        for waiter in waiters:
+            waiter.start()
+        eventually(lambda: server._num_busy == 2)  # both waits are inside the server
+        assert restart.claim("member/2", b"duplicate") is False  # its holder is alive: a true duplicate
+        dying._sock.shutdown(socket.SHUT_RDWR)  # what the OS does to a killed process's socket
+        assert eventually(lambda: restart.claim("member/1", b"new"), limit_s=5.0)  # not at the slice, 60 s on
+        assert restart.multi_get(["member/1", "member/2"], timeout_s=1.0) == [b"new", b"live"]
+    for waiter in waiters:  # the store's close answered the live wait
+        waiter.join(PROCESS_LIMIT_S)
+    for client in (dying, alive, restart):
+        client.close()
+
+
 def _swallow(fn) -> None:
     try:
         fn()
