@@ -240,6 +240,7 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         try:
             if not self._greet(sock):
                 return
+            store._greeted(sock)
             while True:
                 try:
                     op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
@@ -342,6 +343,9 @@ class TCPStoreServer:
         self._cond = threading.Condition()
         self._closing = False
         self._clients: set[socket.socket] = set()
+        # Those of them that said the hello: close() waits for these to hang up, not for a connection
+        # that never said it (a port scanner, another protocol's client), which may never hang up.
+        self._greeted_clients: set[socket.socket] = set()
         # Claimed key -> the connection holding it; a set or delete of the key ends the claim.
         self._claim_owners: dict[str, socket.socket] = {}
         # Keys whose large set is being received -> (length, time its transfer allowance ends) of each
@@ -395,13 +399,14 @@ class TCPStoreServer:
 
         Args:
             wait_for_clients_s: seconds to wait for connected clients to hang up first (so a
-                peer still reading its last reply is not cut off); 0 closes at once.
+                peer still reading its last reply is not cut off); 0 closes at once. A connection
+                that has not said the store's hello is not waited for.
         """
         deadline = time.monotonic() + wait_for_clients_s
         with self._cond:
             if self._closing:
                 return
-            self._cond.wait_for(lambda: not self._clients,
+            self._cond.wait_for(lambda: not self._greeted_clients,
                                 timeout=_wait_arg(max(0.0, deadline - time.monotonic())))
             self._closing = True  # wakes any waiter: it answers CLOSED
             self._cond.notify_all()
@@ -422,8 +427,14 @@ class TCPStoreServer:
         with self._cond:
             (self._clients.add if delta > 0 else self._clients.discard)(sock)
             if delta < 0:  # the client hung up, exited or died: what it claimed is free again
+                self._greeted_clients.discard(sock)
                 self._drop_claims_of(sock)
             self._cond.notify_all()
+
+    def _greeted(self, sock: socket.socket) -> None:
+        """The connection ``sock`` said the hello: a client of the store, which close() lets hang up first."""
+        with self._cond:
+            self._greeted_clients.add(sock)
 
     def _drop_claims_of(self, sock: socket.socket) -> None:
         """Remove what the connection ``sock`` claimed (and still holds); call with the lock held."""

@@ -347,6 +347,28 @@ def test_store_close_answers_pending_waits():
     client.close()
 
 
+def test_store_close_does_not_wait_for_connections_that_never_said_hello():
+    """A port scanner, or another protocol's client that sent less than a header, holds a connection the
+    store never serves and that may never hang up: close(wait_for_clients_s) waited for it all that time
+    (rank 0's close after a final barrier allows its clients the group's whole timeout_s)."""
+    server = TCPStoreServer("127.0.0.1", 0)
+    client = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+    client.set("k", b"v")
+    with socket.create_connection(("127.0.0.1", server.port)) as scanner, \
+            socket.create_connection(("127.0.0.1", server.port)) as stranger:
+        stranger.sendall(b"GET")
+        deadline = time.monotonic() + PROCESS_LIMIT_S
+        while len(server._clients) < 3:  # the server holds both connections
+            assert time.monotonic() < deadline, server._clients
+            time.sleep(0.01)
+        client.close()
+        start = time.monotonic()
+        server.close(wait_for_clients_s=PROCESS_LIMIT_S)
+        close_s = time.monotonic() - start
+        assert scanner.recv(1) == b"" and stranger.recv(1) == b""  # the store's close ended them
+    assert close_s < PROCESS_LIMIT_S / 2  # not a timing claim: without the fix it returns only when the wait ends
+
+
 def test_store_connections_keep_alive_and_the_listener_queues_a_whole_start_up():
     """A host that vanishes leaves an idle connection, and its rank's claims, that TCP without
     keepalive keeps for hours; every rank connects at once at start-up (a queue of 5 left the rest
