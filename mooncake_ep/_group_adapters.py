@@ -55,6 +55,9 @@ _MIN_WAIT_MS = 1
 _MIN_TORCH_TIMEOUT_S = 1.0
 # The status text jax's coordination service gives a blocking get that ran out of time.
 _JAX_DEADLINE = "DEADLINE_EXCEEDED"
+# The text of what torch's FileStore raises for a wait that ran out of time: a bare RuntimeError, where
+# torch's other stores raise DistStoreError.
+_TORCH_FILESTORE_TIMEOUT = "Wait timeout"
 
 
 def _check_device(where: str, device: Any) -> int | None:
@@ -292,13 +295,16 @@ class TorchStoreGroup(_KeyValueGroup):
         keys = list(keys)
         try:
             self.store.wait(keys, datetime.timedelta(seconds=_finite_s(timeout_s)))
-        except getattr(self._dist, "DistStoreError", RuntimeError) as exc:  # a timeout; it names no keys
+        except RuntimeError as exc:
+            # A timeout names no keys, and FileStore's is not even a DistStoreError: the keys found
+            # missing here are what the collective's error names the ranks from.
+            timed_out = isinstance(exc, getattr(self._dist, "DistStoreError", RuntimeError))
+            if not (timed_out or _TORCH_FILESTORE_TIMEOUT in str(exc)):
+                raise GroupError(f"torch store wait failed: {type(exc).__name__}: {exc}") from exc
             missing = [k for k in keys if not self._call("check", self.store.check, [k])]
             if missing:
                 raise StoreTimeoutError(f"torch store wait timed out after {timeout_s} s waiting for keys "
                                         f"{missing}", missing) from exc
-        except RuntimeError as exc:
-            raise GroupError(f"torch store wait failed: {type(exc).__name__}: {exc}") from exc
         if hasattr(self.store, "multi_get"):
             return [bytes(v) for v in self._call("multi_get", self.store.multi_get, keys)]
         return [bytes(self._call("get", self.store.get, k)) for k in keys]

@@ -269,6 +269,24 @@ def test_torch_store_group_in_threads():
         again[0].barrier()
 
 
+def test_torch_store_group_over_a_file_store_names_the_ranks_it_waited_for(tmp_path):
+    """torch's FileStore ends a wait that ran out of time with a bare RuntimeError, not the DistStoreError
+    of its other stores: the group said only "torch store wait failed: RuntimeError: Wait timeout".
+    (Its waits last whole seconds: a short timeout_s keeps this test at a few.)"""
+    dist = pytest.importorskip("torch.distributed")
+    store, timeout_s = dist.FileStore(str(tmp_path / "store"), 2), 0.1
+    with pytest.raises(GroupError, match=rf"^init_group #0 timed out after {timeout_s} s waiting for ranks \[1\] of 2 "
+                                         rf"\(torch FileStore, keys mooncake_ep/1/\*\)$"):
+        TorchStoreGroup(store, 0, 2, timeout_s=timeout_s)  # rank 1 never comes
+    groups = run_in_threads([lambda r=r: TorchStoreGroup(store, r, 2, timeout_s=LONG_TIMEOUT_S, prefix="formed")
+                             for r in range(2)])
+    assert run_in_threads([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1"]] * 2
+    groups[0].timeout_s = timeout_s
+    with pytest.raises(GroupError, match=rf"^barrier #0 timed out after {timeout_s} s waiting for ranks \[1\] of 2 "
+                                         rf"\(torch FileStore, keys formed/1/\*\)$"):
+        groups[0].barrier()  # rank 1 does not call
+
+
 def test_torch_store_group_duplicate_rank_and_bad_input():
     dist = pytest.importorskip("torch.distributed")
     store = dist.HashStore()
