@@ -286,6 +286,10 @@ class _KeyValueGroup:
     def _kv_delete(self, key: str) -> None:
         raise NotImplementedError
 
+    def _max_value_bytes(self) -> int | None:
+        """The most bytes the store holds in one value; None where no limit is known."""
+        return None
+
     def _where(self) -> str:
         raise NotImplementedError
 
@@ -340,10 +344,21 @@ class _KeyValueGroup:
 
         Raises:
             TypeError: ``data`` is not bytes-like.
+            ValueError: ``data`` is larger than the store holds in one value (the TCP store: 4 GiB,
+                less the collective's tag byte); raised before the round starts, so every rank's
+                next call still meets the others'.
             GroupError: some ranks did not call within ``timeout_s`` (they are named), the
                 store is gone, or the group is broken or closed.
         """
-        return self._collective("allgather_bytes", _check_data("allgather_bytes", data))
+        data = _check_data("allgather_bytes", data)
+        # Checked here, not left to the store: its refusal came inside the round, after this rank's
+        # sequence number had moved on, which broke the group (the peers timed out waiting for this rank).
+        limit, tag = self._max_value_bytes(), len(_TAG_BYTES["allgather_bytes"])
+        if limit is not None and len(data) > limit - tag:
+            raise ValueError(f"allgather_bytes: data must be at most {limit - tag} bytes (what a "
+                             f"{type(self).__name__}'s store holds in one value, less the collective's tag byte), "
+                             f"got {len(data)} bytes")
+        return self._collective("allgather_bytes", data)
 
     def barrier(self) -> None:
         """Return once every rank has entered; raises GroupError as :meth:`allgather_bytes`."""

@@ -94,6 +94,8 @@ _ARRIVING_SET_BYTES = 1 << 20
 # its header, then its parts.
 _JOINED_MESSAGE_BYTES = 1 << 16
 _U8, _U16, _U32 = struct.Struct("!B"), struct.Struct("!H"), struct.Struct("!I")
+# The largest value the store holds: a blob's length is a u32.
+_MAX_VALUE_BYTES = 0xFFFFFFFF
 _I64, _U64, _F64 = struct.Struct("!q"), struct.Struct("!Q"), struct.Struct("!d")
 _OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE, _OP_CLAIM = 1, 2, 3, 4, 5
 # The hello is framed as a request (op, length, payload = magic, version): a store of protocol 3 or
@@ -140,7 +142,7 @@ def _pack_key(key: str) -> bytes:
 
 
 def _blob_length(value: bytes) -> bytes:
-    if len(value) > 0xFFFFFFFF:
+    if len(value) > _MAX_VALUE_BYTES:
         raise ValueError(f"TCPStoreClient: value must be below 4 GiB, got {len(value)} bytes")
     return _U32.pack(len(value))
 

@@ -281,6 +281,9 @@ class TCPGroup(_KeyValueGroup):
     def _kv_set_while_connected(self, key: str, value: bytes) -> bool:
         return self._store().claim(key, value)
 
+    def _max_value_bytes(self) -> int | None:
+        return _tcp_store._MAX_VALUE_BYTES
+
     @_KeyValueGroup.timeout_s.setter
     def timeout_s(self, value: float) -> None:
         # The store connection's own requests (sets, claims) wait as long as the collectives.

@@ -595,6 +595,31 @@ def test_tcp_group_timeout_in_collective_names_rank():
         g.close(final_barrier=False)
 
 
+def test_tcp_group_refuses_data_past_the_store_limit_before_the_round(monkeypatch):
+    """A value past the store's limit (4 GiB; here 64 bytes) was refused by the store's client inside the
+    round, after the rank's sequence number had moved on: its group was broken and its peers timed out.
+    Refused before the round now, the rank's next call meets the peers' waiting one."""
+    from mooncake_ep import _tcp_store
+
+    monkeypatch.setattr(_tcp_store, "_MAX_VALUE_BYTES", 64)
+    port = free_port()
+    groups = run_in_threads([lambda r=r: TCPGroup(r, 2, master_port=port, timeout_s=30.0) for r in range(2)])
+    refused = []
+
+    def oversized_then_fixed(g):
+        with pytest.raises(ValueError) as info:
+            g.allgather_bytes(bytes(64))  # with the tag byte, one past the limit
+        refused.append(str(info.value))
+        return g.allgather_bytes(bytes(63))  # the most that fits
+
+    assert run_in_threads([lambda: groups[0].allgather_bytes(b"a"), lambda: oversized_then_fixed(groups[1])]) == \
+        [[b"a", bytes(63)]] * 2
+    assert refused == ["allgather_bytes: data must be at most 63 bytes (what a TCPGroup's store holds in one value, "
+                       "less the collective's tag byte), got 64 bytes"]
+    assert run_in_threads([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1"]] * 2
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
 def test_tcp_group_waits_past_what_sockets_hold_and_any_failed_round_breaks_it():
     """A timeout too long for a socket (1e10 s) waits as forever does, instead of an OverflowError
     after the round's sequence number was spent; and a round stopped by anything (here a bug of a
