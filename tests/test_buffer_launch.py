@@ -676,6 +676,40 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     assert buf._num_dispatches == 5 and len(cuda.launches) == 5
 
 
+def test_a_note_a_peer_matched_outlives_the_first_ranks_failed_call(setup):
+    """Rank 0 notes dispatch 0 with T; rank 1 makes it alike (and launches); rank 0's call then fails
+    before its launch (its results' allocation). Rank 1's kernel runs with T, so rank 0's note must
+    stay: its retry with another T is refused, naming rank 1, and the retry with T runs."""
+    buf, cuda, device, inputs = setup
+    local = ep.LocalGroup(R)
+    rank0, rank1 = (ep.group.LocalRankGroup(local, rank) for rank in range(R))
+    buf._call_claims = rank0
+    allocate = buf._allocate
+
+    def peer_matches_then_out_of_memory(plan, like):
+        assert rank1.claim_call((buf._token, "dispatch", 0), (T, H, E, False, False, False)) is None
+        raise MemoryError("out of memory")
+    buf._allocate = peer_matches_then_out_of_memory
+    kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+    with pytest.raises(MemoryError):
+        buf.dispatch(**inputs, **kwargs)
+    buf._allocate = allocate
+    assert buf._num_dispatches == 0 and cuda.launches == []
+    with pytest.raises(ep.RankMismatchError, match=rf"rank 1 of this process made dispatch number 0 of this Buffer "
+                                                   rf"with num_max_dispatch_tokens_per_rank {T}, this rank with "
+                                                   rf"{T - 1}"):
+        buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)),
+                     out=dispatch_out(device, False, T - 1))
+    buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
+    assert buf._num_dispatches == 1 and len(cuda.launches) == 1
+    # A note no peer matched is withdrawn, as before: the ranks may then all make the call otherwise.
+    rank1.claim_call((buf._token, "dispatch", 1), (T, H, E, True, False, False))
+    rank1.withdraw_call((buf._token, "dispatch", 1), (T, H, E, True, False, False))
+    buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)),
+                 out=dispatch_out(device, False, T - 1))
+    assert buf._num_dispatches == 2
+
+
 def test_ranks_in_processes_agree_on_each_configuration_at_its_first_dispatch_before_anything_is_launched(setup):
     """Ranks in processes (no claim_call) check a dispatch's configuration with their peers in a
     collective (CudaBackend.agree_on) at its first use: T, hidden, num_experts and each fp8 flag make
