@@ -25,7 +25,8 @@ from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array
 from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_array, check_disjoint, check_expert_ids,
                                     check_experts, check_flags, check_hidden, check_int, check_mutable, check_out,
-                                    check_same_routing, check_timeout, check_vector_aligned, check_writable, read_out)
+                                    check_same_routing, check_timeout, check_vector_aligned, check_element_aligned,
+                                    check_writable, read_out)
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -167,7 +168,9 @@ class Buffer:
             if not hasattr(group, attribute):
                 raise TypeError(f"Buffer: group must provide rank, world_size, allgather_bytes and barrier; "
                                 f"{type(group).__name__} has no {attribute!r}")
-        check_int("Buffer", "num_ep_buffer_bytes", num_ep_buffer_bytes, minimum=1)
+        # Every configuration's regions come after the header (flags, step counters, route table),
+        # which the CUDA backend reads and writes at construction.
+        check_int("Buffer", "num_ep_buffer_bytes", num_ep_buffer_bytes, minimum=layout.header_bytes())
         if backend not in ("auto", "cuda", "reference"):
             raise ValueError(f"Buffer: backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
         if group.world_size > _constants.MAX_RANKS:
@@ -423,8 +426,9 @@ class Buffer:
                                      _dispatch_spans(out_views, active_view, x_view, topk_view))
         else:  # fresh results overlap nothing, but active_ranks (the kernels write it) may overlap an input
             names, num_written = _DISPATCH_SPAN_NAMES[use_fp8, False]
-            check_disjoint(where, names, _dispatch_spans(None, active_view, x_view, topk_view), plan.span_nbytes,
-                           num_written)
+            views = _dispatch_spans(None, active_view, x_view, topk_view)
+            check_element_aligned(where, names, views, plan.span_nbytes)
+            check_disjoint(where, names, views, plan.span_nbytes, num_written)
         parity = self._num_dispatches % layout.NUM_PARITIES
         if parity in self._pending_hooks:
             raise RuntimeError(f"{where}: the dispatch two calls ago still waits for its hook(); call it first "
@@ -681,8 +685,9 @@ class Buffer:
                                      _combine_spans(out_views[0][0], active_view, x_view, topk_view, weights_view))
         else:
             names, num_written = _COMBINE_SPAN_NAMES[x_view is None, False]
-            check_disjoint(where, names, _combine_spans(None, active_view, x_view, topk_view, weights_view),
-                           plan.span_nbytes, num_written)
+            views = _combine_spans(None, active_view, x_view, topk_view, weights_view)
+            check_element_aligned(where, names, views, plan.span_nbytes)
+            check_disjoint(where, names, views, plan.span_nbytes, num_written)
         if zero_copy:
             self._check_outside_combine_buffer(where, handle, (
                 ("out combined_x", None if out_views is None else out_views[0][0]), ("active_ranks", active_view)))
@@ -1075,7 +1080,7 @@ class Buffer:
             )
 
     def _check_disjoint(self, where: str, plan: _Plan, addresses: tuple, names: tuple, views: list) -> None:
-        """check_disjoint, and the first out= array's alignment, for a call with out= whose
+        """check_disjoint, and the arrays' alignment, for a call with out= whose
         ``addresses`` (its plan's id, then its arrays' pointers) were not found good before.
         Remembered plans (device arrays) remember them too: callers that reuse their arrays, as
         graphs and static buffers do, then pay one tuple lookup a call instead of the full check
@@ -1083,6 +1088,7 @@ class Buffer:
         cleared, and these with it (_remember)."""
         check_disjoint(where, names[0], views, plan.span_nbytes, names[1])
         check_vector_aligned(where, names[0][0], views[0], plan.span_nbytes[0])  # out recv_x / combined_x
+        check_element_aligned(where, names[0], views, plan.span_nbytes)
         if views[0].device_type == "cuda":
             if len(self._disjoint_addresses) >= _MAX_DISJOINT_ADDRESSES:  # out= arrays that keep changing
                 self._disjoint_addresses.clear()

@@ -16,7 +16,7 @@ from mooncake_ep.tensor import ArrayView, read_array
 
 __all__ = ["check_int", "check_hidden", "check_experts", "check_timeout", "check_flags", "check_array",
            "check_expert_ids", "check_same_routing", "read_out", "check_out", "check_writable",
-           "check_vector_aligned", "check_disjoint", "check_mutable", "first_index", "is_raw_bits",
+           "check_vector_aligned", "check_element_aligned", "check_disjoint", "check_mutable", "first_index", "is_raw_bits",
            "IMMUTABLE_FRAMEWORKS", "VECTOR_BYTES"]
 
 
@@ -217,6 +217,19 @@ def check_vector_aligned(where: str, name: str, view: ArrayView, nbytes: int) ->
         raise ValueError(f"{where}: {name} starts at {view.ptr:#x}, not on a {VECTOR_BYTES}-byte boundary, and the "
                          f"kernels move its rows as {VECTOR_BYTES}-byte vectors; pass an array that starts on one "
                          f"(a copy, or a slice at a multiple of {VECTOR_BYTES} bytes)")
+
+
+def check_element_aligned(where: str, names: tuple[str, ...], views, nbytes: tuple[int, ...]) -> None:
+    """Device arrays start on a multiple of their element size: the kernels load and store their
+    elements (ids, counts, weights, scales) one by one as such, and a misaligned access would stop
+    the kernel with an error that poisons the CUDA context for every later call. torch never makes
+    such an array; a cupy or DLPack view at an odd byte offset can be one. ``nbytes``: the arrays'
+    sizes in bytes (an empty one is never read)."""
+    for name, view, size in zip(names, views, nbytes):
+        if view.device_type == "cuda" and size and view.ptr % view.itemsize:
+            raise ValueError(f"{where}: {name} starts at {view.ptr:#x}, not on a multiple of its {view.itemsize}-byte "
+                             f"{view.dtype} elements, which the kernels load and store one by one; pass an array "
+                             f"that starts on one (a copy)")
 
 
 def check_disjoint(where: str, names: tuple[str, ...], views, nbytes: tuple[int, ...], num_written: int) -> None:

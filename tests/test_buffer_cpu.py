@@ -22,6 +22,7 @@ import pytest
 from _cases import BF16, Case, bits, make_case, reference_step  # one definition for both in-process tests
 
 import mooncake_ep as ep
+from mooncake_ep import layout as ep_layout
 from mooncake_ep import reference
 from mooncake_ep.buffer import EventOverlap, Handle, _Plan
 from mooncake_ep.tensor import DeviceMemoryArray, read_array
@@ -1148,7 +1149,9 @@ def test_buffer_smaller_than_the_hint_is_refused_and_stays_usable_for_smaller_sh
 
 
 @pytest.mark.parametrize("call,pattern", [
-    (lambda g: ep.Buffer(g, 0, backend="reference"), r"Buffer: num_ep_buffer_bytes must be >= 1, got 0"),
+    (lambda g: ep.Buffer(g, 0, backend="reference"), r"Buffer: num_ep_buffer_bytes must be >= \d+, got 0"),
+    (lambda g: ep.Buffer(g, ep_layout.header_bytes() - 1, backend="reference"),
+     rf"Buffer: num_ep_buffer_bytes must be >= {ep_layout.header_bytes()}, got {ep_layout.header_bytes() - 1}"),
     (lambda g: ep.Buffer(g, 1 << 20, backend="gpu"), r"Buffer: backend must be 'auto', 'cuda' or 'reference'"),
     (lambda g: ep.Buffer(object(), 1 << 20, backend="reference"), r"Buffer: group must provide rank"),
 ])

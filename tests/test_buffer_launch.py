@@ -580,6 +580,42 @@ def test_device_arrays_whose_rows_move_as_vectors_must_start_on_16_bytes(setup):
     assert [launch.kernel for launch in cuda.launches] == ["dispatch"]
 
 
+def test_device_arrays_must_start_on_a_multiple_of_their_element_size(setup):
+    """The kernels load ids, masks, counts, weights and scales element by element: an int64 at an
+    address of 4 mod 8 would stop the kernel and poison the CUDA context. Refused first, with out=
+    (checked once per set of addresses) and without (every call); nothing launched."""
+    buf, cuda, device, inputs = setup
+
+    def shifted(array: np.ndarray, offset_bytes: int) -> DeviceMemoryArray:
+        """``array``'s values, offset_bytes past an aligned start."""
+        backing = np.zeros(array.nbytes + 16, np.uint8)
+        backing[offset_bytes:offset_bytes + array.nbytes] = np.frombuffer(array.tobytes(), np.uint8)
+        memory = device(backing)
+        assert memory.ptr % 16 == 0
+        return DeviceMemoryArray(memory.ptr + offset_bytes, array.shape, array.dtype.name, "cuda", 0, owner=memory)
+
+    kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=True)
+    topk = np.array([[0, 5], [7, -1], [2, 3]], dtype=np.int64)
+    cases = [("topk_idx", dict(topk_idx=shifted(topk, 4)), None, "8-byte int64"),
+             ("active_ranks", dict(active_ranks=shifted(np.ones(R, np.int32), 1)), None, "4-byte int32"),
+             ("out recv_count", {}, lambda out: (out[0], shifted(np.zeros(E // R, np.int32), 2)), "4-byte int32"),
+             ("out recv_scales", {}, lambda out: ((out[0][0], shifted(np.zeros((E // R, R * T, H // 128), np.float32),
+                                                                      2)), out[1]), "4-byte float32")]
+    for name, arrays, make_out, what in cases:
+        for out in ([dispatch_out(device, True)] if make_out else [None, dispatch_out(device, True)]):
+            with pytest.raises(ValueError, match=rf"dispatch: {name} starts at 0x[0-9a-f]+, not on a multiple of its "
+                                                 rf"{what} elements"):
+                buf.dispatch(**(inputs | arrays), **kwargs, out=make_out(out) if make_out else out)
+    assert cuda.launches == [] and buf._num_dispatches == 0
+    _, _, handle, _, _ = buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, True))
+    weights = shifted(np.ones((3, K), np.float32), 2)
+    for out in (None, device(np.zeros((3, H), ml_dtypes.bfloat16))):
+        with pytest.raises(ValueError, match=r"combine: topk_weights starts at 0x[0-9a-f]+, not on a multiple of its "
+                                             r"4-byte float32 elements"):
+            buf.combine(None, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, zero_copy=True, out=out)
+    assert [launch.kernel for launch in cuda.launches] == ["dispatch"]
+
+
 def test_in_process_ranks_on_one_gpu_making_one_call_on_one_stream_are_refused(setup):
     """torch and cupy callers too, as JAX's: a rank's receive half would wait for a peer's send queued
     behind it on the shared stream, until the timeout masked a healthy peer. The Buffer is rank 0 of a
