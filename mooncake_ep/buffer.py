@@ -962,7 +962,8 @@ class Buffer:
         ``call`` is ``"dispatch"`` (``handle`` its own: marked received once the receive half ran,
         failed if it raised) or ``"combine"`` (``handle`` the dispatch it answers). A pending hook
         is counted until it ran, or raised: a hook is called once, so one that raised is no longer
-        pending (its dispatch's handle is refused by combine with the hook's error).
+        pending (its dispatch's handle is then refused by combine with the hook's error, whichever call's
+        hook it was).
 
         With async_finish the kernel runs on the communication stream, not the one the caller's
         arrays (``inputs``, and the views of ``outputs``) were made on. As DeepEP does, the arrays are kept
@@ -1020,13 +1021,14 @@ class Buffer:
 
     @staticmethod
     def _receive(call: str, handle: Handle, receive) -> None:
-        """Run a receive half (None: it ran with the send half), and mark a dispatch's handle."""
+        """Run a receive half (None: it ran with the send half), and mark the dispatch's handle:
+        received, or failed (``"failed"``, or ``"combine_failed"`` for a combine's), which combine
+        then refuses."""
         try:
             if receive is not None:
                 receive()
         except BaseException as error:
-            if call == "dispatch":
-                handle.state["failed"] = f"{type(error).__name__}: {error}"
+            handle.state["failed" if call == "dispatch" else "combine_failed"] = f"{type(error).__name__}: {error}"
             raise
         if call == "dispatch":
             handle.state["received"] = True
@@ -1114,6 +1116,10 @@ class Buffer:
                                f"are undefined: dispatch again")
         if not handle.state["received"]:
             raise RuntimeError(f"{where}: the dispatch of this handle has not received yet: call its hook() first")
+        failed = handle.state.get("combine_failed")
+        if failed is not None:  # its send half ran: another combine would take the same step
+            raise RuntimeError(f"{where}: the receive half of a combine of this handle raised ({failed}), after its "
+                               f"send half ran: dispatch again")
         # One dispatch may be combined again only where the peers read nothing this rank rewrites: its
         # combine_x half is rewritten by a combine that copies into it and by the caller through
         # get_next_combine_buffer, and no combine waits for its readers there (the next dispatch on

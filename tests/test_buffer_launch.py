@@ -216,7 +216,7 @@ def test_a_hook_keeps_the_calls_arrays_until_it_has_launched(setup):
     assert all(ref() is None for ref in alive), "released once the receive half is launched"
 
 
-def test_a_hook_whose_launch_failed_keeps_the_calls_arrays(setup):
+def test_a_combine_hook_whose_launch_failed_keeps_the_calls_arrays_and_its_handle_is_refused(setup):
     """The send half ran, so in-process peers may still read x in place; with the receive half's launch
     failed nothing orders their reads before a reuse of the memory: the hook keeps it."""
     buf, cuda, device, inputs = setup
@@ -244,6 +244,14 @@ def test_a_hook_whose_launch_failed_keeps_the_calls_arrays(setup):
         hook()
     gc.collect()
     assert alive() is not None
+    # The combine's send half ran: another combine of the handle would take the same step. Refused.
+    cuda.combine_launch = real_launch
+    with pytest.raises(RuntimeError, match=r"combine: the receive half of a combine of this handle raised "
+                                           r"\(RuntimeError: cuLaunchKernel: the receive half failed\), after its send "
+                                           r"half ran: dispatch again"):
+        buf.combine(None, inputs["topk_idx"], device(np.ones((3, K), np.float32)), inputs["active_ranks"],
+                    handle=handle, zero_copy=True, out=device(np.zeros((3, H), ml_dtypes.bfloat16)))
+    assert [launch.phases for launch in cuda.launches] == [SEND | RECV, SEND]
 
 
 def test_async_mode_runs_both_halves_on_the_comm_stream_after_the_caller(setup):
