@@ -23,10 +23,10 @@ from mooncake_ep import _constants, _handshake, frameworks, layout, reference
 from mooncake_ep._handshake import CONFIGURATION_FIELDS
 from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array
-from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_array, check_disjoint, check_expert_ids,
-                                    check_experts, check_flags, check_hidden, check_int, check_mutable, check_out,
-                                    check_same_routing, check_timeout, check_vector_aligned, check_element_aligned,
-                                    check_writable, read_out)
+from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_allocatable, check_array, check_disjoint,
+                                    check_element_aligned, check_expert_ids, check_experts, check_flags, check_hidden,
+                                    check_int, check_mutable, check_out, check_same_routing, check_timeout,
+                                    check_vector_aligned, check_writable, read_out)
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -511,6 +511,8 @@ class Buffer:
             specs.append(("recv_scales", scale_shape, "int32" if use_ue8m0 else "float32"))
         specs.append(("recv_count", (num_local_experts,), "int32"))
         check_out(where, out_views, specs, x_view)
+        if out_views is None:
+            check_allocatable(where, "x", x_view)
         return _Plan.of(num_tokens, hidden, num_topk, specs, _dispatch_spans(out_views, active_view, x_view, topk_view))
 
     def _check_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
@@ -737,6 +739,8 @@ class Buffer:
             check_array(where, "x", x_view, dtypes=("bfloat16",), shape=shape, like=topk_view)
         specs = (("combined_x", (handle.num_tokens, handle.hidden), "bfloat16"),)
         check_out(where, out_views, specs, topk_view)
+        if out_views is None:
+            check_allocatable(where, "topk_idx", topk_view)
         combined_view = None if out_views is None else out_views[0][0]
         spans = _combine_spans(combined_view, active_view, x_view, topk_view, weights_view)
         return _Plan.of(handle.num_tokens, handle.hidden, handle.num_topk, specs, spans)
@@ -794,7 +798,9 @@ class Buffer:
 
         Returns:
             ``[num_local_experts, num_ranks * T, hidden]`` bf16 in the caller's framework, laid out as
-            dispatch's recv_x; it belongs to the buffer and is reused two calls later.
+            dispatch's recv_x; it belongs to the buffer and is reused two calls later. Device memory
+            of another DLPack producer gets a :class:`~mooncake_ep.tensor.DeviceMemoryArray`, which
+            any framework's ``from_dlpack`` takes.
 
         Raises:
             TypeError: the dispatch's arrays were JAX arrays, which cannot be written in place.
@@ -814,6 +820,8 @@ class Buffer:
         else:
             array = DeviceMemoryArray(self._combine_buffer_ptr(handle), shape, "bfloat16", "cuda", handle.device_id,
                                       owner=self)
+            if handle.framework == "dlpack":  # no framework of ours holds device memory of that producer
+                return array
         return frameworks.get(handle.framework).wrap(array)
 
     def _combine_buffer_shape(self, handle: Handle) -> tuple[int, int, int]:

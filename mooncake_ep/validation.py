@@ -16,7 +16,7 @@ from mooncake_ep.tensor import ArrayView, read_array
 
 __all__ = ["check_int", "check_hidden", "check_experts", "check_timeout", "check_flags", "check_array",
            "check_expert_ids", "check_same_routing", "read_out", "check_out", "check_writable",
-           "check_vector_aligned", "check_element_aligned", "check_disjoint", "check_mutable", "first_index", "is_raw_bits",
+           "check_vector_aligned", "check_element_aligned", "check_disjoint", "check_allocatable", "check_mutable", "first_index", "is_raw_bits",
            "IMMUTABLE_FRAMEWORKS", "VECTOR_BYTES"]
 
 
@@ -184,6 +184,16 @@ def check_out(where: str, out_views, specs, like: ArrayView) -> None:
     for (view, _), (name, shape, dtype) in zip(out_views, specs):
         check_array(where, f"out {name}", view, dtypes=(dtype,), shape=shape, like=like)
         check_writable(where, f"out {name}", view)
+
+
+def check_allocatable(where: str, name: str, view: ArrayView) -> None:
+    """A call without ``out=`` makes its results in the framework of its array ``view`` on its
+    device; device memory of a DLPack producer other than torch, cupy or JAX has no framework that
+    could (numpy holds host memory only)."""
+    if view.framework == "dlpack" and view.device_type != "cpu":
+        raise TypeError(f"{where}: {name} is {view.device_type} memory of a DLPack producer mooncake_ep cannot make "
+                        f"results for (it makes them as torch, cupy or JAX arrays, or numpy ones on the CPU); pass "
+                        f"out=, or torch, cupy or JAX arrays")
 
 
 def check_writable(where: str, name: str, view: ArrayView) -> None:

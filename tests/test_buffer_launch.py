@@ -566,7 +566,8 @@ def test_device_arrays_whose_rows_move_as_vectors_must_start_on_16_bytes(setup):
     memory = device(np.zeros(3 * H + 8, ml_dtypes.bfloat16))
     shifted = DeviceMemoryArray(memory.ptr + 2, (3, H), "bfloat16", "cuda", 0, owner=memory)  # one bf16 in
     with pytest.raises(ValueError, match=r"dispatch: x starts at 0x[0-9a-f]+, not on a 16-byte boundary"):
-        buf.dispatch(**dict(inputs, x=shifted), num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+        buf.dispatch(**dict(inputs, x=shifted), num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                     out=dispatch_out(device, False))
     recv_x, recv_count = dispatch_out(device, False)
     rows = device(np.zeros((E // R) * R * T * H + 8, ml_dtypes.bfloat16))
     shifted_rows = DeviceMemoryArray(rows.ptr + 8, recv_x.shape, "bfloat16", "cuda", 0, owner=rows)
@@ -579,7 +580,7 @@ def test_device_arrays_whose_rows_move_as_vectors_must_start_on_16_bytes(setup):
     weights = device(np.ones((3, K), np.float32))
     expert_out = device(np.zeros((E // R) * R * T * H + 8, ml_dtypes.bfloat16))
     for x, out, name in [(DeviceMemoryArray(expert_out.ptr + 4, recv_x.shape, "bfloat16", "cuda", 0, owner=expert_out),
-                          None, "x"),
+                          device(np.zeros((3, H), ml_dtypes.bfloat16)), "x"),
                          (None, DeviceMemoryArray(memory.ptr + 6, (3, H), "bfloat16", "cuda", 0, owner=memory),
                           "out combined_x")]:
         with pytest.raises(ValueError, match=rf"combine: {name} starts at 0x[0-9a-f]+, not on a 16-byte boundary"):
@@ -588,11 +589,13 @@ def test_device_arrays_whose_rows_move_as_vectors_must_start_on_16_bytes(setup):
     assert [launch.kernel for launch in cuda.launches] == ["dispatch"]
 
 
-def test_device_arrays_must_start_on_a_multiple_of_their_element_size(setup):
+def test_device_arrays_must_start_on_a_multiple_of_their_element_size(setup, monkeypatch):
     """The kernels load ids, masks, counts, weights and scales element by element: an int64 at an
     address of 4 mod 8 would stop the kernel and poison the CUDA context. Refused first, with out=
     (checked once per set of addresses) and without (every call); nothing launched."""
     buf, cuda, device, inputs = setup
+    # These arrays' producer is no framework that could make results: let the calls without out= go on.
+    monkeypatch.setattr(ep.buffer, "check_allocatable", lambda where, name, view: None)
 
     def shifted(array: np.ndarray, offset_bytes: int) -> DeviceMemoryArray:
         """``array``'s values, offset_bytes past an aligned start."""
@@ -720,11 +723,13 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     assert buf._num_dispatches == 5 and len(cuda.launches) == 5
 
 
-def test_a_note_a_peer_matched_outlives_the_first_ranks_failed_call(setup):
+def test_a_note_a_peer_matched_outlives_the_first_ranks_failed_call(setup, monkeypatch):
     """Rank 0 notes dispatch 0 with T; rank 1 makes it alike (and launches); rank 0's call then fails
     before its launch (its results' allocation). Rank 1's kernel runs with T, so rank 0's note must
     stay: its retry with another T is refused, naming rank 1, and the retry with T runs."""
     buf, cuda, device, inputs = setup
+    # These arrays' producer is no framework that could make results: let the call reach the allocation.
+    monkeypatch.setattr(ep.buffer, "check_allocatable", lambda where, name, view: None)
     local = ep.LocalGroup(R)
     rank0, rank1 = (ep.group.LocalRankGroup(local, rank) for rank in range(R))
     buf._call_claims = rank0
@@ -752,6 +757,26 @@ def test_a_note_a_peer_matched_outlives_the_first_ranks_failed_call(setup):
     buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)),
                  out=dispatch_out(device, False, T - 1))
     assert buf._num_dispatches == 2
+
+
+def test_device_memory_of_an_unknown_dlpack_producer_needs_out(setup):
+    """Without out= a call makes its results in its arrays' framework; device memory of another DLPack
+    producer has none that could. Refused with the plan, before the configuration is agreed on (with
+    ipc, a collective) or anything launched; a zero-copy buffer comes back as a DeviceMemoryArray."""
+    buf, cuda, device, inputs = setup
+    kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+    with pytest.raises(TypeError, match=r"dispatch: x is cuda memory of a DLPack producer mooncake_ep cannot make "
+                                        r"results for .*; pass out=, or torch, cupy or JAX arrays"):
+        buf.dispatch(**inputs, **kwargs)
+    assert cuda.agreed == [] and cuda.launches == [] and buf._num_dispatches == 0
+    _, _, handle, _, _ = buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
+    with pytest.raises(TypeError, match=r"combine: topk_idx is cuda memory of a DLPack producer"):
+        buf.combine(None, inputs["topk_idx"], device(np.ones((3, K), np.float32)), inputs["active_ranks"],
+                    handle=handle, zero_copy=True)
+    combine_buffer = buf.get_next_combine_buffer(handle)
+    assert isinstance(combine_buffer, DeviceMemoryArray) and combine_buffer.shape == (E // R, R * T, H)
+    assert combine_buffer.ptr == buf._combine_buffer_ptr(handle) and combine_buffer.device_type == "cuda"
+    assert [launch.kernel for launch in cuda.launches] == ["dispatch"]
 
 
 def test_ranks_in_processes_agree_on_each_configuration_at_its_first_dispatch_before_anything_is_launched(setup):
