@@ -52,8 +52,9 @@ from mooncake_ep.validation import check_grad_num_topk
 
 __all__ = ["dispatch", "combine", "grad_buffer_size_hint", "DispatchFunction", "CombineFunction"]
 
-# Per dispatch handle of :func:`dispatch`: its recv_count and topk_idx, which combine's backward routes
-# by and checks against (Handle belongs to buffer.py, so they are not stored on it).
+# Per dispatch handle of :func:`dispatch`: its recv_count, topk_idx and the ranks it took as live (its
+# mask after the call), which combine's backward routes by and checks against (Handle belongs to
+# buffer.py, so they are not stored on it).
 _forward_routing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -184,12 +185,14 @@ class DispatchFunction(torch.autograd.Function):
         recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                            num_experts, timeout_us, use_fp8=False)
         # Copies: the caller may write into the recv_count it gets back, and into topk_idx (combine
-        # documents dropping entries with -1), which the backwards route by.
+        # documents dropping entries with -1), which the backwards route by; and active_ranks, which
+        # every later call updates in place.
         forward_count, forward_idx = recv_count.clone(), topk_idx.detach().clone()
-        _forward_routing[handle] = (forward_count, forward_idx)
+        forward_sources = active_ranks.detach() != 0
+        _forward_routing[handle] = (forward_count, forward_idx, forward_sources)
         ctx.mark_non_differentiable(recv_count)
         ctx.save_for_backward(forward_idx)
-        ctx.forward_count = forward_count
+        ctx.forward_count, ctx.forward_sources = forward_count, forward_sources
         # active_ranks is updated in place by every later call: keep the tensor, not a saved version.
         ctx.active_ranks = active_ranks
         ctx.config = (buffer, tuple(x.shape), num_max_dispatch_tokens_per_rank, num_experts, timeout_us)
@@ -207,9 +210,10 @@ class DispatchFunction(torch.autograd.Function):
         zeros = torch.zeros(x_shape, dtype=torch.bfloat16, device=device)
         _, count, handle, _, _ = buffer.dispatch(zeros, topk_idx, ctx.active_ranks, num_max_tokens, num_experts,
                                                  timeout_us, use_fp8=True)
-        # A rank that failed or came back since the forward moved the rows: an expert whose count
-        # differs from the forward's sends zeros, not the gradient rows of other tokens.
-        grad_rows = _where_counts_match(count, ctx.forward_count, grad_recv_x.to(torch.bfloat16))
+        # A rank that failed or came back since the forward moved the rows: an expert whose rows may
+        # differ from the forward's sends zeros, not the gradient rows of other tokens.
+        same = _same_rows(count, ctx.active_ranks, ctx.forward_count, ctx.forward_sources)
+        grad_rows = _where_same(same, grad_recv_x.to(torch.bfloat16))
         ones = torch.ones(topk_idx.shape, dtype=torch.float32, device=device)
         grad_x, _, _ = buffer.combine(grad_rows.contiguous(), topk_idx, ones, ctx.active_ranks, timeout_us, handle)
         return grad_x, None, None, None, None, None, None
@@ -226,7 +230,7 @@ class CombineFunction(torch.autograd.Function):
     def forward(ctx, x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, grad_num_topk, timeout_us):
         need_w = ctx.needs_input_grad[1]  # grad_w reads the forward's expert outputs
         combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
-        forward_count, dispatched_idx = _forward_routing.get(handle, (None, None))
+        forward_count, dispatched_idx, forward_sources = _forward_routing.get(handle, (None, None, None))
         if dispatched_idx is None:  # a handle of Buffer.dispatch: its ids, and its counts where the host has them
             host_ids, result = handle.state.get("topk_idx"), handle.state.get("result")
             given = handle.state.get("topk_idx_array")
@@ -234,10 +238,11 @@ class CombineFunction(torch.autograd.Function):
                               else given if isinstance(given, torch.Tensor) else topk_idx)
             if result is not None:
                 forward_count = torch.from_numpy(result.recv_count)
+                forward_sources = torch.from_numpy(result.active_ranks != 0)
         ctx.save_for_backward(x if need_w else None, topk_idx, topk_weights, dispatched_idx)
         ctx.active_ranks = active_ranks
         ctx.config = (buffer, grad_buffer, handle, grad_num_topk, timeout_us)
-        ctx.forward_count = forward_count
+        ctx.forward_count, ctx.forward_sources = forward_count, forward_sources
         return combined
 
     @staticmethod
@@ -265,11 +270,12 @@ class CombineFunction(torch.autograd.Function):
             raise RankMismatchError(f"mooncake_ep.torch.combine (gradient): {exc}. The gradient is a dispatch of "
                                     f"T * grad_num_topk tokens: where ranks route with different top-k, every "
                                     f"rank must pass combine grad_num_topk=, the largest") from exc
+        # Rows a failure may have moved since the forward come back as zeros, and give none.
+        same = _same_rows(count, ctx.active_ranks, ctx.forward_count, ctx.forward_sources)
         grad_x = grad_w = None
         if need_w:
             padded = torch.zeros(recv.shape, dtype=torch.bfloat16, device=recv.device)
-            # Rows moved by a failure since the forward (count differs) come back as zeros.
-            padded[:, :num_rows] = _where_counts_match(count, ctx.forward_count, expert_out)
+            padded[:, :num_rows] = _where_same(same, expert_out)
             ones = torch.ones(routes.shape, dtype=torch.float32, device=recv.device)
             unsummed, _, _ = grad_buffer.combine(padded, routes, ones, ctx.active_ranks, timeout_us, grad_handle)
             grad_w = (unsummed.float().view(num_tokens, num_topk, hidden) * grad_y32[:, None, :]).sum(-1)
@@ -278,19 +284,36 @@ class CombineFunction(torch.autograd.Function):
         if need_x:
             rows_index = torch.arange(num_rows, device=recv.device)
             valid = rows_index[None, :] < count[:, None]
-            if ctx.forward_count is not None:  # in the mask: one pass over the rows, not two
-                valid &= (count == ctx.forward_count)[:, None]
+            if same is not None:  # in the mask: one pass over the rows, not two
+                valid &= same[:, None]
             grad_x = torch.where(valid[:, :, None], recv[:, :num_rows], torch.zeros((), dtype=recv.dtype,
                                                                                      device=recv.device))
         return grad_x, grad_w, None, None, None, None, None, None, None
 
 
-def _where_counts_match(count: torch.Tensor, forward_count: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` (``[num_local_experts, ...]``) with the experts whose ``count`` differs from the
-    forward's set to 0; as it is without a forward count (a handle of :meth:`Buffer.dispatch`)."""
+def _same_rows(count: torch.Tensor, active_ranks: torch.Tensor, forward_count: torch.Tensor | None,
+               forward_sources: torch.Tensor | None) -> torch.Tensor | None:
+    """``[num_local_experts]`` bool: whether a backward's dispatch (its ``count``, and the ranks it took
+    as live, ``active_ranks`` after it) received each expert's rows from the forward's tokens, in the
+    forward's order; None where the forward's are unknown (a handle of :meth:`Buffer.dispatch`).
+
+    Rows are ordered by source rank, then token. A source lost since the forward shortens the count of
+    every expert it sent rows to, so an equal count means it sent none there and the rows are the
+    forward's. A source gained (one the forward masked, back since) can make up for a lost one's rows
+    with as many of its own, at an equal count: then no expert is trusted. On the device, without a
+    synchronisation."""
     if forward_count is None:
+        return None
+    no_source_gained = ~((active_ranks != 0) & ~forward_sources).any()
+    return (count == forward_count) & no_source_gained
+
+
+def _where_same(same: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (``[num_local_experts, ...]``) with the experts ``same`` (:func:`_same_rows`) leaves out
+    set to 0; as it is where ``same`` is None."""
+    if same is None:
         return rows
-    same = (count == forward_count).reshape((-1,) + (1,) * (rows.dim() - 1))
+    same = same.reshape((-1,) + (1,) * (rows.dim() - 1))
     return torch.where(same, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 

@@ -207,6 +207,41 @@ def test_experts_whose_rows_a_failure_moved_during_the_backward_get_zero_gradien
         assert np.all(grads[r][2][topks[r].numpy() < 4] == 0), f"rank {r}: moved or masked experts' weights"
 
 
+def test_a_rank_that_came_back_since_the_forward_gets_no_other_tokens_gradient():
+    """Expert 2 (rank 2's) has rows from rank 1 only in the forward (ranks 0 and 2 mask each other);
+    before the backward rank 1 drops out of rank 2's view and rank 0 comes back, with as many rows:
+    the count is the same, the rows are other tokens'. Every gradient through expert 2 is then 0, not
+    rank 1's given to rank 0 (review, helper-78). Expert 1 (rank 1's) hears from rank 2, live in both."""
+    num_ranks, T, H, E = 3, 2, 128, 3
+    topks = [torch.tensor([[2], [2]]), torch.tensor([[2], [2]]), torch.tensor([[1], [1]])]
+    forward_masks = [[1, 1, 0], [1, 1, 1], [0, 1, 1]]
+    backward_masks = [[1, 1, 1], [1, 1, 0], [1, 0, 1]]
+    xs, _, _ = make_inputs(6, num_ranks, T, H, E, 1)
+    weights = [torch.tensor([[2.0], [3.0]]), torch.tensor([[5.0], [7.0]]), torch.tensor([[1.0], [1.0]])]
+
+    def rank_fn(group):
+        buffer, grad_buffer = buffers(group, T, H, E, 1)
+        active = torch.tensor(forward_masks[group.rank], dtype=torch.int32)
+        x = xs[group.rank].clone().requires_grad_()
+        w = weights[group.rank].clone().requires_grad_()
+        recv, count, handle = ept.dispatch(buffer, x, topks[group.rank], active, T, E)
+        y = recv.detach().float().bfloat16().requires_grad_()  # identity experts
+        out = ept.combine(buffer, y, topks[group.rank], w, active, handle, grad_buffer=grad_buffer)
+        active.copy_(torch.tensor(backward_masks[group.rank], dtype=torch.int32))  # a failure, and a comeback
+        (out.float().sum() + recv.float().sum()).backward()
+        return count.tolist(), x.grad.float(), w.grad, y.grad.float()
+
+    results = ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+    assert [count for count, *_ in results] == [[0], [2], [2]]
+    for r in (0, 1):  # routed to expert 2 only
+        _, grad_x, grad_w, _ = results[r]
+        assert not grad_x.any() and not grad_w.any(), f"rank {r}: no gradient through expert 2"
+    assert not results[2][3].any(), "expert 2's rows: no gradient"
+    # Expert 1 (rank 1's) received rank 2's tokens in the forward; in the backward ranks 1 and 2 mask
+    # each other, so rank 2's tokens get no gradient back either (lost, not misplaced).
+    assert not results[2][1].any() and not results[2][2].any()
+
+
 def test_ranks_with_different_topk_without_grad_num_topk_are_told_to_pass_it():
     T, H, E = 4, 128, 4
     xs, topks, weights = make_inputs(1, 2, T, H, E, [1, 2])
