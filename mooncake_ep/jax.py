@@ -205,8 +205,9 @@ def _dispatch_bwd(static: _DispatchStatic, residuals, cotangents):
                                                                            use_ue8m0=False)),
                                                 after=(grad_recv_x,))
     # A rank that failed since the forward moved the rows: an expert whose count differs from the
-    # forward's sends zeros, not the gradient rows of other tokens.
-    grad_recv_x = _where_counts_match(count, forward_count, grad_recv_x)
+    # forward's sends zeros, not the gradient rows of other tokens. (No rank can come back here: this
+    # dispatch starts from the forward's mask, and the kernels only ever mask.)
+    grad_recv_x = _where_same(count == forward_count, grad_recv_x)
     ones = jax_args.varying_like(jnp.ones(topk_idx.shape, jnp.float32), grad_recv_x)
     grad_x, _ = jax_ops.combine(where, static.ranks, grad_recv_x, topk_idx, ones, active, handle,
                                 timeout_us=static.timeout_us, renormalize=False,
@@ -292,6 +293,8 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
     """
     where = "mooncake_ep.jax.combine"
     ranks = jax_args.as_ranks(where, buffer)
+    # Here, not only in the op: the gradient's refusal of renormalize reads it before the op checks it.
+    check_flags(where, renormalize=renormalize)
     jax_ops.check_handle(where, handle, ranks)
     grad_num_topk = check_grad_num_topk(where, grad_num_topk, handle.config.num_topk)
     grad_ranks = None if grad_buffer is None else _check_grad_buffer(where, ranks, grad_buffer, handle, grad_num_topk)
@@ -336,9 +339,10 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
     if isinstance(grad_y, jax.custom_derivatives.SymbolicZero):
         return None, None, None, None, None
     where = "mooncake_ep.jax.combine (gradient)"
-    # The likely cause of ranks disagreeing on the gradient's dispatch, which its error cannot know.
-    dispatch_where = (f"{where[:-1]}: a dispatch of T * grad_num_topk tokens; ranks that route with different "
-                      f"top-k pass combine the same grad_num_topk=, the largest)")
+    # The likely cause of ranks disagreeing on the gradient's dispatch, which its error cannot know. (Its
+    # errors all carry it: they arise inside the op, at trace or run time, where no wrapper could pick.)
+    dispatch_where = (f"{where[:-1]}: a dispatch of T * grad_num_topk tokens; where ranks disagree on its T, "
+                      f"they route with different top-k and must pass combine the same grad_num_topk=, the largest)")
     config = handle.config
     num_tokens, num_topk, hidden = config.num_tokens, config.num_topk, config.hidden
     num_rows = config.num_ranks * config.num_max_dispatch_tokens_per_rank
@@ -356,14 +360,14 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
         dispatch_where, static.grad_ranks, rows, routes, active, grad_T, config.num_experts, timeout_us=static.timeout_us,
         use_fp8=False, round_scale=False, use_ue8m0=False, parity=static.grad_parity,
         command_buffer_compatible=static.command_buffer_compatible)
+    same = _same_rows(count, grad_active, handle.recv_count, handle.sources)
     grad_w = None
     if expert_out is not None:
         # <expert_out[row(t, k)], grad_y[t]>: the forward's rows come back unsummed through a combine on the
         # t*K layout with unit weights. recv passes through it, so the next op on grad_buffer (whose inputs
         # derive from recv) cannot be scheduled before it.
-        # Rows a failure moved since the forward (the count differs) come back as zeros.
-        padded = jnp.zeros(recv.shape, jnp.bfloat16).at[:, :num_rows].set(
-            _where_counts_match(count, handle.recv_count, expert_out))
+        # Rows a failure may have moved since the forward come back as zeros, and give none.
+        padded = jnp.zeros(recv.shape, jnp.bfloat16).at[:, :num_rows].set(_where_same(same, expert_out))
         ones = jax_args.varying_like(jnp.ones(routes.shape, jnp.float32), grad_y)
         unsummed, _, recv = jax_ops.combine(where, static.grad_ranks, padded, routes, ones, grad_active, grad_handle,
                                             timeout_us=static.timeout_us, renormalize=False,
@@ -374,7 +378,7 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
         grad_w = _cotangent_like(grad_w, topk_weights)
     grad_x = None
     if want_x:
-        valid = (jnp.arange(num_rows)[None, :] < count[:, None]) & (count == handle.recv_count)[:, None]
+        valid = (jnp.arange(num_rows)[None, :] < count[:, None]) & same[:, None]
         grad_x = _cotangent_like(jnp.where(valid[:, :, None], recv[:, :num_rows], jnp.zeros((), jnp.bfloat16)), x_like)
     return grad_x, None, grad_w, None, None
 
@@ -393,11 +397,23 @@ def _cotangent_like(grad, primal):
     return jax.lax.psum(grad, missing) if missing else grad
 
 
-def _where_counts_match(count, forward_count, rows):
-    """``rows`` (``[num_local_experts, ...]``) with the experts whose ``count`` differs from the
-    forward's set to 0."""
-    same = (count == forward_count).reshape((-1,) + (1,) * (rows.ndim - 1))
-    return jnp.where(same, rows, jnp.zeros((), rows.dtype))
+def _same_rows(count, active, forward_count, forward_sources):
+    """``[num_local_experts]`` bool: whether a gradient's dispatch (its ``count``, and its mask after it,
+    ``active``) received each expert's rows from the forward's tokens, in the forward's order.
+
+    Rows are ordered by source rank, then token. A source lost since the forward shortens the count of
+    every expert it sent rows to, so an equal count means it sent none there. A source gained (one the
+    forward's dispatch masked, back in the mask combine was given) can make up for a lost one's rows
+    with as many of its own: then no expert is trusted (as mooncake_ep.torch does)."""
+    same = count == forward_count
+    if forward_sources is None:  # a handle made otherwise
+        return same
+    return same & ~jnp.any((active != 0) & (forward_sources == 0))
+
+
+def _where_same(same, rows):
+    """``rows`` (``[num_local_experts, ...]``) with the experts ``same`` leaves out set to 0."""
+    return jnp.where(same.reshape((-1,) + (1,) * (rows.ndim - 1)), rows, jnp.zeros((), rows.dtype))
 
 
 def _bind(where: str, op, *args):

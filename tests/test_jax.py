@@ -695,6 +695,40 @@ def test_a_mask_changed_after_the_dispatch_gives_zero_gradients_never_misplaced(
     epj.destroy_buffers(grad_buffers)
 
 
+def test_a_rank_back_in_combines_mask_gets_no_other_tokens_gradient():
+    """The dispatch's mask has ranks 0 and 2 masking each other; combine's has ranks 1 and 2 instead.
+    Expert 2 (rank 2's) had its 2 rows from rank 1; the gradient's dispatch brings it 2 rows from
+    rank 0: the same count, other tokens. Every gradient through expert 2 is 0, not rank 1's given
+    to rank 0 (review, helper-78), as is the forward (rank 2 and its peers masked each other)."""
+    num_ranks, T, H, E = 3, 2, 128, 3
+    devices = cpu_devices(num_ranks)
+    buffers = epj.make_buffers(devices, ep.Buffer.get_ep_buffer_size_hint(T, H, num_ranks, E))
+    grad_buffers = epj.make_buffers(devices, epj.grad_buffer_size_hint(T, H, num_ranks, E, 1))
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+    topk = [np.array([[2], [2]], np.int32), np.array([[2], [2]], np.int32), np.array([[1], [1]], np.int32)]
+    dispatch_masks = [np.array(m, np.int32) for m in ([1, 1, 0], [1, 1, 1], [0, 1, 1])]
+    combine_masks = [np.array(m, np.int32) for m in ([1, 1, 1], [1, 1, 0], [1, 0, 1])]
+    xs = [np.random.default_rng(13 + r).standard_normal((T, H)).astype(BF16) for r in range(num_ranks)]
+    weights = [np.array(w, np.float32) for w in ([[2.0], [3.0]], [[5.0], [7.0]], [[1.0], [1.0]])]
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    def grads(x, topk, w, dispatch_active, combine_active):
+        recv, _, handle, _ = epj.dispatch(buffers, x, topk, dispatch_active, T, E, use_fp8=False)
+
+        def loss(y, w):
+            out, _ = epj.combine(buffers, y, topk, w, combine_active, handle, grad_buffer=grad_buffers)
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1))(recv, w)
+
+    g_y, g_w = (np.asarray(g, np.float32) for g in grads(
+        *(sharded(mesh, a) for a in (xs, topk, weights, dispatch_masks, combine_masks))))
+    assert not g_w.any(), "every token's weight: no gradient through expert 2 (nor through expert 1, masked)"
+    assert not g_y.any(), "expert 2's rows: no gradient"
+    epj.destroy_buffers(buffers)
+    epj.destroy_buffers(grad_buffers)
+
+
 @pytest.mark.parametrize("active_spec", ["per-rank", "replicated"])
 def test_inputs_replicated_over_the_mesh_get_the_sum_of_every_ranks_gradient(active_spec):
     """x, topk_idx and topk_weights given whole to every device (in_specs P()): every rank dispatches the
@@ -952,6 +986,9 @@ def test_unsupported_transformations_name_the_alternative():
                                                                                          case.num_topk)))[0]
     with pytest.raises(TypeError, match=r"renormalize=True is not supported; normalise the weights in the router"):
         jax.grad(lambda w: epj.combine(buffer, recv, topk, w, active2, handle, renormalize=True,
+                                       grad_buffer=grad_buffer)[0].astype(jnp.float32).sum())(w)
+    with pytest.raises(TypeError, match=r"mooncake_ep.jax.combine: renormalize must be a bool, got numpy.bool"):
+        jax.grad(lambda w: epj.combine(buffer, recv, topk, w, active2, handle, renormalize=np.False_,
                                        grad_buffer=grad_buffer)[0].astype(jnp.float32).sum())(w)
     with pytest.raises(ValueError, match=r"grad_buffer must be other Buffers of the same group \(1 ranks\), not the "
                                          r"forward's"):

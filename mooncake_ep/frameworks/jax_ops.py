@@ -130,10 +130,10 @@ class CombineConfig:
     command_buffer_compatible: bool
 
 
-def _register(cls):
+def _register(cls, flatten=lambda h: (h.arrays, h.config), unflatten=None):
     import jax
 
-    jax.tree_util.register_pytree_node(cls, lambda h: (h.arrays, h.config), lambda c, a: cls(c, tuple(a)))
+    jax.tree_util.register_pytree_node(cls, flatten, unflatten or (lambda c, a: cls(c, tuple(a))))
     return cls
 
 
@@ -149,15 +149,19 @@ class Handle:
             (topk_idx: the dispatch's operand, as given); on the CPU recv_count, then recv_src_rank,
             recv_src_token, recv_src_topk ``[num_local_experts, num_ranks * T]`` int32, layout_range
             ``[num_local_experts, num_ranks, 2]`` int32 and the ids as int32.
+        sources: ``[num_ranks]`` int32, the dispatch's mask after it (the ranks whose rows it took),
+            which combine's gradient checks its own against; not an operand of the combine ops. None
+            in handles made otherwise.
 
     Note:
         The fields ``num_tokens``, ``hidden``, ... of the configuration are readable on the handle,
         as on :class:`mooncake_ep.Handle`.
     """
 
-    def __init__(self, config: DispatchConfig, arrays: tuple):
+    def __init__(self, config: DispatchConfig, arrays: tuple, sources=None):
         self.config = config
         self.arrays = tuple(arrays)
+        self.sources = sources
 
     @property
     def recv_count(self):
@@ -212,8 +216,10 @@ def _register_pytrees() -> None:
         return
     with _register_lock:
         if not _registered:
-            for cls in (Handle, PendingDispatch, PendingCombine):
+            for cls in (PendingDispatch, PendingCombine):
                 _register(cls)
+            _register(Handle, lambda h: ((h.arrays, h.sources), h.config),
+                      lambda c, children: Handle(c, tuple(children[0]), children[1]))
             _registered = True
 
 
@@ -360,7 +366,7 @@ def _dispatch_results(config: DispatchConfig, specs, outputs, topk_idx):
     recv_count, active = outputs[num_recv], outputs[num_recv + 1]
     # The CPU path's metadata ends with a copy of the ids; on the GPU the operand itself is kept.
     kept_ids = [topk_idx] if config.backend != "reference" else []
-    handle = Handle(config, (recv_count, *outputs[num_recv + 2:], *kept_ids))
+    handle = Handle(config, (recv_count, *outputs[num_recv + 2:], *kept_ids), sources=active)
     return (recv if config.use_fp8 else recv[0]), recv_count, handle, active
 
 
