@@ -250,6 +250,8 @@ class CombineFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         expert_out, topk_idx, topk_weights, dispatched_idx = ctx.saved_tensors
         buffer, grad_buffer, handle, grad_num_topk, timeout_us = ctx.config
+        if grad_buffer is None:  # CombineFunction.apply called directly, without combine()'s check
+            _check_grad_buffer(buffer, grad_buffer, handle, grad_num_topk)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         num_tokens, num_topk, hidden = handle.num_tokens, handle.num_topk, handle.hidden
         num_rows = buffer.num_ranks * handle.num_max_dispatch_tokens_per_rank

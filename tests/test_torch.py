@@ -422,6 +422,10 @@ def test_refusals_name_the_argument_and_leave_the_buffer_usable():
         with pytest.raises(TypeError, match=r"mooncake_ep.torch.combine: the gradient of combine is a dispatch of "
                                             r"num_tokens \* num_topk rows: pass grad_buffer="):
             ept.combine(buffer, y, topks[0], weights[0], active, handle)
+        direct = ept.CombineFunction.apply(y, weights[0], topks[0], active, handle, buffer, None, None, -1)
+        with pytest.raises(TypeError, match=r"mooncake_ep.torch.combine: the gradient of combine is a dispatch of "
+                                            r"num_tokens \* num_topk rows: pass grad_buffer="):  # the public Function
+            direct.float().sum().backward()
         with pytest.raises(ValueError, match=r"grad_buffer must be another Buffer of the same group"):
             ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=buffer)
         with pytest.raises(ValueError, match=r"grad_buffer has \d+ bytes, the gradient needs \d+ "
