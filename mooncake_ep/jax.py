@@ -278,7 +278,8 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
         The backward routes the gradient with the mask this combine returns. A rank masked after the
         forward's dispatch (by this combine's timeout, or a failure during the backward) changes
         where later ranks' gradient rows land: the experts whose row counts then differ from the
-        forward's give zero gradients (to ``x`` and, through them, to ``topk_weights`` and the
+        forward's (and every expert, if this combine's mask has a rank back that the dispatch's
+        masked) give zero gradients (to ``x`` and, through them, to ``topk_weights`` and the
         dispatch's ``x``) rather than misplaced ones, and the failure shows in ``active_ranks``.
 
         One combine per dispatch: a second combine of ``handle`` (here or with the split form)

@@ -87,8 +87,9 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ran
 
     Note:
         A rank that fails (or comes back) between the forward and the backward moves the gradient
-        rows of the ranks after it: the experts whose row counts then differ from the forward's
-        send a zero gradient rather than other tokens' rows, and active_ranks shows the failure.
+        rows of the ranks after it: the experts whose row counts then differ from the forward's,
+        and every expert once a rank the forward masked is back, send a zero gradient rather than
+        other tokens' rows, and active_ranks shows the failure.
     """
     _check_tensors("mooncake_ep.torch.dispatch", x=x, topk_idx=topk_idx, active_ranks=active_ranks)
     return DispatchFunction.apply(x, topk_idx, active_ranks, buffer, num_max_dispatch_tokens_per_rank,
@@ -130,9 +131,10 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
 
     Note:
         A rank that fails during the backward moves the gradient rows of the ranks after it; with a
-        handle of :func:`dispatch`, the experts whose row counts then differ from the forward's get
-        a zero gradient rather than a misplaced one, and active_ranks shows the failure (a handle
-        of :meth:`Buffer.dispatch` on CUDA tensors does not bring the forward's counts to compare with).
+        handle of :func:`dispatch`, the experts whose row counts then differ from the forward's (and
+        every expert, once a rank the forward's dispatch masked is back) get a zero gradient rather
+        than a misplaced one, and active_ranks shows the failure (a handle of :meth:`Buffer.dispatch`
+        on CUDA tensors does not bring the forward's counts to compare with).
         Differentiable once: a double backward (``create_graph=True``) through it is refused.
     """
     _check_tensors("mooncake_ep.torch.combine", x=x, topk_idx=topk_idx, topk_weights=topk_weights,
