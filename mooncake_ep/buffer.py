@@ -267,7 +267,7 @@ class Buffer:
         return self._cuda.device_id if self._cuda is not None else -1
 
     def _prepare(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *, use_fp8: bool,
-                 round_scale: bool, use_ue8m0: bool) -> None:
+                 round_scale: bool, use_ue8m0: bool, where: str = "dispatch") -> None:
         """Check a dispatch's configuration across ranks and put its layout on the device now (see
         ``CudaBackend.agree_on`` and ``layout_for``).
 
@@ -278,9 +278,20 @@ class Buffer:
         """
         if self._cuda is not None:
             self._cuda.agree_on((num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8, round_scale,
-                                 use_ue8m0))
+                                 use_ue8m0), where)
             self._cuda.layout_for(num_max_dispatch_tokens_per_rank, hidden, num_experts)
             self._cuda.upload_layouts(None)
+
+    def _agree_ahead(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *, use_fp8: bool,
+                     round_scale: bool, use_ue8m0: bool, where: str) -> None:
+        """Agree now on a configuration a later dispatch will use (torch's backward rebuilds a bf16
+        dispatch's routing in fp8): with ranks in processes its first use is a collective, which is
+        best made while every rank is alive, as the forward's was. Nothing for in-process ranks
+        (compared at the call) or where it was agreed already."""
+        configuration = (num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8, round_scale, use_ue8m0)
+        if self._cuda is not None and self._call_claims is None and configuration not in self._claimed_configurations:
+            self._cuda.agree_on(configuration, where)
+            self._claimed_configurations.add(configuration)
 
     # --- sizing ---------------------------------------------------------------------------------
 
@@ -472,6 +483,7 @@ class Buffer:
                 self._num_dispatches += 1
                 if claimed is not None:
                     self._claimed_configurations.add(claimed[1])
+                    self._call_claims.confirm_call(*claimed)
         except BaseException:
             if claimed is not None:  # nothing launched: the ranks may make this call again, differently
                 self._call_claims.withdraw_call(*claimed)

@@ -634,8 +634,8 @@ class LocalRankGroup:
         """Note that this rank makes the call ``name`` with arguments ``call``, unless another rank
         made it already with other arguments: that rank and its arguments are returned, and nothing
         is noted (the caller refuses its call; a retry with the first rank's arguments then passes).
-        So are, to the first rank retrying with other arguments a call whose note a peer matched,
-        the first such peer and the noted arguments.
+        So are, to the first rank retrying with other arguments a call a peer launched against its
+        note (:meth:`confirm_call`), that peer and the noted arguments.
 
         ``name`` is equal on every rank that makes the call (a Buffer's name and a dispatch's number);
         ``call`` is what the ranks must agree on (values compared with ``==``). The kernels of ranks
@@ -643,42 +643,48 @@ class LocalRankGroup:
         peers' would read and write the wrong bytes; ranks in processes check the same with a
         collective, which in-process ranks driven by one thread (a single controller) cannot make.
         A call that fails after this note, before it launched, withdraws it (:meth:`withdraw_call`),
-        unless another rank made the call alike meanwhile: that rank may have launched against it.
-        What this cannot catch: ranks more than ``_CALLS_KEPT`` calls apart, two ranks that
-        disagree making the call at the same instant (both pass), and calls a rank does not claim
-        (the Buffer claims only each configuration's first dispatch on a rank).
+        unless another rank launched the call meanwhile (:meth:`confirm_call`).
+        What this cannot catch: ranks more than ``_CALLS_KEPT`` calls apart, and calls a rank does not
+        claim (the Buffer claims only each configuration's first dispatch on a rank).
         """
-        # No lock (this is on a dispatch's path; each step is one thread-safe operation of a dict or
-        # a deque, with or without the GIL): two ranks' same call interleaved between the lookup and
-        # the store both pass, and the ranks after them compare with the later; ranks that all agree
-        # are never refused.
+        # A lock: claims are made at a configuration's first use only, so it costs no call of a
+        # steady state, and withdraw_call's test and removal must not interleave with a claim.
         group = self.local_group
-        first = group._calls.get(name)
-        if first is not None and first[0] != self.rank:
-            if first[1] != call:
-                return first
-            group._matched_calls.setdefault(name, self.rank)
-            return None
-        if first is not None and first[1] != call and name in group._matched_calls:
-            # This rank's retry, with other arguments, of a call a peer already made with its first ones.
-            return group._matched_calls[name], first[1]
-        group._calls[name] = (self.rank, call)  # first, or this rank's own retry (already in the order)
-        if first is None:
-            group._call_order.append(name)
-        if len(group._call_order) > _CALLS_KEPT:
-            oldest = group._call_order.popleft()
-            group._calls.pop(oldest, None)
-            group._matched_calls.pop(oldest, None)
+        with group._calls_lock:
+            first = group._calls.get(name)
+            if first is not None and first[0] != self.rank:
+                return first if first[1] != call else None
+            launched_by = group._launched_calls.get(name)
+            if first is not None and first[1] != call and launched_by is not None:
+                # This rank's retry, with other arguments, of a call a peer launched with its first ones.
+                return launched_by, first[1]
+            group._calls[name] = (self.rank, call)  # first, or this rank's own retry (already in the order)
+            if first is None:
+                group._call_order.append(name)
+            if len(group._call_order) > _CALLS_KEPT:
+                oldest = group._call_order.popleft()
+                group._calls.pop(oldest, None)
+                group._launched_calls.pop(oldest, None)
         return None
+
+    def confirm_call(self, name: Hashable, call: Hashable) -> None:
+        """This rank launched the call ``name`` it claimed with ``call``: peers may now wait on it, so
+        its note stays, even if the rank that made it withdraws (:meth:`withdraw_call`)."""
+        group = self.local_group
+        with group._calls_lock:
+            first = group._calls.get(name)
+            if first is not None and first[0] != self.rank and first[1] == call:
+                group._launched_calls.setdefault(name, self.rank)
 
     def withdraw_call(self, name: Hashable, call: Hashable) -> None:
         """Forget this rank's note of ``name`` (:meth:`claim_call`) if it is still ``call`` and no other
-        rank made the call alike: the call failed before it launched, and the ranks will make it
-        again, perhaps with other arguments. A note another rank matched stays (that rank may have
-        launched against it), so this rank's retry must then use the same arguments."""
+        rank launched the call: the call failed before it launched, and the ranks will make it again,
+        perhaps with other arguments. A note another rank launched against stays, so this rank's
+        retry must then use the same arguments."""
         group = self.local_group
-        if name not in group._matched_calls and group._calls.get(name) == (self.rank, call):
-            group._calls.pop(name, None)
+        with group._calls_lock:
+            if name not in group._launched_calls and group._calls.get(name) == (self.rank, call):
+                group._calls.pop(name, None)
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order. Collective over the LocalGroup's rank threads.
@@ -776,9 +782,10 @@ class LocalGroup:
         # deleted before it, ~2 us a call.)
         self._calls: dict[Hashable, tuple[int, Hashable]] = {}
         self._call_order: deque[Hashable] = deque()
-        # Those of them another rank made alike, and the first such rank: it may have launched against
-        # the note, which is then kept (withdraw_call) until it ages out.
-        self._matched_calls: dict[Hashable, int] = {}
+        # Those of them another rank launched alike, and the first such rank (confirm_call): the note is
+        # then kept (withdraw_call) until it ages out.
+        self._launched_calls: dict[Hashable, int] = {}
+        self._calls_lock = threading.Lock()
         self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
 
     def __repr__(self) -> str:

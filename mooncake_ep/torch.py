@@ -186,6 +186,9 @@ class DispatchFunction(torch.autograd.Function):
     def forward(ctx, x, topk_idx, active_ranks, buffer, num_max_dispatch_tokens_per_rank, num_experts, timeout_us):
         recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                            num_experts, timeout_us, use_fp8=False)
+        if x.is_cuda:  # the backward's rebuild of this routing, in fp8: agreed now, as this one was
+            buffer._agree_ahead(num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, use_fp8=True,
+                                round_scale=False, use_ue8m0=False, where="mooncake_ep.torch.dispatch")
         # Copies: the caller may write into the recv_count it gets back, and into topk_idx (combine
         # documents dropping entries with -1), which the backwards route by; and active_ranks, which
         # every later call updates in place.

@@ -723,10 +723,11 @@ def test_an_in_process_dispatch_whose_arguments_differ_from_a_peers_same_call_is
     assert buf._num_dispatches == 5 and len(cuda.launches) == 5
 
 
-def test_a_note_a_peer_matched_outlives_the_first_ranks_failed_call(setup, monkeypatch):
-    """Rank 0 notes dispatch 0 with T; rank 1 makes it alike (and launches); rank 0's call then fails
+def test_a_note_a_peer_launched_against_outlives_the_first_ranks_failed_call(setup, monkeypatch):
+    """Rank 0 notes dispatch 0 with T; rank 1 makes it alike and launches; rank 0's call then fails
     before its launch (its results' allocation). Rank 1's kernel runs with T, so rank 0's note must
-    stay: its retry with another T is refused, naming rank 1, and the retry with T runs."""
+    stay: its retry with another T is refused, naming rank 1, and the retry with T runs. Where both
+    failed before launching, both may make the call again with other arguments."""
     buf, cuda, device, inputs = setup
     # These arrays' producer is no framework that could make results: let the call reach the allocation.
     monkeypatch.setattr(ep.buffer, "check_allocatable", lambda where, name, view: None)
@@ -735,10 +736,11 @@ def test_a_note_a_peer_matched_outlives_the_first_ranks_failed_call(setup, monke
     buf._call_claims = rank0
     allocate = buf._allocate
 
-    def peer_matches_then_out_of_memory(plan, like):
+    def peer_launches_then_out_of_memory(plan, like):
         assert rank1.claim_call((buf._token, "dispatch", 0), (T, H, E, False, False, False)) is None
+        rank1.confirm_call((buf._token, "dispatch", 0), (T, H, E, False, False, False))
         raise MemoryError("out of memory")
-    buf._allocate = peer_matches_then_out_of_memory
+    buf._allocate = peer_launches_then_out_of_memory
     kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
     with pytest.raises(MemoryError):
         buf.dispatch(**inputs, **kwargs)
@@ -751,12 +753,24 @@ def test_a_note_a_peer_matched_outlives_the_first_ranks_failed_call(setup, monke
                      out=dispatch_out(device, False, T - 1))
     buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))
     assert buf._num_dispatches == 1 and len(cuda.launches) == 1
-    # A note no peer matched is withdrawn, as before: the ranks may then all make the call otherwise.
+    # A note no peer launched against is withdrawn: the ranks may then all make the call otherwise.
     rank1.claim_call((buf._token, "dispatch", 1), (T, H, E, True, False, False))
     rank1.withdraw_call((buf._token, "dispatch", 1), (T, H, E, True, False, False))
     buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)),
                  out=dispatch_out(device, False, T - 1))
     assert buf._num_dispatches == 2
+    # Both ranks fail before launching (the peer matched, then failed too): both retry otherwise.
+    def peer_matches_then_both_out_of_memory(plan, like):
+        assert rank1.claim_call((buf._token, "dispatch", 2), (T, H, E, True, False, False)) is None
+        raise MemoryError("out of memory")
+    buf._allocate = peer_matches_then_both_out_of_memory
+    with pytest.raises(MemoryError):
+        buf.dispatch(**inputs, **(kwargs | dict(use_fp8=True)))
+    buf._allocate = allocate
+    buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)),
+                 out=dispatch_out(device, False, T - 1))
+    assert rank1.claim_call((buf._token, "dispatch", 2), (T - 1, H, E, False, False, False)) is None
+    assert buf._num_dispatches == 3
 
 
 def test_device_memory_of_an_unknown_dlpack_producer_needs_out(setup):
@@ -802,6 +816,23 @@ def test_ranks_in_processes_agree_on_each_configuration_at_its_first_dispatch_be
     buf.dispatch(**inputs, **kwargs, use_fp8=True, round_scale=True, out=dispatch_out(device, True))
     assert cuda.agreed[2:] == [(T, H, E, True, True, False)] * 2, "asked again after the refusal"
     assert buf._num_dispatches == 5 and len(cuda.launches) == 5
+
+
+def test_a_configuration_agreed_ahead_makes_no_collective_at_its_first_dispatch(setup):
+    """torch's backward rebuilds a bf16 dispatch's routing in fp8: its forward agrees on that
+    configuration too (_agree_ahead), while every rank is alive, so that the first backward holds no
+    collective a dead rank would turn into a GroupError. In-process ranks compare at the call instead."""
+    buf, cuda, device, inputs = setup
+    fp8 = (T, H, E, True, False, False)
+    buf._agree_ahead(T, H, E, use_fp8=True, round_scale=False, use_ue8m0=False, where="mooncake_ep.torch.dispatch")
+    buf._agree_ahead(T, H, E, use_fp8=True, round_scale=False, use_ue8m0=False, where="mooncake_ep.torch.dispatch")
+    assert cuda.agreed == [fp8]
+    buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=True,
+                 out=dispatch_out(device, True))
+    assert cuda.agreed == [fp8] and len(cuda.launches) == 1
+    buf._call_claims = ep.group.LocalRankGroup(ep.LocalGroup(R), 0)
+    buf._agree_ahead(T, H, E, use_fp8=False, round_scale=False, use_ue8m0=False, where="mooncake_ep.torch.dispatch")
+    assert cuda.agreed == [fp8]
 
 
 def test_claim_call_remembers_the_latest_calls_only():

@@ -1118,7 +1118,7 @@ class RecordingCuda:
         self.layouts = []
 
     def agree_on(self, configuration, where="dispatch"):
-        self.layouts.append(("agreed", configuration))
+        self.layouts.append(("agreed", configuration, where))
 
     def layout_for(self, num_max_tokens, hidden, num_experts):
         from mooncake_ep import layout
@@ -1168,7 +1168,7 @@ def test_the_callback_launches_on_xlas_stream_with_the_static_parity():
     config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), x, topk, active, T, E, timeout_us=250,
                                             use_fp8=True, round_scale=False, use_ue8m0=False, parity=1,
                                             command_buffer_compatible=True)
-    assert cuda.layouts == [("agreed", (T, H, E, True, False, False)), (T, H, E), ("uploaded", None)], \
+    assert cuda.layouts == [("agreed", (T, H, E, True, False, False), "test"), (T, H, E), ("uploaded", None)], \
         "the configuration is agreed and the layout uploaded at trace time (synchronously), before any recording"
     assert [(name, shape) for name, shape, _ in specs] == [("recv_x", (2, T, H)), ("recv_scales", (2, T, H // 128)),
                                                           ("recv_count", (2,))]

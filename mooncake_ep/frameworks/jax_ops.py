@@ -303,7 +303,8 @@ def dispatch_config(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max
                             int(num_max_dispatch_tokens_per_rank), use_fp8, round_scale, use_ue8m0,
                             int(timeout_us), parity, command_buffer_compatible)
     for buffer in ranks.buffers:
-        buffer._prepare(config.num_max_dispatch_tokens_per_rank, config.hidden, config.num_experts, **config.flags)
+        buffer._prepare(config.num_max_dispatch_tokens_per_rank, config.hidden, config.num_experts, **config.flags,
+                        where=where)
     return config, specs
 
 
