@@ -634,57 +634,71 @@ class LocalRankGroup:
         """Note that this rank makes the call ``name`` with arguments ``call``, unless another rank
         made it already with other arguments: that rank and its arguments are returned, and nothing
         is noted (the caller refuses its call; a retry with the first rank's arguments then passes).
-        So are, to the first rank retrying with other arguments a call a peer launched against its
-        note (:meth:`confirm_call`), that peer and the noted arguments.
+        So are, to the first rank retrying with other arguments a call a peer made alike and has not
+        withdrawn (it launched, or may yet), that peer and the noted arguments.
 
         ``name`` is equal on every rank that makes the call (a Buffer's name and a dispatch's number);
         ``call`` is what the ranks must agree on (values compared with ``==``). The kernels of ranks
         in one process find a peer's regions at their own offsets, so a rank whose T differs from its
         peers' would read and write the wrong bytes; ranks in processes check the same with a
         collective, which in-process ranks driven by one thread (a single controller) cannot make.
-        A call that fails after this note, before it launched, withdraws it (:meth:`withdraw_call`),
-        unless another rank launched the call meanwhile (:meth:`confirm_call`).
+        Each rank whose claim passed then reports its launch (:meth:`confirm_call`) or its failure
+        before it (:meth:`withdraw_call`); a note goes once no rank launched against it and none
+        that made the call alike is still on its way, so ranks that all failed may call otherwise.
         What this cannot catch: ranks more than ``_CALLS_KEPT`` calls apart, and calls a rank does not
         claim (the Buffer claims only each configuration's first dispatch on a rank).
         """
         # A lock: claims are made at a configuration's first use only, so it costs no call of a
-        # steady state, and withdraw_call's test and removal must not interleave with a claim.
+        # steady state, and a note's test and change must not interleave with another rank's.
         group = self.local_group
         with group._calls_lock:
-            first = group._calls.get(name)
-            if first is not None and first[0] != self.rank:
-                return first if first[1] != call else None
-            launched_by = group._launched_calls.get(name)
-            if first is not None and first[1] != call and launched_by is not None:
-                # This rank's retry, with other arguments, of a call a peer launched with its first ones.
-                return launched_by, first[1]
-            group._calls[name] = (self.rank, call)  # first, or this rank's own retry (already in the order)
-            if first is None:
-                group._call_order.append(name)
+            note = group._calls.get(name)
+            if note is not None and note.rank != self.rank:
+                if note.call != call:
+                    return note.rank, note.call
+                note.in_flight.add(self.rank)
+                return None
+            if note is not None and note.call != call:
+                # This rank's retry, with other arguments, of a call peers made with its first ones.
+                peer = note.launched_by if note.launched_by is not None else min(note.in_flight, default=None)
+                if peer is not None:
+                    return peer, note.call
+            if note is None or note.call != call:
+                if note is None:
+                    group._call_order.append(name)
+                group._calls[name] = _CallNote(self.rank, call)
+            else:  # this rank's own retry, alike
+                note.withdrawn = False
             if len(group._call_order) > _CALLS_KEPT:
-                oldest = group._call_order.popleft()
-                group._calls.pop(oldest, None)
-                group._launched_calls.pop(oldest, None)
+                group._calls.pop(group._call_order.popleft(), None)
         return None
 
     def confirm_call(self, name: Hashable, call: Hashable) -> None:
         """This rank launched the call ``name`` it claimed with ``call``: peers may now wait on it, so
-        its note stays, even if the rank that made it withdraws (:meth:`withdraw_call`)."""
-        group = self.local_group
-        with group._calls_lock:
-            first = group._calls.get(name)
-            if first is not None and first[0] != self.rank and first[1] == call:
-                group._launched_calls.setdefault(name, self.rank)
+        the note stays, even if the rank that made it withdraws (:meth:`withdraw_call`)."""
+        with self.local_group._calls_lock:
+            note = self.local_group._calls.get(name)
+            if note is not None and note.rank != self.rank and note.call == call:
+                note.in_flight.discard(self.rank)
+                if note.launched_by is None:
+                    note.launched_by = self.rank
 
     def withdraw_call(self, name: Hashable, call: Hashable) -> None:
-        """Forget this rank's note of ``name`` (:meth:`claim_call`) if it is still ``call`` and no other
-        rank launched the call: the call failed before it launched, and the ranks will make it again,
-        perhaps with other arguments. A note another rank launched against stays, so this rank's
-        retry must then use the same arguments."""
+        """This rank's call ``name``, claimed with ``call``, failed before it launched; the ranks will
+        make it again, perhaps with other arguments. The note goes once its rank withdrew it and no
+        other rank launched against it or is still on its way to (:meth:`claim_call`)."""
         group = self.local_group
         with group._calls_lock:
-            if name not in group._launched_calls and group._calls.get(name) == (self.rank, call):
-                group._calls.pop(name, None)
+            note = group._calls.get(name)
+            if note is None or note.call != call:
+                return
+            if note.rank == self.rank:
+                note.withdrawn = True
+            else:
+                note.in_flight.discard(self.rank)
+            if note.withdrawn and note.launched_by is None and not note.in_flight:
+                del group._calls[name]
+                group._call_order.remove(name)  # a failure's path: a scan of at most _CALLS_KEPT names
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order. Collective over the LocalGroup's rank threads.
@@ -723,6 +737,20 @@ class LocalRankGroup:
 
 # Calls LocalRankGroup.claim_call remembers: ranks further apart than this go unchecked.
 _CALLS_KEPT = 256
+
+
+class _CallNote:
+    """The first claim of a call (LocalRankGroup.claim_call): its rank and arguments, the other ranks
+    that made it alike and have neither launched nor withdrawn, the first of them that launched, and
+    whether its own rank withdrew it."""
+
+    __slots__ = ("rank", "call", "in_flight", "launched_by", "withdrawn")
+
+    def __init__(self, rank: int, call: Hashable) -> None:
+        self.rank, self.call = rank, call
+        self.in_flight: set[int] = set()
+        self.launched_by: int | None = None
+        self.withdrawn = False
 
 # cudaStreamPerThread's handle: each thread's own default stream.
 _PER_THREAD_STREAM = 2
@@ -780,11 +808,8 @@ class LocalGroup:
         # The latest calls' arguments, by call (LocalRankGroup.claim_call); at most _CALLS_KEPT.
         # (Oldest first in a deque of their own: popping a dict's oldest key scans the slots of those
         # deleted before it, ~2 us a call.)
-        self._calls: dict[Hashable, tuple[int, Hashable]] = {}
+        self._calls: dict[Hashable, _CallNote] = {}
         self._call_order: deque[Hashable] = deque()
-        # Those of them another rank launched alike, and the first such rank (confirm_call): the note is
-        # then kept (withdraw_call) until it ages out.
-        self._launched_calls: dict[Hashable, int] = {}
         self._calls_lock = threading.Lock()
         self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
 

@@ -184,11 +184,11 @@ class DispatchFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_idx, active_ranks, buffer, num_max_dispatch_tokens_per_rank, num_experts, timeout_us):
-        recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
-                                                           num_experts, timeout_us, use_fp8=False)
-        if x.is_cuda:  # the backward's rebuild of this routing, in fp8: agreed now, as this one was
+        if x.is_cuda:  # the backward's rebuild of this routing, in fp8: agreed with this one, before it
             buffer._agree_ahead(num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, use_fp8=True,
                                 round_scale=False, use_ue8m0=False, where="mooncake_ep.torch.dispatch")
+        recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
+                                                           num_experts, timeout_us, use_fp8=False)
         # Copies: the caller may write into the recv_count it gets back, and into topk_idx (combine
         # documents dropping entries with -1), which the backwards route by; and active_ranks, which
         # every later call updates in place.
@@ -234,6 +234,13 @@ class CombineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, grad_num_topk, timeout_us):
         need_w = ctx.needs_input_grad[1]  # grad_w reads the forward's expert outputs
+        if isinstance(grad_buffer, Buffer) and topk_idx.is_cuda and isinstance(handle, Handle):
+            # The backward's dispatch on grad_buffer: agreed now, while every rank is alive (on every rank
+            # that passes grad_buffer, whatever it records: the condition must be the same everywhere).
+            num_topk = check_grad_num_topk("mooncake_ep.torch.combine", grad_num_topk, handle.num_topk)
+            grad_buffer._agree_ahead(handle.num_max_dispatch_tokens_per_rank * num_topk, handle.hidden,
+                                     handle.num_experts, use_fp8=False, round_scale=False, use_ue8m0=False,
+                                     where="mooncake_ep.torch.combine (gradient)")
         combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
         forward_count, dispatched_idx, forward_sources = _forward_routing.get(handle, (None, None, None))
         if dispatched_idx is None:  # a handle of Buffer.dispatch: its ids, and its counts where the host has them

@@ -759,17 +759,26 @@ def test_a_note_a_peer_launched_against_outlives_the_first_ranks_failed_call(set
     buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)),
                  out=dispatch_out(device, False, T - 1))
     assert buf._num_dispatches == 2
-    # Both ranks fail before launching (the peer matched, then failed too): both retry otherwise.
-    def peer_matches_then_both_out_of_memory(plan, like):
-        assert rank1.claim_call((buf._token, "dispatch", 2), (T, H, E, True, False, False)) is None
+    # The peer matched and is on its way when this rank fails: its retry with other arguments is
+    # refused until the peer withdraws too (it failed as well); then both may call otherwise.
+    fp8, name = (T, H, E, True, False, False), (buf._token, "dispatch", 2)
+
+    def peer_matches_then_out_of_memory(plan, like):
+        assert rank1.claim_call(name, fp8) is None
         raise MemoryError("out of memory")
-    buf._allocate = peer_matches_then_both_out_of_memory
+    buf._allocate = peer_matches_then_out_of_memory
     with pytest.raises(MemoryError):
         buf.dispatch(**inputs, **(kwargs | dict(use_fp8=True)))
     buf._allocate = allocate
-    buf.dispatch(**inputs, **(kwargs | dict(num_max_dispatch_tokens_per_rank=T - 1)),
-                 out=dispatch_out(device, False, T - 1))
-    assert rank1.claim_call((buf._token, "dispatch", 2), (T - 1, H, E, False, False, False)) is None
+    fewer_rows = dict(kwargs, num_max_dispatch_tokens_per_rank=T - 1, use_fp8=True)
+    with pytest.raises(ep.RankMismatchError, match=r"rank 1 of this process made dispatch number 2 of this Buffer "
+                                                   rf"with num_max_dispatch_tokens_per_rank {T}, this rank with "
+                                                   rf"{T - 1}"):
+        buf.dispatch(**inputs, **fewer_rows, out=dispatch_out(device, True, T - 1))
+    rank1.withdraw_call(name, fp8)
+    buf.dispatch(**inputs, **fewer_rows, out=dispatch_out(device, True, T - 1))
+    assert rank1.claim_call(name, (T - 1, H, E, True, False, False)) is None
+    assert rank1.claim_call(name, fp8) == (0, (T - 1, H, E, True, False, False))
     assert buf._num_dispatches == 3
 
 
@@ -844,6 +853,14 @@ def test_claim_call_remembers_the_latest_calls_only():
     assert rank1.claim_call(("Buffer", 0), (("T", 16),)) is None, "the oldest call is forgotten"
     assert rank1.claim_call(("Buffer", 2), (("T", 16),)) == (0, (("T", 8),))
     assert len(local._calls) == kept
+    # A call retried after failures is one name in the order, not one per try: it ages out with its turn.
+    for _ in range(2 * kept):
+        assert rank0.claim_call(("Buffer", "retried"), (("T", 8),)) is None
+        rank0.withdraw_call(("Buffer", "retried"), (("T", 8),))
+    assert rank0.claim_call(("Buffer", "retried"), (("T", 8),)) is None
+    assert rank1.claim_call(("Buffer", "retried"), (("T", 16),)) == (0, (("T", 8),))
+    assert rank1.claim_call(("Buffer", kept), (("T", 16),)) == (0, (("T", 8),)), "the others stay"
+    assert len(local._call_order) == len(local._calls) == kept
 
 
 def test_the_per_thread_default_stream_is_each_threads_own():
