@@ -55,7 +55,7 @@ class RankConfig:
         device_name: the GPU in words, for messages.
         num_sms: blocks per launch asked for; 0 = the default share of the device.
         num_device_sms: SMs of the device (0 on the CPU).
-        token: a random name of the Buffer; every rank adopts rank 0's (:func:`buffer_token`).
+        token: a random name of the Buffer; every rank adopts one (:func:`buffer_token`).
     """
 
     version: str
@@ -110,6 +110,11 @@ def check(configs: Sequence[RankConfig], where: str) -> None:
     _same(where, configs, "num_ep_buffer_bytes", "num_ep_buffer_bytes", lambda c: c.num_ep_buffer_bytes,
           "size every rank's buffer with Buffer.get_ep_buffer_size_hint of the same configuration")
     running = [c for c in configs if c.phase == UPDATE]
+    tokens = {r: c.token for r, c in enumerate(configs) if c.phase == UPDATE}
+    if len(set(tokens.values())) > 1:  # with the same size, nothing else tells two Buffers of a group apart
+        raise RankMismatchError(f"{where}: the ranks are updating different Buffers (their names: "
+                                f"{by_rank(tokens)}); every rank must call update_ep_member on its rank of the same "
+                                f"Buffer, in the same order")
     # On the reference backend a collective that timed out on some ranks and completed on others
     # counted its dispatch only where it completed: the update adopts the largest count
     # (running_dispatches), since no device holds a step counter that must agree with it.
@@ -134,9 +139,9 @@ def running_dispatches(configs: Sequence[RankConfig]) -> int:
 
 
 def buffer_token(configs: Sequence[RankConfig]) -> str:
-    """The Buffer's name on every rank: rank 0's token. Rank 0 is never replaced, so a process that
-    replaces a dead rank adopts the survivors' name."""
-    return configs[0].token
+    """The Buffer's name on every rank: the survivors' (the updating ranks', equal: :func:`check`) where
+    some update, so that a process replacing a dead rank, rank 0 included, adopts it; else rank 0's."""
+    return next((c.token for c in configs if c.phase == UPDATE), configs[0].token)
 
 
 def replaced_ranks(configs: Sequence[RankConfig]) -> list[int]:

@@ -311,13 +311,8 @@ class Buffer:
             num_ranks: R.
             num_experts: E, a multiple of R.
         """
-        where = "get_ep_buffer_size_hint"
-        num_max_dispatch_tokens_per_rank = check_int(where, "num_max_dispatch_tokens_per_rank",
-                                                     num_max_dispatch_tokens_per_rank, minimum=1)
-        hidden = check_hidden(where, "hidden", hidden)
-        num_ranks = check_int(where, "num_ranks", num_ranks, minimum=1, maximum=_constants.MAX_RANKS)
-        num_experts = check_experts(where, num_experts, num_ranks)
-        return layout.compute_layout(num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden).num_bytes
+        return _workspace_bytes("get_ep_buffer_size_hint", num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                num_experts)
 
     @staticmethod
     def get_grad_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -335,11 +330,11 @@ class Buffer:
                 :meth:`get_ep_buffer_size_hint`.
             num_topk: K, in [1, 16].
         """
-        num_max_dispatch_tokens_per_rank = check_int("grad_buffer_size_hint", "num_max_dispatch_tokens_per_rank",
+        where = "grad_buffer_size_hint"
+        num_max_dispatch_tokens_per_rank = check_int(where, "num_max_dispatch_tokens_per_rank",
                                                      num_max_dispatch_tokens_per_rank, minimum=1)
-        num_topk = check_int("grad_buffer_size_hint", "num_topk", num_topk, minimum=1, maximum=_constants.MAX_TOPK)
-        return Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank * num_topk, hidden, num_ranks,
-                                              num_experts)
+        num_topk = check_int(where, "num_topk", num_topk, minimum=1, maximum=_constants.MAX_TOPK)
+        return _workspace_bytes(where, num_max_dispatch_tokens_per_rank * num_topk, hidden, num_ranks, num_experts)
 
     # --- dispatch -------------------------------------------------------------------------------
 
@@ -1178,6 +1173,15 @@ class _Plan(NamedTuple):
 _MAX_PLANS = 256
 # Address sets of out= calls a Buffer remembers as disjoint; more than the buffers an engine cycles.
 _MAX_DISJOINT_ADDRESSES = 1024
+
+def _workspace_bytes(where: str, num_max_tokens, hidden, num_ranks, num_experts) -> int:
+    """Bytes of one rank's workspace for a configuration, its arguments checked in ``where``'s name."""
+    num_max_tokens = check_int(where, "num_max_dispatch_tokens_per_rank", num_max_tokens, minimum=1)
+    hidden = check_hidden(where, "hidden", hidden)
+    num_ranks = check_int(where, "num_ranks", num_ranks, minimum=1, maximum=_constants.MAX_RANKS)
+    num_experts = check_experts(where, num_experts, num_ranks)
+    return layout.compute_layout(num_ranks, num_experts, num_max_tokens, hidden).num_bytes
+
 
 def _signature(view: ArrayView) -> tuple:
     """Everything the layout checks read of an array: two arrays with equal signatures pass or fail alike."""

@@ -713,6 +713,46 @@ def test_a_rank_building_a_buffer_while_another_dispatches_raises_on_both():
     check_steps(VCASE, FP8_FLAGS, spawn(2, rank_fn))
 
 
+def test_ranks_updating_different_buffers_are_refused_and_can_update_alike():
+    """Two Buffers of one size: nothing but their names tells them apart, and ranks updating them in
+    different orders had each adopted the other's dispatch count (on the GPU, its peers' workspaces).
+    Refused on every rank with the names, nothing changed; the same order then works (review, helper-81)."""
+    def rank_fn(group):
+        rank = group.rank
+        first, second = new_buffer(group, VCASE), new_buffer(group, VCASE)
+        for _ in range(3):
+            run_step(first, VCASE, rank, BF16_FLAGS)
+        with pytest.raises(ep.RankMismatchError, match=r"update_ep_member: the ranks are updating different Buffers "
+                                                       r"\(their names: rank 0: '[0-9a-f]+', rank 1: '[0-9a-f]+'\); "
+                                                       r"every rank must call update_ep_member on its rank of the "
+                                                       r"same Buffer"):
+            (first if rank == 0 else second).update_ep_member()
+        assert (first._num_dispatches, second._num_dispatches) == (3, 0)
+        assert first.update_ep_member() == [] and second.update_ep_member() == []
+        return run_step(second, VCASE, rank, BF16_FLAGS)
+
+    check_steps(VCASE, BF16_FLAGS, spawn(2, rank_fn))
+
+
+def test_a_buffer_that_replaces_rank_0_takes_the_survivors_name():
+    """The Buffer's name (what its calls are matched by) is the survivors' when a rank builds a fresh
+    Buffer while the others update, rank 0 included; it had been rank 0's new one, which no survivor
+    had, and every later call was refused (review, helper-81)."""
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, VCASE)
+        run_step(buf, VCASE, rank, BF16_FLAGS)
+        if rank == 0:
+            buf = new_buffer(group, VCASE)  # rank 0's process replaced (in-process groups allow it)
+        else:
+            assert buf.update_ep_member() == [0]
+        return buf._token, run_step(buf, VCASE, rank, FP8_FLAGS)
+
+    results = spawn(2, rank_fn)
+    assert results[0][0] == results[1][0]
+    check_steps(VCASE, FP8_FLAGS, [step for _, step in results])
+
+
 def test_a_pending_combine_hook_holds_its_dispatchs_parity_and_update_ep_member():
     """A combine's receive half reads the routing of the dispatch it answers: the dispatch two calls
     later, which rewrites it, waits for that hook, and so does update_ep_member."""

@@ -461,4 +461,6 @@ def test_grad_buffer_size_hint():
     assert ept.grad_buffer_size_hint(8, 256, 2, 4, 3) == ep.Buffer.get_ep_buffer_size_hint(24, 256, 2, 4)
     with pytest.raises(ValueError, match=r"grad_buffer_size_hint: num_topk must be <= 16, got 17"):
         ept.grad_buffer_size_hint(8, 256, 2, 4, 17)
+    with pytest.raises(ValueError, match=r"^grad_buffer_size_hint: hidden must be a multiple of 128, got 100"):
+        ept.grad_buffer_size_hint(8, 100, 2, 4, 2)  # named as the function called, not the one it uses
     assert ept.grad_buffer_size_hint(8, 256, 2, 4, np.int64(3)) == ept.grad_buffer_size_hint(8, 256, 2, 4, 3)
