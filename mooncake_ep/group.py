@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 import weakref
-from collections import Counter, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -664,13 +664,11 @@ class LocalRankGroup:
                 if peer is not None:
                     return peer, note.call
             if note is None or note.call != call:
-                if note is None:
-                    group._call_order.append(name)
-                group._calls[name] = _CallNote(self.rank, call)
+                group._calls[name] = _CallNote(self.rank, call)  # a retry's keeps its place in the order
             else:  # this rank's own retry, alike
                 note.withdrawn = False
-            if len(group._call_order) > _CALLS_KEPT:
-                group._calls.pop(group._call_order.popleft(), None)
+            if len(group._calls) > _CALLS_KEPT:
+                group._calls.popitem(last=False)
         return None
 
     def confirm_call(self, name: Hashable, call: Hashable) -> None:
@@ -698,7 +696,6 @@ class LocalRankGroup:
                 note.in_flight.discard(self.rank)
             if note.withdrawn and note.launched_by is None and not note.in_flight:
                 del group._calls[name]
-                group._call_order.remove(name)  # a failure's path: a scan of at most _CALLS_KEPT names
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order. Collective over the LocalGroup's rank threads.
@@ -805,11 +802,9 @@ class LocalGroup:
         # (rank, call) of the latest call on each stream (LocalRankGroup.claim_stream).
         self._stream_calls: dict[tuple[int, int], tuple[int, Hashable]] = {}
         self._torch_streams: list[Any] = [None] * num_ranks  # torch.cuda.ExternalStream per rank
-        # The latest calls' arguments, by call (LocalRankGroup.claim_call); at most _CALLS_KEPT.
-        # (Oldest first in a deque of their own: popping a dict's oldest key scans the slots of those
-        # deleted before it, ~2 us a call.)
-        self._calls: dict[Hashable, _CallNote] = {}
-        self._call_order: deque[Hashable] = deque()
+        # The latest calls' arguments, by call, oldest first (LocalRankGroup.claim_call); at most
+        # _CALLS_KEPT. Claims are first uses only, under the lock.
+        self._calls: OrderedDict[Hashable, _CallNote] = OrderedDict()
         self._calls_lock = threading.Lock()
         self._rank_groups = [LocalRankGroup(self, r) for r in range(num_ranks)]
 
