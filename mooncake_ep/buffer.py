@@ -290,8 +290,13 @@ class Buffer:
         (compared at the call) or where it was agreed already."""
         configuration = (num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8, round_scale, use_ue8m0)
         if self._cuda is not None and self._call_claims is None and configuration not in self._claimed_configurations:
-            self._cuda.agree_on(configuration, where)
-            self._claimed_configurations.add(configuration)
+            self._agree_on(where, configuration)
+
+    def _agree_on(self, where: str, configuration: tuple) -> None:
+        """``CudaBackend.agree_on`` (with ipc, a collective), remembered: the later dispatches of the
+        configuration skip it, whatever becomes of the call that made it."""
+        self._cuda.agree_on(configuration, where)
+        self._claimed_configurations.add(configuration)
 
     # --- sizing ---------------------------------------------------------------------------------
 
@@ -452,9 +457,8 @@ class Buffer:
             if configuration not in self._claimed_configurations:
                 if self._call_claims is not None:
                     claimed = self._claim_dispatch(where, configuration, timeout_us)
-                else:  # agreed, with ipc in a collective, whatever becomes of the launch
-                    self._cuda.agree_on(configuration, where)
-                    self._claimed_configurations.add(configuration)
+                else:
+                    self._agree_on(where, configuration)
         try:
             outputs = out_views if out_views is not None else self._allocate(plan, x_view)
             handle = Handle(self.buffer_id, self._num_dispatches, parity, plan.num_tokens, plan.hidden, plan.num_topk,
@@ -1173,6 +1177,7 @@ class _Plan(NamedTuple):
 _MAX_PLANS = 256
 # Address sets of out= calls a Buffer remembers as disjoint; more than the buffers an engine cycles.
 _MAX_DISJOINT_ADDRESSES = 1024
+
 
 def _workspace_bytes(where: str, num_max_tokens, hidden, num_ranks, num_experts) -> int:
     """Bytes of one rank's workspace for a configuration, its arguments checked in ``where``'s name."""
