@@ -432,6 +432,15 @@ def test_dead_rank_is_masked(case):
     check_case(case)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async", "hook"])
+def test_a_rank_never_times_out_on_itself(mode):
+    """timeout_us=0 gives up at once on any flag not already there. A rank's own flags and counts come
+    from its own blocks, which are resident with it, so it waits for them without a timeout: one rank
+    alone masks nothing and equals the reference (it had masked itself, its own routing flag a few
+    microseconds late)."""
+    check_case(Case(1, 8, 1024, 4, num_max_tokens=128, use_fp8=True, mode=mode, timeout_us=0))
+
+
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
 def test_a_source_masked_only_by_its_receiver_delivers_nothing(use_fp8):
     """Rank 0 passes rank 2 as masked; rank 2 does not know and sends to rank 0 anyway, flag and all.
