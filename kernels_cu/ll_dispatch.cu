@@ -221,7 +221,8 @@ __device__ int plan_receive(const Layout& layout, uint8_t* workspace, const uint
     int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
 
     for (int src = lane; src < num_ranks; src += kWarpSize) {
-        const int verdict = decide_source(verdicts + src, flags + src, step, active_ranks, src, timeout_ns, start_ns);
+        const int verdict = decide_source(verdicts + src, flags + src, step, active_ranks, src,
+                                          peer_timeout_ns(src, rank, timeout_ns), start_ns);
         s_verdict[src] = verdict;
         // A live verdict was taken on this step's flag, which stays until our next call on this parity.
         s_target[src] = verdict == kSourceLive ? flag_payload(ld_acquire_sys(flags + src)) : 0u;
@@ -499,8 +500,8 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             bool staged = false;
             if (s_verdict[src] == kSourceLive) {
                 const State* src_state = reinterpret_cast<const State*>(route[src] + layout.state);
-                staged = wait_count(src_state->dispatch_staged + parity, s_target[src], active_ranks, src, timeout_ns,
-                                    start_ns);
+                staged = wait_count(src_state->dispatch_staged + parity, s_target[src], active_ranks, src,
+                                    peer_timeout_ns(src, rank, timeout_ns), start_ns);
             }
             s_staged[src] = staged;
             unstaged_here = s_verdict[src] == kSourceLive && !staged;
