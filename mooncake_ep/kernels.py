@@ -115,6 +115,43 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+# Bytes of each end of the NVRTC library that name its build: the ELF headers and build-id note lie at
+# the front, and a rebuild moves the end.
+_BUILD_SAMPLE_BYTES = 1 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def nvrtc_build() -> str:
+    """A hash naming the NVRTC library build this process loaded (a cache key part).
+
+    :func:`nvrtc_version` gives (major, minor) only, and patch releases of one minor version compile
+    the same source to different code. The loaded ``libnvrtc.so`` (found in ``/proc/self/maps``) is
+    named by its size and both ends of its bytes, which read in milliseconds where hashing the whole
+    ~100 MB would take a tenth of a second; "" where the maps cannot be read (the version alone then).
+    """
+    nvrtc_version()  # loads the library
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split(maxsplit=5)[-1].strip() for line in maps
+                            if os.path.basename(line.rstrip()).startswith("libnvrtc.so")})
+    except OSError as exc:
+        logger.debug("no /proc/self/maps to name the NVRTC build: %s", exc)
+        return ""
+    digest = hashlib.sha256()
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(_BUILD_SAMPLE_BYTES)
+                f.seek(max(size - _BUILD_SAMPLE_BYTES, 0))
+                tail = f.read()
+        except OSError as exc:  # unlinked or replaced since it was loaded
+            logger.debug("could not read the loaded NVRTC library %s: %s", path, exc)
+            continue
+        digest.update(str(size).encode() + b"\0" + head + tail)
+    return digest.hexdigest()
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelKey:
     """One specialisation of one kernel.
@@ -146,8 +183,8 @@ class KernelKey:
         from mooncake_ep import __version__
 
         digest = hashlib.sha256()
-        for part in (_CACHE_FORMAT, __version__, repr(nvrtc_version()), self.name, *self.nvrtc_options(),
-                     _cuda_headers_digest()):
+        for part in (_CACHE_FORMAT, __version__, repr(nvrtc_version()), nvrtc_build(), self.name,
+                     *self.nvrtc_options(), _cuda_headers_digest()):
             digest.update(part.encode() + b"\0")
         for name in _source_closure(self.file):
             digest.update(name.encode() + b"\0" + _read_source(name).encode() + b"\0")
@@ -242,11 +279,19 @@ def compile_kernel(key: KernelKey) -> bytes:
 
 
 def default_cache_dir() -> Path:
-    """``$MOONCAKE_EP_CACHE_DIR``, else ``~/.cache/mooncake_ep/kernels`` (XDG_CACHE_HOME honoured)."""
+    """``$MOONCAKE_EP_CACHE_DIR``, else ``$XDG_CACHE_HOME/mooncake_ep/kernels`` (an absolute
+    ``XDG_CACHE_HOME`` only, as the XDG spec says), else ``~/.cache/mooncake_ep/kernels``; where the
+    home folder is unknown (no ``HOME``, a user id without a passwd entry: ``~`` stays ``~``), a
+    folder of this user under the temporary directory, never one relative to the working directory."""
     configured = os.environ.get(_constants.CACHE_DIR_ENV)
     if configured:
         return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    if not os.path.isabs(base):
+        base = os.path.join(tempfile.gettempdir(), f"mooncake_ep-{os.getuid()}")
+        logger.info("mooncake_ep: no home folder; kernel cache under %s (set %s to choose)", base,
+                    _constants.CACHE_DIR_ENV)
     return Path(base) / "mooncake_ep" / "kernels"
 
 
@@ -308,6 +353,20 @@ class KernelCache:
         fd, tmp = self._mkstemp()
         os.close(fd)
         os.unlink(tmp)
+        self._remove_stale_temp_files()
+
+    # A writer renames its temporary file within milliseconds; one this old was left by a process
+    # killed between the two (SIGKILL, the OOM killer), and nothing else would ever remove it.
+    _STALE_TEMP_S = 3600
+
+    def _remove_stale_temp_files(self) -> None:
+        deadline = time.time() - self._STALE_TEMP_S
+        for path in self.directory.glob(".tmp-*.cubin"):
+            try:
+                if path.stat().st_mtime < deadline:
+                    path.unlink()
+            except OSError:  # removed by another process meanwhile, or not ours to remove
+                continue
 
     def load(self, digest: str) -> bytes | None:
         try:
@@ -328,8 +387,11 @@ class KernelCache:
                 os.fchmod(f.fileno(), self._CACHE_FILE_MODE)
                 f.write(hashlib.sha256(cubin).digest() + cubin)
             os.replace(tmp, self._path(digest))
-        except BaseException:
+        except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, OSError):  # a full disk, a quota: say which cache, and how to choose another
+                raise OSError(exc.errno, f"could not write kernel cache entry {self._path(digest)} ({exc.strerror or exc}); "
+                                         f"set {_constants.CACHE_DIR_ENV} to another folder") from exc
             raise
 
 
@@ -347,7 +409,9 @@ def get_cubin(key: KernelKey, cache: KernelCache | None = None) -> tuple[bytes, 
     try:
         cache.save(key.digest, cubin)
     except OSError as exc:
-        logger.warning("mooncake_ep: could not cache kernel %s: %s", key.name, exc)
+        logger.warning("mooncake_ep: could not cache kernel %s (%s, %s): %s", key.name, key.arch,
+                       " ".join(f"{k}={v}" for k, v in key.macros if k.startswith("EP_USE") or k == "EP_SYS_SCOPE"),
+                       exc)
     return cubin, True
 
 

@@ -10,6 +10,7 @@ tests' part (test_gpu_ipc.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import struct
@@ -226,6 +227,21 @@ def test_ranks_with_different_kernels_are_refused_on_every_rank(monkeypatch):
 def test_protocol_digest_ignores_the_gpu_but_not_the_scope():
     assert _cuda_backend.protocol_digest(True) == _cuda_backend.protocol_digest(True)
     assert _cuda_backend.protocol_digest(True) != _cuda_backend.protocol_digest(False)
+
+
+def test_protocol_digest_covers_where_the_layout_puts_each_region(monkeypatch):
+    """Peers write into each other's regions at offsets layout.py computes: two checkouts that place
+    them differently must not connect, even with the same kernels."""
+    before = _cuda_backend.protocol_digest(True)
+    compute = layout.compute_layout
+
+    def moved(*args, **kwargs):
+        computed = compute(*args, **kwargs)
+        offsets = dict(computed.offsets, combine_x=tuple(offset + 256 for offset in computed.offsets["combine_x"]))
+        return dataclasses.replace(computed, offsets=offsets)
+
+    monkeypatch.setattr(layout, "compute_layout", moved)
+    assert _cuda_backend.protocol_digest(True) != before
 
 
 # ----------------------------------------------------------------------------- per-configuration check

@@ -17,8 +17,10 @@ import stat
 import re
 import struct
 import subprocess
+import tempfile
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -299,6 +301,18 @@ def test_digest_changes_with_nvrtc_and_library_version(monkeypatch):
     assert kernels.combine_key(ARCH).digest != before
 
 
+@needs_nvrtc
+def test_digest_changes_with_the_nvrtc_build_of_one_version(monkeypatch):
+    """Patch releases of one minor version compile the same source differently: the loaded library's
+    build is part of the key, not only nvrtcVersion's (major, minor)."""
+    build = kernels.nvrtc_build()
+    if os.path.exists("/proc/self/maps"):
+        assert build, "the loaded libnvrtc.so was not found in /proc/self/maps"
+    before = kernels.combine_key(ARCH).digest
+    monkeypatch.setattr(kernels, "nvrtc_build", lambda: "another build")
+    assert kernels.combine_key(ARCH).digest != before
+
+
 # --- (c) KernelCache: round trip, corrupt entries, atomic writes ----------------------------------
 
 DIGEST = "ab" * 32
@@ -419,8 +433,10 @@ def test_failed_write_leaves_no_temp_file_and_keeps_the_old_entry(tmp_path, monk
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(kernels.os, "replace", replace_fails)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match="No space left") as info:
         cache.save(DIGEST, b"new")
+    assert info.value.errno == 28  # the entry, the cause and the way out:
+    assert str(entry_path(cache)) in str(info.value) and "MOONCAKE_EP_CACHE_DIR" in str(info.value)
     monkeypatch.undo()
     assert temp_files(tmp_path) == []
     assert cache.load(DIGEST) == b"old"
@@ -506,6 +522,32 @@ def test_check_writable_names_the_folder_and_the_variable(where, tmp_path):
     assert str(directory) in str(info.value) and "MOONCAKE_EP_CACHE_DIR" in str(info.value)
     kernels.KernelCache(tmp_path / "x" / "y").check_writable()  # creates what is missing
     assert (tmp_path / "x" / "y").is_dir() and temp_files(tmp_path / "x" / "y") == []
+
+
+def test_check_writable_removes_temp_files_left_by_killed_writers_only(tmp_path):
+    cache = kernels.KernelCache(tmp_path)
+    stale, fresh = tmp_path / ".tmp-killed.cubin", tmp_path / ".tmp-writing.cubin"
+    for path in (stale, fresh):
+        path.write_bytes(b"partial")
+    long_ago = time.time() - 2 * kernels.KernelCache._STALE_TEMP_S
+    os.utime(stale, (long_ago, long_ago))
+    cache.check_writable()
+    assert temp_files(tmp_path) == [fresh.name]  # a writer's file of now is left to its rename
+
+
+@pytest.mark.parametrize("xdg", [None, "relative/cache"])
+def test_default_cache_dir_is_absolute_without_a_home_folder(xdg, monkeypatch):
+    monkeypatch.delenv("MOONCAKE_EP_CACHE_DIR", raising=False)
+    monkeypatch.delenv("HOME", raising=False)
+    if xdg is None:
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    else:  # the XDG spec: a relative XDG_CACHE_HOME is ignored
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    monkeypatch.setattr(kernels.os.path, "expanduser", lambda path: path)  # a user id without a passwd entry
+    directory = kernels.default_cache_dir()
+    assert directory.is_absolute() and str(directory).startswith(tempfile.gettempdir())
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert kernels.default_cache_dir() == Path("/xdg/mooncake_ep/kernels")
 
 
 # --- kernels.warmup --------------------------------------------------------------------------------
@@ -611,6 +653,7 @@ def _blocked(tmp_path: Path) -> Path:
     (["--arch", "sm_50"], "sm_75 or newer"),
     (["--arch", "sm_72"], "sm_75 or newer"),
     (["--arch", "sm_90,,sm_80"], "comma-separated"),
+    (["--arch", "sm_90a"], "warm sm_90 instead of sm_90a"),  # no Buffer loads it
     # well formed, unknown to NVRTC: the list offered holds only what --arch takes (sm_75 on)
     pytest.param(["--arch", "sm_99"], "cannot compile for sm_99; it supports sm_75, ", marks=needs_nvrtc),
     (["--hidden", "1000"], "--hidden must be a multiple of 128, got 1000"),

@@ -115,6 +115,10 @@ def parse_archs(value: str) -> list[str]:
                 kernels.validate_arch(arch)
             except ValueError as exc:
                 raise UsageError(f"--arch: {exc}") from None
+            if not arch[-1].isdigit():  # what no Buffer would load: the cache would stay cold
+                raise UsageError(f"--arch: a Buffer loads the kernels of sm_XY, its device's compute capability, "
+                                 f"never of a suffixed target; warm {arch.rstrip('abcdefghijklmnopqrstuvwxyz')} "
+                                 f"instead of {arch}")
             if arch not in archs:
                 archs.append(arch)
     return archs
