@@ -375,6 +375,8 @@ class Buffer:
                 dispatch after them rewrites the rows it staged for the older one, so every rank
                 must have called that older hook first (its combine in between, received, as in
                 a dispatch-experts-combine step, ensures it; the host can only check its own hooks).
+                The receive half reads ``active_ranks`` when it runs: a rank masked by then sends
+                this rank nothing, one re-admitted by then is received (if it sent).
             out: ``(recv_x, recv_count)`` arrays to write into, shaped as the results (for graphs).
 
         Returns:
@@ -553,8 +555,8 @@ class Buffer:
                                             active_view.numpy().copy())
 
         def receive():
-            result = self._reference.dispatch(gathered, handle.num_max_dispatch_tokens_per_rank, handle.num_experts,
-                                              **flags)
+            result = self._reference.dispatch(_with_receivers_mask(gathered, self.group.rank, active_view),
+                                              handle.num_max_dispatch_tokens_per_rank, handle.num_experts, **flags)
             values = [result.recv_x] + ([result.recv_scales] if flags["use_fp8"] else []) + [result.recv_count]
             for (view, _), value in zip(outputs, values):
                 view.numpy()[...] = value
@@ -640,7 +642,8 @@ class Buffer:
             async_finish, return_recv_hook: as in :meth:`dispatch`. With a hook, in-process peers
                 on one GPU read ``x`` where it is until this rank's ``hook()`` has run on the
                 stream: the call keeps ``x`` alive until then, and the caller must not
-                write it meanwhile.
+                write it meanwhile. The receive half reads ``active_ranks`` when it runs, as
+                dispatch's does, and ``topk_idx`` and ``topk_weights`` too: keep them as passed.
             out: ``[num_tokens, hidden]`` bf16 array to write into.
             renormalize: scale each token's live weights so they sum to the sum of all its weights
                 (live weights summing to 0 are kept as they are for a sum of 0, else dropped).
@@ -778,7 +781,8 @@ class Buffer:
         topk, weights = topk_view.numpy().copy(), weights_view.numpy().copy()
 
         def receive():
-            combined, mask = self._reference.combine(gathered, topk, weights, renormalize=renormalize)
+            combined, mask = self._reference.combine(_with_receivers_mask(gathered, self.group.rank, active_view), topk,
+                                                     weights, renormalize=renormalize)
             outputs[0][0].numpy()[...] = combined
             _write_mask(active_view, mask)
         return receive
@@ -1277,6 +1281,17 @@ def _caller_arrays(outputs, like: ArrayView) -> list:
         return [obj for _, obj in outputs]
     fw = frameworks.get(like.framework)
     return [fw.from_numpy(view.numpy(), like) for view, _ in outputs]
+
+
+def _with_receivers_mask(gathered: list[tuple], rank: int, active_view: ArrayView) -> list[tuple]:
+    """The exchanged arrays (every rank's, its active_ranks last) with this rank's mask as its receive
+    half reads it: now, as the kernels read the caller's array when that half runs (a hook, later).
+    Its send half skipped the ranks the mask of the call marked, itself included, so its entry for
+    itself stays 0 if it was 0 then."""
+    sent = gathered[rank][-1]
+    now = np.array(active_view.numpy(), dtype=np.int32, copy=True)
+    now[rank] = now[rank] if sent[rank] else 0
+    return [*gathered[:rank], (*gathered[rank][:-1], now), *gathered[rank + 1:]]
 
 
 def _write_mask(view: ArrayView, mask: np.ndarray) -> None:

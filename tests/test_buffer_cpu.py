@@ -633,6 +633,50 @@ def test_a_receive_hook_writes_only_the_ranks_it_masked():
             np.testing.assert_array_equal(mask, expected)
 
 
+def test_a_receive_hook_reads_this_ranks_mask_when_it_runs_as_the_kernels_do():
+    """The receive half reads the caller's active_ranks when hook() runs (the kernels' does): a peer
+    masked between the halves delivers no rows and adds no expert outputs; a peer re-admitted by then
+    is received. The send half went by the mask of the call: a rank masked in its own mask then
+    never sent itself rows, so it gets none from itself (and masks itself) even if re-admitted."""
+    num_ranks, num_experts, num_tokens, hidden = 2, 4, 2, 128
+    topk = np.array([[0, 2], [1, 3]])  # each token to one expert on each rank
+
+    def rank_fn(group, scenario):
+        rank, peer = group.rank, 1 - group.rank
+        buf = ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(num_tokens, hidden, num_ranks, num_experts),
+                        backend="reference")
+        x = np.full((num_tokens, hidden), rank + 1, reference.bfloat16)
+        active = np.ones(num_ranks, np.int32)
+        if scenario == "combine":  # rank r's experts multiply by 10 (r + 1); the peer masked before the hook
+            recv_x, _, handle, _, _ = buf.dispatch(x, topk, active, num_tokens, num_experts, use_fp8=False)
+            expert_out = (recv_x.astype(np.float32) * 10 * (rank + 1)).astype(reference.bfloat16)
+            combined, _, hook = buf.combine(expert_out, topk, np.ones((num_tokens, 2), np.float32), active, -1,
+                                            handle, return_recv_hook=True)
+            active[peer] = 0
+            hook()
+            return combined.astype(np.float32)[:, 0].tolist(), active.tolist()
+        masked_at_call = {"mask": None, "readmit": peer if rank == 0 else None, "self": rank}[scenario]
+        if masked_at_call is not None:
+            active[masked_at_call] = 0
+        _, count, _, _, hook = buf.dispatch(x, topk, active, num_tokens, num_experts, use_fp8=False, timeout_us=0,
+                                            return_recv_hook=True)
+        if scenario == "mask":
+            active[peer] = 0
+        elif masked_at_call is not None:
+            active[masked_at_call] = 1
+        hook()
+        return count.tolist(), active.tolist()
+
+    mask, readmit, itself, combine = (spawn(num_ranks, rank_fn, scenario)
+                                      for scenario in ("mask", "readmit", "self", "combine"))
+    assert mask == [([1, 1], [1, 0]), ([1, 1], [0, 1])]  # own rows only
+    # Rank 0 re-admitted rank 1, which had sent it its rows; rank 1 got nothing from rank 0, whose
+    # send half skipped it, and masked it.
+    assert readmit == [([2, 2], [1, 1]), ([1, 1], [0, 1])]
+    assert itself == [([1, 1], [0, 1]), ([1, 1], [1, 0])]  # each rank's rows from its peer only
+    assert combine == [([10.0, 10.0], [1, 0]), ([40.0, 40.0], [0, 1])]  # x (r + 1) times own experts only
+
+
 def test_a_receive_hook_that_raises_is_no_longer_pending_and_its_handle_is_refused():
     def rank_fn(group):
         rank = group.rank

@@ -441,6 +441,46 @@ def test_a_rank_never_times_out_on_itself(mode):
     check_case(Case(1, 8, 1024, 4, num_max_tokens=128, use_fp8=True, mode=mode, timeout_us=0))
 
 
+@pytest.mark.parametrize("scenario", ["mask", "readmit", "self"])
+def test_a_receive_hook_reads_the_mask_when_it_runs(scenario):
+    """As test_buffer_cpu.py's reference case of the same name: the receive half that hook() launches
+    reads active_ranks then. mask: the peer masked between the halves delivers nothing; readmit: rank 0
+    masked rank 1 at the call (its send half skipped it) and re-admitted it before the hook, which then
+    receives rank 1's rows, while rank 1 times out on rank 0; self: each rank masked itself at the call,
+    so its send half never signalled it, and its hook gives up on itself at once, even with
+    timeout_us=-1 (a rank never times out on itself: it would have waited forever)."""
+    num_ranks, num_experts, num_tokens, hidden = 2, 4, 2, 128
+
+    def rank_fn(group):
+        rank, peer = group.rank, 1 - group.rank
+        buffer = ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(num_tokens, hidden, num_ranks, num_experts))
+        x = torch.full((num_tokens, hidden), rank + 1, dtype=torch.bfloat16, device="cuda")
+        topk = torch.tensor([[0, 2], [1, 3]], device="cuda")  # each token to one expert on each rank
+        active = torch.ones(num_ranks, dtype=torch.int32, device="cuda")
+        masked_at_call = {"mask": None, "readmit": peer if rank == 0 else None, "self": rank}[scenario]
+        if masked_at_call is not None:
+            active[masked_at_call] = 0
+        settle(group)
+        # readmit: rank 1 waits for the routing flag rank 0's send half never sent it
+        timeout_us = FAULT_TIMEOUT_US if scenario == "readmit" else -1
+        _, count, _, _, hook = buffer.dispatch(x, topk, active, num_tokens, num_experts, timeout_us=timeout_us,
+                                               use_fp8=False, return_recv_hook=True)
+        if scenario == "mask":
+            active[peer] = 0
+        elif masked_at_call is not None:
+            active[masked_at_call] = 1
+        hook()
+        result = to_numpy(count).tolist(), to_numpy(active).tolist()
+        buffer.destroy()
+        return result
+
+    expected = {"mask": [([1, 1], [1, 0]), ([1, 1], [0, 1])],
+                "readmit": [([2, 2], [1, 1]), ([1, 1], [0, 1])],
+                "self": [([1, 1], [0, 1]), ([1, 1], [1, 0])]}[scenario]
+    assert ep.LocalGroup(num_ranks, devices=[0] * num_ranks).spawn(rank_fn) == expected
+    assert_context_healthy()
+
+
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
 def test_a_source_masked_only_by_its_receiver_delivers_nothing(use_fp8):
     """Rank 0 passes rank 2 as masked; rank 2 does not know and sends to rank 0 anyway, flag and all.
