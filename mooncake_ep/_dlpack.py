@@ -311,7 +311,9 @@ def open_capsule(capsule: Any, name: str) -> CapsuleTensor:
         used_name = _USED_LEGACY_NAME
     else:
         raise TypeError(f"{name}: __dlpack__ returned a capsule named {capsule_name!r}, expected "
-                        f"'dltensor' or 'dltensor_versioned' (a 'used_' name was consumed already)")
+                        f"'dltensor' or 'dltensor_versioned' (a 'used_' name was consumed already: a bare "
+                        f"capsule is read once, by the call it is passed to, even one that was then refused; "
+                        f"export the array again for each call)")
     tensor = managed.dl_tensor
     ndim = tensor.ndim
     return CapsuleTensor(

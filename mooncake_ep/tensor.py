@@ -441,6 +441,9 @@ def _view_from_capsule(capsule: Any, obj: Any, name: str, framework: str) -> Arr
     shape = opened.shape
     # NULL strides: compact row-major
     strides = opened.strides if opened.strides is not None else c_contiguous_strides(shape)
+    if not opened.ptr and math.prod(shape):  # as torch's reader refuses: a kernel would fault on address 0
+        raise TypeError(f"{name} has no memory (its DLPack data pointer is NULL): a fake or meta tensor's export; "
+                        f"pass an array with memory")
     # Checked before consuming: a refused capsule stays with its producer's destructor.
     owner = _dlpack.consume_capsule(capsule, opened, name)
     # A JAX capsule's readonly (opened.readonly is set) keeps it from out= and active_ranks even where a

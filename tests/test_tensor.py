@@ -326,7 +326,8 @@ def test_consumed_capsule_calls_producer_deleter():
     capsule = base.__dlpack__(max_version=DLPACK_VERSION)
     view = read_array(capsule, name="test: x")
     assert _capsule_name(capsule) == b"used_dltensor_versioned"
-    with pytest.raises(TypeError, match="test: again.*consumed already"):
+    with pytest.raises(TypeError, match="test: again.*consumed already: a bare capsule is read once.*export the array "
+                                        "again for each call"):
         read_array(capsule, name="test: again")
     alias = view.numpy()
     del base, capsule, view
@@ -427,6 +428,21 @@ def test_jax_buffer_callback_buffers_keep_their_flags():
     result = buffer_callback(callback, jax.ShapeDtypeStruct((3,), jnp.int32))(jnp.zeros(3, jnp.int32))
     assert seen == [(False, False), (True, False)]
     np.testing.assert_array_equal(np.asarray(result), [7, 7, 7])
+
+
+def test_a_capsule_without_memory_is_refused_and_left_unconsumed():
+    """A fake or meta tensor's export has elements and a NULL data pointer: refused as torch's reader
+    refuses such a tensor, before a kernel would be handed address 0; the producer still frees it."""
+    array, alive = exported(positional((4,), "float32"))
+    capsule = array.__dlpack__()
+    DLManagedTensor.from_address(_capsule_pointer(capsule, b"dltensor")).dl_tensor.data = None
+    with pytest.raises(TypeError, match=r"^dispatch: active_ranks has no memory \(its DLPack data pointer is NULL\)"):
+        read_array(capsule, name="dispatch: active_ranks")
+    assert _capsule_name(capsule) == b"dltensor"
+    empty = positional((0, 4), "float32").__dlpack__()  # no elements: a NULL pointer is fine
+    assert read_array(empty, name="test: empty").shape == (0, 4)
+    del array, capsule
+    assert alive() is None
 
 
 def test_unsupported_device_leaves_capsule_unconsumed():
