@@ -20,13 +20,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mooncake_ep import _constants, _handshake, frameworks, layout, reference
+from mooncake_ep._dlpack import is_capsule
 from mooncake_ep._handshake import CONFIGURATION_FIELDS
 from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array
 from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_allocatable, check_array, check_disjoint,
                                     check_element_aligned, check_expert_ids, check_experts, check_flags, check_hidden,
                                     check_int, check_mutable, check_out, check_same_routing, check_timeout,
-                                    check_vector_aligned, check_writable, read_out)
+                                    check_vector_aligned, check_writable, read_out, stream_handle)
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -345,12 +346,13 @@ class Buffer:
 
     def dispatch(self, x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                  timeout_us: int = _constants.TIMEOUT_FOREVER, use_fp8: bool = True, async_finish: bool = False,
-                 return_recv_hook: bool = False, *, round_scale: bool = False, use_ue8m0: bool = False, out=None):
+                 return_recv_hook: bool = False, *, round_scale: bool = False, use_ue8m0: bool = False, out=None,
+                 stream=None):
         """Send each token to the ranks owning its top-k experts; receive this rank's experts' tokens.
 
         The positional arguments are Mooncake EP's, in its order (``... timeout_us, use_fp8,
-        async_finish, return_recv_hook``); DeepEP's scale options and ``out`` are keywords only, so
-        that a positional call written for Mooncake EP cannot set them.
+        async_finish, return_recv_hook``); DeepEP's scale options, ``out`` and ``stream`` are keywords
+        only, so that a positional call written for Mooncake EP cannot set them.
 
         Args:
             x: ``[num_tokens, hidden]`` bf16, num_tokens <= num_max_dispatch_tokens_per_rank, hidden a
@@ -378,6 +380,11 @@ class Buffer:
                 The receive half reads ``active_ranks`` when it runs: a rank masked by then sends
                 this rank nothing, one re-admitted by then is received (if it sent).
             out: ``(recv_x, recv_count)`` arrays to write into, shaped as the results (for graphs).
+            stream: the CUDA stream to launch on instead of the arrays' framework's current one: a
+                ``torch.cuda.Stream``, a ``cupy.cuda.Stream`` or a ``cudaStream_t`` as an int. The
+                arrays' pending writes on their framework's current stream are waited for (through
+                DLPack). Needed for device arrays of other DLPack producers, which have no current
+                stream (they are otherwise launched on the legacy default stream, 0).
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``:
@@ -402,7 +409,9 @@ class Buffer:
         if self._destroyed:  # the flag first: this is every call's path
             self._check_alive(where)
         x_view = read_array(x, name="dispatch: x")
-        stream_ptr = self._stream_for(where, "x", x_view)
+        stream_ptr = self._stream_for(where, "x", x_view, stream)
+        if stream is not None and not is_capsule(x):  # x's writes before the given stream's launch too
+            x_view = read_array(x, name="dispatch: x", stream=stream_ptr)
         order = _dlpack_stream(x_view, stream_ptr)
         topk_view = read_array(topk_idx, name="dispatch: topk_idx", stream=order)
         active_view = read_array(active_ranks, name="dispatch: active_ranks", stream=order)
@@ -621,7 +630,7 @@ class Buffer:
 
     def combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us: int = _constants.TIMEOUT_FOREVER,
                 handle: Handle | None = None, zero_copy: bool = False, async_finish: bool = False,
-                return_recv_hook: bool = False, out=None, renormalize: bool = False):
+                return_recv_hook: bool = False, out=None, renormalize: bool = False, *, stream=None):
         """Bring expert outputs back to the tokens' ranks and sum them with the routing weights.
 
         Args:
@@ -645,6 +654,7 @@ class Buffer:
                 write it meanwhile. The receive half reads ``active_ranks`` when it runs, as
                 dispatch's does, and ``topk_idx`` and ``topk_weights`` too: keep them as passed.
             out: ``[num_tokens, hidden]`` bf16 array to write into.
+            stream: as in :meth:`dispatch`.
             renormalize: scale each token's live weights so they sum to the sum of all its weights
                 (live weights summing to 0 are kept as they are for a sum of 0, else dropped).
 
@@ -663,7 +673,9 @@ class Buffer:
                             f"has no active_ranks); pass handle=handle")
         self._check_handle(where, handle)
         topk_view = read_array(topk_idx, name="combine: topk_idx")
-        stream_ptr = self._stream_for(where, "topk_idx", topk_view)
+        stream_ptr = self._stream_for(where, "topk_idx", topk_view, stream)
+        if stream is not None and not is_capsule(topk_idx):  # its writes before the given stream's launch too
+            topk_view = read_array(topk_idx, name="combine: topk_idx", stream=stream_ptr)
         order = _dlpack_stream(topk_view, stream_ptr)
         weights_view = read_array(topk_weights, name="combine: topk_weights", stream=order)
         active_view = read_array(active_ranks, name="combine: active_ranks", stream=order)
@@ -929,10 +941,13 @@ class Buffer:
 
     # --- shared steps ---------------------------------------------------------------------------
 
-    def _stream_for(self, where: str, name: str, view: ArrayView) -> int:
-        """The caller's current stream for a CUDA array (0 for host arrays), checking the backend;
-        ``name``: the call's first array, ``view``."""
+    def _stream_for(self, where: str, name: str, view: ArrayView, stream=None) -> int:
+        """The launch stream for a CUDA array: ``stream`` if given, else its framework's current stream
+        (0 for host arrays), checking the backend; ``name``: the call's first array, ``view``."""
         if view.device_type == "cpu":
+            if stream is not None:
+                raise ValueError(f"{where}: stream is for CUDA arrays; {name} is a host array (the reference "
+                                 f"backend runs on the calling thread)")
             return 0
         if self._cuda is None:
             raise TypeError(f"{where}: {name} is on cuda:{view.device_id}, and this Buffer runs on the numpy "
@@ -940,6 +955,8 @@ class Buffer:
         if view.device_id != self._cuda.device_id:
             raise TypeError(f"{where}: {name} is on cuda:{view.device_id}, this Buffer's rank uses "
                             f"cuda:{self._cuda.device_id}")
+        if stream is not None:
+            return stream_handle(where, stream)
         return frameworks.get(view.framework).current_stream(view.device_id)
 
     def _launch_stream(self, async_finish: bool, stream_ptr: int) -> int:
@@ -968,7 +985,8 @@ class Buffer:
                     f"rank {other} of this process made the same call; ranks sharing a stream serialise, and a "
                     f"rank's receive half would wait for a peer's send queued behind it until the timeout masked "
                     f"that peer. Give each rank a stream of its own (LocalGroup.spawn makes one current in each "
-                    f"rank's thread), or pass async_finish=True (each rank's communication stream)")
+                    f"rank's thread; or pass it as stream=), or pass async_finish=True (each rank's communication "
+                    f"stream)")
         launch_stream = self._launch_stream(async_finish, stream_ptr)
         if return_recv_hook:
             launch(_SEND, launch_stream)

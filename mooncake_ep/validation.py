@@ -7,6 +7,7 @@ state, so a refused call leaves the Buffer as it was.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,27 @@ def check_grad_num_topk(where: str, grad_num_topk, num_topk: int) -> int:
 def check_timeout(where: str, timeout_us) -> int:
     return check_int(where, "timeout_us", timeout_us, minimum=_constants.TIMEOUT_FOREVER,
                      maximum=_constants.MAX_TIMEOUT_US)
+
+
+def stream_handle(where: str, stream) -> int:
+    """A ``stream=`` argument as the ``cudaStream_t`` it names: a ``torch.cuda.Stream`` (its
+    ``cuda_stream``), a ``cupy.cuda.Stream`` (its ``ptr``) or an int >= 0."""
+    handle = getattr(stream, "cuda_stream", None)  # torch
+    if handle is None:
+        handle = getattr(stream, "ptr", None)  # cupy
+    if handle is None:
+        handle = stream
+    if isinstance(handle, bool):
+        raise TypeError(f"{where}: stream must be a torch.cuda.Stream, a cupy.cuda.Stream or a cudaStream_t as an "
+                        f"int, got bool")
+    try:
+        value = operator.index(handle)
+    except TypeError:
+        raise TypeError(f"{where}: stream must be a torch.cuda.Stream, a cupy.cuda.Stream or a cudaStream_t as an "
+                        f"int, got {type(stream).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{where}: stream must name a CUDA stream (a cudaStream_t, an int >= 0), got {value}")
+    return value
 
 
 def check_bool(where: str, name: str, value) -> None:

@@ -627,6 +627,55 @@ def test_device_arrays_must_start_on_a_multiple_of_their_element_size(setup, mon
     assert [launch.kernel for launch in cuda.launches] == ["dispatch"]
 
 
+class StreamRecordingArray(DeviceMemoryArray):
+    """A CUDA producer that notes the stream each export is made for (DLPack: the consumer's stream,
+    which the producer makes wait for its pending writes)."""
+
+    def __dlpack__(self, stream=None, **kwargs):
+        self.streams.append(stream)
+        return super().__dlpack__(stream, **kwargs)
+
+
+def stream_recording(array: DeviceMemoryArray) -> StreamRecordingArray:
+    recording = StreamRecordingArray(array.ptr, array.shape, array.dtype, "cuda", 0, owner=array)
+    recording.streams = []
+    return recording
+
+
+def test_stream_is_the_launch_stream_and_the_arrays_are_exported_for_it(setup):
+    """stream=: both halves and the combine launch there, not on the framework's current stream (the
+    legacy stream for DLPack producers), and every array is exported for it, x too, so its producer
+    orders its pending writes before the launch."""
+    buf, cuda, device, inputs = setup
+    arrays = {name: stream_recording(array) for name, array in inputs.items()}
+    kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+    torch_like, cupy_like = type("Stream", (), {"cuda_stream": 0xAB})(), type("Stream", (), {"ptr": 0xCD})()
+    _, _, handle, _, hook = buf.dispatch(*arrays.values(), **kwargs, return_recv_hook=True,
+                                         out=dispatch_out(device, False), stream=torch_like)
+    hook()
+    assert all(array.streams[-1] == 0xAB for array in arrays.values()), {k: a.streams for k, a in arrays.items()}
+    weights = stream_recording(device(np.ones((3, K), np.float32)))
+    buf.combine(None, arrays["topk_idx"], weights, arrays["active_ranks"], -1, handle, zero_copy=True,
+                out=device(np.zeros((3, H), ml_dtypes.bfloat16)), stream=cupy_like)
+    assert weights.streams == [0xCD]
+    buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False), stream=0x5EED)
+    assert [(l.kernel, l.phases, l.stream) for l in cuda.launches] == [
+        ("dispatch", SEND, 0xAB), ("dispatch", RECV, 0xAB), ("combine", SEND | RECV, 0xCD),
+        ("dispatch", SEND | RECV, 0x5EED)]
+    # Refused before anything is launched or counted, naming the argument:
+    for stream, error, message in (("s", TypeError, r"dispatch: stream must be a torch.cuda.Stream, a "
+                                                      r"cupy.cuda.Stream or a cudaStream_t as an int, got str"),
+                                   (True, TypeError, r"dispatch: stream must be .* got bool"),
+                                   (-2, ValueError, r"dispatch: stream must name a CUDA stream .* got -2")):
+        with pytest.raises(error, match=message):
+            buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False), stream=stream)
+    host = dict(x=np.zeros((3, H), ml_dtypes.bfloat16), topk_idx=np.zeros((3, K), np.int64),
+                active_ranks=np.ones(R, np.int32))
+    with pytest.raises(ValueError, match=r"dispatch: stream is for CUDA arrays; x is a host array"):
+        buf.dispatch(**host, **kwargs, stream=0xAB)
+    assert len(cuda.launches) == 4 and buf._num_dispatches == 2
+
+
 def test_in_process_ranks_on_one_gpu_making_one_call_on_one_stream_are_refused(setup):
     """torch and cupy callers too, as JAX's: a rank's receive half would wait for a peer's send queued
     behind it on the shared stream, until the timeout masked a healthy peer. The Buffer is rank 0 of a
