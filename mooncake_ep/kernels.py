@@ -390,8 +390,9 @@ class KernelCache:
         except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
             if isinstance(exc, OSError):  # a full disk, a quota: say which cache, and how to choose another
-                raise OSError(exc.errno, f"could not write kernel cache entry {self._path(digest)} ({exc.strerror or exc}); "
-                                         f"set {_constants.CACHE_DIR_ENV} to another folder") from exc
+                raise OSError(exc.errno, f"could not write kernel cache entry {self._path(digest)} "
+                                         f"({exc.strerror or exc}); set {_constants.CACHE_DIR_ENV} to another "
+                                         f"folder") from exc
             raise
 
 
