@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mooncake_ep import _constants, _handshake, frameworks, layout, reference
-from mooncake_ep._dlpack import is_capsule
 from mooncake_ep._handshake import CONFIGURATION_FIELDS
 from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array
@@ -384,7 +383,10 @@ class Buffer:
                 ``torch.cuda.Stream``, a ``cupy.cuda.Stream`` or a ``cudaStream_t`` as an int. The
                 arrays' pending writes on their framework's current stream are waited for (through
                 DLPack). Needed for device arrays of other DLPack producers, which have no current
-                stream (they are otherwise launched on the legacy default stream, 0).
+                stream (they are otherwise launched on the legacy default stream, 0). torch tensors
+                are recorded on it (``record_stream``) where it is not torch's current stream; the
+                returned event keeps the other arrays alive: keep it, or them, until the work on
+                ``stream`` is done. Its ``current_stream_wait()`` makes ``stream`` wait.
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``:
@@ -408,10 +410,9 @@ class Buffer:
         where = "dispatch"
         if self._destroyed:  # the flag first: this is every call's path
             self._check_alive(where)
-        x_view = read_array(x, name="dispatch: x")
-        stream_ptr = self._stream_for(where, "x", x_view, stream)
-        if stream is not None and not is_capsule(x):  # x's writes before the given stream's launch too
-            x_view = read_array(x, name="dispatch: x", stream=stream_ptr)
+        given_stream = None if stream is None else stream_handle(where, stream, self._device_id)
+        x_view = read_array(x, name="dispatch: x", stream=given_stream)
+        stream_ptr = self._stream_for(where, "x", x_view, given_stream)
         order = _dlpack_stream(x_view, stream_ptr)
         topk_view = read_array(topk_idx, name="dispatch: topk_idx", stream=order)
         active_view = read_array(active_ranks, name="dispatch: active_ranks", stream=order)
@@ -498,7 +499,8 @@ class Buffer:
             if claimed is not None:  # nothing launched: the ranks may make this call again, differently
                 self._call_claims.withdraw_call(*claimed)
             raise
-        event, hook = self._finish("dispatch", handle, receive, async_finish, return_recv_hook, stream_ptr, x_view,
+        event, hook = self._finish("dispatch", handle, receive, async_finish, return_recv_hook, stream_ptr,
+                                   given_stream is not None, x_view,
                                    (x_view, topk_view, active_view), outputs)
         if written_tensors:
             frameworks.get("torch").mark_modified(written_tensors)
@@ -672,10 +674,9 @@ class Buffer:
                             f"combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle), DeepEP's "
                             f"has no active_ranks); pass handle=handle")
         self._check_handle(where, handle)
-        topk_view = read_array(topk_idx, name="combine: topk_idx")
-        stream_ptr = self._stream_for(where, "topk_idx", topk_view, stream)
-        if stream is not None and not is_capsule(topk_idx):  # its writes before the given stream's launch too
-            topk_view = read_array(topk_idx, name="combine: topk_idx", stream=stream_ptr)
+        given_stream = None if stream is None else stream_handle(where, stream, self._device_id)
+        topk_view = read_array(topk_idx, name="combine: topk_idx", stream=given_stream)
+        stream_ptr = self._stream_for(where, "topk_idx", topk_view, given_stream)
         order = _dlpack_stream(topk_view, stream_ptr)
         weights_view = read_array(topk_weights, name="combine: topk_weights", stream=order)
         active_view = read_array(active_ranks, name="combine: active_ranks", stream=order)
@@ -732,7 +733,8 @@ class Buffer:
             receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
         if zero_copy or not self._peers_read_in_place(handle):
             handle.state["combined_through_workspace"] = True
-        event, hook = self._finish("combine", handle, receive, async_finish, return_recv_hook, stream_ptr, topk_view,
+        event, hook = self._finish("combine", handle, receive, async_finish, return_recv_hook, stream_ptr,
+                                   given_stream is not None, topk_view,
                                    (x_view, topk_view, weights_view, active_view), outputs)
         if written_tensors:
             frameworks.get("torch").mark_modified(written_tensors)
@@ -941,11 +943,12 @@ class Buffer:
 
     # --- shared steps ---------------------------------------------------------------------------
 
-    def _stream_for(self, where: str, name: str, view: ArrayView, stream=None) -> int:
-        """The launch stream for a CUDA array: ``stream`` if given, else its framework's current stream
-        (0 for host arrays), checking the backend; ``name``: the call's first array, ``view``."""
+    def _stream_for(self, where: str, name: str, view: ArrayView, given_stream: int | None = None) -> int:
+        """The launch stream for a CUDA array: ``given_stream`` (the call's ``stream=``) if given, else
+        its framework's current stream (0 for host arrays), checking the backend; ``name``: the call's
+        first array, ``view``."""
         if view.device_type == "cpu":
-            if stream is not None:
+            if given_stream is not None:
                 raise ValueError(f"{where}: stream is for CUDA arrays; {name} is a host array (the reference "
                                  f"backend runs on the calling thread)")
             return 0
@@ -955,8 +958,8 @@ class Buffer:
         if view.device_id != self._cuda.device_id:
             raise TypeError(f"{where}: {name} is on cuda:{view.device_id}, this Buffer's rank uses "
                             f"cuda:{self._cuda.device_id}")
-        if stream is not None:
-            return stream_handle(where, stream)
+        if given_stream is not None and view.framework not in IMMUTABLE_FRAMEWORKS:  # JAX's refusal below
+            return given_stream
         return frameworks.get(view.framework).current_stream(view.device_id)
 
     def _launch_stream(self, async_finish: bool, stream_ptr: int) -> int:
@@ -996,8 +999,9 @@ class Buffer:
         self._num_launched_calls += 1
         return None
 
-    def _finish(self, call: str, handle: Handle, receive, async_finish, return_recv_hook, stream_ptr, like: ArrayView,
-                inputs: tuple[ArrayView | None, ...], outputs: list[tuple[ArrayView, Any]]):
+    def _finish(self, call: str, handle: Handle, receive, async_finish, return_recv_hook, stream_ptr,
+                stream_given: bool, like: ArrayView, inputs: tuple[ArrayView | None, ...],
+                outputs: list[tuple[ArrayView, Any]]):
         """Run or defer the receive half; build the event and the hook.
 
         ``call`` is ``"dispatch"`` (``handle`` its own: marked received once the receive half ran,
@@ -1010,8 +1014,14 @@ class Buffer:
         arrays (``inputs``, and the views of ``outputs``) were made on. As DeepEP does, the arrays are kept
         alive by the event (``EventOverlap.extra``), and torch tensors are also recorded on the
         communication stream, so that torch's allocator does not give a dropped one's memory to new
-        work on the caller's stream before the kernel is done with it.
+        work on the caller's stream before the kernel is done with it. So are they with ``stream=``
+        (``stream_given``: ``stream_ptr`` is that stream) where it is not torch's current one; the
+        event of such a call makes that stream wait, not the current one.
         """
+        views = None
+        if stream_given and like.device_type == "cuda":
+            views = [view for view in inputs if view is not None] + [view for view, _ in outputs]
+            self._record_on(async_finish, stream_ptr, views)
         if return_recv_hook:
             if call == "dispatch":
                 self._pending_hooks.add(handle.parity)
@@ -1050,15 +1060,32 @@ class Buffer:
         if async_finish and like.device_type == "cuda":
             cuda = self._cuda
             done = cuda.record_event(cuda.comm_stream.ptr)
-            views = [view for view in inputs if view is not None] + [view for view, _ in outputs]
-            tensors = [view.obj for view in views if view.framework == "torch"]
-            if tensors:
-                frameworks.get("torch").record_stream(tensors, cuda.comm_stream.ptr, cuda.device_id)
+            if views is None:
+                views = [view for view in inputs if view is not None] + [view for view, _ in outputs]
+                tensors = [view.obj for view in views if view.framework == "torch"]
+                if tensors:
+                    frameworks.get("torch").record_stream(tensors, cuda.comm_stream.ptr, cuda.device_id)
 
             def wait() -> None:
-                cuda.stream_wait(frameworks.get(like.framework).current_stream(like.device_id), done)
+                waiting = stream_ptr if stream_given else frameworks.get(like.framework).current_stream(like.device_id)
+                cuda.stream_wait(waiting, done)
             return EventOverlap(wait, extra=tuple(view.keepalive for view in views)), None
+        if views is not None:  # launched on the given stream: ordered there; the arrays live with the event
+            return EventOverlap(extra=tuple(view.keepalive for view in views)), None
         return EventOverlap(), None
+
+    def _record_on(self, async_finish: bool, stream_ptr: int, views: list[ArrayView]) -> None:
+        """Record the call's torch tensors on the stream the kernels run on, the communication stream
+        (async_finish) or ``stream_ptr``, where it is not torch's current one, on which they were
+        made: torch's allocator then keeps a dropped one's memory from new work until they are done."""
+        tensors = [view.obj for view in views if view.framework == "torch"]
+        if not tensors:
+            return
+        torch_frames = frameworks.get("torch")
+        cuda = self._cuda
+        launch_stream = cuda.comm_stream.ptr if async_finish else stream_ptr
+        if launch_stream != torch_frames.current_stream(cuda.device_id):
+            torch_frames.record_stream(tensors, launch_stream, cuda.device_id)
 
     @staticmethod
     def _receive(call: str, handle: Handle, receive) -> None:

@@ -131,13 +131,13 @@ def nvrtc_build() -> str:
     """
     nvrtc_version()  # loads the library
     try:
-        with open("/proc/self/maps") as maps:
+        with open("/proc/self/maps", "rb") as maps:  # bytes: other mapped files' paths need not be UTF-8
             paths = sorted({line.split(maxsplit=5)[-1].strip() for line in maps
-                            if os.path.basename(line.rstrip()).startswith("libnvrtc.so")})
+                            if os.path.basename(line.rstrip()).startswith(b"libnvrtc.so")})
     except OSError as exc:
         logger.debug("no /proc/self/maps to name the NVRTC build: %s", exc)
         return ""
-    digest = hashlib.sha256()
+    digest, named = hashlib.sha256(), False
     for path in paths:
         try:
             with open(path, "rb") as f:
@@ -145,11 +145,12 @@ def nvrtc_build() -> str:
                 head = f.read(_BUILD_SAMPLE_BYTES)
                 f.seek(max(size - _BUILD_SAMPLE_BYTES, 0))
                 tail = f.read()
-        except OSError as exc:  # unlinked or replaced since it was loaded
-            logger.debug("could not read the loaded NVRTC library %s: %s", path, exc)
+        except OSError as exc:  # unlinked or replaced since it was loaded: "(deleted)" in the maps
+            logger.debug("could not read the loaded NVRTC library %r: %s", path, exc)
             continue
         digest.update(str(size).encode() + b"\0" + head + tail)
-    return digest.hexdigest()
+        named = True
+    return digest.hexdigest() if named else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,10 +290,32 @@ def default_cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
     if not os.path.isabs(base):
-        base = os.path.join(tempfile.gettempdir(), f"mooncake_ep-{os.getuid()}")
+        base = _private_temp_folder()
         logger.info("mooncake_ep: no home folder; kernel cache under %s (set %s to choose)", base,
                     _constants.CACHE_DIR_ENV)
     return Path(base) / "mooncake_ep" / "kernels"
+
+
+def _private_temp_folder() -> str:
+    """This user's folder under the shared temporary directory, made 0700 if missing. Another user
+    could make the folder first and plant cubins under their digests, which a Buffer would load and
+    run: one not owned by this user, or writable by others, is not used; a fresh private folder
+    (``mkdtemp``, this process's only) is."""
+    user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
+    folder = os.path.join(tempfile.gettempdir(), f"mooncake_ep-{user}")
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        logger.debug("could not make %s: %s", folder, exc)
+    try:
+        info = os.lstat(folder)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022:
+            return folder
+    except (OSError, AttributeError):  # AttributeError: no os.getuid (not POSIX)
+        pass
+    return tempfile.mkdtemp(prefix="mooncake_ep-")
 
 
 class KernelCache:

@@ -63,14 +63,20 @@ def check_timeout(where: str, timeout_us) -> int:
                      maximum=_constants.MAX_TIMEOUT_US)
 
 
-def stream_handle(where: str, stream) -> int:
+def stream_handle(where: str, stream, device_id: int | None) -> int:
     """A ``stream=`` argument as the ``cudaStream_t`` it names: a ``torch.cuda.Stream`` (its
-    ``cuda_stream``), a ``cupy.cuda.Stream`` (its ``ptr``) or an int >= 0."""
+    ``cuda_stream``), a ``cupy.cuda.Stream`` (its ``ptr``) or an int >= 0. A stream object of
+    another device than ``device_id`` (the Buffer's; None for the reference backend) is refused."""
     handle = getattr(stream, "cuda_stream", None)  # torch
+    stream_device = getattr(getattr(stream, "device", None), "index", None)
     if handle is None:
         handle = getattr(stream, "ptr", None)  # cupy
+        stream_device = getattr(stream, "device_id", None)
     if handle is None:
         handle = stream
+    elif device_id is not None and isinstance(stream_device, int) and stream_device != device_id:
+        raise ValueError(f"{where}: stream is a stream of cuda:{stream_device}, this Buffer's rank uses "
+                         f"cuda:{device_id}")
     if isinstance(handle, bool):
         raise TypeError(f"{where}: stream must be a torch.cuda.Stream, a cupy.cuda.Stream or a cudaStream_t as an "
                         f"int, got bool")

@@ -653,7 +653,7 @@ def test_stream_is_the_launch_stream_and_the_arrays_are_exported_for_it(setup):
     _, _, handle, _, hook = buf.dispatch(*arrays.values(), **kwargs, return_recv_hook=True,
                                          out=dispatch_out(device, False), stream=torch_like)
     hook()
-    assert all(array.streams[-1] == 0xAB for array in arrays.values()), {k: a.streams for k, a in arrays.items()}
+    assert all(array.streams == [0xAB] for array in arrays.values()), {k: a.streams for k, a in arrays.items()}
     weights = stream_recording(device(np.ones((3, K), np.float32)))
     buf.combine(None, arrays["topk_idx"], weights, arrays["active_ranks"], -1, handle, zero_copy=True,
                 out=device(np.zeros((3, H), ml_dtypes.bfloat16)), stream=cupy_like)
@@ -673,7 +673,21 @@ def test_stream_is_the_launch_stream_and_the_arrays_are_exported_for_it(setup):
                 active_ranks=np.ones(R, np.int32))
     with pytest.raises(ValueError, match=r"dispatch: stream is for CUDA arrays; x is a host array"):
         buf.dispatch(**host, **kwargs, stream=0xAB)
+    buf._device_id = 0
+    other_device = type("Stream", (), {"cuda_stream": 0xAB, "device": type("Device", (), {"index": 1})()})()
+    with pytest.raises(ValueError, match=r"dispatch: stream is a stream of cuda:1, this Buffer's rank uses cuda:0"):
+        buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False), stream=other_device)
+    capsule = inputs["x"].__dlpack__()  # a refused stream leaves a bare capsule unread
+    with pytest.raises(TypeError, match=r"dispatch: stream must be"):
+        buf.dispatch(capsule, inputs["topk_idx"], inputs["active_ranks"], **kwargs, stream="s")
+    assert _dlpack._PyCapsule_GetName(capsule) == b"dltensor"
     assert len(cuda.launches) == 4 and buf._num_dispatches == 2
+    # async_finish: the event makes the given stream wait, not the framework's current one (0 here).
+    _, _, _, event, _ = buf.dispatch(**inputs, **kwargs, async_finish=True, out=dispatch_out(device, False),
+                                     stream=0xAB)
+    assert cuda.launches[-1].stream == COMM_STREAM and cuda.waits[-1] == (COMM_STREAM, ("event", 0xAB))
+    event.current_stream_wait()
+    assert cuda.waits[-1] == (0xAB, ("event", COMM_STREAM))
 
 
 def test_in_process_ranks_on_one_gpu_making_one_call_on_one_stream_are_refused(setup):

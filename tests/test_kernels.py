@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import hashlib
 import json
+import mmap
 import os
 import stat
 import re
 import struct
 import subprocess
-import tempfile
 import sys
 import threading
 import time
@@ -306,11 +307,23 @@ def test_digest_changes_with_the_nvrtc_build_of_one_version(monkeypatch):
     """Patch releases of one minor version compile the same source differently: the loaded library's
     build is part of the key, not only nvrtcVersion's (major, minor)."""
     build = kernels.nvrtc_build()
-    if os.path.exists("/proc/self/maps"):
-        assert build, "the loaded libnvrtc.so was not found in /proc/self/maps"
+    if os.path.exists("/proc/self/maps"):  # the loaded library was found and read
+        assert build not in ("", hashlib.sha256().hexdigest()), "no libnvrtc.so was read"
     before = kernels.combine_key(ARCH).digest
     monkeypatch.setattr(kernels, "nvrtc_build", lambda: "another build")
     assert kernels.combine_key(ARCH).digest != before
+
+
+@needs_nvrtc
+def test_nvrtc_build_reads_maps_listing_paths_that_are_not_utf8(tmp_path):
+    """/proc/self/maps lists every mapped file of the process, whatever bytes its path holds."""
+    path = os.path.join(os.fsencode(tmp_path), b"\xff-mapped.bin")
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 4096, access=mmap.ACCESS_READ):
+        build = kernels.nvrtc_build()
+        kernels.nvrtc_build.cache_clear()
+        assert kernels.nvrtc_build() == build
 
 
 # --- (c) KernelCache: round trip, corrupt entries, atomic writes ----------------------------------
@@ -536,7 +549,7 @@ def test_check_writable_removes_temp_files_left_by_killed_writers_only(tmp_path)
 
 
 @pytest.mark.parametrize("xdg", [None, "relative/cache"])
-def test_default_cache_dir_is_absolute_without_a_home_folder(xdg, monkeypatch):
+def test_default_cache_dir_is_absolute_and_private_without_a_home_folder(xdg, tmp_path, monkeypatch):
     monkeypatch.delenv("MOONCAKE_EP_CACHE_DIR", raising=False)
     monkeypatch.delenv("HOME", raising=False)
     if xdg is None:
@@ -544,8 +557,15 @@ def test_default_cache_dir_is_absolute_without_a_home_folder(xdg, monkeypatch):
     else:  # the XDG spec: a relative XDG_CACHE_HOME is ignored
         monkeypatch.setenv("XDG_CACHE_HOME", xdg)
     monkeypatch.setattr(kernels.os.path, "expanduser", lambda path: path)  # a user id without a passwd entry
+    monkeypatch.setattr(kernels.tempfile, "tempdir", str(tmp_path))
     directory = kernels.default_cache_dir()
-    assert directory.is_absolute() and str(directory).startswith(tempfile.gettempdir())
+    assert directory.is_absolute() and str(directory).startswith(str(tmp_path))
+    private = directory.parents[1]  # <tmp>/mooncake_ep-<uid>: this user's, 0700
+    assert private.stat().st_uid == os.getuid() and stat.S_IMODE(private.stat().st_mode) == 0o700
+    # Another user's folder there (or one others can write) is not used: a fresh private one is.
+    os.chmod(private, 0o777)
+    other = kernels.default_cache_dir().parents[1]
+    assert other != private and stat.S_IMODE(other.stat().st_mode) == 0o700
     monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
     assert kernels.default_cache_dir() == Path("/xdg/mooncake_ep/kernels")
 
