@@ -237,6 +237,10 @@ def main(argv=None) -> int:
             parser.error(f"--{name} must be >= 1, got {value}")
     if args.topk > args.experts:
         parser.error(f"--topk ({args.topk}) must be <= --experts ({args.experts})")
+    if args.topk > 16:  # mooncake_ep's most, as DeepEP's low-latency kernels
+        parser.error(f"--topk must be <= 16, got {args.topk}")
+    if args.seed < 0:  # numpy's generators take none
+        parser.error(f"--seed must be >= 0, got {args.seed}")
 
     import jax
 

@@ -92,6 +92,8 @@ _NOT_A_DATA_EXCHANGE = (("call", "a Buffer construction or update_ep_member"),)
 def _call_and_arrays(blob: bytes) -> tuple[tuple, tuple]:
     try:
         call, arrays = pickle.loads(blob)
+    except MemoryError:  # a call of ours that this host cannot hold: said as such, not as a mismatch
+        raise
     except Exception:  # noqa: BLE001 - whatever the bytes were, they are not a call of ours
         return _NOT_A_DATA_EXCHANGE, ()
     return call, arrays

@@ -327,6 +327,10 @@ def test_bench_bad_flag_exits_2():
     (["--num-sms", "4"], "--num-sms"),
     (["--routing", "k_hot", "--hot-experts", "99"], "--hot-experts"),
     (["--routing", "k_hot", "--hot-experts", "1", "--topk", "2"], "--hot-experts must be in [--topk=2, --experts=8]"),
+    # A routing's flags with another routing: refused, not ignored.
+    (["--alpha", "-1"], "--alpha applies to --routing zipf, not uniform"),
+    (["--routing", "zipf", "--hot-fraction", "2"], "--hot-fraction applies to --routing k_hot, not zipf"),
+    (["--hot-experts", "100"], "--hot-experts applies to --routing k_hot, not uniform"),
     (["--peer-reads", "workspace"], "--peer-reads sets where the GPU kernels read"),
     (["--graph-ends", "none"], "--graph-ends shapes the CUDA graphs; the reference backend has none"),
     (["--parities", "alternate"], "--parities places the CUDA graphs' calls; the reference backend has none"),

@@ -757,6 +757,21 @@ def test_a_rank_building_a_buffer_while_another_dispatches_raises_on_both():
     check_steps(VCASE, FP8_FLAGS, spawn(2, rank_fn))
 
 
+def test_a_peers_call_this_host_cannot_hold_is_out_of_memory_not_a_mismatch(monkeypatch):
+    """The exchange reads a blob that does not unpickle as a handshake; one that fails for want of memory
+    is a call of ours all the same, and the MemoryError says so (it had read as ranks in different calls)."""
+    from mooncake_ep import _reference_backend
+
+    def no_memory(blob):
+        raise MemoryError("test: no room for the peer's expert outputs")
+    monkeypatch.setattr(_reference_backend.pickle, "loads", no_memory)
+    with pytest.raises(MemoryError, match="no room"):
+        _reference_backend._call_and_arrays(b"any blob")
+    monkeypatch.undo()
+    assert _reference_backend._call_and_arrays(b'{"json": "a handshake"}') == (_reference_backend._NOT_A_DATA_EXCHANGE,
+                                                                             ())
+
+
 def test_ranks_updating_different_buffers_are_refused_and_can_update_alike():
     """Two Buffers of one size: nothing but their names tells them apart, and ranks updating them in
     different orders had each adopted the other's dispatch count (on the GPU, its peers' workspaces).

@@ -134,13 +134,16 @@ def test_a_result_file_the_system_refuses_is_one_line_after_the_run(capsys):
 
 
 def test_a_closed_stdout_still_leaves_the_results_file(tmp_path):
-    """`... | head -1` and `... | true`: printing stops, the run still writes its --json, and exits 0."""
-    for command, lines_read in (("demo", 1), ("bench", 1), ("demo", 0), ("bench", 0)):
-        report = tmp_path / f"{command}{lines_read}.json"
+    """`... | head -1` and `... | true`: printing stops, the run still writes its --json, and exits 0,
+    with stdout buffered (a pipe's default) or not (PYTHONUNBUFFERED, which this machine may set)."""
+    buffered = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    for command, lines_read, env in (("demo", 1, None), ("bench", 1, None), ("demo", 0, None), ("bench", 0, None),
+                                     ("bench", 0, buffered), ("demo", 0, buffered)):
+        report = tmp_path / f"{command}{lines_read}{env is None}.json"
         extra = ["--iters", "5", "--warmup", "1"] if command == "bench" else []
         proc = subprocess.Popen([sys.executable, "-m", "mooncake_ep", command, *TINY, *extra, "--backend", "reference",
                                  "--json", str(report)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True, env=env)
         for _ in range(lines_read):
             proc.stdout.readline()
         proc.stdout.close()

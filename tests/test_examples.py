@@ -103,6 +103,8 @@ def test_the_script_runs(capsys):
     (["--topk", "9"], "--topk (9) must be <= --experts (8)"),
     (["--hidden", "100"], "hidden must be a multiple of 128, got 100"),
     (["--mode", "split", "--ranks", "3"], "num_experts must be a multiple of num_ranks=3, got 8"),
+    (["--topk", "17", "--experts", "32"], "--topk must be <= 16, got 17"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
 ])
 def test_bad_arguments_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as refused:

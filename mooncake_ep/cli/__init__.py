@@ -208,7 +208,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args.command_argv = raw[raw.index(args.command) + 1:]
     where = f"{parser.prog} {args.command}"
-    stdout, sys.stdout = sys.stdout, _StdoutThatMayClose(sys.stdout)
+    stdout = sys.stdout
+    sys.stdout = wrapped = _StdoutThatMayClose(stdout)
     try:
         return int(args.run(args))
     except UsageError as exc:
@@ -236,6 +237,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         _silence_stdout(stdout)
         return EXIT_FAILURE
     finally:
+        # What is still buffered goes out now, through the wrapper: a pipe closed since the last print
+        # is silenced here, not at the interpreter's exit (exit status 120, unless stdout is unbuffered).
+        wrapped.flush()
         sys.stdout = stdout
 
 

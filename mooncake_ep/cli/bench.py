@@ -191,9 +191,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", choices=("uniform", "zipf", "k_hot"), default="uniform",
                         help="how tokens pick their distinct experts: uniform; zipf (expert popularity ~ "
                              "1/rank**alpha, the ranks shuffled); k_hot (a share of tokens among the first experts)")
-    parser.add_argument("--alpha", type=float, default=1.2, help="zipf exponent")
-    parser.add_argument("--hot-fraction", type=float, default=0.5, help="k_hot: share of tokens that go hot")
-    parser.add_argument("--hot-experts", type=int, default=8, help="k_hot: the first N experts are hot")
+    parser.add_argument("--alpha", type=float, default=None, help="zipf: the exponent (default 1.2)")
+    parser.add_argument("--hot-fraction", type=float, default=None,
+                        help="k_hot: share of tokens that go hot (default 0.5)")
+    parser.add_argument("--hot-experts", type=int, default=None, help="k_hot: the first N experts are hot (default 8)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays")
     parser.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
                         help="on the GPU, each phase's untimed replays go on in rounds of --warmup until they have "
@@ -219,6 +220,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sweep tokens per rank over --sweep-tokens and draw latency against tokens (PNG)")
     parser.add_argument("--sweep-tokens", type=sweep_tokens, default=DEFAULT_SWEEP_TOKENS, metavar="T,T,...",
                         help=f"tokens per rank of the --plot sweep, each in [1, {MAX_SWEEP_TOKENS}]")
+
+
+# The skewed routings' defaults (the flags are None until check_args, which refuses them with another routing).
+ZIPF_ALPHA = 1.2
+HOT_FRACTION = 0.5
+HOT_EXPERTS = 8
 
 
 def zipf_weights(num_experts: int, alpha: float) -> np.ndarray:
@@ -1115,6 +1122,14 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
     if not args.warmup_ms <= WARMUP_MS_MAX:  # a warm-up loop runs until this much time has passed
         raise UsageError(f"--warmup-ms must be at most {WARMUP_MS_MAX:g}, got {args.warmup_ms}")
     check_moe_shape(args.tokens, args.hidden, args.ranks, ranks_flag, args.experts, args.topk, args.seed)
+    # A routing's flags with another routing would be ignored without a word: refused, then defaulted.
+    for flag, name, routing, default in (("--alpha", "alpha", "zipf", ZIPF_ALPHA),
+                                         ("--hot-fraction", "hot_fraction", "k_hot", HOT_FRACTION),
+                                         ("--hot-experts", "hot_experts", "k_hot", HOT_EXPERTS)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif args.routing != routing:
+            raise UsageError(f"{flag} applies to --routing {routing}, not {args.routing}")
     if args.routing == "zipf":
         if not (math.isfinite(args.alpha) and args.alpha >= 0):
             raise UsageError(f"--alpha must be a finite number >= 0, got {args.alpha}")
