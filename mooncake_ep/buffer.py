@@ -1081,11 +1081,11 @@ class Buffer:
         tensors = [view.obj for view in views if view.framework == "torch"]
         if not tensors:
             return
-        torch_frames = frameworks.get("torch")
+        torch_framework = frameworks.get("torch")
         cuda = self._cuda
         launch_stream = cuda.comm_stream.ptr if async_finish else stream_ptr
-        if launch_stream != torch_frames.current_stream(cuda.device_id):
-            torch_frames.record_stream(tensors, launch_stream, cuda.device_id)
+        if launch_stream != torch_framework.current_stream(cuda.device_id):
+            torch_framework.record_stream(tensors, launch_stream, cuda.device_id)
 
     @staticmethod
     def _receive(call: str, handle: Handle, receive) -> None:
