@@ -323,10 +323,15 @@ def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None
 def _check_memory(config: DemoConfig, backend: str, num_processes: int, ranks_per_process: int,
                   ranks_flag: str) -> None:
     """The host memory this host's processes need at least (UsageError if it has less): each makes
-    the expert matrices (float32), and on the reference backend holds its ranks' received rows (a byte
-    a channel; on the GPU they are in device memory)."""
+    the expert matrices (float32), and on the reference backend holds, per channel of its ranks'
+    received rows (on the GPU they are in device memory), the fp8 byte, the expert's float32 output,
+    the bf16 expert outputs, and every rank's outputs as the exchange unpickles them (2 bytes each):
+    7 + 2R bytes. Measured on 2026-12-06 (4 ranks, 256 and 1024 tokens, peak RSS): 15.3 bytes a
+    channel, against the 15 of this count and the 1 an earlier check counted, which let through runs
+    that the kernel then killed for want of memory."""
     expert_bytes = config.num_experts * config.hidden * config.hidden * 4
-    recv_bytes = ranks_per_process * config.num_experts * config.num_tokens * config.hidden
+    bytes_per_channel = 7 + 2 * config.num_ranks
+    recv_bytes = ranks_per_process * config.num_experts * config.num_tokens * config.hidden * bytes_per_channel
     needed = num_processes * (expert_bytes + (recv_bytes if backend == "reference" else 0))
     check_host_memory("the demo", needed, f"--hidden, --experts, --tokens or {ranks_flag}")
 
