@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import logging
-import math
 import threading
 import time
 from collections import Counter
@@ -33,6 +32,7 @@ from mooncake_ep._group_common import (
     DEFAULT_TIMEOUT_S,
     GroupError,
     StoreTimeoutError,
+    _FOREVER_FROM_S,
     _check_data,
     _check_int,
     _check_rank,
@@ -65,7 +65,10 @@ def _check_device(where: str, device: Any) -> int | None:
 
 
 def _finite_s(timeout_s: float) -> float:
-    return _FOREVER_S if math.isinf(timeout_s) else timeout_s
+    """A timeout torch and MPI can hold: what the groups take as forever (math.inf, and anything from
+    1e8 s on, _group_common._wait_arg) is _FOREVER_S (a finite 1e10 s had timed out at once in torch's
+    millisecond arithmetic, and 1e15 overflowed)."""
+    return _FOREVER_S if timeout_s >= _FOREVER_FROM_S else timeout_s
 
 
 class _CollectiveState:
@@ -187,6 +190,9 @@ class TorchGroup:
             except RuntimeError as exc:  # torch's DistError and backend errors are RuntimeErrors
                 raise self._state.fail(label, self.rank, f"torch.distributed.all_gather ({self.backend})",
                                        exc) from exc
+            except BaseException as exc:  # an interrupt between its two rounds: the ranks' calls no longer pair
+                self._state.fail(label, self.rank, f"torch.distributed.all_gather ({self.backend})", exc)
+                raise
 
     def _allgather(self, torch: Any, data: bytes) -> list[bytes]:
         dist, group, device = self._dist, self.process_group, self.collective_device
@@ -215,6 +221,9 @@ class TorchGroup:
             except RuntimeError as exc:
                 raise self._state.fail(label, self.rank, f"torch.distributed barrier ({self.backend})",
                                        exc) from exc
+            except BaseException as exc:  # stopped inside the collective: the ranks' calls no longer pair
+                self._state.fail(label, self.rank, f"torch.distributed barrier ({self.backend})", exc)
+                raise
 
     def close(self, *, final_barrier: bool = False) -> None:
         """Stop using the group. Idempotent. The ProcessGroup stays the caller's: nothing is torn
@@ -224,7 +233,10 @@ class TorchGroup:
             final_barrier: first wait for every rank to close.
         """
         if final_barrier and not self._state.closed and self._state.broken is None:
-            self.barrier()
+            try:
+                self.barrier()
+            except GroupError as exc:  # as the store groups: logged, and the group closes all the same
+                logger.warning("mooncake_ep: %r: the final barrier of close() failed: %s", self, exc)
         self._state.closed = True
 
 
@@ -348,7 +360,8 @@ def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_po
         raise GroupError(f"{where}: {exc}") from exc
     # One timeout_s for the connection and the rendezvous together, as TCPGroup's; the collectives
     # after it get all of it.
-    rendezvous_s = timeout_s if math.isinf(timeout_s) else max(deadline - time.monotonic(), _MIN_TORCH_TIMEOUT_S)
+    rendezvous_s = (timeout_s if timeout_s >= _FOREVER_FROM_S
+                    else max(deadline - time.monotonic(), _MIN_TORCH_TIMEOUT_S))
     group = TorchStoreGroup(store, rank, world_size, timeout_s=rendezvous_s, device=device)
     group.timeout_s = timeout_s
     return group
@@ -407,6 +420,9 @@ class MPIGroup:
                 values = self.comm.allgather(data)
             except RuntimeError as exc:  # mpi4py.MPI.Exception is a RuntimeError
                 raise self._state.fail(label, self.rank, "MPI allgather", exc) from exc
+            except BaseException as exc:  # stopped inside the collective: the ranks' calls no longer pair
+                self._state.fail(label, self.rank, "MPI allgather", exc)
+                raise
             if (not isinstance(values, list) or len(values) != self.world_size
                     or not all(isinstance(v, bytes) for v in values)):
                 self._state.broken = (f"{label} on rank {self.rank}: MPI allgather returned "
@@ -424,11 +440,17 @@ class MPIGroup:
                 self.comm.Barrier()
             except RuntimeError as exc:
                 raise self._state.fail(label, self.rank, "MPI Barrier", exc) from exc
+            except BaseException as exc:  # stopped inside the collective: the ranks' calls no longer pair
+                self._state.fail(label, self.rank, "MPI Barrier", exc)
+                raise
 
     def close(self, *, final_barrier: bool = False) -> None:
         """Stop using the communicator (it stays the caller's). Idempotent."""
         if final_barrier and not self._state.closed and self._state.broken is None:
-            self.barrier()
+            try:
+                self.barrier()
+            except GroupError as exc:  # as the store groups: logged, and the group closes all the same
+                logger.warning("mooncake_ep: %r: the final barrier of close() failed: %s", self, exc)
         self._state.closed = True
 
 

@@ -227,6 +227,10 @@ class _KeyValueGroup:
         process is then as a dead rank's, and a replacement (``rejoin=True``) takes its rank over.
     """
 
+    # Whether a process can take a dead rank over (init_group(rejoin=True)): only the TCP store's claims
+    # let a replacement's join be withdrawn with its process (TCPGroup sets it).
+    _takes_replacements = False
+
     is_in_process = False
     rank: int
     world_size: int
@@ -440,10 +444,14 @@ class _KeyValueGroup:
                 # A replacement's wait is what its join left of timeout_s: the whole join timed out.
                 what = (f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError)
                         else exc.cut_short)
-                hint = ("the running ranks join it through Buffer.update_ep_member() or "
-                        "group.renew_membership()" if self._is_replacement else
-                        "a rank whose process died needs a replacement: start one with "
-                        "init_group(rank=..., rejoin=True)")
+                if self._is_replacement:
+                    hint = "the running ranks join it through Buffer.update_ep_member() or group.renew_membership()"
+                elif self._takes_replacements:
+                    hint = ("a rank whose process died needs a replacement: start one with "
+                            "init_group(rank=..., rejoin=True)")
+                else:  # torch and JAX stores: no process can take a rank over
+                    hint = ("every rank must call renew_membership() again, or, where a rank's process died, the job "
+                            "builds a new group (only TCPGroup takes a replacement process, init_group(rejoin=True))")
                 raise GroupError(f"{label} (epoch {epoch}) {what} waiting for ranks {missing} of "
                                  f"{self.world_size} ({self._where()}); {hint}") from None
             joins = [_JOIN.unpack(v) for v in values]

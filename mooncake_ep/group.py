@@ -209,6 +209,8 @@ class TCPGroup(_KeyValueGroup):
         others complete: as a rank that dies right after joining, which the kernels mask.)
     """
 
+    _takes_replacements = True
+
     _store_closes_with_rank0 = True
 
     def __init__(self, rank: int, world_size: int, *, master_addr: str = DEFAULT_MASTER_ADDR,

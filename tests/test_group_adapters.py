@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import math
 import os
 import pickle
 import shutil
@@ -269,6 +271,21 @@ def test_torch_store_group_in_threads():
         again[0].barrier()
 
 
+def test_a_torch_store_groups_renewal_timeout_gives_advice_it_can_follow():
+    """A renewal that times out on a torch store named init_group(rejoin=True), which torch stores refuse
+    (no process can take a rank over there); TCPGroup's keeps that advice (helper-87)."""
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore()
+    groups = run_in_threads([lambda r=r: TorchStoreGroup(store, r, 2, timeout_s=LONG_TIMEOUT_S) for r in range(2)])
+    groups[0].timeout_s = SHORT_TIMEOUT_S
+    with pytest.raises(GroupError, match=r"renew_membership #0 \(epoch 1\) timed out .* waiting for ranks \[1\] of 2 "
+                                         r".*every rank must call renew_membership\(\) again, or, where a rank's "
+                                         r"process died, the job builds a new group") as info:
+        groups[0].renew_membership()
+    assert "rejoin=True)" not in str(info.value).split("(only TCPGroup")[0]
+    assert not TorchStoreGroup._takes_replacements and TCPGroup._takes_replacements
+
+
 def test_torch_store_group_over_a_file_store_names_the_ranks_it_waited_for(tmp_path):
     """torch's FileStore ends a wait that ran out of time with a bare RuntimeError, not the DistStoreError
     of its other stores: the group said only "torch store wait failed: RuntimeError: Wait timeout".
@@ -396,6 +413,45 @@ def test_mpi_group_errors_break_the_group():
         MPIGroup(object())
     with pytest.raises(TypeError, match="data must be bytes"):
         MPIGroup(FakeComm.world(1)[0]).allgather_bytes("text")
+
+
+def test_mpi_group_stopped_inside_a_collective_is_broken_and_a_failed_final_barrier_still_closes(caplog):
+    """Any exception inside a collective (an interrupt, a watchdog's TimeoutError), not only the library's
+    RuntimeError, leaves the ranks' calls unpaired: the group is broken, as the store groups are. A final
+    barrier that fails in close() is logged, and the group closes all the same (helper-87)."""
+    class InterruptedComm(FakeComm):
+        def allgather(self, obj):
+            raise TimeoutError("a watchdog's")
+
+    (comm,) = InterruptedComm.world(1)
+    group = MPIGroup(comm)
+    with pytest.raises(TimeoutError):
+        group.allgather_bytes(b"x")
+    with pytest.raises(GroupError, match=r"allgather_bytes #1: the group is broken by an earlier failure "
+                                         r"\(allgather_bytes #0 on rank 0: MPI allgather failed: TimeoutError"):
+        group.allgather_bytes(b"x")
+
+    class FailingBarrier(FakeComm):
+        def Barrier(self) -> None:  # noqa: N802
+            raise RuntimeError("MPI_ERR_OTHER: simulated")
+
+    (comm,) = FailingBarrier.world(1)
+    group = MPIGroup(comm)
+    with caplog.at_level(logging.WARNING, logger="mooncake_ep"):
+        group.close(final_barrier=True)
+    assert "the final barrier of close() failed" in caplog.text
+    with pytest.raises(GroupError, match="the group is closed"):
+        group.allgather_bytes(b"x")
+
+
+def test_timeouts_the_groups_take_as_forever_stay_finite_and_long_for_torch_and_mpi():
+    """math.inf and anything from 1e8 s on wait forever (group._wait_arg); torch's millisecond timedelta
+    arithmetic had timed out at once for 1e10 s and overflowed for 1e15."""
+    from mooncake_ep import _group_adapters
+
+    for forever in (math.inf, 1e8, 1e10, 1e15):
+        assert _group_adapters._finite_s(forever) == _group_adapters._FOREVER_S
+    assert _group_adapters._finite_s(5.0) == 5.0
 
 
 MPI_WORKER = textwrap.dedent("""
