@@ -507,6 +507,8 @@ def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_to
     num_max_dispatch_tokens_per_rank, num_experts = _static_ints(where, num_max_dispatch_tokens_per_rank, num_experts)
     arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
+    # As the fused op's: one device's arrays, of a device the Buffer serves (XLA's own errors name args[i]).
+    jax_args.check_devices(where, jax_args.Ranks(buffer), x=arrays[0], topk_idx=arrays[1], active_ranks=arrays[2])
     jax_args.check_eager_expert_ids(where, arrays[1], num_experts, num_max_dispatch_tokens_per_rank)
     options = dict(timeout_us=timeout_us, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                    parity=parity, command_buffer_compatible=command_buffer_compatible)
@@ -556,6 +558,8 @@ def combine_send(buffer: Buffer, x, topk_idx, topk_weights, active_ranks, handle
     jax_ops.check_handle(where, handle, jax_args.Ranks(buffer))
     arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
+    jax_args.check_devices(where, jax_args.Ranks(buffer), x=arrays[0], topk_idx=arrays[1], topk_weights=arrays[2],
+                           active_ranks=arrays[3])
     jax_args.check_eager_routing(where, arrays[1], handle.dispatched_topk_idx, handle.config.num_experts)
     options = dict(timeout_us=timeout_us, renormalize=renormalize, command_buffer_compatible=command_buffer_compatible)
     return _combine_send((buffer, tuple(sorted(options.items()))), *arrays, handle)

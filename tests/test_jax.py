@@ -1016,6 +1016,30 @@ def test_unsupported_transformations_name_the_alternative():
     assert combined.shape == (3, case.hidden)
 
 
+def test_split_form_refuses_arrays_placed_where_its_ops_cannot_run():
+    """As the fused ops: a send half's array spread over devices outside shard_map is refused naming it,
+    and so are pending ranks' arrays on different devices, which every receive half takes as operands of
+    one op (XLA had said only 'args[0] of buffer_callback ... device ids [1]'; helper-88)."""
+    devices = cpu_devices(2)
+    case = make_case(12, num_ranks=2, num_tokens=[2, 2])
+    buffers = spawn(2, lambda g: reference_buffer(g, case))
+    put = lambda array, rank: jax.device_put(jnp.asarray(array), devices[rank])  # noqa: E731
+    args = lambda rank, on: (put(case.xs[rank], on), put(case.topk_idxs[rank], on),  # noqa: E731
+                             put(case.actives[rank], on))
+    spread = jax.device_put(jnp.asarray(np.concatenate([case.xs[0], case.xs[0]])),
+                            NamedSharding(jax.sharding.Mesh(np.array(devices), ("d",)), P("d")))
+    with pytest.raises(ValueError, match=r"dispatch_send: x is spread over 2 devices outside shard_map"):
+        epj.dispatch_send(buffers[0], spread, *args(0, 0)[1:], case.num_max_tokens, case.num_experts, use_fp8=False)
+    sent = [epj.dispatch_send(buffers[r], *args(r, r), case.num_max_tokens, case.num_experts, use_fp8=False)
+            for r in range(2)]
+    with pytest.raises(ValueError, match=r"dispatch_recv: the pending ranks' arrays are on different devices "
+                                         r"\(rank 0: \['cpu:0'\], rank 1: \['cpu:1'\]\)"):
+        epj.dispatch_recv(sent)
+    sent = [epj.dispatch_send(buffers[r], *args(r, 0), case.num_max_tokens, case.num_experts, use_fp8=False)
+            for r in range(2)]
+    assert len(epj.dispatch_recv(sent)) == 2  # one device: accepted
+
+
 def test_split_form_refusals():
     case = make_case(11, num_ranks=2, num_tokens=[2, 2])
     num_bytes = ep.Buffer.get_ep_buffer_size_hint(2 * case.num_max_tokens, case.hidden, 2, case.num_experts)
@@ -1057,6 +1081,27 @@ def test_empty_buffer_mappings_are_refused():
         epj.make_buffers([], 1 << 20)
     with pytest.raises(ValueError, match="destroy_buffers: buffers is empty"):
         epj.destroy_buffers({})
+
+
+def test_a_mapping_must_give_each_device_its_own_rank_of_one_buffer():
+    """Checked when the op is traced (helper-88): one rank's Buffer on two devices had made each step's calls
+    twice on it and failed at run time as a mismatched call; Buffers of two groups waited out the group
+    timeout in a collective their peers never joined. The mapping of make_buffers still works."""
+    devices = cpu_devices(2)
+    case = make_case(13, num_ranks=2, num_tokens=[2, 2])
+    buffers, others = (epj.make_buffers(devices, case.size_hint, timeout_s=GROUP_TIMEOUT_S) for _ in range(2))
+    x, topk, active = jnp.asarray(case.xs[0]), jnp.asarray(case.topk_idxs[0]), jnp.asarray(case.actives[0])
+    for mapping, message in (({devices[0]: buffers[devices[0]], devices[1]: buffers[devices[0]]},
+                              r"dispatch: the mapping gives rank 0's Buffer to 2 devices \(cpu:0, cpu:1\); each "
+                              r"device must have a rank of its own"),
+                             ({devices[0]: buffers[devices[0]], devices[1]: others[devices[1]]},
+                              r"dispatch: the Buffers of the mapping must be the ranks of one Buffer \(make_buffers' "
+                              r"result\), got Buffers of 2 different ones")):
+        with pytest.raises(ValueError, match=message):
+            epj.dispatch(mapping, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)
+    assert jax_args.as_ranks("test", buffers).first is not None
+    epj.destroy_buffers(buffers)
+    epj.destroy_buffers(others)
 
 
 def test_make_buffers_takes_distinct_devices_or_a_mesh_array():

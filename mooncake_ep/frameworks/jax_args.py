@@ -121,6 +121,19 @@ def as_ranks(where: str, buffer: Buffer | Mapping[Any, Buffer]) -> Ranks:
     if len({(b.num_ranks, b.backend) for b in ranks.buffers}) != 1:
         raise ValueError(f"{where}: the Buffers of the mapping must be ranks of one group (same num_ranks and "
                          f"backend), got {sorted({(b.num_ranks, b.backend) for b in ranks.buffers})}")
+    # Ranks of one Buffer, each once: a Buffer of another group waits in a collective its peers never
+    # join, and one rank on two devices makes each step's calls twice on it (helper-88).
+    if len({b._token for b in ranks.buffers}) != 1:
+        raise ValueError(f"{where}: the Buffers of the mapping must be the ranks of one Buffer (make_buffers' "
+                         f"result), got Buffers of {len({b._token for b in ranks.buffers})} different ones")
+    devices_of_rank: dict[int, list] = {}
+    for device, value in buffer.items():
+        devices_of_rank.setdefault(value.rank, []).append(device)
+    twice = {rank: devices for rank, devices in devices_of_rank.items() if len(devices) > 1}
+    if twice:
+        rank, devices = min(twice.items())
+        raise ValueError(f"{where}: the mapping gives rank {rank}'s Buffer to {len(devices)} devices "
+                         f"({', '.join(map(str, devices))}); each device must have a rank of its own")
     return ranks
 
 

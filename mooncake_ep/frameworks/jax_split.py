@@ -110,7 +110,26 @@ def _check_pending(where: str, pending, kind: type, producer: str) -> list:
             raise ValueError(f"{where}: every rank's {'dispatch' if kind is PendingDispatch else 'combine'} must "
                              f"answer the same step: the same T, hidden, num_experts, fp8 flags and parity; rank "
                              f"{c.ranks.single.rank} differs from rank {base.ranks.single.rank}")
+    _check_one_device(where, pending, ranks)
     return pending
+
+
+def _check_one_device(where: str, pending: list, ranks: list[int]) -> None:
+    """Every rank's arrays are operands of each receive half, one XLA op: concrete arrays committed to
+    different devices are refused here, naming the ranks (XLA's own error names args[i] of
+    buffer_callback). Tracers are placed by XLA, which says it at run time."""
+    import jax
+
+    placed = {}  # rank -> the devices of its committed concrete arrays
+    for p, rank in zip(pending, ranks):
+        for array in p.arrays:
+            if not isinstance(array, jax.core.Tracer) and getattr(array, "committed", False):
+                placed.setdefault(rank, set()).update(array.devices())
+    if len(set().union(*placed.values()) if placed else ()) > 1:
+        where_placed = ", ".join(f"rank {rank}: {sorted(str(d) for d in devices)}" for rank, devices in placed.items())
+        raise ValueError(f"{where}: the pending ranks' arrays are on different devices ({where_placed}); each "
+                         f"receive half takes every rank's arrays as operands of one op, so they must be on one "
+                         f"device (jax.device_put them there before the send halves)")
 
 
 @dataclasses.dataclass(frozen=True)
