@@ -1018,8 +1018,8 @@ class Buffer:
         (``stream_given``: ``stream_ptr`` is that stream) where it is not torch's current one; the
         event of such a call makes that stream wait, not the current one.
         """
-        views = None
-        if stream_given and like.device_type == "cuda":
+        views = None  # the call's arrays, where the kernels run on another stream than torch's current one
+        if like.device_type == "cuda" and (async_finish or stream_given):
             views = [view for view in inputs if view is not None] + [view for view, _ in outputs]
             self._record_on(async_finish, stream_ptr, views)
         if return_recv_hook:
@@ -1060,11 +1060,6 @@ class Buffer:
         if async_finish and like.device_type == "cuda":
             cuda = self._cuda
             done = cuda.record_event(cuda.comm_stream.ptr)
-            if views is None:
-                views = [view for view in inputs if view is not None] + [view for view, _ in outputs]
-                tensors = [view.obj for view in views if view.framework == "torch"]
-                if tensors:
-                    frameworks.get("torch").record_stream(tensors, cuda.comm_stream.ptr, cuda.device_id)
 
             def wait() -> None:
                 waiting = stream_ptr if stream_given else frameworks.get(like.framework).current_stream(like.device_id)
@@ -1076,16 +1071,21 @@ class Buffer:
 
     def _record_on(self, async_finish: bool, stream_ptr: int, views: list[ArrayView]) -> None:
         """Record the call's torch tensors on the stream the kernels run on, the communication stream
-        (async_finish) or ``stream_ptr``, where it is not torch's current one, on which they were
-        made: torch's allocator then keeps a dropped one's memory from new work until they are done."""
+        (async_finish: never torch's current one) or the given ``stream_ptr`` where it is not torch's
+        current one, on which they were made: torch's allocator then keeps a dropped one's memory from
+        new work until the kernels are done with it."""
         tensors = [view.obj for view in views if view.framework == "torch"]
         if not tensors:
             return
         torch_framework = frameworks.get("torch")
         cuda = self._cuda
-        launch_stream = cuda.comm_stream.ptr if async_finish else stream_ptr
-        if launch_stream != torch_framework.current_stream(cuda.device_id):
-            torch_framework.record_stream(tensors, launch_stream, cuda.device_id)
+        if async_finish:
+            launch_stream = cuda.comm_stream.ptr
+        elif stream_ptr != torch_framework.current_stream(cuda.device_id):
+            launch_stream = stream_ptr
+        else:
+            return
+        torch_framework.record_stream(tensors, launch_stream, cuda.device_id)
 
     @staticmethod
     def _receive(call: str, handle: Handle, receive) -> None:

@@ -18,7 +18,7 @@ from mooncake_ep.tensor import ArrayView, read_array
 __all__ = ["check_int", "check_hidden", "check_experts", "check_timeout", "check_flags", "check_array",
            "check_expert_ids", "check_same_routing", "read_out", "check_out", "check_writable",
            "check_vector_aligned", "check_element_aligned", "check_disjoint", "check_allocatable", "check_mutable",
-           "first_index", "is_raw_bits", "IMMUTABLE_FRAMEWORKS", "VECTOR_BYTES"]
+           "first_index", "is_raw_bits", "stream_handle", "IMMUTABLE_FRAMEWORKS", "VECTOR_BYTES"]
 
 
 def check_int(where: str, name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
