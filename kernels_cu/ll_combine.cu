@@ -183,7 +183,7 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
         // could disagree on it (some tokens with its experts, some without, renormalised apart).
         decide_ranks(at<uint64_t>(workspace, layout.combine_verdict) + parity * EP_MAX_RANKS,
                      at<uint64_t>(workspace, layout.combine_flag) + parity * EP_MAX_RANKS, step, active_ranks,
-                     num_ranks, timeout_ns, s_live);
+                     num_ranks, rank, (phases & kPhaseSend) != 0, timeout_ns, s_live);
         if (threadIdx.x < num_ranks) {
             const int d = threadIdx.x;
             // Published by d before its flag, whose live verdict this thread acquired in decide_ranks.
@@ -267,7 +267,7 @@ ll_combine(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_
             // Our own expert_out may be reused by the caller only after every reader is done.
             if (source == kSourceDirect)
                 wait_ranks(at<uint64_t>(workspace, layout.combine_ack) + parity * EP_MAX_RANKS, step, active_ranks,
-                           num_ranks, timeout_ns, s_live);
+                           num_ranks, rank, (phases & kPhaseSend) != 0, timeout_ns, s_live);
             if (threadIdx.x == 0) {
                 state->combine_step[parity] = step;
                 EP_TRACE_POINT(7);

@@ -210,7 +210,8 @@ __device__ void build_send_lists(const Layout& layout, uint8_t* workspace, const
 // every lane; the arrays are visible to the block after its next barrier.
 constexpr int kPlanLoads = 8;  // offsets a lane loads before it stores the first
 __device__ int plan_receive(const Layout& layout, uint8_t* workspace, const uint64_t* route, int parity, int rank,
-                            uint32_t step, int* active_ranks, int64_t timeout_ns, uint64_t start_ns, int* recv_count,
+                            bool sends_in_launch, uint32_t step, int* active_ranks, int64_t timeout_ns,
+                            uint64_t start_ns, int* recv_count,
                             int* s_verdict, uint32_t* s_target, int* s_counts, int* s_start, int* s_flat, int* s_base,
                             int* s_offsets) {
     const int lane = threadIdx.x % kWarpSize;
@@ -221,7 +222,8 @@ __device__ int plan_receive(const Layout& layout, uint8_t* workspace, const uint
     int2* recv_range = at<int2>(workspace, layout.recv_range[parity]);
 
     for (int src = lane; src < num_ranks; src += kWarpSize) {
-        const int verdict = decide_source(verdicts + src, flags + src, step, active_ranks, src, timeout_ns, start_ns);
+        const int verdict = decide_source(verdicts + src, flags + src, step, active_ranks, src,
+                                          peer_timeout_ns(src, rank, sends_in_launch, timeout_ns), start_ns);
         s_verdict[src] = verdict;
         // A live verdict was taken on this step's flag, which stays until our next call on this parity.
         s_target[src] = verdict == kSourceLive ? flag_payload(ld_acquire_sys(flags + src)) : 0u;
@@ -485,9 +487,9 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         const int num_pairs = num_ranks * num_local_experts;
 
         if (warp == kPlanWarp) {
-            const int num_rows = plan_receive(layout, workspace, route, parity, rank, step, active_ranks, timeout_ns,
-                                              start_ns, recv_count, s_verdict, s_target, s_counts, s_start, s_flat,
-                                              s_base, s_base + EP_MAX_EXPERTS);
+            const int num_rows = plan_receive(layout, workspace, route, parity, rank, (phases & kPhaseSend) != 0,
+                                              step, active_ranks, timeout_ns, start_ns, recv_count, s_verdict,
+                                              s_target, s_counts, s_start, s_flat, s_base, s_base + EP_MAX_EXPERTS);
             if (lane == 0) s_num_rows = num_rows;
         }
         __syncthreads();  // the plan; in a staging block, also this block's staging
@@ -499,8 +501,8 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             bool staged = false;
             if (s_verdict[src] == kSourceLive) {
                 const State* src_state = reinterpret_cast<const State*>(route[src] + layout.state);
-                staged = wait_count(src_state->dispatch_staged + parity, s_target[src], active_ranks, src, timeout_ns,
-                                    start_ns);
+                staged = wait_count(src_state->dispatch_staged + parity, s_target[src], active_ranks, src,
+                                    peer_timeout_ns(src, rank, (phases & kPhaseSend) != 0, timeout_ns), start_ns);
             }
             s_staged[src] = staged;
             unstaged_here = s_verdict[src] == kSourceLive && !staged;

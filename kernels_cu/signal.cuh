@@ -18,6 +18,16 @@
 // never resets, so it needs no epoch: the target of each step is past every earlier step's), with
 // the same mask and timeout rules as wait_flag.
 //
+// A rank's waits on itself (peer_timeout_ns). In a launch that holds its send half, its own flags
+// and counts come from its own blocks, which are resident with the waiting one (the Buffer's num_sms
+// budget), so they arrive within microseconds: it waits at least kSelfTimeoutFloorNs, whatever
+// timeout_ns says. A shorter bound (timeout_us = 0 gives up on anything not already there) had masked
+// the rank in its own eyes, its own rows dropped. It still gives up on itself, later: waiting forever
+// where the caller asked for a bound would hang a call whose own send half stopped short of a count
+// it announced (the fault tests stage one by hand). In a receive half launched alone (a hook), the
+// send half ended before the launch, so they are there already or never come (the rank was masked
+// in its own active_ranks then): no wait at all.
+//
 // signal_ranks and wait_ranks are the two ends used by every protocol: one thread per peer, so R
 // flags cost one store (or one wait) of latency, not R. A flag lives at the same offset of every
 // workspace: flags[parity * EP_MAX_RANKS + writer_rank] of the receiving rank.
@@ -48,6 +58,15 @@ __device__ __forceinline__ bool give_up_on(int* active_ranks, int peer, int64_t 
         return true;
     }
     return false;
+}
+
+// The timeout of a wait by `rank` on `peer` in a launch that holds this rank's send half or not (see
+// the top of this file). A negative timeout_ns (forever) stays forever on a peer and on itself.
+constexpr int64_t kSelfTimeoutFloorNs = 100 * 1000 * 1000;  // 100 ms: ~10^4 x a rank's own flag delay
+__device__ __forceinline__ int64_t peer_timeout_ns(int peer, int rank, bool sends_in_launch, int64_t timeout_ns) {
+    if (peer != rank) return timeout_ns;
+    if (!sends_in_launch) return 0;
+    return timeout_ns >= 0 && timeout_ns < kSelfTimeoutFloorNs ? kSelfTimeoutFloorNs : timeout_ns;
 }
 
 // Returns true with *payload set when the flag arrived; false when the peer is (now) masked.
@@ -124,13 +143,14 @@ __device__ __forceinline__ void signal_ranks(const uint64_t* route, int64_t flag
 // s_live[r] = it arrived (0 for a rank masked before or by this wait). Every thread of the block
 // calls it; it ends with a barrier, so s_live is then visible to the whole block.
 __device__ __forceinline__ void wait_ranks(const uint64_t* flags, uint32_t step, int* active_ranks, int num_ranks,
-                                           int64_t timeout_ns, int* s_live) {
+                                           int rank, bool sends_in_launch, int64_t timeout_ns, int* s_live) {
     const int src = threadIdx.x;
     if (src < num_ranks) {
         bool live = false;
         if (ld_volatile(active_ranks + src) != 0) {
             uint32_t payload;
-            live = wait_flag(flags + src, step, active_ranks, src, timeout_ns, &payload);
+            live = wait_flag(flags + src, step, active_ranks, src, peer_timeout_ns(src, rank, sends_in_launch, timeout_ns),
+                             &payload);
         }
         s_live[src] = live;
     }
@@ -140,11 +160,13 @@ __device__ __forceinline__ void wait_ranks(const uint64_t* flags, uint32_t step,
 // wait_ranks with one verdict per rank for the whole grid (decide_source): every block of the call
 // takes the same s_live, even for a flag that lands just as some block's timeout passes.
 __device__ __forceinline__ void decide_ranks(uint64_t* verdicts, const uint64_t* flags, uint32_t step,
-                                             int* active_ranks, int num_ranks, int64_t timeout_ns, int* s_live) {
+                                             int* active_ranks, int num_ranks, int rank, bool sends_in_launch,
+                                             int64_t timeout_ns, int* s_live) {
     const int src = threadIdx.x;
     if (src < num_ranks)
-        s_live[src] = decide_source(verdicts + src, flags + src, step, active_ranks, src, timeout_ns,
-                                    global_timer_ns()) == kSourceLive;
+        s_live[src] = decide_source(verdicts + src, flags + src, step, active_ranks, src,
+                                    peer_timeout_ns(src, rank, sends_in_launch, timeout_ns), global_timer_ns()) ==
+                      kSourceLive;
     __syncthreads();
 }
 

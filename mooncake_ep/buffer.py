@@ -366,7 +366,8 @@ class Buffer:
                 masked. The kernels write 0 for a rank that timed out; senders skip ranks marked 0.
             num_max_dispatch_tokens_per_rank: T, equal on every rank.
             num_experts: E, a multiple of num_ranks, equal on every rank.
-            timeout_us: microseconds a receive waits for a peer before masking it; -1 waits forever.
+            timeout_us: microseconds a receive waits for a peer before masking it; -1 waits forever. On
+                its own flags a rank waits at least 100 ms (they come from its own blocks).
             use_fp8: quantise to e4m3 with one fp32 scale per token per 128 channels.
             round_scale: round each scale up to a power of two.
             use_ue8m0: store scales as 8-bit exponents packed four to an int32 (needs round_scale).
@@ -641,7 +642,8 @@ class Buffer:
             topk_idx: ``[num_tokens, num_topk]`` the same ids given to the dispatch of ``handle``.
             topk_weights: ``[num_tokens, num_topk]`` fp32 routing weights.
             active_ranks: ``[num_ranks]`` int32; the kernels write 0 for an expert rank that timed out.
-            timeout_us: microseconds to wait for an expert rank before masking it; -1 waits forever.
+            timeout_us: microseconds to wait for an expert rank before masking it; -1 waits forever. On
+                itself a rank waits at least 100 ms, as in dispatch.
             handle: the handle of the dispatch this combine answers (that dispatch or the one after).
                 A handle may be combined again (as DeepEP's tests do) only after its earlier
                 combine's hook ran, and only where that combine left nothing in the workspace for

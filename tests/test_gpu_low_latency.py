@@ -432,12 +432,23 @@ def test_dead_rank_is_masked(case):
     check_case(case)
 
 
-@pytest.mark.parametrize("scenario", ["mask", "readmit"])
+@pytest.mark.parametrize("mode", ["sync", "async", "hook"])
+def test_a_rank_waits_on_itself_past_a_short_timeout(mode):
+    """timeout_us=0 gives up at once on any flag not already there. A rank's own flags and counts come
+    from its own blocks, which are resident with it, so it waits for them at least 100 ms whatever
+    timeout_us says: one rank alone masks nothing and equals the reference (it had masked itself, its
+    own routing flag a few microseconds late)."""
+    check_case(Case(1, 8, 1024, 4, num_max_tokens=128, use_fp8=True, mode=mode, timeout_us=0))
+
+
+@pytest.mark.parametrize("scenario", ["mask", "readmit", "self"])
 def test_a_receive_hook_reads_the_mask_when_it_runs(scenario):
     """As test_buffer_cpu.py's reference case of the same name: the receive half that hook() launches
     reads active_ranks then. mask: the peer masked between the halves delivers nothing; readmit: rank 0
     masked rank 1 at the call (its send half skipped it) and re-admitted it before the hook, which then
-    receives rank 1's rows, while rank 1 times out on rank 0."""
+    receives rank 1's rows, while rank 1 times out on rank 0; self: each rank masked itself at the call,
+    so its send half never signalled it, and its hook gives up on itself at once, even with
+    timeout_us=-1: the mask, read when the hook runs, ends a wait on itself as on any peer."""
     num_ranks, num_experts, num_tokens, hidden = 2, 4, 2, 128
 
     def rank_fn(group):
@@ -446,7 +457,7 @@ def test_a_receive_hook_reads_the_mask_when_it_runs(scenario):
         x = torch.full((num_tokens, hidden), rank + 1, dtype=torch.bfloat16, device="cuda")
         topk = torch.tensor([[0, 2], [1, 3]], device="cuda")  # each token to one expert on each rank
         active = torch.ones(num_ranks, dtype=torch.int32, device="cuda")
-        masked_at_call = peer if scenario == "readmit" and rank == 0 else None
+        masked_at_call = {"mask": None, "readmit": peer if rank == 0 else None, "self": rank}[scenario]
         if masked_at_call is not None:
             active[masked_at_call] = 0
         settle(group)
@@ -464,7 +475,8 @@ def test_a_receive_hook_reads_the_mask_when_it_runs(scenario):
         return result
 
     expected = {"mask": [([1, 1], [1, 0]), ([1, 1], [0, 1])],
-                "readmit": [([2, 2], [1, 1]), ([1, 1], [0, 1])]}[scenario]
+                "readmit": [([2, 2], [1, 1]), ([1, 1], [0, 1])],
+                "self": [([1, 1], [0, 1]), ([1, 1], [1, 0])]}[scenario]
     assert ep.LocalGroup(num_ranks, devices=[0] * num_ranks).spawn(rank_fn) == expected
     assert_context_healthy()
 
@@ -588,7 +600,8 @@ def test_a_combine_that_finds_alive_a_rank_its_dispatch_masked_adds_nothing_of_i
 def test_a_source_whose_staging_never_lands_is_masked_and_its_rows_are_zero(use_fp8):
     """Rank 1's routing flag arrives, but the staging count it announces is never reached: the test
     raises rank 1's recorded target by hand, standing for a rank that stopped between the two. Every
-    rank (rank 1 too, which receives from itself) waits for it until its timeout, masks it, and
+    rank waits for it until its timeout (rank 1, which receives from itself, 100 ms: the least a rank
+    waits on itself), masks it, and
     writes its rows, already counted, as zeros; every other row, and every count, is the reference's.
     That dispatch's combine, with every rank live again (a fresh mask) and random expert outputs,
     adds nothing to rank 1's tokens from those zero rows: the reference's combine of a dispatch that
