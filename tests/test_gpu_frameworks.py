@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import ml_dtypes
 import numpy as np
@@ -30,7 +31,7 @@ from mooncake_ep import reference
 
 torch = pytest.importorskip("torch")
 
-from test_gpu_low_latency import poll_until, to_numpy, wait_idle  # noqa: E402  (after the skip: they need torch)
+from test_gpu_low_latency import IDLE_POLL_S, poll_until, to_numpy, wait_idle  # noqa: E402  (after the skip: they need torch)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -504,6 +505,149 @@ def test_cupy_zero_copy_combine():
         return result
 
     check(case, xs, topks, weights, flags, local_group(case).spawn(run))
+
+
+# --- an explicit stream= -------------------------------------------------------------------------------
+
+
+def idle_within(event_done, seconds: float = 2.0) -> bool:
+    """Whether ``event_done()`` turns true within ``seconds`` (polled: never blocks inside CUDA)."""
+    deadline = time.monotonic() + seconds
+    while not event_done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(IDLE_POLL_S)
+    return True
+
+
+@pytest.mark.parametrize("mode", ["sync", "hook"])
+@pytest.mark.parametrize("given", ["torch.Stream", "int", "cupy.Stream"])
+def test_an_explicit_stream_is_the_one_the_calls_run_on(given, mode):
+    """``stream=`` names a stream that is not the arrays' framework's current one. A gate holds that
+    stream and writes the call's input there: dispatch and combine must wait for it (else they read
+    the poisoned input), must not synchronise the host (else the gate times out), and must queue
+    nothing on the current stream (an event recorded there after the call completes while the gate
+    still holds the given stream). In hook mode the receive half, launched by ``hook()``, runs on the
+    given stream too. The results equal the reference."""
+    cupy = pytest.importorskip("cupy")
+    flags = FLAGS["fp8"]
+    case = Case(seed=8)
+    xs, topks, weights = make_inputs(case)
+    use_cupy = given == "cupy.Stream"
+    hook_mode = mode == "hook"
+    recv_shape = (case.num_local_experts, case.num_ranks * case.num_max_tokens, case.hidden)
+
+    def run(g):
+        r = g.rank
+        buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS)
+        gate = Gate()
+        if use_cupy:
+            side = cupy.cuda.Stream(non_blocking=True)
+            side_ptr, stream_arg = side.ptr, side
+            fresh_x = cupy.asarray(xs[r].view(np.uint16))
+            x = cupy.full(fresh_x.shape, 0x7FC0, cupy.uint16)  # bf16 NaN
+            topk, w = cupy.asarray(topks[r]), cupy.asarray(weights[r])
+            active = cupy.ones(case.num_ranks, cupy.int32)
+            x_ptr, fresh_x_ptr = x.data.ptr, fresh_x.data.ptr
+
+            def current_stream_event_done():
+                event = cupy.cuda.Event()
+                event.record()
+                return lambda: event.done
+
+            def wait_for_side():
+                event = cupy.cuda.Event()
+                event.record(side)
+                cupy.cuda.get_current_stream().wait_event(event)
+                cupy_wait_idle()
+        else:
+            side = torch.cuda.Stream()
+            side_ptr = side.cuda_stream
+            stream_arg = side if given == "torch.Stream" else side_ptr
+            fresh_x = to_torch(xs[r])
+            x = torch.full_like(fresh_x, float("nan"))
+            topk, w = to_torch(topks[r]), to_torch(weights[r])
+            active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+            x_ptr, fresh_x_ptr = x.data_ptr(), fresh_x.data_ptr()
+
+            def current_stream_event_done():
+                event = torch.cuda.Event()
+                event.record()
+                return event.query
+
+            def wait_for_side():
+                torch.cuda.current_stream().wait_stream(side)
+                wait_idle()
+        assert side_ptr != g.stream_ptr
+        # The warm-up's routes differ from the checked call's, so that results given its memory again
+        # do not already hold the right counts (see the torch test); its x is the poisoned one.
+        warm_topk = (cupy if use_cupy else torch).where(topk >= 0, (topk + 1) % case.num_experts, topk)
+        warm_y = (cupy.zeros(recv_shape, cupy.uint16) if use_cupy
+                  else torch.zeros(recv_shape, dtype=torch.bfloat16, device="cuda"))
+        ready(g)
+        # Warm-up on the given stream: a configuration's first call plans it and queues its layout.
+        _, _, warm_handle, _, warm_hook = buffer.dispatch(x, warm_topk, active, case.num_max_tokens,
+                                                          case.num_experts, timeout_us=TIMEOUT_US,
+                                                          return_recv_hook=hook_mode, stream=stream_arg, **flags)
+        if hook_mode:
+            warm_hook()
+        _, _, warm_hook = buffer.combine(warm_y, warm_topk, w, active, TIMEOUT_US, warm_handle,
+                                         return_recv_hook=hook_mode, stream=stream_arg)
+        if hook_mode:
+            warm_hook()
+        wait_for_side()
+        g.barrier()
+
+        gate.hold(side_ptr, fresh_x_ptr, x_ptr, case.num_max_tokens * case.hidden * 2)
+        recv, count, handle, _, hook = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
+                                                       timeout_us=TIMEOUT_US, return_recv_hook=hook_mode,
+                                                       stream=stream_arg, **flags)
+        if hook_mode:
+            hook()
+        current_idle = idle_within(current_stream_event_done())
+        gate.open()
+        wait_for_side()
+        if use_cupy:
+            q, scales = recv
+            host_recv = (cupy.asnumpy(q).view(FP8), cupy.asnumpy(scales))
+            host_count = cupy.asnumpy(count)
+        else:
+            host_recv, host_count = tuple(to_numpy(t) for t in recv), to_numpy(count)
+        g.barrier()
+
+        fresh_y_host = host_experts(case, r, host_recv, flags)
+        if use_cupy:
+            fresh_y = cupy.asarray(fresh_y_host.view(np.uint16))
+            y = cupy.full(fresh_y.shape, 0x7FC0, cupy.uint16)
+            y_ptr, fresh_y_ptr, y_bytes = y.data.ptr, fresh_y.data.ptr, y.nbytes
+        else:
+            fresh_y = to_torch(fresh_y_host)
+            y = torch.full_like(fresh_y, float("nan"))
+            y_ptr, fresh_y_ptr, y_bytes = y.data_ptr(), fresh_y.data_ptr(), y.numel() * 2
+        wait_for_side()
+        g.barrier()
+        gate.hold(side_ptr, fresh_y_ptr, y_ptr, y_bytes)
+        combined, _, hook = buffer.combine(y, topk, w, active, TIMEOUT_US, handle, return_recv_hook=hook_mode,
+                                           stream=stream_arg)
+        if hook_mode:
+            hook()
+        current_idle = current_idle and idle_within(current_stream_event_done())
+        gate.open()
+        wait_for_side()
+        if use_cupy:
+            host_combined, host_active = cupy.asnumpy(combined).view(BF16), cupy.asnumpy(active)
+        else:
+            host_combined, host_active = to_numpy(combined), to_numpy(active)
+        result = dict(recv=host_recv, count=host_count, y=fresh_y_host, combined=host_combined, active=host_active,
+                      blocked=gate.timed_out(), current_idle=current_idle)
+        g.barrier()
+        buffer.destroy()
+        return result
+
+    results = local_group(case).spawn(run)
+    assert not any(r["blocked"] for r in results), "a call synchronised the host with the given stream"
+    assert all(r["current_idle"] for r in results), "a call queued work on the current stream behind the given one"
+    check(case, xs, topks, weights, flags, results)
 
 
 # --- JAX ----------------------------------------------------------------------------------------------
