@@ -426,6 +426,11 @@ class CudaBackend:
             cupy.cuda.runtime.eventRecord(event.ptr, stream_ptr)
         return event
 
+    @staticmethod
+    def event_done(event) -> bool:
+        """Whether the work before ``event`` (record_event's) is done; never blocks."""
+        return event.done
+
     def stream_is_capturing(self, stream_ptr: int) -> bool:
         """Whether ``stream_ptr`` is capturing a CUDA graph (it runs nothing meanwhile)."""
         import cupy

@@ -7,6 +7,7 @@ arrays on the GPU kernels.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -22,7 +23,7 @@ import numpy as np
 from mooncake_ep import _constants, _handshake, frameworks, layout, reference
 from mooncake_ep._handshake import CONFIGURATION_FIELDS
 from mooncake_ep._reference_backend import ReferenceBackend
-from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array
+from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array, same_stream
 from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_allocatable, check_array, check_disjoint,
                                     check_element_aligned, check_expert_ids, check_experts, check_flags, check_hidden,
                                     check_int, check_mutable, check_out, check_same_routing, check_timeout,
@@ -185,6 +186,9 @@ class Buffer:
         # combines whose receive hook is pending (a dispatch on that parity would rewrite the
         # routing that the hook's receive half reads).
         self._pending_hooks: set[int] = set()
+        # (event, arrays): arrays of calls launched on a stream their allocator does not know (async_finish,
+        # stream=), torch's excepted (record_stream), held until the event on that stream is done.
+        self._in_flight: collections.deque = collections.deque()
         self._pending_combine_hooks: dict[int, int] = {}  # parity -> hooks; a dict: .get is the cheapest miss
         # A random name of this Buffer, made the same on every rank by the handshake (rank 0's):
         # the reference backend's exchanges carry it (ReferenceBackend.exchange).
@@ -381,13 +385,17 @@ class Buffer:
                 this rank nothing, one re-admitted by then is received (if it sent).
             out: ``(recv_x, recv_count)`` arrays to write into, shaped as the results (for graphs).
             stream: the CUDA stream to launch on instead of the arrays' framework's current one: a
-                ``torch.cuda.Stream``, a ``cupy.cuda.Stream`` or a ``cudaStream_t`` as an int. The
-                arrays' pending writes on their framework's current stream are waited for (through
-                DLPack). Needed for device arrays of other DLPack producers, which have no current
-                stream (they are otherwise launched on the legacy default stream, 0). torch tensors
-                are recorded on it (``record_stream``) where it is not torch's current stream; the
-                returned event keeps the other arrays alive: keep it, or them, until the work on
-                ``stream`` is done. Its ``current_stream_wait()`` makes ``stream`` wait.
+                ``torch.cuda.Stream``, a ``cupy.cuda.Stream``, an object with ``__cuda_stream__``, or
+                a ``cudaStream_t`` as an int (1 reads as 0, the legacy default stream; 2, the
+                per-thread default stream, is refused: each thread has its own). ``stream`` waits
+                for the work queued so far on torch's and cupy's current streams (one event each),
+                other DLPack producers order their pending writes on export. Needed for device arrays
+                of such producers, which have no current stream (they are otherwise launched on the
+                legacy default stream, 0). torch tensors are recorded on it (``record_stream``); the
+                call holds the other arrays until its work on ``stream`` is done (an event). The
+                results are ready on ``stream``: wait on it before using them elsewhere. With
+                async_finish the event's ``current_stream_wait()`` makes ``stream`` wait; without it,
+                the event has nothing to wait for.
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``:
@@ -489,6 +497,8 @@ class Buffer:
                                                  num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                                  num_experts=num_experts, timeout_us=timeout_us, use_fp8=use_fp8,
                                                  round_scale=round_scale, use_ue8m0=use_ue8m0)
+                self._wait_for_writers(stream_ptr, None if given_stream is not None else x_view.framework,
+                                       (x_view, topk_view, active_view, *[view for view, _ in outputs]))
                 receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
                 # Counted once the send half is launched: a configuration refused on the way (the layout
                 # limit, ranks that disagree on it) used no parity, and the handles before it stay valid.
@@ -732,6 +742,11 @@ class Buffer:
                                             num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank,
                                             hidden=handle.hidden, num_experts=handle.num_experts, zero_copy=zero_copy,
                                             renormalize=renormalize, timeout_us=timeout_us)
+            # zero_copy: the expert outputs were written into get_next_combine_buffer's array, of the
+            # dispatch's framework, on its current stream.
+            written_before = (handle.framework,) if zero_copy else ()
+            self._wait_for_writers(stream_ptr, None if given_stream is not None else topk_view.framework,
+                                   (x_view, topk_view, weights_view, active_view, outputs[0][0]), written_before)
             receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
         if zero_copy or not self._peers_read_in_place(handle):
             handle.state["combined_through_workspace"] = True
@@ -937,7 +952,8 @@ class Buffer:
         self._destroyed = True
         if self._cuda is not None:
             cuda, self._cuda = self._cuda, None
-            cuda.destroy()
+            cuda.destroy()  # after this process's work on the device is done
+        self._in_flight.clear()
 
     def _check_alive(self, where: str) -> None:
         if self._destroyed:
@@ -963,6 +979,34 @@ class Buffer:
         if given_stream is not None and view.framework not in IMMUTABLE_FRAMEWORKS:  # JAX's refusal below
             return given_stream
         return frameworks.get(view.framework).current_stream(view.device_id)
+
+    def _wait_for_writers(self, stream_ptr: int, launch_framework: str | None, views: tuple,
+                          frameworks_written: tuple[str, ...] = ()) -> None:
+        """Make ``stream_ptr`` wait for the work queued so far on the current stream of every framework
+        among the call's torch and cupy arrays (``views``; None entries skipped) and
+        ``frameworks_written``, where that stream is another: their writes of the inputs, and their
+        earlier use of the memory of freshly allocated results, which their allocators hand out in
+        that stream's order. read_array reads such arrays directly, ordering nothing. One event per
+        framework and call (``launch_framework``: the one whose current stream is the launch
+        stream by construction, skipped); other DLPack producers ordered themselves on export."""
+        waited = None  # the common case, every array of the launch framework, builds nothing
+        for view in views:
+            if view is None or view.framework == launch_framework or view.device_type != "cuda":
+                continue
+            waited = self._wait_for_framework(stream_ptr, view.framework, waited)
+        for framework in frameworks_written:
+            if framework != launch_framework:
+                waited = self._wait_for_framework(stream_ptr, framework, waited)
+
+    def _wait_for_framework(self, stream_ptr: int, framework: str, waited: set | None) -> set:
+        """_wait_for_writers for one framework, unless in ``waited`` (returned with it added)."""
+        waited = waited if waited is not None else set()
+        if framework in _STREAM_FRAMEWORKS and framework not in waited:
+            waited.add(framework)
+            current = frameworks.get(framework).current_stream(self._cuda.device_id)
+            if not same_stream(current, stream_ptr):
+                self._cuda.stream_wait(stream_ptr, self._cuda.record_event(current))
+        return waited
 
     def _launch_stream(self, async_finish: bool, stream_ptr: int) -> int:
         if not async_finish:
@@ -1021,9 +1065,11 @@ class Buffer:
         event of such a call makes that stream wait, not the current one.
         """
         views = None  # the call's arrays, where the kernels run on another stream than torch's current one
+        held = ()  # their keepalives that no allocator's stream order protects: held until the kernels are done
         if like.device_type == "cuda" and (async_finish or stream_given):
             views = [view for view in inputs if view is not None] + [view for view, _ in outputs]
             self._record_on(async_finish, stream_ptr, views)
+            held = tuple(view.keepalive for view in views if view.framework != "torch")
         if return_recv_hook:
             if call == "dispatch":
                 self._pending_hooks.add(handle.parity)
@@ -1044,9 +1090,12 @@ class Buffer:
                 called.append(True)
                 try:
                     self._receive(call, handle, receive)
-                    # Launched: the stream orders any later use of that memory after it. A launch that
-                    # failed leaves them with the hook: peers may still read x, and nothing here knows
-                    # when they are done.
+                    # Launched: the stream orders any later use of that memory after it, where that stream
+                    # is the arrays' own; elsewhere they are held until the receive half is done. A launch
+                    # that failed leaves them with the hook: peers may still read x, and nothing here
+                    # knows when they are done.
+                    if held:
+                        self._hold_until_done(stream_ptr, held)
                     arrays.clear()
                 finally:
                     if call == "dispatch":
@@ -1059,6 +1108,8 @@ class Buffer:
             self._receive(call, handle, receive)
         elif call == "dispatch":  # both halves in one launch
             handle.state["received"] = True
+        if held:
+            self._hold_until_done(self._cuda.comm_stream.ptr if async_finish else stream_ptr, held)
         if async_finish and like.device_type == "cuda":
             cuda = self._cuda
             done = cuda.record_event(cuda.comm_stream.ptr)
@@ -1070,6 +1121,23 @@ class Buffer:
         if views is not None:  # launched on the given stream: ordered there; the arrays live with the event
             return EventOverlap(extra=tuple(view.keepalive for view in views)), None
         return EventOverlap(), None
+
+    def _hold_until_done(self, stream_ptr: int, keepalives: tuple) -> None:
+        """Hold ``keepalives`` until the work queued on ``stream_ptr`` so far is done.
+
+        For arrays of a call launched on another stream than their allocator's (async_finish, stream=):
+        cupy's pool, say, hands a dropped array's memory to new work on the stream it was allocated on,
+        which nothing orders after our kernels, and the returned event, which also holds them, is
+        dropped by most callers. torch tensors are recorded on the stream instead (_record_on). Held
+        arrays whose event is done are let go at each call; destroy() lets go of all. Nothing is held
+        while the stream captures a graph: a graph's arrays must outlive its replays, the caller's care.
+        """
+        cuda = self._cuda
+        in_flight = self._in_flight
+        while in_flight and cuda.event_done(in_flight[0][0]):
+            in_flight.popleft()
+        if not cuda.stream_is_capturing(stream_ptr):
+            in_flight.append((cuda.record_event(stream_ptr), keepalives))
 
     def _record_on(self, async_finish: bool, stream_ptr: int, views: list[ArrayView]) -> None:
         """Record the call's torch tensors on the stream the kernels run on, the communication stream
@@ -1245,12 +1313,15 @@ def _signature(view: ArrayView) -> tuple:
             view.copied)
 
 
+# Frameworks whose arrays read_array reads directly, ordering nothing: Buffer._wait_for_writers orders them.
+_STREAM_FRAMEWORKS = ("torch", "cupy")
+
+
 def _dlpack_stream(first: ArrayView, stream_ptr: int) -> int | None:
     """The stream to hand the producers of the call's other arrays: the launch stream (None for host arrays).
 
-    torch and cupy arrays on that very stream (their framework's current one) are read directly;
-    other CUDA producers, and torch or cupy arrays whose current stream is another, make the launch
-    stream wait for their pending writes through DLPack.
+    CUDA producers other than torch and cupy make the launch stream wait for their pending writes
+    through DLPack; torch and cupy arrays are read directly (Buffer._wait_for_writers orders them).
     """
     return None if first.device_type == "cpu" else stream_ptr
 

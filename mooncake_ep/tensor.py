@@ -323,8 +323,8 @@ _torch_module: list[Any] = []  # torch, once a tensor has been seen (imported la
 _torch_stream: list[Any] = []  # its current-stream getter, cached with it
 
 
-def _same_stream(current: int, stream: int) -> bool:
-    # Handle 0 and the DLPack/CUDA value 1 both name the legacy default stream.
+def same_stream(current: int, stream: int) -> bool:
+    """Whether two ``cudaStream_t`` handles name one stream (0 and 1 both name the legacy default)."""
     return (current or 1) == (stream or 1)
 
 
@@ -350,8 +350,8 @@ def torch_current_stream(device_id: int) -> int:
     return _torch_stream[0](device_id)
 
 
-def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
-    """Fast path: pointer and layout straight from the tensor. None: use DLPack instead.
+def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView:
+    """Fast path: pointer and layout straight from the tensor, whatever ``stream`` (see read_array's note).
 
     Reached only for subclasses of torch.Tensor (see :func:`_reader_of`), so torch is loaded.
     """
@@ -366,10 +366,6 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView | None:
                         f"memory holds the negated values; pass .resolve_neg()")
     if obj.is_cuda:
         device_id = obj.get_device()
-        # DLPack would make `stream` wait for torch's current stream; the fast path orders
-        # nothing, so it is taken only when the caller launches on that very stream.
-        if stream is not None and stream != -1 and not _same_stream(_torch_stream[0](device_id), stream):
-            return None
         device_type = "cuda"
     elif obj.device.type == "cpu":
         device_type, device_id = "cpu", 0
@@ -415,22 +411,18 @@ _ELEMENT_STRIDES: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
 _MAX_ELEMENT_STRIDES = 1024
 
 
-def _read_cupy(obj: Any, name: str, stream: int | None) -> ArrayView | None:
-    """Fast path: pointer and layout straight from a cupy array. None: use DLPack instead.
+def _read_cupy(obj: Any, name: str, stream: int | None) -> ArrayView:
+    """Fast path: pointer and layout straight from a cupy array, whatever ``stream`` (see read_array's note).
 
-    cupy's ``__dlpack__`` records and waits on an event per export (~20 us); as for torch, the fast
-    path orders nothing and is taken only when the caller launches on cupy's current stream.
+    cupy's ``__dlpack__`` would record and wait on an event per export (~20 us).
     Reached only for subclasses of cupy.ndarray (see :func:`_reader_of`), so cupy is loaded.
     """
     dtype = _NUMPY_TO_NAME.get(obj.dtype)  # a byte-swapped dtype is not equal to any of ours
     if dtype is None:
         raise _unknown_dtype(name, f"cupy dtype {obj.dtype.str} ({obj.dtype})")
     memory = obj.data
-    device_id = memory.device_id
-    if stream is not None and stream != -1 and not _same_stream(_cupy().cuda.get_current_stream(device_id).ptr, stream):
-        return None
     return ArrayView(obj, memory.ptr, obj.shape, _element_strides(obj.strides, obj.itemsize, name), dtype, "cuda",
-                     device_id, "cupy", obj)
+                     memory.device_id, "cupy", obj)
 
 
 def _view_from_capsule(capsule: Any, obj: Any, name: str, framework: str) -> ArrayView:
@@ -464,8 +456,8 @@ def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
         name: call and argument for error messages, e.g. ``"dispatch: x"``.
         stream: the CUDA stream (``cudaStream_t`` as an int) the caller will launch on; 0 is the
             legacy default stream (passed to DLPack as 1), 2 the per-thread default, -1 asks
-            for no ordering. A CUDA producer makes this stream wait for its pending writes.
-            ``None``: no stream is passed (DLPack then assumes the legacy default stream).
+            for no ordering. A CUDA producer read through DLPack makes this stream wait for its
+            pending writes. ``None``: no stream is passed (DLPack then assumes the legacy default).
 
     Returns:
         An :class:`ArrayView`; its memory stays valid while the view lives.
@@ -476,8 +468,11 @@ def read_array(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
         ValueError: ``stream`` is not an int >= -1.
 
     Note:
-        The torch and cupy fast paths order nothing: they are used when ``stream`` is None or is
-        the framework's current stream on the array's device; otherwise the array goes through DLPack.
+        torch tensors and cupy arrays are always read directly, and that orders nothing: a caller
+        launching on another stream than their framework's current one makes its stream wait for
+        that one itself (:meth:`mooncake_ep.Buffer` does, once per framework and call). Exporting
+        them through DLPack instead would cost an event per array, and torch refuses to export
+        tensors that require grad, tensors of another device than its current one, and stream 2.
     """
     if stream is not None and (not isinstance(stream, int) or stream < -1):
         raise ValueError(f"{name}: stream must be None or a CUDA stream handle (int >= -1), "
@@ -519,7 +514,7 @@ def _reader_of(kind: type) -> Callable[[Any, str, int | None], ArrayView | None]
     return _no_fast_path
 
 
-# The framework of the arrays a reader serves, also when they go through DLPack (another stream).
+# The framework of the arrays a reader serves, also when they go through DLPack.
 _FRAMEWORK_OF_READER = {_read_numpy: "numpy", _read_torch: "torch", _read_cupy: "cupy"}
 # Reader by exact array type, filled as types are first seen: one dict lookup per array read.
 _READERS: dict[type, Callable[[Any, str, int | None], ArrayView | None]] = {}

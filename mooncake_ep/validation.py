@@ -7,7 +7,9 @@ state, so a refused call leaves the Buffer as it was.
 
 from __future__ import annotations
 
+import numbers
 import operator
+import sys
 from typing import Any
 
 import numpy as np
@@ -64,30 +66,41 @@ def check_timeout(where: str, timeout_us) -> int:
 
 
 def stream_handle(where: str, stream, device_id: int | None) -> int:
-    """A ``stream=`` argument as the ``cudaStream_t`` it names: a ``torch.cuda.Stream`` (its
-    ``cuda_stream``), a ``cupy.cuda.Stream`` (its ``ptr``) or an int >= 0. A stream object of
-    another device than ``device_id`` (the Buffer's; None for the reference backend) is refused."""
-    handle = getattr(stream, "cuda_stream", None)  # torch
-    stream_device = getattr(getattr(stream, "device", None), "index", None)
-    if handle is None:
-        handle = getattr(stream, "ptr", None)  # cupy
-        stream_device = getattr(stream, "device_id", None)
-    if handle is None:
-        handle = stream
-    elif device_id is not None and isinstance(stream_device, int) and stream_device != device_id:
+    """A ``stream=`` argument as the ``cudaStream_t`` it names, 0 for the legacy default stream.
+
+    Accepted: a ``torch.cuda.Stream`` (``ExternalStream`` too: its ``cuda_stream``), a cupy stream (its
+    ``ptr``), an object of the CUDA stream protocol (``__cuda_stream__()`` -> ``(version, handle)``), or
+    a handle as an int in [0, 2**63). 1, CUDA's other name of the legacy default stream, reads as 0. 2,
+    the per-thread default stream, is refused: it names another stream in each thread, and a hook or
+    an event's wait may run in another thread than the call. A stream object of another device than
+    ``device_id`` (the Buffer's; None for the reference backend) is refused.
+    """
+    kind = "a torch.cuda.Stream, a cupy.cuda.Stream, a __cuda_stream__ object or a cudaStream_t as an int"
+    handle, stream_device = stream, None
+    torch = sys.modules.get("torch")
+    cupy = sys.modules.get("cupy")
+    if torch is not None and isinstance(stream, torch.cuda.Stream):
+        handle, stream_device = stream.cuda_stream, stream.device.index
+    elif cupy is not None and isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+        handle, stream_device = stream.ptr, getattr(stream, "device_id", None)
+    elif hasattr(type(stream), "__cuda_stream__"):
+        protocol = stream.__cuda_stream__()
+        if not (isinstance(protocol, tuple) and len(protocol) == 2):
+            raise TypeError(f"{where}: stream.__cuda_stream__() must return (version, handle), got {protocol!r}")
+        handle = protocol[1]
+    elif isinstance(stream, bool) or not isinstance(stream, numbers.Integral):
+        raise TypeError(f"{where}: stream must be {kind}, got {type(stream).__name__}")
+    if device_id is not None and isinstance(stream_device, int) and stream_device != device_id:
         raise ValueError(f"{where}: stream is a stream of cuda:{stream_device}, this Buffer's rank uses "
                          f"cuda:{device_id}")
-    if isinstance(handle, bool):
-        raise TypeError(f"{where}: stream must be a torch.cuda.Stream, a cupy.cuda.Stream or a cudaStream_t as an "
-                        f"int, got bool")
-    try:
-        value = operator.index(handle)
-    except TypeError:
-        raise TypeError(f"{where}: stream must be a torch.cuda.Stream, a cupy.cuda.Stream or a cudaStream_t as an "
-                        f"int, got {type(stream).__name__}") from None
-    if value < 0:
-        raise ValueError(f"{where}: stream must name a CUDA stream (a cudaStream_t, an int >= 0), got {value}")
-    return value
+    value = operator.index(handle)
+    if not 0 <= value < 1 << 63:
+        raise ValueError(f"{where}: stream must name a CUDA stream (a cudaStream_t, an int in [0, 2**63)), got {value}")
+    if value == 2:
+        raise ValueError(f"{where}: stream 2 is the per-thread default stream, another stream in each thread (a "
+                         f"hook or an event may be waited for in another thread than the call's): pass that "
+                         f"thread's stream object, or a stream of its own")
+    return 0 if value == 1 else value
 
 
 def check_bool(where: str, name: str, value) -> None:

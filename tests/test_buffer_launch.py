@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
+import types
 import weakref
 
 import ml_dtypes
@@ -17,9 +19,9 @@ import numpy as np
 import pytest
 
 import mooncake_ep as ep
-from mooncake_ep import _dlpack
+from mooncake_ep import _dlpack, frameworks
 from mooncake_ep import layout
-from mooncake_ep.tensor import DeviceMemoryArray
+from mooncake_ep.tensor import ArrayView, DeviceMemoryArray
 
 SEND, RECV = 1, 2
 CALLER_STREAM = 0  # the 'dlpack' framework reports the legacy stream
@@ -71,6 +73,11 @@ class RecordingCuda:
 
     def record_event(self, stream_ptr):
         return ("event", stream_ptr)
+
+    done_events = False  # whether event_done answers True
+
+    def event_done(self, event):
+        return self.done_events
 
     capturing = False
 
@@ -642,14 +649,24 @@ def stream_recording(array: DeviceMemoryArray) -> StreamRecordingArray:
     return recording
 
 
-def test_stream_is_the_launch_stream_and_the_arrays_are_exported_for_it(setup):
+class CudaStreamProtocol:
+    """A stream of the CUDA stream protocol (``__cuda_stream__``, as cuda.core's and others' are)."""
+
+    def __init__(self, handle: int, protocol=None):
+        self.handle, self.protocol = handle, protocol
+
+    def __cuda_stream__(self):
+        return (0, self.handle) if self.protocol is None else self.protocol
+
+
+def test_stream_is_the_launch_stream_and_the_arrays_are_exported_for_it(setup, monkeypatch):
     """stream=: both halves and the combine launch there, not on the framework's current stream (the
     legacy stream for DLPack producers), and every array is exported for it, x too, so its producer
     orders its pending writes before the launch."""
     buf, cuda, device, inputs = setup
     arrays = {name: stream_recording(array) for name, array in inputs.items()}
     kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
-    torch_like, cupy_like = type("Stream", (), {"cuda_stream": 0xAB})(), type("Stream", (), {"ptr": 0xCD})()
+    torch_like, cupy_like = CudaStreamProtocol(0xAB), CudaStreamProtocol(0xCD)
     _, _, handle, _, hook = buf.dispatch(*arrays.values(), **kwargs, return_recv_hook=True,
                                          out=dispatch_out(device, False), stream=torch_like)
     hook()
@@ -662,11 +679,23 @@ def test_stream_is_the_launch_stream_and_the_arrays_are_exported_for_it(setup):
     assert [(l.kernel, l.phases, l.stream) for l in cuda.launches] == [
         ("dispatch", SEND, 0xAB), ("dispatch", RECV, 0xAB), ("combine", SEND | RECV, 0xCD),
         ("dispatch", SEND | RECV, 0x5EED)]
+    # 1 is the legacy default stream's other name: launched as 0, where the framework's own calls go.
+    buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False), stream=1)
+    assert cuda.launches[-1].stream == 0
     # Refused before anything is launched or counted, naming the argument:
+    memory_pointer = type("MemoryPointer", (), {"ptr": 0xCD})()  # a .ptr is not a stream (cupy's arr.data)
     for stream, error, message in (("s", TypeError, r"dispatch: stream must be a torch.cuda.Stream, a "
-                                                      r"cupy.cuda.Stream or a cudaStream_t as an int, got str"),
+                                                      r"cupy.cuda.Stream, a __cuda_stream__ object or a "
+                                                      r"cudaStream_t as an int, got str"),
                                    (True, TypeError, r"dispatch: stream must be .* got bool"),
-                                   (-2, ValueError, r"dispatch: stream must name a CUDA stream .* got -2")):
+                                   (memory_pointer, TypeError, r"dispatch: stream must be .* got MemoryPointer"),
+                                   (CudaStreamProtocol(0xAB, protocol=0xAB), TypeError,
+                                    r"dispatch: stream.__cuda_stream__\(\) must return \(version, handle\), got 171"),
+                                   (-2, ValueError, r"dispatch: stream must name a CUDA stream .* got -2"),
+                                   (1 << 63, ValueError, r"dispatch: stream must name a CUDA stream .* got 9223372036854775808"),
+                                   (2, ValueError, r"dispatch: stream 2 is the per-thread default stream, another "
+                                                   r"stream in each thread"),
+                                   (CudaStreamProtocol(2), ValueError, r"dispatch: stream 2 is the per-thread")):
         with pytest.raises(error, match=message):
             buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False), stream=stream)
     host = dict(x=np.zeros((3, H), ml_dtypes.bfloat16), topk_idx=np.zeros((3, K), np.int64),
@@ -674,20 +703,101 @@ def test_stream_is_the_launch_stream_and_the_arrays_are_exported_for_it(setup):
     with pytest.raises(ValueError, match=r"dispatch: stream is for CUDA arrays; x is a host array"):
         buf.dispatch(**host, **kwargs, stream=0xAB)
     buf._device_id = 0
-    other_device = type("Stream", (), {"cuda_stream": 0xAB, "device": type("Device", (), {"index": 1})()})()
+    # A cupy stream of another device (cupy itself needs a GPU: a stand-in module for the type check).
+    fake_stream_type = type("Stream", (), {"ptr": 0xAB, "device_id": 1})
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=fake_stream_type, ExternalStream=fake_stream_type))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     with pytest.raises(ValueError, match=r"dispatch: stream is a stream of cuda:1, this Buffer's rank uses cuda:0"):
-        buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False), stream=other_device)
+        buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False), stream=fake_stream_type())
+    monkeypatch.delitem(sys.modules, "cupy")
     capsule = inputs["x"].__dlpack__()  # a refused stream leaves a bare capsule unread
     with pytest.raises(TypeError, match=r"dispatch: stream must be"):
         buf.dispatch(capsule, inputs["topk_idx"], inputs["active_ranks"], **kwargs, stream="s")
     assert _dlpack._PyCapsule_GetName(capsule) == b"dltensor"
-    assert len(cuda.launches) == 4 and buf._num_dispatches == 2
+    assert len(cuda.launches) == 5 and buf._num_dispatches == 3
     # async_finish: the event makes the given stream wait, not the framework's current one (0 here).
     _, _, _, event, _ = buf.dispatch(**inputs, **kwargs, async_finish=True, out=dispatch_out(device, False),
                                      stream=0xAB)
     assert cuda.launches[-1].stream == COMM_STREAM and cuda.waits[-1] == (COMM_STREAM, ("event", 0xAB))
     event.current_stream_wait()
     assert cuda.waits[-1] == (0xAB, ("event", COMM_STREAM))
+
+
+def test_the_launch_stream_waits_once_for_each_other_frameworks_current_stream(setup, monkeypatch):
+    """torch and cupy arrays are read directly, ordering nothing: before a launch on another stream than
+    their framework's current one (stream=, or arrays of two frameworks in one call) the launch stream
+    waits for that stream, once per framework: for their writes of the inputs and for the earlier use of
+    fresh results' memory. Host arrays and other DLPack producers (ordered on export) add no wait."""
+    buf, cuda, _, _ = setup
+    monkeypatch.setattr(frameworks.get("torch"), "current_stream", lambda device_id: 0x70)
+    monkeypatch.setattr(frameworks.get("cupy"), "current_stream", lambda device_id: 0xC0)
+
+    def view(framework, device_type="cuda"):
+        return ArrayView(None, 0x1000, (1,), (1,), "int32", device_type, 0, framework, None)
+
+    buf._wait_for_writers(0xAB, None, (view("torch"), view("torch"), None, view("cupy"), view("numpy", "cpu"),
+                                       view("dlpack"), view("cupy")))
+    assert cuda.waits == [(0xAB, ("event", 0x70)), (0xAB, ("event", 0xC0))]
+    cuda.waits.clear()
+    buf._wait_for_writers(0x70, "torch", (view("torch"), view("cupy")))  # launched on torch's stream
+    assert cuda.waits == [(0x70, ("event", 0xC0))]
+    cuda.waits.clear()
+    buf._wait_for_writers(0xC0, None, (view("cupy"),), ("torch",))  # zero-copy's buffer, written with torch
+    assert cuda.waits == [(0xC0, ("event", 0x70))]
+    cuda.waits.clear()
+    buf._wait_for_writers(0x70, "torch", (view("torch"),), ("torch",))  # one framework, one stream: no wait
+    assert cuda.waits == []
+
+
+def test_arrays_of_a_call_on_another_stream_live_until_its_kernels_are_done(setup):
+    """A call launched on another stream than its arrays' allocator's (stream=, async_finish) holds the
+    arrays (torch's excepted: record_stream) until an event on the launch stream is done, even when the
+    caller drops them and the returned event at once: a pool would otherwise hand their memory to new
+    work that nothing orders after the kernels. In hook mode they are held from the call until the
+    receive half, launched by hook(), is done. Done events let go at the next call; a capturing stream
+    holds nothing (a graph's arrays are the caller's to keep)."""
+    buf, cuda, device, inputs = setup
+    kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+
+    class Memory:  # what bounds x's memory: its exports hold it
+        pass
+
+    def dropped_call(**options):
+        """A dispatch whose x the caller drops at once; a weak reference to x's memory, and the hook."""
+        memory = Memory()
+        x = DeviceMemoryArray(inputs["x"].ptr, inputs["x"].shape, inputs["x"].dtype, "cuda", 0, owner=memory)
+        alive = weakref.ref(memory)
+        hook = buf.dispatch(x, inputs["topk_idx"], inputs["active_ranks"], **kwargs,
+                            out=dispatch_out(device, False), **options)[-1]
+        del x, memory
+        return alive, hook
+
+    alive, _ = dropped_call(stream=0xAB)
+    gc.collect()
+    assert alive() is not None and len(buf._in_flight) == 1
+    assert buf._in_flight[0][0] == ("event", 0xAB)
+    cuda.done_events = True
+    later, _ = dropped_call(async_finish=True)  # lets go of the done one, holds its own on the comm stream
+    gc.collect()
+    assert alive() is None and later() is not None and [event for event, _ in buf._in_flight] == [("event", COMM_STREAM)]
+    cuda.done_events = False
+    hooked, hook = dropped_call(stream=0xAB, return_recv_hook=True)
+    gc.collect()
+    assert hooked() is not None and len(buf._in_flight) == 1, "held by the hook until it runs"
+    hook()
+    del hook
+    gc.collect()
+    assert hooked() is not None and [event for event, _ in buf._in_flight] == [("event", COMM_STREAM),
+                                                                               ("event", 0xAB)]
+    cuda.done_events, cuda.capturing = True, True
+    captured, _ = dropped_call(stream=0xAB)
+    gc.collect()
+    assert captured() is None and not buf._in_flight, "done ones let go; nothing held under capture"
+    cuda.capturing = False
+    dropped_call(stream=0xAB)
+    buf._cuda = None  # destroy() without the backend's collective
+    buf.destroy()
+    assert not buf._in_flight
 
 
 def test_in_process_ranks_on_one_gpu_making_one_call_on_one_stream_are_refused(setup):

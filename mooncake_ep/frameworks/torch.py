@@ -115,7 +115,10 @@ def record_stream(tensors, stream_ptr: int, device_id: int) -> None:
     if stream is None:
         if len(_external_streams) >= _MAX_EXTERNAL_STREAMS:
             _external_streams.clear()
-        stream = torch.cuda.ExternalStream(stream_ptr, device=torch.device("cuda", device_id))
+        device = torch.device("cuda", device_id)
+        # 0 is the legacy default stream, torch's own default stream (not an external one).
+        stream = torch.cuda.default_stream(device) if stream_ptr == 0 else torch.cuda.ExternalStream(stream_ptr,
+                                                                                                     device=device)
         _external_streams[(stream_ptr, device_id)] = stream
     for tensor in tensors:
         tensor.record_stream(stream)
