@@ -566,7 +566,9 @@ def test_an_explicit_stream_is_the_one_the_calls_run_on(given, mode):
             stream_arg = side if given == "torch.Stream" else side_ptr
             fresh_x = to_torch(xs[r])
             x = torch.full_like(fresh_x, float("nan"))
-            topk, w = to_torch(topks[r]), to_torch(weights[r])
+            # Weights that need grad, as a training step's: torch refuses to export those through DLPack,
+            # which a launch on another stream than torch's current one had used.
+            topk, w = to_torch(topks[r]), to_torch(weights[r]).requires_grad_()
             active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
             x_ptr, fresh_x_ptr = x.data_ptr(), fresh_x.data_ptr()
 
