@@ -470,6 +470,7 @@ class Buffer:
                                f"receive half reads that dispatch's routing; call it first")
         on_cuda = x_view.device_type == "cuda"
         claimed = None
+        off_stream = False  # some array's framework runs on another stream than the launch (_wait_for_writers)
         if on_cuda:
             # Compared only at its first use: comparing every call cost ~2 us of host time a dispatch
             # (docs/performance.md (39)).
@@ -497,8 +498,9 @@ class Buffer:
                                                  num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                                  num_experts=num_experts, timeout_us=timeout_us, use_fp8=use_fp8,
                                                  round_scale=round_scale, use_ue8m0=use_ue8m0)
-                self._wait_for_writers(stream_ptr, None if given_stream is not None else x_view.framework,
-                                       (x_view, topk_view, active_view, *[view for view, _ in outputs]))
+                off_stream = self._wait_for_writers(stream_ptr,
+                                                    None if given_stream is not None else x_view.framework,
+                                                    (x_view, topk_view, active_view, *[view for view, _ in outputs]))
                 receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
                 # Counted once the send half is launched: a configuration refused on the way (the layout
                 # limit, ranks that disagree on it) used no parity, and the handles before it stay valid.
@@ -511,7 +513,7 @@ class Buffer:
                 self._call_claims.withdraw_call(*claimed)
             raise
         event, hook = self._finish("dispatch", handle, receive, async_finish, return_recv_hook, stream_ptr,
-                                   given_stream is not None, x_view,
+                                   given_stream is not None, off_stream, x_view,
                                    (x_view, topk_view, active_view), outputs)
         if written_tensors:
             frameworks.get("torch").mark_modified(written_tensors)
@@ -733,6 +735,7 @@ class Buffer:
             self._check_outside_combine_buffer(where, handle, (
                 ("out combined_x", None if out_views is None else out_views[0][0]), ("active_ranks", active_view)))
         outputs = out_views if out_views is not None else self._allocate(plan, topk_view)
+        off_stream = False
         if handle.backend == "reference":
             receive = self._reference_combine(handle, x_view, topk_view, weights_view, active_view, outputs,
                                               zero_copy, renormalize)
@@ -745,13 +748,14 @@ class Buffer:
             # zero_copy: the expert outputs were written into get_next_combine_buffer's array, of the
             # dispatch's framework, on its current stream.
             written_before = (handle.framework,) if zero_copy else ()
-            self._wait_for_writers(stream_ptr, None if given_stream is not None else topk_view.framework,
-                                   (x_view, topk_view, weights_view, active_view, outputs[0][0]), written_before)
+            off_stream = self._wait_for_writers(stream_ptr, None if given_stream is not None else topk_view.framework,
+                                                (x_view, topk_view, weights_view, active_view, outputs[0][0]),
+                                                written_before)
             receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
         if zero_copy or not self._peers_read_in_place(handle):
             handle.state["combined_through_workspace"] = True
         event, hook = self._finish("combine", handle, receive, async_finish, return_recv_hook, stream_ptr,
-                                   given_stream is not None, topk_view,
+                                   given_stream is not None, off_stream, topk_view,
                                    (x_view, topk_view, weights_view, active_view), outputs)
         if written_tensors:
             frameworks.get("torch").mark_modified(written_tensors)
@@ -981,32 +985,30 @@ class Buffer:
         return frameworks.get(view.framework).current_stream(view.device_id)
 
     def _wait_for_writers(self, stream_ptr: int, launch_framework: str | None, views: tuple,
-                          frameworks_written: tuple[str, ...] = ()) -> None:
+                          frameworks_written: tuple[str, ...] = ()) -> bool:
         """Make ``stream_ptr`` wait for the work queued so far on the current stream of every framework
         among the call's torch and cupy arrays (``views``; None entries skipped) and
         ``frameworks_written``, where that stream is another: their writes of the inputs, and their
         earlier use of the memory of freshly allocated results, which their allocators hand out in
         that stream's order. read_array reads such arrays directly, ordering nothing. One event per
         framework and call (``launch_framework``: the one whose current stream is the launch
-        stream by construction, skipped); other DLPack producers ordered themselves on export."""
-        waited = None  # the common case, every array of the launch framework, builds nothing
-        for view in views:
-            if view is None or view.framework == launch_framework or view.device_type != "cuda":
-                continue
-            waited = self._wait_for_framework(stream_ptr, view.framework, waited)
-        for framework in frameworks_written:
-            if framework != launch_framework:
-                waited = self._wait_for_framework(stream_ptr, framework, waited)
+        stream by construction, skipped); other DLPack producers ordered themselves on export.
 
-    def _wait_for_framework(self, stream_ptr: int, framework: str, waited: set | None) -> set:
-        """_wait_for_writers for one framework, unless in ``waited`` (returned with it added)."""
-        waited = waited if waited is not None else set()
-        if framework in _STREAM_FRAMEWORKS and framework not in waited:
-            waited.add(framework)
+        Returns whether any such stream was another than ``stream_ptr``: the call's arrays are then
+        used off their allocators' streams, and _finish keeps them (record_stream, or held)."""
+        checked = None  # the common case, every array of the launch framework, builds nothing
+        off_stream = False
+        for framework in (*[view.framework for view in views
+                            if view is not None and view.framework != launch_framework and view.device_type == "cuda"],
+                          *[framework for framework in frameworks_written if framework != launch_framework]):
+            if framework not in _STREAM_FRAMEWORKS or (checked is not None and framework in checked):
+                continue
+            checked = (checked or set()) | {framework}
             current = frameworks.get(framework).current_stream(self._cuda.device_id)
             if not same_stream(current, stream_ptr):
                 self._cuda.stream_wait(stream_ptr, self._cuda.record_event(current))
-        return waited
+                off_stream = True
+        return off_stream
 
     def _launch_stream(self, async_finish: bool, stream_ptr: int) -> int:
         if not async_finish:
@@ -1046,7 +1048,7 @@ class Buffer:
         return None
 
     def _finish(self, call: str, handle: Handle, receive, async_finish, return_recv_hook, stream_ptr,
-                stream_given: bool, like: ArrayView, inputs: tuple[ArrayView | None, ...],
+                stream_given: bool, off_stream: bool, like: ArrayView, inputs: tuple[ArrayView | None, ...],
                 outputs: list[tuple[ArrayView, Any]]):
         """Run or defer the receive half; build the event and the hook.
 
@@ -1062,11 +1064,14 @@ class Buffer:
         communication stream, so that torch's allocator does not give a dropped one's memory to new
         work on the caller's stream before the kernel is done with it. So are they with ``stream=``
         (``stream_given``: ``stream_ptr`` is that stream) where it is not torch's current one; the
-        event of such a call makes that stream wait, not the current one.
+        event of such a call makes that stream wait, not the current one. And so are they where some
+        array's framework runs on another stream than the launch (``off_stream``: arrays of two
+        frameworks in one call). Arrays of other frameworks than torch are also held by the Buffer
+        until the kernels are done (_hold_until_done): callers drop the event.
         """
         views = None  # the call's arrays, where the kernels run on another stream than torch's current one
         held = ()  # their keepalives that no allocator's stream order protects: held until the kernels are done
-        if like.device_type == "cuda" and (async_finish or stream_given):
+        if like.device_type == "cuda" and (async_finish or stream_given or off_stream):
             views = [view for view in inputs if view is not None] + [view for view, _ in outputs]
             self._record_on(async_finish, stream_ptr, views)
             held = tuple(view.keepalive for view in views if view.framework != "torch")

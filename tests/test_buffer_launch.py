@@ -727,7 +727,9 @@ def test_the_launch_stream_waits_once_for_each_other_frameworks_current_stream(s
     """torch and cupy arrays are read directly, ordering nothing: before a launch on another stream than
     their framework's current one (stream=, or arrays of two frameworks in one call) the launch stream
     waits for that stream, once per framework: for their writes of the inputs and for the earlier use of
-    fresh results' memory. Host arrays and other DLPack producers (ordered on export) add no wait."""
+    fresh results' memory. Host arrays and other DLPack producers (ordered on export) add no wait. It
+    answers whether some array was off the launch stream: the call then keeps its arrays alive
+    (record_stream, or held) as with stream=."""
     buf, cuda, _, _ = setup
     monkeypatch.setattr(frameworks.get("torch"), "current_stream", lambda device_id: 0x70)
     monkeypatch.setattr(frameworks.get("cupy"), "current_stream", lambda device_id: 0xC0)
@@ -735,17 +737,19 @@ def test_the_launch_stream_waits_once_for_each_other_frameworks_current_stream(s
     def view(framework, device_type="cuda"):
         return ArrayView(None, 0x1000, (1,), (1,), "int32", device_type, 0, framework, None)
 
-    buf._wait_for_writers(0xAB, None, (view("torch"), view("torch"), None, view("cupy"), view("numpy", "cpu"),
-                                       view("dlpack"), view("cupy")))
+    assert buf._wait_for_writers(0xAB, None, (view("torch"), view("torch"), None, view("cupy"), view("numpy", "cpu"),
+                                              view("dlpack"), view("cupy")))
     assert cuda.waits == [(0xAB, ("event", 0x70)), (0xAB, ("event", 0xC0))]
     cuda.waits.clear()
-    buf._wait_for_writers(0x70, "torch", (view("torch"), view("cupy")))  # launched on torch's stream
+    assert buf._wait_for_writers(0x70, "torch", (view("torch"), view("cupy")))  # launched on torch's stream
     assert cuda.waits == [(0x70, ("event", 0xC0))]
     cuda.waits.clear()
-    buf._wait_for_writers(0xC0, None, (view("cupy"),), ("torch",))  # zero-copy's buffer, written with torch
+    assert buf._wait_for_writers(0xC0, None, (view("cupy"),), ("torch",))  # zero-copy's buffer, written with torch
     assert cuda.waits == [(0xC0, ("event", 0x70))]
     cuda.waits.clear()
-    buf._wait_for_writers(0x70, "torch", (view("torch"),), ("torch",))  # one framework, one stream: no wait
+    # One framework, one stream: no wait, and the call's arrays stay on their allocator's stream.
+    assert not buf._wait_for_writers(0x70, "torch", (view("torch"),), ("torch",))
+    assert not buf._wait_for_writers(0x70, None, (view("torch"), view("dlpack")))  # stream= torch's own
     assert cuda.waits == []
 
 
