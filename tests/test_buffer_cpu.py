@@ -413,10 +413,13 @@ def test_hook_mode_fills_outputs_only_when_hook_is_called(flags):
             np.testing.assert_array_equal(before, bits(array))  # the receive half has not run
         # combine needs the receive half: refused (before communicating) until hook() runs.
         expert_out = np.zeros((case.num_local_experts, 2 * case.num_max_tokens, case.hidden), BF16)
-        with pytest.raises(RuntimeError, match=r"hook\(\)"):
-            buf.combine(expert_out, args["topk_idx"], case.weights[rank], args["active_ranks"], -1, handle)
-        with pytest.raises(RuntimeError, match=r"hook\(\)"):
-            buf.get_next_combine_buffer(handle)
+        for where, call in [
+                ("combine", lambda: buf.combine(expert_out, args["topk_idx"], case.weights[rank],
+                                                args["active_ranks"], -1, handle)),
+                ("get_next_combine_buffer", lambda: buf.get_next_combine_buffer(handle))]:
+            with pytest.raises(RuntimeError, match=rf"^{where}: the dispatch of this handle has not received yet: "
+                                                   rf"call its hook\(\) first$"):
+                call()
         hook()
         with pytest.raises(RuntimeError, match="already called"):
             hook()
@@ -454,6 +457,35 @@ def test_two_hooks_may_be_pending_and_run_in_any_order():
     results = spawn(2, rank_fn)
     for i, c in enumerate(cases):
         check_steps(c, FP8_FLAGS, [r[i] for r in results], masks=False)
+
+
+def test_a_third_dispatch_while_two_receive_hooks_are_pending_is_refused():
+    """Each pending receive half holds one workspace half (its parity): a third dispatch, in hook mode
+    or not, would restage the half the first one's hook has yet to read. It is refused, counting
+    nothing: both hooks then run, both handles (neither made stale by the refused calls) combine to
+    the reference, and a full step after them does too."""
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, VCASE)
+        pending = [buf.dispatch(**dispatch_args(VCASE, rank), **BF16_FLAGS, return_recv_hook=True) for _ in range(2)]
+        for return_recv_hook in (False, True):
+            with pytest.raises(RuntimeError, match=r"^dispatch: the dispatch two calls ago still waits for its "
+                                                   r"hook\(\); call it first \(at most two receive hooks may be "
+                                                   r"pending\)$"):
+                buf.dispatch(**dispatch_args(VCASE, rank), **BF16_FLAGS, return_recv_hook=return_recv_hook)
+        assert buf._num_dispatches == 2
+        for _, _, _, _, hook in pending:
+            hook()
+        steps = []
+        for recv_x, count, handle, _, _ in pending:
+            combined, _, _ = Ctx(rank, handle, expert_fn(rank, recv_x, None, BF16_FLAGS)).combine(buf)
+            steps.append(Step(recv_x.copy(), None, count.copy(), combined.copy()))
+        return steps, run_step(buf, VCASE, rank, FP8_FLAGS)
+
+    results = spawn(2, rank_fn)
+    for i in range(2):
+        check_steps(VCASE, BF16_FLAGS, [steps[i] for steps, _ in results], masks=False)
+    check_steps(VCASE, FP8_FLAGS, [step for _, step in results])
 
 
 @pytest.mark.parametrize("flags", [BF16_FLAGS, FP8_FLAGS], ids=["bf16", "fp8"])
@@ -1060,6 +1092,9 @@ DISPATCH_REJECTIONS = [
     ("timeout-past-int64-ns", ValueError, r"dispatch: timeout_us must be <= 9223372036854775",
      lambda c: dict(timeout_us=10**20)),
     ("experts-float", TypeError, r"dispatch: num_experts must be an int, got float", lambda c: dict(num_experts=4.0)),
+    # The kernels' limit (MAX_EXPERTS): 1026 is a multiple of num_ranks=2, so no other check refuses it.
+    ("experts-above-1024", ValueError, r"dispatch: num_experts must be <= 1024, got 1026",
+     lambda c: dict(num_experts=1026)),
     ("repeated-expert-overflows", ValueError, r"dispatch: topk_idx .*expert 1.*num_max_dispatch_tokens_per_rank=4",
      # Each token names expert 1 twice: 5 or 6 copies from one rank, which recv_x (R * T rows) cannot hold.
      lambda c: dict(topk_idx=np.array([[1, 1], [1, 1]] + [[1, -1]] * (len(VCASE.xs[c.rank]) - 2), np.int64))),
@@ -1260,10 +1295,53 @@ def test_bad_buffer_arguments_are_refused(call, pattern):
         call(group)
 
 
+class GroupThatMustNotCommunicate:
+    """A group of ``world_size`` ranks (this one rank 0) whose collectives fail the test: a Buffer that
+    refuses its arguments does so on its own, before the handshake (peers would wait for it there)."""
+
+    def __init__(self, world_size: int):
+        self.rank, self.world_size = 0, world_size
+
+    def allgather_bytes(self, blob: bytes) -> list[bytes]:
+        raise AssertionError("the Buffer communicated (its handshake) before refusing its arguments")
+
+    def barrier(self) -> None:
+        raise AssertionError("the Buffer communicated (a barrier) before refusing its arguments")
+
+
+def test_more_ranks_than_the_kernels_hold_are_refused_before_the_handshake():
+    """The kernels hold at most MAX_RANKS (64) ranks (route table, masks): a group of 65 is refused by
+    each rank at construction, before communicating; one of 64 passes the check and goes on to the
+    handshake (which this group fails)."""
+    with pytest.raises(ValueError, match=r"^Buffer: at most 64 ranks are supported, got 65$"):
+        ep.Buffer(GroupThatMustNotCommunicate(65), 1 << 20, backend="reference")
+    with pytest.raises(AssertionError, match=r"communicated \(its handshake\)"):
+        ep.Buffer(GroupThatMustNotCommunicate(64), 1 << 20, backend="reference")
+
+
+@pytest.mark.parametrize("num_sms,exc,pattern", [
+    (0, ValueError, r"^Buffer: num_sms must be >= 1, got 0$"),
+    (-1, ValueError, r"^Buffer: num_sms must be >= 1, got -1$"),
+    (2.0, TypeError, r"^Buffer: num_sms must be an int, got float$"),
+    (True, TypeError, r"^Buffer: num_sms must be an int, got bool$"),
+], ids=["zero", "negative", "float", "bool"])
+def test_bad_num_sms_is_refused_before_the_handshake(num_sms, exc, pattern):
+    """num_sms is checked on every backend, the reference one (which launches nothing) included, and
+    before communicating: unchecked, 0 would read as "the default", and -1, a float or a bool would
+    reach the kernels' launch grid. A numpy integer is an int."""
+    with pytest.raises(exc, match=pattern):
+        ep.Buffer(GroupThatMustNotCommunicate(2), 1 << 20, backend="reference", num_sms=num_sms)
+    buf = spawn(1, lambda g: ep.Buffer(g, 1 << 20, backend="reference", num_sms=np.int64(1)))[0]
+    assert buf.backend == "reference"
+
+
 @pytest.mark.parametrize("args,pattern", [
     ((4, 200, 2, 4), r"get_ep_buffer_size_hint: hidden must be a multiple of 128, got 200"),
     ((4, 256, 2, 3), r"get_ep_buffer_size_hint: num_experts must be a multiple of num_ranks=2, got 3"),
     ((0, 256, 2, 4), r"get_ep_buffer_size_hint: num_max_dispatch_tokens_per_rank must be >= 1, got 0"),
+    # The kernels' limits (MAX_EXPERTS, MAX_RANKS), with num_experts a multiple of num_ranks.
+    ((4, 256, 2, 1026), r"get_ep_buffer_size_hint: num_experts must be <= 1024, got 1026"),
+    ((4, 256, 65, 65), r"get_ep_buffer_size_hint: num_ranks must be <= 64, got 65"),
 ])
 def test_size_hint_validates_its_arguments(args, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -79,26 +79,36 @@ def blocks_with_amax(amaxes: list[float], num_tokens: int = 2) -> np.ndarray:
     return x
 
 
+def recipe_scale(amax: float) -> np.float32:
+    """DeepEP's scale of a block, as the kernels compute it: the fp32 amax times fp32(1/448), two
+    roundings (1/448, then the product), which is not always the one rounding of amax / 448."""
+    return np.float32(amax) * (np.float32(1) / np.float32(FP8_E4M3_MAX))
+
+
 def test_scale_is_amax_over_448_with_floor():
-    amaxes = [448.0, 1.0, 3.5, 0.0]
+    """The scale is amax * fp32(1/448), bit for bit, the floor standing in for an amax below it. The
+    amaxes 3 and 1.5 are ones where that product and amax / 448 differ in the last bit (checked
+    here), so a reference dividing instead would fail."""
+    amaxes = [448.0, 1.0, 3.5, 0.0, 3.0, 1.5]
+    for amax in (3.0, 1.5):
+        assert recipe_scale(amax) != np.float32(amax) / np.float32(FP8_E4M3_MAX)
     x = blocks_with_amax(amaxes)
     q, scales = reference.quantize_fp8(x, round_scale=False, use_ue8m0=False)
     assert q.dtype == FP8 and q.shape == x.shape
-    assert scales.dtype == np.float32 and scales.shape == (2, 4)
-    floor = np.float32(FP8_AMAX_FLOOR)
-    expected = [np.float32(1.0), np.float32(1.0) / np.float32(448), np.float32(3.5) / np.float32(448),
-                floor / np.float32(448)]
+    assert scales.dtype == np.float32 and scales.shape == (2, 6)
+    expected = [recipe_scale(max(amax, FP8_AMAX_FLOOR)) for amax in amaxes]
+    assert expected[0] == np.float32(1.0)
     for token in range(2):
         np.testing.assert_array_equal(scales[token], np.array(expected, np.float32))
-    # The amax element lands on the largest e4m3 value.
-    q32 = q.astype(np.float32).reshape(2, 4, FP8_BLOCK)
-    np.testing.assert_array_equal(np.abs(q32[:, :3]).max(axis=2), FP8_E4M3_MAX)
+    # The amax element lands on the largest e4m3 value (the multiplier is 448 / amax, one division).
+    q32 = q.astype(np.float32).reshape(2, 6, FP8_BLOCK)
+    np.testing.assert_array_equal(np.abs(q32[:, [0, 1, 2, 4, 5]]).max(axis=2), FP8_E4M3_MAX)
 
 
 def test_amax_below_floor_uses_the_floor():
     x = np.full((1, FP8_BLOCK), 1e-6, np.float32).astype(BF16)
     q, scales = reference.quantize_fp8(x, round_scale=False, use_ue8m0=False)
-    assert scales[0, 0] == np.float32(FP8_AMAX_FLOOR) / np.float32(FP8_E4M3_MAX)
+    assert scales[0, 0] == recipe_scale(FP8_AMAX_FLOOR)
     assert np.all(q.astype(np.float32) < FP8_E4M3_MAX)
 
 
