@@ -825,6 +825,27 @@ def test_ranks_updating_different_buffers_are_refused_and_can_update_alike():
     check_steps(VCASE, BF16_FLAGS, spawn(2, rank_fn))
 
 
+def test_update_ep_member_adopts_the_largest_dispatch_count():
+    """Ranks whose dispatch counts differ (a dispatch counted on one rank and not on another: its
+    exchange failed there) make different calls: the next one is refused as mismatched. update_ep_member
+    sets every rank to the most any rank made, as the README says, and the next step equals the
+    reference on every rank."""
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, VCASE)
+        run_step(buf, VCASE, rank, BF16_FLAGS)
+        if rank == 1:
+            buf._num_dispatches += 1  # the dispatch this rank counted and rank 0 did not
+        counts = [buf._num_dispatches]
+        assert buf.update_ep_member() == []
+        counts.append(buf._num_dispatches)
+        return counts, run_step(buf, VCASE, rank, FP8_FLAGS)
+
+    results = spawn(2, rank_fn)
+    assert [counts for counts, _ in results] == [[1, 2], [2, 2]]
+    check_steps(VCASE, FP8_FLAGS, [step for _, step in results])
+
+
 def test_a_buffer_that_replaces_rank_0_takes_the_survivors_name():
     """The Buffer's name (what its calls are matched by) is the survivors' when a rank builds a fresh
     Buffer while the others update, rank 0 included; it had been rank 0's new one, which no survivor
