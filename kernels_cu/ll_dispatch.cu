@@ -289,54 +289,6 @@ __device__ int plan_receive(const Layout& layout, uint8_t* workspace, const uint
 constexpr int kStageUnroll = 4;
 constexpr int kItemVectors = kStageUnroll * kWarpSize;
 
-#ifndef EP_STAGE_PAIRS
-#define EP_STAGE_PAIRS 0  // experiment: a warp loads two items before quantising either (twice the bytes in flight)
-#endif
-
-// One item's vectors into registers (zeros past the row's end).
-__device__ __forceinline__ void load_item(const int4* __restrict__ x, int item, int items_per_row, int vectors_per_row,
-                                          int4 (&vectors)[kStageUnroll]) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int token = item / items_per_row;  // uniform across the warp: one division per item
-    const int first = (item - token * items_per_row) * kItemVectors;
-    const int4* row = x + static_cast<int64_t>(token) * vectors_per_row;
-#pragma unroll
-    for (int u = 0; u < kStageUnroll; ++u) {
-        const int column = first + u * kWarpSize + lane;
-        vectors[u] = column < vectors_per_row ? ld_input_int4(row + column) : make_int4(0, 0, 0, 0);
-    }
-}
-
-// One item's vectors quantised into send_x, its scales into send_scales.
-__device__ __forceinline__ void quantize_item(const int4 (&vectors)[kStageUnroll], int item, int items_per_row,
-                                              int vectors_per_row, uint8_t* send_x, float* send_scales,
-                                              int64_t send_row_bytes, int hidden) {
-    constexpr int kLanesPerScaleBlock = EP_FP8_BLOCK / kChannelsPerVector;
-    const int lane = threadIdx.x % kWarpSize;
-    const int token = item / items_per_row;
-    const int first = (item - token * items_per_row) * kItemVectors;
-    uint2* q_row = reinterpret_cast<uint2*>(send_x + token * send_row_bytes);
-    float* scale_row = send_scales + static_cast<int64_t>(token) * (hidden / EP_FP8_BLOCK);
-#pragma unroll
-    for (int u = 0; u < kStageUnroll; ++u) {
-        const int column = first + u * kWarpSize + lane;
-        float values[8];
-        unpack_bf16x8(vectors[u], values);
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(values[i]));
-#pragma unroll
-        for (int mask = kLanesPerScaleBlock / 2; mask > 0; mask /= 2)
-            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, mask));
-        float scale, multiplier;
-        fp8_scales(amax, EP_ROUND_SCALE, &scale, &multiplier);
-        if (column < vectors_per_row) {
-            q_row[column] = quantize8(values, multiplier);
-            if (column % kLanesPerScaleBlock == 0) scale_row[column / kLanesPerScaleBlock] = scale;
-        }
-    }
-}
-
 // Quantises the tokens into send_x / send_scales. Work item: kItemVectors consecutive vectors of one
 // token; lane l takes vectors u * 32 + l, so every load and store of a warp is one contiguous run,
 // and each half-warp holds one 128-channel block (H/8 is a multiple of 16: no block straddles the
@@ -344,26 +296,41 @@ __device__ __forceinline__ void quantize_item(const int4 (&vectors)[kStageUnroll
 __device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t* send_x, float* send_scales,
                                              int64_t send_row_bytes, int num_tokens, int hidden, int global_warp,
                                              int num_warps) {
+    constexpr int kLanesPerScaleBlock = EP_FP8_BLOCK / kChannelsPerVector;
+    const int lane = threadIdx.x % kWarpSize;
     const int vectors_per_row = hidden / kChannelsPerVector;
     const int items_per_row = (vectors_per_row + kItemVectors - 1) / kItemVectors;
-    const int num_items = num_tokens * items_per_row;
-#if EP_STAGE_PAIRS
-    for (int item = global_warp; item < num_items; item += 2 * num_warps) {
-        const int second = item + num_warps;
-        int4 vectors[kStageUnroll], more[kStageUnroll];
-        load_item(x, item, items_per_row, vectors_per_row, vectors);
-        if (second < num_items) load_item(x, second, items_per_row, vectors_per_row, more);
-        quantize_item(vectors, item, items_per_row, vectors_per_row, send_x, send_scales, send_row_bytes, hidden);
-        if (second < num_items)
-            quantize_item(more, second, items_per_row, vectors_per_row, send_x, send_scales, send_row_bytes, hidden);
-    }
-#else
-    for (int item = global_warp; item < num_items; item += num_warps) {
+    for (int item = global_warp; item < num_tokens * items_per_row; item += num_warps) {
+        const int token = item / items_per_row;  // uniform across the warp: one division per item
+        const int first = (item - token * items_per_row) * kItemVectors;
+        const int4* row = x + static_cast<int64_t>(token) * vectors_per_row;
         int4 vectors[kStageUnroll];
-        load_item(x, item, items_per_row, vectors_per_row, vectors);
-        quantize_item(vectors, item, items_per_row, vectors_per_row, send_x, send_scales, send_row_bytes, hidden);
+#pragma unroll
+        for (int u = 0; u < kStageUnroll; ++u) {
+            const int column = first + u * kWarpSize + lane;
+            vectors[u] = column < vectors_per_row ? ld_input_int4(row + column) : make_int4(0, 0, 0, 0);
+        }
+        uint2* q_row = reinterpret_cast<uint2*>(send_x + token * send_row_bytes);
+        float* scale_row = send_scales + static_cast<int64_t>(token) * (hidden / EP_FP8_BLOCK);
+#pragma unroll
+        for (int u = 0; u < kStageUnroll; ++u) {
+            const int column = first + u * kWarpSize + lane;
+            float values[8];
+            unpack_bf16x8(vectors[u], values);
+            float amax = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(values[i]));
+#pragma unroll
+            for (int mask = kLanesPerScaleBlock / 2; mask > 0; mask /= 2)
+                amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, mask));
+            float scale, multiplier;
+            fp8_scales(amax, EP_ROUND_SCALE, &scale, &multiplier);
+            if (column < vectors_per_row) {
+                q_row[column] = quantize8(values, multiplier);
+                if (column % kLanesPerScaleBlock == 0) scale_row[column / kLanesPerScaleBlock] = scale;
+            }
+        }
     }
-#endif
 }
 #else
 // Vectors each lane loads before it stores the first: enough bytes in flight per SM to cover the
