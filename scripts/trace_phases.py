@@ -145,6 +145,10 @@ def main() -> None:
     parser.add_argument("--profiler-phases", choices=("both", "dispatch"), default="both",
                         help="the graphs --profiler-range replays: both phases in turn, or dispatch alone (whose "
                              "replays then write back only what earlier dispatches left in L2)")
+    parser.add_argument("--clean-l2-mb", type=int, default=0, metavar="MB",
+                        help="before each timed and the traced replay, read MB of another buffer (untimed): the "
+                             "L2 then holds no dirty lines of the previous replays, whose write-back the "
+                             "phase would otherwise share the memory with")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.ranks > MAX_RANKS:
@@ -202,9 +206,11 @@ def main() -> None:
             for name in ("dispatch", "combine"):
                 graphs[name].replay()
         torch.cuda.synchronize()
+    clean_l2 = l2_cleaner(torch, args.clean_l2_mb)
     event_us = {"dispatch": [], "combine": []}
     for _ in range(args.replays):
         for name in ("dispatch", "combine"):
+            clean_l2()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graphs[name].replay()
@@ -217,7 +223,7 @@ def main() -> None:
                       ("dispatch", "combine") if args.profiler_phases == "both" else ("dispatch",))
     report = {"config": vars(args), "event_us_p50": {k: float(np.median(v)) for k, v in event_us.items()}}
     if args.trace:
-        report |= timeline(args, buffers, graphs, event_us)
+        report |= timeline(args, buffers, graphs, event_us, clean_l2)
     else:
         print("event p50 us: " + ", ".join(f"{k} {v:.1f}" for k, v in report["event_us_p50"].items()))
     if args.json:
@@ -226,7 +232,20 @@ def main() -> None:
     group.spawn(lambda g: buffers[g.rank].destroy())
 
 
-def timeline(args, buffers, graphs: dict, event_us: dict) -> dict:
+def l2_cleaner(torch, megabytes: int):
+    """A function that reads ``megabytes`` of a buffer of its own and waits (a no-op for 0): the L2's dirty
+    lines (the last replays' outputs) are written back during it, not during the next phase."""
+    if not megabytes:
+        return lambda: None
+    block = torch.ones(megabytes << 20, dtype=torch.uint8, device="cuda")
+
+    def clean() -> None:
+        block.sum(dtype=torch.int64)
+        torch.cuda.synchronize()
+    return clean
+
+
+def timeline(args, buffers, graphs: dict, event_us: dict, clean_l2) -> dict:
     """The traced timeline of one more replay of each graph, printed per rank; returns the report's
     ``num_sms`` and ``phases``."""
     import torch
@@ -238,6 +257,7 @@ def timeline(args, buffers, graphs: dict, event_us: dict) -> dict:
                  "combine": [b._cuda.launchers["combine"] for b in buffers]}
     clear_all_traces()
     for name in ("dispatch", "combine"):
+        clean_l2()
         graphs[name].replay()
     torch.cuda.synchronize()
     traces = {name: [read_trace(launcher, r) for r, launcher in enumerate(launchers[name])] for name in launchers}
