@@ -354,6 +354,20 @@ def test_bench_bad_usage_exits_2_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_the_reference_backends_memory_check_counts_what_a_run_holds(monkeypatch, capsys):
+    """On the reference backend a run holds ~14 + 2R bytes per channel of every rank's received rows
+    besides the input sets (peak RSS measured, bench.py): 4 ranks, T = 64, H = 1024, E = 16 need
+    ~101 MB. A host of 60 MB is refused before anything runs; the 1 byte a channel counted before
+    (~13 MB with the input set) let such a run start, to be killed for want of memory."""
+    shape = ["--ranks", "4", "--tokens", "64", "--hidden", "1024", "--experts", "16", "--topk", "4",
+             "--input-sets", "1", "--iters", "1", "--warmup", "0", "--no-baseline"]
+    monkeypatch.setattr(cli, "_physical_memory_bytes", lambda: 60 << 20)
+    assert cli.main(["bench", "--backend", "reference", *shape]) == 2
+    assert "bench on the reference backend needs at least 0.09" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "_physical_memory_bytes", lambda: 110 << 20)
+    assert cli.main(["bench", "--backend", "reference", *shape]) == 0
+
+
 def test_plot_without_matplotlib_is_a_usage_error_before_anything_runs(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert cli.main(["bench", "--backend", "reference", "--plot", str(tmp_path / "x.png")]) == 2

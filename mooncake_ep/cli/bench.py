@@ -1229,12 +1229,17 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
     check_args(args, ranks_flag)
     if backend == "reference":
         args.warmup_ms, args.hold_ms = 0.0, 0.0  # GPU timing only: recorded as not applied
-        # Every rank's received rows (a byte a channel) and the input sets (x, and the expert outputs
-        # laid out as every rank's received rows, bf16), in this host, at the sweep's largest point.
+        # Every rank's received rows, per channel: what the reference backend and the timed calls hold
+        # of them, 14 + 2R bytes (the received rows, the expert outputs, every rank's inputs as the
+        # exchange unpickles them; measured on 2026-12-06 as the peak RSS at T = 64 and 512, H = 1024,
+        # E = 16, one input set: 20.5, 25.9 and 34.3 bytes a channel at R = 2, 4 and 8, input sets
+        # included; the 1 byte counted before let runs through that the kernel then killed). And the
+        # input sets (x, and the expert outputs laid out as every rank's received rows, bf16), in this
+        # host, at the sweep's largest point.
         tokens = max([args.tokens, *args.sweep_tokens]) if args.plot is not None else args.tokens
         rows = args.experts * args.ranks * tokens * args.hidden
         input_bytes = args.input_sets * (args.ranks * tokens * args.hidden + rows) * 2
-        check_host_memory("bench on the reference backend", rows + input_bytes,
+        check_host_memory("bench on the reference backend", rows * (14 + 2 * args.ranks) + input_bytes,
                           f"--tokens{', --sweep-tokens' if args.plot is not None else ''}, --hidden, --experts, "
                           f"--input-sets or {ranks_flag}")
 
