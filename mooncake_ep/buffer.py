@@ -996,18 +996,20 @@ class Buffer:
 
         Returns whether any such stream was another than ``stream_ptr``: the call's arrays are then
         used off their allocators' streams, and _finish keeps them (record_stream, or held)."""
-        checked = None  # the common case, every array of the launch framework, builds nothing
+        others = None  # the common case, every array of the launch framework, builds nothing
+        for view in views:
+            if view is not None and view.framework != launch_framework and view.device_type == "cuda":
+                others = (others or set()) | {view.framework}
+        for framework in frameworks_written:
+            if framework != launch_framework:
+                others = (others or set()) | {framework}
         off_stream = False
-        for framework in (*[view.framework for view in views
-                            if view is not None and view.framework != launch_framework and view.device_type == "cuda"],
-                          *[framework for framework in frameworks_written if framework != launch_framework]):
-            if framework not in _STREAM_FRAMEWORKS or (checked is not None and framework in checked):
-                continue
-            checked = (checked or set()) | {framework}
-            current = frameworks.get(framework).current_stream(self._cuda.device_id)
-            if not same_stream(current, stream_ptr):
-                self._cuda.stream_wait(stream_ptr, self._cuda.record_event(current))
-                off_stream = True
+        for framework in _STREAM_FRAMEWORKS if others else ():
+            if framework in others:
+                current = frameworks.get(framework).current_stream(self._cuda.device_id)
+                if not same_stream(current, stream_ptr):
+                    self._cuda.stream_wait(stream_ptr, self._cuda.record_event(current))
+                    off_stream = True
         return off_stream
 
     def _launch_stream(self, async_finish: bool, stream_ptr: int) -> int:

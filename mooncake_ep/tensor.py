@@ -384,13 +384,6 @@ def _read_torch(obj: Any, name: str, stream: int | None) -> ArrayView:
     return ArrayView(obj, ptr, shape, strides, dtype, device_type, device_id, "torch", obj)
 
 
-@functools.cache
-def _cupy():
-    import cupy  # when the first cupy array arrives
-
-    return cupy
-
-
 def _element_strides(byte_strides: tuple[int, ...], itemsize: int, name: str) -> tuple[int, ...]:
     """Strides in elements of an array whose strides are in bytes (cupy's), remembered per layout."""
     key = (byte_strides, itemsize)
