@@ -19,7 +19,6 @@ torch tensor arrives, for its fast path.
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 from collections.abc import Callable
