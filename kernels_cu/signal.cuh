@@ -61,7 +61,9 @@ __device__ __forceinline__ bool give_up_on(int* active_ranks, int peer, int64_t 
 }
 
 // The timeout of a wait by `rank` on `peer` in a launch that holds this rank's send half or not (see
-// the top of this file). A negative timeout_ns (forever) stays forever on a peer and on itself.
+// the top of this file). A negative timeout_ns (forever) stays forever on a peer, and on itself in a
+// launch of both halves; a receive half launched alone never waits on itself, whatever timeout_ns.
+// That rests on the stream order: the hook's launch comes after its send half's on the same stream.
 constexpr int64_t kSelfTimeoutFloorNs = 100 * 1000 * 1000;  // 100 ms: ~10^4 x a rank's own flag delay
 __device__ __forceinline__ int64_t peer_timeout_ns(int peer, int rank, bool sends_in_launch, int64_t timeout_ns) {
     if (peer != rank) return timeout_ns;

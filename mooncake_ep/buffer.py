@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -189,6 +190,7 @@ class Buffer:
         # (event, arrays): arrays of calls launched on a stream their allocator does not know (async_finish,
         # stream=), torch's excepted (record_stream), held until the event on that stream is done.
         self._in_flight: collections.deque = collections.deque()
+        self._in_flight_lock = threading.Lock()
         self._pending_combine_hooks: dict[int, int] = {}  # parity -> hooks; a dict: .get is the cheapest miss
         # A random name of this Buffer, made the same on every rank by the handshake (rank 0's):
         # the reference backend's exchanges carry it (ReferenceBackend.exchange).
@@ -371,7 +373,8 @@ class Buffer:
             num_max_dispatch_tokens_per_rank: T, equal on every rank.
             num_experts: E, a multiple of num_ranks, equal on every rank.
             timeout_us: microseconds a receive waits for a peer before masking it; -1 waits forever. On
-                its own flags a rank waits at least 100 ms (they come from its own blocks).
+                its own flags a rank waits at least 100 ms (they come from its own blocks), and a hook's
+                receive half, launched after its send half, not at all (they are there or never come).
             use_fp8: quantise to e4m3 with one fp32 scale per token per 128 channels.
             round_scale: round each scale up to a power of two.
             use_ue8m0: store scales as 8-bit exponents packed four to an int32 (needs round_scale).
@@ -470,7 +473,7 @@ class Buffer:
                                f"receive half reads that dispatch's routing; call it first")
         on_cuda = x_view.device_type == "cuda"
         claimed = None
-        off_stream = False  # some array's framework runs on another stream than the launch (_wait_for_writers)
+        off_stream = _NO_FRAMEWORKS  # frameworks of arrays off the launch stream (_wait_for_writers)
         if on_cuda:
             # Compared only at its first use: comparing every call cost ~2 us of host time a dispatch
             # (docs/performance.md (39)).
@@ -655,7 +658,7 @@ class Buffer:
             topk_weights: ``[num_tokens, num_topk]`` fp32 routing weights.
             active_ranks: ``[num_ranks]`` int32; the kernels write 0 for an expert rank that timed out.
             timeout_us: microseconds to wait for an expert rank before masking it; -1 waits forever. On
-                itself a rank waits at least 100 ms, as in dispatch.
+                itself a rank waits as in dispatch.
             handle: the handle of the dispatch this combine answers (that dispatch or the one after).
                 A handle may be combined again (as DeepEP's tests do) only after its earlier
                 combine's hook ran, and only where that combine left nothing in the workspace for
@@ -735,7 +738,7 @@ class Buffer:
             self._check_outside_combine_buffer(where, handle, (
                 ("out combined_x", None if out_views is None else out_views[0][0]), ("active_ranks", active_view)))
         outputs = out_views if out_views is not None else self._allocate(plan, topk_view)
-        off_stream = False
+        off_stream = _NO_FRAMEWORKS
         if handle.backend == "reference":
             receive = self._reference_combine(handle, x_view, topk_view, weights_view, active_view, outputs,
                                               zero_copy, renormalize)
@@ -954,10 +957,12 @@ class Buffer:
         for the peers (no collective can run there): destroy() on every rank is the safe way.
         """
         self._destroyed = True
-        if self._cuda is not None:
-            cuda, self._cuda = self._cuda, None
-            cuda.destroy()  # after this process's work on the device is done
-        self._in_flight.clear()
+        try:
+            if self._cuda is not None:
+                cuda, self._cuda = self._cuda, None
+                cuda.destroy()  # after this process's work on the device is done
+        finally:
+            self._in_flight.clear()
 
     def _check_alive(self, where: str) -> None:
         if self._destroyed:
@@ -985,7 +990,7 @@ class Buffer:
         return frameworks.get(view.framework).current_stream(view.device_id)
 
     def _wait_for_writers(self, stream_ptr: int, launch_framework: str | None, views: tuple,
-                          frameworks_written: tuple[str, ...] = ()) -> bool:
+                          frameworks_written: tuple[str, ...] = ()) -> frozenset:
         """Make ``stream_ptr`` wait for the work queued so far on the current stream of every framework
         among the call's torch and cupy arrays (``views``; None entries skipped) and
         ``frameworks_written``, where that stream is another: their writes of the inputs, and their
@@ -994,8 +999,10 @@ class Buffer:
         framework and call (``launch_framework``: the one whose current stream is the launch
         stream by construction, skipped); other DLPack producers ordered themselves on export.
 
-        Returns whether any such stream was another than ``stream_ptr``: the call's arrays are then
-        used off their allocators' streams, and _finish keeps them (record_stream, or held)."""
+        Returns the frameworks of the call's device arrays whose allocators' streams may not order
+        their reuse after the launch: torch and cupy where the current stream is another, and other
+        DLPack producers than the launch framework (their allocators' streams are unknown). _finish
+        keeps those arrays (record_stream, or held until the kernels are done)."""
         others = None  # the common case, every array of the launch framework, builds nothing
         for view in views:
             if view is not None and view.framework != launch_framework and view.device_type == "cuda":
@@ -1003,14 +1010,16 @@ class Buffer:
         for framework in frameworks_written:
             if framework != launch_framework:
                 others = (others or set()) | {framework}
-        off_stream = False
-        for framework in _STREAM_FRAMEWORKS if others else ():
+        if others is None:
+            return _NO_FRAMEWORKS
+        off = others - set(_STREAM_FRAMEWORKS)
+        for framework in _STREAM_FRAMEWORKS:
             if framework in others:
                 current = frameworks.get(framework).current_stream(self._cuda.device_id)
                 if not same_stream(current, stream_ptr):
                     self._cuda.stream_wait(stream_ptr, self._cuda.record_event(current))
-                    off_stream = True
-        return off_stream
+                    off.add(framework)
+        return frozenset(off)
 
     def _launch_stream(self, async_finish: bool, stream_ptr: int) -> int:
         if not async_finish:
@@ -1050,7 +1059,7 @@ class Buffer:
         return None
 
     def _finish(self, call: str, handle: Handle, receive, async_finish, return_recv_hook, stream_ptr,
-                stream_given: bool, off_stream: bool, like: ArrayView, inputs: tuple[ArrayView | None, ...],
+                stream_given: bool, off_stream: frozenset, like: ArrayView, inputs: tuple[ArrayView | None, ...],
                 outputs: list[tuple[ArrayView, Any]]):
         """Run or defer the receive half; build the event and the hook.
 
@@ -1067,16 +1076,20 @@ class Buffer:
         work on the caller's stream before the kernel is done with it. So are they with ``stream=``
         (``stream_given``: ``stream_ptr`` is that stream) where it is not torch's current one; the
         event of such a call makes that stream wait, not the current one. And so are they where some
-        array's framework runs on another stream than the launch (``off_stream``: arrays of two
-        frameworks in one call). Arrays of other frameworks than torch are also held by the Buffer
-        until the kernels are done (_hold_until_done): callers drop the event.
+        array's framework runs on another stream than the launch (``off_stream``, _wait_for_writers's
+        frameworks: arrays of two frameworks in one call). Those arrays of other frameworks than torch
+        (all of them with async_finish) are also held by the Buffer until the kernels are done
+        (_hold_until_done): callers drop the event.
         """
+        if self._in_flight and like.device_type == "cuda":
+            self._let_go_of_done(stream_ptr)
         views = None  # the call's arrays, where the kernels run on another stream than torch's current one
         held = ()  # their keepalives that no allocator's stream order protects: held until the kernels are done
         if like.device_type == "cuda" and (async_finish or stream_given or off_stream):
             views = [view for view in inputs if view is not None] + [view for view, _ in outputs]
             self._record_on(async_finish, stream_ptr, views)
-            held = tuple(view.keepalive for view in views if view.framework != "torch")
+            held = tuple(view.keepalive for view in views
+                         if view.framework != "torch" and (async_finish or view.framework in off_stream))
         if return_recv_hook:
             if call == "dispatch":
                 self._pending_hooks.add(handle.parity)
@@ -1115,12 +1128,13 @@ class Buffer:
             self._receive(call, handle, receive)
         elif call == "dispatch":  # both halves in one launch
             handle.state["received"] = True
-        if held:
-            self._hold_until_done(self._cuda.comm_stream.ptr if async_finish else stream_ptr, held)
+        done = None
         if async_finish and like.device_type == "cuda":
             cuda = self._cuda
             done = cuda.record_event(cuda.comm_stream.ptr)
-
+        if held:
+            self._hold_until_done(self._cuda.comm_stream.ptr if async_finish else stream_ptr, held, done)
+        if done is not None:
             def wait() -> None:
                 waiting = stream_ptr if stream_given else frameworks.get(like.framework).current_stream(like.device_id)
                 cuda.stream_wait(waiting, done)
@@ -1129,22 +1143,37 @@ class Buffer:
             return EventOverlap(extra=tuple(view.keepalive for view in views)), None
         return EventOverlap(), None
 
-    def _hold_until_done(self, stream_ptr: int, keepalives: tuple) -> None:
-        """Hold ``keepalives`` until the work queued on ``stream_ptr`` so far is done.
+    def _hold_until_done(self, stream_ptr: int, keepalives: tuple, event=None) -> None:
+        """Hold ``keepalives`` until the work queued on ``stream_ptr`` so far is done (``event``, one
+        recorded there just now, or a new one).
 
-        For arrays of a call launched on another stream than their allocator's (async_finish, stream=):
-        cupy's pool, say, hands a dropped array's memory to new work on the stream it was allocated on,
-        which nothing orders after our kernels, and the returned event, which also holds them, is
-        dropped by most callers. torch tensors are recorded on the stream instead (_record_on). Held
-        arrays whose event is done are let go at each call; destroy() lets go of all. Nothing is held
-        while the stream captures a graph: a graph's arrays must outlive its replays, the caller's care.
+        For arrays of a call launched on another stream than their allocator's (async_finish, stream=,
+        two frameworks): cupy's pool, say, hands a dropped array's memory to new work on the stream it
+        was allocated on, which nothing orders after our kernels, and the returned event, which also
+        holds them, is dropped by most callers. torch tensors are recorded on the stream instead
+        (_record_on). Held arrays whose event is done are let go at the next call on a device
+        (_let_go_of_done); destroy() lets go of all. Nothing is held while the stream captures a graph:
+        a graph's arrays must outlive its replays, the caller's care (and an event query there would
+        end the capture).
         """
         cuda = self._cuda
-        in_flight = self._in_flight
-        while in_flight and cuda.event_done(in_flight[0][0]):
-            in_flight.popleft()
-        if not cuda.stream_is_capturing(stream_ptr):
-            in_flight.append((cuda.record_event(stream_ptr), keepalives))
+        if cuda.stream_is_capturing(stream_ptr):
+            return
+        entry = (event if event is not None else cuda.record_event(stream_ptr), keepalives)
+        with self._in_flight_lock:
+            self._in_flight.append(entry)
+
+    def _let_go_of_done(self, stream_ptr: int) -> None:
+        """Drop the held arrays (_hold_until_done) whose kernels are done, oldest first, up to the first
+        not done; not while ``stream_ptr`` (the call's) captures a graph, which an event query would
+        end. Under a lock: a hook may run in another thread than the Buffer's calls."""
+        cuda = self._cuda
+        if cuda.stream_is_capturing(stream_ptr):
+            return
+        with self._in_flight_lock:
+            in_flight = self._in_flight
+            while in_flight and cuda.event_done(in_flight[0][0]):
+                in_flight.popleft()
 
     def _record_on(self, async_finish: bool, stream_ptr: int, views: list[ArrayView]) -> None:
         """Record the call's torch tensors on the stream the kernels run on, the communication stream
@@ -1322,6 +1351,7 @@ def _signature(view: ArrayView) -> tuple:
 
 # Frameworks whose arrays read_array reads directly, ordering nothing: Buffer._wait_for_writers orders them.
 _STREAM_FRAMEWORKS = ("torch", "cupy")
+_NO_FRAMEWORKS: frozenset = frozenset()
 
 
 def _dlpack_stream(first: ArrayView, stream_ptr: int) -> int | None:

@@ -68,8 +68,9 @@ def check_timeout(where: str, timeout_us) -> int:
 def stream_handle(where: str, stream, device_id: int | None) -> int:
     """A ``stream=`` argument as the ``cudaStream_t`` it names, 0 for the legacy default stream.
 
-    Accepted: a ``torch.cuda.Stream`` (``ExternalStream`` too: its ``cuda_stream``), a cupy stream (its
-    ``ptr``), an object of the CUDA stream protocol (``__cuda_stream__()`` -> ``(version, handle)``), or
+    Accepted: a ``torch.cuda.Stream`` (``ExternalStream`` too: its ``cuda_stream``), a CUDA
+    ``torch.Stream`` (``torch.accelerator.current_stream()``'s: its ``native_handle``), a cupy stream
+    (its ``ptr``), an object of the CUDA stream protocol (``__cuda_stream__()`` -> ``(version, handle)``), or
     a handle as an int in [0, 2**63). 1, CUDA's other name of the legacy default stream, reads as 0. 2,
     the per-thread default stream, is refused: it names another stream in each thread, and a hook or
     an event's wait may run in another thread than the call. A stream object of another device than
@@ -81,8 +82,15 @@ def stream_handle(where: str, stream, device_id: int | None) -> int:
     cupy = sys.modules.get("cupy")
     if torch is not None and isinstance(stream, torch.cuda.Stream):
         handle, stream_device = stream.cuda_stream, stream.device.index
+    elif torch is not None and isinstance(stream, getattr(torch, "Stream", ())):  # torch.accelerator's
+        if stream.device.type != "cuda":
+            raise TypeError(f"{where}: stream is a torch stream of device type {stream.device.type!r}, not CUDA")
+        stream_device = stream.device.index
+        if device_id is None or stream_device == device_id:  # native_handle asks the device for it
+            handle = stream.native_handle
     elif cupy is not None and isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
-        handle, stream_device = stream.ptr, getattr(stream, "device_id", None)
+        # -1: a stream of no known device (cupy's null stream, an ExternalStream made without one)
+        handle, stream_device = stream.ptr, getattr(stream, "device_id", -1)
     elif hasattr(type(stream), "__cuda_stream__"):
         protocol = stream.__cuda_stream__()
         if not (isinstance(protocol, tuple) and len(protocol) == 2):
@@ -90,7 +98,7 @@ def stream_handle(where: str, stream, device_id: int | None) -> int:
         handle = protocol[1]
     elif isinstance(stream, bool) or not isinstance(stream, numbers.Integral):
         raise TypeError(f"{where}: stream must be {kind}, got {type(stream).__name__}")
-    if device_id is not None and isinstance(stream_device, int) and stream_device != device_id:
+    if device_id is not None and isinstance(stream_device, int) and stream_device >= 0 and stream_device != device_id:
         raise ValueError(f"{where}: stream is a stream of cuda:{stream_device}, this Buffer's rank uses "
                          f"cuda:{device_id}")
     value = operator.index(handle)

@@ -709,12 +709,24 @@ def test_stream_is_the_launch_stream_and_the_arrays_are_exported_for_it(setup, m
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     with pytest.raises(ValueError, match=r"dispatch: stream is a stream of cuda:1, this Buffer's rank uses cuda:0"):
         buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False), stream=fake_stream_type())
+    # cupy's null stream and an ExternalStream made without a device report -1: no device to compare.
+    fake_cupy.cuda.ExternalStream = type("ExternalStream", (), {"ptr": 0xEE, "device_id": -1})
+    buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False), stream=fake_cupy.cuda.ExternalStream())
+    assert cuda.launches[-1].stream == 0xEE
     monkeypatch.delitem(sys.modules, "cupy")
+    # torch.accelerator's streams (torch.Stream): a CUDA one of another device, and a CPU one, refused.
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match=r"dispatch: stream is a stream of cuda:1, this Buffer's rank uses cuda:0"):
+        buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False),
+                     stream=torch.Stream(stream_id=5, device_index=1, device_type=1))
+    with pytest.raises(TypeError, match=r"dispatch: stream is a torch stream of device type 'cpu', not CUDA"):
+        buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False),
+                     stream=torch.Stream(stream_id=0, device_index=-1, device_type=0))
     capsule = inputs["x"].__dlpack__()  # a refused stream leaves a bare capsule unread
     with pytest.raises(TypeError, match=r"dispatch: stream must be"):
         buf.dispatch(capsule, inputs["topk_idx"], inputs["active_ranks"], **kwargs, stream="s")
     assert _dlpack._PyCapsule_GetName(capsule) == b"dltensor"
-    assert len(cuda.launches) == 5 and buf._num_dispatches == 3
+    assert len(cuda.launches) == 6 and buf._num_dispatches == 4
     # async_finish: the event makes the given stream wait, not the framework's current one (0 here).
     _, _, _, event, _ = buf.dispatch(**inputs, **kwargs, async_finish=True, out=dispatch_out(device, False),
                                      stream=0xAB)
@@ -728,8 +740,9 @@ def test_the_launch_stream_waits_once_for_each_other_frameworks_current_stream(s
     their framework's current one (stream=, or arrays of two frameworks in one call) the launch stream
     waits for that stream, once per framework: for their writes of the inputs and for the earlier use of
     fresh results' memory. Host arrays and other DLPack producers (ordered on export) add no wait. It
-    answers whether some array was off the launch stream: the call then keeps its arrays alive
-    (record_stream, or held) as with stream=."""
+    answers the frameworks whose arrays are off their allocators' streams: torch and cupy where it
+    waited, other producers than the launch framework (their allocators' streams unknown). The call
+    then keeps those arrays alive (record_stream, or held) as with stream=."""
     buf, cuda, _, _ = setup
     monkeypatch.setattr(frameworks.get("torch"), "current_stream", lambda device_id: 0x70)
     monkeypatch.setattr(frameworks.get("cupy"), "current_stream", lambda device_id: 0xC0)
@@ -738,18 +751,20 @@ def test_the_launch_stream_waits_once_for_each_other_frameworks_current_stream(s
         return ArrayView(None, 0x1000, (1,), (1,), "int32", device_type, 0, framework, None)
 
     assert buf._wait_for_writers(0xAB, None, (view("torch"), view("torch"), None, view("cupy"), view("numpy", "cpu"),
-                                              view("dlpack"), view("cupy")))
+                                              view("dlpack"), view("cupy"))) == {"torch", "cupy", "dlpack"}
     assert cuda.waits == [(0xAB, ("event", 0x70)), (0xAB, ("event", 0xC0))]
     cuda.waits.clear()
-    assert buf._wait_for_writers(0x70, "torch", (view("torch"), view("cupy")))  # launched on torch's stream
+    assert buf._wait_for_writers(0x70, "torch", (view("torch"), view("cupy"))) == {"cupy"}  # on torch's stream
     assert cuda.waits == [(0x70, ("event", 0xC0))]
     cuda.waits.clear()
-    assert buf._wait_for_writers(0xC0, None, (view("cupy"),), ("torch",))  # zero-copy's buffer, written with torch
+    # zero-copy's buffer, written with torch: cupy's current stream is the launch stream, cupy's arrays on it
+    assert buf._wait_for_writers(0xC0, None, (view("cupy"),), ("torch",)) == {"torch"}
     assert cuda.waits == [(0xC0, ("event", 0x70))]
     cuda.waits.clear()
     # One framework, one stream: no wait, and the call's arrays stay on their allocator's stream.
     assert not buf._wait_for_writers(0x70, "torch", (view("torch"),), ("torch",))
-    assert not buf._wait_for_writers(0x70, None, (view("torch"), view("dlpack")))  # stream= torch's own
+    # stream= torch's own: no wait; another DLPack producer's arrays are off their allocator's stream
+    assert buf._wait_for_writers(0x70, None, (view("torch"), view("dlpack"))) == {"dlpack"}
     assert cuda.waits == []
 
 
@@ -758,8 +773,9 @@ def test_arrays_of_a_call_on_another_stream_live_until_its_kernels_are_done(setu
     arrays (torch's excepted: record_stream) until an event on the launch stream is done, even when the
     caller drops them and the returned event at once: a pool would otherwise hand their memory to new
     work that nothing orders after the kernels. In hook mode they are held from the call until the
-    receive half, launched by hook(), is done. Done events let go at the next call; a capturing stream
-    holds nothing (a graph's arrays are the caller's to keep)."""
+    receive half, launched by hook(), is done. Done events let go at the next call, one that holds
+    nothing too; under capture nothing is held and nothing let go (a graph's arrays are the caller's to
+    keep, and an event query would end the capture)."""
     buf, cuda, device, inputs = setup
     kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
 
@@ -796,8 +812,12 @@ def test_arrays_of_a_call_on_another_stream_live_until_its_kernels_are_done(setu
     cuda.done_events, cuda.capturing = True, True
     captured, _ = dropped_call(stream=0xAB)
     gc.collect()
-    assert captured() is None and not buf._in_flight, "done ones let go; nothing held under capture"
+    assert captured() is None, "nothing held under capture: a graph's arrays are the caller's to keep"
+    assert len(buf._in_flight) == 2, "nor let go: an event query would end the capture"
     cuda.capturing = False
+    buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))  # a call that holds nothing lets go
+    gc.collect()
+    assert not buf._in_flight and hooked() is None and later() is None
     dropped_call(stream=0xAB)
     buf._cuda = None  # destroy() without the backend's collective
     buf.destroy()

@@ -102,6 +102,16 @@ class RecordingCuda:
             self.launches.append(("combine", phases, stream_ptr, args))
         return launch
 
+    # Arrays of another producer than the launch framework are held until an event is done.
+    def record_event(self, stream_ptr):
+        return ("event", stream_ptr)
+
+    def event_done(self, event):
+        return True
+
+    def stream_is_capturing(self, stream_ptr):
+        return False
+
 
 def recording_cupy_call(monkeypatch, T: int, H: int, E: int):
     """A one-rank Buffer whose CUDA backend records its launches, and cupy-like ``(x, topk_idx,
