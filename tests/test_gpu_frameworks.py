@@ -652,6 +652,59 @@ def test_an_explicit_stream_is_the_one_the_calls_run_on(given, mode):
     check(case, xs, topks, weights, flags, results)
 
 
+def test_a_graph_captured_after_calls_that_hold_arrays_replays_correctly():
+    """Calls on another stream than an array's allocator's (async_finish, with a cupy active_ranks beside
+    torch tensors) hold that array until an event is done. A torch graph captured after such an eager
+    call must not query those events: a query inside a capture ends it (cudaErrorStreamCaptureInvalidated
+    at capture_end, seen on an H100 by a review). The captured dispatch, replayed with fresh tokens and
+    routes, equals the reference every time."""
+    cupy = pytest.importorskip("cupy")
+    case = Case(num_ranks=1, num_experts=8, hidden=256, num_topk=2, num_max_tokens=8, seed=9)
+    steps = [make_inputs(dataclasses.replace(case, seed=100 + step)) for step in range(3)]
+
+    def run(g):
+        buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS)
+        x, topk = to_torch(steps[0][0][0]), to_torch(steps[0][1][0])
+        active = cupy.ones(1, cupy.int32)
+        recv = torch.empty(case.num_local_experts, case.num_max_tokens, case.hidden, dtype=torch.bfloat16,
+                           device="cuda")
+        count = torch.empty(case.num_local_experts, dtype=torch.int32, device="cuda")
+
+        def call():
+            _, _, _, event, _ = buffer.dispatch(x, topk, active, case.num_max_tokens, case.num_experts,
+                                                use_fp8=False, async_finish=True, out=(recv, count))
+            event.current_stream_wait()
+
+        call()  # eager: plans the configuration, and holds the cupy array
+        cupy.cuda.get_current_stream().synchronize()
+        torch.cuda.synchronize()
+        held_before_capture = len(buffer._in_flight)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        results = []
+        for xs, topks, _ in steps:
+            recv.fill_(float("nan"))
+            count.fill_(-1)
+            x.copy_(to_torch(xs[0]))
+            topk.copy_(to_torch(topks[0]))
+            graph.replay()
+            torch.cuda.synchronize()
+            results.append((to_numpy(recv), to_numpy(count)))
+        buffer.destroy()
+        return held_before_capture, results
+
+    held_before_capture, results = local_group(case).spawn(run)[0]
+    assert held_before_capture == 1, "the eager call held the cupy array: the case the capture must survive"
+    for step, ((xs, topks, _), (recv, count)) in enumerate(zip(steps, results)):
+        want = reference.dispatch(0, xs, topks, [np.ones(1, np.int32)], case.num_max_tokens, case.num_experts,
+                                  use_fp8=False)
+        np.testing.assert_array_equal(count, want.recv_count, err_msg=f"replay {step}: recv_count")
+        for e, n in enumerate(want.recv_count):
+            np.testing.assert_array_equal(recv[e, :n].view(np.uint16), want.recv_x[e, :n].view(np.uint16),
+                                          err_msg=f"replay {step} expert {e}: recv_x rows")
+
+
 # --- JAX ----------------------------------------------------------------------------------------------
 
 
