@@ -997,7 +997,9 @@ class Buffer:
         earlier use of the memory of freshly allocated results, which their allocators hand out in
         that stream's order. read_array reads such arrays directly, ordering nothing. One event per
         framework and call (``launch_framework``: the one whose current stream is the launch
-        stream by construction, skipped); other DLPack producers ordered themselves on export.
+        stream by construction, skipped); other DLPack producers ordered themselves on export. While
+        the launch stream captures a graph nothing is waited for: the graph cannot depend on
+        uncaptured work, and its replays are ordered by the caller, as any graph's are.
 
         Returns the frameworks of the call's device arrays whose allocators' streams may not order
         their reuse after the launch: torch and cupy where the current stream is another, and other
@@ -1013,12 +1015,18 @@ class Buffer:
         if others is None:
             return _NO_FRAMEWORKS
         off = others - set(_STREAM_FRAMEWORKS)
+        capturing = None
         for framework in _STREAM_FRAMEWORKS:
             if framework in others:
                 current = frameworks.get(framework).current_stream(self._cuda.device_id)
                 if not same_stream(current, stream_ptr):
-                    self._cuda.stream_wait(stream_ptr, self._cuda.record_event(current))
                     off.add(framework)
+                    if capturing is None:
+                        capturing = self._cuda.stream_is_capturing(stream_ptr)
+                    # A captured graph cannot wait for work outside its capture (CUDA refuses it:
+                    # cudaErrorStreamCaptureIsolation); where its replays run is the caller's order.
+                    if not capturing:
+                        self._cuda.stream_wait(stream_ptr, self._cuda.record_event(current))
         return frozenset(off)
 
     def _launch_stream(self, async_finish: bool, stream_ptr: int) -> int:

@@ -761,6 +761,11 @@ def test_the_launch_stream_waits_once_for_each_other_frameworks_current_stream(s
     assert buf._wait_for_writers(0xC0, None, (view("cupy"),), ("torch",)) == {"torch"}
     assert cuda.waits == [(0xC0, ("event", 0x70))]
     cuda.waits.clear()
+    cuda.waits.clear()
+    cuda.capturing = True  # a captured graph cannot wait for uncaptured work: the caller orders its replays
+    assert buf._wait_for_writers(0xAB, None, (view("torch"), view("cupy"))) == {"torch", "cupy"}
+    assert cuda.waits == []
+    cuda.capturing = False
     # One framework, one stream: no wait, and the call's arrays stay on their allocator's stream.
     assert not buf._wait_for_writers(0x70, "torch", (view("torch"),), ("torch",))
     # stream= torch's own: no wait; another DLPack producer's arrays are off their allocator's stream

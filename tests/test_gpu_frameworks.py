@@ -656,8 +656,9 @@ def test_a_graph_captured_after_calls_that_hold_arrays_replays_correctly():
     """Calls on another stream than an array's allocator's (async_finish, with a cupy active_ranks beside
     torch tensors) hold that array until an event is done. A torch graph captured after such an eager
     call must not query those events: a query inside a capture ends it (cudaErrorStreamCaptureInvalidated
-    at capture_end, seen on an H100 by a review). The captured dispatch, replayed with fresh tokens and
-    routes, equals the reference every time."""
+    at capture_end, seen on an H100 by a review), nor make the captured stream wait for cupy's (CUDA
+    refuses a dependency on uncaptured work: cudaErrorStreamCaptureIsolation). The captured dispatch,
+    replayed with fresh tokens and routes, equals the reference every time."""
     cupy = pytest.importorskip("cupy")
     case = Case(num_ranks=1, num_experts=8, hidden=256, num_topk=2, num_max_tokens=8, seed=9)
     steps = [make_inputs(dataclasses.replace(case, seed=100 + step)) for step in range(3)]
