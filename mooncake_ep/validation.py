@@ -101,7 +101,10 @@ def stream_handle(where: str, stream, device_id: int | None) -> int:
     if device_id is not None and isinstance(stream_device, int) and stream_device >= 0 and stream_device != device_id:
         raise ValueError(f"{where}: stream is a stream of cuda:{stream_device}, this Buffer's rank uses "
                          f"cuda:{device_id}")
-    value = operator.index(handle)
+    try:
+        value = operator.index(handle)
+    except TypeError:  # a __cuda_stream__ handle of another type
+        raise TypeError(f"{where}: stream's handle must be an int, got {type(handle).__name__}") from None
     if not 0 <= value < 1 << 63:
         raise ValueError(f"{where}: stream must name a CUDA stream (a cudaStream_t, an int in [0, 2**63)), got {value}")
     if value == 2:

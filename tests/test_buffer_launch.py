@@ -689,6 +689,7 @@ def test_stream_is_the_launch_stream_and_the_arrays_are_exported_for_it(setup, m
                                                       r"cudaStream_t as an int, got str"),
                                    (True, TypeError, r"dispatch: stream must be .* got bool"),
                                    (memory_pointer, TypeError, r"dispatch: stream must be .* got MemoryPointer"),
+                                   (CudaStreamProtocol("0xAB"), TypeError, r"dispatch: stream's handle must be an int, got str"),
                                    (CudaStreamProtocol(0xAB, protocol=0xAB), TypeError,
                                     r"dispatch: stream.__cuda_stream__\(\) must return \(version, handle\), got 171"),
                                    (-2, ValueError, r"dispatch: stream must name a CUDA stream .* got -2"),
