@@ -447,6 +447,11 @@ def _check_grad_buffer(where: str, ranks: jax_args.Ranks, grad_buffer: BufferArg
         raise ValueError(f"{where}: grad_buffer must serve the devices buffer serves, each with the same rank (one "
                          f"Buffer for one Buffer, a mapping over the same devices for a mapping): buffer is "
                          f"{ranks.describe()}, grad_buffer {grad_ranks.describe()}")
+    if ranks.single is not None and grad_ranks.single.rank != ranks.single.rank:
+        # Each rank's gradient dispatch runs on grad_buffer as its rank: another rank's Buffer made every
+        # collective complete, with the ranks' gradients swapped.
+        raise ValueError(f"{where}: grad_buffer is rank {grad_ranks.single.rank} of its group, buffer rank "
+                         f"{ranks.single.rank}: pass this rank's Buffer of the gradient's group")
     for buffer in grad_ranks.buffers:  # here, not in a backward pass long after this call
         buffer._check_alive(f"{where}: grad_buffer")
     config = handle.config

@@ -344,6 +344,9 @@ def _check_grad_buffer(buffer: Buffer, grad_buffer, handle, grad_num_topk) -> in
     if grad_buffer is buffer or grad_buffer.num_ranks != buffer.num_ranks:
         raise ValueError(f"{where}: grad_buffer must be another Buffer of the same group ({buffer.num_ranks} ranks), "
                          f"got {'the forward Buffer' if grad_buffer is buffer else f'{grad_buffer.num_ranks} ranks'}")
+    if grad_buffer.rank != buffer.rank:  # its dispatch would run as that rank: every rank's gradient swapped
+        raise ValueError(f"{where}: grad_buffer is rank {grad_buffer.rank} of its group, buffer rank {buffer.rank}: "
+                         f"pass this rank's Buffer of the gradient's group")
     if not isinstance(handle, Handle):
         raise TypeError(f"{where}: handle must be the Handle returned by dispatch, got {type(handle).__name__}")
     num_topk = check_grad_num_topk(where, grad_num_topk, handle.num_topk)

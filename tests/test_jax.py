@@ -1083,6 +1083,41 @@ def test_empty_buffer_mappings_are_refused():
         epj.destroy_buffers({})
 
 
+def test_a_grad_buffer_of_another_rank_is_refused():
+    """One Buffer per rank (the eager form): each rank's gradient dispatch runs on grad_buffer as
+    grad_buffer's rank, so another rank's Buffer of the gradient's group let every collective complete
+    with the ranks' gradients swapped (helper-93: rank 1's values in rank 0's gradient). Refused when
+    combine is called, on every rank; each rank's own grad Buffer then gives a gradient."""
+    T, H, E = 2, 128, 4
+    case = make_case(21, num_ranks=2, num_tokens=[2, 2], num_max_tokens=T, hidden=H, num_experts=E)
+    cpu_devices(2)
+    grad_buffers = [None, None]
+
+    def rank_fn(group):
+        rank = group.rank
+        buffer = ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(T, H, 2, E), backend="reference")
+        grad_buffers[rank] = ep.Buffer(group, epj.grad_buffer_size_hint(T, H, 2, E, case.num_topk),
+                                       backend="reference")
+        group.barrier()
+
+        def loss(w, grad_buffer):
+            active = jnp.ones(2, jnp.int32)
+            recv, _, handle, active = epj.dispatch(buffer, jnp.asarray(case.xs[rank]), case.topk_idxs[rank], active,
+                                                   T, E, use_fp8=False)
+            out, _ = epj.combine(buffer, recv, case.topk_idxs[rank], w, active, handle, grad_buffer=grad_buffer)
+            return jnp.sum(out.astype(jnp.float32))
+
+        w = jnp.asarray(case.weights[rank])
+        with jax.default_device(jax.devices("cpu")[rank]):
+            with pytest.raises(ValueError, match=rf"mooncake_ep.jax.combine: grad_buffer is rank {1 - rank} of its "
+                                                 rf"group, buffer rank {rank}: pass this rank's Buffer"):
+                jax.grad(loss)(w, grad_buffers[1 - rank])
+            group.barrier()  # both refused before the dispatch's peers moved on
+            return np.asarray(jax.grad(loss)(w, grad_buffers[rank])).shape
+
+    assert spawn(2, rank_fn) == [case.weights[0].shape, case.weights[1].shape]
+
+
 def test_a_mapping_must_give_each_device_its_own_rank_of_one_buffer():
     """Checked when the op is traced (helper-88): one rank's Buffer on two devices had made each step's calls
     twice on it and failed at run time as a mismatched call; Buffers of two groups waited out the group

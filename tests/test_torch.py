@@ -398,6 +398,33 @@ def test_only_the_needed_gradients_are_computed():
     assert ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [(T, H)] * num_ranks
 
 
+def test_a_grad_buffer_of_another_rank_is_refused():
+    """Each rank's gradient dispatch runs on grad_buffer as grad_buffer's rank: another rank's Buffer of
+    the gradient's group let every collective complete with the ranks' gradients swapped (a JAX review,
+    helper-93, found it there; torch's check had the same gap). Refused at the call, on every rank, and
+    each rank's own grad Buffer then works."""
+    T, H, E, K = 3, 128, 2, 2
+    xs, topks, weights = make_inputs(7, 2, T, H, E, K)
+    grad_buffers = [None, None]
+
+    def rank_fn(group):
+        rank = group.rank
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        grad_buffers[rank] = grad_buffer
+        group.barrier()
+        active = torch.ones(2, dtype=torch.int32)
+        recv, _, handle = ept.dispatch(buffer, xs[rank], topks[rank], active, T, E)
+        y = recv.clone().requires_grad_()
+        with pytest.raises(ValueError, match=rf"mooncake_ep.torch.combine: grad_buffer is rank {1 - rank} of its "
+                                             rf"group, buffer rank {rank}: pass this rank's Buffer"):
+            ept.combine(buffer, y, topks[rank], weights[rank], active, handle, grad_buffer=grad_buffers[1 - rank])
+        out = ept.combine(buffer, y, topks[rank], weights[rank], active, handle, grad_buffer=grad_buffer)
+        out.float().sum().backward()
+        return y.grad is not None
+
+    assert ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [True, True]
+
+
 def test_refusals_name_the_argument_and_leave_the_buffer_usable():
     T, H, E, K = 3, 128, 2, 2
     xs, topks, weights = make_inputs(6, 1, T, H, E, K)
