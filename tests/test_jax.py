@@ -968,6 +968,15 @@ def test_arrays_of_other_frameworks_and_foreign_handles_are_refused():
     with pytest.raises(TypeError, match=r"combine: x must be a jax.Array \(or a numpy array\), got tuple \(an fp8 "
                                         r"dispatch's \(rows, scales\) pair"):
         epj.combine(buffer, (recv, recv), topk, jnp.asarray(case.weights[0]), active, handle)
+    # A Python scalar has no producer to convert from (helper-93: the hint had named jax.dlpack).
+    with pytest.raises(TypeError, match=r"combine: topk_weights must be a jax.Array \(or a numpy array\), got float; "
+                                        r"pass an array of float32, e.g. made with jnp.asarray$"):
+        epj.combine(buffer, recv, topk, 0.5, active, handle)
+    # A destroyed Buffer is the call's fault, not x's.
+    gone = spawn(1, lambda g: reference_buffer(g, case))[0]
+    gone.destroy()
+    with pytest.raises(RuntimeError, match=r"^mooncake_ep.jax.dispatch: this Buffer was destroyed"):
+        epj.dispatch(gone, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)
 
 
 def test_unsupported_transformations_name_the_alternative():

@@ -227,6 +227,8 @@ def as_jax(where: str, name: str, value):
         # A dispatch's fp8 recv_x is a (rows, scales) pair: an easy thing to hand to combine as x.
         hint = (" (an fp8 dispatch's (rows, scales) pair: the experts' bf16 outputs go to combine)" if name == "x"
                 else "") + f"; pass one array, e.g. jnp.asarray({name})"
+    elif isinstance(value, (bool, int, float, complex)):  # a Python scalar: no producer to convert from
+        hint = f"; pass an array of {_DTYPES_TAKEN.get(name, 'its dtype')}, e.g. made with jnp.asarray"
     else:
         hint = "; convert it with jax.dlpack.from_dlpack"
     raise TypeError(f"{where}: {name} must be a jax.Array (or a numpy array), got {got}{hint}")
@@ -265,6 +267,8 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
             raise ValueError(f"{where}: the shard_map runs on {num_devices} devices, the Buffers' group has "
                              f"{ranks.first.num_ranks} ranks; every rank takes part in each call: use a mesh of "
                              f"the Buffers' devices")
+    for buffer in ranks.buffers:  # a destroyed Buffer is the call's fault, not one argument's
+        buffer._check_alive(where)
     first = None  # (name, devices) of the first concrete array committed to its device
     for name, array in arrays.items():
         if not isinstance(array, jax.core.Tracer) and getattr(array, "committed", False):
