@@ -357,7 +357,7 @@ def _mesh_position(ranks: Ranks):
         return None
     size = dict(jax.sharding.get_abstract_mesh().shape)[axes[0]]
     if not size == len(ranks.by_device) == ranks.first.num_ranks:
-        return None  # a mapping of several groups: the layout is the caller's
+        return None  # a mapping of some of the group's ranks, or an axis of another size: the caller's layout
     return jax.lax.axis_index(axes[0]).reshape(1)
 
 
