@@ -282,7 +282,7 @@ class TorchStoreGroup(_KeyValueGroup):
         except RuntimeError as exc:
             raise GroupError(f"TorchStoreGroup: rank {self.rank} cannot reach the store: {exc}") from exc
         self._namespace = f"{prefix}/{generation}/"
-        self._rendezvous()
+        self._rendezvous_numbered(f"{prefix}/groups/{self.rank}")
 
     def __repr__(self) -> str:
         return f"TorchStoreGroup(rank={self.rank}, world_size={self.world_size}, store={type(self.store).__name__})"
@@ -507,7 +507,7 @@ class JaxGroup(_KeyValueGroup):
             return
         generation = self._call("increment", client.key_value_increment, f"{prefix}/groups/{self.rank}", 1)
         self._namespace = f"{prefix}/{generation}/"
-        self._rendezvous()
+        self._rendezvous_numbered(f"{prefix}/groups/{self.rank}")
 
     def __repr__(self) -> str:
         return f"JaxGroup(rank={self.rank}, world_size={self.world_size})"
@@ -522,7 +522,9 @@ class JaxGroup(_KeyValueGroup):
             raise GroupError(f"jax.distributed key-value {what} failed: {type(exc).__name__}: {exc}") from exc
 
     def _kv_set(self, key: str, value: bytes) -> None:
-        self._call("set", self.client.key_value_set_bytes, key, value)
+        # Overwriting, as every other store's set: the coordination service refuses a key set twice
+        # by default (ALREADY_EXISTS), and every rank sets {namespace}epoch in renew_membership.
+        self._call("set", lambda: self.client.key_value_set_bytes(key, value, allow_overwrite=True))
 
     def _kv_add(self, key: str, amount: int) -> int:
         return int(self._call("increment", self.client.key_value_increment, key, amount))

@@ -309,9 +309,29 @@ class _KeyValueGroup:
         as a claim (the TCP store); else the round writes it.
         """
         if self._kv_add(f"{self._namespace}claim/{self.rank}", 1) > 1:
+            self._kv_add(f"{self._namespace}claim/{self.rank}", -1)  # not taken: the holder keeps it
             raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
                              f"{self._same_rank_hint}")
+        self._holds_rank_claim = True
         return False
+
+    def _rendezvous_numbered(self, generation_key: str) -> None:
+        """:meth:`_rendezvous` of a store group whose namespace is numbered by the count of groups this
+        rank has built on the store, ``generation_key`` (already counted for this one). If it fails here,
+        the count and this rank's claim are given back: the rank's next group on the store (a retry, or a
+        restarted process) joins the same namespace, where a late peer may have completed the round with
+        this rank's slot, instead of the next one, where no peer ever comes."""
+        self._holds_rank_claim = False
+        try:
+            self._rendezvous()
+        except BaseException:
+            try:
+                if self._holds_rank_claim:
+                    self._kv_add(f"{self._namespace}claim/{self.rank}", -1)
+                self._kv_add(generation_key, -1)
+            except GroupError:  # the store is gone: nothing to meet there again
+                pass
+            raise
 
     # --- the Group protocol
 
@@ -425,22 +445,42 @@ class _KeyValueGroup:
                 return []
             keys = [f"{self._namespace}e{epoch}/join/{r}" for r in range(self.world_size)]
             mine = _JOIN.pack(_PROTOCOL_VERSION, self.world_size, self._is_replacement)
+            came = [f"{self._namespace}e{epoch}/came/{r}" for r in range(self.world_size)]
             try:
-                if self._is_replacement:  # held while this process lives: one that dies joins nobody
-                    if not self._kv_set_while_connected(keys[self.rank], mine):
+                if not self._is_replacement:  # a plain key, which stays: the peers' errors tell it from a dead rank
+                    self._kv_set(came[self.rank], b"")
+                # Every rank's join, a survivor's too, is held while this process lives (the TCP store's
+                # claims): one that dies joins nobody, and one whose wait fails takes it with it in the
+                # same step. (A survivor's join left by a failed wait let a late peer complete the round
+                # alone: the two split epochs, and a later renewal paired one's round with the other's
+                # leftover slots.)
+                if not self._kv_set_while_connected(keys[self.rank], mine):
+                    if self._is_replacement:
                         raise GroupError(f"init_group(rejoin=True): another process joins the running ranks as "
                                          f"rank {self.rank} ({self._where()}): only one replacement per rank")
-                else:
-                    self._kv_set(keys[self.rank], mine)
-                # Settled once complete: a replacement that exits or dies after the round must still
-                # count as joined for a survivor whose wait is on its way (else the ranks split epochs).
-                # A replacement whose wait fails takes its key with it in the same step: the running
-                # ranks never count it as joined. (A survivor's key is a plain one: a survivor whose
-                # wait fails leaves it, and its next call finds the round complete if the others
-                # completed it meanwhile.)
+                    raise GroupError(f"{label} (epoch {epoch}): rank {self.rank}'s join of this round is held by "
+                                     f"another process ({self._where()})")
+                # Settled once complete: a rank that exits or dies after the round must still count as
+                # joined for a peer whose wait is on its way (else the ranks split epochs).
                 values = self._kv_multi_get(keys, wait_s, settle=True)
             except _StoreWaitError as exc:
+                if not self._takes_replacements:
+                    # A store without claims kept the join: take it back, so that a peer that comes later
+                    # does not complete the round without this rank. (One that found it in the moment
+                    # before still does: only a store with claims makes the two one step.)
+                    try:
+                        self._kv_delete(keys[self.rank])
+                    except GroupError:
+                        pass
                 missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
+                # Survivors that came to this round and gave up first (their joins withdrawn) are not
+                # what the round waits for: the ranks that never came are named, those after them.
+                gave_up = self._present({came[r]: r for r in missing if r != self.rank}) or {}
+                gave_up = sorted(r for r, _ in gave_up.values())
+                left = (f"; ranks {gave_up} came and gave up first: every rank calls renew_membership() again"
+                        if gave_up else "")
+                if len(gave_up) < len(missing):
+                    missing = [r for r in missing if r not in gave_up]
                 # A replacement's wait is what its join left of timeout_s: the whole join timed out.
                 what = (f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError)
                         else exc.cut_short)
@@ -453,7 +493,7 @@ class _KeyValueGroup:
                     hint = ("every rank must call renew_membership() again, or, where a rank's process died, the job "
                             "builds a new group (only TCPGroup takes a replacement process, init_group(rejoin=True))")
                 raise GroupError(f"{label} (epoch {epoch}) {what} waiting for ranks {missing} of "
-                                 f"{self.world_size} ({self._where()}); {hint}") from None
+                                 f"{self.world_size} ({self._where()}); {hint}{left}") from None
             joins = [_JOIN.unpack(v) for v in values]
             if len({(version, size) for version, size, _ in joins}) > 1:
                 seen = {r: (version, size) for r, (version, size, _) in enumerate(joins)}
@@ -467,6 +507,7 @@ class _KeyValueGroup:
                 self._delete_spent_slot(old_key)  # the last key of the old epoch: every peer has left it
             if epoch > 1:  # every rank has finished the round before this one: nobody reads its keys
                 self._kv_delete(f"{self._namespace}e{epoch - 1}/join/{self.rank}")
+                self._kv_delete(f"{self._namespace}e{epoch - 1}/came/{self.rank}")
             return [r for r, (_, _, replaced) in enumerate(joins) if replaced]
 
     def _join_as_replacement(self, deadline: float) -> None:
