@@ -591,6 +591,7 @@ class LocalRankGroup:
         self._seq = 0
         self._num_calls: Counter[str] = Counter()
         self._stream_calls = local_group._stream_calls
+        self._in_collective = threading.Lock()  # held by the thread in one of this rank's collectives
 
     def __repr__(self) -> str:
         return f"LocalRankGroup(rank={self.rank}, world_size={self.world_size}, device={self.device})"
@@ -714,6 +715,29 @@ class LocalRankGroup:
         self._collective("barrier", b"")
 
     def _collective(self, name: str, data: bytes) -> list[bytes]:
+        if not self._in_collective.acquire(blocking=False):
+            self._refuse_second_thread(name)
+        try:
+            return self._collective_round(name, data)
+        finally:
+            self._in_collective.release()
+
+    def _refuse_second_thread(self, name: str) -> None:
+        """A second thread entered one of this rank's collectives: it would take a peer's place in the
+        round (JAX eager calls whose arrays sit on one rank's device all select that rank's Buffer).
+        The group breaks at once, so the thread already waiting gets the reason, not a timeout."""
+        group = self.local_group
+        reason = (f"{name} #{self._num_calls[name]}: rank {self.rank} entered a collective in thread "
+                  f"{threading.current_thread().name!r} while another thread is in one as that rank: two threads "
+                  f"used one rank (with JAX, an eager call picks its rank by its arrays' device: put each rank's "
+                  f"arrays on its own device, with jax.device_put or jax.default_device)")
+        with group._state_lock:
+            if group._break_reason is None:
+                group._break_reason = reason
+        group._barrier.abort()
+        raise GroupError(reason)
+
+    def _collective_round(self, name: str, data: bytes) -> list[bytes]:
         group = self.local_group
         label = f"{name} #{self._num_calls[name]}"
         self._num_calls[name] += 1

@@ -85,6 +85,30 @@ def test_local_group_is_reusable_across_spawns():
         assert group.spawn(lambda g: g.allgather_bytes(bytes([g.rank]))) == [[b"\0", b"\1", b"\2"]] * 3
 
 
+def test_two_threads_in_one_ranks_collective_break_the_group_with_the_reason():
+    """Both spawn threads call rank 0's collective, as JAX eager calls whose arrays all sit on rank 0's
+    device do (helper-93): the second would take rank 1's place in the round. It is refused, and the
+    group breaks at once, so the first thread, waiting in the round, gets the reason too, not the
+    group's timeout (60 s here) naming rank 1 as missing."""
+    group = LocalGroup(2, timeout_s=60.0)
+    entered = threading.Event()
+
+    def body(g):
+        rank0 = group.rank_group(0)
+        if g.rank == 0:
+            entered.set()
+        else:
+            entered.wait()
+            while not rank0._in_collective.locked():  # rank 0's thread is in its round
+                time.sleep(0.001)
+        rank0.allgather_bytes(b"x")
+
+    with pytest.raises(GroupError, match=r"rank 0 entered a collective in thread 'mooncake_ep-rank1' while another "
+                                         r"thread is in one as that rank: two threads used one rank") as info:
+        group.spawn(body)
+    assert "timed out" not in str(info.value)
+
+
 def test_local_world_size_one():
     assert LocalGroup(1).spawn(lambda g: (g.allgather_bytes(b"x"), g.barrier())) == [([b"x"], None)]
 
