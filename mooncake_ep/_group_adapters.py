@@ -282,7 +282,7 @@ class TorchStoreGroup(_KeyValueGroup):
         except RuntimeError as exc:
             raise GroupError(f"TorchStoreGroup: rank {self.rank} cannot reach the store: {exc}") from exc
         self._namespace = f"{prefix}/{generation}/"
-        self._rendezvous_numbered(f"{prefix}/groups/{self.rank}")
+        self._rendezvous()
 
     def __repr__(self) -> str:
         return f"TorchStoreGroup(rank={self.rank}, world_size={self.world_size}, store={type(self.store).__name__})"
@@ -507,7 +507,7 @@ class JaxGroup(_KeyValueGroup):
             return
         generation = self._call("increment", client.key_value_increment, f"{prefix}/groups/{self.rank}", 1)
         self._namespace = f"{prefix}/{generation}/"
-        self._rendezvous_numbered(f"{prefix}/groups/{self.rank}")
+        self._rendezvous()
 
     def __repr__(self) -> str:
         return f"JaxGroup(rank={self.rank}, world_size={self.world_size})"

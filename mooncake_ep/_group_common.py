@@ -312,26 +312,7 @@ class _KeyValueGroup:
             self._kv_add(f"{self._namespace}claim/{self.rank}", -1)  # not taken: the holder keeps it
             raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
                              f"{self._same_rank_hint}")
-        self._holds_rank_claim = True
         return False
-
-    def _rendezvous_numbered(self, generation_key: str) -> None:
-        """:meth:`_rendezvous` of a store group whose namespace is numbered by the count of groups this
-        rank has built on the store, ``generation_key`` (already counted for this one). If it fails here,
-        the count and this rank's claim are given back: the rank's next group on the store (a retry, or a
-        restarted process) joins the same namespace, where a late peer may have completed the round with
-        this rank's slot, instead of the next one, where no peer ever comes."""
-        self._holds_rank_claim = False
-        try:
-            self._rendezvous()
-        except BaseException:
-            try:
-                if self._holds_rank_claim:
-                    self._kv_add(f"{self._namespace}claim/{self.rank}", -1)
-                self._kv_add(generation_key, -1)
-            except GroupError:  # the store is gone: nothing to meet there again
-                pass
-            raise
 
     # --- the Group protocol
 
@@ -447,8 +428,10 @@ class _KeyValueGroup:
             mine = _JOIN.pack(_PROTOCOL_VERSION, self.world_size, self._is_replacement)
             came = [f"{self._namespace}e{epoch}/came/{r}" for r in range(self.world_size)]
             try:
-                if not self._is_replacement:  # a plain key, which stays: the peers' errors tell it from a dead rank
-                    self._kv_set(came[self.rank], b"")
+                if not self._is_replacement:
+                    # Held while this process lives where the store can (a retry finds its own: refused,
+                    # and kept): the peers' errors tell a rank that gave up from one whose process died.
+                    self._kv_set_while_connected(came[self.rank], b"")
                 # Every rank's join, a survivor's too, is held while this process lives (the TCP store's
                 # claims): one that dies joins nobody, and one whose wait fails takes it with it in the
                 # same step. (A survivor's join left by a failed wait let a late peer complete the round

@@ -715,7 +715,8 @@ class LocalRankGroup:
         self._collective("barrier", b"")
 
     def _collective(self, name: str, data: bytes) -> list[bytes]:
-        if not self._in_collective.acquire(blocking=False):
+        # A group of one rank has no peer's place to take: a second thread waits its turn.
+        if not self._in_collective.acquire(blocking=self.world_size == 1):
             self._refuse_second_thread(name)
         try:
             return self._collective_round(name, data)

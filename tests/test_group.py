@@ -109,6 +109,15 @@ def test_two_threads_in_one_ranks_collective_break_the_group_with_the_reason():
     assert "timed out" not in str(info.value)
 
 
+def test_a_group_of_one_rank_lets_two_threads_take_turns():
+    """With one rank there is no peer's place to take: a second thread entering its collective waits
+    for the first, rather than breaking the group (helper-95)."""
+    group = LocalGroup(1, timeout_s=60.0)
+    rank0 = group.rank_group(0)
+    assert run_in_threads([lambda i=i: rank0.allgather_bytes(bytes([i])) for i in range(4)]) == \
+        [[bytes([i])] for i in range(4)]
+
+
 def test_local_world_size_one():
     assert LocalGroup(1).spawn(lambda g: (g.allgather_bytes(b"x"), g.barrier())) == [([b"x"], None)]
 

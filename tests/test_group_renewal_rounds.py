@@ -3,7 +3,9 @@
 A survivor whose renewal timed out had left its join key, so a late peer completed the round alone:
 the two ranks split epochs, and a later renewal paired one rank's round with the other's leftover
 slot (an allgather_bytes then returned a peer's payload from a failed call). Survivors' joins are now
-claims, held while the process lives and taken back with a failed wait (helper-94).
+claims, held while the process lives and taken back with a failed wait (helper-94). That is all or
+none on the TCP store, whose server decides a wait and its claims in one step; a store without
+claims deletes a failed rank's join, which only narrows the race (docs: the closing note).
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 
 import _threads
 from mooncake_ep.cli.launch import free_port
-from mooncake_ep.group import GroupError, TCPGroup, TorchStoreGroup
+from mooncake_ep.group import GroupError, JaxGroup, TCPGroup, TorchStoreGroup
+from test_group_adapters import FakeJaxClient
 
 SHORT_S, LONG_S = 0.3, 30.0
 
@@ -65,3 +68,34 @@ def test_a_survivor_that_dies_in_a_renewal_is_not_counted_as_joined():
                lambda: TCPGroup(2, 3, master_port=port, timeout_s=LONG_S, rejoin=True)])
     assert out[0] == [1, 2], out
     run([lambda g=g: g.close() for g in (groups[0], out[1], out[2])])
+
+
+def test_a_rank_whose_process_died_after_giving_up_is_named_missing():
+    """Ranks 1 and 2 come to a renewal and give up (ranks 0 and 3 late); rank 2's process then dies. The
+    next renewal names rank 2 among the ranks it waits for (a replacement's to take), not as one that
+    came and gave up: its 'came' mark was held by its connection, as its join was (helper-95)."""
+    port = free_port()
+    groups = run([lambda r=r: TCPGroup(r, 4, master_port=port, timeout_s=LONG_S) for r in range(4)])
+    for group in groups:
+        group.timeout_s = SHORT_S
+    for error in run([groups[1].renew_membership, groups[2].renew_membership]):
+        assert isinstance(error, GroupError), error
+    groups[2]._client.close()  # rank 2's process dies
+    errors = run([groups[0].renew_membership, groups[1].renew_membership])
+    for error in errors:
+        assert isinstance(error, GroupError), error
+        assert "waiting for ranks [2, 3] of 4" in str(error), str(error)
+        assert "[2] came and gave up" not in str(error), str(error)  # rank 0 may have: it did
+    run([lambda g=g: g.close() for g in (groups[0], groups[1], groups[3])])
+
+
+def test_renew_membership_over_jax():
+    """Every rank sets {namespace}epoch in a renewal; JAX's coordination service refuses a key set twice
+    unless told to overwrite (ALREADY_EXISTS): the renewal had raised on every rank but the first, after
+    moving to the new epoch (helper-94)."""
+    shared = FakeJaxClient.make_shared()
+    groups = run([lambda r=r: JaxGroup(FakeJaxClient(shared), rank=r, world_size=2, timeout_s=LONG_S)
+                  for r in range(2)])
+    assert run([g.renew_membership for g in groups]) == [[], []]
+    assert run([lambda g=g: g.allgather_bytes(bytes([g.rank, g.membership_epoch])) for g in groups]) == \
+        [[b"\0\1", b"\1\1"]] * 2
