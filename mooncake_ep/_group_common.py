@@ -449,8 +449,9 @@ class _KeyValueGroup:
             except _StoreWaitError as exc:
                 if not self._takes_replacements:
                     # A store without claims kept the join: take it back, so that a peer that comes later
-                    # does not complete the round without this rank. (One that found it in the moment
-                    # before still does: only a store with claims makes the two one step.)
+                    # does not complete the round without this rank. (One that read it before still does:
+                    # JAX's reads of the keys one at a time span the whole wait, and torch's TCPStore counts
+                    # a key once set. Only a store with claims makes the wait and the take-back one step.)
                     try:
                         self._kv_delete(keys[self.rank])
                     except GroupError:

@@ -188,7 +188,7 @@ class Buffer:
         # routing that the hook's receive half reads).
         self._pending_hooks: set[int] = set()
         # (event, arrays): arrays of calls launched on a stream their allocator does not know (async_finish,
-        # stream=), torch's excepted (record_stream), held until the event on that stream is done.
+        # stream=, two frameworks), torch's excepted (record_stream), held until that event is done.
         self._in_flight: collections.deque = collections.deque()
         self._in_flight_lock = threading.Lock()
         self._pending_combine_hooks: dict[int, int] = {}  # parity -> hooks; a dict: .get is the cheapest miss
@@ -1089,8 +1089,6 @@ class Buffer:
         (all of them with async_finish) are also held by the Buffer until the kernels are done
         (_hold_until_done): callers drop the event.
         """
-        if self._in_flight and like.device_type == "cuda":
-            self._let_go_of_done(stream_ptr)
         views = None  # the call's arrays, where the kernels run on another stream than torch's current one
         held = ()  # their keepalives that no allocator's stream order protects: held until the kernels are done
         if like.device_type == "cuda" and (async_finish or stream_given or off_stream):
@@ -1098,6 +1096,13 @@ class Buffer:
             self._record_on(async_finish, stream_ptr, views)
             held = tuple(view.keepalive for view in views
                          if view.framework != "torch" and (async_finish or view.framework in off_stream))
+        # Nothing is let go of or held while the stream captures a graph: an event query there would end
+        # the capture, and a graph's arrays must outlive its replays, the caller's care. (The communication
+        # stream of async_finish captures with the caller's: _launch_stream made it wait there.)
+        capturing = (like.device_type == "cuda" and bool(self._in_flight or held)
+                     and self._cuda.stream_is_capturing(stream_ptr))
+        if self._in_flight and like.device_type == "cuda" and not capturing:
+            self._let_go_of_done()
         if return_recv_hook:
             if call == "dispatch":
                 self._pending_hooks.add(handle.parity)
@@ -1122,7 +1127,7 @@ class Buffer:
                     # is the arrays' own; elsewhere they are held until the receive half is done. A launch
                     # that failed leaves them with the hook: peers may still read x, and nothing here
                     # knows when they are done.
-                    if held:
+                    if held and not self._cuda.stream_is_capturing(stream_ptr):
                         self._hold_until_done(stream_ptr, held)
                     arrays.clear()
                 finally:
@@ -1140,7 +1145,7 @@ class Buffer:
         if async_finish and like.device_type == "cuda":
             cuda = self._cuda
             done = cuda.record_event(cuda.comm_stream.ptr)
-        if held:
+        if held and not capturing:
             self._hold_until_done(self._cuda.comm_stream.ptr if async_finish else stream_ptr, held, done)
         if done is not None:
             def wait() -> None:
@@ -1153,31 +1158,24 @@ class Buffer:
 
     def _hold_until_done(self, stream_ptr: int, keepalives: tuple, event=None) -> None:
         """Hold ``keepalives`` until the work queued on ``stream_ptr`` so far is done (``event``, one
-        recorded there just now, or a new one).
+        recorded there just now, or a new one). Not for a capturing stream (the callers check).
 
         For arrays of a call launched on another stream than their allocator's (async_finish, stream=,
         two frameworks): cupy's pool, say, hands a dropped array's memory to new work on the stream it
         was allocated on, which nothing orders after our kernels, and the returned event, which also
         holds them, is dropped by most callers. torch tensors are recorded on the stream instead
         (_record_on). Held arrays whose event is done are let go at the next call on a device
-        (_let_go_of_done); destroy() lets go of all. Nothing is held while the stream captures a graph:
-        a graph's arrays must outlive its replays, the caller's care (and an event query there would
-        end the capture).
+        (_let_go_of_done); destroy() lets go of all.
         """
-        cuda = self._cuda
-        if cuda.stream_is_capturing(stream_ptr):
-            return
-        entry = (event if event is not None else cuda.record_event(stream_ptr), keepalives)
+        entry = (event if event is not None else self._cuda.record_event(stream_ptr), keepalives)
         with self._in_flight_lock:
             self._in_flight.append(entry)
 
-    def _let_go_of_done(self, stream_ptr: int) -> None:
+    def _let_go_of_done(self) -> None:
         """Drop the held arrays (_hold_until_done) whose kernels are done, oldest first, up to the first
-        not done; not while ``stream_ptr`` (the call's) captures a graph, which an event query would
-        end. Under a lock: a hook may run in another thread than the Buffer's calls."""
+        not done; not while the call's stream captures a graph (the caller checks). Under a lock: a hook
+        may run in another thread than the Buffer's calls."""
         cuda = self._cuda
-        if cuda.stream_is_capturing(stream_ptr):
-            return
         with self._in_flight_lock:
             in_flight = self._in_flight
             while in_flight and cuda.event_done(in_flight[0][0]):
@@ -1195,7 +1193,7 @@ class Buffer:
         cuda = self._cuda
         if async_finish:
             launch_stream = cuda.comm_stream.ptr
-        elif stream_ptr != torch_framework.current_stream(cuda.device_id):
+        elif not same_stream(torch_framework.current_stream(cuda.device_id), stream_ptr):
             launch_stream = stream_ptr
         else:
             return
