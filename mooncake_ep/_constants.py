@@ -28,6 +28,9 @@ WORKSPACE_ALIGNMENT = 128
 
 # Timeout value meaning "wait forever".
 TIMEOUT_FOREVER = -1
+# cudaStreamPerThread: the per-thread default stream, another stream in each thread that names it.
+PER_THREAD_DEFAULT_STREAM = 2
+
 # Longest finite timeout: the kernels take it in nanoseconds, as an int64 (~292 years).
 MAX_TIMEOUT_US = (2**63 - 1) // 1000
 

@@ -380,7 +380,8 @@ class Buffer:
             use_ue8m0: store scales as 8-bit exponents packed four to an int32 (needs round_scale).
             async_finish: run on the buffer's communication stream; the returned event completes it.
             return_recv_hook: launch only the send half; ``hook()`` launches the receive half on the
-                same stream. Exclusive with async_finish. Two hooks may be pending; a rank's
+                same stream (the per-thread default stream, 2, is each thread's own: there, call
+                ``hook()`` in the call's thread; another thread's is refused). Exclusive with async_finish. Two hooks may be pending; a rank's
                 dispatch after them rewrites the rows it staged for the older one, so every rank
                 must have called that older hook first (its combine in between, received, as in
                 a dispatch-experts-combine step, ensures it; the host can only check its own hooks).
@@ -1115,10 +1116,18 @@ class Buffer:
             # this rank's own receive half waits for. Dropped by the caller meanwhile, their memory
             # could go to new work, which the kernels would then read or overwrite.
             arrays = [inputs, outputs]
+            # The per-thread default stream (a cupy current stream under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM)
+            # names another stream in each thread: launched from another thread, the receive half would
+            # run unordered after its send half.
+            launching_thread = threading.get_ident() if stream_ptr == _constants.PER_THREAD_DEFAULT_STREAM else None
 
             def hook() -> None:
                 if called:
                     raise RuntimeError("hook: this receive hook was already called")
+                if launching_thread is not None and threading.get_ident() != launching_thread:
+                    raise RuntimeError(f"hook: the {call} ran on the per-thread default stream (2), which is "
+                                       f"another stream in each thread; call hook() in the {call}'s thread, "
+                                       f"or make the call on a stream of its own (stream=)")
                 self._check_alive("hook")  # its launch would run on the freed workspace
                 called.append(True)
                 try:

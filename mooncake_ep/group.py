@@ -48,7 +48,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from mooncake_ep import _group_common, _tcp_store
+from mooncake_ep import _constants, _group_common, _tcp_store
 from mooncake_ep._group_common import (
     DEFAULT_TIMEOUT_S,
     GroupError,
@@ -623,7 +623,8 @@ class LocalRankGroup:
         collective's peers, whose calls are issued already.
         """
         # cudaStreamPerThread (2) is a stream per thread, and so not shared by two threads' ranks.
-        key = (device_id, stream_ptr) if stream_ptr != _PER_THREAD_STREAM else (device_id, threading.get_ident())
+        per_thread = stream_ptr == _constants.PER_THREAD_DEFAULT_STREAM
+        key = (device_id, threading.get_ident() if per_thread else stream_ptr)
         # No lock (this is every call's path): two ranks' same call interleaved between the lookup and
         # the store could both pass, once; a program that shares a stream does so every step, and the
         # next step's call is caught.
@@ -775,9 +776,6 @@ class _CallNote:
         self.in_flight: set[int] = set()
         self.launched_by: int | None = None
         self.withdrawn = False
-
-# cudaStreamPerThread's handle: each thread's own default stream.
-_PER_THREAD_STREAM = 2
 
 # Communication streams of every LocalGroup made in this process: never destroyed (_make_streams).
 _kept_streams: list[Any] = []

@@ -107,7 +107,7 @@ def stream_handle(where: str, stream, device_id: int | None) -> int:
         raise TypeError(f"{where}: stream's handle must be an int, got {type(handle).__name__}") from None
     if not 0 <= value < 1 << 63:
         raise ValueError(f"{where}: stream must name a CUDA stream (a cudaStream_t, an int in [0, 2**63)), got {value}")
-    if value == 2:
+    if value == _constants.PER_THREAD_DEFAULT_STREAM:
         raise ValueError(f"{where}: stream 2 is the per-thread default stream, another stream in each thread (a "
                          f"hook or an event may be waited for in another thread than the call's): pass that "
                          f"thread's stream object, or a stream of its own")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import sys
+import threading
 import types
 import weakref
 
@@ -174,6 +175,31 @@ def test_hook_mode_launches_the_receive_half_only_when_called(setup):
     assert [(l.phases, l.stream) for l in cuda.launches] == [(SEND, CALLER_STREAM), (RECV, CALLER_STREAM)]
     with pytest.raises(RuntimeError, match="already called"):
         hook()
+
+
+@pytest.mark.parametrize("call", ["dispatch", "combine"])
+def test_a_hook_on_the_per_thread_default_stream_refuses_another_thread(setup, monkeypatch, call):
+    """Stream 2 (cupy's current stream under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM) names each thread's own
+    stream: launched from another thread, the receive half would run unordered after its send half.
+    Refused there, before anything launches; the call's own thread then launches it on stream 2."""
+    buf, cuda, device, inputs = setup
+    monkeypatch.setattr(frameworks.get("dlpack"), "current_stream", lambda device_id: 2)
+    kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+    _, _, handle, _, hook = buf.dispatch(**inputs, **kwargs, return_recv_hook=(call == "dispatch"),
+                                         out=dispatch_out(device, False))
+    if call == "combine":
+        _, _, hook = buf.combine(None, inputs["topk_idx"], device(np.ones((3, K), np.float32)),
+                                 inputs["active_ranks"], handle=handle, zero_copy=True, return_recv_hook=True,
+                                 out=device(np.zeros((3, H), ml_dtypes.bfloat16)))
+    launched = len(cuda.launches)
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, hook)))
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and errors[0].match(f"hook: the {call} ran on the per-thread default stream \\(2\\)")
+    assert len(cuda.launches) == launched, "nothing was launched from the other thread"
+    hook()
+    assert (cuda.launches[-1].kernel, cuda.launches[-1].phases, cuda.launches[-1].stream) == (call, RECV, 2)
 
 
 class CopiedDeviceArray(DeviceMemoryArray):
