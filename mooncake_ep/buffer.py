@@ -437,10 +437,12 @@ class Buffer:
                                                      num_max_dispatch_tokens_per_rank, minimum=1)
         out_views = read_out(where, out, use_fp8, order)
         written_tensors = _torch_outputs(where, out_views, _DISPATCH_SPAN_NAMES[use_fp8, True][0])
+        # The out= views without their arrays, listed once for the key, the addresses and the launch.
+        out_only = None if out_views is None else [view for view, _ in out_views]
         # num_experts's type too: 2.0 equals 2 as a key, and must not find the plan of 2 unchecked.
         key = ("dispatch", _signature(x_view), _signature(topk_view), _signature(active_view),
                num_max_dispatch_tokens_per_rank, num_experts, type(num_experts), use_fp8, use_ue8m0,
-               None if out_views is None else tuple(_signature(view) for view, _ in out_views))
+               None if out_only is None else tuple(map(_signature, out_only)))
         try:
             plan = self._plans.get(key)
         except TypeError:  # an unhashable num_experts (a list, a 0-d array): the check names it
@@ -456,7 +458,7 @@ class Buffer:
         elif x_view.ptr % VECTOR_BYTES:
             check_vector_aligned(where, "x", x_view, plan.span_nbytes[-2])
         if out_views is not None:  # addresses: every call, looked up for a remembered plan
-            addresses = (id(plan), x_view.ptr, topk_view.ptr, active_view.ptr, *[view.ptr for view, _ in out_views])
+            addresses = (id(plan), x_view.ptr, topk_view.ptr, active_view.ptr, *[view.ptr for view in out_only])
             if addresses not in self._disjoint_addresses:
                 self._check_disjoint(where, plan, addresses, _DISPATCH_SPAN_NAMES[use_fp8, True],
                                      _dispatch_spans(out_views, active_view, x_view, topk_view))
@@ -497,14 +499,15 @@ class Buffer:
                                                    dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
                 self._num_dispatches += 1
             else:
-                launch = self._dispatch_launcher(x_view, topk_view, active_view, [view for view, _ in outputs],
+                output_views = out_only if out_only is not None else [view for view, _ in outputs]
+                launch = self._dispatch_launcher(x_view, topk_view, active_view, output_views,
                                                  parity=handle.parity,
                                                  num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                                  num_experts=num_experts, timeout_us=timeout_us, use_fp8=use_fp8,
                                                  round_scale=round_scale, use_ue8m0=use_ue8m0)
                 off_stream = self._wait_for_writers(stream_ptr,
                                                     None if given_stream is not None else x_view.framework,
-                                                    (x_view, topk_view, active_view, *[view for view, _ in outputs]))
+                                                    (x_view, topk_view, active_view, *output_views))
                 receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
                 # Counted once the send half is launched: a configuration refused on the way (the layout
                 # limit, ranks that disagree on it) used no parity, and the handles before it stay valid.
@@ -1090,6 +1093,12 @@ class Buffer:
         (all of them with async_finish) are also held by the Buffer until the kernels are done
         (_hold_until_done): callers drop the event.
         """
+        if receive is None and not (async_finish or return_recv_hook or stream_given or off_stream or self._in_flight):
+            # The common eager call: both halves launched on the arrays' own stream, with nothing held
+            # before it; nothing to record, hold, let go of or defer (what the steps below come to).
+            if call == "dispatch":
+                handle.state["received"] = True
+            return EventOverlap(), None
         views = None  # the call's arrays, where the kernels run on another stream than torch's current one
         held = ()  # their keepalives that no allocator's stream order protects: held until the kernels are done
         if like.device_type == "cuda" and (async_finish or stream_given or off_stream):

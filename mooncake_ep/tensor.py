@@ -345,7 +345,8 @@ def _torch():
 
 def torch_current_stream(device_id: int) -> int:
     """torch's current CUDA stream handle on ``device_id`` (0 = legacy default)."""
-    _torch()
+    if not _torch_stream:  # every call of dispatch/combine asks: _torch() only until it has run
+        _torch()
     return _torch_stream[0](device_id)
 
 

@@ -29,6 +29,8 @@ def check_int(where: str, name: str, value, *, minimum: int | None = None, maxim
     Callers go on with the returned int: numpy's small integers wrap in the arithmetic of shapes and
     sizes (``np.int16(4096) * np.int16(16)`` is 0, with a warning), where a Python int does not.
     """
+    if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value  # a Python int in range (not a bool, whose type is bool): the checks below would pass
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:
