@@ -196,7 +196,7 @@ class Buffer:
         # the reference backend's exchanges carry it (ReferenceBackend.exchange).
         self._token = os.urandom(8).hex()
         self._destroyed = False
-        # (id(plan), pointers...) of out= calls already found disjoint (_check_disjoint).
+        # (id(plan), pointers...) of calls already found disjoint and aligned (_check_disjoint).
         self._disjoint_addresses: set[tuple] = set()
         # Checked plans by (call, array signatures, arguments): a call whose arrays have the layouts
         # of an earlier, accepted call skips the layout checks (they would pass again).
@@ -381,7 +381,8 @@ class Buffer:
             async_finish: run on the buffer's communication stream; the returned event completes it.
             return_recv_hook: launch only the send half; ``hook()`` launches the receive half on the
                 same stream (the per-thread default stream, 2, is each thread's own: there, call
-                ``hook()`` in the call's thread; another thread's is refused). Exclusive with async_finish. Two hooks may be pending; a rank's
+                ``hook()`` in the call's thread; another thread's is refused). Exclusive with
+                async_finish. Two hooks may be pending; a rank's
                 dispatch after them rewrites the rows it staged for the older one, so every rank
                 must have called that older hook first (its combine in between, received, as in
                 a dispatch-experts-combine step, ensures it; the host can only check its own hooks).
@@ -457,16 +458,15 @@ class Buffer:
             check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
         elif x_view.ptr % VECTOR_BYTES:
             check_vector_aligned(where, "x", x_view, plan.span_nbytes[-2])
-        if out_views is not None:  # addresses: every call, looked up for a remembered plan
+        # Addresses: every call, looked up for a remembered plan. Fresh results overlap nothing, but
+        # active_ranks (the kernels write it) may overlap an input.
+        if out_only is not None:
             addresses = (id(plan), x_view.ptr, topk_view.ptr, active_view.ptr, *[view.ptr for view in out_only])
-            if addresses not in self._disjoint_addresses:
-                self._check_disjoint(where, plan, addresses, _DISPATCH_SPAN_NAMES[use_fp8, True],
-                                     _dispatch_spans(out_views, active_view, x_view, topk_view))
-        else:  # fresh results overlap nothing, but active_ranks (the kernels write it) may overlap an input
-            names, num_written = _DISPATCH_SPAN_NAMES[use_fp8, False]
-            views = _dispatch_spans(None, active_view, x_view, topk_view)
-            check_element_aligned(where, names, views, plan.span_nbytes)
-            check_disjoint(where, names, views, plan.span_nbytes, num_written)
+        else:
+            addresses = (id(plan), x_view.ptr, topk_view.ptr, active_view.ptr)
+        if addresses not in self._disjoint_addresses:
+            self._check_disjoint(where, plan, addresses, _DISPATCH_SPAN_NAMES[use_fp8, out_only is not None],
+                                 _dispatch_spans(out_views, active_view, x_view, topk_view), out_only is not None)
         parity = self._num_dispatches % layout.NUM_PARITIES
         if parity in self._pending_hooks:
             raise RuntimeError(f"{where}: the dispatch two calls ago still waits for its hook(); call it first "
@@ -727,17 +727,14 @@ class Buffer:
             self._check_same_routing(where, handle, topk_view)
         elif x_view is not None and x_view.ptr % VECTOR_BYTES:
             check_vector_aligned(where, "x", x_view, plan.span_nbytes[-3])
-        if out_views is not None:  # addresses: every call, looked up for a remembered plan
-            addresses = (id(plan), topk_view.ptr, weights_view.ptr, active_view.ptr, out_views[0][0].ptr,
-                         0 if x_view is None else x_view.ptr)
-            if addresses not in self._disjoint_addresses:
-                self._check_disjoint(where, plan, addresses, _COMBINE_SPAN_NAMES[x_view is None, True],
-                                     _combine_spans(out_views[0][0], active_view, x_view, topk_view, weights_view))
-        else:
-            names, num_written = _COMBINE_SPAN_NAMES[x_view is None, False]
-            views = _combine_spans(None, active_view, x_view, topk_view, weights_view)
-            check_element_aligned(where, names, views, plan.span_nbytes)
-            check_disjoint(where, names, views, plan.span_nbytes, num_written)
+        # Addresses: every call, looked up for a remembered plan (as dispatch's).
+        combined_view = None if out_views is None else out_views[0][0]
+        addresses = (id(plan), topk_view.ptr, weights_view.ptr, active_view.ptr,
+                     -1 if combined_view is None else combined_view.ptr, -1 if x_view is None else x_view.ptr)
+        if addresses not in self._disjoint_addresses:
+            self._check_disjoint(where, plan, addresses, _COMBINE_SPAN_NAMES[x_view is None, combined_view is not None],
+                                 _combine_spans(combined_view, active_view, x_view, topk_view, weights_view),
+                                 combined_view is not None)
         if zero_copy:
             self._check_outside_combine_buffer(where, handle, (
                 ("out combined_x", None if out_views is None else out_views[0][0]), ("active_ranks", active_view)))
@@ -1279,15 +1276,18 @@ class Buffer:
                 f"Buffer.get_ep_buffer_size_hint"
             )
 
-    def _check_disjoint(self, where: str, plan: _Plan, addresses: tuple, names: tuple, views: list) -> None:
-        """check_disjoint, and the arrays' alignment, for a call with out= whose
-        ``addresses`` (its plan's id, then its arrays' pointers) were not found good before.
-        Remembered plans (device arrays) remember them too: callers that reuse their arrays, as
-        graphs and static buffers do, then pay one tuple lookup a call instead of the full check
-        (~4 us). The plan's id stands for its sizes: a remembered plan lives until the plans are
-        cleared, and these with it (_remember)."""
+    def _check_disjoint(self, where: str, plan: _Plan, addresses: tuple, names: tuple, views: list,
+                        results_given: bool) -> None:
+        """check_disjoint, and the arrays' alignment, for a call whose ``addresses`` (its plan's id,
+        then its arrays' pointers) were not found good before; ``results_given``: the call has out=
+        (its first view is out recv_x / combined_x). Remembered plans (device arrays) remember them
+        too: callers that reuse their arrays, as graphs, static buffers and a caching allocator's
+        inputs do, then pay one tuple lookup a call instead of the full check (~1-4 us). The plan's
+        id stands for its sizes: a remembered plan lives until the plans are cleared, and these with
+        it (_remember)."""
         check_disjoint(where, names[0], views, plan.span_nbytes, names[1])
-        check_vector_aligned(where, names[0][0], views[0], plan.span_nbytes[0])  # out recv_x / combined_x
+        if results_given:
+            check_vector_aligned(where, names[0][0], views[0], plan.span_nbytes[0])
         check_element_aligned(where, names[0], views, plan.span_nbytes)
         if views[0].device_type == "cuda":
             if len(self._disjoint_addresses) >= _MAX_DISJOINT_ADDRESSES:  # out= arrays that keep changing

@@ -1104,3 +1104,50 @@ def test_the_per_thread_default_stream_is_each_threads_own():
     thread.join()
     assert other == [None]
     assert rank1.claim_stream(0, 2, "call 0") == 0, "one thread driving both ranks shares its per-thread stream"
+
+
+def test_allocating_calls_check_their_inputs_addresses_once_and_refuse_an_overlap_a_plan_already_has(setup,
+                                                                                                     monkeypatch):
+    """A dispatch or combine that allocates its results remembers the addresses of inputs it found
+    disjoint and aligned, as one with out= does: the same arrays again cost one lookup. An
+    active_ranks inside x, with the layouts of a remembered plan, is still refused (the kernels write
+    the mask while they read x), and nothing is launched."""
+    torch = pytest.importorskip("torch")
+    from mooncake_ep import tensor as tensor_module
+
+    class ReportsCuda(torch.Tensor):  # host memory that reads as cuda:0 (nothing dereferences it here)
+        __torch_function__ = torch._C._disabled_torch_function_impl
+        is_cuda = property(lambda self: True)
+
+        def get_device(self) -> int:
+            return 0
+
+    def on_device(array: torch.Tensor) -> torch.Tensor:
+        return array.as_subclass(ReportsCuda)
+
+    buf, cuda, _, _ = setup
+    tensor_module._torch()
+    monkeypatch.setattr(tensor_module, "_torch_stream", [lambda device_id: 0])
+    torch_framework = frameworks.get("torch")
+    monkeypatch.setattr(torch_framework, "current_stream", lambda device_id: 0)
+    real_empty = torch_framework.empty
+    monkeypatch.setattr(torch_framework, "empty",
+                        lambda shape, dtype, device_type, device_id: on_device(real_empty(shape, dtype, "cpu", 0)))
+    x = on_device(torch.randn(3, H).to(torch.bfloat16))
+    topk = on_device(torch.tensor([[0, 5], [7, -1], [2, 3]]))
+    active = on_device(torch.ones(R, dtype=torch.int32))
+    checks = []
+    real_check = ep.Buffer._check_disjoint
+    monkeypatch.setattr(ep.Buffer, "_check_disjoint", lambda self, where, *args: (checks.append(where),
+                                                                                   real_check(self, where, *args)))
+    kwargs = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+    expert_out, weights = on_device(torch.zeros(E // R, R * T, H, dtype=torch.bfloat16)), on_device(torch.ones(3, K))
+    for _ in range(2):
+        _, _, handle, _, _ = buf.dispatch(x, topk, active, **kwargs)
+        buf.combine(expert_out, topk, weights, active, handle=handle)
+    assert checks == ["dispatch", "combine"], "the second calls' addresses were found good before"
+    launched = len(cuda.launches)
+    inside_x = on_device(x.view(torch.int32)[0, :R])  # the layouts of the remembered plan
+    with pytest.raises(ValueError, match=r"^dispatch: active_ranks shares memory with x"):
+        buf.dispatch(x, topk, inside_x, **kwargs)
+    assert len(cuda.launches) == launched
