@@ -117,7 +117,9 @@ def _check_data(where: str, data: Any) -> bytes:
 # 5: rank 0 publishes its init hello under {namespace}init/world_size, which every other rank reads first.
 # 6: the TCP store's rendezvous slots are claims, settled by the round or withdrawn by a failed wait, and
 #    stay as the record of who joined (a wait's flag that withdraws the waiter's claims).
-_PROTOCOL_VERSION = 6
+# 7: on stores without claims (torch's, JAX's) a renewal round is decided by a counter per attempt
+#    (e{epoch}/a{attempt}/count), which a rank giving up poisons.
+_PROTOCOL_VERSION = 7
 # The key a store with claims sets, in the same step, beside a claimed key that a failed wait withdrew:
 # a rank that came to a round and left is told from one that never came.
 WITHDRAWN_SUFFIX = ":withdrawn"
@@ -146,6 +148,11 @@ def _slot_data(value: bytes) -> bytes:
 _JOIN = struct.Struct("!IIB")
 # How long a replacement looks at a renew_membership round to tell whether it already completed.
 _PROBE_S = 0.05
+# Added to a counted renewal round's count by a rank that gives up (_counted_round): far above any
+# world_size, so the count never reads complete again.
+_ROUND_POISON = 1 << 40
+# The first and the longest pause between reads of a counted round's count, seconds (doubling).
+_ROUND_POLL_S = (0.0005, 0.02)
 # A rank 0 whose store closes when it raises, having found ranks started with another world_size,
 # keeps the store up for them at most this long (and within its timeout_s), twice: for the ranks
 # beyond its own world_size that a larger one says exist, which may still be starting, to come and
@@ -206,7 +213,9 @@ class _KeyValueGroup:
     rendezvous stays (:meth:`_first_slot_key`).
 
     Membership epochs: :meth:`renew_membership` is a round in which every rank publishes
-    ``{namespace}e{epoch}/join/{rank}`` for the next epoch and waits for all of them; the round
+    ``{namespace}e{epoch}/join/{rank}`` for the next epoch and waits for all of them (on a store
+    without claims, ``{namespace}e{epoch}/a{attempt}/join/{rank}``, the round decided by a counter:
+    :meth:`_counted_round`), and which completes for every rank or for none; the round
     then starts that epoch, whose collectives use ``{namespace}e{epoch}/c/{seq}/{rank}`` from
     ``seq = 0``. Epoch 0 is the one the rendezvous starts (its keys carry no ``e0/``). A process
     that takes over the rank of a dead one (``TCPGroup(..., rejoin=True)``) joins the next round
@@ -247,6 +256,7 @@ class _KeyValueGroup:
         self._lock = threading.Lock()
         self._epoch = 0
         self._is_replacement = False  # until the first renew_membership of a rejoining process
+        self._round_join_key: str | None = None  # this rank's join of its last renewal round
         self._seq = 0
         self._num_calls: Counter[str] = Counter()
         self._broken: str | None = None
@@ -432,30 +442,26 @@ class _KeyValueGroup:
                     # Held while this process lives where the store can (a retry finds its own: refused,
                     # and kept): the peers' errors tell a rank that gave up from one whose process died.
                     self._kv_set_while_connected(came[self.rank], b"")
-                # Every rank's join, a survivor's too, is held while this process lives (the TCP store's
-                # claims): one that dies joins nobody, and one whose wait fails takes it with it in the
-                # same step. (A survivor's join left by a failed wait let a late peer complete the round
-                # alone: the two split epochs, and a later renewal paired one's round with the other's
-                # leftover slots.)
-                if not self._kv_set_while_connected(keys[self.rank], mine):
+                # A round completes for every rank or for none. (A survivor's join left by a failed wait
+                # let a late peer complete the round alone: the two split epochs, and a later renewal
+                # paired one's round with the other's leftover slots.)
+                join_key = keys[self.rank]
+                if not self._takes_replacements:
+                    values, join_key = self._counted_round(epoch, mine, wait_s)
+                # On the TCP store every rank's join, a survivor's too, is held while this process lives
+                # (its claims): one that dies joins nobody, and one whose wait fails takes it with it in
+                # the same step.
+                elif not self._kv_set_while_connected(keys[self.rank], mine):
                     if self._is_replacement:
                         raise GroupError(f"init_group(rejoin=True): another process joins the running ranks as "
                                          f"rank {self.rank} ({self._where()}): only one replacement per rank")
                     raise GroupError(f"{label} (epoch {epoch}): rank {self.rank}'s join of this round is held by "
                                      f"another process ({self._where()})")
-                # Settled once complete: a rank that exits or dies after the round must still count as
-                # joined for a peer whose wait is on its way (else the ranks split epochs).
-                values = self._kv_multi_get(keys, wait_s, settle=True)
+                else:
+                    # Settled once complete: a rank that exits or dies after the round must still count as
+                    # joined for a peer whose wait is on its way (else the ranks split epochs).
+                    values = self._kv_multi_get(keys, wait_s, settle=True)
             except _StoreWaitError as exc:
-                if not self._takes_replacements:
-                    # A store without claims kept the join: take it back, so that a peer that comes later
-                    # does not complete the round without this rank. (One that read it before still does:
-                    # JAX's reads of the keys one at a time span the whole wait, and torch's TCPStore counts
-                    # a key once set. Only a store with claims makes the wait and the take-back one step.)
-                    try:
-                        self._kv_delete(keys[self.rank])
-                    except GroupError:
-                        pass
                 missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
                 # Survivors that came to this round and gave up first (their joins withdrawn) are not
                 # what the round waits for: the ranks that never came are named, those after them.
@@ -489,10 +495,77 @@ class _KeyValueGroup:
             self._kv_set(f"{self._namespace}epoch", str(epoch).encode())
             if old_key is not None:
                 self._delete_spent_slot(old_key)  # the last key of the old epoch: every peer has left it
-            if epoch > 1:  # every rank has finished the round before this one: nobody reads its keys
-                self._kv_delete(f"{self._namespace}e{epoch - 1}/join/{self.rank}")
+            if self._round_join_key is not None:  # every rank has finished the round before this one:
+                self._kv_delete(self._round_join_key)  # nobody reads its keys
+            self._round_join_key = join_key
+            if epoch > 1:
                 self._kv_delete(f"{self._namespace}e{epoch - 1}/came/{self.rank}")
             return [r for r, (_, _, replaced) in enumerate(joins) if replaced]
+
+    def _counted_round(self, epoch: int, mine: bytes, wait_s: float) -> tuple[list[bytes], str]:
+        """The renewal round to ``epoch`` on a store without claims (torch's, JAX's): every rank's join
+        (``mine`` is this rank's), once all have come, decided by one counter, and this rank's join key.
+
+        Such a store cannot take a join back in the same step as a failed wait, so a late peer could
+        read a rank's join after that rank gave up, complete the round alone, and split the epochs.
+        Here each rank of an attempt sets its join, then adds 1 to the attempt's count, and the round
+        is complete when the count reads world_size. A rank whose wait runs out adds
+        :data:`_ROUND_POISON` instead: the count never reads world_size again, and a rank that finds it
+        so moves on to the next attempt, which the first rank to poison opens. An add returns the count,
+        so giving up and completing exclude each other: a rank whose poisoning add finds that the count
+        had reached world_size completes with the others. A rank retrying after a failed renewal joins
+        whichever attempt is open, so every retry meets its peers there.
+
+        Raises:
+            StoreTimeoutError: ``wait_s`` ran out first; missing_keys are the joins absent from the
+                attempt this rank gave up (the ranks that had not come to it).
+        """
+        base = f"{self._namespace}e{epoch}/"
+        deadline = time.monotonic() + wait_s
+        attempt = self._kv_add(base + "attempt", 0)
+        while True:
+            keys = [f"{base}a{attempt}/join/{r}" for r in range(self.world_size)]
+            count_key = f"{base}a{attempt}/count"
+            self._kv_set(keys[self.rank], mine)  # before the count: a complete count means every join is set
+            count = self._kv_add(count_key, 1)
+            pause_s = _ROUND_POLL_S[0]
+            while count < self.world_size:  # a poisoned count is larger
+                if time.monotonic() >= deadline:
+                    # Who came, read before the poison: after it, the peers move on and take their joins back.
+                    present = self._present({key: r for r, key in enumerate(keys) if r != self.rank}) or {}
+                    before = self._kv_add(count_key, _ROUND_POISON) - _ROUND_POISON
+                    if before == self.world_size:  # complete just before: this rank is in the round
+                        count = before
+                        break
+                    if before < self.world_size:  # the first to give up this attempt opens the next one
+                        self._kv_add(base + "attempt", 1)
+                    raise self._round_timeout(epoch, attempt, keys, present)
+                time.sleep(pause_s)
+                pause_s = min(2 * pause_s, _ROUND_POLL_S[1])
+                count = self._kv_add(count_key, 0)
+            if count == self.world_size:
+                return self._kv_multi_get(keys, max(deadline - time.monotonic(), _PROBE_S)), keys[self.rank]
+            # A peer gave up this attempt: go on to the next, which it opens once its poisoning add is in.
+            pause_s = _ROUND_POLL_S[0]
+            while (opened := self._kv_add(base + "attempt", 0)) == attempt:
+                if time.monotonic() >= deadline:  # (its process died between its two adds)
+                    raise self._round_timeout(epoch, attempt, keys,
+                                              self._present({key: r for r, key in enumerate(keys)}) or {})
+                time.sleep(pause_s)
+                pause_s = min(2 * pause_s, _ROUND_POLL_S[1])
+            self._kv_delete(keys[self.rank])  # a dead attempt's join: nobody reads it any more
+            attempt = opened
+
+    def _round_timeout(self, epoch: int, attempt: int, keys: list[str], present: dict) -> StoreTimeoutError:
+        """The error of a counted round's attempt given up (its count poisoned): missing_keys are the
+        joins of the other ranks absent from ``present`` (the joins read before). This rank's own join
+        there is deleted: nobody reads it any more."""
+        try:
+            self._kv_delete(keys[self.rank])
+        except GroupError:  # the store is gone: the error below says what failed
+            pass
+        return StoreTimeoutError(f"renewal round {epoch}, attempt {attempt}: timed out",
+                                 [key for r, key in enumerate(keys) if r != self.rank and key not in present])
 
     def _join_as_replacement(self, deadline: float) -> None:
         """Take this rank over from a dead process: join the survivors' next renew_membership, waiting

@@ -3,11 +3,13 @@
 A survivor whose renewal timed out had left its join key, so a late peer completed the round alone:
 the two ranks split epochs, and a later renewal paired one rank's round with the other's leftover
 slot (an allgather_bytes then returned a peer's payload from a failed call). Survivors' joins are now
-claims, held while the process lives and taken back with a failed wait (helper-94). That is all or
-none on the TCP store, whose server decides a wait and its claims in one step; a store without
-claims deletes a failed rank's join, which only narrows the race (docs: the closing note).
+claims, held while the process lives and taken back with a failed wait (helper-94): all or none on
+the TCP store, whose server decides a wait and its claims in one step. On a store without claims
+(torch's, JAX's) the round is decided by one counter per attempt, which a rank giving up poisons.
 """
 from __future__ import annotations
+
+import threading
 
 import pytest
 
@@ -99,3 +101,60 @@ def test_renew_membership_over_jax():
     assert run([g.renew_membership for g in groups]) == [[], []]
     assert run([lambda g=g: g.allgather_bytes(bytes([g.rank, g.membership_epoch])) for g in groups]) == \
         [[b"\0\1", b"\1\1"]] * 2
+
+
+@pytest.mark.parametrize("kind", ["jax", "torch"])
+def test_a_peer_that_read_a_join_before_it_was_given_up_does_not_complete_the_round(kind):
+    """Three ranks over a store without claims. Rank 0 gives up a renewal that rank 1 waits in; rank 2
+    comes after. JAX's reads of the joins one at a time had let rank 1, which read rank 0's join before
+    rank 0 gave up, complete the round with rank 2's (epochs 0, 1, 0: helper-95's split). The round is
+    now decided by one counter that rank 0 poisoned: ranks 1 and 2 meet in the next attempt and, rank
+    0 not coming, time out as well; a retry of all three then meets, one epoch on."""
+    if kind == "jax":
+        shared = FakeJaxClient.make_shared()
+        groups = run([lambda r=r: JaxGroup(FakeJaxClient(shared), rank=r, world_size=3, timeout_s=LONG_S)
+                      for r in range(3)])
+    else:
+        dist = pytest.importorskip("torch.distributed")
+        store = dist.HashStore()
+        groups = run([lambda r=r: TorchStoreGroup(store, r, 3, timeout_s=LONG_S) for r in range(3)])
+    groups[0].timeout_s, groups[1].timeout_s, groups[2].timeout_s = SHORT_S, 6 * SHORT_S, SHORT_S
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(_threads.call_or_error(groups[1].renew_membership)))
+    thread.start()
+    with pytest.raises(GroupError, match=r"renew_membership #0 \(epoch 1\) timed out .* waiting for ranks \[2\] of 3"):
+        groups[0].renew_membership()
+    with pytest.raises(GroupError, match=r"renew_membership #0 \(epoch 1\) timed out .* waiting for ranks \[0\] of 3 "
+                                         r".*; ranks \[0\] came and gave up first"):
+        groups[2].renew_membership()
+    thread.join(60.0)
+    assert len(outcome) == 1 and isinstance(outcome[0], GroupError), outcome
+    assert [g.membership_epoch for g in groups] == [0, 0, 0]
+    for group in groups:
+        group.timeout_s = LONG_S
+    assert run([g.renew_membership for g in groups]) == [[], [], []]
+    assert run([lambda g=g: g.allgather_bytes(bytes([g.rank, g.membership_epoch])) for g in groups]) == \
+        [[b"\0\1", b"\1\1", b"\2\1"]] * 3
+
+
+def test_a_rank_whose_give_up_finds_the_round_complete_completes_with_it():
+    """Giving up and completing exclude each other: rank 1 completes the round (its add makes the count 2)
+    while rank 0, its wait run out, reads who came; rank 0's poisoning add then finds the count complete,
+    and rank 0 completes too, instead of raising while rank 1 moved on (store without claims)."""
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore()
+    groups = run([lambda r=r: TorchStoreGroup(store, r, 2, timeout_s=LONG_S) for r in range(2)])
+    real_present = groups[0]._present
+    completed = []
+
+    def peer_completes_meanwhile(ranks_by_key):
+        completed.append(run([groups[1].renew_membership]))
+        return real_present(ranks_by_key)
+
+    groups[0]._present = peer_completes_meanwhile
+    groups[0].timeout_s = 0.05
+    assert groups[0].renew_membership() == []
+    assert completed == [[[]]]
+    assert [g.membership_epoch for g in groups] == [1, 1]
+    del groups[0]._present
+    assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1"]] * 2
