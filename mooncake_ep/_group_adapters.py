@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -331,8 +330,6 @@ class TorchStoreGroup(_KeyValueGroup):
 
 # torchrun sets this to "True" in its workers when its agent serves the job's store at MASTER_ADDR:MASTER_PORT.
 TORCHRUN_AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
-# torchrun's count of the workers' restarts (elastic attempts), 0 at first.
-TORCHRUN_RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
 
 
 def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
@@ -341,8 +338,7 @@ def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_po
 
     Under torchrun that port is taken by the agent's TCPStore, so our own store cannot listen there;
     every worker connects to the agent's store as a client instead, as ``init_process_group("env://")``
-    does, and under the same per-attempt prefix (``/worker/attempt_{TORCHELASTIC_RESTART_COUNT}``): the
-    agent's store outlives a restart of the workers, and each attempt meets in keys of its own.
+    does.
 
     Raises:
         GroupError: torch is missing, or the agent's store is unreachable within ``timeout_s``.
@@ -362,12 +358,6 @@ def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_po
             seconds=max(deadline - time.monotonic(), _MIN_TORCH_TIMEOUT_S)))
     except RuntimeError as exc:
         raise GroupError(f"{where}: {exc}") from exc
-    attempt = os.environ.get(TORCHRUN_RESTART_COUNT_VAR)
-    if attempt is not None:
-        # As torch's own env:// rendezvous does: the agent's store outlives a restart of the workers, and
-        # an earlier attempt's keys (a group number taken by a rank whose peers never came) must not
-        # meet this attempt's, where they would put the ranks in different namespaces.
-        store = dist.PrefixStore(f"/worker/attempt_{attempt}", store)
     # One timeout_s for the connection and the rendezvous together, as TCPGroup's; the collectives
     # after it get all of it.
     rendezvous_s = (timeout_s if timeout_s >= _FOREVER_FROM_S

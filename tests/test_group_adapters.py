@@ -47,8 +47,7 @@ PROCESS_LIMIT_S = 90.0
 SHORT_TIMEOUT_S = 1.0
 # Timeout of the calls that are expected to succeed.
 LONG_TIMEOUT_S = 30.0
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE",
-               "TORCHELASTIC_RESTART_COUNT")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")
 
 
 def payload(rank: int, round_idx: int) -> bytes:
@@ -240,29 +239,6 @@ def test_torchrun_store_group_spends_one_timeout_on_the_connection_and_the_rende
                                                                               timeout_s=LONG_TIMEOUT_S)
                              for r in range(2)])
     assert [g.timeout_s for g in groups] == [LONG_TIMEOUT_S] * 2, groups
-    del agent
-
-
-def test_a_restarted_torchrun_attempt_meets_in_keys_of_its_own(clean_env):
-    """torchrun's agent store outlives a restart of its workers. In attempt 0 rank 1 built a group
-    alone (rank 0 died first) and took a group number there; after the restart both ranks build
-    theirs and meet, in the attempt's own keys, as torch's env:// rendezvous keeps its own (they had
-    met in different namespaces, rank 1 a number ahead, and timed out)."""
-    dist = pytest.importorskip("torch.distributed")
-    from mooncake_ep import _group_adapters
-
-    port = free_port()
-    agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    clean_env.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    with pytest.raises(GroupError, match=r"timed out .* waiting for ranks \[0\] of 2"):
-        _group_adapters.torchrun_store_group(1, 2, "127.0.0.1", port, timeout_s=SHORT_TIMEOUT_S)
-    clean_env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    groups = run_in_threads([lambda r=r: _group_adapters.torchrun_store_group(r, 2, "127.0.0.1", port,
-                                                                              timeout_s=LONG_TIMEOUT_S)
-                             for r in range(2)])
-    assert run_in_threads([lambda g=g: g.allgather_bytes(payload(g.rank, 1)) for g in groups]) == \
-        [[payload(0, 1), payload(1, 1)]] * 2
-    assert agent.check(["/worker/attempt_1/" + _group_adapters.DEFAULT_PREFIX + "/groups/0"]), "the attempt's keys"
     del agent
 
 
