@@ -55,6 +55,8 @@ _MIN_WAIT_MS = 1
 _MIN_TORCH_TIMEOUT_S = 1.0
 # The status text jax's coordination service gives a blocking get that ran out of time.
 _JAX_DEADLINE = "DEADLINE_EXCEEDED"
+# How long a key another rank created (the set was refused: ALREADY_EXISTS) may take to read back, seconds.
+_CREATED_READ_S = 10.0
 # The text of what torch's FileStore raises for a wait that ran out of time: a bare RuntimeError, where
 # torch's other stores raise DistStoreError.
 _TORCH_FILESTORE_TIMEOUT = "Wait timeout"
@@ -302,6 +304,10 @@ class TorchStoreGroup(_KeyValueGroup):
     def _kv_add(self, key: str, amount: int) -> int:
         return int(self._call("add", self.store.add, key, amount))
 
+    def _kv_create(self, key: str, value: bytes) -> bytes:
+        # compare_set with an empty expected value sets a missing key and answers what the key holds.
+        return bytes(self._call("compare_set", self.store.compare_set, key, "", value))
+
     def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
                       settle: bool = False) -> list[bytes]:  # no claims here: every key stays
         keys = list(keys)
@@ -528,6 +534,16 @@ class JaxGroup(_KeyValueGroup):
 
     def _kv_add(self, key: str, amount: int) -> int:
         return int(self._call("increment", self.client.key_value_increment, key, amount))
+
+    def _kv_create(self, key: str, value: bytes) -> bytes:
+        try:
+            self.client.key_value_set_bytes(key, value)  # refused where the key exists (ALREADY_EXISTS)
+            return value
+        except Exception as exc:  # noqa: BLE001 - see _call
+            if "ALREADY_EXISTS" not in str(exc):
+                raise GroupError(f"jax.distributed key-value set of {key!r} failed: {type(exc).__name__}: "
+                                 f"{exc}") from exc
+        return self._kv_multi_get([key], _CREATED_READ_S)[0]
 
     def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
                       settle: bool = False) -> list[bytes]:  # no claims here: every key stays

@@ -117,8 +117,8 @@ def _check_data(where: str, data: Any) -> bytes:
 # 5: rank 0 publishes its init hello under {namespace}init/world_size, which every other rank reads first.
 # 6: the TCP store's rendezvous slots are claims, settled by the round or withdrawn by a failed wait, and
 #    stay as the record of who joined (a wait's flag that withdraws the waiter's claims).
-# 7: on stores without claims (torch's, JAX's) a renewal round is decided by a counter per attempt
-#    (e{epoch}/a{attempt}/count), which a rank giving up poisons.
+# 7: on stores without claims (torch's, JAX's) each attempt of a renewal round is decided once, by the first
+#    rank to create e{epoch}/a{attempt}/decision: complete (the count of joins reached world_size) or failed.
 _PROTOCOL_VERSION = 7
 # The key a store with claims sets, in the same step, beside a claimed key that a failed wait withdrew:
 # a rank that came to a round and left is told from one that never came.
@@ -148,11 +148,10 @@ def _slot_data(value: bytes) -> bytes:
 _JOIN = struct.Struct("!IIB")
 # How long a replacement looks at a renew_membership round to tell whether it already completed.
 _PROBE_S = 0.05
-# Added to a counted renewal round's count by a rank that gives up (_counted_round): far above any
-# world_size, so the count never reads complete again.
-_ROUND_POISON = 1 << 40
-# The first and the longest pause between reads of a counted round's count, seconds (doubling).
-_ROUND_POLL_S = (0.0005, 0.02)
+# The two decisions of an attempt of a counted renewal round (_counted_round), and how long one wait
+# for the decision lasts before the rank looks at its deadline again, seconds.
+_ROUND_COMPLETE, _ROUND_FAILED = b"complete", b"failed"
+_ROUND_WAIT_SLICE_S = 0.25
 # A rank 0 whose store closes when it raises, having found ranks started with another world_size,
 # keeps the store up for them at most this long (and within its timeout_s), twice: for the ranks
 # beyond its own world_size that a larger one says exist, which may still be starting, to come and
@@ -257,6 +256,8 @@ class _KeyValueGroup:
         self._epoch = 0
         self._is_replacement = False  # until the first renew_membership of a rejoining process
         self._round_join_key: str | None = None  # this rank's join of its last renewal round
+        # (epoch, attempt, counted there) of this rank's counted renewal round (_counted_round)
+        self._round_attempt: tuple[int, int, bool] = (0, 0, False)
         self._seq = 0
         self._num_calls: Counter[str] = Counter()
         self._broken: str | None = None
@@ -289,6 +290,11 @@ class _KeyValueGroup:
         round that completes for every rank or for none: once all keys are there, those set by
         :meth:`_kv_set_while_connected` stay from then on, and if the wait fails, this process's
         own such keys among them are removed in the same step (where the store has claims)."""
+        raise NotImplementedError
+
+    def _kv_create(self, key: str, value: bytes) -> bytes:
+        """Set ``key`` to ``value`` unless it is set: the value the key holds then, the first creator's
+        (a store without claims decides a renewal round's attempt with it)."""
         raise NotImplementedError
 
     def _kv_set_while_connected(self, key: str, value: bytes) -> bool:
@@ -504,68 +510,61 @@ class _KeyValueGroup:
 
     def _counted_round(self, epoch: int, mine: bytes, wait_s: float) -> tuple[list[bytes], str]:
         """The renewal round to ``epoch`` on a store without claims (torch's, JAX's): every rank's join
-        (``mine`` is this rank's), once all have come, decided by one counter, and this rank's join key.
+        (``mine`` is this rank's), once all have come, and this rank's join key.
 
         Such a store cannot take a join back in the same step as a failed wait, so a late peer could
         read a rank's join after that rank gave up, complete the round alone, and split the epochs.
-        Here each rank of an attempt sets its join, then adds 1 to the attempt's count, and the round
-        is complete when the count reads world_size. A rank whose wait runs out adds
-        :data:`_ROUND_POISON` instead: the count never reads world_size again, and a rank that finds it
-        so moves on to the next attempt, which the first rank to poison opens. An add returns the count,
-        so giving up and completing exclude each other: a rank whose poisoning add finds that the count
-        had reached world_size completes with the others. A rank retrying after a failed renewal joins
-        whichever attempt is open, so every retry meets its peers there.
+        Here each attempt of the round is decided once, by the first rank to create its decision key
+        (create-if-absent: the store keeps the first value, and every later creator reads it):
+        ``complete`` by the rank whose add to the attempt's count makes it world_size (each rank sets
+        its join, then adds 1), ``failed`` by a rank whose wait ran out. Every rank obeys that one
+        decision. The ranks of a failed attempt go on to the next, and so does a rank that gave up,
+        when it retries. A rank adds to an attempt's count once, however often it retries there
+        (``_round_attempt``), so the count reads world_size only once every rank has come.
 
         Raises:
-            StoreTimeoutError: ``wait_s`` ran out first; missing_keys are the joins absent from the
-                attempt this rank gave up (the ranks that had not come to it).
+            StoreTimeoutError: ``wait_s`` ran out, and this rank decided the attempt failed;
+                missing_keys are the joins absent from it (the ranks that had not come).
         """
         base = f"{self._namespace}e{epoch}/"
         deadline = time.monotonic() + wait_s
-        attempt = self._kv_add(base + "attempt", 0)
+        attempt = self._round_attempt[1] if self._round_attempt[0] == epoch else 0
         while True:
-            keys = [f"{base}a{attempt}/join/{r}" for r in range(self.world_size)]
-            count_key = f"{base}a{attempt}/count"
-            self._kv_set(keys[self.rank], mine)  # before the count: a complete count means every join is set
-            count = self._kv_add(count_key, 1)
-            pause_s = _ROUND_POLL_S[0]
-            while count < self.world_size:  # a poisoned count is larger
-                if time.monotonic() >= deadline:
-                    # Who came, read before the poison: after it, the peers move on and take their joins back.
+            prefix = f"{base}a{attempt}/"
+            keys = [f"{prefix}join/{r}" for r in range(self.world_size)]
+            decision = None
+            if self._round_attempt != (epoch, attempt, True):
+                self._kv_set(keys[self.rank], mine)  # before the count: a complete count means every join is set
+                # Counted before the add: an add whose reply was lost may have counted (a retry only waits).
+                self._round_attempt = (epoch, attempt, True)
+                if self._kv_add(prefix + "count", 1) == self.world_size:
+                    decision = self._kv_create(prefix + "decision", _ROUND_COMPLETE)
+            while decision is None:
+                left_s = deadline - time.monotonic()
+                try:
+                    decision = self._kv_multi_get([prefix + "decision"], min(max(left_s, 0.0), _ROUND_WAIT_SLICE_S))[0]
+                except _StoreWaitError:
+                    if left_s > _ROUND_WAIT_SLICE_S:
+                        continue
+                    # Who came, read before the decision: after it, the peers move on and take their joins back.
                     present = self._present({key: r for r, key in enumerate(keys) if r != self.rank}) or {}
-                    before = self._kv_add(count_key, _ROUND_POISON) - _ROUND_POISON
-                    if before == self.world_size:  # complete just before: this rank is in the round
-                        count = before
-                        break
-                    if before < self.world_size:  # the first to give up this attempt opens the next one
-                        self._kv_add(base + "attempt", 1)
-                    raise self._round_timeout(epoch, attempt, keys, present)
-                time.sleep(pause_s)
-                pause_s = min(2 * pause_s, _ROUND_POLL_S[1])
-                count = self._kv_add(count_key, 0)
-            if count == self.world_size:
+                    decision = self._kv_create(prefix + "decision", _ROUND_FAILED)
+                    if decision == _ROUND_FAILED:
+                        self._delete_dead_join(keys[self.rank])
+                        raise StoreTimeoutError(
+                            f"renewal round {epoch}, attempt {attempt}: timed out",
+                            [key for r, key in enumerate(keys) if r != self.rank and key not in present]) from None
+            if decision == _ROUND_COMPLETE:
                 return self._kv_multi_get(keys, max(deadline - time.monotonic(), _PROBE_S)), keys[self.rank]
-            # A peer gave up this attempt: go on to the next, which it opens once its poisoning add is in.
-            pause_s = _ROUND_POLL_S[0]
-            while (opened := self._kv_add(base + "attempt", 0)) == attempt:
-                if time.monotonic() >= deadline:  # (its process died between its two adds)
-                    raise self._round_timeout(epoch, attempt, keys,
-                                              self._present({key: r for r, key in enumerate(keys)}) or {})
-                time.sleep(pause_s)
-                pause_s = min(2 * pause_s, _ROUND_POLL_S[1])
-            self._kv_delete(keys[self.rank])  # a dead attempt's join: nobody reads it any more
-            attempt = opened
+            self._delete_dead_join(keys[self.rank])  # a peer decided this attempt failed: on to the next
+            attempt += 1
 
-    def _round_timeout(self, epoch: int, attempt: int, keys: list[str], present: dict) -> StoreTimeoutError:
-        """The error of a counted round's attempt given up (its count poisoned): missing_keys are the
-        joins of the other ranks absent from ``present`` (the joins read before). This rank's own join
-        there is deleted: nobody reads it any more."""
+    def _delete_dead_join(self, key: str) -> None:
+        """This rank's join of a failed attempt: nobody reads it any more (a store that is gone keeps it)."""
         try:
-            self._kv_delete(keys[self.rank])
-        except GroupError:  # the store is gone: the error below says what failed
+            self._kv_delete(key)
+        except GroupError:
             pass
-        return StoreTimeoutError(f"renewal round {epoch}, attempt {attempt}: timed out",
-                                 [key for r, key in enumerate(keys) if r != self.rank and key not in present])
 
     def _join_as_replacement(self, deadline: float) -> None:
         """Take this rank over from a dead process: join the survivors' next renew_membership, waiting

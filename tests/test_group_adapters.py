@@ -557,6 +557,8 @@ class FakeJaxClient:
     def key_value_increment(self, key: str, increment: int) -> int:
         with self.shared["cond"]:
             value = int(self.shared["data"].get(key, b"0")) + increment
+            if not -2**31 <= value < 2**31:  # the coordination service parses its counters as int32
+                raise RuntimeError(f'FAILED_PRECONDITION: Failed to parse value "{value}" as an integer.')
             self.shared["data"][key] = str(value).encode()
             return value
 

@@ -5,7 +5,8 @@ the two ranks split epochs, and a later renewal paired one rank's round with the
 slot (an allgather_bytes then returned a peer's payload from a failed call). Survivors' joins are now
 claims, held while the process lives and taken back with a failed wait (helper-94): all or none on
 the TCP store, whose server decides a wait and its claims in one step. On a store without claims
-(torch's, JAX's) the round is decided by one counter per attempt, which a rank giving up poisons.
+(torch's, JAX's) each attempt of the round is decided once, by the first rank to create its decision
+key: complete (every rank counted in) or failed (a rank's wait ran out).
 """
 from __future__ import annotations
 
@@ -158,3 +159,60 @@ def test_a_rank_whose_give_up_finds_the_round_complete_completes_with_it():
     assert [g.membership_epoch for g in groups] == [1, 1]
     del groups[0]._present
     assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1"]] * 2
+
+
+def test_a_round_that_completes_as_one_rank_gives_up_completes_for_every_rank():
+    """Three ranks: rank 1 waits; rank 0's wait runs out, and while it reads who came rank 2 arrives and
+    completes the round. Rank 0's 'failed' then finds 'complete' decided, and rank 1 reads the same
+    decision. (With a poisoned counter, rank 1 had read the count past world_size as a failure while
+    ranks 0 and 2 completed: epochs 1, 0, 1, for good: helper-99.)"""
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore()
+    groups = run([lambda r=r: TorchStoreGroup(store, r, 3, timeout_s=LONG_S) for r in range(3)])
+    outcome = []
+    waiting = threading.Thread(target=lambda: outcome.append(_threads.call_or_error(groups[1].renew_membership)))
+    waiting.start()
+    real_present = groups[0]._present
+    arrived = []
+
+    def last_rank_arrives_meanwhile(ranks_by_key):
+        arrived.append(run([groups[2].renew_membership]))
+        return real_present(ranks_by_key)
+
+    groups[0]._present = last_rank_arrives_meanwhile
+    groups[0].timeout_s = 0.05
+    assert groups[0].renew_membership() == []
+    waiting.join(60.0)
+    assert arrived == [[[]]] and outcome == [[]], (arrived, outcome)
+    assert [g.membership_epoch for g in groups] == [1, 1, 1]
+    del groups[0]._present
+    assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1", b"\2"]] * 3
+
+
+def test_a_rank_retrying_after_a_store_error_does_not_count_twice():
+    """Rank 0's first wait for the decision fails (a store error, not a timeout) after it counted; its
+    retry waits in the same attempt without counting again, so the round completes when rank 1 comes, not
+    before (a second count had made it 2 without rank 1, and rank 1's then 3: helper-99)."""
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore()
+    groups = run([lambda r=r: TorchStoreGroup(store, r, 2, timeout_s=LONG_S) for r in range(2)])
+    real_get = groups[0]._kv_multi_get
+    failures = []
+
+    def fails_once(keys, timeout_s, *args, **kwargs):
+        if not failures and keys[0].endswith("/decision"):
+            failures.append(keys[0])
+            raise GroupError("torch store wait failed: DistNetworkError: (a transient error)")
+        return real_get(keys, timeout_s, *args, **kwargs)
+
+    groups[0]._kv_multi_get = fails_once
+    with pytest.raises(GroupError, match="a transient error"):
+        groups[0].renew_membership()
+    groups[0].timeout_s = SHORT_S
+    with pytest.raises(GroupError, match=r"renew_membership #1 \(epoch 1\) timed out .* waiting for ranks \[1\] of 2"):
+        groups[0].renew_membership()  # alone: counted once, so the round does not complete without rank 1
+    attempt = groups[0]._namespace + "e1/a0/"
+    assert (store.get(attempt + "count"), store.get(attempt + "decision")) == (b"1", b"failed")
+    groups[0].timeout_s = LONG_S
+    assert run([g.renew_membership for g in groups]) == [[], []]
+    assert [g.membership_epoch for g in groups] == [1, 1]
