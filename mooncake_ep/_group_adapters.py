@@ -312,7 +312,8 @@ class TorchStoreGroup(_KeyValueGroup):
                       settle: bool = False) -> list[bytes]:  # no claims here: every key stays
         keys = list(keys)
         try:
-            self.store.wait(keys, datetime.timedelta(seconds=_finite_s(timeout_s)))
+            # At least 1 ms: torch's stores take a wait of 0 as one without a limit.
+            self.store.wait(keys, datetime.timedelta(seconds=max(_finite_s(timeout_s), 0.001)))
         except RuntimeError as exc:
             # A timeout names no keys, and FileStore's is not even a DistStoreError: the keys found
             # missing here are what the collective's error names the ranks from.
@@ -543,7 +544,10 @@ class JaxGroup(_KeyValueGroup):
             if "ALREADY_EXISTS" not in str(exc):
                 raise GroupError(f"jax.distributed key-value set of {key!r} failed: {type(exc).__name__}: "
                                  f"{exc}") from exc
-        return self._kv_multi_get([key], _CREATED_READ_S)[0]
+        try:
+            return self._kv_multi_get([key], _CREATED_READ_S)[0]
+        except StoreTimeoutError as exc:  # set, yet unreadable: the service is failing
+            raise GroupError(f"jax.distributed key-value get of {key!r}, which exists, failed: {exc}") from None
 
     def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
                       settle: bool = False) -> list[bytes]:  # no claims here: every key stays

@@ -149,9 +149,10 @@ _JOIN = struct.Struct("!IIB")
 # How long a replacement looks at a renew_membership round to tell whether it already completed.
 _PROBE_S = 0.05
 # The two decisions of an attempt of a counted renewal round (_counted_round), and how long one wait
-# for the decision lasts before the rank looks at its deadline again, seconds.
+# for the decision lasts before the rank looks at its deadline again, seconds (also how late a waiter
+# may see a decision whose creation does not wake waiters: torch's TCPStore without libuv).
 _ROUND_COMPLETE, _ROUND_FAILED = b"complete", b"failed"
-_ROUND_WAIT_SLICE_S = 0.25
+_ROUND_WAIT_SLICE_S = 0.05
 # A rank 0 whose store closes when it raises, having found ranks started with another world_size,
 # keeps the store up for them at most this long (and within its timeout_s), twice: for the ranks
 # beyond its own world_size that a larger one says exist, which may still be starting, to come and
@@ -532,32 +533,46 @@ class _KeyValueGroup:
         while True:
             prefix = f"{base}a{attempt}/"
             keys = [f"{prefix}join/{r}" for r in range(self.world_size)]
+            count_key, decision_key = prefix + "count", prefix + "decision"
             decision = None
             if self._round_attempt != (epoch, attempt, True):
                 self._kv_set(keys[self.rank], mine)  # before the count: a complete count means every join is set
                 # Counted before the add: an add whose reply was lost may have counted (a retry only waits).
                 self._round_attempt = (epoch, attempt, True)
-                if self._kv_add(prefix + "count", 1) == self.world_size:
-                    decision = self._kv_create(prefix + "decision", _ROUND_COMPLETE)
+                if self._kv_add(count_key, 1) == self.world_size:
+                    decision = self._kv_create(decision_key, _ROUND_COMPLETE)
+            elif self._kv_add(count_key, 0) == self.world_size:  # a retry: the rank that completed it may have
+                decision = self._kv_create(decision_key, _ROUND_COMPLETE)  # failed before it said so
             while decision is None:
                 left_s = deadline - time.monotonic()
-                try:
-                    decision = self._kv_multi_get([prefix + "decision"], min(max(left_s, 0.0), _ROUND_WAIT_SLICE_S))[0]
-                except _StoreWaitError:
-                    if left_s > _ROUND_WAIT_SLICE_S:
-                        continue
-                    # Who came, read before the decision: after it, the peers move on and take their joins back.
-                    present = self._present({key: r for r, key in enumerate(keys) if r != self.rank}) or {}
-                    decision = self._kv_create(prefix + "decision", _ROUND_FAILED)
-                    if decision == _ROUND_FAILED:
-                        self._delete_dead_join(keys[self.rank])
-                        raise StoreTimeoutError(
-                            f"renewal round {epoch}, attempt {attempt}: timed out",
-                            [key for r, key in enumerate(keys) if r != self.rank and key not in present]) from None
+                if left_s > 0:  # (never a wait of 0: torch's stores take it as forever)
+                    try:
+                        decision = self._kv_multi_get([decision_key], min(left_s, _ROUND_WAIT_SLICE_S))[0]
+                    except _StoreWaitError:
+                        pass
+                    continue
+                # Who came, read before the decision: after it, the peers move on and take their joins back.
+                present = self._present({key: r for r, key in enumerate(keys) if r != self.rank}) or {}
+                decision = self._kv_create(decision_key, _ROUND_FAILED)
+                if decision == _ROUND_FAILED:
+                    raise self._round_timeout(epoch, attempt, keys, present)
             if decision == _ROUND_COMPLETE:
                 return self._kv_multi_get(keys, max(deadline - time.monotonic(), _PROBE_S)), keys[self.rank]
-            self._delete_dead_join(keys[self.rank])  # a peer decided this attempt failed: on to the next
+            # A peer decided this attempt failed: on to the next, unless this rank's own time is up (it would
+            # only fail that one too).
+            if time.monotonic() >= deadline:
+                raise self._round_timeout(epoch, attempt, keys,
+                                          self._present({key: r for r, key in enumerate(keys) if r != self.rank}) or {})
+            self._delete_dead_join(keys[self.rank])
             attempt += 1
+
+    def _round_timeout(self, epoch: int, attempt: int, keys: list[str], present: dict) -> StoreTimeoutError:
+        """The error of a counted round's attempt that failed in this rank's time: missing_keys are the joins
+        of the other ranks absent from ``present`` (read before they could move on). This rank's own join
+        there is deleted."""
+        self._delete_dead_join(keys[self.rank])
+        return StoreTimeoutError(f"renewal round {epoch}, attempt {attempt}: timed out",
+                                 [key for r, key in enumerate(keys) if r != self.rank and key not in present])
 
     def _delete_dead_join(self, key: str) -> None:
         """This rank's join of a failed attempt: nobody reads it any more (a store that is gone keeps it)."""

@@ -11,6 +11,7 @@ key: complete (every rank counted in) or failed (a rank's wait ran out).
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -216,3 +217,23 @@ def test_a_rank_retrying_after_a_store_error_does_not_count_twice():
     groups[0].timeout_s = LONG_S
     assert run([g.renew_membership for g in groups]) == [[], []]
     assert [g.membership_epoch for g in groups] == [1, 1]
+
+
+def test_a_rank_whose_time_ran_out_before_it_waited_decides_at_once():
+    """Rank 0's count takes longer than its whole timeout (a slow store); it then decides the attempt
+    failed at once. Its wait for the decision had been given the time left, 0, which torch's HashStore
+    and FileStore take as no limit: it hung (helper-100)."""
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore()
+    groups = run([lambda r=r: TorchStoreGroup(store, r, 2, timeout_s=LONG_S) for r in range(2)])
+    real_add = groups[0]._kv_add
+
+    def slow_count(key, amount):
+        if key.endswith("/count") and amount == 1:
+            time.sleep(2 * SHORT_S)
+        return real_add(key, amount)
+
+    groups[0]._kv_add = slow_count
+    groups[0].timeout_s = SHORT_S
+    (error,) = run([groups[0].renew_membership])
+    assert isinstance(error, GroupError) and "waiting for ranks [1] of 2" in str(error), error
