@@ -139,55 +139,37 @@ def test_a_peer_that_read_a_join_before_it_was_given_up_does_not_complete_the_ro
         [[b"\0\1", b"\1\1", b"\2\1"]] * 3
 
 
-def test_a_rank_whose_give_up_finds_the_round_complete_completes_with_it():
-    """Giving up and completing exclude each other: rank 1 completes the round (its add makes the count 2)
-    while rank 0, its wait run out, reads who came; rank 0's poisoning add then finds the count complete,
-    and rank 0 completes too, instead of raising while rank 1 moved on (store without claims)."""
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_a_round_that_completes_as_one_rank_gives_up_completes_for_every_rank(num_ranks):
+    """Rank 0's wait runs out, and while it reads who came the last rank arrives and completes the round
+    (its count makes num_ranks); ranks between wait. Rank 0's 'failed' then finds 'complete' decided, and
+    every rank obeys it. (With a poisoned counter, a waiting rank had read the count past world_size as a
+    failure while ranks 0 and 2 completed: epochs 1, 0, 1, for good: helper-99.)"""
     dist = pytest.importorskip("torch.distributed")
     store = dist.HashStore()
-    groups = run([lambda r=r: TorchStoreGroup(store, r, 2, timeout_s=LONG_S) for r in range(2)])
-    real_present = groups[0]._present
-    completed = []
-
-    def peer_completes_meanwhile(ranks_by_key):
-        completed.append(run([groups[1].renew_membership]))
-        return real_present(ranks_by_key)
-
-    groups[0]._present = peer_completes_meanwhile
-    groups[0].timeout_s = 0.05
-    assert groups[0].renew_membership() == []
-    assert completed == [[[]]]
-    assert [g.membership_epoch for g in groups] == [1, 1]
-    del groups[0]._present
-    assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1"]] * 2
-
-
-def test_a_round_that_completes_as_one_rank_gives_up_completes_for_every_rank():
-    """Three ranks: rank 1 waits; rank 0's wait runs out, and while it reads who came rank 2 arrives and
-    completes the round. Rank 0's 'failed' then finds 'complete' decided, and rank 1 reads the same
-    decision. (With a poisoned counter, rank 1 had read the count past world_size as a failure while
-    ranks 0 and 2 completed: epochs 1, 0, 1, for good: helper-99.)"""
-    dist = pytest.importorskip("torch.distributed")
-    store = dist.HashStore()
-    groups = run([lambda r=r: TorchStoreGroup(store, r, 3, timeout_s=LONG_S) for r in range(3)])
-    outcome = []
-    waiting = threading.Thread(target=lambda: outcome.append(_threads.call_or_error(groups[1].renew_membership)))
-    waiting.start()
+    groups = run([lambda r=r: TorchStoreGroup(store, r, num_ranks, timeout_s=LONG_S) for r in range(num_ranks)])
+    outcomes = []
+    waiting = [threading.Thread(target=lambda g=g: outcomes.append(_threads.call_or_error(g.renew_membership)))
+               for g in groups[1:-1]]
+    for thread in waiting:
+        thread.start()
     real_present = groups[0]._present
     arrived = []
 
     def last_rank_arrives_meanwhile(ranks_by_key):
-        arrived.append(run([groups[2].renew_membership]))
+        arrived.append(run([groups[-1].renew_membership]))
         return real_present(ranks_by_key)
 
     groups[0]._present = last_rank_arrives_meanwhile
     groups[0].timeout_s = 0.05
     assert groups[0].renew_membership() == []
-    waiting.join(60.0)
-    assert arrived == [[[]]] and outcome == [[]], (arrived, outcome)
-    assert [g.membership_epoch for g in groups] == [1, 1, 1]
+    for thread in waiting:
+        thread.join(60.0)
+    assert arrived == [[[]]] and outcomes == [[]] * (num_ranks - 2), (arrived, outcomes)
+    assert [g.membership_epoch for g in groups] == [1] * num_ranks
     del groups[0]._present
-    assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1", b"\2"]] * 3
+    assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == \
+        [[bytes([r]) for r in range(num_ranks)]] * num_ranks
 
 
 def test_a_rank_retrying_after_a_store_error_does_not_count_twice():
