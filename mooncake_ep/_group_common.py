@@ -148,11 +148,8 @@ def _slot_data(value: bytes) -> bytes:
 _JOIN = struct.Struct("!IIB")
 # How long a replacement looks at a renew_membership round to tell whether it already completed.
 _PROBE_S = 0.05
-# The two decisions of an attempt of a counted renewal round (_counted_round), and how long one wait
-# for the decision lasts before the rank looks at its deadline again, seconds (also how late a waiter
-# may see a decision whose creation does not wake waiters: torch's TCPStore without libuv).
+# The two decisions of an attempt of a counted renewal round (_counted_round).
 _ROUND_COMPLETE, _ROUND_FAILED = b"complete", b"failed"
-_ROUND_WAIT_SLICE_S = 0.05
 # A rank 0 whose store closes when it raises, having found ranks started with another world_size,
 # keeps the store up for them at most this long (and within its timeout_s), twice: for the ranks
 # beyond its own world_size that a larger one says exist, which may still be starting, to come and
@@ -489,8 +486,11 @@ class _KeyValueGroup:
                 else:  # torch and JAX stores: no process can take a rank over
                     hint = ("every rank must call renew_membership() again, or, where a rank's process died, the job "
                             "builds a new group (only TCPGroup takes a replacement process, init_group(rejoin=True))")
-                raise GroupError(f"{label} (epoch {epoch}) {what} waiting for ranks {missing} of "
-                                 f"{self.world_size} ({self._where()}); {hint}{left}") from None
+                # No join missing: in a counted round, every rank had come but not every count was in.
+                waiting_for = (f"ranks {missing} of {self.world_size}" if missing else
+                               f"the counts of {self.world_size} ranks (every rank's join had come)")
+                raise GroupError(f"{label} (epoch {epoch}) {what} waiting for {waiting_for} ({self._where()}); "
+                                 f"{hint}{left}") from None
             joins = [_JOIN.unpack(v) for v in values]
             if len({(version, size) for version, size, _ in joins}) > 1:
                 seen = {r: (version, size) for r, (version, size, _) in enumerate(joins)}
@@ -521,7 +521,10 @@ class _KeyValueGroup:
         its join, then adds 1), ``failed`` by a rank whose wait ran out. Every rank obeys that one
         decision. The ranks of a failed attempt go on to the next, and so does a rank that gave up,
         when it retries. A rank adds to an attempt's count once, however often it retries there
-        (``_round_attempt``), so the count reads world_size only once every rank has come.
+        (``_round_attempt``), so the count reads world_size only once every rank has come. A rank that
+        learns the decision also sets it under a second key, which the others wait for: a plain set
+        wakes waiters on every store, where a create may not (torch's TCPStore without libuv). Joins
+        stay until the next round completes: a peer reading who came must not see one vanish.
 
         Raises:
             StoreTimeoutError: ``wait_s`` ran out, and this rank decided the attempt failed;
@@ -533,53 +536,47 @@ class _KeyValueGroup:
         while True:
             prefix = f"{base}a{attempt}/"
             keys = [f"{prefix}join/{r}" for r in range(self.world_size)]
-            count_key, decision_key = prefix + "count", prefix + "decision"
+            count_key, decision_key, decided_key = prefix + "count", prefix + "decision", prefix + "decided"
             decision = None
             if self._round_attempt != (epoch, attempt, True):
                 self._kv_set(keys[self.rank], mine)  # before the count: a complete count means every join is set
                 # Counted before the add: an add whose reply was lost may have counted (a retry only waits).
                 self._round_attempt = (epoch, attempt, True)
                 if self._kv_add(count_key, 1) == self.world_size:
-                    decision = self._kv_create(decision_key, _ROUND_COMPLETE)
+                    decision = self._decide(decision_key, decided_key, _ROUND_COMPLETE)
             elif self._kv_add(count_key, 0) == self.world_size:  # a retry: the rank that completed it may have
-                decision = self._kv_create(decision_key, _ROUND_COMPLETE)  # failed before it said so
-            while decision is None:
+                decision = self._decide(decision_key, decided_key, _ROUND_COMPLETE)  # failed before it said so
+            if decision is None:
                 left_s = deadline - time.monotonic()
                 if left_s > 0:  # (never a wait of 0: torch's stores take it as forever)
                     try:
-                        decision = self._kv_multi_get([decision_key], min(left_s, _ROUND_WAIT_SLICE_S))[0]
+                        decision = self._kv_multi_get([decided_key], left_s)[0]
                     except _StoreWaitError:
                         pass
-                    continue
-                # Who came, read before the decision: after it, the peers move on and take their joins back.
+            if decision is None:  # this rank's time ran out
+                # Who came, read before the decision: after it, the peers move on.
                 present = self._present({key: r for r, key in enumerate(keys) if r != self.rank}) or {}
-                decision = self._kv_create(decision_key, _ROUND_FAILED)
+                decision = self._decide(decision_key, decided_key, _ROUND_FAILED)
                 if decision == _ROUND_FAILED:
-                    raise self._round_timeout(epoch, attempt, keys, present)
+                    raise StoreTimeoutError(
+                        f"renewal round {epoch}, attempt {attempt}: timed out",
+                        [key for r, key in enumerate(keys) if r != self.rank and key not in present])
             if decision == _ROUND_COMPLETE:
                 return self._kv_multi_get(keys, max(deadline - time.monotonic(), _PROBE_S)), keys[self.rank]
             # A peer decided this attempt failed: on to the next, unless this rank's own time is up (it would
             # only fail that one too).
             if time.monotonic() >= deadline:
-                raise self._round_timeout(epoch, attempt, keys,
-                                          self._present({key: r for r, key in enumerate(keys) if r != self.rank}) or {})
-            self._delete_dead_join(keys[self.rank])
+                present = self._present({key: r for r, key in enumerate(keys) if r != self.rank}) or {}
+                raise StoreTimeoutError(f"renewal round {epoch}, attempt {attempt}: timed out",
+                                        [key for r, key in enumerate(keys) if r != self.rank and key not in present])
             attempt += 1
 
-    def _round_timeout(self, epoch: int, attempt: int, keys: list[str], present: dict) -> StoreTimeoutError:
-        """The error of a counted round's attempt that failed in this rank's time: missing_keys are the joins
-        of the other ranks absent from ``present`` (read before they could move on). This rank's own join
-        there is deleted."""
-        self._delete_dead_join(keys[self.rank])
-        return StoreTimeoutError(f"renewal round {epoch}, attempt {attempt}: timed out",
-                                 [key for r, key in enumerate(keys) if r != self.rank and key not in present])
-
-    def _delete_dead_join(self, key: str) -> None:
-        """This rank's join of a failed attempt: nobody reads it any more (a store that is gone keeps it)."""
-        try:
-            self._kv_delete(key)
-        except GroupError:
-            pass
+    def _decide(self, decision_key: str, decided_key: str, proposal: bytes) -> bytes:
+        """The decision of a counted round's attempt: ``proposal``, unless a peer decided first (then
+        theirs), also set under ``decided_key``, where the peers wait for it."""
+        decision = self._kv_create(decision_key, proposal)
+        self._kv_set(decided_key, decision)
+        return decision
 
     def _join_as_replacement(self, deadline: float) -> None:
         """Take this rank over from a dead process: join the survivors' next renew_membership, waiting

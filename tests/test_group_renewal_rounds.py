@@ -183,7 +183,7 @@ def test_a_rank_retrying_after_a_store_error_does_not_count_twice():
     failures = []
 
     def fails_once(keys, timeout_s, *args, **kwargs):
-        if not failures and keys[0].endswith("/decision"):
+        if not failures and keys[0].endswith("/decided"):
             failures.append(keys[0])
             raise GroupError("torch store wait failed: DistNetworkError: (a transient error)")
         return real_get(keys, timeout_s, *args, **kwargs)
