@@ -211,8 +211,8 @@ class _KeyValueGroup:
 
     Membership epochs: :meth:`renew_membership` is a round in which every rank publishes
     ``{namespace}e{epoch}/join/{rank}`` for the next epoch and waits for all of them (on a store
-    without claims, ``{namespace}e{epoch}/a{attempt}/join/{rank}``, the round decided by a counter:
-    :meth:`_counted_round`), and which completes for every rank or for none; the round
+    without claims, ``{namespace}e{epoch}/a{attempt}/join/{rank}``, each attempt decided once by a
+    create-if-absent key: :meth:`_counted_round`), and which completes for every rank or for none; the round
     then starts that epoch, whose collectives use ``{namespace}e{epoch}/c/{seq}/{rank}`` from
     ``seq = 0``. Epoch 0 is the one the rendezvous starts (its keys carry no ``e0/``). A process
     that takes over the rank of a dead one (``TCPGroup(..., rejoin=True)``) joins the next round
@@ -554,22 +554,23 @@ class _KeyValueGroup:
                     except _StoreWaitError:
                         pass
             if decision is None:  # this rank's time ran out
-                # Who came, read before the decision: after it, the peers move on.
-                present = self._present({key: r for r, key in enumerate(keys) if r != self.rank}) or {}
+                missing = self._absent_joins(keys)  # read before the decision: after it, the peers move on
                 decision = self._decide(decision_key, decided_key, _ROUND_FAILED)
                 if decision == _ROUND_FAILED:
-                    raise StoreTimeoutError(
-                        f"renewal round {epoch}, attempt {attempt}: timed out",
-                        [key for r, key in enumerate(keys) if r != self.rank and key not in present])
+                    raise StoreTimeoutError(f"renewal round {epoch}, attempt {attempt}: timed out", missing)
             if decision == _ROUND_COMPLETE:
                 return self._kv_multi_get(keys, max(deadline - time.monotonic(), _PROBE_S)), keys[self.rank]
             # A peer decided this attempt failed: on to the next, unless this rank's own time is up (it would
             # only fail that one too).
             if time.monotonic() >= deadline:
-                present = self._present({key: r for r, key in enumerate(keys) if r != self.rank}) or {}
                 raise StoreTimeoutError(f"renewal round {epoch}, attempt {attempt}: timed out",
-                                        [key for r, key in enumerate(keys) if r != self.rank and key not in present])
+                                        self._absent_joins(keys))
             attempt += 1
+
+    def _absent_joins(self, keys: list[str]) -> list[str]:
+        """Of a counted round's attempt's join ``keys``, the other ranks' that the store does not hold."""
+        present = self._present({key: r for r, key in enumerate(keys) if r != self.rank}) or {}
+        return [key for r, key in enumerate(keys) if r != self.rank and key not in present]
 
     def _decide(self, decision_key: str, decided_key: str, proposal: bytes) -> bytes:
         """The decision of a counted round's attempt: ``proposal``, unless a peer decided first (then
