@@ -417,19 +417,37 @@ def _where_same(same, rows):
     return jnp.where(same.reshape((-1,) + (1,) * (rows.ndim - 1)), rows, jnp.zeros((), rows.dtype))
 
 
-def _bind(where: str, op, *args):
-    """``op(*args)`` (``_dispatch`` or ``_combine``), with JAX's refusal under an eager shard_map named.
+def _bind(where: str, op, static, *args):
+    """``op(static, *args)``, one of the ops' custom_vjps, run as ``jax.jit(op)`` when called eagerly.
 
-    The ops' custom_vjp takes symbolic zeros (a cotangent known to be zero costs no collective), which
-    shard_map supports only when traced, inside ``jax.jit``."""
+    Eagerly (every array a concrete ``jax.Array``: no transformation is tracing) JAX would trace the
+    custom_vjp and run its primitives one at a time, every call: ~1.2 ms a call on a GPU's host. The
+    jitted op is traced once per static configuration and shapes, then each call runs the compiled
+    program, as under the caller's own ``jax.jit``. That skips the trace-time checks: the callers
+    make before this, every call, those a cached program must not skip. A destroyed Buffer above all
+    (``check_devices``, ``jax_split.check_pending``): a command buffer replays its launches without
+    calling back.
+
+    The ops' custom_vjp takes symbolic zeros (a cotangent known to be zero costs no collective),
+    which shard_map supports only when traced, inside ``jax.jit``: JAX's refusal under an eager
+    shard_map (its arrays are tracers, so the op is called as it is) is named."""
+    leaves = jax.tree_util.tree_leaves(args)
+    if leaves and all(isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        op = _eager_op(op)
     try:
-        return op(*args)
+        return op(static, *args)
     except NotImplementedError as error:
         if "shard_map" not in str(error) or "symbolic_zeros" not in str(error):
             raise
         raise TypeError(f"{where}: shard_map outside jax.jit is not supported (JAX runs a custom_vjp with "
                         f"symbolic zeros in shard_map only when it is traced); put jax.jit around the shard_map"
                         ) from error
+
+
+@functools.cache
+def _eager_op(op):
+    """``op`` jitted, its static configuration (argument 0) part of the cache key: see :func:`_bind`."""
+    return jax.jit(op, static_argnums=0)
 
 
 def _values(tree):
@@ -517,8 +535,8 @@ def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_to
     jax_args.check_eager_expert_ids(where, arrays[1], num_experts, num_max_dispatch_tokens_per_rank)
     options = dict(timeout_us=timeout_us, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                    parity=parity, command_buffer_compatible=command_buffer_compatible)
-    return _dispatch_send((buffer, num_max_dispatch_tokens_per_rank, num_experts, tuple(sorted(options.items()))),
-                          *arrays)
+    static = (buffer, num_max_dispatch_tokens_per_rank, num_experts, tuple(sorted(options.items())))
+    return _bind(where, _dispatch_send, static, *arrays)
 
 
 @_no_gradient("dispatch_send")
@@ -539,7 +557,8 @@ def dispatch_recv(pending: Sequence[PendingDispatch]) -> list:
         One ``(recv_x, recv_count, handle, active_ranks)`` per pending rank, in its order, as
         :func:`dispatch` returns.
     """
-    return _dispatch_recv(None, list(pending) if isinstance(pending, (list, tuple)) else pending)
+    where = "mooncake_ep.jax.dispatch_recv"
+    return _bind(where, _dispatch_recv, None, jax_split.check_pending(where, pending, PendingDispatch, "dispatch_send"))
 
 
 @_no_gradient("dispatch_recv")
@@ -567,7 +586,7 @@ def combine_send(buffer: Buffer, x, topk_idx, topk_weights, active_ranks, handle
                            active_ranks=arrays[3])
     jax_args.check_eager_routing(where, arrays[1], handle.dispatched_topk_idx, handle.config.num_experts)
     options = dict(timeout_us=timeout_us, renormalize=renormalize, command_buffer_compatible=command_buffer_compatible)
-    return _combine_send((buffer, tuple(sorted(options.items()))), *arrays, handle)
+    return _bind(where, _combine_send, (buffer, tuple(sorted(options.items()))), *arrays, handle)
 
 
 @_no_gradient("combine_send")
@@ -583,7 +602,8 @@ def combine_recv(pending: Sequence[PendingCombine]) -> list:
     Returns:
         One ``(combined_x, active_ranks)`` per pending rank, in its order.
     """
-    return _combine_recv(None, list(pending) if isinstance(pending, (list, tuple)) else pending)
+    where = "mooncake_ep.jax.combine_recv"
+    return _bind(where, _combine_recv, None, jax_split.check_pending(where, pending, PendingCombine, "combine_send"))
 
 
 @_no_gradient("combine_recv")

@@ -1363,6 +1363,42 @@ def test_eager_calls_check_the_arrays_devices_at_once():
     epj.dispatch(one, placed[0], case.topk_idxs[0], placed[2], T, E, use_fp8=False)
 
 
+def test_eager_calls_run_one_compiled_program_per_configuration(monkeypatch):
+    """Eagerly each op runs as jax.jit of itself: traced once per configuration and shapes, where JAX had
+    traced the custom_vjp and run its primitives one by one every call (~1.2 ms on a GPU's host). Every
+    call's results are still the reference's for its own inputs; a Buffer destroyed once its programs
+    exist is refused by every form (a command buffer would replay the launches without calling back)."""
+    traced = []
+    for name in ("dispatch_config", "combine_config"):
+        real = getattr(jax_ops, name)
+        monkeypatch.setattr(jax_ops, name, functools.partial(lambda real, name, *a, **k: traced.append(name)
+                                                             or real(*a, **k), real, name))
+    flags = FLAGS["fp8"]
+    cases = [make_case(seed, num_ranks=1, num_experts=2, num_tokens=[3]) for seed in (20, 21, 22)]
+    T, E = cases[0].num_max_tokens, cases[0].num_experts
+    buffer = spawn(1, lambda g: reference_buffer(g, cases[0]))[0]
+    for case in cases:
+        x, topk, weights, active = (jnp.asarray(a[0]) for a in (case.xs, case.topk_idxs, case.weights, case.actives))
+        recv, count, handle, active = epj.dispatch(buffer, x, topk, active, T, E, **flags)
+        combined, active = epj.combine(buffer, expert_fn(0, recv, flags), topk, weights, active, handle)
+        dispatched, want = expected(case, flags)
+        check_rank(0, dispatched[0], recv, count, flags)
+        np.testing.assert_array_equal(bits(combined), bits(want[0][0]))
+        np.testing.assert_array_equal(active, want[0][1])
+    assert traced == ["dispatch_config", "combine_config"]
+    sent = [epj.dispatch_send(buffer, x, topk, active, T, E, **flags) for _ in range(2)]
+    epj.dispatch_recv(sent[:1])
+    buffer.destroy()
+    with pytest.raises(RuntimeError, match=r"^mooncake_ep.jax.dispatch: this Buffer was destroyed"):
+        epj.dispatch(buffer, x, topk, active, T, E, **flags)
+    with pytest.raises(RuntimeError, match=r"^mooncake_ep.jax.combine: this Buffer was destroyed"):
+        epj.combine(buffer, expert_fn(0, recv, flags), topk, weights, active, handle)
+    with pytest.raises(RuntimeError, match=r"^mooncake_ep.jax.dispatch_send: this Buffer was destroyed"):
+        epj.dispatch_send(buffer, x, topk, active, T, E, **flags)
+    with pytest.raises(RuntimeError, match=r"^mooncake_ep.jax.dispatch_recv: this Buffer was destroyed"):
+        epj.dispatch_recv(sent[1:])
+
+
 def test_a_cuda_buffer_refuses_cpu_buffers_and_the_wrong_gpu():
     case, buffer, _ = cuda_rank()
     ranks = jax_args.Ranks(buffer)

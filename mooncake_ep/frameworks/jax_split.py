@@ -69,7 +69,7 @@ def dispatch_send(where: str, buffer: Buffer, x, topk_idx, active_ranks, num_max
 def dispatch_recv(where: str, pending: Sequence[PendingDispatch]) -> list:
     """The receive halves of every given rank's dispatch: ``[(recv_x, recv_count, handle, active_ranks)]``."""
     _register_pytrees()
-    pending = _check_pending(where, pending, PendingDispatch, "dispatch_send")
+    pending = check_pending(where, pending, PendingDispatch, "dispatch_send")
     operands = [a for p in pending for a in p.arrays]
     results = []
     for index, p in enumerate(pending):
@@ -85,7 +85,15 @@ def dispatch_recv(where: str, pending: Sequence[PendingDispatch]) -> list:
     return results
 
 
-def _check_pending(where: str, pending, kind: type, producer: str) -> list:
+def check_pending(where: str, pending, kind: type, producer: str) -> list:
+    """``pending`` (every rank's ``kind`` from ``producer``) as a list, checked: one step of one Buffer's
+    ranks, each once, whose Buffers still exist, with their arrays on one device.
+
+    Raises:
+        TypeError: ``pending`` is not a non-empty sequence of ``kind``.
+        ValueError: a rank twice, ranks of different Buffers or steps, or arrays on different devices.
+        RuntimeError: a destroyed Buffer (:meth:`Buffer._check_alive`).
+    """
     if isinstance(pending, (kind, str, bytes)) or not isinstance(pending, Sequence) or not pending:
         raise TypeError(f"{where}: pending must be a non-empty list of the {producer} results of the ranks, got "
                         f"{type(pending).__name__}")
@@ -99,6 +107,8 @@ def _check_pending(where: str, pending, kind: type, producer: str) -> list:
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"{where}: pending holds rank(s) {sorted({r for r in ranks if ranks.count(r) > 1})} more "
                          f"than once")
+    for c in dispatches:  # every call: an eager call's cached program does not trace (mooncake_ep.jax._bind)
+        c.ranks.single._check_alive(where)
     base = dispatches[0]
     for c in dispatches[1:]:
         if c.ranks.single._token != base.ranks.single._token:
@@ -194,7 +204,7 @@ def combine_send(where: str, buffer: Buffer, x, topk_idx, topk_weights, active_r
 def combine_recv(where: str, pending: Sequence[PendingCombine]) -> list:
     """The receive halves of every given rank's combine: ``[(combined_x, active_ranks)]``."""
     _register_pytrees()
-    pending = _check_pending(where, pending, PendingCombine, "combine_send")
+    pending = check_pending(where, pending, PendingCombine, "combine_send")
     sizes = [len(p.arrays) for p in pending]
     operands = [a for p in pending for a in p.arrays]
     results = []
