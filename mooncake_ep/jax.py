@@ -82,7 +82,7 @@ from mooncake_ep.buffer import Buffer
 from mooncake_ep.frameworks import jax_args, jax_ops, jax_split
 from mooncake_ep.frameworks.jax_ops import Handle, PendingCombine, PendingDispatch
 from mooncake_ep.group import DEFAULT_TIMEOUT_S, LocalGroup
-from mooncake_ep.validation import check_flags, check_grad_num_topk, check_int
+from mooncake_ep.validation import check_bool, check_flags, check_grad_num_topk, check_int, check_timeout
 
 __all__ = ["Handle", "PendingDispatch", "PendingCombine", "dispatch", "combine", "dispatch_send", "dispatch_recv",
            "combine_send", "combine_recv", "grad_buffer_size_hint", "make_buffers", "destroy_buffers"]
@@ -167,6 +167,7 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
     jax_args.check_eager_expert_ids(where, topk_idx, num_experts, num_max_dispatch_tokens_per_rank)
     # Here, not only in the op: the gradient's refusal of fp8 reads use_fp8 before the op checks it.
     check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    timeout_us = _checked_options(where, timeout_us, command_buffer_compatible)
     static = _DispatchStatic(ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
                              round_scale, use_ue8m0, jax_args.check_parity(where, parity), command_buffer_compatible)
     return _bind(where, _dispatch, static, x, topk_idx, active_ranks)
@@ -306,6 +307,7 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
                            handle=handle.recv_count)
     jax_args.check_eager_routing(where, topk_idx, handle.dispatched_topk_idx, handle.config.num_experts)
     grad_parity = jax_args.check_parity(where, grad_parity, "grad_parity")
+    timeout_us = _checked_options(where, timeout_us, command_buffer_compatible)
     static = _CombineStatic(ranks, grad_ranks, grad_num_topk, grad_parity, timeout_us, renormalize,
                             command_buffer_compatible)
     return _bind(where, _combine, static, x, topk_idx, topk_weights, active_ranks, handle)
@@ -444,6 +446,14 @@ def _bind(where: str, op, static, *args):
                         ) from error
 
 
+def _checked_options(where: str, timeout_us, command_buffer_compatible) -> int:
+    """timeout_us (as an int) and command_buffer_compatible, checked every call, as every option of a
+    static configuration must be: an equal value of another type (1 for True, 7.0 for 7) would find
+    the program an eager call compiled for a valid one (:func:`_bind`) without these checks."""
+    check_bool(where, "command_buffer_compatible", command_buffer_compatible)
+    return check_timeout(where, timeout_us)
+
+
 @functools.cache
 def _eager_op(op):
     """``op`` jitted, its static configuration (argument 0) part of the cache key: see :func:`_bind`."""
@@ -533,6 +543,9 @@ def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_to
     # As the fused op's: one device's arrays, of a device the Buffer serves (XLA's own errors name args[i]).
     jax_args.check_devices(where, jax_args.Ranks(buffer), x=arrays[0], topk_idx=arrays[1], active_ranks=arrays[2])
     jax_args.check_eager_expert_ids(where, arrays[1], num_experts, num_max_dispatch_tokens_per_rank)
+    check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    timeout_us = _checked_options(where, timeout_us, command_buffer_compatible)
+    parity = jax_args.check_parity(where, parity)
     options = dict(timeout_us=timeout_us, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                    parity=parity, command_buffer_compatible=command_buffer_compatible)
     static = (buffer, num_max_dispatch_tokens_per_rank, num_experts, tuple(sorted(options.items())))
@@ -585,6 +598,8 @@ def combine_send(buffer: Buffer, x, topk_idx, topk_weights, active_ranks, handle
     jax_args.check_devices(where, jax_args.Ranks(buffer), x=arrays[0], topk_idx=arrays[1], topk_weights=arrays[2],
                            active_ranks=arrays[3])
     jax_args.check_eager_routing(where, arrays[1], handle.dispatched_topk_idx, handle.config.num_experts)
+    check_flags(where, renormalize=renormalize)
+    timeout_us = _checked_options(where, timeout_us, command_buffer_compatible)
     options = dict(timeout_us=timeout_us, renormalize=renormalize, command_buffer_compatible=command_buffer_compatible)
     return _bind(where, _combine_send, (buffer, tuple(sorted(options.items()))), *arrays, handle)
 

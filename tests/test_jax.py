@@ -1388,6 +1388,19 @@ def test_eager_calls_run_one_compiled_program_per_configuration(monkeypatch):
     assert traced == ["dispatch_config", "combine_config"]
     sent = [epj.dispatch_send(buffer, x, topk, active, T, E, **flags) for _ in range(2)]
     epj.dispatch_recv(sent[:1])
+    # Options equal to a compiled call's but of another type are still refused (helper-102: they had found
+    # its program unchecked).
+    y = expert_fn(0, recv, flags)
+    for call, name, value in [
+            (lambda **o: epj.dispatch(buffer, x, topk, active, T, E, **flags, **o), "command_buffer_compatible", 1),
+            (lambda **o: epj.dispatch(buffer, x, topk, active, T, E, **flags, **o), "timeout_us", -1.0),
+            (lambda **o: epj.combine(buffer, y, topk, weights, active, handle, **o), "timeout_us", -1.0),
+            (lambda **o: epj.combine(buffer, y, topk, weights, active, handle, **o), "command_buffer_compatible",
+             np.True_),
+            (lambda **o: epj.dispatch_send(buffer, x, topk, active, T, E, **(flags | o)), "use_fp8", 1),
+            (lambda **o: epj.dispatch_send(buffer, x, topk, active, T, E, **flags, **o), "parity", False)]:
+        with pytest.raises((TypeError, ValueError), match=f"{name} must be"):
+            call(**{name: value})
     buffer.destroy()
     with pytest.raises(RuntimeError, match=r"^mooncake_ep.jax.dispatch: this Buffer was destroyed"):
         epj.dispatch(buffer, x, topk, active, T, E, **flags)
