@@ -491,7 +491,7 @@ class ReadOnlyExport:
     def __dlpack__(self, **kwargs):
         capsule = self.array.__dlpack__(**kwargs)
         opened = _dlpack.open_capsule(capsule, "test")  # read, not consumed
-        _dlpack.DLManagedTensorVersioned.from_address(opened._address).flags |= _dlpack.DLPACK_FLAG_BITMASK_READ_ONLY
+        _dlpack.DLManagedTensorVersioned.from_address(opened.managed_address).flags |= _dlpack.DLPACK_FLAG_BITMASK_READ_ONLY
         return capsule
 
 
