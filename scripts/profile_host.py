@@ -8,7 +8,8 @@ other ranks. fp8 dispatch, bf16 combine. Per framework:
   allocated by the call and with ``out=``;
 - ``torch`` graph: a dispatch -> combine step captured with ``torch.cuda.graph``; the host time of
   ``replay()`` and the step time (``--steps`` replays back to back, wall time / steps);
-- ``jax`` eager: the host time of ``mooncake_ep.jax.dispatch`` and ``combine`` called op by op;
+- ``jax`` eager: the host time of ``mooncake_ep.jax.dispatch`` and ``combine`` called outside ``jax.jit``
+  (each runs as its own cached jitted program);
 - ``jax`` jit: the same step under ``jax.jit``: host time of the call (it returns before the GPU is
   done) and the step time as for the graph. The target: within 10% of the torch graph's step time.
   For scale, the same for XLA alone: a program of one fusion on the same operands (what any

@@ -23,7 +23,6 @@ from _cases import BF16, Case, bits, reference_step  # one definition for both i
 
 import mooncake_ep as ep
 from mooncake_ep import reference
-from mooncake_ep.tensor import DeviceMemoryArray
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -1236,10 +1235,44 @@ class FakeContext:
     stage = type("Stage", (), {"name": "EXECUTE"})()
 
 
-def device_array(array: np.ndarray) -> DeviceMemoryArray:
-    """Host memory that presents itself as cuda:0 memory, as XLA's GPU buffers do (kept alive by its owner)."""
-    array = np.ascontiguousarray(array)
-    return DeviceMemoryArray(array.ctypes.data, array.shape, np.dtype(array.dtype).name, "cuda", 0, owner=array)
+class FakeXlaBuffer:
+    """A buffer XLA hands a buffer_callback on cuda:0 (jaxlib's ffi.Buffer), over host memory: what the
+    callbacks read of it, and ``ptr`` for the tests. Its ``__dlpack__`` is left out: the callbacks read
+    GPU buffers from these attributes alone."""
+
+    def __init__(self, array: np.ndarray, writeable: bool = True, device_id: int = 0):
+        self.array = np.ascontiguousarray(array)
+        self.ptr, self.shape, self.dtype = self.array.ctypes.data, self.array.shape, self.array.dtype
+        self.writeable, self.device_id = writeable, device_id
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (jax_args.DLPACK_CUDA, self.device_id)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:  # as jaxlib's: no strides (dense), no stream, version 2
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, not self.writeable), "version": 2}
+
+
+def device_array(array: np.ndarray) -> FakeXlaBuffer:
+    """Host memory that presents itself as cuda:0 memory, as XLA's GPU buffers do."""
+    return FakeXlaBuffer(array)
+
+
+def test_the_callbacks_read_xla_gpu_buffers_from_their_attributes():
+    """XLA's GPU buffers are read without DLPack (its capsules cost ~10 us a buffer): address, shape,
+    dtype (bf16 and fp8 as ml_dtypes gives them), row-major strides, device, and read-only inputs."""
+    rows = np.arange(2 * 3 * 256, dtype=np.float32).reshape(2, 3, 256)
+    for array, dtype in [(rows.astype(BF16), "bfloat16"), (rows.astype(ml_dtypes.float8_e4m3fn), "float8_e4m3fn"),
+                         (np.arange(6, dtype=np.int32), "int32")]:
+        for writeable in (False, True):
+            buffer = FakeXlaBuffer(array, writeable=writeable, device_id=3)
+            view, device = jax_ops._read("test", "x", buffer)
+            assert device == (jax_args.DLPACK_CUDA, 3)
+            assert (view.ptr, view.shape, view.dtype, view.device_type, view.device_id, view.readonly, view.framework) \
+                == (buffer.ptr, array.shape, dtype, "cuda", 3, not writeable, "jax")
+            assert view.strides == tuple(s // array.itemsize for s in array.strides) and view.keepalive is buffer
+    with pytest.raises(TypeError, match=r"^test: x has a dtype no argument of mooncake_ep takes: numpy dtype complex64"):
+        jax_ops._read("test", "x", FakeXlaBuffer(np.zeros(4, np.complex64)))
 
 
 def cuda_rank(ranks_on_device: int = 1):
