@@ -340,6 +340,8 @@ def open_capsule(capsule: Any, name: str) -> CapsuleTensor:
         tensor_offset = 0
     data, device_type, device_id, ndim, code, bits, lanes, shape, strides, byte_offset = \
         _DL_TENSOR.unpack_from(managed, tensor_offset)
+    if ndim < 0 or (ndim and not shape):  # string_at would read a NULL pointer's "bytes" as a shape
+        raise TypeError(f"{name}: malformed DLPack capsule: ndim {ndim} with shape pointer {shape:#x}")
     return CapsuleTensor(code, bits, lanes, device_type, device_id, _int64s(shape, ndim),
                          _int64s(strides, ndim) if strides else None, (data or 0) + byte_offset, readonly, copied,
                          jax, address, deleter or None, used_name)

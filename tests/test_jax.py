@@ -23,6 +23,7 @@ from _cases import BF16, Case, bits, reference_step  # one definition for both i
 
 import mooncake_ep as ep
 from mooncake_ep import reference
+from mooncake_ep.tensor import DeviceMemoryArray
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -1236,9 +1237,10 @@ class FakeContext:
 
 
 class FakeXlaBuffer:
-    """A buffer XLA hands a buffer_callback on cuda:0 (jaxlib's ffi.Buffer), over host memory: what the
-    callbacks read of it, and ``ptr`` for the tests. Its ``__dlpack__`` is left out: the callbacks read
-    GPU buffers from these attributes alone."""
+    """A buffer XLA hands a buffer_callback on a GPU (jaxlib's ffi.Buffer), over host memory, and ``ptr``
+    for the tests. As jaxlib's, its CUDA array interface has no type string for fp8 and raises."""
+
+    __module__ = "jax.experimental.buffer_callback"  # the module jaxlib's type reports
 
     def __init__(self, array: np.ndarray, writeable: bool = True, device_id: int = 0):
         self.array = np.ascontiguousarray(array)
@@ -1250,7 +1252,14 @@ class FakeXlaBuffer:
 
     @property
     def __cuda_array_interface__(self) -> dict:  # as jaxlib's: no strides (dense), no stream, version 2
+        if self.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+            raise RuntimeError("UNIMPLEMENTED: Unimplemented primitive type F8E4M3FN")
         return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, not self.writeable), "version": 2}
+
+    def __dlpack__(self, **kwargs):  # as jaxlib's: versioned, READ_ONLY unless writeable, no strides
+        assert self.writeable, "XLA's fp8 buffers are outputs; DeviceMemoryArray has no read-only flag"
+        return DeviceMemoryArray(self.ptr, self.shape, self.dtype.name, "cuda", self.device_id,
+                                 owner=self.array).__dlpack__(**kwargs)
 
 
 def device_array(array: np.ndarray) -> FakeXlaBuffer:
@@ -1260,17 +1269,19 @@ def device_array(array: np.ndarray) -> FakeXlaBuffer:
 
 def test_the_callbacks_read_xla_gpu_buffers_from_their_attributes():
     """XLA's GPU buffers are read without DLPack (its capsules cost ~10 us a buffer): address, shape,
-    dtype (bf16 and fp8 as ml_dtypes gives them), row-major strides, device, and read-only inputs."""
+    dtype (bf16 as ml_dtypes gives it), row-major strides, device, and read-only inputs. fp8 ones
+    through DLPack, as jaxlib's CUDA array interface raises for them (helper-103)."""
     rows = np.arange(2 * 3 * 256, dtype=np.float32).reshape(2, 3, 256)
-    for array, dtype in [(rows.astype(BF16), "bfloat16"), (rows.astype(ml_dtypes.float8_e4m3fn), "float8_e4m3fn"),
-                         (np.arange(6, dtype=np.int32), "int32")]:
-        for writeable in (False, True):
+    for array, dtype, writeables in [(rows.astype(BF16), "bfloat16", (False, True)),
+                                     (rows.astype(ml_dtypes.float8_e4m3fn), "float8_e4m3fn", (True,)),
+                                     (np.arange(6, dtype=np.int32), "int32", (False, True))]:
+        for writeable in writeables:
             buffer = FakeXlaBuffer(array, writeable=writeable, device_id=3)
             view, device = jax_ops._read("test", "x", buffer)
             assert device == (jax_args.DLPACK_CUDA, 3)
             assert (view.ptr, view.shape, view.dtype, view.device_type, view.device_id, view.readonly, view.framework) \
                 == (buffer.ptr, array.shape, dtype, "cuda", 3, not writeable, "jax")
-            assert view.strides == tuple(s // array.itemsize for s in array.strides) and view.keepalive is buffer
+            assert view.strides == tuple(s // array.itemsize for s in array.strides)
     with pytest.raises(TypeError, match=r"^test: x has a dtype no argument of mooncake_ep takes: numpy dtype complex64"):
         jax_ops._read("test", "x", FakeXlaBuffer(np.zeros(4, np.complex64)))
 

@@ -447,6 +447,20 @@ def test_a_capsule_without_memory_is_refused_and_left_unconsumed():
     assert alive() is None
 
 
+def test_a_malformed_capsule_is_refused_and_left_unconsumed():
+    """A shape pointer of NULL with dimensions, or a negative ndim, is a producer's bug: refused
+    naming the argument, where reading the shape from address 0 would make one up (helper-103)."""
+    array, alive = exported(positional((2, 3), "float32"))
+    for field, value, ndim in (("shape", None, 2), ("ndim", -1, -1)):
+        capsule = array.__dlpack__()
+        setattr(DLManagedTensor.from_address(_capsule_pointer(capsule, b"dltensor")).dl_tensor, field, value)
+        with pytest.raises(TypeError, match=rf"^combine: x: malformed DLPack capsule: ndim {ndim} with shape pointer"):
+            read_array(capsule, name="combine: x")
+        assert _capsule_name(capsule) == b"dltensor"  # not consumed: its destructor frees it
+    del array, capsule
+    assert alive() is None
+
+
 def test_unsupported_device_leaves_capsule_unconsumed():
     array, alive = exported(positional((4,), "float32"))
     capsule = array.__dlpack__()

@@ -277,15 +277,19 @@ def _read(where: str, name: str, buffer) -> tuple[ArrayView, tuple[int, int]]:
     CPU devices apart).
 
     A GPU buffer is read from its own attributes: XLA's buffers are dense and row-major, and going
-    through DLPack cost ~10 us a buffer, most of a callback's host time (8 buffers a dispatch). The
-    CPU's go through DLPack (the reference's work dwarfs it there).
+    through DLPack cost ~10 us a buffer, most of a callback's host time (8 buffers a dispatch). Not
+    an fp8 one: jaxlib's ``__cuda_array_interface__`` has no type string for it and raises
+    (helper-103). Those, and the CPU's, go through DLPack (on the CPU the reference's work dwarfs it).
     """
     device = tuple(buffer.__dlpack_device__())
-    if device[0] != DLPACK_CUDA:
+    if device[0] != DLPACK_CUDA or buffer.dtype == _FP8:
         return read_array(buffer, name=f"{where}: {name}"), device
     interface = buffer.__cuda_array_interface__  # its "data" is (address, read-only)
     return dense_device_view(buffer, interface["data"][0], buffer.shape, buffer.dtype, device[1],
                              name=f"{where}: {name}", framework="jax", readonly=not buffer.writeable), device
+
+
+_FP8 = numpy_dtype("float8_e4m3fn")
 
 
 def read_outputs(where: str, buffers) -> list[ArrayView]:
