@@ -425,10 +425,10 @@ def _bind(where: str, op, static, *args):
     Eagerly (every array a concrete ``jax.Array``: no transformation is tracing) JAX would trace the
     custom_vjp and run its primitives one at a time, every call: ~1.2 ms a call on a GPU's host. The
     jitted op is traced once per static configuration and shapes, then each call runs the compiled
-    program, as under the caller's own ``jax.jit``. That skips the trace-time checks: the callers
-    make before this, every call, those a cached program must not skip. A destroyed Buffer above all
-    (``check_devices``, ``jax_split.check_pending``): a command buffer replays its launches without
-    calling back.
+    program, as under the caller's own ``jax.jit``. A cached program skips the trace-time checks, so
+    the callers make before this, every call, each check it must not skip: the options' types
+    (:func:`_checked_options`) and, above all, that no Buffer was destroyed (``check_devices``,
+    ``jax_split.check_pending``), since a command buffer replays its launches without calling back.
 
     The ops' custom_vjp takes symbolic zeros (a cotangent known to be zero costs no collective),
     which shard_map supports only when traced, inside ``jax.jit``: JAX's refusal under an eager

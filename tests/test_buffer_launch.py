@@ -491,7 +491,8 @@ class ReadOnlyExport:
     def __dlpack__(self, **kwargs):
         capsule = self.array.__dlpack__(**kwargs)
         opened = _dlpack.open_capsule(capsule, "test")  # read, not consumed
-        _dlpack.DLManagedTensorVersioned.from_address(opened.managed_address).flags |= _dlpack.DLPACK_FLAG_BITMASK_READ_ONLY
+        managed = _dlpack.DLManagedTensorVersioned.from_address(opened.managed_address)
+        managed.flags |= _dlpack.DLPACK_FLAG_BITMASK_READ_ONLY
         return capsule
 
 
