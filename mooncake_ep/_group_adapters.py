@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -290,7 +291,7 @@ class TorchStoreGroup(_KeyValueGroup):
         return f"TorchStoreGroup(rank={self.rank}, world_size={self.world_size}, store={type(self.store).__name__})"
 
     def _where(self) -> str:
-        return f"torch {type(self.store).__name__}, keys {self._namespace}*"
+        return f"torch {type(self.store).__name__}, keys {self._namespace}*{_torchrun_restart_note()}"
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
@@ -337,6 +338,28 @@ class TorchStoreGroup(_KeyValueGroup):
 
 # torchrun sets this to "True" in its workers when its agent serves the job's store at MASTER_ADDR:MASTER_PORT.
 TORCHRUN_AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
+# How many times torchrun's agent has restarted this worker's group (per agent: nodes may differ).
+TORCHRUN_RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
+
+
+def _torchrun_restart_note() -> str:
+    """For the timeouts of a torch store group in a worker torchrun restarted on its agent's store: the
+    likely cause, and the way out; "" elsewhere.
+
+    The agent's store outlives its workers (torch serves one per agent, for every rendezvous round),
+    and so do the group numbers each rank counted on it. A rank that died before building a group
+    that the others built leaves its number behind theirs, and after the restart the ranks wait
+    under different keys, at every restart. Reproduced with ``torchrun --max-restarts 1``: the rank
+    that was behind even completed its rendezvous against the dead rank 0's join, and timed out at
+    its first collective. Keys chosen by a leader that every rank of an attempt follows would fix it.
+    """
+    restarts = os.environ.get(TORCHRUN_RESTART_COUNT_VAR, "0")
+    if os.environ.get(TORCHRUN_AGENT_STORE_VAR) != "True" or restarts in ("", "0"):
+        return ""
+    return (f"; this worker is restart {restarts} on torchrun's agent store, which keeps the group numbers of "
+            f"the workers before it: ranks that built different numbers of groups before the restart (one died "
+            f"before init_group) wait under different keys at every restart. Run torchrun with "
+            f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: init_group then serves a fresh store of its own each attempt")
 
 
 def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
@@ -346,6 +369,12 @@ def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_po
     Under torchrun that port is taken by the agent's TCPStore, so our own store cannot listen there;
     every worker connects to the agent's store as a client instead, as ``init_process_group("env://")``
     does.
+
+    The agent's store outlives the workers it restarts, with the group numbers each rank counted on
+    it: after a restart in which one rank had built fewer groups than the others (it died before
+    ``init_group``), the ranks wait under different keys and time out, at every restart; the
+    timeout says so. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives each
+    attempt a fresh store (``init_group`` then serves its own at ``MASTER_PORT``).
 
     Raises:
         GroupError: torch is missing, or the agent's store is unreachable within ``timeout_s``.

@@ -242,6 +242,30 @@ def test_torchrun_store_group_spends_one_timeout_on_the_connection_and_the_rende
     del agent
 
 
+def test_a_restarted_torchrun_worker_whose_ranks_counted_apart_is_told_why(clean_env):
+    """torchrun's agent store outlives the workers it restarts, with the group numbers they counted: rank 0
+    built a group before rank 1 died (its count stands at 1 here), and after the restart the two wait
+    under different keys (reproduced with torchrun --max-restarts 1). A restarted worker's timeout says
+    so and names the way out; a first attempt's says nothing of it."""
+    dist = pytest.importorskip("torch.distributed")
+    from mooncake_ep import _group_adapters
+
+    for restarts, hinted in (("1", True), ("0", False)):
+        port = free_port()
+        agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+        agent.add("mooncake_ep/groups/0", 1)  # the group rank 0 built before the restart
+        clean_env.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        clean_env.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
+        errors = run_in_threads([lambda r=r: _group_adapters.torchrun_store_group(r, 2, "127.0.0.1", port, timeout_s=1.0)
+                                 for r in range(2)])
+        for rank, error in enumerate(errors):
+            assert isinstance(error, GroupError), (rank, error)
+            assert f"keys mooncake_ep/{2 - rank}/*" in str(error), (rank, error)
+            assert ("this worker is restart 1 on torchrun's agent store" in str(error) and
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(error)) == hinted, (rank, error)
+        del agent
+
+
 # ----------------------------------------------------------------------------- torch stores, threads
 
 
