@@ -1236,10 +1236,54 @@ class FakeContext:
     stage = type("Stage", (), {"name": "EXECUTE"})()
 
 
-def device_array(array: np.ndarray) -> DeviceMemoryArray:
-    """Host memory that presents itself as cuda:0 memory, as XLA's GPU buffers do (kept alive by its owner)."""
-    array = np.ascontiguousarray(array)
-    return DeviceMemoryArray(array.ctypes.data, array.shape, np.dtype(array.dtype).name, "cuda", 0, owner=array)
+class FakeXlaBuffer:
+    """A buffer XLA hands a buffer_callback on a GPU (jaxlib's ffi.Buffer), over host memory, and ``ptr``
+    for the tests. As jaxlib's, its CUDA array interface has no type string for fp8 and raises."""
+
+    __module__ = "jax.experimental.buffer_callback"  # the module jaxlib's type reports
+
+    def __init__(self, array: np.ndarray, writeable: bool = True, device_id: int = 0):
+        self.array = np.ascontiguousarray(array)
+        self.ptr, self.shape, self.dtype = self.array.ctypes.data, self.array.shape, self.array.dtype
+        self.writeable, self.device_id = writeable, device_id
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (jax_args.DLPACK_CUDA, self.device_id)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:  # as jaxlib's: no strides (dense), no stream, version 2
+        if self.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+            raise RuntimeError("UNIMPLEMENTED: Unimplemented primitive type F8E4M3FN")
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, not self.writeable), "version": 2}
+
+    def __dlpack__(self, **kwargs):  # as jaxlib's: versioned, READ_ONLY unless writeable, no strides
+        assert self.writeable, "XLA's fp8 buffers are outputs; DeviceMemoryArray has no read-only flag"
+        return DeviceMemoryArray(self.ptr, self.shape, self.dtype.name, "cuda", self.device_id,
+                                 owner=self.array).__dlpack__(**kwargs)
+
+
+def device_array(array: np.ndarray) -> FakeXlaBuffer:
+    """Host memory that presents itself as cuda:0 memory, as XLA's GPU buffers do."""
+    return FakeXlaBuffer(array)
+
+
+def test_the_callbacks_read_xla_gpu_buffers_from_their_attributes():
+    """XLA's GPU buffers are read without DLPack (its capsules cost ~10 us a buffer): address, shape,
+    dtype (bf16 as ml_dtypes gives it), row-major strides, device, and read-only inputs. fp8 ones
+    through DLPack, as jaxlib's CUDA array interface raises for them (helper-103)."""
+    rows = np.arange(2 * 3 * 256, dtype=np.float32).reshape(2, 3, 256)
+    for array, dtype, writeables in [(rows.astype(BF16), "bfloat16", (False, True)),
+                                     (rows.astype(ml_dtypes.float8_e4m3fn), "float8_e4m3fn", (True,)),
+                                     (np.arange(6, dtype=np.int32), "int32", (False, True))]:
+        for writeable in writeables:
+            buffer = FakeXlaBuffer(array, writeable=writeable, device_id=3)
+            view, device = jax_ops._read("test", "x", buffer)
+            assert device == (jax_args.DLPACK_CUDA, 3)
+            assert (view.ptr, view.shape, view.dtype, view.device_type, view.device_id, view.readonly, view.framework) \
+                == (buffer.ptr, array.shape, dtype, "cuda", 3, not writeable, "jax")
+            assert view.strides == tuple(s // array.itemsize for s in array.strides)
+    with pytest.raises(TypeError, match=r"^test: x has a dtype no argument of mooncake_ep takes: numpy dtype complex64"):
+        jax_ops._read("test", "x", FakeXlaBuffer(np.zeros(4, np.complex64)))
 
 
 def cuda_rank(ranks_on_device: int = 1):

@@ -46,8 +46,8 @@ from mooncake_ep.frameworks.jax_ops import (
     check_dispatched_ids,
     combine_config,
     dispatch_config,
+    read_outputs,
 )
-from mooncake_ep.tensor import read_array
 
 __all__ = ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]
 
@@ -164,7 +164,7 @@ class _DispatchRecvCallback:
                    for i in range(len(self.ranks))]
         (x_view, device), (topk_view, _), _ = triples[self.index]
         num_recv = 3 if c.use_fp8 else 2
-        out_views = [read_array(o, name=f"{self.where}: output") for o in outs]
+        out_views = read_outputs(self.where, outs)
         recv_views, active_view = out_views[:num_recv], out_views[num_recv]
         buffer = c.ranks.select(self.where, device)
         if x_view.device_type == "cuda":
@@ -244,7 +244,7 @@ class _CombineRecvCallback:
         x_view, device = _read(self.where, "x", x)
         topk_view, _ = _read(self.where, "topk_idx", topk_idx)
         weights_view, _ = _read(self.where, "topk_weights", topk_weights)
-        combined_view, active_view = (read_array(o, name=f"{self.where}: output") for o in outs)
+        combined_view, active_view = read_outputs(self.where, outs)
         buffer = d.ranks.select(self.where, device)
         if x_view.device_type == "cuda":
             buffer._combine_launcher(x_view, topk_view, weights_view, active_view, combined_view, parity=d.parity,
