@@ -271,22 +271,22 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
         buffer._check_alive(where)
     first = None  # (name, devices) of the first concrete array committed to its device
     for name, array in arrays.items():
-        if not isinstance(array, jax.core.Tracer) and getattr(array, "committed", False):
-            devices = array.devices()
+        traced = isinstance(array, jax.core.Tracer)
+        # Read once: each devices() builds a new set (~1 us on a GPU's host, every eager call).
+        devices = array.devices() if not traced and hasattr(array, "devices") else None
+        if devices is not None and getattr(array, "committed", False):
             if first is None:
                 first = (name, devices)
             elif devices != first[1]:
                 raise ValueError(f"{where}: {name} is on {_device_names(devices)}, {first[0]} on "
                                  f"{_device_names(first[1])}; put every array of the call on one device")
         if outside_shard_map:
-            count = _device_count(array)
+            count = _device_count(array) if devices is None else len(devices)
             if count > 1:
                 raise ValueError(f"{where}: {name} is spread over {count} devices outside shard_map, and each call "
                                  f"is one rank's; run it inside jax.shard_map with one device per rank (the mapping "
                                  f"of make_buffers), or pass one device's arrays")
-        if isinstance(array, jax.core.Tracer) or not hasattr(array, "devices"):
-            continue
-        for device in array.devices():
+        for device in devices or ():
             if device.platform == "cpu":
                 key = (DLPACK_CPU, int(device.id))
             else:
