@@ -61,6 +61,8 @@ _CREATED_READ_S = 10.0
 # The text of what torch's FileStore raises for a wait that ran out of time: a bare RuntimeError, where
 # torch's other stores raise DistStoreError.
 _TORCH_FILESTORE_TIMEOUT = "Wait timeout"
+# Seconds between a FileStore's key checks while waiting (see TorchStoreGroup._poll): FileStore.wait's own.
+_FILESTORE_POLL_S = 0.01
 
 
 def _check_device(where: str, device: Any) -> int | None:
@@ -275,6 +277,7 @@ class TorchStoreGroup(_KeyValueGroup):
                                 f"{type(store).__name__} (no {method!r})")
         self._dist = _torch_distributed("TorchStoreGroup")
         self.store = store
+        self._waits_by_polling = _is_file_store(self._dist, store)
         self.rank, self.world_size = _check_rank("TorchStoreGroup", rank, world_size)
         self.device = _check_device("TorchStoreGroup", device)
         self._init_collectives(_check_timeout("TorchStoreGroup", timeout_s))
@@ -313,8 +316,11 @@ class TorchStoreGroup(_KeyValueGroup):
                       settle: bool = False) -> list[bytes]:  # no claims here: every key stays
         keys = list(keys)
         try:
-            # At least 1 ms: torch's stores take a wait of 0 as one without a limit.
-            self.store.wait(keys, datetime.timedelta(seconds=max(_finite_s(timeout_s), 0.001)))
+            if self._waits_by_polling:
+                self._poll(keys, timeout_s)
+            else:
+                # At least 1 ms: torch's stores take a wait of 0 as one without a limit.
+                self.store.wait(keys, datetime.timedelta(seconds=max(_finite_s(timeout_s), 0.001)))
         except RuntimeError as exc:
             # A timeout names no keys, and FileStore's is not even a DistStoreError: the keys found
             # missing here are what the collective's error names the ranks from.
@@ -329,11 +335,34 @@ class TorchStoreGroup(_KeyValueGroup):
             return [bytes(v) for v in self._call("multi_get", self.store.multi_get, keys)]
         return [bytes(self._call("get", self.store.get, k)) for k in keys]
 
+    def _poll(self, keys: list[str], timeout_s: float) -> None:
+        """Waits for ``keys`` as FileStore.wait does (checking the file every 10 ms), but to the limit.
+
+        torch's FileStore.wait compares the limit with the time waited in whole seconds, truncated:
+        a wait of 0.5 s returned after 1 s and one of 2.0 s after 3 (a renewal, two waits, after 4).
+
+        Raises:
+            RuntimeError: FileStore's own timeout text, for _kv_multi_get to name the missing keys.
+        """
+        deadline = time.monotonic() + _finite_s(timeout_s)
+        while not self._call("check", self.store.check, keys):
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise RuntimeError(_TORCH_FILESTORE_TIMEOUT)
+            time.sleep(min(_FILESTORE_POLL_S, left_s))
+
     def _kv_delete(self, key: str) -> None:
         try:
             self.store.delete_key(key)
         except (AttributeError, RuntimeError) as exc:  # FileStore and older stores cannot delete
             logger.debug("TorchStoreGroup: could not delete %s (the key stays): %s", key, exc)
+
+
+def _is_file_store(dist: Any, store: Any) -> bool:
+    """Whether ``store`` is a torch FileStore, or PrefixStores over one."""
+    while isinstance(store, dist.PrefixStore):
+        store = getattr(store, "underlying_store", None)  # torch releases without it: not known
+    return isinstance(store, dist.FileStore)
 
 
 # torchrun sets this to "True" in its workers when its agent serves the job's store at MASTER_ADDR:MASTER_PORT.

@@ -312,8 +312,7 @@ def test_a_torch_store_groups_renewal_timeout_gives_advice_it_can_follow():
 
 def test_torch_store_group_over_a_file_store_names_the_ranks_it_waited_for(tmp_path):
     """torch's FileStore ends a wait that ran out of time with a bare RuntimeError, not the DistStoreError
-    of its other stores: the group said only "torch store wait failed: RuntimeError: Wait timeout".
-    (Its waits last whole seconds: a short timeout_s keeps this test at a few.)"""
+    of its other stores: the group said only "torch store wait failed: RuntimeError: Wait timeout"."""
     dist = pytest.importorskip("torch.distributed")
     store, timeout_s = dist.FileStore(str(tmp_path / "store"), 2), 0.1
     with pytest.raises(GroupError, match=rf"^init_group #0 timed out after {timeout_s} s waiting for ranks \[1\] of 2 "
@@ -326,6 +325,30 @@ def test_torch_store_group_over_a_file_store_names_the_ranks_it_waited_for(tmp_p
     with pytest.raises(GroupError, match=rf"^barrier #0 timed out after {timeout_s} s waiting for ranks \[1\] of 2 "
                                          rf"\(torch FileStore, keys formed/1/\*\)$"):
         groups[0].barrier()  # rank 1 does not call
+
+
+@pytest.mark.parametrize("prefixed", [False, True], ids=["file_store", "prefix_store_over_it"])
+def test_torch_store_group_over_a_file_store_waits_to_its_timeout_not_the_next_second(tmp_path, monkeypatch,
+                                                                                      prefixed):
+    """torch's FileStore.wait truncates the time waited to whole seconds before comparing it with the limit:
+    a barrier of timeout_s = 2.0 ended after 3 s, a renewal (two waits) after 4. The group polls the keys
+    itself, to the limit; on a clock of the test's own, which only the polls' sleeps move."""
+    dist = pytest.importorskip("torch.distributed")
+    from mooncake_ep import _group_adapters
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    if prefixed:
+        store = dist.PrefixStore("outer", dist.PrefixStore("inner", store))
+    groups = run_in_threads([lambda r=r: TorchStoreGroup(store, r, 2, timeout_s=LONG_TIMEOUT_S) for r in range(2)])
+    now = [1000.0]
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    monkeypatch.setattr(_group_adapters, "time", types.SimpleNamespace(monotonic=lambda: now[0], sleep=sleep))
+    groups[0].timeout_s = 2.0
+    with pytest.raises(GroupError, match=r"^barrier #0 timed out after 2\.0 s waiting for ranks \[1\] of 2"):
+        groups[0].barrier()  # rank 1 does not call
+    assert now[0] - 1000.0 == pytest.approx(2.0, abs=0.011)
 
 
 def test_torch_store_group_duplicate_rank_and_bad_input():
