@@ -345,7 +345,9 @@ class TorchStoreGroup(_KeyValueGroup):
             RuntimeError: FileStore's own timeout text, for _kv_multi_get to name the missing keys.
         """
         deadline = time.monotonic() + _finite_s(timeout_s)
-        while not self._call("check", self.store.check, keys):
+        # The store's own errors as its wait's: _kv_multi_get tells them apart (helper-104: a GroupError
+        # from here was wrapped again as "wait failed").
+        while not self.store.check(keys):
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise RuntimeError(_TORCH_FILESTORE_TIMEOUT)

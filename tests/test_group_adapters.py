@@ -351,6 +351,30 @@ def test_torch_store_group_over_a_file_store_waits_to_its_timeout_not_the_next_s
     assert now[0] - 1000.0 == pytest.approx(2.0, abs=0.011)
 
 
+def test_torch_store_group_over_a_file_store_names_a_store_error_while_it_waits(tmp_path, monkeypatch):
+    """A FileStore whose file stops being one while a rank polls it: the error is the store's, once, as
+    when torch's own wait raised it (helper-104: it read "wait failed: GroupError: torch store check
+    failed: ...")."""
+    dist = pytest.importorskip("torch.distributed")
+    from mooncake_ep import _group_adapters
+    path = tmp_path / "store"
+    store = dist.FileStore(str(path), 2)
+    groups = run_in_threads([lambda r=r: TorchStoreGroup(store, r, 2, timeout_s=LONG_TIMEOUT_S) for r in range(2)])
+
+    def sleep(seconds):  # the first poll found rank 1's key missing: the file becomes a folder
+        if path.is_file():
+            path.unlink()
+            path.mkdir()
+
+    monkeypatch.setattr(_group_adapters, "time", types.SimpleNamespace(monotonic=lambda: 0.0, sleep=sleep))
+    with pytest.raises(GroupError, match=r"^barrier #0 on rank 0 failed: torch store check failed: DistStoreError: "
+                                         r"Is a directory") as info:
+        groups[0].barrier()  # rank 1 does not call
+    assert "wait failed" not in str(info.value)
+    path.rmdir()  # a file again: torch's FileStore aborts the process if its destructor finds a folder
+    path.touch()
+
+
 def test_torch_store_group_duplicate_rank_and_bad_input():
     dist = pytest.importorskip("torch.distributed")
     store = dist.HashStore()
