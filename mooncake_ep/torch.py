@@ -83,7 +83,8 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ran
         handle for :func:`combine`.
 
     Raises:
-        TypeError: x, topk_idx or active_ranks is not a torch.Tensor (before anything is launched).
+        TypeError: buffer is not a Buffer, or x, topk_idx or active_ranks is not a torch.Tensor (before
+            anything is launched).
 
     Note:
         A rank that fails (or comes back) between the forward and the backward moves the gradient
@@ -91,6 +92,7 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ran
         and every expert once a rank the forward masked is back, send a zero gradient rather than
         other tokens' rows, and active_ranks shows the failure.
     """
+    _check_buffer("mooncake_ep.torch.dispatch", buffer)
     _check_tensors("mooncake_ep.torch.dispatch", x=x, topk_idx=topk_idx, active_ranks=active_ranks)
     return DispatchFunction.apply(x, topk_idx, active_ranks, buffer, num_max_dispatch_tokens_per_rank,
                                   num_experts, timeout_us)
@@ -124,8 +126,8 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         combined_x ``[num_tokens, hidden]`` bf16.
 
     Raises:
-        TypeError: x, topk_idx, topk_weights or active_ranks is not a torch.Tensor, or a gradient is
-            needed and grad_buffer is missing, or not a Buffer.
+        TypeError: buffer is not a Buffer; x, topk_idx, topk_weights or active_ranks is not a
+            torch.Tensor; or a gradient is needed and grad_buffer is missing, or not a Buffer.
         ValueError: grad_buffer is of another group size or too small; grad_num_topk is below this
             rank's num_topk or above 16.
 
@@ -137,6 +139,7 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         on CUDA tensors does not bring the forward's counts to compare with).
         Differentiable once: a double backward (``create_graph=True``) through it is refused.
     """
+    _check_buffer("mooncake_ep.torch.combine", buffer)
     _check_tensors("mooncake_ep.torch.combine", x=x, topk_idx=topk_idx, topk_weights=topk_weights,
                    active_ranks=active_ranks)
     # Checked here, not in forward (which autograd runs with grad mode off): an evaluation under
@@ -145,6 +148,14 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         grad_num_topk = _check_grad_buffer(buffer, grad_buffer, handle, grad_num_topk)
     return CombineFunction.apply(x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, grad_num_topk,
                                  timeout_us)
+
+
+def _check_buffer(where: str, buffer) -> None:
+    """``buffer`` is a Buffer: anything else (None, the group) failed later with an AttributeError
+    that named no argument (helper-105)."""
+    if not isinstance(buffer, Buffer):
+        raise TypeError(f"{where}: buffer must be a mooncake_ep.Buffer, got {type(buffer).__module__}."
+                        f"{type(buffer).__qualname__}")
 
 
 def _check_tensors(where: str, **arrays) -> None:

@@ -443,6 +443,9 @@ def test_refusals_name_the_argument_and_leave_the_buffer_usable():
         with pytest.raises(TypeError, match=r"mooncake_ep.torch.dispatch: topk_idx must be a torch.Tensor, got "
                                             r"numpy.ndarray"):
             ept.dispatch(buffer, xs[0], topks[0].numpy(), active, T, E)
+        with pytest.raises(TypeError, match=r"^mooncake_ep.torch.dispatch: buffer must be a mooncake_ep.Buffer, got "
+                                            r"mooncake_ep.group.LocalRankGroup$"):
+            ept.dispatch(group, xs[0], topks[0], active, T, E)  # the group for its Buffer (helper-105)
         assert buffer._num_dispatches == 0
         recv, _, handle = ept.dispatch(buffer, xs[0], topks[0], active, T, E)
         y = recv.clone().requires_grad_()
@@ -471,6 +474,11 @@ def test_refusals_name_the_argument_and_leave_the_buffer_usable():
         small.destroy()
         with pytest.raises(RuntimeError, match=r"mooncake_ep.torch.combine: grad_buffer: this Buffer was destroyed"):
             ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=small)
+        for grad_mode in (True, False):  # with a gradient needed, and without
+            with torch.set_grad_enabled(grad_mode):
+                with pytest.raises(TypeError, match=r"^mooncake_ep.torch.combine: buffer must be a mooncake_ep.Buffer, "
+                                                    r"got builtins.NoneType$"):
+                    ept.combine(None, y, topks[0], weights[0], active, handle, grad_buffer=grad_buffer)
         with torch.no_grad():  # an evaluation records no backward: inputs that require grad need no grad_buffer
             evaluated = ept.combine(buffer, y, topks[0], torch.nn.Parameter(weights[0].clone()), active, handle)
         out = ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=grad_buffer)
