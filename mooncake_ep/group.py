@@ -924,16 +924,16 @@ class LocalGroup:
             return results
         own = [(r, e) for r, e in failed if not isinstance(e, _PeerAbortedError)]
         rank, exc = (own or failed)[0]
-        exc.add_note(f"LocalGroup.spawn: raised on rank {rank} of {n}")
+        _add_note(exc, f"LocalGroup.spawn: raised on rank {rank} of {n}")
         others = [f"rank {r}: {type(e).__name__}: {e}" for r, e in own if r != rank]
         if others:
-            exc.add_note("other ranks failed too: " + "; ".join(others))
+            _add_note(exc, "other ranks failed too: " + "; ".join(others))
         released = [r for r, e in failed if isinstance(e, _PeerAbortedError)]
         if released:
-            exc.add_note(f"ranks {released} were released from their collectives with GroupError")
+            _add_note(exc, f"ranks {released} were released from their collectives with GroupError")
         alive = [r for r, t in enumerate(self._threads) if t.is_alive()]
         if alive:
-            exc.add_note(f"ranks {alive} had not returned after {timeout} s and were left running")
+            _add_note(exc, f"ranks {alive} had not returned after {timeout} s and were left running")
         raise exc
 
     def _make_streams(self) -> None:
@@ -990,6 +990,15 @@ class LocalGroup:
                 return GroupError(self._break_reason)
             return GroupError(f"{label} on rank {rank}: the LocalGroup is broken by an earlier failure "
                               f"({self._break_reason})")
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, which Python 3.10 lacks (this package supports it): there the note is
+    logged instead, as its traceback would not show it."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        logger.error("%s: %s", type(exc).__name__, note)
 
 
 def _use_rank_device_and_stream(group: LocalGroup, rank: int) -> None:

@@ -831,3 +831,20 @@ def test_init_group_world_size_one_uses_no_network(clean_env):
             assert (group.rank, group.world_size, group.device, group.is_in_process) == (0, 1, 3, False)
             assert group.allgather_bytes(b"solo") == [b"solo"]
             group.barrier()
+
+
+def test_spawn_notes_a_rank_failure_also_on_python_310(caplog):
+    """LocalGroup.spawn notes on a rank's exception where it was raised. Python 3.10 (supported) has no
+    add_note: the rank's exception became an AttributeError there; the note now goes to the log."""
+    from mooncake_ep import group as group_module
+
+    error = ValueError("boom")
+    group_module._add_note(error, "LocalGroup.spawn: raised on rank 1 of 2")
+    assert error.__notes__ == ["LocalGroup.spawn: raised on rank 1 of 2"]
+
+    class ErrorOfPython310(ValueError):  # as a 3.10 exception: no add_note
+        add_note = property(lambda self: (_ for _ in ()).throw(AttributeError("add_note")))
+
+    with caplog.at_level("ERROR", logger="mooncake_ep"):
+        group_module._add_note(ErrorOfPython310("boom"), "LocalGroup.spawn: raised on rank 1 of 2")
+    assert "ErrorOfPython310: LocalGroup.spawn: raised on rank 1 of 2" in caplog.text
