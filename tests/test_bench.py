@@ -273,6 +273,24 @@ def test_bench_plot_writes_a_png(tmp_path):
         assert point["phases"]["dispatch"]["p50_us"] > 0 and point["phases"]["combine"]["baseline_p50_us"] > 0
 
 
+def test_a_plot_that_cannot_be_written_is_one_line_and_keeps_the_json(tmp_path, monkeypatch, capsys):
+    """The folder can go, or the disk fill, during the sweep (helper-106: a traceback, and the --json
+    report, written after the plot, was lost)."""
+    import errno
+
+    import matplotlib.figure
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    png, path = tmp_path / "sweep.png", tmp_path / "bench.json"
+    assert cli.main(["bench", "--backend", "reference", "--plot", str(png), "--sweep-tokens", "1,4", "--iters", "3",
+                     "--warmup", "2", "--json", str(path)]) == 1
+    assert f"OutputError: --plot {png}: could not write the plot: No space left on device" in capsys.readouterr().err
+    assert [point["tokens"] for point in json.loads(path.read_text())["sweep"]] == [1, 4]
+
+
 @pytest.mark.parametrize("mode", ["async", "hook"])
 def test_bench_reference_runs_each_mode(tmp_path, mode):
     path = tmp_path / "bench.json"

@@ -63,7 +63,7 @@ from collections.abc import Callable
 import numpy as np
 
 import mooncake_ep as ep
-from mooncake_ep.cli import (EXIT_OK, UsageError, check_host_memory, check_moe_shape, check_output_path,
+from mooncake_ep.cli import (EXIT_OK, OutputError, UsageError, check_host_memory, check_moe_shape, check_output_path,
                              kernel_span, launch, write_json)
 from mooncake_ep.cli.gpu import gpu_status
 
@@ -1082,7 +1082,10 @@ def plot_sweep(path: str, report: dict, points: list[dict]) -> None:
         ax.legend()
     fig.suptitle(f"{report['device']} ({report['backend']}): {c['ranks']} ranks, H={c['hidden']}, "
                  f"top-{c['topk']} of {c['experts']}, routing {c['routing']}, {report['date']}")
-    fig.savefig(path, dpi=120, format="png")
+    try:
+        fig.savefig(path, dpi=120, format="png")
+    except OSError as exc:  # the folder went away or the disk filled during the run (helper-106)
+        raise OutputError(f"--plot {path}: could not write the plot: {exc.strerror or exc}") from None
 
 
 # --- the command ---------------------------------------------------------------------------------
@@ -1294,10 +1297,10 @@ def run_ranks(args, backend: str, why: str, group) -> int:
             phases = report["phases"] if tokens == args.tokens else measured(tokens)["phases"]
             points.append({"tokens": tokens, "phases": phases})
         report["sweep"] = points
-        if reporting:
-            plot_sweep(args.plot, report, points)
-            print(f"plot of {len(points)} points (tokens per rank {', '.join(map(str, args.sweep_tokens))}): "
-                  f"{args.plot}")
-    if args.json and reporting:
+    if args.json and reporting:  # first: a plot that cannot be written loses no measurement
         write_json("--json", args.json, report)
+    if args.plot is not None and reporting:
+        plot_sweep(args.plot, report, report["sweep"])
+        print(f"plot of {len(report['sweep'])} points (tokens per rank {', '.join(map(str, args.sweep_tokens))}): "
+              f"{args.plot}")
     return EXIT_OK
