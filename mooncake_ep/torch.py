@@ -150,11 +150,11 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
                                  timeout_us)
 
 
-def _check_buffer(where: str, buffer) -> None:
+def _check_buffer(where: str, buffer, name: str = "buffer") -> None:
     """``buffer`` is a Buffer: anything else (None, the group) failed later with an AttributeError
     that named no argument (helper-105)."""
     if not isinstance(buffer, Buffer):
-        raise TypeError(f"{where}: buffer must be a mooncake_ep.Buffer, got {type(buffer).__module__}."
+        raise TypeError(f"{where}: {name} must be a mooncake_ep.Buffer, got {type(buffer).__module__}."
                         f"{type(buffer).__qualname__}")
 
 
@@ -349,8 +349,7 @@ def _check_grad_buffer(buffer: Buffer, grad_buffer, handle, grad_num_topk) -> in
         raise TypeError(f"{where}: the gradient of combine is a dispatch of num_tokens * num_topk rows: pass "
                         f"grad_buffer=, a Buffer of the same group sized with "
                         f"mooncake_ep.torch.grad_buffer_size_hint(T, hidden, num_ranks, num_experts, num_topk)")
-    if not isinstance(grad_buffer, Buffer):
-        raise TypeError(f"{where}: grad_buffer must be a mooncake_ep.Buffer, got {type(grad_buffer).__name__}")
+    _check_buffer(where, grad_buffer, "grad_buffer")
     grad_buffer._check_alive(f"{where}: grad_buffer")  # here, not in a backward long after this call
     if grad_buffer is buffer or grad_buffer.num_ranks != buffer.num_ranks:
         raise ValueError(f"{where}: grad_buffer must be another Buffer of the same group ({buffer.num_ranks} ranks), "
