@@ -66,10 +66,10 @@ def dispatch_send(where: str, buffer: Buffer, x, topk_idx, active_ranks, num_max
     return PendingDispatch(config, (x, topk_idx, varying_like(sent, active_ranks)))
 
 
-def dispatch_recv(where: str, pending: Sequence[PendingDispatch]) -> list:
-    """The receive halves of every given rank's dispatch: ``[(recv_x, recv_count, handle, active_ranks)]``."""
+def dispatch_recv(where: str, pending: list[PendingDispatch]) -> list:
+    """The receive halves of every given rank's dispatch: ``[(recv_x, recv_count, handle, active_ranks)]``.
+    ``pending`` is :func:`check_pending`'s list, which the public op makes before tracing this."""
     _register_pytrees()
-    pending = check_pending(where, pending, PendingDispatch, "dispatch_send")
     operands = [a for p in pending for a in p.arrays]
     results = []
     for index, p in enumerate(pending):
@@ -201,10 +201,10 @@ def combine_send(where: str, buffer: Buffer, x, topk_idx, topk_weights, active_r
     return PendingCombine(config, (x, topk_idx, topk_weights, varying_like(sent, active_ranks), *handle.arrays))
 
 
-def combine_recv(where: str, pending: Sequence[PendingCombine]) -> list:
-    """The receive halves of every given rank's combine: ``[(combined_x, active_ranks)]``."""
+def combine_recv(where: str, pending: list[PendingCombine]) -> list:
+    """The receive halves of every given rank's combine: ``[(combined_x, active_ranks)]``. ``pending``
+    is :func:`check_pending`'s list, which the public op makes before tracing this."""
     _register_pytrees()
-    pending = check_pending(where, pending, PendingCombine, "combine_send")
     sizes = [len(p.arrays) for p in pending]
     operands = [a for p in pending for a in p.arrays]
     results = []
