@@ -17,6 +17,7 @@ import pickle
 import numpy as np
 
 from mooncake_ep import reference
+from mooncake_ep._group_common import GroupError
 from mooncake_ep._handshake import RankMismatchError, by_rank
 
 
@@ -40,8 +41,20 @@ class ReferenceBackend:
         ValueError, naming the first field of ``call`` on which the ranks disagree. A field
         ``"mesh position"`` (a JAX ``shard_map``'s, :data:`MESH_POSITION`) must instead equal each
         rank's own number, checked on every rank at once.
+
+        Raises:
+            GroupError: the group's collective failed (a peer did not come within its ``timeout_s``);
+                the message names this call, which the group's own error cannot.
         """
-        blobs = self.group.allgather_bytes(pickle.dumps((call, arrays), protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            blobs = self.group.allgather_bytes(pickle.dumps((call, arrays), protocol=pickle.HIGHEST_PROTOCOL))
+        except GroupError as exc:
+            # A peer that refused this call (bad input: refused before its exchange, as if never made)
+            # or never made it leaves the others here; the group's error names only its collective.
+            numbers = ", ".join(f"{field} {value}" for field, value in call if "number" in field)
+            raise GroupError(f"{where} ({numbers} of this Buffer): the exchange with the other ranks failed: {exc}; "
+                             f"a rank that refused this call (its own error says why) or never made it holds the "
+                             f"others here until the group's timeout_s: every rank must make the same calls") from exc
         gathered = [_call_and_arrays(blob) for blob in blobs]
         calls = [dict(their_call) for their_call, _ in gathered]
         for field, _ in call:

@@ -804,6 +804,33 @@ def test_a_peers_call_this_host_cannot_hold_is_out_of_memory_not_a_mismatch(monk
                                                                              ())
 
 
+def test_a_peer_that_refused_the_call_is_what_the_others_timeout_names():
+    """A call one rank refuses (bad input, checked before its exchange) is as if never made there, so its
+    peers wait in the exchange until the group's timeout_s. Their GroupError had named only the group's
+    collective ("allgather_bytes #1 timed out"); it now names the call and its number, and why a peer may
+    not have come (review, helper-105)."""
+    timeout_s = 0.5
+
+    def rank_fn(group):
+        buf = new_buffer(group, VCASE)
+        run_step(buf, VCASE, group.rank, BF16_FLAGS)  # the Buffer works before: dispatch number 0
+        if group.rank == 1:
+            bad_ids = np.full_like(VCASE.topk_idxs[1], VCASE.num_experts)
+            with pytest.raises(ValueError, match=r"^dispatch: topk_idx entries must be -1 or in \[0, 4\)"):
+                buf.dispatch(**dispatch_args(VCASE, 1, topk_idx=bad_ids), **BF16_FLAGS)
+            return None
+        with pytest.raises(ep.GroupError) as info:
+            buf.dispatch(**dispatch_args(VCASE, 0), **BF16_FLAGS)
+        return str(info.value)
+
+    message, refused = ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn, timeout_s=timeout_s)
+    assert refused is None
+    assert message.startswith(f"dispatch (dispatch number 1 of this Buffer): the exchange with the other ranks "
+                              f"failed: allgather_bytes #") and \
+        f"timed out after {timeout_s} s waiting for ranks [1] of 2 (LocalGroup); a rank that refused this call" \
+        in message, message
+
+
 def test_ranks_updating_different_buffers_are_refused_and_can_update_alike():
     """Two Buffers of one size: nothing but their names tells them apart, and ranks updating them in
     different orders had each adopted the other's dispatch count (on the GPU, its peers' workspaces).
