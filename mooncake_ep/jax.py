@@ -93,6 +93,12 @@ BufferArg = Buffer | Mapping[Any, Buffer]
 # --- dispatch ---------------------------------------------------------------------------------------
 
 
+def _check_one_buffer(where: str, buffer) -> None:
+    """The split ops take one rank's Buffer (the fused ops also take a mapping of them)."""
+    if not isinstance(buffer, Buffer):
+        raise TypeError(f"{where}: buffer must be one rank's mooncake_ep.Buffer, got {type(buffer).__name__}")
+
+
 def _static_ints(where: str, num_max_dispatch_tokens_per_rank, num_experts) -> tuple[int, int]:
     """T and E as Python ints (numpy's small integers would wrap in the shapes worked out from them);
     the Buffer's checks refuse the rest of what is wrong with them (E not a multiple of the ranks)."""
@@ -535,8 +541,7 @@ def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_to
         A :class:`PendingDispatch` (a pytree of this rank's arrays).
     """
     where = "mooncake_ep.jax.dispatch_send"
-    if not isinstance(buffer, Buffer):
-        raise TypeError(f"{where}: buffer must be one rank's mooncake_ep.Buffer, got {type(buffer).__name__}")
+    _check_one_buffer(where, buffer)
     num_max_dispatch_tokens_per_rank, num_experts = _static_ints(where, num_max_dispatch_tokens_per_rank, num_experts)
     arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
@@ -590,8 +595,7 @@ def combine_send(buffer: Buffer, x, topk_idx, topk_weights, active_ranks, handle
         A :class:`PendingCombine`, for :func:`combine_recv`.
     """
     where = "mooncake_ep.jax.combine_send"
-    if not isinstance(buffer, Buffer):
-        raise TypeError(f"{where}: buffer must be one rank's mooncake_ep.Buffer, got {type(buffer).__name__}")
+    _check_one_buffer(where, buffer)
     jax_ops.check_handle(where, handle, jax_args.Ranks(buffer))
     arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
