@@ -55,6 +55,11 @@ class StoreTimeoutError(_StoreWaitError):
     """
 
 
+class _PeerAbortedError(GroupError):
+    """Raised in a LocalGroup rank whose wait was cut short because another rank failed (LocalGroup.spawn
+    then raises that rank's own error, so callers of a collective let this one through as it is)."""
+
+
 # The public home of these errors is mooncake_ep.group (tracebacks and pickles name them there).
 GroupError.__module__ = StoreTimeoutError.__module__ = "mooncake_ep.group"
 

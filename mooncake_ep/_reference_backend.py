@@ -17,7 +17,7 @@ import pickle
 import numpy as np
 
 from mooncake_ep import reference
-from mooncake_ep._group_common import GroupError
+from mooncake_ep._group_common import GroupError, _PeerAbortedError
 from mooncake_ep._handshake import RankMismatchError, by_rank
 
 
@@ -48,13 +48,14 @@ class ReferenceBackend:
         """
         try:
             blobs = self.group.allgather_bytes(pickle.dumps((call, arrays), protocol=pickle.HIGHEST_PROTOCOL))
+        except _PeerAbortedError:
+            raise  # LocalGroup.spawn raises the failed peer's own error in its place
         except GroupError as exc:
             # A peer that refused this call (bad input: refused before its exchange, as if never made)
             # or never made it leaves the others here; the group's error names only its collective.
             numbers = ", ".join(f"{field} {value}" for field, value in call if "number" in field)
-            raise GroupError(f"{where} ({numbers} of this Buffer): the exchange with the other ranks failed: {exc}; "
-                             f"a rank that refused this call (its own error says why) or never made it holds the "
-                             f"others here until the group's timeout_s: every rank must make the same calls") from exc
+            what = f"{where} ({numbers} of this Buffer)" if numbers else where  # the JAX ops' calls have none
+            raise GroupError(f"{what}: the exchange with the other ranks failed: {exc}") from exc
         gathered = [_call_and_arrays(blob) for blob in blobs]
         calls = [dict(their_call) for their_call, _ in gathered]
         for field, _ in call:

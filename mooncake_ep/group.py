@@ -60,6 +60,7 @@ from mooncake_ep._group_common import (
     _check_timeout,
     _KeyValueGroup,
     _MISMATCH_GRACE_S,
+    _PeerAbortedError,
     _PROBE_S,
     _wait_arg,
 )
@@ -110,10 +111,6 @@ def __getattr__(name: str) -> Any:
         if not name.startswith("__") and hasattr(module, name):
             return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class _PeerAbortedError(GroupError):
-    """Raised in a LocalGroup rank whose wait was cut short because another rank failed."""
 
 
 @runtime_checkable

@@ -807,8 +807,7 @@ def test_a_peers_call_this_host_cannot_hold_is_out_of_memory_not_a_mismatch(monk
 def test_a_peer_that_refused_the_call_is_what_the_others_timeout_names():
     """A call one rank refuses (bad input, checked before its exchange) is as if never made there, so its
     peers wait in the exchange until the group's timeout_s. Their GroupError had named only the group's
-    collective ("allgather_bytes #1 timed out"); it now names the call and its number, and why a peer may
-    not have come (review, helper-105)."""
+    collective ("allgather_bytes #1 timed out"); it now names the call and its number (review, helper-105)."""
     timeout_s = 0.5
 
     def rank_fn(group):
@@ -825,10 +824,41 @@ def test_a_peer_that_refused_the_call_is_what_the_others_timeout_names():
 
     message, refused = ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn, timeout_s=timeout_s)
     assert refused is None
-    assert message.startswith(f"dispatch (dispatch number 1 of this Buffer): the exchange with the other ranks "
-                              f"failed: allgather_bytes #") and \
-        f"timed out after {timeout_s} s waiting for ranks [1] of 2 (LocalGroup); a rank that refused this call" \
-        in message, message
+    assert re.fullmatch(rf"dispatch \(dispatch number 1 of this Buffer\): the exchange with the other ranks failed: "
+                        rf"allgather_bytes #\d+ timed out after {timeout_s} s waiting for ranks \[1\] of 2 "
+                        rf"\(LocalGroup\)", message), message
+
+
+def test_a_rank_that_fails_in_spawn_is_what_spawn_raises_not_the_peer_released_from_the_exchange():
+    """LocalGroup releases a rank waiting in a collective when a peer fails (_PeerAbortedError), and spawn
+    raises the failed rank's own error. The exchange's naming of the call must let that release through
+    as it is: wrapped, it read as rank 0's own failure, and spawn raised it instead (helper-108)."""
+    def rank_fn(group):
+        buf = new_buffer(group, VCASE)
+        run_step(buf, VCASE, group.rank, BF16_FLAGS)  # rank 0 then waits in the next exchange, not the handshake
+        if group.rank == 1:
+            bad_ids = np.full_like(VCASE.topk_idxs[1], VCASE.num_experts)
+            buf.dispatch(**dispatch_args(VCASE, 1, topk_idx=bad_ids), **BF16_FLAGS)
+        buf.dispatch(**dispatch_args(VCASE, 0), **BF16_FLAGS)
+
+    with pytest.raises(ValueError, match=r"^dispatch: topk_idx entries must be -1"):
+        ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+
+
+def test_an_exchange_without_a_call_number_is_named_by_its_call_alone():
+    """The JAX ops' exchanges carry their parity, not a call number: the name is then the call's alone."""
+    from mooncake_ep._reference_backend import ReferenceBackend
+
+    class BrokenGroup:
+        rank, world_size = 0, 2
+
+        def allgather_bytes(self, data):
+            raise ep.GroupError("allgather_bytes #4: the group is broken by an earlier failure")
+
+    backend = ReferenceBackend(BrokenGroup())
+    with pytest.raises(ep.GroupError, match=r"^mooncake_ep\.jax\.dispatch: the exchange with the other ranks failed: "
+                                            r"allgather_bytes #4: the group is broken by an earlier failure$"):
+        backend.exchange("mooncake_ep.jax.dispatch", (("call", "dispatch"), ("parity", 0)), np.zeros(1))
 
 
 def test_ranks_updating_different_buffers_are_refused_and_can_update_alike():
