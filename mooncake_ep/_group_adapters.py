@@ -21,7 +21,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import logging
-import os
+import secrets
 import threading
 import time
 from collections import Counter
@@ -268,6 +268,9 @@ class TorchStoreGroup(_KeyValueGroup):
     """
 
     _same_rank_hint = "every process needs its own rank"
+    # The time.monotonic() by which the join must end, where a subclass spent part of timeout_s before it
+    # (torchrun's group connects to the store first); None: timeout_s from the construction.
+    _join_deadline: float | None = None
 
     def __init__(self, store: Any, rank: int, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: int | None = None, prefix: str = DEFAULT_PREFIX) -> None:
@@ -283,18 +286,25 @@ class TorchStoreGroup(_KeyValueGroup):
         self._init_collectives(_check_timeout("TorchStoreGroup", timeout_s))
         if self.world_size == 1:
             return
-        try:
-            generation = store.add(f"{prefix}/groups/{self.rank}", 1)
-        except RuntimeError as exc:
-            raise GroupError(f"TorchStoreGroup: rank {self.rank} cannot reach the store: {exc}") from exc
-        self._namespace = f"{prefix}/{generation}/"
-        self._rendezvous()
+        deadline = (self._join_deadline if self._join_deadline is not None
+                    else time.monotonic() + _finite_s(self._timeout_s))
+        self._namespace = self._choose_namespace(prefix, deadline)
+        self._rendezvous(deadline)
 
     def __repr__(self) -> str:
         return f"TorchStoreGroup(rank={self.rank}, world_size={self.world_size}, store={type(self.store).__name__})"
 
     def _where(self) -> str:
-        return f"torch {type(self.store).__name__}, keys {self._namespace}*{_torchrun_restart_note()}"
+        return f"torch {type(self.store).__name__}, keys {self._namespace}*"
+
+    def _choose_namespace(self, prefix: str, deadline: float) -> str:
+        """Where this group's keys live: ``{prefix}/{n}/``, ``n`` counting the groups this rank has built
+        on the store (so every rank must build its groups in the same order)."""
+        try:
+            generation = self.store.add(f"{prefix}/groups/{self.rank}", 1)
+        except RuntimeError as exc:
+            raise GroupError(f"TorchStoreGroup: rank {self.rank} cannot reach the store: {exc}") from exc
+        return f"{prefix}/{generation}/"
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
@@ -369,28 +379,95 @@ def _is_file_store(dist: Any, store: Any) -> bool:
 
 # torchrun sets this to "True" in its workers when its agent serves the job's store at MASTER_ADDR:MASTER_PORT.
 TORCHRUN_AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
-# How many times torchrun's agent has restarted this worker's group (per agent: nodes may differ).
-TORCHRUN_RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
+# How often the torchrun group's join looks for its leader's answer, or its peers' acknowledgements.
+_TORCHRUN_POLL_S = 0.01
 
 
-def _torchrun_restart_note() -> str:
-    """For the timeouts of a torch store group in a worker torchrun restarted on its agent's store: the
-    likely cause, and the way out; "" elsewhere.
+class _TorchrunStoreGroup(TorchStoreGroup):
+    """A :class:`TorchStoreGroup` on the store torchrun's agent serves, whose keys outlive the workers
+    the agent restarts.
 
-    The agent's store outlives its workers (torch serves one per agent, for every rendezvous round),
-    and so do the group numbers each rank counted on it. A rank that died before building a group
-    that the others built leaves its number behind theirs, and after the restart the ranks wait
-    under different keys, at every restart. Reproduced with ``torchrun --max-restarts 1``: the rank
-    that was behind even completed its rendezvous against the dead rank 0's join, and timed out at
-    its first collective. Keys chosen by a leader that every rank of an attempt follows would fix it.
+    TorchStoreGroup's group numbers, which each rank counts in the store, would outlive them too: after
+    a restart in which one rank had built fewer groups than the others (it died before init_group), the
+    ranks would wait under different keys, at every restart (reproduced with ``torchrun --max-restarts
+    1``). Here rank 0 chooses each group's namespace, fresh and random, and hands it to each rank under
+    a key that only that rank's process can name:
+
+    - a rank r > 0 appends ``r:nonce;`` (a fresh random nonce of its own) to ``{prefix}/torchrun/hello``
+      and waits for the namespace under ``{prefix}/torchrun/welcome/{nonce}``; it acknowledges it under
+      ``{namespace}ack/{r}``;
+    - rank 0 answers every nonce of the hello log with its namespace until every rank has
+      acknowledged. Nonces of processes before a restart are answered too, to nobody; no restart count
+      is needed (torchrun's differs between nodes: a membership change restarts workers uncounted).
+
+    Then the ranks join as TorchStoreGroup's do, in that namespace. A rank 0 still waiting for the
+    acknowledgements of one group may answer a rank's hello of its next group with the first group's
+    namespace: a rank ignores a namespace it has joined, and the next group's rank 0 answers again.
     """
-    restarts = os.environ.get(TORCHRUN_RESTART_COUNT_VAR, "0")
-    if os.environ.get(TORCHRUN_AGENT_STORE_VAR) != "True" or restarts in ("", "0"):
-        return ""
-    return (f"; this worker is restart {restarts} on torchrun's agent store, which keeps the group numbers of "
-            f"the workers before it: ranks that built different numbers of groups before the restart (one died "
-            f"before init_group) wait under different keys at every restart. Run torchrun with "
-            f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: init_group then serves a fresh store of its own each attempt")
+
+    def __init__(self, store: Any, rank: int, world_size: int, *, timeout_s: float, device: int | None,
+                 deadline: float) -> None:
+        self._join_deadline = deadline
+        super().__init__(store, rank, world_size, timeout_s=timeout_s, device=device)
+
+    def _choose_namespace(self, prefix: str, deadline: float) -> str:
+        hello = f"{prefix}/torchrun/hello"
+        self._namespace = f"{prefix}/torchrun/"  # what a timeout here names
+        if self.rank == 0:
+            namespace = f"{prefix}/t{secrets.token_hex(8)}/"
+            self._lead(hello, f"{prefix}/torchrun/welcome/", namespace, deadline)
+        else:
+            nonce = secrets.token_hex(8)
+            self._call("append", self.store.append, hello, f"{self.rank}:{nonce};")
+            namespace = self._follow(f"{prefix}/torchrun/welcome/{nonce}", deadline)
+            self._kv_set(f"{namespace}ack/{self.rank}", b"")
+        with _joined_lock:
+            _joined_namespaces.setdefault(self.rank, set()).add(namespace)
+        return namespace
+
+    def _lead(self, hello: str, welcome: str, namespace: str, deadline: float) -> None:
+        """Rank 0: answer every hello with ``namespace`` until every rank acknowledged it."""
+        acks = [f"{namespace}ack/{r}" for r in range(1, self.world_size)]
+        answered: set[str] = set()
+        while True:
+            log = bytes(self._call("get", self.store.get, hello)) if self._check([hello]) else b""
+            for entry in log.decode().split(";"):
+                nonce = entry.partition(":")[2]
+                if nonce and nonce not in answered:
+                    self._kv_set(welcome + nonce, namespace.encode())
+                    answered.add(nonce)
+            if self._check(acks):
+                return
+            if time.monotonic() >= deadline:
+                missing = [r for r, key in enumerate(acks, 1) if not self._check([key])]
+                self._join_timeout(missing)
+            time.sleep(_TORCHRUN_POLL_S)
+
+    def _follow(self, welcome: str, deadline: float) -> str:
+        """A rank > 0: rank 0's namespace for this group, once it answered this process's hello."""
+        with _joined_lock:
+            joined = set(_joined_namespaces.get(self.rank, ()))
+        while True:
+            if self._check([welcome]):
+                namespace = bytes(self._call("get", self.store.get, welcome)).decode()
+                if namespace not in joined:
+                    return namespace
+            if time.monotonic() >= deadline:
+                self._join_timeout([0])
+            time.sleep(_TORCHRUN_POLL_S)
+
+    def _check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", self.store.check, keys))
+
+    def _join_timeout(self, missing: list[int]) -> None:
+        raise GroupError(f"init_group #{self._num_calls['init_group']} timed out after {self._timeout_s} s waiting "
+                         f"for ranks {missing} of {self.world_size} ({self._where()})")
+
+
+# The namespaces each rank of this process joined through torchrun's store (a process is one rank there;
+# the tests run several in threads).
+_joined_namespaces: dict[int, set[str]] = {}
+_joined_lock = threading.Lock()
 
 
 def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
@@ -401,11 +478,8 @@ def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_po
     every worker connects to the agent's store as a client instead, as ``init_process_group("env://")``
     does.
 
-    The agent's store outlives the workers it restarts, with the group numbers each rank counted on
-    it: after a restart in which one rank had built fewer groups than the others (it died before
-    ``init_group``), the ranks wait under different keys and time out, at every restart; the
-    timeout says so. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives each
-    attempt a fresh store (``init_group`` then serves its own at ``MASTER_PORT``).
+    The agent's store outlives the workers it restarts: rank 0 chooses each group's keys afresh there
+    (:class:`_TorchrunStoreGroup`), so restarted workers meet whatever their predecessors left.
 
     Raises:
         GroupError: torch is missing, or the agent's store is unreachable within ``timeout_s``.
@@ -425,13 +499,10 @@ def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_po
             seconds=max(deadline - time.monotonic(), _MIN_TORCH_TIMEOUT_S)))
     except RuntimeError as exc:
         raise GroupError(f"{where}: {exc}") from exc
-    # One timeout_s for the connection and the rendezvous together, as TCPGroup's; the collectives
-    # after it get all of it.
-    rendezvous_s = (timeout_s if timeout_s >= _FOREVER_FROM_S
-                    else max(deadline - time.monotonic(), _MIN_TORCH_TIMEOUT_S))
-    group = TorchStoreGroup(store, rank, world_size, timeout_s=rendezvous_s, device=device)
-    group.timeout_s = timeout_s
-    return group
+    # One timeout_s for the connection and the join together, as TCPGroup's; the collectives after it
+    # get all of it.
+    return _TorchrunStoreGroup(store, rank, world_size, timeout_s=timeout_s, device=device,
+                               deadline=max(deadline, time.monotonic() + _MIN_TORCH_TIMEOUT_S))
 
 
 # ----------------------------------------------------------------------------- mpi4py
