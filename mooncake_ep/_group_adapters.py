@@ -379,8 +379,9 @@ def _is_file_store(dist: Any, store: Any) -> bool:
 
 # torchrun sets this to "True" in its workers when its agent serves the job's store at MASTER_ADDR:MASTER_PORT.
 TORCHRUN_AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
-# How often the torchrun group's join looks for its leader's answer, or its peers' acknowledgements.
-_TORCHRUN_POLL_S = 0.01
+# How often rank 0 of a torchrun group's join looks for hellos and acknowledgements: from the first to
+# the last, doubling (a join of ranks already waiting takes a few ms, a long wait polls rarely).
+_TORCHRUN_POLL_S = (0.001, 0.02)
 
 
 class _TorchrunStoreGroup(TorchStoreGroup):
@@ -393,16 +394,23 @@ class _TorchrunStoreGroup(TorchStoreGroup):
     1``). Here rank 0 chooses each group's namespace, fresh and random, and hands it to each rank under
     a key that only that rank's process can name:
 
-    - a rank r > 0 appends ``r:nonce;`` (a fresh random nonce of its own) to ``{prefix}/torchrun/hello``
-      and waits for the namespace under ``{prefix}/torchrun/welcome/{nonce}``; it acknowledges it under
-      ``{namespace}ack/{r}``;
-    - rank 0 answers every nonce of the hello log with its namespace until every rank has
-      acknowledged. Nonces of processes before a restart are answered too, to nobody; no restart count
-      is needed (torchrun's differs between nodes: a membership change restarts workers uncounted).
+    - rank 0 sets ``{prefix}/torchrun/leader`` and its (protocol, world_size) pair in the namespace
+      (the rendezvous's ``init/world_size``), then answers each rank's latest nonce in the hello log
+      with the namespace until every rank has acknowledged;
+    - a rank r > 0 appends ``r:nonce;`` (a fresh random nonce of its own) to ``{prefix}/torchrun/hello``,
+      waits for ``{prefix}/torchrun/welcome/{nonce}``, and acknowledges under ``{namespace}ack/{r}``
+      with its own pair (rank 0 names a mismatch from there, the rank itself in the rendezvous).
 
-    Then the ranks join as TorchStoreGroup's do, in that namespace. A rank 0 still waiting for the
-    acknowledgements of one group may answer a rank's hello of its next group with the first group's
-    namespace: a rank ignores a namespace it has joined, and the next group's rank 0 answers again.
+    A nonce of a process before a restart is answered too, to nobody, until the new process's comes;
+    no restart count is needed
+    (torchrun's differs between nodes: a membership change restarts workers uncounted). Then the
+    ranks join as TorchStoreGroup's do, in that namespace. A rank 0 that finds the leader key holding
+    another namespace than its own raises: two processes lead as rank 0.
+
+    A rank builds its groups one at a time (a lock per rank: two threads of a rank building at once
+    would each take whichever answer came). A rank 0 still waiting for acknowledgements of a group
+    that will fail may answer a rank's hello of its next group with that group's namespace: the rank
+    ignores a namespace it has joined, and the next group's rank 0 answers it again.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, timeout_s: float, device: int | None,
@@ -411,63 +419,84 @@ class _TorchrunStoreGroup(TorchStoreGroup):
         super().__init__(store, rank, world_size, timeout_s=timeout_s, device=device)
 
     def _choose_namespace(self, prefix: str, deadline: float) -> str:
-        hello = f"{prefix}/torchrun/hello"
         self._namespace = f"{prefix}/torchrun/"  # what a timeout here names
-        if self.rank == 0:
-            namespace = f"{prefix}/t{secrets.token_hex(8)}/"
-            self._lead(hello, f"{prefix}/torchrun/welcome/", namespace, deadline)
-        else:
-            nonce = secrets.token_hex(8)
-            self._call("append", self.store.append, hello, f"{self.rank}:{nonce};")
-            namespace = self._follow(f"{prefix}/torchrun/welcome/{nonce}", deadline)
-            self._kv_set(f"{namespace}ack/{self.rank}", b"")
-        with _joined_lock:
-            _joined_namespaces.setdefault(self.rank, set()).add(namespace)
+        with _rank_lock(self.rank):
+            joined = _joined_namespaces.setdefault(self.rank, set())
+            if self.rank == 0:
+                namespace = f"{prefix}/t{secrets.token_hex(8)}/"
+                self._lead(prefix, namespace, deadline)
+            else:
+                namespace = self._follow(prefix, joined, deadline)
+            joined.add(namespace)
         return namespace
 
-    def _lead(self, hello: str, welcome: str, namespace: str, deadline: float) -> None:
+    def _lead(self, prefix: str, namespace: str, deadline: float) -> None:
         """Rank 0: answer every hello with ``namespace`` until every rank acknowledged it."""
+        hello, leader, mine = f"{prefix}/torchrun/hello", f"{prefix}/torchrun/leader", self._init_pair()
+        self._kv_set(leader, namespace.encode())
+        self._kv_set(f"{namespace}init/world_size", mine)  # a rank of another world_size learns it at once
         acks = [f"{namespace}ack/{r}" for r in range(1, self.world_size)]
         answered: set[str] = set()
+        poll_s = _TORCHRUN_POLL_S[0]
         while True:
-            log = bytes(self._call("get", self.store.get, hello)) if self._check([hello]) else b""
-            for entry in log.decode().split(";"):
-                nonce = entry.partition(":")[2]
-                if nonce and nonce not in answered:
-                    self._kv_set(welcome + nonce, namespace.encode())
+            if bytes(self._call("get", self.store.get, leader)).decode() != namespace:
+                raise GroupError(f"init_group: rank 0 joined the store ({self._where()}) twice: another process "
+                                 f"leads as rank 0; {self._same_rank_hint}")
+            log = bytes(self._call("get", self.store.get, hello)).decode() if self._check([hello]) else ""
+            # Each rank's latest hello only: a process appends its next one after it joined, so the
+            # entries before it are of groups it joined, or of processes before a restart.
+            latest = dict(entry.split(":", 1) for entry in log.split(";") if entry)
+            for nonce in latest.values():
+                if nonce not in answered:
+                    self._kv_set(f"{prefix}/torchrun/welcome/{nonce}", namespace.encode())
                     answered.add(nonce)
             if self._check(acks):
                 return
             if time.monotonic() >= deadline:
-                missing = [r for r, key in enumerate(acks, 1) if not self._check([key])]
-                self._join_timeout(missing)
-            time.sleep(_TORCHRUN_POLL_S)
+                arrived = {r: self._call("get", self.store.get, key) for r, key in enumerate(acks, 1)
+                           if self._check([key])}
+                failure = (f"init_group #{self._num_calls['init_group']} timed out after {self._timeout_s} s "
+                           f"waiting for ranks {[r for r in range(1, self.world_size) if r not in arrived]} of "
+                           f"{self.world_size} ({self._where()})")
+                self._check_init({0: mine, **{r: bytes(pair) for r, pair in arrived.items()}}, failure)
+                raise GroupError(failure)
+            time.sleep(poll_s)
+            poll_s = min(2 * poll_s, _TORCHRUN_POLL_S[1])
 
-    def _follow(self, welcome: str, deadline: float) -> str:
+    def _follow(self, prefix: str, joined: set[str], deadline: float) -> str:
         """A rank > 0: rank 0's namespace for this group, once it answered this process's hello."""
-        with _joined_lock:
-            joined = set(_joined_namespaces.get(self.rank, ()))
+        nonce = secrets.token_hex(8)
+        self._call("append", self.store.append, f"{prefix}/torchrun/hello", f"{self.rank}:{nonce};")
+        welcome = f"{prefix}/torchrun/welcome/{nonce}"
         while True:
-            if self._check([welcome]):
-                namespace = bytes(self._call("get", self.store.get, welcome)).decode()
-                if namespace not in joined:
-                    return namespace
+            try:
+                namespace = self._kv_multi_get([welcome], max(deadline - time.monotonic(), 0.0))[0].decode()
+            except StoreTimeoutError:
+                raise GroupError(f"init_group #{self._num_calls['init_group']} timed out after {self._timeout_s} s "
+                                 f"waiting for ranks [0] of {self.world_size} ({self._where()})") from None
+            if namespace not in joined:
+                self._kv_set(f"{namespace}ack/{self.rank}", self._init_pair())
+                return namespace
+            # An answer of a rank 0 that is still leading an earlier group: the next one answers again.
+            time.sleep(_TORCHRUN_POLL_S[1])
             if time.monotonic() >= deadline:
-                self._join_timeout([0])
-            time.sleep(_TORCHRUN_POLL_S)
+                raise GroupError(f"init_group #{self._num_calls['init_group']} timed out after {self._timeout_s} s "
+                                 f"waiting for ranks [0] of {self.world_size} ({self._where()})")
 
     def _check(self, keys: list[str]) -> bool:
         return bool(self._call("check", self.store.check, keys))
 
-    def _join_timeout(self, missing: list[int]) -> None:
-        raise GroupError(f"init_group #{self._num_calls['init_group']} timed out after {self._timeout_s} s waiting "
-                         f"for ranks {missing} of {self.world_size} ({self._where()})")
 
-
-# The namespaces each rank of this process joined through torchrun's store (a process is one rank there;
-# the tests run several in threads).
+# Per rank of this process (a process is one rank under torchrun; the tests run several in threads): the
+# namespaces it joined through torchrun's store, and the lock that makes it build one group at a time.
 _joined_namespaces: dict[int, set[str]] = {}
-_joined_lock = threading.Lock()
+_rank_locks: dict[int, threading.Lock] = {}
+_rank_locks_lock = threading.Lock()
+
+
+def _rank_lock(rank: int) -> threading.Lock:
+    with _rank_locks_lock:
+        return _rank_locks.setdefault(rank, threading.Lock())
 
 
 def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_port: int, *,

@@ -236,7 +236,7 @@ def test_torchrun_store_group_spends_one_timeout_on_the_connection_and_the_rende
     with pytest.raises(GroupError, match=r"^init_group #0 timed out after 2\.0 s waiting for ranks \[0\] of 2 "
                                          r"\(torch TCPStore, keys mooncake_ep/torchrun/\*\)$"):
         _group_adapters.torchrun_store_group(1, 2, "127.0.0.1", port, timeout_s=2.0)
-    assert 102.0 <= now[0] < 102.0 + 2 * _group_adapters._TORCHRUN_POLL_S, now
+    assert now[0] == 101.5, now  # rank 1 waited in the store for rank 0's answer: 0.5 s of real time
     monkeypatch.undo()  # real time, and a fresh agent
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
@@ -280,22 +280,96 @@ def test_restarted_torchrun_workers_meet_whatever_their_predecessors_left(clean_
 
 
 def test_a_torchrun_rank_waits_past_an_answer_naming_a_group_it_joined(monkeypatch):
-    """A rank 0 still waiting for the acknowledgements of one group may answer a rank's hello of its next
-    group with the first group's namespace. The rank ignores it and takes the next rank 0's answer."""
+    """A rank 0 still waiting for the acknowledgements of a group may answer a rank's hello of its next
+    group with that group's namespace. The rank ignores it and takes the next rank 0's answer."""
     dist = pytest.importorskip("torch.distributed")
+    from collections import Counter
+
     from mooncake_ep import _group_adapters
 
     store = dist.HashStore()
-    monkeypatch.setattr(_group_adapters, "_joined_namespaces", {5: {"mooncake_ep/tfirst/"}})
+    monkeypatch.setattr(_group_adapters.secrets, "token_hex", lambda n: "abc")  # the rank's nonce
     follower = object.__new__(_group_adapters._TorchrunStoreGroup)
-    follower.store, follower.rank, follower.world_size, follower._timeout_s = store, 5, 6, LONG_TIMEOUT_S
+    follower.store, follower._dist, follower._waits_by_polling = store, dist, False
+    follower.rank, follower.world_size, follower._timeout_s, follower._num_calls = 5, 6, LONG_TIMEOUT_S, Counter()
     store.set("mooncake_ep/torchrun/welcome/abc", "mooncake_ep/tfirst/")
     later = threading.Timer(0.2, lambda: store.set("mooncake_ep/torchrun/welcome/abc", "mooncake_ep/tsecond/"))
     later.start()
     try:
-        assert follower._follow("mooncake_ep/torchrun/welcome/abc", math.inf) == "mooncake_ep/tsecond/"
+        assert follower._follow("mooncake_ep", {"mooncake_ep/tfirst/"}, math.inf) == "mooncake_ep/tsecond/"
     finally:
         later.join()
+    assert store.get("mooncake_ep/torchrun/hello") == b"5:abc;"
+    assert store.get("mooncake_ep/tsecond/ack/5") == follower._init_pair()
+
+
+def _torchrun_group(port: int, rank: int, world_size: int, timeout_s: float):
+    from mooncake_ep import _group_adapters
+    return _group_adapters.torchrun_store_group(rank, world_size, "127.0.0.1", port, timeout_s=timeout_s)
+
+
+def test_torchrun_ranks_of_another_world_size_are_named_at_once(clean_env):
+    """Rank 0 of 3 and a rank 1 of 2: rank 1 learns the mismatch from rank 0's pair at once (rank 0 sets
+    it before it waits for acknowledgements), and rank 0, at its timeout, names it from rank 1's
+    acknowledgement rather than a plain timeout (helper-109: both had become plain timeouts)."""
+    dist = pytest.importorskip("torch.distributed")
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    out = run_in_threads([lambda: _torchrun_group(port, 0, 3, 1.5), lambda: _torchrun_group(port, 1, 2, 1.5)])
+    for error in out:
+        assert isinstance(error, RankMismatchError), out
+        assert str(error).startswith("init_group: ranks disagree on world_size (rank 0: 3, rank 1: 2)"), out
+    assert "waiting for ranks [2] of 3" in str(out[0]), out
+    del agent
+
+
+def test_torchrun_groups_built_at_once_by_threads_of_each_rank_both_form(clean_env):
+    """Two threads of each rank build a group at once: a rank builds its groups one at a time, so each
+    thread takes one answer (helper-109: both threads of rank 1 took the first group's)."""
+    dist = pytest.importorskip("torch.distributed")
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    groups = run_in_threads([lambda r=r: _torchrun_group(port, r, 2, LONG_TIMEOUT_S) for r in (0, 1, 0, 1)])
+    assert all(isinstance(g, TorchStoreGroup) for g in groups), groups
+    namespaces = [g._namespace for g in groups]
+    assert sorted(namespaces[0::2]) == sorted(namespaces[1::2]) and len(set(namespaces)) == 2, namespaces
+    del agent
+
+
+def test_a_torchrun_rank_0_that_finds_another_leading_says_so(clean_env):
+    """A second process started as rank 0 sets the leader key to its own namespace: the first one, still
+    waiting for its ranks, raises naming the cause instead of timing out."""
+    dist = pytest.importorskip("torch.distributed")
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    other = threading.Timer(0.2, lambda: agent.set("mooncake_ep/torchrun/leader", "mooncake_ep/tother/"))
+    other.start()
+    with pytest.raises(GroupError, match=r"^init_group: rank 0 joined the store \(torch TCPStore, keys "
+                                         r"mooncake_ep/torchrun/\*\) twice: another process leads as rank 0"):
+        _torchrun_group(port, 0, 2, LONG_TIMEOUT_S)
+    other.join()
+    del agent
+
+
+def test_a_torchrun_rank_0_answers_each_ranks_latest_hello_only(clean_env, monkeypatch):
+    """The agent's store keeps every hello of every attempt; rank 0 answers each rank's latest one, not
+    the whole history again at every join (helper-109: 1000 old hellos, 1000 answers)."""
+    dist = pytest.importorskip("torch.distributed")
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    agent.append("mooncake_ep/torchrun/hello", "".join(f"1:{i:016x};" for i in range(1000)))
+    answers = []
+    real_set = dist.TCPStore.set
+
+    def counting_set(store, key, value):
+        if "/welcome/" in key:
+            answers.append(key)
+        return real_set(store, key, value)
+    monkeypatch.setattr(dist.TCPStore, "set", counting_set)
+    groups = run_in_threads([lambda r=r: _torchrun_group(port, r, 2, LONG_TIMEOUT_S) for r in range(2)])
+    assert all(isinstance(g, TorchStoreGroup) for g in groups), groups
+    assert 1 <= len(answers) <= 2, answers  # the last old hello, perhaps, then the live one
+    del agent
 
 
 # ----------------------------------------------------------------------------- torch stores, threads
