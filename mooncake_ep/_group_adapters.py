@@ -402,9 +402,8 @@ class _TorchrunStoreGroup(TorchStoreGroup):
       with its own pair (rank 0 names a mismatch from there, the rank itself in the rendezvous).
 
     A nonce of a process before a restart is answered too, to nobody, until the new process's comes;
-    no restart count is needed
-    (torchrun's differs between nodes: a membership change restarts workers uncounted). Then the
-    ranks join as TorchStoreGroup's do, in that namespace. A rank 0 that finds the leader key holding
+    no restart count is needed (torchrun's differs between nodes: a membership change restarts
+    workers uncounted). Then the ranks join as TorchStoreGroup's do, in that namespace. A rank 0 that finds the leader key holding
     another namespace than its own raises: two processes lead as rank 0.
 
     A rank builds its groups one at a time (a lock per rank: two threads of a rank building at once
@@ -431,7 +430,7 @@ class _TorchrunStoreGroup(TorchStoreGroup):
         return namespace
 
     def _lead(self, prefix: str, namespace: str, deadline: float) -> None:
-        """Rank 0: answer every hello with ``namespace`` until every rank acknowledged it."""
+        """Rank 0: answer each rank's latest hello with ``namespace`` until every rank acknowledged it."""
         hello, leader, mine = f"{prefix}/torchrun/hello", f"{prefix}/torchrun/leader", self._init_pair()
         self._kv_set(leader, namespace.encode())
         self._kv_set(f"{namespace}init/world_size", mine)  # a rank of another world_size learns it at once
@@ -453,12 +452,10 @@ class _TorchrunStoreGroup(TorchStoreGroup):
             if self._check(acks):
                 return
             if time.monotonic() >= deadline:
-                arrived = {r: self._call("get", self.store.get, key) for r, key in enumerate(acks, 1)
+                arrived = {r: bytes(self._call("get", self.store.get, key)) for r, key in enumerate(acks, 1)
                            if self._check([key])}
-                failure = (f"init_group #{self._num_calls['init_group']} timed out after {self._timeout_s} s "
-                           f"waiting for ranks {[r for r in range(1, self.world_size) if r not in arrived]} of "
-                           f"{self.world_size} ({self._where()})")
-                self._check_init({0: mine, **{r: bytes(pair) for r, pair in arrived.items()}}, failure)
+                failure = self._join_failure([r for r in range(1, self.world_size) if r not in arrived])
+                self._check_init({0: mine, **arrived}, failure)
                 raise GroupError(failure)
             time.sleep(poll_s)
             poll_s = min(2 * poll_s, _TORCHRUN_POLL_S[1])
@@ -472,19 +469,22 @@ class _TorchrunStoreGroup(TorchStoreGroup):
             try:
                 namespace = self._kv_multi_get([welcome], max(deadline - time.monotonic(), 0.0))[0].decode()
             except StoreTimeoutError:
-                raise GroupError(f"init_group #{self._num_calls['init_group']} timed out after {self._timeout_s} s "
-                                 f"waiting for ranks [0] of {self.world_size} ({self._where()})") from None
+                raise GroupError(self._join_failure([0])) from None
             if namespace not in joined:
                 self._kv_set(f"{namespace}ack/{self.rank}", self._init_pair())
                 return namespace
             # An answer of a rank 0 that is still leading an earlier group: the next one answers again.
             time.sleep(_TORCHRUN_POLL_S[1])
             if time.monotonic() >= deadline:
-                raise GroupError(f"init_group #{self._num_calls['init_group']} timed out after {self._timeout_s} s "
-                                 f"waiting for ranks [0] of {self.world_size} ({self._where()})")
+                raise GroupError(self._join_failure([0]))
 
     def _check(self, keys: list[str]) -> bool:
         return bool(self._call("check", self.store.check, keys))
+
+    def _join_failure(self, missing: list[int]) -> str:
+        """The join's timeout, in the words of the rendezvous's."""
+        return (f"init_group #{self._num_calls['init_group']} timed out after {self._timeout_s} s waiting for ranks "
+                f"{missing} of {self.world_size} ({self._where()})")
 
 
 # Per rank of this process (a process is one rank under torchrun; the tests run several in threads): the
