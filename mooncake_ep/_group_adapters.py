@@ -337,13 +337,17 @@ class TorchStoreGroup(_KeyValueGroup):
             timed_out = isinstance(exc, getattr(self._dist, "DistStoreError", RuntimeError))
             if not (timed_out or _TORCH_FILESTORE_TIMEOUT in str(exc)):
                 raise GroupError(f"torch store wait failed: {type(exc).__name__}: {exc}") from exc
-            missing = [k for k in keys if not self._call("check", self.store.check, [k])]
+            missing = [k for k in keys if not self._check([k])]
             if missing:
                 raise StoreTimeoutError(f"torch store wait timed out after {timeout_s} s waiting for keys "
                                         f"{missing}", missing) from exc
         if hasattr(self.store, "multi_get"):
             return [bytes(v) for v in self._call("multi_get", self.store.multi_get, keys)]
         return [bytes(self._call("get", self.store.get, k)) for k in keys]
+
+    def _check(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` is set (at once: no wait)."""
+        return bool(self._call("check", self.store.check, keys))
 
     def _poll(self, keys: list[str], timeout_s: float) -> None:
         """Waits for ``keys`` as FileStore.wait does (checking the file every 10 ms), but to the limit.
@@ -477,9 +481,6 @@ class _TorchrunStoreGroup(TorchStoreGroup):
             time.sleep(_TORCHRUN_POLL_S[1])
             if time.monotonic() >= deadline:
                 raise GroupError(self._join_failure([0]))
-
-    def _check(self, keys: list[str]) -> bool:
-        return bool(self._call("check", self.store.check, keys))
 
     def _join_failure(self, missing: list[int]) -> str:
         """The join's timeout, in the words of the rendezvous's."""
