@@ -107,9 +107,9 @@ def _check_port(where: str, port: Any, name: str = "master_port", minimum: int =
     return port
 
 
-def _check_data(where: str, data: Any) -> bytes:
+def _check_data(where: str, data: Any, name: str = "data") -> bytes:
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(f"{where}: data must be bytes, got {type(data).__name__}")
+        raise TypeError(f"{where}: {name} must be bytes, got {type(data).__name__}")
     return bytes(data)
 
 

@@ -49,6 +49,7 @@ from mooncake_ep._group_common import (
     _PROTOCOL_VERSION,
     _StoreWaitError,
     _check_data,
+    _check_int,
     _check_port,
     _check_timeout,
     _forget_after_fork_in_children,
@@ -96,7 +97,10 @@ _JOINED_MESSAGE_BYTES = 1 << 16
 _U8, _U16, _U32 = struct.Struct("!B"), struct.Struct("!H"), struct.Struct("!I")
 # The largest value the store holds: a blob's length is a u32.
 _MAX_VALUE_BYTES = 0xFFFFFFFF
+# The largest request a set can be (key length, key, value length, value): a longer one is not ours.
+_MAX_SET_BYTES = _U16.size + 0xFFFF + _U32.size + _MAX_VALUE_BYTES
 _I64, _U64, _F64 = struct.Struct("!q"), struct.Struct("!Q"), struct.Struct("!d")
+_I64_RANGE = (-(1 << 63), (1 << 63) - 1)
 _OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE, _OP_CLAIM = 1, 2, 3, 4, 5
 # The hello is framed as a request (op, length, payload = magic, version): a store of protocol 3 or
 # older answers it at once as an unknown op, which the client names, instead of waiting for more bytes.
@@ -238,9 +242,8 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         sock.settimeout(None)
         _configure(sock)
         store = self.server.store
-        store._connected(sock, +1)
         try:
-            if not self._greet(sock):
+            if not store._connected(sock, +1) or not self._greet(sock):
                 return
             store._greeted(sock)
             while True:
@@ -259,6 +262,12 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         that the request's bytes (a large set's, which the store keeps a copy of) are let go when it
         returns, not held until the client's next request replaces them."""
         arrived = None
+        if op == _OP_SET and length > _MAX_SET_BYTES:
+            # No client of this protocol sends it, and its bytes may never end: the connection is dropped
+            # rather than its key marked arriving for the transfer time of that length.
+            logger.warning("TCPStoreServer: dropped a client that sent a set of %d bytes, past the largest a "
+                           "set can be (%d)", length, _MAX_SET_BYTES)
+            raise ConnectionAbortedError("set too large")
         if op == _OP_SET and length > _ARRIVING_SET_BYTES:
             arrived, request = self._receive_set(sock, store, length)
         else:
@@ -352,7 +361,8 @@ class TCPStoreServer:
         self._claim_owners: dict[str, socket.socket] = {}
         # Keys whose large set is being received -> (length, time its transfer allowance ends) of each
         # such set (see _StoreHandler._receive_set): a wait for one goes on past its own time until the
-        # value is in or its allowance ends (a setter that stalls, its connection open, is not waited for).
+        # value is in or its allowance ends (a setter that stalls, its connection open, is waited for
+        # until then only: 10 s and the time of its bytes at the slowest rate a transfer is allowed).
         self._arriving_keys: dict[str, list[tuple[int, float]]] = {}
         self._num_busy = 0  # requests read and not yet answered
         try:
@@ -425,13 +435,23 @@ class TCPStoreServer:
         self._thread.join()
         logger.debug("TCPStoreServer: closed %s:%d", self.host, self.port)
 
-    def _connected(self, sock: socket.socket, delta: int) -> None:
+    def _connected(self, sock: socket.socket, delta: int) -> bool:
+        """Count a connection in (+1) or out (-1); False: in, but the store is closing (not to be served).
+
+        A connection accepted while close() runs registers after close() listed the ones to shut down:
+        it is refused here, under the lock close() set ``_closing`` with, never served by a closed store.
+        """
         with self._cond:
+            if delta > 0 and self._closing:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                return False
             (self._clients.add if delta > 0 else self._clients.discard)(sock)
             if delta < 0:  # the client hung up, exited or died: what it claimed is free again
                 self._greeted_clients.discard(sock)
                 self._drop_claims_of(sock)
             self._cond.notify_all()
+            return True
 
     def _greeted(self, sock: socket.socket) -> None:
         """The connection ``sock`` said the hello: a client of the store, which close() lets hang up first."""
@@ -501,6 +521,8 @@ class TCPStoreServer:
                         total = int(self._data.get(key, b"0")) + amount
                     except ValueError:
                         return _ERROR, f"add: key {key!r} holds a value that is not a counter".encode()
+                    if not _I64_RANGE[0] <= total <= _I64_RANGE[1]:  # refused before the store changes
+                        return _ERROR, f"add: key {key!r} would pass the signed 64-bit range ({total})".encode()
                     self._data[key] = str(total).encode()
                     self._cond.notify_all()
                 return _OK, _I64.pack(total)
@@ -648,7 +670,9 @@ def _suggested_port(host: str) -> int | str:
 
 
 class TCPStoreClient:
-    """A connection to a :class:`TCPStoreServer`. Thread-safe (one request at a time).
+    """A connection to a :class:`TCPStoreServer`. Thread-safe: one request at a time, so a request
+    waits for another thread's (a ``wait``) up to its own limit; a thread waiting for a key that
+    another thread is to set through the same client would wait for itself.
 
     Args:
         host: the server's address (MASTER_ADDR).
@@ -664,7 +688,7 @@ class TCPStoreClient:
     def __init__(self, host: str, port: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  who: str = "TCPStoreClient") -> None:
         self.host, self.port = host, _check_port("TCPStoreClient", port, "port")
-        self.timeout_s = _check_timeout("TCPStoreClient", timeout_s)
+        self.timeout_s = timeout_s
         self._who = who
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -679,6 +703,15 @@ class TCPStoreClient:
         _forget_after_fork_in_children(self)
         self._hello()
         logger.debug("%s: connected to the store at %s:%d", who, host, port)
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a request that does not wait for keys may take (and the connection's retries)."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_s = _check_timeout("TCPStoreClient", value)
 
     def _hello(self) -> None:
         """Say which protocol this rank speaks; the store refuses another one by name."""
@@ -731,13 +764,15 @@ class TCPStoreClient:
 
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` (replacing any value), waking the waiters on it."""
-        value = _check_data("TCPStoreClient.set", value)
+        value = _check_data("TCPStoreClient.set", value, "value")
         self._request(_OP_SET, [_pack_key(key), _blob_length(value), value])  # sent as parts: no copy
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the counter ``key`` (absent = 0); returns the new value."""
         if isinstance(amount, bool) or not isinstance(amount, int):
             raise TypeError(f"TCPStoreClient.add: amount must be an int, got {type(amount).__name__}")
+        if not _I64_RANGE[0] <= amount <= _I64_RANGE[1]:
+            raise ValueError(f"TCPStoreClient.add: amount must fit a signed 64-bit counter, got {amount}")
         _, body = self._request(_OP_ADD, _pack_key(key) + _I64.pack(amount))
         return _I64.unpack(body)[0]
 
@@ -751,7 +786,7 @@ class TCPStoreClient:
             True if this call created the key; False if it exists (claimed by a live connection,
             or set by :meth:`set`).
         """
-        _, body = self._request(_OP_CLAIM, _pack_key(key) + _pack_blob(_check_data("TCPStoreClient.claim", value)))
+        _, body = self._request(_OP_CLAIM, _pack_key(key) + _pack_blob(_check_data("TCPStoreClient.claim", value, "value")))
         return bool(_U8.unpack(body)[0])
 
     def delete(self, key: str) -> bool:
@@ -765,7 +800,7 @@ class TCPStoreClient:
         Raises:
             StoreTimeoutError: ``key`` was not set in time.
         """
-        return self.multi_get([key], timeout_s)[0]
+        return self._wait("TCPStoreClient.get", [key], timeout_s, want_values=True)[0]
 
     def wait(self, keys: Sequence[str], timeout_s: float) -> None:
         """Return once every key in ``keys`` is set.
@@ -797,6 +832,7 @@ class TCPStoreClient:
     def _wait(self, where: str, keys: Sequence[str], timeout_s: float, want_values: bool,
               reply_bytes: int = 0, settle_claims: bool = False, withdraw_claims: bool = False) -> list[bytes]:
         timeout_s = _check_timeout(where, timeout_s)
+        reply_bytes = _check_int(where, "reply_bytes", reply_bytes, 0)
         if isinstance(keys, (str, bytes)):  # a sequence, but of characters
             raise TypeError(f"{where}: keys must be a sequence of str, got one {type(keys).__name__}")
         keys = list(keys)
@@ -804,7 +840,8 @@ class TCPStoreClient:
                  | (_WAIT_WITHDRAWS_CLAIMS if withdraw_claims else 0))
         payload = (_F64.pack(timeout_s) + _U8.pack(flags) + _U32.pack(len(keys))
                    + b"".join(_pack_key(k) for k in keys))
-        status, body = self._request(_OP_WAIT, payload, wait_s=timeout_s, reply_bytes=reply_bytes)
+        arriving: list[int] = []
+        status, body = self._request(_OP_WAIT, payload, wait_s=timeout_s, reply_bytes=reply_bytes, arriving=arriving)
         reader = _Reader(body)
         if status != _OK:
             missing = [keys[reader.scalar(_U32)] for _ in range(reader.scalar(_U32))]
@@ -812,18 +849,20 @@ class TCPStoreClient:
                 raise _StoreClosedError(
                     f"{where}: the store at {self.host}:{self.port} closed (rank 0 closed its group or "
                     f"exited) while waiting for keys {missing}", missing)
-            raise StoreTimeoutError(
-                f"{where}: timed out after {timeout_s} s waiting for keys {missing}", missing)
+            late = (f" (and longer: the store held the wait while a value of {max(arriving)} bytes for them was "
+                    f"still arriving, until its transfer allowance ran out)" if arriving else "")
+            raise StoreTimeoutError(f"{where}: timed out after {timeout_s} s waiting for keys {missing}{late}", missing)
         return [reader.blob() for _ in keys] if want_values else []
 
     def _request(self, op: int, payload: bytes | list[bytes], wait_s: float = 0.0,
-                 reply_bytes: int = 0) -> tuple[int, bytes]:
+                 reply_bytes: int = 0, arriving: list[int] | None = None) -> tuple[int, bytes]:
         """Send one request (its payload, or the parts of it), read its reply. A broken link closes
         the socket for good.
 
         ``reply_bytes``: the reply's expected size; the server reads the request before it answers,
         so the header's wait gets both transfers' time. A wait the server extends for a value still
-        arriving (:data:`_STILL_ARRIVING`) extends this side's limit by that value's transfer.
+        arriving (:data:`_STILL_ARRIVING`) extends this side's limit by that value's transfer, and
+        appends the value's bytes to ``arriving``.
         """
         parts = [payload] if isinstance(payload, bytes) else payload
         payload_bytes = sum(len(part) for part in parts)
@@ -835,7 +874,11 @@ class TCPStoreClient:
             io_timeout = self.timeout_s
         # The server reads the whole request before it answers.
         io_timeout += (payload_bytes + reply_bytes) / _MIN_TRANSFER_BYTES_PER_S
-        with self._lock:
+        limit = _wait_arg(io_timeout)
+        if not self._lock.acquire(timeout=-1 if limit is None else limit):
+            raise GroupError(f"{where}: another thread's request on this connection held it past this request's "
+                             f"limit ({io_timeout:.1f} s); the connection serves one request at a time")
+        try:
             if self._sock is None:
                 raise GroupError(f"{where}: the connection is closed")
             try:
@@ -843,9 +886,11 @@ class TCPStoreClient:
                 _send_message(self._sock, op, parts)
                 status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
                 while status == _STILL_ARRIVING:
-                    arriving = _U64.unpack(_recv_exact(self._sock, length))[0]
-                    io_timeout = _REPLY_SLACK_S[1] + (arriving + reply_bytes) / _MIN_TRANSFER_BYTES_PER_S
-                    self._sock.settimeout(io_timeout)
+                    arriving_bytes = _U64.unpack(_recv_exact(self._sock, length))[0]
+                    if arriving is not None:
+                        arriving.append(arriving_bytes)
+                    io_timeout = _REPLY_SLACK_S[1] + (arriving_bytes + reply_bytes) / _MIN_TRANSFER_BYTES_PER_S
+                    self._sock.settimeout(_wait_arg(io_timeout))
                     status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
                 self._sock.settimeout(_wait_arg(io_timeout + length / _MIN_TRANSFER_BYTES_PER_S))
                 body = _recv_exact(self._sock, length)
@@ -862,6 +907,8 @@ class TCPStoreClient:
                                      f"serves the store, stalled or is overloaded; the connection is closed") from exc
                 raise GroupError(f"{where}: lost the connection ({exc}); rank 0's process, which "
                                  f"serves the store, may have exited") from exc
+        finally:
+            self._lock.release()
         if status == _ERROR:
             raise GroupError(f"{where}: {body.decode(errors='replace')}")
         if status == _CLOSED and op != _OP_WAIT:

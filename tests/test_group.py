@@ -9,6 +9,7 @@ import json
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -449,6 +450,114 @@ def test_store_client_refuses_keys_and_amounts_of_the_wrong_type():
         with pytest.raises(TypeError, match=r"TCPStoreClient.add: amount must be an int, got str"):
             client.add("n", "1")
         assert client.add("n", 1) == 1  # the connection is still in step
+
+
+def test_store_client_argument_errors_name_the_call_and_argument_and_keep_the_connection():
+    """get's errors named multi_get, set's and claim's named an argument called data, and a negative
+    reply_bytes reached the socket's settimeout as a bare ValueError, which closed the connection (and
+    with it the rank's claims)."""
+    with TCPStoreServer("127.0.0.1", 0) as server, TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as client:
+        with pytest.raises(StoreTimeoutError, match=r"^TCPStoreClient.get: timed out after 0.1 s waiting for keys"):
+            client.get("missing", 0.1)
+        with pytest.raises(ValueError, match=r"^TCPStoreClient.get: timeout_s must be > 0"):
+            client.get("missing", 0)
+        with pytest.raises(TypeError, match=r"^TCPStoreClient.set: value must be bytes, got str"):
+            client.set("k", "v")
+        with pytest.raises(TypeError, match=r"^TCPStoreClient.claim: value must be bytes, got int"):
+            client.claim("k", 1)
+        with pytest.raises(ValueError, match=r"^TCPStoreClient.multi_get: reply_bytes must be >= 0, got -1"):
+            client.multi_get(["k"], 0.1, reply_bytes=-1)
+        with pytest.raises(ValueError, match=r"^TCPStoreClient: timeout_s must be > 0"):
+            client.timeout_s = 0
+        with pytest.raises(ValueError, match=r"^TCPStoreClient.add: amount must fit a signed 64-bit counter"):
+            client.add("n", 1 << 63)
+        assert client.timeout_s == 5.0 and client.add("n", 1) == 1  # the connection is still in step
+
+
+def test_store_add_past_the_signed_64_bit_range_is_refused_and_changes_nothing():
+    """The server stored the sum before packing it, then answered "malformed request": the caller saw
+    a failure and the counter had moved."""
+    with TCPStoreServer("127.0.0.1", 0) as server, TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as client:
+        top = (1 << 63) - 1
+        assert client.add("n", top) == top
+        with pytest.raises(GroupError, match=r"add: key 'n' would pass the signed 64-bit range \(9223372036854775808\)"):
+            client.add("n", 1)
+        assert client.get("n", 1.0) == str(top).encode()
+        assert client.add("n", -top) == 0
+
+
+def test_store_drops_a_set_longer_than_any_set_and_its_key_is_not_held_arriving(caplog):
+    """A set's header claiming more bytes than a set can hold marked its key arriving for the transfer
+    time of that length (hours): a wait on the key went on that long, or overflowed the client's socket
+    timeout, which closed the waiter's connection."""
+    from mooncake_ep import _tcp_store
+
+    with TCPStoreServer("127.0.0.1", 0) as server, TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as client, \
+            socket.create_connection(("127.0.0.1", server.port)) as raw:
+        raw.settimeout(PROCESS_LIMIT_S)  # a regression fails instead of hanging
+        raw.sendall(_tcp_store.hello(_group_common._PROTOCOL_VERSION))
+        assert _tcp_store._HEADER.unpack(_tcp_store._recv_exact(raw, _tcp_store._HEADER.size))[0] == _tcp_store._OK
+        raw.sendall(_tcp_store._HEADER.pack(_tcp_store._OP_SET, 1 << 62) + _tcp_store._pack_key("k"))
+        assert raw.recv(1) == b""  # dropped
+        with pytest.raises(StoreTimeoutError, match=r"waiting for keys \['k'\]$"):
+            client.get("k", 0.1)
+        client.set("k", b"v")  # the waiter's connection is in step
+        assert client.get("k", 1.0) == b"v"
+    assert "past the largest a set can be" in caplog.text
+
+
+def test_store_wait_past_its_time_for_a_value_still_arriving_says_so(monkeypatch):
+    """A wait the store extends for a large value still coming in (its setter stalled) said only that
+    it timed out after its own timeout_s."""
+    from mooncake_ep import _tcp_store
+
+    monkeypatch.setattr(_tcp_store, "_REPLY_SLACK_S", (0.2, 1.0))  # the allowance: 1 s + bytes at 20 MB/s
+    monkeypatch.setattr(_tcp_store, "_DEAD_CLIENT_POLL_S", 0.05)  # how often the store tells the waiter
+    size = 2 * _tcp_store._ARRIVING_SET_BYTES
+    with TCPStoreServer("127.0.0.1", 0) as server, TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as client, \
+            socket.create_connection(("127.0.0.1", server.port)) as setter:
+        setter.sendall(_tcp_store.hello(_group_common._PROTOCOL_VERSION))
+        _tcp_store._recv_exact(setter, _tcp_store._HEADER.size)
+        key = _tcp_store._pack_key("big")
+        setter.sendall(_tcp_store._HEADER.pack(_tcp_store._OP_SET, len(key) + 4 + size) + key
+                       + struct.pack("!I", size) + bytes(size // 2))  # half the value, then it stalls
+        deadline = time.monotonic() + PROCESS_LIMIT_S
+        while not server._arriving_keys:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(StoreTimeoutError, match=rf"after 0.1 s waiting for keys \['big'\] \(and longer: the store "
+                                                    rf"held the wait while a value of {len(key) + 4 + size} bytes"):
+            client.get("big", 0.1)
+
+
+def test_store_connection_that_registers_after_close_listed_its_clients_is_not_served():
+    """close() shut down the connections it had listed; one whose handler registered after that (accepted
+    just before the listener stopped) was served by the closed store until its client hung up."""
+    server = TCPStoreServer("127.0.0.1", 0)
+    server.close()
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.settimeout(PROCESS_LIMIT_S)  # a regression fails instead of hanging
+        assert not server._connected(theirs, +1)  # what a handler starting now is told
+        assert ours.recv(1) == b"" and not server._clients
+
+
+def test_store_client_request_waits_for_another_threads_only_up_to_its_own_limit():
+    """A set behind another thread's wait on the same client waited out that whole wait (forever with
+    math.inf), whatever the client's timeout_s: a thread waiting for a key that another sets through the
+    same client waited for itself."""
+    with TCPStoreServer("127.0.0.1", 0) as server, TCPStoreClient("127.0.0.1", server.port, timeout_s=0.2) as client:
+        def set_once_the_wait_is_pending():
+            while server._num_busy == 0:  # the wait request is inside the server
+                threading.Event().wait(0.001)
+            return client.set("ready", b"1")
+
+        waited, set_ = run_in_threads([lambda: client.wait(["ready"], timeout_s=5.0), set_once_the_wait_is_pending])
+        assert isinstance(set_, GroupError) and "another thread's request on this connection held it past this " \
+            "request's limit (0.2 s)" in str(set_), set_
+        assert isinstance(waited, StoreTimeoutError), waited
+        client.set("ready", b"1")  # in step
+        assert client.get("ready", 1.0) == b"1"
 
 
 # ----------------------------------------------------------------------------- TCPGroup, threads
