@@ -25,9 +25,9 @@ PROCESS_LIMIT_S = 120.0
 TINY = ["--ranks", "2", "--experts", "8", "--topk", "4", "--tokens", "8", "--hidden", "256"]
 
 
-def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mooncake_ep", *argv], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=PROCESS_LIMIT_S)
+def run_cli(*argv: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mooncake_ep", *argv], cwd=cwd, capture_output=True, text=True,
+                          timeout=PROCESS_LIMIT_S, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
 
 
 def table_rows(stdout: str, num_ranks: int) -> list[list[str]]:
@@ -66,8 +66,9 @@ def test_demo_reference_passes(precision, tmp_path):
 def test_demo_launch_processes_passes(tmp_path):
     # Two processes joined by init_group() over the TCP store; auto picks the GPU (the ipc transport)
     # where one is usable, else the reference backend. Rank 0 prints the table for every rank.
-    report_path = tmp_path / "demo.json"
-    proc = run_cli("demo", "--launch", "2", *TINY, "--json", str(report_path))
+    # A path that starts with "-", as one token: the ranks were given it as two, and each refused it.
+    report_path = tmp_path / "-demo.json"
+    proc = run_cli("demo", "--launch", "2", *TINY, f"--json={report_path.name}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "launching 2 processes" in proc.stdout and "2 ranks (processes)" in proc.stdout
     backend = "cuda" if _gpu_usable() else "reference"
@@ -381,6 +382,108 @@ def test_a_suspended_launcher_suspends_its_processes(tmp_path, detached):
             launcher.send_signal(signal.SIGCONT)
             launcher.terminate()
             launcher.wait(PROCESS_LIMIT_S)
+
+
+def _rank_pids_launcher(tmp_path, rank_prelude: str = "") -> tuple[str, list]:
+    """A launcher's code whose 2 ranks run ``rank_prelude``, write their pids, then sleep; and the pid files."""
+    rank_code = (f"import os, time\n{rank_prelude}"
+                 f"open({str(tmp_path)!r} + '/rank' + os.environ['RANK'], 'w').write(str(os.getpid()))\n"
+                 "time.sleep(600)\n")
+    launcher_code = ("import sys\nfrom mooncake_ep.cli import launch\n"
+                     f"sys.exit(launch.launch('test', [sys.executable, '-c', {rank_code!r}], 2))\n")
+    return launcher_code, [tmp_path / f"rank{rank}" for rank in range(2)]
+
+
+def _rank_pids(rank_files: list, launcher: subprocess.Popen) -> list[int]:
+    _wait_until(lambda: all(f.exists() and f.read_text() for f in rank_files), launcher)
+    return [int(f.read_text()) for f in rank_files]
+
+
+def _end_ranks(ranks: list[int]) -> None:
+    """Kill whatever a failed check left of the ranks' groups."""
+    for pid in ranks:
+        try:
+            os.killpg(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="ranks get groups in the launcher's session from Python 3.11")
+def test_a_launcher_killed_while_suspended_leaves_no_rank_stopped(tmp_path):
+    """Ctrl-Z, then kill -9 (or the OOM killer) of the stopped launcher: its ranks, in sessions of their
+    own, stayed stopped for good, their watching threads stopped with them. In the launcher's session,
+    the kernel continues and hangs up a stopped group that the launcher's death orphans."""
+    signal = pytest.importorskip("signal")
+    if not hasattr(signal, "SIGTSTP") or not hasattr(os, "killpg") or not os.path.isdir("/proc/self"):
+        pytest.skip("POSIX job control, and /proc to see the processes' states")
+    launcher_code, rank_files = _rank_pids_launcher(tmp_path)
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), process_group=0)  # a shell's job
+    ranks = []
+    try:
+        ranks = _rank_pids(rank_files, launcher)
+        launcher.send_signal(signal.SIGTSTP)
+        _wait_until(lambda: [_state(pid) for pid in [launcher.pid, *ranks]] == ["T"] * 3)
+        launcher.kill()
+        assert launcher.wait(PROCESS_LIMIT_S) == -signal.SIGKILL
+        _wait_until(lambda: all(_state(pid) in (None, "Z") for pid in ranks))
+    finally:
+        launcher.kill()
+        launcher.wait()
+        _end_ranks(ranks)
+
+
+def test_ranks_end_when_the_launcher_died_before_they_looked_and_is_not_reaped(tmp_path):
+    """A rank that looked for its launcher only after it died found its pid still there, a zombie that
+    its parent had not reaped yet, took it for a wrapper between them, and ran on unwatched."""
+    signal = pytest.importorskip("signal")
+    if not hasattr(os, "killpg") or not os.path.isdir("/proc/self"):
+        pytest.skip("POSIX process groups, and /proc to see the processes")
+    go = tmp_path / "go"
+    launcher_code, rank_files = _rank_pids_launcher(tmp_path, (
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"  # the launcher is dead by then
+        "from mooncake_ep.cli import launch\nlaunch.watch_launcher()\n"))
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), start_new_session=True)
+    ranks = []
+    try:
+        _wait_until(lambda: len(_children(launcher.pid)) == 2, launcher)
+        ranks = _children(launcher.pid)
+        launcher.send_signal(signal.SIGKILL)
+        _wait_until(lambda: _state(launcher.pid) == "Z")  # dead, and not reaped until the end of the test
+        go.touch()
+        _wait_until(lambda: all(_state(pid) in (None, "Z") for pid in ranks))
+        assert _state(launcher.pid) == "Z"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        _end_ranks(ranks)
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of the processes whose parent is ``pid`` (from /proc)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat_fields(int(entry))) and fields[1] == str(pid):
+            children.append(int(entry))
+    return children
+
+
+def test_a_launch_whose_sigchld_is_ignored_still_reads_its_ranks_exit_codes(tmp_path):
+    """SIGCHLD ignored (inherited across exec from a daemon or a wrapper) lets the kernel reap the ranks
+    itself: the launch's look at their exit codes raised ChildProcessError, even on success."""
+    signal = pytest.importorskip("signal")
+    if not hasattr(signal, "SIGCHLD") or not hasattr(os, "waitid"):
+        pytest.skip("POSIX SIGCHLD")
+    rank_code = "import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n"
+    wrapper = ("import os, signal, sys\nsignal.signal(signal.SIGCHLD, signal.SIG_IGN)\n"
+               "from mooncake_ep.cli import launch\n"
+               f"code = launch.launch('test', [sys.executable, '-c', {rank_code!r}], 2)\n"
+               "assert signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN  # restored\n"
+               "sys.exit(code)\n")
+    proc = subprocess.run([sys.executable, "-c", wrapper], cwd=tmp_path, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=PROCESS_LIMIT_S)
+    assert proc.returncode == cli.EXIT_FAILURE and "FAIL: rank 1 exited 3" in proc.stdout, proc.stdout + proc.stderr
 
 
 def _wait_until(condition, proc: subprocess.Popen | None = None, limit_s: float = 30.0) -> None:

@@ -466,7 +466,7 @@ def _rank_argv(args: argparse.Namespace, config: DemoConfig) -> list[str]:
             "--experts", str(config.num_experts), "--topk", str(config.num_topk), "--hidden", str(config.hidden),
             "--tokens", str(config.num_tokens), "--fp8" if config.use_fp8 else "--no-fp8", "--backend", args.backend,
             "--seed", str(config.seed), "--tolerance", repr(args.tolerance), "--timeout-us", str(config.timeout_us)]
-    return argv + (["--json", args.json] if args.json else [])
+    return argv + ([f"--json={args.json}"] if args.json else [])  # one token: a path may start with "-"
 
 
 def _run_launcher(args: argparse.Namespace) -> int:

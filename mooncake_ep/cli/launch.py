@@ -3,9 +3,9 @@
 ``launch(argv, N)`` starts N copies of a command line with the environment torchrun gives (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), each of which
 joins through ``mooncake_ep.init_group()``, and passes only if every process exits 0. Whatever
-ends the launch (a failed rank, a signal, the last exit), it leaves no process of the ranks' own
-running: on POSIX each rank leads a process group, which is stopped as a whole; Ctrl-Z suspends the
-ranks with the launcher, and ``fg`` or ``bg`` continues them.
+ends the launch (a failed rank, a signal, the last exit, the launcher killed), it leaves no process
+of the ranks' own running: on POSIX each rank leads a process group, which is stopped as a whole;
+Ctrl-Z suspends the ranks with the launcher, and ``fg`` or ``bg`` continues them.
 :func:`use_process_device` is what one such process does first on a GPU.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -36,17 +37,25 @@ LAUNCH_GRACE_S = 10.0
 _LAUNCH_POLL_S = 0.05
 # Where launched processes meet: this host only.
 LAUNCH_ADDR = "127.0.0.1"
-# POSIX: each launched process leads a session (and process group) of its own, so that stopping a
-# rank stops whatever it started too (compiler workers, a shell's children), not only the rank. A
-# group is signalled only while its leader is not yet reaped (os.waitid with WNOWAIT looks without
-# reaping): until then its id cannot name another process's group.
-_OWN_SESSIONS = os.name == "posix" and hasattr(os, "waitid") and hasattr(os, "killpg")
+# POSIX: each launched process leads a process group of its own, so that stopping a rank stops
+# whatever it started too (compiler workers, a shell's children), not only the rank. A group is
+# signalled only while its leader is not yet reaped (os.waitid with WNOWAIT looks without reaping):
+# until then its id cannot name another process's group.
+_OWN_GROUPS = os.name == "posix" and hasattr(os, "waitid") and hasattr(os, "killpg")
+# The groups are in the launcher's session (Python >= 3.11; a session of their own on 3.10, whose
+# Popen cannot place a child in a new group safely): a rank's group, whose parent is then in another
+# group of its session, becomes orphaned when the launcher dies, and the kernel continues (SIGCONT) and
+# hangs up (SIGHUP) a stopped one. A launcher killed while suspended (Ctrl-Z, then kill -9 or the OOM
+# killer) left its ranks, in sessions of their own, stopped for good: nothing of theirs could run to
+# see it gone.
+_GROUP_PLACEMENT = ({"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}) \
+    if _OWN_GROUPS else {}
 _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
-# Set in a launched process's environment: the launcher's pid, which the process watches
-# (watch_launcher) so that it ends, with whatever it started, if the launcher dies without stopping it.
-LAUNCHER_PID_ENV = "MOONCAKE_EP_LAUNCHER_PID"
-# How often a launched process looks at its parent.
-_LAUNCHER_POLL_S = 0.2
+# Set in a launched process's environment: the descriptor of the read end of a pipe whose write end
+# only the launcher holds, which the process watches (watch_launcher) so that it ends, with whatever
+# it started, when the launcher dies without stopping it: the pipe ends with the launcher's process,
+# reaped or not (its pid, watched before, stayed there as a zombie until its own parent reaped it).
+LAUNCHER_FD_ENV = "MOONCAKE_EP_LAUNCHER_FD"
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -116,19 +125,26 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     sys.stdout.flush()
     # A launch inside a torchrun worker: its ranks meet at this launch's store, not torchrun's agent's
     # (init_group would look for that one at the MASTER_PORT given here, where nothing serves it).
-    inherited = {name: value for name, value in os.environ.items() if name != TORCHRUN_AGENT_STORE_VAR}
+    # Nor does it watch the pipe of a launch that started this one.
+    inherited = {name: value for name, value in os.environ.items()
+                 if name not in (TORCHRUN_AGENT_STORE_VAR, LAUNCHER_FD_ENV)}
     procs: list[subprocess.Popen] = []
     # A launcher stopped by SIGINT, SIGTERM or SIGHUP stops its processes too, and one suspended
     # (SIGTSTP: Ctrl-Z) suspends them with it: the handler only notes the signal, and the loops below
     # act on it where every started process is in procs (raised inside Popen, after its fork, it
     # would leave that process unknown, and running).
+    # The ranks' end of the pipe they watch; the launcher's end (not inheritable) closes with it.
+    watched_fd, launcher_fd = os.pipe() if _OWN_GROUPS else (None, None)
     stop = _StopOnSignal(procs)
     try:
         for rank in range(num_processes):
             env = dict(inherited, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR=LAUNCH_ADDR, MASTER_PORT=str(port),
-                       PYTHONPATH=python_path, **{LAUNCHER_PID_ENV: str(os.getpid())})
-            procs.append(subprocess.Popen(list(argv), env=env, start_new_session=_OWN_SESSIONS))
+                       PYTHONPATH=python_path)
+            if watched_fd is not None:
+                env[LAUNCHER_FD_ENV] = str(watched_fd)
+            procs.append(subprocess.Popen(list(argv), env=env, pass_fds=() if watched_fd is None else (watched_fd,),
+                                          **_GROUP_PLACEMENT))
             stop.check()
         _wait_for_processes(procs, stop)
     finally:
@@ -138,6 +154,10 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
         for proc in procs:
             _signal_rank(proc, _KILL)
             proc.wait()
+        stop.restore_child_signal()
+        for fd in (watched_fd, launcher_fd):
+            if fd is not None:
+                os.close(fd)
     failed = {rank: proc.returncode for rank, proc in enumerate(procs) if proc.returncode != 0}
     if failed:
         print("FAIL: " + ", ".join(f"rank {rank} {_describe_exit(code)}" for rank, code in failed.items()))
@@ -148,12 +168,15 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
 
 class _StopOnSignal:
     """Notes SIGINT, SIGTERM and SIGHUP in this (main) thread; :meth:`check` raises KeyboardInterrupt then.
+    SIGCHLD is set to its default meanwhile: ignored (inherited so from a daemon or a wrapper), the
+    kernel reaps the ranks itself, and the launch could not read their exit codes.
 
-    SIGTSTP (Ctrl-Z) is noted too where the ranks lead process groups of their own (_OWN_SESSIONS),
+    SIGTSTP (Ctrl-Z) is noted too where the ranks lead process groups of their own (_OWN_GROUPS),
     which the terminal's signal does not reach: :meth:`check` then stops every rank's group and this
     process, and once this process is continued (``fg``, ``bg``, SIGCONT) continues them. SIGSTOP,
-    not SIGTSTP, on both sides: a rank's group has no parent in its own session (it is orphaned),
-    so the kernel would discard a SIGTSTP to it. Where this process's own group is orphaned (a
+    not SIGTSTP, on both sides: a rank's group in a session of its own (Python 3.10) is orphaned, so
+    the kernel would discard a SIGTSTP to it, and so would it for this process's own group where
+    that group is orphaned (a
     launcher started with setsid, or by a supervisor), no one could continue it, and the kernel
     would discard the SIGTSTP: so is it here, with a line on stderr that says so. The ranks'
     timeouts are wall-clock time: a suspension longer than a rank's wait for a peer
@@ -173,7 +196,9 @@ class _StopOnSignal:
                 sig = getattr(signal, name, None)
                 if sig is not None:
                     self._previous[sig] = signal.signal(sig, self._note)
-            if _OWN_SESSIONS:
+            if hasattr(signal, "SIGCHLD"):
+                self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            if _OWN_GROUPS:
                 self._previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._note_suspend)
 
     def _note(self, signum, frame) -> None:
@@ -204,8 +229,15 @@ class _StopOnSignal:
             raise KeyboardInterrupt(f"signal {self.signum}")
 
     def restore(self) -> None:
+        """The handlers before the launch, but SIGCHLD's (:meth:`restore_child_signal`)."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            if sig != getattr(signal, "SIGCHLD", None):
+                signal.signal(sig, handler)
+
+    def restore_child_signal(self) -> None:
+        """SIGCHLD's handler before the launch: once every rank is reaped (ignored, it reaps them)."""
+        if hasattr(signal, "SIGCHLD") and signal.SIGCHLD in self._previous:
+            signal.signal(signal.SIGCHLD, self._previous[signal.SIGCHLD])
 
 
 def _group_is_orphaned() -> bool:
@@ -237,7 +269,7 @@ def _group_is_orphaned() -> bool:
 
 
 def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> None:
-    """Returns once every process has exited (on POSIX not yet reaped: see _OWN_SESSIONS). Once one
+    """Returns once every process has exited (on POSIX not yet reaped: see _OWN_GROUPS). Once one
     fails, the others get LAUNCH_GRACE_S, then SIGTERM and LAUNCH_GRACE_S more; the caller kills
     what is left."""
     stop_at = None
@@ -262,7 +294,7 @@ def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> N
 def _exit_code(proc: subprocess.Popen) -> int | None:
     """The process's exit code (negative: the signal that stopped it), None while it runs; on POSIX
     without reaping it, so that its process group can still be signalled safely."""
-    if not _OWN_SESSIONS or proc.returncode is not None:
+    if not _OWN_GROUPS or proc.returncode is not None:
         return proc.poll()
     info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     if info is None:
@@ -273,7 +305,7 @@ def _exit_code(proc: subprocess.Popen) -> int | None:
 def _signal_rank(proc: subprocess.Popen, sig: int) -> None:
     """``sig`` to a launched process and every process it started (its process group, POSIX); to the
     process alone elsewhere. Call it only before the process is reaped."""
-    if _OWN_SESSIONS:
+    if _OWN_GROUPS:
         try:
             os.killpg(proc.pid, sig)  # the group outlives its leader while any member runs
         except ProcessLookupError:  # the leader exited and no process it started is left
@@ -285,24 +317,24 @@ def _signal_rank(proc: subprocess.Popen, sig: int) -> None:
 def watch_launcher() -> None:
     """In a process that ``launch`` started: end it, and every process it started, if the launcher
     dies without stopping it (SIGKILL, the OOM killer), as a signal to the launcher's whole process
-    group did before the ranks had groups of their own. A daemon thread watches the parent; nothing
-    where this process was not started by ``launch`` or a platform has no process groups."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    group did before the ranks had groups of their own. A daemon thread reads the launcher's pipe
+    (:data:`LAUNCHER_FD_ENV`), which ends when the launcher's process does, before this call too;
+    nothing where this process was not started by ``launch``, a wrapper between the two closed the
+    pipe, or a platform has no process groups."""
+    fd = os.environ.get(LAUNCHER_FD_ENV, "")
     # Only in the group launch gave this process (not in a process it started, which inherits the
     # environment).
-    if not (_OWN_SESSIONS and launcher and launcher.isdigit() and os.getpgrp() == os.getpid()):
+    if not (_OWN_GROUPS and fd.isascii() and fd.isdigit() and os.getpgrp() == os.getpid()):
         return
-    if os.getppid() != int(launcher):
-        try:
-            os.kill(int(launcher), 0)
-        except (ProcessLookupError, PermissionError):
-            # It died before this process got here (its pid may be another user's process's now).
-            os.killpg(os.getpgrp(), _KILL)
-        return  # alive and not the parent: started through a wrapper, which is not watched
+    try:
+        if not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+            return  # closed by a wrapper, and the number taken by something else since
+    except OSError:
+        return  # closed by a wrapper
 
     def watch() -> None:
-        while os.getppid() == int(launcher):  # an orphan's parent becomes init or a subreaper
-            time.sleep(_LAUNCHER_POLL_S)
+        while os.read(int(fd), 1):  # the launcher never writes: end of file when its process ends
+            pass
         os.killpg(os.getpgrp(), _KILL)
 
     threading.Thread(target=watch, name="mooncake_ep-launcher-watch", daemon=True).start()
