@@ -55,6 +55,11 @@ class KernelCompileError(RuntimeError):
             f"and options {list(key.options)}:\n{log}"
         )
 
+    def __reduce__(self):
+        # Across processes (a rank's, a warm-up pool's) as it was raised: RuntimeError's own pickling
+        # passes the message alone, which __init__ refuses, and a pool then broke instead of raising.
+        return type(self), (self.key, self.log)
+
 
 def kernel_source_dir() -> Path:
     """The folder holding the shipped ``.cu``/``.cuh`` sources."""
@@ -283,10 +288,12 @@ def default_cache_dir() -> Path:
     """``$MOONCAKE_EP_CACHE_DIR``, else ``$XDG_CACHE_HOME/mooncake_ep/kernels`` (an absolute
     ``XDG_CACHE_HOME`` only, as the XDG spec says), else ``~/.cache/mooncake_ep/kernels``; where the
     home folder is unknown (no ``HOME``, a user id without a passwd entry: ``~`` stays ``~``), a
-    folder of this user under the temporary directory, never one relative to the working directory."""
+    folder of this user under the temporary directory, never one relative to the working directory (a
+    relative ``$MOONCAKE_EP_CACHE_DIR`` is made absolute, and its ``~`` expanded: a container's or a
+    unit's environment does not expand it, and warm-up and server each used a folder of their own)."""
     configured = os.environ.get(_constants.CACHE_DIR_ENV)
     if configured:
-        return Path(configured)
+        return Path(os.path.expanduser(configured)).absolute()
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
     if not os.path.isabs(base):
@@ -300,7 +307,8 @@ def _private_temp_folder() -> str:
     """This user's folder under the shared temporary directory, made 0700 if missing. Another user
     could make the folder first and plant cubins under their digests, which a Buffer would load and
     run: one not owned by this user, or writable by others, is not used; a fresh private folder
-    (``mkdtemp``, this process's only) is."""
+    (``mkdtemp``, this process's only) is, the same one for every later lookup (each made its own,
+    and a process never found its own cubins again)."""
     user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
     folder = os.path.join(tempfile.gettempdir(), f"mooncake_ep-{user}")
     try:
@@ -315,7 +323,16 @@ def _private_temp_folder() -> str:
             return folder
     except (OSError, AttributeError):  # AttributeError: no os.getuid (not POSIX)
         pass
-    return tempfile.mkdtemp(prefix="mooncake_ep-")
+    with _fresh_temp_folders_lock:
+        fresh = _fresh_temp_folders.get(folder)
+        if fresh is None or not os.path.isdir(fresh):
+            fresh = _fresh_temp_folders[folder] = tempfile.mkdtemp(prefix="mooncake_ep-")
+    return fresh
+
+
+# The shared folder _private_temp_folder refused -> the fresh one it made instead, in this process.
+_fresh_temp_folders: dict[str, str] = {}
+_fresh_temp_folders_lock = threading.Lock()
 
 
 class KernelCache:
@@ -671,6 +688,8 @@ def load_low_latency_kernels(arch: str, cache: KernelCache | None = None, sys_sc
     Returns:
         ``{"dispatch/<fp8>/<round>/<ue8m0>": Launcher, "combine": Launcher}``.
     """
+    cache = cache if cache is not None else KernelCache()  # one folder for all five
+
     def launcher(key: KernelKey, arg_format: str) -> Launcher:
         cubin, _ = get_cubin(key, cache)
         # Blocks of the size the kernel was built for (its __launch_bounds__ and warp roles).

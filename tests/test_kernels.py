@@ -582,8 +582,44 @@ def test_default_cache_dir_is_absolute_and_private_without_a_home_folder(xdg, tm
     os.chmod(private, 0o777)
     other = kernels.default_cache_dir().parents[1]
     assert other != private and stat.S_IMODE(other.stat().st_mode) == 0o700
+    # And the same one for every later lookup: each made a folder of its own, whose cubins no later
+    # lookup found (a Buffer's five kernels compiled into five folders, at every construction).
+    assert kernels.default_cache_dir().parents[1] == other
     monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
     assert kernels.default_cache_dir() == Path("/xdg/mooncake_ep/kernels")
+
+
+def test_cache_dir_from_the_environment_is_expanded_and_absolute(tmp_path, monkeypatch):
+    """A container's or a unit's environment does not expand ~: MOONCAKE_EP_CACHE_DIR=~/k was a folder
+    named ~ under whichever folder each process started in, so warm-up and server missed each other."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MOONCAKE_EP_CACHE_DIR", "~/k")
+    assert kernels.default_cache_dir() == tmp_path / "home" / "k"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MOONCAKE_EP_CACHE_DIR", "relative/k")
+    assert kernels.default_cache_dir() == tmp_path / "relative" / "k"
+
+
+def test_a_buffers_kernels_share_one_cache(monkeypatch):
+    """load_low_latency_kernels without a cache made one per kernel: without a home folder, five
+    folders for one Buffer, every time."""
+    caches = []
+    monkeypatch.setattr(kernels, "get_cubin", lambda key, cache: caches.append(cache) or (b"", False))
+    monkeypatch.setattr(kernels, "Launcher", lambda *args, **kwargs: None)
+    launchers = kernels.load_low_latency_kernels("sm_90")
+    assert len(caches) == len(launchers) == 5 and isinstance(caches[0], kernels.KernelCache)
+    assert all(cache is caches[0] for cache in caches)
+
+
+def test_a_compile_error_crosses_to_another_process_whole():
+    """RuntimeError's pickling passed the message alone, which __init__ refused: a compile error in a
+    worker process broke its pool (and hung multiprocessing.Pool) instead of reaching the caller."""
+    import pickle
+
+    key = kernels.dispatch_key("sm_90", True, False, False)
+    error = pickle.loads(pickle.dumps(kernels.KernelCompileError(key, "error: expected a ';'")))
+    assert type(error) is kernels.KernelCompileError and error.key == key and error.log == "error: expected a ';'"
+    assert str(error).startswith("NVRTC failed to compile ll_dispatch.cu for sm_90") and "expected a ';'" in str(error)
 
 
 # --- kernels.warmup --------------------------------------------------------------------------------
@@ -739,6 +775,22 @@ def test_bad_config_exits_2_naming_the_problem(text, message, tmp_path, capsys):
     assert cli.main(["warmup", "--arch", ARCH, "--cache-dir", str(tmp_path / "c"), "--config", str(config_path)]) == 2
     err = capsys.readouterr().err
     assert str(config_path) in err and message in err
+
+
+def test_config_file_in_utf16_is_read_and_one_not_text_is_named(tmp_path, capsys):
+    """PowerShell's > writes UTF-16 with a byte-order mark: that raised a UnicodeDecodeError traceback
+    (exit 1). It is JSON (json tells UTF-8, -16 and -32 apart); bytes that are none of them exit 2."""
+    import argparse
+
+    config_path = tmp_path / "models.json"
+    config_path.write_text('{"hidden": 4096, "topk": 8, "experts": 256, "ranks": 8}', encoding="utf-16")
+    parser = argparse.ArgumentParser()
+    cli.warmup.add_arguments(parser)
+    configs = cli.warmup.load_configs(parser.parse_args(["--arch", ARCH, "--config", str(config_path)]))
+    assert [(config.hidden, config.topk) for config in configs] == [(4096, 8)]
+    config_path.write_bytes(b"\xff{\"hidden\": 7168}")
+    assert cli.main(["warmup", "--arch", ARCH, "--cache-dir", str(tmp_path / "c"), "--config", str(config_path)]) == 2
+    assert "not UTF-8 (nor UTF-16/32) text" in capsys.readouterr().err
 
 
 def test_missing_config_file_exits_2(tmp_path, capsys):

@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scope", choices=tuple(SCOPES), default="both",
                         help="memory scope: sys (ranks on several GPUs or processes), gpu (all ranks threads of "
                              "one process on one GPU), or both")
-    parser.add_argument("--cache-dir", default=str(kernels.default_cache_dir()), metavar="DIR",
+    # Resolved in run(), not here: the parser is built for --help too, and a home-less default made a folder.
+    parser.add_argument("--cache-dir", metavar="DIR",
                         help="kernel cache folder; the default is $MOONCAKE_EP_CACHE_DIR when set, "
                              "else $XDG_CACHE_HOME/mooncake_ep/kernels, ~/.cache/mooncake_ep/kernels where that "
                              "is unset")
@@ -156,17 +157,19 @@ def load_configs(args: argparse.Namespace) -> list[WarmupConfig]:
         return [_make_config(flag_values, SCOPES[args.scope], "", {f: f"--{f}" for f in _SHAPE_FIELDS})]
     where = f"--config {args.config}"
     try:
-        text = Path(args.config).read_text()
+        raw = Path(args.config).read_bytes()
     except OSError as exc:
         raise UsageError(f"{where}: cannot read it: {exc.strerror or exc}") from None
     try:
-        document = json.loads(text)
+        document = json.loads(raw)  # UTF-8, or UTF-16/32 (what PowerShell's > writes): json tells them apart
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{where}: not UTF-8 (nor UTF-16/32) text: {exc.reason} at byte {exc.start}") from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     entries = document if isinstance(document, list) else [document]
     if not entries or not all(isinstance(entry, dict) for entry in entries):
         raise UsageError(f"{where}: expected a JSON object or a non-empty list of objects with keys "
-                         f"{', '.join(_SHAPE_FIELDS + _FLAG_FIELDS)}, got {text.strip()[:80]!r}")
+                         f"{', '.join(_SHAPE_FIELDS + _FLAG_FIELDS)}, got {json.dumps(document)[:80]!r}")
     configs = []
     for index, entry in enumerate(entries):
         here = f"{where}, configuration {index}" if isinstance(document, list) else where
@@ -260,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
               f"pip install 'mooncake_ep[cuda12]' (or [cuda13])", file=sys.stderr)
         return EXIT_FAILURE
     check_supported(archs)
-    if not args.cache_dir:  # Path("") is the current directory: kernels would land wherever the shell is
+    if args.cache_dir == "":  # Path("") is the current directory: kernels would land wherever the shell is
         raise UsageError("--cache-dir: the path is empty; name the kernel cache's directory")
     cache = kernels.KernelCache(args.cache_dir)
     check_cache_dir(cache)
