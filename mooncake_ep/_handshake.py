@@ -87,15 +87,22 @@ def exchange(group, mine: RankConfig, where: str) -> list[RankConfig]:
         RuntimeError: some rank has receive hooks pending (update_ep_member).
         GroupError: from the group (a rank that does not come is named by it).
     """
-    configs = [_unpack(blob, rank, where) for rank, blob in enumerate(group.allgather_bytes(mine.pack()))]
+    configs = [_unpack(blob, rank, where, mine) for rank, blob in enumerate(group.allgather_bytes(mine.pack()))]
     check(configs, where)
     return configs
 
 
-def _unpack(blob: bytes, rank: int, where: str) -> RankConfig:
+def _unpack(blob: bytes, rank: int, where: str, mine: RankConfig) -> RankConfig:
+    fields = None
     try:
-        return RankConfig.unpack(blob)
+        fields = json.loads(blob)
+        return RankConfig(**fields)
     except (ValueError, TypeError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        # A config of another mooncake_ep (a field more or less) is named as such, not as another call.
+        theirs = fields.get("version") if isinstance(fields, dict) else None
+        if isinstance(theirs, str) and theirs != mine.version and "phase" in fields:
+            raise RankMismatchError(f"{where}: ranks disagree on mooncake_ep version (rank {rank}: {theirs!r}, this "
+                                    f"rank: {mine.version!r}); install the same mooncake_ep on every rank") from error
         raise RankMismatchError(f"{where}: the ranks are not in the same call: rank {rank} is not building a Buffer "
                                 f"or in update_ep_member (a dispatch or combine?); every rank must make the same "
                                 f"calls, on the same Buffers, in the same order") from error
@@ -192,7 +199,13 @@ def check_same_configuration(group, configuration: tuple, where: str = "dispatch
     Raises:
         RankMismatchError: the ranks differ (naming the fields, the ranks and their values).
     """
-    seen = [_CONFIGURATION.unpack(blob) for blob in group.allgather_bytes(_CONFIGURATION.pack(*configuration))]
+    blobs = group.allgather_bytes(_CONFIGURATION.pack(*configuration))
+    elsewhere = [rank for rank, blob in enumerate(blobs) if len(blob) != _CONFIGURATION.size]
+    if elsewhere:  # a rank building a Buffer, or in update_ep_member, sent its RankConfig
+        raise RankMismatchError(f"{where}: the ranks are not in the same call: ranks {elsewhere} are not checking a "
+                                f"dispatch's configuration (building a Buffer, or in update_ep_member?); every rank "
+                                f"must make the same calls, on the same Buffers, in the same order")
+    seen = [_CONFIGURATION.unpack(blob) for blob in blobs]
     if len(set(seen)) == 1:
         return
     differing = [i for i, _ in enumerate(CONFIGURATION_FIELDS) if len({theirs[i] for theirs in seen}) > 1]

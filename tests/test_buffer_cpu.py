@@ -1450,3 +1450,22 @@ def test_allocated_torch_results_read_as_read_array_reads_them(shape, dtype):
         (expected.ptr, expected.shape, expected.strides, expected.dtype, expected.device_type, expected.device_id,
          expected.framework)
     assert view.obj is obj and view.is_contiguous
+
+
+def test_a_configuration_agreed_ahead_is_checked_and_agreed_in_python_ints(monkeypatch):
+    """torch's dispatch agrees ahead on its backward's fp8 configuration with the caller's own T and
+    num_experts, before the dispatch checks them: a numpy int agreed on broke every later
+    update_ep_member (the agreement's JSON), and a float reached the collective as a bare struct.error."""
+    buffer = ep.LocalGroup(1).spawn(lambda group: ep.Buffer(group, 1 << 22, backend="reference"))[0]
+    agreed = []
+    monkeypatch.setattr(buffer, "_cuda", type("Backend", (), {"agree_on": lambda self, c, where: agreed.append(c)})())
+    agree = lambda T, E: buffer._agree_ahead(T, 1024, E, use_fp8=True, round_scale=False,  # noqa: E731
+                                             use_ue8m0=False, where="mooncake_ep.torch.dispatch")
+    agree(np.int64(8), np.int32(16))
+    assert agreed == [(8, 1024, 16, True, False, False)] and [type(v) for v in agreed[0][:3]] == [int] * 3
+    with pytest.raises(TypeError, match=r"^mooncake_ep.torch.dispatch: num_max_dispatch_tokens_per_rank must be an "
+                                        r"int, got float"):
+        agree(8.0, 16)
+    with pytest.raises(ValueError, match=r"^mooncake_ep.torch.dispatch: num_experts"):
+        agree(8, 0)
+    assert len(agreed) == 1

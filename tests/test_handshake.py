@@ -9,6 +9,7 @@ test_buffer_multiprocess.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import numpy as np
@@ -115,6 +116,40 @@ def test_same_configuration_check_raises_on_every_rank_naming_the_fields_that_di
                               f"flags, or the kernels would read peers' workspaces at the wrong offsets, or their "
                               f"staged rows in the wrong form")
     assert on_every_rank(3, lambda g: _handshake.check_same_configuration(g, (T, H, E, *flags))) == [None] * 3
+
+
+def test_a_rank_in_another_call_than_a_configuration_check_is_named():
+    """Rank 1 builds a second Buffer (its RankConfig) while rank 0 checks a dispatch's configuration:
+    rank 0 read the other call's message as a configuration, a bare struct.error that named no rank."""
+    calls = [lambda g: _handshake.check_same_configuration(g, (T, H, E, True, False, False)),
+             lambda g: _handshake.exchange(g, config(), "Buffer")]
+    out = on_every_rank(2, lambda g: calls[g.rank](g))
+    assert isinstance(out[0], _handshake.RankMismatchError) and str(out[0]).startswith(
+        "dispatch: the ranks are not in the same call: ranks [1] are not checking a dispatch's configuration"), out
+    assert isinstance(out[1], _handshake.RankMismatchError) and "rank 0 is not building a Buffer" in str(out[1]), out
+
+
+def test_a_rank_of_another_version_with_other_fields_is_named_by_its_version():
+    """A mooncake_ep whose RankConfig has a field more failed to unpack and was reported as a rank in
+    another call (a dispatch or combine?); the version check that names both never ran."""
+    theirs = dict(json.loads(config().pack()), version="0.3.0", num_nvlink_peers=8)
+    blobs = [config().pack(), json.dumps(theirs).encode()]
+    out = on_every_rank(2, lambda g: _handshake.exchange(_Sends(g, blobs[g.rank]), config(), "Buffer"))
+    for error in out:
+        assert isinstance(error, _handshake.RankMismatchError), out
+    assert str(out[0]) == ("Buffer: ranks disagree on mooncake_ep version (rank 1: '0.3.0', this rank: '0.1.0'); "
+                           "install the same mooncake_ep on every rank")
+
+
+class _Sends:
+    """A group that sends ``blob`` in its allgather, whatever its caller packed (another version's rank)."""
+
+    def __init__(self, group, blob: bytes):
+        self._group, self._blob = group, blob
+        self.rank, self.world_size = group.rank, group.world_size
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        return self._group.allgather_bytes(self._blob)
 
 
 # ----------------------------------------------------------------------------- through Buffer

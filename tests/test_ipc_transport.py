@@ -280,6 +280,60 @@ def test_reconnect_maps_only_the_replaced_rank_and_closes_its_old_mapping():
     assert out[2][1] == ([mapped(0), mapped(1), workspace_ptr(2, 1)], [])
 
 
+def test_a_retry_after_a_failed_reconnect_still_reports_the_replaced_rank():
+    """A reconnect that unmapped a replaced rank and then failed (here: its new workspace would not open
+    on rank 1) forgot it: the retry mapped it as new and did not report it replaced, so the Buffer never
+    cleared the flags the dead process had left in rank 1's workspace."""
+    runtimes = [FakeRuntime() for _ in range(3)]
+
+    def rank_fn(group):
+        runtime = runtimes[group.rank]
+        transport = IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank)), runtime=runtime,
+                                 process=process(group.rank))
+        transport.connect()
+        if group.rank == 2:  # dies; a first replacement (which rank 1 cannot open), then a second one
+            group.barrier()
+            transport = IpcTransport(group, FakeWorkspace(workspace_ptr(2, 1)), runtime=FakeRuntime(),
+                                     process=process(2, pid=2002))
+            with pytest.raises(TransportError):
+                transport.connect()
+            group.barrier()
+            transport = IpcTransport(group, FakeWorkspace(workspace_ptr(2, 2)), runtime=FakeRuntime(),
+                                     process=process(2, pid=2003))
+            return transport.connect()[1]
+        group.barrier()
+        runtime.fail_open = group.rank == 1
+        with pytest.raises(TransportError, match="could not open the workspace of rank 2"):
+            transport.connect()
+        runtime.fail_open = False
+        group.barrier()
+        return transport.connect()[1]
+
+    assert run(3, rank_fn) == [[2], [2], []]
+
+
+def test_a_cuda_error_on_one_rank_fails_every_rank_with_it():
+    """Only a TransportError was shared: a CUDA error of one rank's peer query escaped there alone, and
+    its peers timed out in the group's next collective without the cause (local.connect shares any)."""
+
+    class FailingPeerQuery(FakeRuntime):
+        def deviceCanAccessPeer(self, device, peer):
+            raise FakeCudaError("cudaErrorUnknown: unknown error")
+
+    runtimes = [FakeRuntime(visible=(0, 1), peer_pairs=[(0, 1)]), FailingPeerQuery(visible=(0, 1), peer_pairs=[(0, 1)])]
+
+    def rank_fn(group):
+        transport = IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank), device_id=group.rank),
+                                 runtime=runtimes[group.rank], process=process(group.rank))
+        try:
+            return transport.connect()
+        finally:
+            transport.close()
+
+    for error in run(2, rank_fn):
+        assert isinstance(error, TransportError) and "FakeCudaError: cudaErrorUnknown" in str(error), error
+
+
 def test_close_is_idempotent_and_garbage_collection_closes_too():
     runtimes = [FakeRuntime() for _ in range(3)]
 

@@ -151,6 +151,10 @@ class IpcTransport:
         self._workspace_id = os.urandom(8).hex()
         self._record: PeerRecord | None = None
         self._mappings: dict[int, _Mapping] = {}
+        # Ranks whose workspace changed since the last connect that succeeded on every rank: a connect
+        # that failed after re-mapping some (another rank's failure, or an open that failed) leaves them
+        # here, so that the retry still reports them replaced (their old flags are still to be cleared).
+        self._replaced_since_connected: set[int] = set()
         self.peers: list[PeerRecord] = []
         self._finalizer = weakref.finalize(self, _close_mappings, runtime, workspace.device_id, self._mappings)
         self._finalizer.atexit = False
@@ -180,13 +184,15 @@ class IpcTransport:
         where = f"Buffer (ipc transport, rank {self.group.rank})"
         records = [PeerRecord.unpack(blob) for blob in self.group.allgather_bytes(self._describe().pack())]
         _check_one_host(where, records)
+        failure = ""
         try:
-            replaced = self._map(records)
-            failure = ""
-        except TransportError as exc:
-            replaced, failure = [], str(exc)
+            self._map(records)
+        except Exception as exc:  # noqa: BLE001 - a runtime error too: every rank must hear of it
+            failure = str(exc) if isinstance(exc, TransportError) else f"{type(exc).__name__}: {exc}"
         raise_if_any_failed(self.group, f"{where}: could not map the peers' workspaces", failure)
         self.peers = records
+        replaced = sorted(self._replaced_since_connected)
+        self._replaced_since_connected.clear()
         return [self._mappings[rank].ptr for rank in range(len(records))], replaced
 
     def close(self) -> None:
@@ -214,18 +220,18 @@ class IpcTransport:
                                       self.workspace.ptr, self.workspace.num_bytes, handle)
         return self._record
 
-    def _map(self, records: list[PeerRecord]) -> list[int]:
-        """Map each rank whose workspace is new to this process; return the ranks that were replaced."""
+    def _map(self, records: list[PeerRecord]) -> None:
+        """Map each rank whose workspace is new to this process; note those that were replaced."""
         me = self.group.rank
         mine = records[me]
-        replaced = []
         for rank, peer in enumerate(records):
             current = self._mappings.get(rank)
             if current is not None and current.workspace_id == peer.workspace_id:
                 continue
-            if current is not None:
-                replaced.append(rank)
-                self._unmap(rank)
+            if current is not None or rank in self._replaced_since_connected:
+                self._replaced_since_connected.add(rank)
+                if current is not None:
+                    self._unmap(rank)
             if rank == me:
                 mapping = _Mapping(peer.workspace_id, self.workspace.ptr, opened=False)
             elif peer.process.same_process(self._process):
@@ -237,7 +243,6 @@ class IpcTransport:
             else:
                 mapping = _Mapping(peer.workspace_id, self._open(me, mine, rank, peer), opened=True)
             self._mappings[rank] = mapping
-        return replaced
 
     def _open(self, me: int, mine: PeerRecord, rank: int, peer: PeerRecord) -> int:
         runtime = self._runtime
