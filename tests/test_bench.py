@@ -235,6 +235,11 @@ def test_bench_reference_writes_the_json_schema(tmp_path):
         (False, False, 0.0)
     assert set(report["baseline"]) == {"dispatch", "combine", "step"}
     assert "alpha" not in report["config"]  # uniform routing has no parameters
+    assert report["hold_ran_out"] == []  # the GPU graphs' hold: which phases' events timed the host's pace
+    # How many samples each p99 is of: of 5, about their maximum, as the text says.
+    assert all(row["samples"] == 5 for row in report["phases"].values())
+    assert all(stats["samples"] == 5 for stats in report["baseline"].values())
+    assert "p99 of 5 replays (--iters): fewer than 100, so about their maximum" in proc.stdout
 
 
 @pytest.mark.parametrize("routing, extra, parameters", [
@@ -289,6 +294,42 @@ def test_a_plot_that_cannot_be_written_is_one_line_and_keeps_the_json(tmp_path, 
                      "--warmup", "2", "--json", str(path)]) == 1
     assert f"OutputError: --plot {png}: could not write the plot: No space left on device" in capsys.readouterr().err
     assert [point["tokens"] for point in json.loads(path.read_text())["sweep"]] == [1, 4]
+
+
+def test_a_sweep_point_that_fails_keeps_the_measurements_before_it(tmp_path, monkeypatch, capsys):
+    """The JSON was written once every point had run: a point that ran out of memory (a sweep past the
+    largest T that fits) lost the main measurement and every point before it (helper-114)."""
+    measure = bench.measure_reference
+
+    def out_of_memory_at_t4(args, progress, group=None):
+        if args.tokens == 4:
+            raise MemoryError("stand-in: this point does not fit")
+        return measure(args, progress, group)
+
+    monkeypatch.setattr(bench, "measure_reference", out_of_memory_at_t4)
+    png, path = tmp_path / "sweep.png", tmp_path / "bench.json"
+    assert cli.main(["bench", "--backend", "reference", "--plot", str(png), "--sweep-tokens", "1,2,4", "--iters", "3",
+                     "--warmup", "1", "--json", str(path)]) == 1
+    assert "out of host memory" in capsys.readouterr().err
+    report = json.loads(path.read_text())
+    assert report["phases"]["dispatch"]["p50_us"] > 0 and [point["tokens"] for point in report["sweep"]] == [1, 2]
+
+
+def test_num_sms_is_checked_as_a_flag_on_the_gpu(monkeypatch):
+    """--num-sms was never checked: 0, or more SMs than the GPU has for its ranks, was the Buffer's
+    ValueError, a traceback (helper-114)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(cli.UsageError, match=r"^--num-sms must be >= 1, got 0$"):
+        bench.settle_args(parser.parse_args(["--num-sms", "0"]), "cuda")
+    properties = types.SimpleNamespace(multi_processor_count=132)
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(get_device_properties=lambda device: properties))
+    args = argparse.Namespace(num_sms=17)
+    with pytest.raises(cli.UsageError, match=r"^--num-sms 17: the 8 ranks on cuda:0 would need 136 SMs, it has 132: "
+                                             r"use --num-sms <= 16$"):
+        bench.check_num_sms(args, fake_torch, {0: 8})
+    bench.check_num_sms(args, fake_torch, {0: 7, 1: 1})
+    bench.check_num_sms(argparse.Namespace(num_sms=None), fake_torch, {0: 8})
 
 
 @pytest.mark.parametrize("mode", ["async", "hook"])
@@ -359,6 +400,8 @@ def test_bench_bad_flag_exits_2():
     (["--launch", "0"], "--launch must be >= 1"),
     (["--graph"], "no CUDA graphs"),
     (["--experts", "-8"], "--experts must be >= 1, got -8"),
+    # The plot saved over the JSON's measurements (helper-114), however the two paths are spelled.
+    (["--json", "./same.png", "--plot", "same.png"], "--json ./same.png and --plot same.png name the same file"),
     # Each rank's expert outputs (E_l x R*T x H bf16) counted, and the sweep's largest point: these
     # runs went into torch's allocator, with a traceback after the first points. (Sized for any host:
     # 60 TB at the sweep's T = 4096, 15 GB at T = 1; 2.6 TB of expert outputs beside 2.6 GB of the rest.)

@@ -58,7 +58,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -264,9 +264,11 @@ def routing_parameters(args) -> dict:
 
 
 def percentiles(times_us: list[float]) -> dict:
+    """p50, p90 and p99 in microseconds, and how many samples they are of: a p99 of fewer than 100 is
+    about their maximum (of 20, the interpolation between the two largest)."""
     values = np.asarray(times_us)
     return {"p50_us": float(np.percentile(values, 50)), "p90_us": float(np.percentile(values, 90)),
-            "p99_us": float(np.percentile(values, 99))}
+            "p99_us": float(np.percentile(values, 99)), "samples": len(values)}
 
 
 def bytes_moved(args, copies: float) -> tuple[dict, dict]:
@@ -540,6 +542,7 @@ def measure_cuda(args, progress, group=None) -> dict:
     if group is None:
         num_gpus = torch.cuda.device_count()
         devices = [r % num_gpus for r in range(args.ranks)]
+        check_num_sms(args, torch, {device: devices.count(device) for device in set(devices)})
         local_group = ep.LocalGroup(args.ranks, devices=devices)
         local_ranks = list(range(args.ranks))
         buffers = dict(enumerate(local_group.spawn(lambda g: ep.Buffer(g, size, num_sms=args.num_sms))))
@@ -550,9 +553,10 @@ def measure_cuda(args, progress, group=None) -> dict:
         device = torch.cuda.current_device()
         devices = [device if r == group.rank else None for r in range(args.ranks)]
         local_ranks = [group.rank]
+        places = group.allgather_bytes(f"{platform.node()}:{device}".encode())
+        check_num_sms(args, torch, {device: places.count(places[group.rank])})
         buffers = {group.rank: ep.Buffer(group, size, num_sms=args.num_sms)}
         streams = {group.rank: torch.cuda.Stream()}
-        places = group.allgather_bytes(f"{platform.node()}:{device}".encode())
         num_copying_gpus = len(set(places))
     if args.peer_reads == "workspace":  # the protocol of the ipc transport, on these ranks
         for buffer in buffers.values():
@@ -734,6 +738,7 @@ def measure_cuda(args, progress, group=None) -> dict:
         if held is not None and held.query():
             print(f"bench: the {args.hold_ms:g} ms hold ran out before the {phase} phase's timed replays were "
                   f"queued, so some were timed at the host's pace: raise --hold-ms")
+            hold_ran_out.append(phase)
         torch.cuda.synchronize()
         if inner:
             times += [inner_events[phase][i % len(sets)].elapsed_us()
@@ -754,6 +759,7 @@ def measure_cuda(args, progress, group=None) -> dict:
         return kernel_span.replay_spans_us(records, kernel_span.PHASE_KERNELS[phase], args.iters, args.ranks)
 
     kernel, inner_stats = {}, {} if inner_graphs is not None else None
+    hold_ran_out: list[str] = []  # phases some of whose events timed the host's pace (the JSON says so too)
     for phase in graphs:
         kernel[phase] = percentiles(time_phase(phase))
         progress.update(args.warmup + args.iters)
@@ -775,8 +781,17 @@ def measure_cuda(args, progress, group=None) -> dict:
     if args.baseline and group is None:
         baseline_stats = time_baseline(args, sets, lambda: CudaEventTimer(torch, sets, args.iters), progress)
 
-    copy_bandwidth, write_bandwidth = (b * num_copying_gpus  # every GPU copies at once
-                                       for b in measure_bandwidth(torch, f"cuda:{devices[local_ranks[0]]}"))
+    device_name = f"cuda:{devices[local_ranks[0]]}"
+    if group is None:
+        bandwidths = measure_bandwidth(torch, device_name)
+    else:
+        # One process per GPU measures, while the others at its place wait: processes sharing a GPU
+        # measured at once, each timing the others' copies too (a floor up to N times too high).
+        leader = places.index(places[group.rank])
+        group.barrier()
+        mine = measure_bandwidth(torch, device_name) if leader == group.rank else None
+        bandwidths = json.loads(group.allgather_bytes(json.dumps(mine).encode())[leader])
+    copy_bandwidth, write_bandwidth = (b * num_copying_gpus for b in bandwidths)  # every GPU copies at once
 
     if group is not None:  # every rank's host times
         host = {phase: [t for blob in group.allgather_bytes(json.dumps(times).encode()) for t in json.loads(blob)]
@@ -786,7 +801,7 @@ def measure_cuda(args, progress, group=None) -> dict:
                           num_sms_per_rank=buffers[local_ranks[0]]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
                           write_bandwidth=write_bandwidth,
                           copies=mean_copies(sets), load=set_load(args, sets), host=host, kernel=kernel,
-                          baseline_stats=baseline_stats, spans=spans, inner=inner_stats)
+                          baseline_stats=baseline_stats, spans=spans, inner=inner_stats, hold_ran_out=hold_ran_out)
     if group is None:
         local_group.spawn(lambda g: buffers[g.rank].destroy())
     else:
@@ -916,6 +931,19 @@ def measure_reference(args, progress, group=None) -> dict:
     return report
 
 
+def check_num_sms(args, torch, ranks_on_device: dict[int, int]) -> None:
+    """UsageError naming --num-sms where the ranks on a GPU (``{device: ranks}``) would need more SMs than
+    it has (every rank's kernel must be resident at once); the Buffer's own ValueError was a traceback."""
+    if args.num_sms is None:
+        return
+    for device, num_ranks in ranks_on_device.items():
+        num_device_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if args.num_sms * num_ranks > num_device_sms:
+            raise UsageError(f"--num-sms {args.num_sms}: the {num_ranks} ranks on cuda:{device} would need "
+                             f"{args.num_sms * num_ranks} SMs, it has {num_device_sms}: use --num-sms <= "
+                             f"{num_device_sms // num_ranks}")
+
+
 def measure_bandwidth(torch, device: str, num_bytes: int = 1 << 30, repeats: int = 10) -> tuple[float, float]:
     """(copy, write) bandwidth of one GPU in bytes/s, on a buffer far larger than L2: a device copy
     counted as bytes read + written (the floors' unit), and ``cudaMemsetAsync``, which only writes
@@ -949,12 +977,13 @@ def measure_bandwidth(torch, device: str, num_bytes: int = 1 << 30, repeats: int
 def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_rank: int | None,
                  copy_bandwidth: float | None, write_bandwidth: float | None, copies: float, load: dict, host: dict,
                  kernel: dict, baseline_stats: dict | None, spans: dict | None = None,
-                 inner: dict | None = None) -> dict:
+                 inner: dict | None = None, hold_ran_out: Sequence[str] = ()) -> dict:
     """The JSON report; ``copy_bandwidth`` (bytes/s) None means no floor (the reference backend), and no
     rate either: DeepEP's bytes over numpy's wall time would read as a transfer rate of nothing.
     ``write_bandwidth`` (bytes/s) is context only: the floors use the copy bandwidth. ``spans``: per
     phase, the profiled replays' :class:`~mooncake_ep.cli.kernel_span.ReplaySpans` (None: not profiled).
-    ``inner``: per phase, the :class:`InnerEvents`' percentiles (None: not recorded)."""
+    ``inner``: per phase, the :class:`InnerEvents`' percentiles (None: not recorded). ``hold_ran_out``:
+    the phases some of whose timed replays were queued after the hold ended (timed at the host's pace)."""
     floor_bytes, deepep_bytes = bytes_moved(args, copies)
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -974,6 +1003,7 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "load": load,
         "host_us_per_call": {k: float(np.median(v)) for k, v in host.items()},
         "baseline": baseline_stats,
+        "hold_ran_out": list(hold_ran_out),
         "phases": {},
     }
     for phase, stats in kernel.items():
@@ -1036,6 +1066,9 @@ def print_report(report: dict) -> None:
               f"{_cell(row['baseline_p50_us'], 10, 1)}{_cell(row['speedup_vs_baseline'], 9, 2)}"
               f"{_cell(inner['p50_us'], 11, 1)}{_cell(inner['ratio_to_floor'], 7, 2)}"
               f"{_cell(graph['p50_us'], 11, 1)}{_cell(span['p50_us'], 10, 1)}{_cell(span['ratio_to_floor'], 7, 2)}")
+    samples = min(row["samples"] for row in report["phases"].values())
+    if samples < 100:
+        print(f"p99 of {samples} replays (--iters): fewer than 100, so about their maximum")
     if any(row["inner_events"] for row in report["phases"].values()):
         print("inner: events recorded inside a copy of the graph, after its root node and after the last rank's kernel "
               "(the graph's own end nodes and launch left out); p50 us and its ratio to the floor")
@@ -1114,7 +1147,8 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
                                  ("--experts", args.experts, 1),
                                  ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
                                  ("--warmup-ms", args.warmup_ms, 0), ("--hold-ms", args.hold_ms, 0),
-                                 ("--input-sets", args.input_sets, 1)):
+                                 ("--input-sets", args.input_sets, 1),
+                                 *((("--num-sms", args.num_sms, 1),) if args.num_sms is not None else ())):
         if value < minimum:
             raise UsageError(f"{flag} must be >= {minimum}, got {value}")
     if args.parities == "alternate" and args.input_sets % 2:
@@ -1148,6 +1182,9 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
         raise UsageError(f"--hot-fraction must be in [0, 1], got {args.hot_fraction}")
     check_output_path("--json", args.json)
     check_output_path("--plot", args.plot, suffix=".png")
+    if args.json and args.plot and os.path.realpath(args.json) == os.path.realpath(args.plot):
+        raise UsageError(f"--json {args.json} and --plot {args.plot} name the same file: the plot would replace the "
+                         f"measurements")
     if args.plot is None and args.sweep_tokens != sweep_tokens(DEFAULT_SWEEP_TOKENS):  # else silently unused
         raise UsageError("--sweep-tokens sets the points of the --plot sweep; give --plot PATH.png as well")
     if args.plot is not None:
@@ -1291,14 +1328,17 @@ def run_ranks(args, backend: str, why: str, group) -> int:
     report["config"]["hold_ms"] = args.hold_ms if backend == "cuda" and in_process_graphs(args, group) else 0.0
     if reporting:
         print_report(report)
+    # Written now and after each point of a sweep: a point that fails (out of memory at the largest T)
+    # or a plot that cannot be written loses none of the measurements before it.
+    if args.json and reporting:
+        write_json("--json", args.json, report)
     if args.plot is not None:
-        points = []
+        report["sweep"] = []
         for tokens in tqdm(args.sweep_tokens, desc="bench sweep", unit="point", disable=None):
             phases = report["phases"] if tokens == args.tokens else measured(tokens)["phases"]
-            points.append({"tokens": tokens, "phases": phases})
-        report["sweep"] = points
-    if args.json and reporting:  # first: a plot that cannot be written loses no measurement
-        write_json("--json", args.json, report)
+            report["sweep"].append({"tokens": tokens, "phases": phases})
+            if args.json and reporting:
+                write_json("--json", args.json, report)
     if args.plot is not None and reporting:
         plot_sweep(args.plot, report, report["sweep"])
         print(f"plot of {len(report['sweep'])} points (tokens per rank {', '.join(map(str, args.sweep_tokens))}): "
