@@ -5,7 +5,9 @@
 # PACK_TO=FILE.tar.gz (outside OUTDIR) also packs OUTDIR into one archive at the end (for callers that
 # can fetch only a few files back). BUDGET_S=N: the whole call's seconds; each step's limit is cut to
 # what is left of them (less PACK_RESERVE_S, 20 by default), and a step with nothing left is skipped
-# and fails, so the pack still runs before a caller's own limit kills the call.
+# and fails, so the pack still runs before a caller's own limit kills the call (a step past its limit
+# gets SIGTERM, then SIGKILL 10 s later). An unknown stage, or a BUDGET_S or PACK_RESERVE_S that is
+# not a whole number of seconds, is refused (exit 2) before anything runs.
 # Stages (default: tests bench warmup sanitizer):
 #   tests      pytest -m gpu, one process per file (PYTEST_FILES, PYTEST_K with -k, PYTEST_FILE_LIMIT_S); a
 #              test that skips fails, unless it needs more GPUs (MOONCAKE_EP_REQUIRE_GPU);
@@ -43,16 +45,30 @@ set -uo pipefail
 out="${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE ...]}"
 shift
 stages="${*:-tests bench warmup sanitizer}"
+known_stages=" tests bench sweep warmup trace ncu hbm host fault sanitizer ab inner modes routing parities repeat "
+for stage in $stages; do
+  if [[ "$known_stages" != *" $stage "* ]]; then  # a typo ran nothing, and passed
+    echo "gpu_check.sh: unknown stage '$stage' (stages:$known_stages)" >&2
+    exit 2
+  fi
+done
+for name in BUDGET_S PACK_RESERVE_S; do
+  if [ -n "${!name:-}" ] && ! [[ "${!name}" =~ ^[0-9]+$ ]]; then  # 1800.0 or 10m: every stage was skipped, exit 0
+    echo "gpu_check.sh: $name must be a whole number of seconds, got '${!name}'" >&2
+    exit 2
+  fi
+done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export MOONCAKE_EP_CACHE_DIR="${MOONCAKE_EP_CACHE_DIR:-/tmp/mooncake_ep_cache}"
 status=0
 has() { [[ " $stages " == *" $1 "* ]]; }
-step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to OUTDIR/NAME.log, echo its tail
+step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to OUTDIR/NAME.log, echo its tail;
+  # exit codes in OK_RCS (default 0) pass
   local name=$1 limit=$2
   shift 2
   if [ -n "${BUDGET_S:-}" ]; then
-    local left=$((BUDGET_S - SECONDS - ${PACK_RESERVE_S:-20}))
+    local left=$((10#$BUDGET_S - SECONDS - 10#${PACK_RESERVE_S:-20}))  # 10#: 0900 is not octal
     if [ "$left" -le 0 ]; then
       echo "== $name skipped: BUDGET_S=$BUDGET_S spent"
       status=1
@@ -61,14 +77,23 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to OUTDIR/N
     [ "$left" -lt "$limit" ] && limit=$left
   fi
   echo "== $name: $*"
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   tail -n "${TAIL:-12}" "$out/$name.log"
   echo "== $name rc=$rc"
-  [ "$rc" -eq 0 ] || status=1
+  [[ " ${OK_RCS:-0} " == *" $rc "* ]] || status=1
+}
+pack() {
+  if [ -n "${PACK_TO:-}" ]; then
+    tar czf "$PACK_TO" -C "$out" . || status=1
+  fi
 }
 
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
+TAIL=20 step install 300 python3 -m pip install -q --no-deps --no-build-isolation -e .
+if [ "$status" -ne 0 ]; then  # nothing else can run; the caller still gets install.log in the pack
+  pack
+  exit 1
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >"$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
 bench=(python3 -m mooncake_ep bench)
@@ -174,8 +199,12 @@ if has tests; then
   for file in $files; do
     args=(-m gpu -q -p no:cacheprovider -p no:warnings --timeout "${PYTEST_TIMEOUT_S:-90}" --timeout-method thread
           --tb=short -rf --durations=5 --junitxml "$out/$file.xml")
-    [ -n "${PYTEST_K:-}" ] && args+=(-k "$PYTEST_K")
-    TAIL=8 step "$file" "${PYTEST_FILE_LIMIT_S:-240}" python3 -m pytest "${args[@]}" "tests/$file.py"
+    ok_rcs=0
+    if [ -n "${PYTEST_K:-}" ]; then
+      args+=(-k "$PYTEST_K")
+      ok_rcs="0 5"  # 5: the -k selected nothing in this file, which is no failure of it
+    fi
+    OK_RCS=$ok_rcs TAIL=8 step "$file" "${PYTEST_FILE_LIMIT_S:-240}" python3 -m pytest "${args[@]}" "tests/$file.py"
   done
 fi
 if has ncu; then
@@ -235,7 +264,5 @@ if has sanitizer; then
       python3 -m pytest -q -p no:cacheprovider tests/test_gpu_low_latency.py -k "R1-"
   done
 fi
-if [ -n "${PACK_TO:-}" ]; then
-  tar czf "$PACK_TO" -C "$out" . || status=1
-fi
+pack
 exit $status
