@@ -49,6 +49,9 @@ def num_scale_columns(hidden: int, use_ue8m0: bool) -> int:
     return -(-num_blocks // UE8M0_PER_INT32) if use_ue8m0 else num_blocks
 
 
+_E4M3_CANONICAL_NAN = 0x7F
+
+
 def quantize_fp8(x: np.ndarray, *, round_scale: bool, use_ue8m0: bool) -> tuple[np.ndarray, np.ndarray]:
     """Quantize bf16 rows to e4m3fn with one scale per 128 channels.
 
@@ -61,6 +64,8 @@ def quantize_fp8(x: np.ndarray, *, round_scale: bool, use_ue8m0: bool) -> tuple[
         ``(q, scales)``: q ``[num_tokens, hidden]`` float8_e4m3fn; scales ``[num_tokens, hidden / 128]``
         fp32, or ``[num_tokens, ceil(hidden / 512)]`` int32 with ``use_ue8m0``.
     """
+    if use_ue8m0 and not round_scale:  # the exponent byte of a scale that is no power of two is not that scale
+        raise ValueError("quantize_fp8: use_ue8m0 requires round_scale")
     num_tokens, hidden = x.shape
     blocks = x.astype(np.float32).reshape(num_tokens, hidden // FP8_BLOCK, FP8_BLOCK)
     # fmax, not max: a NaN channel is left out of its block's amax (the kernels' fmaxf does the
@@ -80,6 +85,9 @@ def quantize_fp8(x: np.ndarray, *, round_scale: bool, use_ue8m0: bool) -> tuple[
     # (the kernels saturate).
     with np.errstate(invalid="ignore"):  # inf * 0 in a block holding inf: NaN, as in the kernels
         q = (blocks * multiplier[:, :, None]).astype(float8_e4m3fn).reshape(num_tokens, hidden)
+    # Every NaN as the kernels' saturating conversion writes it (cvt.rn.satfinite.e4m3x2.f32): the one
+    # canonical 0x7F, whatever the input NaN's sign (the cast above keeps the sign: 0xFF for -NaN).
+    q.view(np.uint8)[np.isnan(q)] = _E4M3_CANONICAL_NAN
     if not use_ue8m0:
         return q, scale
     exponent_bytes = ((scale.view(np.uint32) >> _FP32_MANTISSA_BITS) & np.uint32(0xFF)).astype(np.uint8)

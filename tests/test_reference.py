@@ -209,6 +209,25 @@ def test_dequantize_round_trip_within_fp8_error_of_block_amax(round_scale, use_u
 
 
 @pytest.mark.parametrize("round_scale", [False, True])
+def test_every_nan_quantises_to_the_canonical_e4m3_nan(round_scale):
+    """The kernels' saturating conversion (cvt.rn.satfinite.e4m3x2.f32) writes one NaN, 0x7F, whatever
+    the sign of the NaN it converts; the reference's cast kept the sign: 0xFF for -NaN (helper-115)."""
+    x = np.ones((1, FP8_BLOCK), np.float32)
+    x[0, 0], x[0, 1] = -np.nan, np.nan
+    x = x.astype(BF16)
+    assert list(x.view(np.uint16)[0, :2]) == [0xFFC0, 0x7FC0]
+    q, _ = reference.quantize_fp8(x, round_scale=round_scale, use_ue8m0=False)
+    assert list(q.view(np.uint8)[0, :2]) == [0x7F, 0x7F]
+
+
+def test_ue8m0_scales_without_round_scale_are_refused():
+    """The exponent byte of a scale that is no power of two is not that scale: DeepEP asserts, the Buffer
+    refuses, and the oracle returned scales that dequantised 3.0 to 1.75."""
+    with pytest.raises(ValueError, match="use_ue8m0 requires round_scale"):
+        reference.quantize_fp8(np.ones((1, FP8_BLOCK), BF16), round_scale=False, use_ue8m0=True)
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
 def test_a_nan_channel_stays_nan_alone_and_the_block_is_scaled_by_the_rest(round_scale):
     """The kernels' fmaxf leaves NaN out of a block's amax; so does the reference (np.max spread the
     NaN into the scale and so into every value of the block)."""
