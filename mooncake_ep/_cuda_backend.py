@@ -223,6 +223,17 @@ class CudaBackend:
             # any host's help, as every rank is here, past its last launch and with no hook pending
             # (update_ep_member checked), and a dead rank's are bounded by their timeouts.
             self._synchronize()
+            try:
+                return self._connect(replaced_ranks)
+            except _PeerSetupFailed:  # the replacement released alone, before any collective of this connect
+                raise
+            except Exception:
+                if replaced_ranks:
+                    self._meet_failed_replacements()
+                raise
+        return self._connect(replaced_ranks)
+
+    def _connect(self, replaced_ranks: Sequence[int]) -> list[int]:
         self._agree_on_kernels_and_steps()
         if self._ipc is None:
             # In one process a replacement (a fresh Buffer of a rank that stopped) also starts its
@@ -237,6 +248,19 @@ class CudaBackend:
         self.group.barrier()  # every route table is written before any rank launches
         self._connected = True
         return replaced
+
+    def _meet_failed_replacements(self) -> None:
+        """A survivor's side of an update that failed on every rank: the replacements, whose construction
+        failed with it, release their workspaces collectively (:meth:`destroy`); meet their two barriers,
+        closing this process's mappings of those workspaces between the two (ipc), so that none is freed
+        while mapped here. Without this a replacement's barrier met the survivors' next collective (a
+        retry) and broke the group, or waited out the group's timeout, and freed while still mapped."""
+        where = "update_ep_member, releasing the failed replacements"
+        failure = self._barrier(where)
+        if self._ipc is not None:
+            self._ipc.close_replaced()
+        if failure is None:
+            self._barrier(where)
 
     def _agree_on_kernels_and_steps(self) -> None:
         """Check that every rank runs the same protocol; adopt the highest step counters and
@@ -497,12 +521,12 @@ class CudaBackend:
         if failures:
             raise failures[0]
 
-    def _barrier(self) -> GroupError | None:
+    def _barrier(self, where: str = "Buffer.destroy") -> GroupError | None:
+        """The group's barrier; its GroupError logged and returned, not raised (a release goes on)."""
         try:
             self.group.barrier()
         except GroupError as exc:
-            logger.warning("mooncake_ep: Buffer.destroy on rank %d: %s; releasing the workspace without waiting",
-                           self.group.rank, exc)
+            logger.warning("mooncake_ep: %s on rank %d: %s; releasing without waiting", where, self.group.rank, exc)
             return exc
         return None
 

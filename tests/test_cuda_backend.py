@@ -23,6 +23,7 @@ import mooncake_ep as ep
 from mooncake_ep import _constants, _cuda_backend, kernels, layout
 from mooncake_ep._cuda_backend import CudaBackend
 from mooncake_ep.group import GroupError
+from mooncake_ep.transport import TransportError
 
 STEPS = struct.Struct("<4I")  # ep::State's dispatch_step[2], combine_step[2]
 STATE = layout.HEADER_OFFSETS["state"]
@@ -60,13 +61,19 @@ class HostWorkspace:
 class RecordingTransport:
     def __init__(self, log: list, route: list[int], replaced: list[int], exported: bool = True):
         self.log, self.route, self.replaced, self.exported = log, route, replaced, exported
+        self.failure: Exception | None = None
 
     def connect(self):
         self.log.append("transport connect")
+        if self.failure is not None:
+            raise self.failure
         return self.route, self.replaced
 
     def close(self):
         self.log.append("close")
+
+    def close_replaced(self):
+        self.log.append("close replaced")
 
 
 class RecordingGroup:
@@ -173,6 +180,37 @@ def test_reconnect_waits_for_its_kernels_adopts_steps_and_clears_the_replaced_ra
                 offset = layout.HEADER_OFFSETS[region] + (parity * _constants.MAX_RANKS + src_rank) * layout.FLAG_BYTES
                 flag = bytes(memory[offset:offset + layout.FLAG_BYTES])
                 assert flag == (bytes(8) if src_rank == 2 else b"\xff" * 8), (region, parity, src_rank)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "local"])
+def test_a_failed_update_meets_the_failed_replacements_release(transport, monkeypatch):
+    """An update that fails on every rank fails the replacement's construction, whose destroy() runs two
+    barriers (closing its mappings between them) before it frees: a survivor left without a barrier, so
+    the replacement's met the survivors' retry (breaking the group) or waited out the group's timeout,
+    and freed its workspace while survivors still mapped it (helper-113). Now a survivor meets both,
+    closing its mappings of the replacements' workspaces between them (ipc)."""
+    log: list = []
+    recording = RecordingTransport(log, [0x1000, 0x2000], []) if transport == "ipc" else None
+    backend = stub_backend(RecordingGroup(log), log, recording)
+    backend.connect()
+    log.clear()
+    failure = TransportError("Buffer (ipc transport, rank 0): could not map the peers' workspaces: ...")
+    if recording is not None:
+        recording.failure = failure
+    else:
+        monkeypatch.setattr(_cuda_backend.local_transport, "connect", lambda group, workspace: (_ for _ in ()).throw(
+            failure))
+    with pytest.raises(TransportError, match="could not map"):
+        backend.connect(replaced_ranks=[1])
+    assert log == ["synchronize", "allgather", *(["transport connect"] if recording else []), "barrier",
+                   *(["close replaced"] if recording else []), "barrier"]
+    # A replacement whose setup failed released alone before the agreement: nothing to meet.
+    log.clear()
+    monkeypatch.setattr(_cuda_backend, "_agreement_record", lambda blob, rank: (_ for _ in ()).throw(
+        _cuda_backend._PeerSetupFailed("Buffer: rank 1 could not set up its GPU side (...)")))
+    with pytest.raises(TransportError, match="could not set up"):
+        backend.connect(replaced_ranks=[1])
+    assert log == ["synchronize", "allgather"]
 
 
 def test_a_replacement_jumps_to_the_survivors_steps_and_agreed_configurations():
@@ -460,7 +498,7 @@ def test_destroy_with_a_missing_peer_still_releases_then_raises(caplog):
             backend.destroy()
     # The broken group makes no second barrier; the mappings and memory are released anyway.
     assert log == ["synchronize", "barrier", "close", "close", "free workspace", "free layout table"]
-    assert "releasing the workspace without waiting" in caplog.text
+    assert "Buffer.destroy on rank 0" in caplog.text and "releasing without waiting" in caplog.text
     log.clear()
     backend = stub_backend(RecordingGroup(log, fail_barrier=True), log, RecordingTransport(log, [1, 2], []))
     backend.destroy(raise_group_error=False)  # what a failed construction does

@@ -312,6 +312,44 @@ def test_a_retry_after_a_failed_reconnect_still_reports_the_replaced_rank():
     assert run(3, rank_fn) == [[2], [2], []]
 
 
+def test_a_failed_updates_replacement_mappings_are_closed_and_its_rank_stays_replaced():
+    """A survivor of an update that failed closes its mappings of the failed replacement's workspace
+    before that process frees it (close_replaced, between the barriers of the replacement's destroy);
+    the next replacement is then still reported replaced."""
+    runtimes = [FakeRuntime() for _ in range(3)]
+
+    def rank_fn(group):
+        runtime = runtimes[group.rank]
+        transport = IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank)), runtime=runtime,
+                                 process=process(group.rank))
+        transport.connect()
+        if group.rank == 2:  # dies; a replacement whose workspace rank 1 cannot open, then another
+            group.barrier()
+            failed = IpcTransport(group, FakeWorkspace(workspace_ptr(2, 1)), runtime=FakeRuntime(),
+                                  process=process(2, pid=2002))
+            with pytest.raises(TransportError):
+                failed.connect()
+            failed.close()
+            group.barrier()
+            transport = IpcTransport(group, FakeWorkspace(workspace_ptr(2, 2)), runtime=FakeRuntime(),
+                                     process=process(2, pid=2003))
+            return transport.connect()[1]
+        group.barrier()
+        runtime.fail_open = group.rank == 1
+        with pytest.raises(TransportError):
+            transport.connect()
+        transport.close_replaced()
+        open_after_failure = set(runtime.open_mappings)
+        runtime.fail_open = False
+        group.barrier()
+        return transport.connect()[1], open_after_failure, set(runtime.open_mappings)
+
+    out = run(3, rank_fn)
+    # Rank 0 had opened the failed replacement's workspace (mapped(2, 1)): closed before the retry.
+    assert out[0] == ([2], {mapped(1)}, {mapped(1), mapped(2, 2)}), out
+    assert out[1] == ([2], {mapped(0)}, {mapped(0), mapped(2, 2)}), out
+
+
 def test_a_cuda_error_on_one_rank_fails_every_rank_with_it():
     """Only a TransportError was shared: a CUDA error of one rank's peer query escaped there alone, and
     its peers timed out in the group's next collective without the cause (local.connect shares any)."""

@@ -205,6 +205,14 @@ class IpcTransport:
         _close_mappings(self._runtime, self.workspace.device_id, self._mappings)
         self.peers = []
 
+    def close_replaced(self) -> None:
+        """Close the mappings of the ranks replaced since the last connect that succeeded (local only):
+        an update that failed, whose replacements free those workspaces now. They stay replaced for
+        the next connect, which maps their next processes' workspaces."""
+        _close_mappings(self._runtime, self.workspace.device_id,
+                        {rank: self._mappings.pop(rank) for rank in sorted(self._replaced_since_connected)
+                         if rank in self._mappings})
+
     # --- internals
 
     def _describe(self) -> PeerRecord:
