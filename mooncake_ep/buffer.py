@@ -296,13 +296,14 @@ class Buffer:
         """Agree now on a configuration a later dispatch will use (torch's backward rebuilds a bf16
         dispatch's routing in fp8): with ranks in processes its first use is a collective, which is
         best made while every rank is alive, as the forward's was. Nothing for in-process ranks
-        (compared at the call) or where it was agreed already. Checked first, as the dispatch would:
-        a numpy int agreed on broke every later update_ep_member (its JSON), a float a bare struct error."""
-        configuration = (check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank,
-                                   minimum=1),
-                         hidden, check_experts(where, num_experts, self.num_ranks), use_fp8, round_scale, use_ue8m0)
+        (compared at the call) or where it was agreed already. A new one is checked first, as the
+        dispatch would: a numpy int agreed on broke every later update_ep_member (its JSON), a float
+        was a bare struct error."""
+        configuration = (num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8, round_scale, use_ue8m0)
         if self._cuda is not None and self._call_claims is None and configuration not in self._claimed_configurations:
-            self._agree_on(where, configuration)
+            self._agree_on(where, (check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank,
+                                             minimum=1), hidden, check_experts(where, num_experts, self.num_ranks),
+                                   use_fp8, round_scale, use_ue8m0))
 
     def _agree_on(self, where: str, configuration: tuple) -> None:
         """``CudaBackend.agree_on`` (with ipc, a collective), remembered: the later dispatches of the

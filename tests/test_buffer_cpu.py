@@ -1461,11 +1461,12 @@ def test_a_configuration_agreed_ahead_is_checked_and_agreed_in_python_ints(monke
     monkeypatch.setattr(buffer, "_cuda", type("Backend", (), {"agree_on": lambda self, c, where: agreed.append(c)})())
     agree = lambda T, E: buffer._agree_ahead(T, 1024, E, use_fp8=True, round_scale=False,  # noqa: E731
                                              use_ue8m0=False, where="mooncake_ep.torch.dispatch")
-    agree(np.int64(8), np.int32(16))
-    assert agreed == [(8, 1024, 16, True, False, False)] and [type(v) for v in agreed[0][:3]] == [int] * 3
     with pytest.raises(TypeError, match=r"^mooncake_ep.torch.dispatch: num_max_dispatch_tokens_per_rank must be an "
                                         r"int, got float"):
         agree(8.0, 16)
     with pytest.raises(ValueError, match=r"^mooncake_ep.torch.dispatch: num_experts"):
         agree(8, 0)
+    agree(np.int64(8), np.int32(16))
+    assert agreed == [(8, 1024, 16, True, False, False)] and [type(v) for v in agreed[0][:3]] == [int] * 3
+    agree(8, 16)  # agreed: no second collective
     assert len(agreed) == 1
