@@ -129,12 +129,12 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     inherited = {name: value for name, value in os.environ.items()
                  if name not in (TORCHRUN_AGENT_STORE_VAR, LAUNCHER_FD_ENV)}
     procs: list[subprocess.Popen] = []
+    # The ranks' end of the pipe they watch; the launcher's end (not inheritable) closes with it.
+    watched_fd, launcher_fd = os.pipe() if _OWN_GROUPS else (None, None)
     # A launcher stopped by SIGINT, SIGTERM or SIGHUP stops its processes too, and one suspended
     # (SIGTSTP: Ctrl-Z) suspends them with it: the handler only notes the signal, and the loops below
     # act on it where every started process is in procs (raised inside Popen, after its fork, it
     # would leave that process unknown, and running).
-    # The ranks' end of the pipe they watch; the launcher's end (not inheritable) closes with it.
-    watched_fd, launcher_fd = os.pipe() if _OWN_GROUPS else (None, None)
     stop = _StopOnSignal(procs)
     try:
         for rank in range(num_processes):
@@ -174,12 +174,11 @@ class _StopOnSignal:
     SIGTSTP (Ctrl-Z) is noted too where the ranks lead process groups of their own (_OWN_GROUPS),
     which the terminal's signal does not reach: :meth:`check` then stops every rank's group and this
     process, and once this process is continued (``fg``, ``bg``, SIGCONT) continues them. SIGSTOP,
-    not SIGTSTP, on both sides: a rank's group in a session of its own (Python 3.10) is orphaned, so
-    the kernel would discard a SIGTSTP to it, and so would it for this process's own group where
-    that group is orphaned (a
-    launcher started with setsid, or by a supervisor), no one could continue it, and the kernel
-    would discard the SIGTSTP: so is it here, with a line on stderr that says so. The ranks'
-    timeouts are wall-clock time: a suspension longer than a rank's wait for a peer
+    not SIGTSTP, on both sides: a rank's group in a session of its own (Python 3.10) is orphaned, and
+    the kernel would discard a SIGTSTP to it. Where this process's own group is orphaned (a launcher
+    started with setsid, or by a supervisor), no one could continue it, and the kernel would discard
+    the SIGTSTP: so is it here, with a line on stderr that says so. The ranks' timeouts are
+    wall-clock time: a suspension longer than a rank's wait for a peer
     (GROUP_TIMEOUT_S in a collective) can fail that wait when they are continued.
 
     Off the main thread (where handlers cannot be set) it notes nothing and Python's own SIGINT
