@@ -166,13 +166,13 @@ def test_reconnect_waits_for_its_kernels_adopts_steps_and_clears_the_replaced_ra
                            workspace_fill=0xFF)
     backend.workspace.write(STATE, STEPS.pack(5, 6, 5, 6))
     backend.connect()
-    assert log == ["allgather", "transport connect", "barrier"]  # the first connect waits for nothing
+    assert log == ["allgather", "transport connect", "allgather"]  # the first connect waits for nothing
     assert backend.workspace.read(layout.ROUTE_OFFSET, 24) == struct.pack("<3Q", *route)
 
     log.clear()
     backend._ipc.replaced = [2]
     backend.connect()
-    assert log == ["synchronize", "allgather", "transport connect", "barrier"]
+    assert log == ["synchronize", "allgather", "transport connect", "allgather"]
     memory = backend.workspace.memory
     for region in ("dispatch_flag", "combine_flag"):
         for parity in range(layout.NUM_PARITIES):
@@ -211,6 +211,32 @@ def test_a_failed_update_meets_the_failed_replacements_release(transport, monkey
     with pytest.raises(TransportError, match="could not set up"):
         backend.connect(replaced_ranks=[1])
     assert log == ["synchronize", "allgather"]
+
+
+def test_a_route_table_that_one_rank_cannot_write_fails_every_rank():
+    """The flags' clearing and the route table's write were the connect's only steps not shared: a rank
+    failing there alone left its peers connected, and the release after a failed update unmatched
+    (helper-117)."""
+    out = [None, None]
+
+    def rank_fn(rank_group):
+        group = CountingGroup(rank_group)
+        log: list = []
+        backend = stub_backend(group, log, RecordingTransport(log, [1, 2], []))
+        if group.rank == 1:
+            def write(offset, data):
+                raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+            backend.workspace.write = write
+        try:
+            backend.connect()
+        except TransportError as exc:
+            out[group.rank] = exc
+
+    ep.LocalGroup(2, timeout_s=30.0).spawn(rank_fn)
+    for error in out:
+        assert isinstance(error, TransportError) and str(error) == (
+            "Buffer: could not write the route table: on rank 1: RuntimeError: cudaErrorIllegalAddress: an illegal "
+            "memory access was encountered"), out
 
 
 def test_a_replacement_jumps_to_the_survivors_steps_and_agreed_configurations():
