@@ -82,6 +82,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to OUTDIR/N
   tail -n "${TAIL:-12}" "$out/$name.log"
   echo "== $name rc=$rc"
   [[ " ${OK_RCS:-0} " == *" $rc "* ]] || status=1
+  last_rc=$rc
 }
 pack() {
   if [ -n "${PACK_TO:-}" ]; then
@@ -196,6 +197,7 @@ if has tests; then
   export MOONCAKE_EP_REQUIRE_GPU=1
   default_files="test_gpu_low_latency test_gpu_faults test_gpu_ipc test_gpu_frameworks test_examples test_bench test_cli"
   files="${PYTEST_FILES:-$default_files}"
+  num_files_run=0  # files where some test ran and all passed
   for file in $files; do
     args=(-m gpu -q -p no:cacheprovider -p no:warnings --timeout "${PYTEST_TIMEOUT_S:-90}" --timeout-method thread
           --tb=short -rf --durations=5 --junitxml "$out/$file.xml")
@@ -204,8 +206,14 @@ if has tests; then
       args+=(-k "$PYTEST_K")
       ok_rcs="0 5"  # 5: the -k selected nothing in this file, which is no failure of it
     fi
+    last_rc=
     OK_RCS=$ok_rcs TAIL=8 step "$file" "${PYTEST_FILE_LIMIT_S:-240}" python3 -m pytest "${args[@]}" "tests/$file.py"
+    [ "$last_rc" = 0 ] && num_files_run=$((num_files_run + 1))
   done
+  if [ -n "${PYTEST_K:-}" ] && [ "$num_files_run" -eq 0 ]; then  # a typo in -k ran nothing, and passed
+    echo "== PYTEST_K='$PYTEST_K' selected no test in any file"
+    status=1
+  fi
 fi
 if has ncu; then
   # One rank, 16 SMs, the per-rank work of the decode shape (1024 copies in, 1024 rows combined).

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
 STAND_IN = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >>"$CALLS"
 case "$*" in *"pip install"*) exit "${INSTALL_RC:-0}";; esac
+case "$*" in *test_b.py*) exit "${PYTEST_RC_TEST_B:-${PYTEST_RC:-0}}";; esac
 case "$*" in *pytest*) exit "${PYTEST_RC:-0}";; esac
 exit 0
 """
@@ -61,8 +62,15 @@ def test_a_failed_install_still_packs_its_log(tmp_path):
 def test_a_budget_with_a_leading_zero_is_decimal_and_a_k_that_selects_nothing_in_a_file_passes(tmp_path):
     """BUDGET_S=0600 was octal (384 s); pytest's exit 5 for a file where -k selected nothing failed it."""
     proc, calls = run_script(tmp_path, "tests", BUDGET_S="0600", PYTEST_FILES="test_a test_b", PYTEST_K="one_case",
-                             PYTEST_RC="5")
+                             PYTEST_RC_TEST_B="5")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [call.split()[-1] for call in calls if "pytest" in call] == ["tests/test_a.py", "tests/test_b.py"]
     proc, _ = run_script(tmp_path, "tests", PYTEST_FILES="test_a", PYTEST_RC="5")  # without -k, 5 is a failure
     assert proc.returncode == 1
+
+
+def test_a_k_that_selects_nothing_in_any_file_fails(tmp_path):
+    """Each file's exit 5 passes under -k, but a -k that ran no test anywhere (a typo) passed as a whole
+    (helper-117)."""
+    proc, _ = run_script(tmp_path, "tests", PYTEST_FILES="test_a test_b", PYTEST_K="no_such_case", PYTEST_RC="5")
+    assert proc.returncode == 1 and "PYTEST_K='no_such_case' selected no test in any file" in proc.stdout
