@@ -322,14 +322,16 @@ def test_num_sms_is_checked_as_a_flag_on_the_gpu(monkeypatch):
     bench.add_arguments(parser)
     with pytest.raises(cli.UsageError, match=r"^--num-sms must be >= 1, got 0$"):
         bench.settle_args(parser.parse_args(["--num-sms", "0"]), "cuda")
-    properties = types.SimpleNamespace(multi_processor_count=132)
-    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(get_device_properties=lambda device: properties))
     args = argparse.Namespace(num_sms=17)
-    with pytest.raises(cli.UsageError, match=r"^--num-sms 17: the 8 ranks on cuda:0 would need 136 SMs, it has 132: "
-                                             r"use --num-sms <= 16$"):
-        bench.check_num_sms(args, fake_torch, {0: 8})
-    bench.check_num_sms(args, fake_torch, {0: 7, 1: 1})
-    bench.check_num_sms(argparse.Namespace(num_sms=None), fake_torch, {0: 8})
+    gpu = lambda n: (f"boot/0000:{n:02x}:00.0", 132, f"cuda:{n} on h")  # noqa: E731 - (key, SMs, name) of a rank's GPU
+    with pytest.raises(cli.UsageError, match=r"^--num-sms 17: the 8 ranks on cuda:0 on h would need 136 SMs, it has "
+                                             r"132: use --num-sms <= 16$"):
+        bench.check_num_sms(args, [gpu(0)] * 8)
+    # Every rank checks every GPU (the same verdict everywhere), a rank alone on its own GPU too.
+    with pytest.raises(cli.UsageError, match=r"the 8 ranks on cuda:0 on h"):
+        bench.check_num_sms(args, [gpu(1)] + [gpu(0)] * 8)
+    bench.check_num_sms(args, [gpu(0)] * 7 + [gpu(1)])
+    bench.check_num_sms(argparse.Namespace(num_sms=None), [gpu(0)] * 8)
 
 
 @pytest.mark.parametrize("mode", ["async", "hook"])

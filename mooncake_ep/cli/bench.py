@@ -542,7 +542,8 @@ def measure_cuda(args, progress, group=None) -> dict:
     if group is None:
         num_gpus = torch.cuda.device_count()
         devices = [r % num_gpus for r in range(args.ranks)]
-        check_num_sms(args, torch, {device: devices.count(device) for device in set(devices)})
+        check_num_sms(args, [(str(d), torch.cuda.get_device_properties(d).multi_processor_count, f"cuda:{d}")
+                             for d in devices])
         local_group = ep.LocalGroup(args.ranks, devices=devices)
         local_ranks = list(range(args.ranks))
         buffers = dict(enumerate(local_group.spawn(lambda g: ep.Buffer(g, size, num_sms=args.num_sms))))
@@ -553,8 +554,15 @@ def measure_cuda(args, progress, group=None) -> dict:
         device = torch.cuda.current_device()
         devices = [device if r == group.rank else None for r in range(args.ranks)]
         local_ranks = [group.rank]
-        places = group.allgather_bytes(f"{platform.node()}:{device}".encode())
-        check_num_sms(args, torch, {device: places.count(places[group.rank])})
+        # Every rank's GPU, by the identity the Buffer uses (the same in every process of a host, whatever
+        # CUDA_VISIBLE_DEVICES makes of ordinals), and its SMs: every rank checks every GPU, as the Buffer does.
+        from mooncake_ep._cuda_backend import device_identity
+
+        key, name = device_identity(device)
+        gpus = [tuple(json.loads(blob)) for blob in group.allgather_bytes(json.dumps(
+            [key, torch.cuda.get_device_properties(device).multi_processor_count, name]).encode())]
+        check_num_sms(args, gpus)
+        places = [gpu[0] for gpu in gpus]
         buffers = {group.rank: ep.Buffer(group, size, num_sms=args.num_sms)}
         streams = {group.rank: torch.cuda.Stream()}
         num_copying_gpus = len(set(places))
@@ -931,15 +939,17 @@ def measure_reference(args, progress, group=None) -> dict:
     return report
 
 
-def check_num_sms(args, torch, ranks_on_device: dict[int, int]) -> None:
-    """UsageError naming --num-sms where the ranks on a GPU (``{device: ranks}``) would need more SMs than
-    it has (every rank's kernel must be resident at once); the Buffer's own ValueError was a traceback."""
+def check_num_sms(args, gpus: Sequence[tuple[str, int, str]]) -> None:
+    """UsageError naming --num-sms where the ranks on a GPU would need more SMs than it has (every rank's
+    kernel must be resident at once); the Buffer's own ValueError was a traceback. ``gpus``: each rank's
+    ``(GPU key, its SMs, its name)``, the same list on every rank, so every rank gives the same verdict."""
     if args.num_sms is None:
         return
-    for device, num_ranks in ranks_on_device.items():
-        num_device_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for key in dict.fromkeys(gpu[0] for gpu in gpus):
+        on_it = [gpu for gpu in gpus if gpu[0] == key]
+        num_ranks, (_, num_device_sms, name) = len(on_it), on_it[0]
         if args.num_sms * num_ranks > num_device_sms:
-            raise UsageError(f"--num-sms {args.num_sms}: the {num_ranks} ranks on cuda:{device} would need "
+            raise UsageError(f"--num-sms {args.num_sms}: the {num_ranks} ranks on {name} would need "
                              f"{args.num_sms * num_ranks} SMs, it has {num_device_sms}: use --num-sms <= "
                              f"{num_device_sms // num_ranks}")
 
