@@ -288,12 +288,24 @@ def default_cache_dir() -> Path:
     """``$MOONCAKE_EP_CACHE_DIR``, else ``$XDG_CACHE_HOME/mooncake_ep/kernels`` (an absolute
     ``XDG_CACHE_HOME`` only, as the XDG spec says), else ``~/.cache/mooncake_ep/kernels``; where the
     home folder is unknown (no ``HOME``, a user id without a passwd entry: ``~`` stays ``~``), a
-    folder of this user under the temporary directory, never one relative to the working directory (a
-    relative ``$MOONCAKE_EP_CACHE_DIR`` is made absolute, and its ``~`` expanded: a container's or a
-    unit's environment does not expand it, and warm-up and server each used a folder of their own)."""
+    folder of this user under the temporary directory, never one relative to the working directory.
+
+    ``$MOONCAKE_EP_CACHE_DIR``'s ``~`` is expanded (a container's or a unit's environment leaves it as
+    written); where there is no home folder to expand it to, the variable is ignored, with a warning.
+    A relative value is taken from the working directory, with a warning: a warm-up and a server
+    started in different folders would not share it."""
     configured = os.environ.get(_constants.CACHE_DIR_ENV)
     if configured:
-        return Path(os.path.expanduser(configured)).absolute()
+        expanded = os.path.expanduser(configured)
+        if expanded.startswith("~"):
+            _warn_once(f"mooncake_ep: {_constants.CACHE_DIR_ENV}={configured!r} names a home folder this process "
+                       f"does not have (no HOME, no passwd entry): ignored")
+        else:
+            if not os.path.isabs(expanded):
+                _warn_once(f"mooncake_ep: {_constants.CACHE_DIR_ENV}={configured!r} is relative: the kernel cache "
+                           f"is {os.path.abspath(expanded)}, under this process's working directory; set an "
+                           f"absolute path to share it between processes started elsewhere")
+            return Path(expanded).absolute()
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
     if not os.path.isabs(base):
@@ -301,6 +313,16 @@ def default_cache_dir() -> Path:
         logger.info("mooncake_ep: no home folder; kernel cache under %s (set %s to choose)", base,
                     _constants.CACHE_DIR_ENV)
     return Path(base) / "mooncake_ep" / "kernels"
+
+
+def _warn_once(message: str) -> None:
+    """A warning logged once per process (a Buffer looks up its cache at every construction)."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
+_warned: set[str] = set()
 
 
 def _private_temp_folder() -> str:

@@ -589,15 +589,25 @@ def test_default_cache_dir_is_absolute_and_private_without_a_home_folder(xdg, tm
     assert kernels.default_cache_dir() == Path("/xdg/mooncake_ep/kernels")
 
 
-def test_cache_dir_from_the_environment_is_expanded_and_absolute(tmp_path, monkeypatch):
+def test_cache_dir_from_the_environment_is_expanded_and_a_relative_one_is_named(tmp_path, monkeypatch, caplog):
     """A container's or a unit's environment does not expand ~: MOONCAKE_EP_CACHE_DIR=~/k was a folder
-    named ~ under whichever folder each process started in, so warm-up and server missed each other."""
+    named ~ under whichever folder each process started in, so warm-up and server missed each other.
+    Without a home folder to expand it to, the variable is ignored (helper-117: it was ./~/k); a
+    relative value stays relative to the working directory, and says so."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MOONCAKE_EP_CACHE_DIR", "~/k")
     assert kernels.default_cache_dir() == tmp_path / "home" / "k"
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MOONCAKE_EP_CACHE_DIR", "relative/k")
     assert kernels.default_cache_dir() == tmp_path / "relative" / "k"
+    assert "MOONCAKE_EP_CACHE_DIR='relative/k' is relative" in caplog.text
+    monkeypatch.delenv("HOME")
+    monkeypatch.setattr(kernels.os.path, "expanduser", lambda path: path)  # a user id without a passwd entry
+    monkeypatch.setattr(kernels.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("MOONCAKE_EP_CACHE_DIR", "~/k")
+    assert str(kernels.default_cache_dir()).startswith(str(tmp_path / "tmp"))
+    assert "MOONCAKE_EP_CACHE_DIR='~/k' names a home folder this process does not have" in caplog.text
 
 
 def test_a_buffers_kernels_share_one_cache(monkeypatch):
