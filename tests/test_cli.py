@@ -7,6 +7,7 @@ No assertion is about elapsed time; the process limit only turns a hang into a f
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import subprocess
@@ -408,29 +409,43 @@ def _end_ranks(ranks: list[int]) -> None:
             pass
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="ranks get groups in the launcher's session from Python 3.11")
-def test_a_launcher_killed_while_suspended_leaves_no_rank_stopped(tmp_path):
-    """Ctrl-Z, then kill -9 (or the OOM killer) of the stopped launcher: its ranks, in sessions of their
-    own, stayed stopped for good, their watching threads stopped with them. In the launcher's session,
-    the kernel continues and hangs up a stopped group that the launcher's death orphans."""
-    signal = pytest.importorskip("signal")
-    if not hasattr(signal, "SIGTSTP") or not hasattr(os, "killpg") or not os.path.isdir("/proc/self"):
-        pytest.skip("POSIX job control, and /proc to see the processes' states")
-    launcher_code, rank_files = _rank_pids_launcher(tmp_path)
-    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), process_group=0)  # a shell's job
-    ranks = []
+def test_a_rank_reads_the_terminal_of_a_launch_in_its_foreground(tmp_path):
+    """Ranks in process groups of the launcher's session were background jobs of its terminal: a rank
+    reading it (input(), pdb) was stopped by SIGTTIN and the launch hung (helper-117). In sessions of
+    their own they read it."""
+    pty = pytest.importorskip("pty")
+    import select
+
+    rank_code = "import sys\nsys.exit(0 if sys.stdin.readline().strip() == 'go' else 3)\n"
+    launcher_code = (f"import sys\nsys.path.insert(0, {str(REPO_ROOT)!r})\nfrom mooncake_ep.cli import launch\n"
+                     f"sys.exit(launch.launch('test', [sys.executable, '-c', {rank_code!r}], 1))\n")
+    pid, terminal = pty.fork()
+    if pid == 0:  # the launcher: a session leader whose controlling terminal is the pty, in its foreground
+        os.execv(sys.executable, [sys.executable, "-c", launcher_code])
     try:
-        ranks = _rank_pids(rank_files, launcher)
-        launcher.send_signal(signal.SIGTSTP)
-        _wait_until(lambda: [_state(pid) for pid in [launcher.pid, *ranks]] == ["T"] * 3)
-        launcher.kill()
-        assert launcher.wait(PROCESS_LIMIT_S) == -signal.SIGKILL
-        _wait_until(lambda: all(_state(pid) in (None, "Z") for pid in ranks))
+        output, deadline = b"", time.monotonic() + PROCESS_LIMIT_S
+        while b"launching 1 processes" not in output:
+            assert time.monotonic() < deadline, output
+            if select.select([terminal], [], [], 0.1)[0]:
+                output += os.read(terminal, 4096)
+        os.write(terminal, b"go\n")
+        while time.monotonic() < deadline:
+            if select.select([terminal], [], [], 0.1)[0]:
+                try:
+                    output += os.read(terminal, 4096)
+                except OSError:  # the launcher exited: the pty closed
+                    pass
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                assert os.waitstatus_to_exitcode(status) == cli.EXIT_OK, output
+                return
+        pytest.fail(f"the launch did not end: {output!r}")
     finally:
-        launcher.kill()
-        launcher.wait()
-        _end_ranks(ranks)
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            if os.waitpid(pid, os.WNOHANG) == (0, 0):
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+        os.close(terminal)
 
 
 def test_ranks_end_when_the_launcher_died_before_they_looked_and_is_not_reaped(tmp_path):

@@ -554,13 +554,14 @@ def measure_cuda(args, progress, group=None) -> dict:
         device = torch.cuda.current_device()
         devices = [device if r == group.rank else None for r in range(args.ranks)]
         local_ranks = [group.rank]
-        # Every rank's GPU, by the identity the Buffer uses (the same in every process of a host, whatever
+        # Every rank's GPU by host and PCI bus id (the same in every process of a host, whatever
         # CUDA_VISIBLE_DEVICES makes of ordinals), and its SMs: every rank checks every GPU, as the Buffer does.
-        from mooncake_ep._cuda_backend import device_identity
+        import cupy
 
-        key, name = device_identity(device)
+        bus_id = str(cupy.cuda.runtime.deviceGetPCIBusId(device)).lower()
         gpus = [tuple(json.loads(blob)) for blob in group.allgather_bytes(json.dumps(
-            [key, torch.cuda.get_device_properties(device).multi_processor_count, name]).encode())]
+            [f"{platform.node()}/{bus_id}", torch.cuda.get_device_properties(device).multi_processor_count,
+             f"cuda:{device} (GPU {bus_id}) on {platform.node()}"]).encode())]
         check_num_sms(args, gpus)
         places = [gpu[0] for gpu in gpus]
         buffers = {group.rank: ep.Buffer(group, size, num_sms=args.num_sms)}

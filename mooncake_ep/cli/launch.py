@@ -5,7 +5,8 @@ WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free por
 joins through ``mooncake_ep.init_group()``, and passes only if every process exits 0. Whatever
 ends the launch (a failed rank, a signal, the last exit, the launcher killed), it leaves no process
 of the ranks' own running: on POSIX each rank leads a process group, which is stopped as a whole;
-Ctrl-Z suspends the ranks with the launcher, and ``fg`` or ``bg`` continues them.
+Ctrl-Z suspends the ranks with the launcher, and ``fg`` or ``bg`` continues them (a launcher killed
+while suspended, with SIGKILL, leaves them suspended).
 :func:`use_process_device` is what one such process does first on a GPU.
 """
 
@@ -37,19 +38,15 @@ LAUNCH_GRACE_S = 10.0
 _LAUNCH_POLL_S = 0.05
 # Where launched processes meet: this host only.
 LAUNCH_ADDR = "127.0.0.1"
-# POSIX: each launched process leads a process group of its own, so that stopping a rank stops
-# whatever it started too (compiler workers, a shell's children), not only the rank. A group is
-# signalled only while its leader is not yet reaped (os.waitid with WNOWAIT looks without reaping):
-# until then its id cannot name another process's group.
+# POSIX: each launched process leads a session (and process group) of its own, so that stopping a
+# rank stops whatever it started too (compiler workers, a shell's children), not only the rank. A
+# group is signalled only while its leader is not yet reaped (os.waitid with WNOWAIT looks without
+# reaping): until then its id cannot name another process's group. A session, not a group of the
+# launcher's session: there a rank is a background job of the launcher's terminal, stopped (SIGTTIN)
+# as soon as it reads it (input(), pdb), and the launch hung (helper-117). The price: a launcher
+# killed while suspended (Ctrl-Z, then kill -9 or the OOM killer) leaves its ranks stopped, since
+# nothing of theirs runs to see it gone (in its session the kernel would have continued them).
 _OWN_GROUPS = os.name == "posix" and hasattr(os, "waitid") and hasattr(os, "killpg")
-# The groups are in the launcher's session (Python >= 3.11; a session of their own on 3.10, whose
-# Popen cannot place a child in a new group safely): a rank's group, whose parent is then in another
-# group of its session, becomes orphaned when the launcher dies, and the kernel continues (SIGCONT) and
-# hangs up (SIGHUP) a stopped one. A launcher killed while suspended (Ctrl-Z, then kill -9 or the OOM
-# killer) left its ranks, in sessions of their own, stopped for good: nothing of theirs could run to
-# see it gone.
-_GROUP_PLACEMENT = ({"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}) \
-    if _OWN_GROUPS else {}
 _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
 # Set in a launched process's environment: the descriptor of the read end of a pipe whose write end
 # only the launcher holds, which the process watches (watch_launcher) so that it ends, with whatever
@@ -144,20 +141,22 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
             if watched_fd is not None:
                 env[LAUNCHER_FD_ENV] = str(watched_fd)
             procs.append(subprocess.Popen(list(argv), env=env, pass_fds=() if watched_fd is None else (watched_fd,),
-                                          **_GROUP_PLACEMENT))
+                                          start_new_session=_OWN_GROUPS))
             stop.check()
         _wait_for_processes(procs, stop)
     finally:
         stop.restore()
         # Interrupted, a failure while starting, or ranks that left processes of their own running:
         # leave nothing behind. Each group is killed before its leader is reaped.
-        for proc in procs:
-            _signal_rank(proc, _KILL)
-            proc.wait()
-        stop.restore_child_signal()
-        for fd in (watched_fd, launcher_fd):
-            if fd is not None:
-                os.close(fd)
+        try:
+            for proc in procs:
+                _signal_rank(proc, _KILL)
+                proc.wait()
+        finally:  # a second Ctrl-C in those waits too
+            stop.restore_child_signal()
+            for fd in (watched_fd, launcher_fd):
+                if fd is not None:
+                    os.close(fd)
     failed = {rank: proc.returncode for rank, proc in enumerate(procs) if proc.returncode != 0}
     if failed:
         print("FAIL: " + ", ".join(f"rank {rank} {_describe_exit(code)}" for rank, code in failed.items()))
@@ -174,8 +173,8 @@ class _StopOnSignal:
     SIGTSTP (Ctrl-Z) is noted too where the ranks lead process groups of their own (_OWN_GROUPS),
     which the terminal's signal does not reach: :meth:`check` then stops every rank's group and this
     process, and once this process is continued (``fg``, ``bg``, SIGCONT) continues them. SIGSTOP,
-    not SIGTSTP, on both sides: a rank's group in a session of its own (Python 3.10) is orphaned, and
-    the kernel would discard a SIGTSTP to it. Where this process's own group is orphaned (a launcher
+    not SIGTSTP, on both sides: a rank's group, in a session of its own, is orphaned, and the kernel
+    would discard a SIGTSTP to it. Where this process's own group is orphaned (a launcher
     started with setsid, or by a supervisor), no one could continue it, and the kernel would discard
     the SIGTSTP: so is it here, with a line on stderr that says so. The ranks' timeouts are
     wall-clock time: a suspension longer than a rank's wait for a peer
