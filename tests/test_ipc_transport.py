@@ -116,6 +116,14 @@ def run(num_ranks: int, fn):
     return out
 
 
+def connected(group, runtime: FakeRuntime) -> IpcTransport:
+    """The group rank's transport over its first workspace, connected (collective)."""
+    transport = IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank)), runtime=runtime,
+                             process=process(group.rank))
+    transport.connect()
+    return transport
+
+
 def mapped(rank: int, generation: int = 0) -> int:
     return MAPPED_BASE + workspace_ptr(rank, generation)
 
@@ -280,49 +288,17 @@ def test_reconnect_maps_only_the_replaced_rank_and_closes_its_old_mapping():
     assert out[2][1] == ([mapped(0), mapped(1), workspace_ptr(2, 1)], [])
 
 
-def test_a_retry_after_a_failed_reconnect_still_reports_the_replaced_rank():
+def test_a_failed_updates_replacement_mappings_are_closed_and_its_rank_stays_replaced():
     """A reconnect that unmapped a replaced rank and then failed (here: its new workspace would not open
     on rank 1) forgot it: the retry mapped it as new and did not report it replaced, so the Buffer never
-    cleared the flags the dead process had left in rank 1's workspace."""
+    cleared the flags the dead process had left in rank 1's workspace (helper-113). A survivor of the
+    failed update also closes its mappings of the failed replacement's workspace before that process
+    frees it (close_replaced, between the barriers of the replacement's destroy)."""
     runtimes = [FakeRuntime() for _ in range(3)]
 
     def rank_fn(group):
         runtime = runtimes[group.rank]
-        transport = IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank)), runtime=runtime,
-                                 process=process(group.rank))
-        transport.connect()
-        if group.rank == 2:  # dies; a first replacement (which rank 1 cannot open), then a second one
-            group.barrier()
-            transport = IpcTransport(group, FakeWorkspace(workspace_ptr(2, 1)), runtime=FakeRuntime(),
-                                     process=process(2, pid=2002))
-            with pytest.raises(TransportError):
-                transport.connect()
-            group.barrier()
-            transport = IpcTransport(group, FakeWorkspace(workspace_ptr(2, 2)), runtime=FakeRuntime(),
-                                     process=process(2, pid=2003))
-            return transport.connect()[1]
-        group.barrier()
-        runtime.fail_open = group.rank == 1
-        with pytest.raises(TransportError, match="could not open the workspace of rank 2"):
-            transport.connect()
-        runtime.fail_open = False
-        group.barrier()
-        return transport.connect()[1]
-
-    assert run(3, rank_fn) == [[2], [2], []]
-
-
-def test_a_failed_updates_replacement_mappings_are_closed_and_its_rank_stays_replaced():
-    """A survivor of an update that failed closes its mappings of the failed replacement's workspace
-    before that process frees it (close_replaced, between the barriers of the replacement's destroy);
-    the next replacement is then still reported replaced."""
-    runtimes = [FakeRuntime() for _ in range(3)]
-
-    def rank_fn(group):
-        runtime = runtimes[group.rank]
-        transport = IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank)), runtime=runtime,
-                                 process=process(group.rank))
-        transport.connect()
+        transport = connected(group, runtime)
         if group.rank == 2:  # dies; a replacement whose workspace rank 1 cannot open, then another
             group.barrier()
             failed = IpcTransport(group, FakeWorkspace(workspace_ptr(2, 1)), runtime=FakeRuntime(),
@@ -377,9 +353,7 @@ def test_close_is_idempotent_and_garbage_collection_closes_too():
 
     def rank_fn(group):
         runtime = runtimes[group.rank]
-        transport = IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank)), runtime=runtime,
-                                 process=process(group.rank))
-        transport.connect()
+        transport = connected(group, runtime)
         if group.rank == 0:
             transport.close()
             transport.close()
