@@ -384,21 +384,6 @@ def test_a_suspended_launcher_suspends_its_processes(tmp_path, detached):
             launcher.wait(PROCESS_LIMIT_S)
 
 
-def _rank_pids_launcher(tmp_path, rank_prelude: str = "") -> tuple[str, list]:
-    """A launcher's code whose 2 ranks run ``rank_prelude``, write their pids, then sleep; and the pid files."""
-    rank_code = (f"import os, time\n{rank_prelude}"
-                 f"open({str(tmp_path)!r} + '/rank' + os.environ['RANK'], 'w').write(str(os.getpid()))\n"
-                 "time.sleep(600)\n")
-    launcher_code = ("import sys\nfrom mooncake_ep.cli import launch\n"
-                     f"sys.exit(launch.launch('test', [sys.executable, '-c', {rank_code!r}], 2))\n")
-    return launcher_code, [tmp_path / f"rank{rank}" for rank in range(2)]
-
-
-def _rank_pids(rank_files: list, launcher: subprocess.Popen) -> list[int]:
-    _wait_until(lambda: all(f.exists() and f.read_text() for f in rank_files), launcher)
-    return [int(f.read_text()) for f in rank_files]
-
-
 def _end_ranks(ranks: list[int]) -> None:
     """Kill whatever a failed check left of the ranks' groups."""
     for pid in ranks:
@@ -451,9 +436,10 @@ def test_ranks_end_when_the_launcher_died_before_they_looked_and_is_not_reaped(t
     if not hasattr(os, "killpg") or not os.path.isdir("/proc/self"):
         pytest.skip("POSIX process groups, and /proc to see the processes")
     go = tmp_path / "go"
-    launcher_code, rank_files = _rank_pids_launcher(tmp_path, (
-        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"  # the launcher is dead by then
-        "from mooncake_ep.cli import launch\nlaunch.watch_launcher()\n"))
+    rank_code = (f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\n"  # the launcher is dead
+                 "from mooncake_ep.cli import launch\nlaunch.watch_launcher()\ntime.sleep(600)\n")  # by then
+    launcher_code = ("import sys\nfrom mooncake_ep.cli import launch\n"
+                     f"sys.exit(launch.launch('test', [sys.executable, '-c', {rank_code!r}], 2))\n")
     launcher = subprocess.Popen([sys.executable, "-c", launcher_code], cwd=tmp_path, stdout=subprocess.DEVNULL,
                                 env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), start_new_session=True)
     ranks = []
