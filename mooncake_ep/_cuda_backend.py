@@ -25,7 +25,7 @@ import numpy as np
 from mooncake_ep import _constants, _handshake, kernels, layout
 from mooncake_ep.group import GroupError
 from mooncake_ep.transport import DeviceWorkspace, TransportError
-from mooncake_ep.transport.workspace import raise_if_any_failed
+from mooncake_ep.transport.workspace import failure_text, raise_if_any_failed
 from mooncake_ep.transport import ipc as ipc_transport
 from mooncake_ep.transport import local as local_transport
 
@@ -249,7 +249,7 @@ class CudaBackend:
                 self._clear_flags_from(rank)
             self.workspace.write(layout.ROUTE_OFFSET, struct.pack(f"<{len(route)}Q", *route))
         except Exception as exc:  # noqa: BLE001 - shared: a rank failing here alone would leave the others connected
-            failure = f"{type(exc).__name__}: {exc}"
+            failure = failure_text(exc)
         # Every route table is written before any rank launches; a write that failed fails every rank,
         # so that the release after a failed update meets on every rank (_meet_failed_replacements).
         raise_if_any_failed(self.group, "Buffer: could not write the route table", failure)

@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Iterator
 
 from mooncake_ep.transport.local import enable_peer_access
-from mooncake_ep.transport.workspace import TransportError, raise_if_any_failed
+from mooncake_ep.transport.workspace import TransportError, failure_text, raise_if_any_failed
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -188,7 +188,7 @@ class IpcTransport:
         try:
             self._map(records)
         except Exception as exc:  # noqa: BLE001 - a runtime error too: every rank must hear of it
-            failure = str(exc) if isinstance(exc, TransportError) else f"{type(exc).__name__}: {exc}"
+            failure = failure_text(exc)
         raise_if_any_failed(self.group, f"{where}: could not map the peers' workspaces", failure)
         self.peers = records
         replaced = sorted(self._replaced_since_connected)

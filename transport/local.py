@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 
-from mooncake_ep.transport.workspace import DeviceWorkspace, TransportError, raise_if_any_failed
+from mooncake_ep.transport.workspace import DeviceWorkspace, TransportError, failure_text, raise_if_any_failed
 
 _ENTRY = struct.Struct("<qq")  # (workspace address, device id)
 
@@ -33,7 +33,7 @@ def connect(group, workspace: DeviceWorkspace, runtime=None) -> list[int]:
                                    f"cuda:{workspace.device_id} cannot access the memory of rank {peer_rank} on "
                                    f"cuda:{peer_device}", runtime)
     except Exception as exc:  # noqa: BLE001 - a runtime error too: every rank must hear of it
-        failure = str(exc) if isinstance(exc, TransportError) else f"{type(exc).__name__}: {exc}"
+        failure = failure_text(exc)
     raise_if_any_failed(group, "Buffer (local transport): could not reach the peers' workspaces", failure)
     return [address for address, _ in entries]
 

@@ -40,6 +40,12 @@ def raise_if_any_failed(group, what: str, failure: str) -> None:
                                                       for rank, message in failures.items()))
 
 
+def failure_text(exc: BaseException) -> str:
+    """What a rank tells the others of its failed part of a connection (:func:`raise_if_any_failed`): a
+    TransportError's own message, which names the ranks; any other error (a CUDA runtime error) with its type."""
+    return str(exc) if isinstance(exc, TransportError) else f"{type(exc).__name__}: {exc}"
+
+
 def _free_device_memory(device_id: int, ptr: int) -> None:
     """cudaFree on ``device_id`` (a finalizer: it never raises)."""
     try:
