@@ -163,6 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk", type=int, default=shape("topk"), help="experts per token")
     parser.add_argument("--experts", type=int, default=shape("experts"), help="experts in all, a multiple of --ranks")
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="fp8 dispatch")
+    parser.add_argument("--fp8-scales", choices=("swapped", "row-major"), default="swapped",
+                        help="the layout dispatch writes the fp8 scales in: swapped, DeepEP's (column-major in their "
+                             "last two dimensions, the results' layout); row-major (given as out=)")
     parser.add_argument("--num-sms", type=int, default=None, help="SMs per rank (default: the GPU shared evenly)")
     parser.add_argument("--mode", choices=MODES, default="sync",
                         help="sync: on the caller's stream; async: async_finish=True (the communication stream, "
@@ -295,6 +298,17 @@ def bytes_moved(args, copies: float) -> tuple[dict, dict]:
     }
     deepep_bytes["step"] = deepep_bytes["dispatch"] + deepep_bytes["combine"]
     return floor_bytes, deepep_bytes
+
+
+def row_major_fp8_results(args, device: str) -> tuple:
+    """``((x_fp8, scales), recv_count)`` for one rank's fp8 dispatches as out=, the scales row-major."""
+    import torch
+
+    rows = args.ranks * args.tokens
+    num_local = args.experts // args.ranks
+    return ((torch.empty(num_local, rows, args.hidden, dtype=torch.float8_e4m3fn, device=device),
+             torch.empty(num_local, rows, args.hidden // 128, dtype=torch.float32, device=device)),
+            torch.empty(num_local, dtype=torch.int32, device=device))
 
 
 def make_input_sets(args, rng: np.random.Generator, devices: list[str | None], torch) -> list[list[dict]]:
@@ -575,6 +589,9 @@ def measure_cuda(args, progress, group=None) -> dict:
     sets = make_input_sets(args, rng, [None if d is None else f"cuda:{d}" for d in devices], torch)
 
     flags = call_flags(args.mode)
+    # Row-major scales: out= arrays of every rank, written by every call (nothing reads them back).
+    row_major_out = {r: row_major_fp8_results(args, f"cuda:{devices[r]}") for r in local_ranks} \
+        if args.fp8 and args.fp8_scales == "row-major" else {}
 
     def finish_all(pending) -> float:
         """Every rank's receive hook (hook mode), then its stream joined to the call's event (async).
@@ -599,7 +616,7 @@ def measure_cuda(args, progress, group=None) -> dict:
                 start = time.perf_counter()
                 recv_x, recv_count, handles[r], event, hook = buffers[r].dispatch(
                     inputs[r]["x"], inputs[r]["topk"], inputs[r]["active"], args.tokens, args.experts,
-                    KERNEL_TIMEOUT_US, use_fp8=args.fp8, **flags)
+                    KERNEL_TIMEOUT_US, use_fp8=args.fp8, out=row_major_out.get(r), **flags)
                 inside += time.perf_counter() - start
                 pending.append((r, event, hook, (recv_x, recv_count)))
         return inside, finish_all(pending)
@@ -1001,8 +1018,8 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "device": device,
         "backend": backend,
         "timer": timer,
-        "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
-                                                 "mode", "graph", "graph_ends", "peer_reads", "routing", "iters",
+        "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "fp8_scales",
+                                                 "num_sms", "mode", "graph", "graph_ends", "peer_reads", "routing", "iters",
                                                  "input_sets", "parities", "warmup", "warmup_ms", "seed", "baseline")}
                   | routing_parameters(args)
                   # The flags as they applied, not as given.

@@ -1,9 +1,10 @@
 """Per-framework glue: allocate, convert and wrap arrays in the caller's framework.
 
-Each module (``numpy``, ``torch``, ``jax``, ``cupy``) exposes the same four functions, and is
+Each module (``numpy``, ``torch``, ``jax``, ``cupy``) exposes the same five functions, and is
 imported only by :func:`get`, so ``import mooncake_ep`` imports no framework:
 
 - ``empty(shape, dtype, device_type, device_id)``: a new, uninitialised array.
+- ``swap_last_axes(array)``: a view of ``empty``'s array with its last two dimensions swapped.
 - ``from_numpy(arr, like)``: an array of the framework holding ``arr``'s values, on ``like``'s
   device.
 - ``current_stream(device_id) -> int``: the framework's current CUDA stream handle.

@@ -19,7 +19,7 @@ from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray
 if TYPE_CHECKING:
     import cupy
 
-__all__ = ["RAW_BITS_DTYPES", "empty", "from_numpy", "current_stream", "wrap"]
+__all__ = ["RAW_BITS_DTYPES", "empty", "swap_last_axes", "from_numpy", "current_stream", "wrap"]
 
 # Our dtype -> the cupy dtype that carries its bits.
 RAW_BITS_DTYPES = {"bfloat16": "uint16", "float8_e4m3fn": "uint8"}
@@ -56,6 +56,11 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
         return cupy.empty(tuple(shape), dtype=np_dtype)
     with cupy.cuda.Device(device_id):
         return cupy.empty(tuple(shape), dtype=np_dtype)
+
+
+def swap_last_axes(array: cupy.ndarray) -> cupy.ndarray:
+    """Returns a view of ``array`` with its last two dimensions swapped (no copy)."""
+    return array.swapaxes(-1, -2)
 
 
 def from_numpy(arr: np.ndarray, like: ArrayView) -> cupy.ndarray:

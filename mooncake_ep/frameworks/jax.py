@@ -17,7 +17,7 @@ from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, numpy_dtype
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["empty", "from_numpy", "current_stream", "wrap"]
+__all__ = ["empty", "swap_last_axes", "from_numpy", "current_stream", "wrap"]
 
 _64_BIT_DTYPES = ("int64", "float64")
 
@@ -55,6 +55,12 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
         raise TypeError(f"jax.empty: device_type must be 'cpu', got {device_type!r}; JAX arrays "
                         f"are immutable, GPU outputs are allocated by XLA (use mooncake_ep.jax)")
     return np.empty(shape, numpy_dtype(dtype))
+
+
+def swap_last_axes(array: np.ndarray) -> np.ndarray:
+    """Returns a view of the scratch array ``array`` (:func:`empty`'s) with its last two dimensions
+    swapped; :func:`from_numpy` then makes a JAX array of its values (JAX arrays have no strides)."""
+    return array.swapaxes(-1, -2)
 
 
 def from_numpy(arr: np.ndarray, like: ArrayView) -> jax.Array:

@@ -10,7 +10,7 @@ import numpy as np
 
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, numpy_dtype, read_array
 
-__all__ = ["empty", "from_numpy", "current_stream", "wrap"]
+__all__ = ["empty", "swap_last_axes", "from_numpy", "current_stream", "wrap"]
 
 
 def _require_cpu(device_type: str, where: str) -> None:
@@ -28,6 +28,11 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str = "cpu",
     """
     _require_cpu(device_type, "numpy.empty: device_type")
     return np.empty(shape, numpy_dtype(dtype))
+
+
+def swap_last_axes(array: np.ndarray) -> np.ndarray:
+    """Returns a view of ``array`` with its last two dimensions swapped (no copy)."""
+    return array.swapaxes(-1, -2)
 
 
 def from_numpy(arr: np.ndarray, like: ArrayView) -> np.ndarray:

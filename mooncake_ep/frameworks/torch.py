@@ -11,7 +11,7 @@ from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray, torch_curre
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["empty", "from_numpy", "current_stream", "wrap", "record_stream", "mark_modified"]
+__all__ = ["empty", "swap_last_axes", "from_numpy", "current_stream", "wrap", "record_stream", "mark_modified"]
 
 # numpy dtypes torch.from_numpy refuses (ml_dtypes) -> unsigned int of the same width; the
 # tensor is then reinterpreted with Tensor.view(dtype), which copies nothing.
@@ -56,6 +56,11 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
 # (dtype, device_type, device_id) -> (torch.empty, torch dtype, torch.device): each call allocates its
 # results, and parsing "cuda:N" and looking the dtype up every time costs a microsecond a result.
 _EMPTY_ARGS: dict[tuple[str, str, int], tuple] = {}
+
+
+def swap_last_axes(array: torch.Tensor) -> torch.Tensor:
+    """Returns a view of ``array`` with its last two dimensions swapped (no copy)."""
+    return array.transpose(-1, -2)
 
 
 def from_numpy(arr: np.ndarray, like: ArrayView) -> torch.Tensor:
