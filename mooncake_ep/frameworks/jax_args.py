@@ -59,7 +59,9 @@ class Ranks:
         return self._hash
 
     def __repr__(self) -> str:  # never raises: a program's static arguments are printed in JAX's errors
-        return "Ranks(one Buffer)" if self._single is not None else f"Ranks(a mapping over {len(self._by_device)} devices)"
+        if self._single is not None:
+            return "Ranks(one Buffer)"
+        return f"Ranks(a mapping over {len(self._by_device)} devices)"
 
     @staticmethod
     def _live(ref: weakref.ref) -> Buffer:
