@@ -82,7 +82,8 @@ from mooncake_ep.buffer import Buffer
 from mooncake_ep.frameworks import jax_args, jax_ops, jax_split
 from mooncake_ep.frameworks.jax_ops import Handle, PendingCombine, PendingDispatch
 from mooncake_ep.group import DEFAULT_TIMEOUT_S, LocalGroup
-from mooncake_ep.validation import check_bool, check_flags, check_grad_num_topk, check_int, check_timeout
+from mooncake_ep.validation import (check_bool, check_experts, check_flags, check_grad_num_topk, check_int,
+                                    check_timeout)
 
 __all__ = ["Handle", "PendingDispatch", "PendingCombine", "dispatch", "combine", "dispatch_send", "dispatch_recv",
            "combine_send", "combine_recv", "grad_buffer_size_hint", "make_buffers", "destroy_buffers"]
@@ -171,6 +172,8 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
     x, topk_idx, active_ranks = (jax_args.as_jax(where, name, value) for name, value in
                                  (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
     jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, active_ranks=active_ranks)
+    # Before the ids are read against it, as under jit (an E the op refuses made valid ids look bad).
+    num_experts = check_experts(where, num_experts, ranks.first.num_ranks)
     jax_args.check_eager_expert_ids(where, topk_idx, num_experts, num_max_dispatch_tokens_per_rank)
     # Here, not only in the op: the gradient's refusal of fp8 reads use_fp8 before the op checks it.
     check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
@@ -547,22 +550,25 @@ def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_to
     arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
     # As the fused op's: one device's arrays, of a device the Buffer serves (XLA's own errors name args[i]).
-    jax_args.check_devices(where, jax_args.Ranks(buffer), x=arrays[0], topk_idx=arrays[1], active_ranks=arrays[2])
+    ranks = jax_args.Ranks(buffer)
+    jax_args.check_devices(where, ranks, x=arrays[0], topk_idx=arrays[1], active_ranks=arrays[2])
+    num_experts = check_experts(where, num_experts, buffer.num_ranks)
     jax_args.check_eager_expert_ids(where, arrays[1], num_experts, num_max_dispatch_tokens_per_rank)
     check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
     timeout_us = _checked_options(where, timeout_us, command_buffer_compatible)
     parity = jax_args.check_parity(where, parity)
     options = dict(timeout_us=timeout_us, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                    parity=parity, command_buffer_compatible=command_buffer_compatible)
-    static = (buffer, num_max_dispatch_tokens_per_rank, num_experts, tuple(sorted(options.items())))
+    # The Buffer as Ranks: static arguments stay in JAX's caches, which must not keep it alive.
+    static = (ranks, num_max_dispatch_tokens_per_rank, num_experts, tuple(sorted(options.items())))
     return _bind(where, _dispatch_send, static, *arrays)
 
 
 @_no_gradient("dispatch_send")
 def _dispatch_send(static, x, topk_idx, active_ranks):
-    buffer, num_max_tokens, num_experts, options = static
-    return jax_split.dispatch_send("mooncake_ep.jax.dispatch_send", buffer, x, topk_idx, active_ranks, num_max_tokens,
-                                 num_experts, **dict(options))
+    ranks, num_max_tokens, num_experts, options = static
+    return jax_split.dispatch_send("mooncake_ep.jax.dispatch_send", ranks.single, x, topk_idx, active_ranks,
+                                 num_max_tokens, num_experts, **dict(options))
 
 
 def dispatch_recv(pending: Sequence[PendingDispatch]) -> list:
@@ -597,23 +603,24 @@ def combine_send(buffer: Buffer, x, topk_idx, topk_weights, active_ranks, handle
     """
     where = "mooncake_ep.jax.combine_send"
     _check_one_buffer(where, buffer)
-    jax_ops.check_handle(where, handle, jax_args.Ranks(buffer))
+    ranks = jax_args.Ranks(buffer)
+    jax_ops.check_handle(where, handle, ranks)
     arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
-    jax_args.check_devices(where, jax_args.Ranks(buffer), x=arrays[0], topk_idx=arrays[1], topk_weights=arrays[2],
+    jax_args.check_devices(where, ranks, x=arrays[0], topk_idx=arrays[1], topk_weights=arrays[2],
                            active_ranks=arrays[3])
     jax_args.check_eager_routing(where, arrays[1], handle.dispatched_topk_idx, handle.config.num_experts)
     check_flags(where, renormalize=renormalize)
     timeout_us = _checked_options(where, timeout_us, command_buffer_compatible)
     options = dict(timeout_us=timeout_us, renormalize=renormalize, command_buffer_compatible=command_buffer_compatible)
-    return _bind(where, _combine_send, (buffer, tuple(sorted(options.items()))), *arrays, handle)
+    return _bind(where, _combine_send, (ranks, tuple(sorted(options.items()))), *arrays, handle)
 
 
 @_no_gradient("combine_send")
 def _combine_send(static, x, topk_idx, topk_weights, active_ranks, handle):
-    buffer, options = static
-    return jax_split.combine_send("mooncake_ep.jax.combine_send", buffer, x, topk_idx, topk_weights, active_ranks,
-                                handle, **dict(options))
+    ranks, options = static
+    return jax_split.combine_send("mooncake_ep.jax.combine_send", ranks.single, x, topk_idx, topk_weights,
+                                active_ranks, handle, **dict(options))
 
 
 def combine_recv(pending: Sequence[PendingCombine]) -> list:

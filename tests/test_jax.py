@@ -436,6 +436,79 @@ def test_arrays_spread_over_devices_outside_shard_map_are_refused(jit):
     epj.destroy_buffers(buffers)
 
 
+def test_a_program_sharded_over_devices_outside_shard_map_is_refused_when_lowered():
+    """jit's in_shardings spread the arrays without the tracers saying so: XLA would have run the op on
+    both devices with every token (helper-118: every row received twice). The lowering refuses it, and
+    the Buffers still work in a shard_map."""
+    num_ranks = 2
+    devices = cpu_devices(num_ranks)
+    case = make_case(6, num_ranks=num_ranks, num_experts=4, num_topk=2, num_tokens=[2] * num_ranks)
+    buffers = epj.make_buffers(devices, case.size_hint)
+    mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
+    spread = NamedSharding(mesh, P("ep"))
+    call = functools.partial(epj.dispatch, buffers, num_max_dispatch_tokens_per_rank=case.num_max_tokens,
+                             num_experts=case.num_experts, use_fp8=False)
+    arrays = [jnp.asarray(np.concatenate(a)) for a in (case.xs, case.topk_idxs)] + [jnp.ones(num_ranks, jnp.int32)]
+    with pytest.raises(ValueError, match=r"^mooncake_ep.jax.dispatch: the jitted program runs on 2 devices outside "
+                                         r"shard_map .* run it inside jax.shard_map"):
+        jax.jit(call, in_shardings=(spread, spread, None))(*arrays)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    def step(x, topk, active):
+        return call(x, topk, active)[1]
+
+    count = step(*(sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.actives)))
+    dispatched, _ = expected(case, FLAGS["bf16"])
+    np.testing.assert_array_equal(np.asarray(count), np.concatenate([d.recv_count for d in dispatched]))
+    epj.destroy_buffers(buffers)
+
+
+@pytest.mark.parametrize("form", ["dispatch", "dispatch_send"])
+def test_a_buffer_used_by_eager_ops_is_released_when_dropped(form):
+    """The eager ops' compiled programs (and JAX's caches) keep their static configuration for good:
+    it holds the Buffers weakly, so a Buffer dropped without destroy() is still garbage-collected, as
+    Buffer.destroy's docstring promises (helper-118: it was kept until jax.clear_caches())."""
+    import gc
+    import weakref
+
+    case = make_case(21, num_ranks=1)
+
+    def rank_fn(group):
+        buffer = reference_buffer(group, case)
+        x, topk, active = (jnp.asarray(a[0]) for a in (case.xs, case.topk_idxs, case.actives))
+        result = getattr(epj, form)(buffer, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)
+        jax.block_until_ready(jax.tree_util.tree_leaves(result))
+        if form == "dispatch_send":
+            jax.block_until_ready(jax.tree_util.tree_leaves(epj.dispatch_recv([result])))
+        ranks = jax_args.Ranks(buffer)
+        return weakref.ref(buffer), ranks
+
+    (buffer_ref, ranks), = spawn(1, rank_fn)
+    gc.collect()
+    assert buffer_ref() is None, "an eager op's program kept the Buffer alive"
+    assert repr(ranks) == "Ranks(one Buffer)"  # printed in JAX's errors: never raises
+    with pytest.raises(RuntimeError, match="a Buffer this program was traced with was garbage-collected"):
+        ranks.single
+
+
+@pytest.mark.parametrize("form", ["dispatch", "dispatch_send"])
+def test_an_eager_dispatch_names_num_experts_before_reading_the_ids_against_it(form):
+    """num_experts=3 on 2 ranks (meant: 4): the ids were read against it first, and an id of 3 blamed
+    eagerly, where jit named num_experts."""
+    case = make_case(22, num_ranks=2, num_experts=4)
+    buffer = spawn(2, lambda g: reference_buffer(g, case))[0]
+    x, topk, active = (jnp.asarray(a[0]) for a in (case.xs, case.topk_idxs, case.actives))
+    topk = topk.at[0, 0].set(3)
+    call = functools.partial(getattr(epj, form), buffer, x, topk, active, case.num_max_tokens, 3, use_fp8=False)
+    pattern = rf"^mooncake_ep\.jax\.{form}: num_experts must be a multiple of num_ranks=2, got 3"
+    with pytest.raises(ValueError, match=pattern):
+        call()
+    if form == "dispatch":
+        with pytest.raises(ValueError, match=pattern):
+            jax.jit(call)()
+
+
 # --- the split form: every rank in one program on one device -------------------------------------------
 
 

@@ -231,16 +231,20 @@ def _shapes(specs) -> list:
 
 def _call(where: str, callback, specs, operands: Sequence, aliases: dict[int, int], command_buffer_compatible: bool,
           has_side_effect: bool = False):
-    """One ``buffer_callback`` launch of ``callback`` with result ``specs``; vmap refused by name."""
+    """One ``buffer_callback`` launch of ``callback`` with result ``specs``; vmap refused by name, and
+    outside ``shard_map`` a program of several devices refused when it is lowered (:func:`_one_device`)."""
     from jax.custom_batching import custom_vmap
     from jax.experimental.buffer_callback import buffer_callback
 
     op = buffer_callback(callback, _shapes(specs), has_side_effect=has_side_effect, input_output_aliases=aliases,
                          command_buffer_compatible=command_buffer_compatible)
+    guarded = not manual_axes()
 
     @custom_vmap
-    def run(*args):
-        return tuple(op(*args))
+    def run(first, *rest):
+        if guarded:
+            first = _one_device_primitive().bind(first, where=where)
+        return tuple(op(first, *rest))
 
     @run.def_vmap
     def _refuse_vmap(axis_size, in_batched, *args):
@@ -248,6 +252,42 @@ def _call(where: str, callback, specs, operands: Sequence, aliases: dict[int, in
                         f"map the ranks with shard_map, one device per rank, or use the split form "
                         f"(dispatch_send / dispatch_recv) for several ranks on one device")
     return list(run(*operands))
+
+
+def _one_device_primitive():
+    """An identity on an op's first operand, outside ``shard_map``, whose lowering refuses a program
+    of several devices.
+
+    Under ``jax.jit`` with shardings (``in_shardings=``, or arrays sharded inside the function) the
+    tracers do not say how many devices the program spans, so the trace-time check
+    (``jax_args.check_devices``) passes; XLA would then run the op on every device with the whole
+    arrays, each device's rank sending every token: wrong results, silently. The lowering knows
+    (``ShardingContext.num_devices``; inside ``shard_map`` it is an ``SPMDAxisContext``, which has none).
+    Lowered to nothing."""
+    global _ONE_DEVICE
+    if _ONE_DEVICE is None:
+        from jax.extend.core import Primitive
+        from jax.interpreters import mlir
+
+        primitive = Primitive("mooncake_ep_one_device")
+        primitive.def_impl(lambda operand, *, where: operand)
+        primitive.def_abstract_eval(lambda operand, *, where: operand)
+        mlir.register_lowering(primitive, _lower_one_device)
+        _ONE_DEVICE = primitive
+    return _ONE_DEVICE
+
+
+_ONE_DEVICE = None  # made at first use: JAX is imported lazily
+
+
+def _lower_one_device(ctx, operand, *, where: str):
+    num_devices = getattr(ctx.module_context.axis_context, "num_devices", None)
+    if num_devices is not None and num_devices > 1:
+        raise ValueError(f"{where}: the jitted program runs on {num_devices} devices outside shard_map (its shardings "
+                         f"spread the arrays), and XLA would run this op on every one of them with the whole arrays, "
+                         f"each device's rank sending every token; run it inside jax.shard_map with one device per "
+                         f"rank (the mapping of make_buffers), or jit it for one device")
+    return [operand]
 
 
 def _stream(ctx) -> int:
