@@ -33,8 +33,8 @@
 #   ab         kernel variants (AB_VARIANTS, extra NVRTC macros) benchmarked side by side on the decode shape
 #   inner      the decode benchmark with and without the events inside a copy of each phase's graph
 #              (--inner-events), alternated twice: the events around the other graphs should not move
-#   scales     the decode benchmark with the fp8 scales in DeepEP's layout (the results') and row-major
-#              (out=), alternated twice
+#   scales     the decode benchmark with out= fp8 results, the scales in DeepEP's layout (the results')
+#              and row-major, alternated twice
 #   modes      the decode benchmark in the other modes: async and hook (graphs), sync eager (no graph),
 #              without the graph's own nodes around the fork/join (--graph-ends none), and with 32
 #              hardware queues instead of the driver's default 8

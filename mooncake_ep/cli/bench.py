@@ -163,9 +163,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk", type=int, default=shape("topk"), help="experts per token")
     parser.add_argument("--experts", type=int, default=shape("experts"), help="experts in all, a multiple of --ranks")
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="fp8 dispatch")
-    parser.add_argument("--fp8-scales", choices=("swapped", "row-major"), default="swapped",
-                        help="the layout dispatch writes the fp8 scales in: swapped, DeepEP's (column-major in their "
-                             "last two dimensions, the results' layout); row-major (given as out=)")
+    parser.add_argument("--fp8-scales", choices=("made", "swapped", "row-major"), default="made",
+                        help="fp8 dispatch's results: made by each call (the scales in DeepEP's layout, column-major "
+                             "in their last two dimensions), or given as out= (made once) with the scales in that "
+                             "layout (swapped) or row-major")
     parser.add_argument("--num-sms", type=int, default=None, help="SMs per rank (default: the GPU shared evenly)")
     parser.add_argument("--mode", choices=MODES, default="sync",
                         help="sync: on the caller's stream; async: async_finish=True (the communication stream, "
@@ -300,14 +301,18 @@ def bytes_moved(args, copies: float) -> tuple[dict, dict]:
     return floor_bytes, deepep_bytes
 
 
-def row_major_fp8_results(args, device: str) -> tuple:
-    """``((x_fp8, scales), recv_count)`` for one rank's fp8 dispatches as out=, the scales row-major."""
+def fp8_results(args, device: str) -> tuple:
+    """``((x_fp8, scales), recv_count)`` for one rank's fp8 dispatches as out=, the scales in the layout
+    of ``--fp8-scales``: row-major, or swapped (DeepEP's, as the calls make them)."""
     import torch
 
-    rows = args.ranks * args.tokens
+    rows, columns = args.ranks * args.tokens, args.hidden // 128
     num_local = args.experts // args.ranks
-    return ((torch.empty(num_local, rows, args.hidden, dtype=torch.float8_e4m3fn, device=device),
-             torch.empty(num_local, rows, args.hidden // 128, dtype=torch.float32, device=device)),
+    if args.fp8_scales == "row-major":
+        scales = torch.empty(num_local, rows, columns, dtype=torch.float32, device=device)
+    else:
+        scales = torch.empty(num_local, columns, rows, dtype=torch.float32, device=device).transpose(1, 2)
+    return ((torch.empty(num_local, rows, args.hidden, dtype=torch.float8_e4m3fn, device=device), scales),
             torch.empty(num_local, dtype=torch.int32, device=device))
 
 
@@ -589,9 +594,9 @@ def measure_cuda(args, progress, group=None) -> dict:
     sets = make_input_sets(args, rng, [None if d is None else f"cuda:{d}" for d in devices], torch)
 
     flags = call_flags(args.mode)
-    # Row-major scales: out= arrays of every rank, written by every call (nothing reads them back).
-    row_major_out = {r: row_major_fp8_results(args, f"cuda:{devices[r]}") for r in local_ranks} \
-        if args.fp8 and args.fp8_scales == "row-major" else {}
+    # out= arrays of every rank, written by every call (nothing reads them back).
+    fp8_out = {r: fp8_results(args, f"cuda:{devices[r]}") for r in local_ranks} \
+        if args.fp8 and args.fp8_scales != "made" else {}
 
     def finish_all(pending) -> float:
         """Every rank's receive hook (hook mode), then its stream joined to the call's event (async).
@@ -616,7 +621,7 @@ def measure_cuda(args, progress, group=None) -> dict:
                 start = time.perf_counter()
                 recv_x, recv_count, handles[r], event, hook = buffers[r].dispatch(
                     inputs[r]["x"], inputs[r]["topk"], inputs[r]["active"], args.tokens, args.experts,
-                    KERNEL_TIMEOUT_US, use_fp8=args.fp8, out=row_major_out.get(r), **flags)
+                    KERNEL_TIMEOUT_US, use_fp8=args.fp8, out=fp8_out.get(r), **flags)
                 inside += time.perf_counter() - start
                 pending.append((r, event, hook, (recv_x, recv_count)))
         return inside, finish_all(pending)
@@ -1280,6 +1285,8 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
         value = getattr(args, name)
         if isinstance(value, ByBackend):
             setattr(args, name, value.resolve(backend))
+    if args.fp8_scales != "made" and not args.fp8:
+        raise UsageError("--fp8-scales lays out fp8 dispatch's scales; --no-fp8 dispatches bf16")
     if backend == "reference":  # the GPU's flags, given where they would change nothing
         if args.num_sms is not None:
             raise UsageError("--num-sms sets the kernels' SMs per rank; the reference backend has none")
@@ -1292,6 +1299,9 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
             raise UsageError("--graph-ends shapes the CUDA graphs; the reference backend has none")
         if args.parities != "one":
             raise UsageError("--parities places the CUDA graphs' calls; the reference backend has none")
+        if args.fp8_scales != "made":
+            raise UsageError("--fp8-scales gives the GPU kernels out= arrays to write; the reference backend's calls "
+                             "make their results")
     if args.graph is None:
         args.graph = backend == "cuda"
     check_args(args, ranks_flag)
