@@ -1261,8 +1261,7 @@ class Buffer:
         results = []
         for (name, shape, dtype), strides, swapped in zip(plan.specs, plan.result_strides, plan.result_swapped):
             if swapped:
-                obj = fw.swap_last_axes(fw.empty((*shape[:-2], shape[-1], shape[-2]), dtype, like.device_type,
-                                                 like.device_id))
+                obj = fw.empty_swapped(shape, strides, dtype, like.device_type, like.device_id)
             else:
                 obj = fw.empty(shape, dtype, like.device_type, like.device_id)
             # An array just made dense with the spec's shape, layout and dtype: only its address is new,

@@ -4,7 +4,8 @@ Each module (``numpy``, ``torch``, ``jax``, ``cupy``) exposes the same five func
 imported only by :func:`get`, so ``import mooncake_ep`` imports no framework:
 
 - ``empty(shape, dtype, device_type, device_id)``: a new, uninitialised array.
-- ``swap_last_axes(array)``: a view of ``empty``'s array with its last two dimensions swapped.
+- ``empty_swapped(shape, strides, dtype, device_type, device_id)``: a new array laid out with its last
+  two dimensions swapped (``strides``, DeepEP's layout of the fp8 scales).
 - ``from_numpy(arr, like)``: an array of the framework holding ``arr``'s values, on ``like``'s
   device.
 - ``current_stream(device_id) -> int``: the framework's current CUDA stream handle.

@@ -17,7 +17,7 @@ from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, numpy_dtype
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["empty", "swap_last_axes", "from_numpy", "current_stream", "wrap"]
+__all__ = ["empty", "empty_swapped", "from_numpy", "current_stream", "wrap"]
 
 _64_BIT_DTYPES = ("int64", "float64")
 
@@ -57,10 +57,12 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
     return np.empty(shape, numpy_dtype(dtype))
 
 
-def swap_last_axes(array: np.ndarray) -> np.ndarray:
-    """Returns a view of the scratch array ``array`` (:func:`empty`'s) with its last two dimensions
-    swapped; :func:`from_numpy` then makes a JAX array of its values (JAX arrays have no strides)."""
-    return array.swapaxes(-1, -2)
+def empty_swapped(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, device_type: str,
+                  device_id: int) -> np.ndarray:
+    """Returns :func:`empty`'s scratch array of ``shape`` laid out with its last two dimensions swapped
+    (``strides``); :func:`from_numpy` then makes a JAX array of its values (JAX arrays have no strides)."""
+    *outer, rows, columns = shape
+    return empty((*outer, columns, rows), dtype, device_type, device_id).swapaxes(-1, -2)
 
 
 def from_numpy(arr: np.ndarray, like: ArrayView) -> jax.Array:
