@@ -375,6 +375,11 @@ def _check_grad_buffer(buffer: Buffer, grad_buffer, handle, grad_num_topk) -> in
     if grad_buffer.rank != buffer.rank:  # its dispatch would run as that rank: every rank's gradient swapped
         raise ValueError(f"{where}: grad_buffer is rank {grad_buffer.rank} of its group, buffer rank {buffer.rank}: "
                          f"pass this rank's Buffer of the gradient's group")
+    # Where the backward's calls run: refused there, they would name the backward's arrays, not grad_buffer.
+    if (grad_buffer.backend, grad_buffer.device_id) != (buffer.backend, buffer.device_id):
+        raise ValueError(f"{where}: grad_buffer runs on the {grad_buffer.backend} backend on device "
+                         f"{grad_buffer.device_id}, buffer on the {buffer.backend} backend on device {buffer.device_id}: "
+                         f"build grad_buffer where buffer is")
     if not isinstance(handle, Handle):
         raise TypeError(f"{where}: handle must be the Handle returned by dispatch, got {type(handle).__name__}")
     num_topk = check_grad_num_topk(where, grad_num_topk, handle.num_topk)

@@ -522,6 +522,30 @@ def test_a_grad_buffer_of_another_rank_is_refused():
     assert ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [True, True]
 
 
+def test_a_grad_buffer_of_another_backend_is_refused_at_the_call():
+    """Its calls run in the backward: refused there, they named the backward's arrays (helper-120)."""
+    from test_buffer_launch import RecordingCuda
+
+    T, H, E, K = 3, 128, 2, 2
+    xs, topks, weights = make_inputs(8, 1, T, H, E, K)
+
+    def rank_fn(group):
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        active = torch.ones(1, dtype=torch.int32)
+        recv, _, handle = ept.dispatch(buffer, xs[0], topks[0], active, T, E)
+        y = recv.clone().requires_grad_()
+        reference_backend = grad_buffer._cuda, grad_buffer.backend
+        grad_buffer._cuda, grad_buffer.backend = RecordingCuda(), "cuda"  # as a Buffer built on cuda:0
+        with pytest.raises(ValueError, match=r"^mooncake_ep.torch.combine: grad_buffer runs on the cuda backend on "
+                                             r"device 0, buffer on the reference backend on device -1"):
+            ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=grad_buffer)
+        grad_buffer._cuda, grad_buffer.backend = reference_backend
+        ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=grad_buffer).float().sum().backward()
+        return y.grad is not None
+
+    assert ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [True]
+
+
 def test_refusals_name_the_argument_and_leave_the_buffer_usable():
     T, H, E, K = 3, 128, 2, 2
     xs, topks, weights = make_inputs(6, 1, T, H, E, K)
