@@ -539,6 +539,8 @@ def _reader_of(kind: type) -> Callable[[Any, str, int | None], ArrayView | None]
     Subclasses count wherever they are defined: a tensor of a type of its own is still a torch
     tensor, whose results are torch tensors. A framework not imported yet has no arrays.
     """
+    if issubclass(kind, np.ma.MaskedArray):
+        return _refuse_masked
     if issubclass(kind, np.ndarray):
         return _read_numpy
     torch = sys.modules.get("torch")
@@ -549,6 +551,13 @@ def _reader_of(kind: type) -> Callable[[Any, str, int | None], ArrayView | None]
     if cupy is not None and isinstance(getattr(cupy, "ndarray", None), type) and issubclass(kind, cupy.ndarray):
         return _read_cupy
     return _no_fast_path
+
+
+def _refuse_masked(obj: Any, name: str, stream: int | None) -> None:
+    """A numpy masked array: its data would be read as it is, masked entries included (an expert id, a
+    NaN weight), since the mask is no part of the memory; refused, never read."""
+    raise TypeError(f"{name} is a numpy masked array, whose mask the call would ignore; pass the values to use "
+                    f"(np.ma.filled(array, fill_value))")
 
 
 # The framework of the arrays a reader serves, also when they go through DLPack.

@@ -48,7 +48,8 @@ import torch
 from mooncake_ep import _constants
 from mooncake_ep._handshake import RankMismatchError
 from mooncake_ep.buffer import Buffer, Handle
-from mooncake_ep.validation import check_grad_num_topk
+from mooncake_ep.tensor import read_array
+from mooncake_ep.validation import check_array, check_grad_num_topk, check_hidden
 
 __all__ = ["dispatch", "combine", "grad_buffer_size_hint", "DispatchFunction", "CombineFunction"]
 
@@ -62,6 +63,9 @@ _forward_routing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 grad_buffer_size_hint = Buffer.get_grad_buffer_size_hint
 
 
+# torch.compiler.disable: under torch.compile, Dynamo would trace into the library's host code (numpy,
+# DLPack, kernel launches) frame by frame and fail there; each call stays one opaque step instead.
+@torch.compiler.disable
 def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ranks: torch.Tensor,
              num_max_dispatch_tokens_per_rank: int, num_experts: int, *,
              timeout_us: int = _constants.TIMEOUT_FOREVER) -> tuple[torch.Tensor, torch.Tensor, Handle]:
@@ -98,6 +102,7 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ran
                                   num_experts, timeout_us)
 
 
+@torch.compiler.disable
 def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             active_ranks: torch.Tensor, handle: Handle, *, grad_buffer: Buffer | None = None,
             grad_num_topk: int | None = None, timeout_us: int = _constants.TIMEOUT_FOREVER) -> torch.Tensor:
@@ -196,8 +201,13 @@ class DispatchFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, active_ranks, buffer, num_max_dispatch_tokens_per_rank, num_experts, timeout_us):
         if x.is_cuda:  # the backward's rebuild of this routing, in fp8: agreed with this one, before it
-            buffer._agree_ahead(num_max_dispatch_tokens_per_rank, x.shape[1], num_experts, use_fp8=True,
-                                round_scale=False, use_ue8m0=False, where="mooncake_ep.torch.dispatch")
+            where = "mooncake_ep.torch.dispatch"
+            # x as the dispatch checks it, before its hidden size is read and agreed on (a 1-D x raised
+            # a bare IndexError; a float32 one was agreed on, then refused: helper-120).
+            check_array(where, "x", read_array(x, name=f"{where}: x"), dtypes=("bfloat16",), ndim=2)
+            hidden = check_hidden(where, "x.shape[1] (hidden)", x.shape[1])
+            buffer._agree_ahead(num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8=True,
+                                round_scale=False, use_ue8m0=False, where=where)
         recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                            num_experts, timeout_us, use_fp8=False)
         # Copies: the caller may write into the recv_count it gets back, and into topk_idx (combine
@@ -245,6 +255,10 @@ class CombineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, grad_num_topk, timeout_us):
         need_w = ctx.needs_input_grad[1]  # grad_w reads the forward's expert outputs
+        if need_w and x.is_inference():  # refused before the collective: saving it would fail after it
+            raise RuntimeError("mooncake_ep.torch.combine: x was made under torch.inference_mode, and the gradient of "
+                               "topk_weights reads it in the backward, which torch cannot save; clone it outside "
+                               "inference mode (x.clone())")
         if isinstance(grad_buffer, Buffer) and topk_idx.is_cuda and isinstance(handle, Handle):
             # The backward's dispatch on grad_buffer: agreed now, while every rank is alive (on every rank
             # that passes grad_buffer, whatever it records: the condition must be the same everywhere).
@@ -262,6 +276,10 @@ class CombineFunction(torch.autograd.Function):
             if result is not None:
                 forward_count = torch.from_numpy(result.recv_count)
                 forward_sources = torch.from_numpy(result.active_ranks != 0)
+        # Made under torch.inference_mode (a frozen dispatch, say), which save_for_backward refuses: the
+        # small routing tensors are copied out of it (helper-120: the combine had run when it raised).
+        topk_idx, topk_weights, dispatched_idx = (t.clone() if t.is_inference() else t
+                                                  for t in (topk_idx, topk_weights, dispatched_idx))
         ctx.save_for_backward(x if need_w else None, topk_idx, topk_weights, dispatched_idx)
         ctx.active_ranks = active_ranks
         ctx.config = (buffer, grad_buffer, handle, grad_num_topk, timeout_us)
@@ -357,6 +375,11 @@ def _check_grad_buffer(buffer: Buffer, grad_buffer, handle, grad_num_topk) -> in
     if grad_buffer.rank != buffer.rank:  # its dispatch would run as that rank: every rank's gradient swapped
         raise ValueError(f"{where}: grad_buffer is rank {grad_buffer.rank} of its group, buffer rank {buffer.rank}: "
                          f"pass this rank's Buffer of the gradient's group")
+    # Where the backward's calls run: refused there, they would name the backward's arrays, not grad_buffer.
+    if (grad_buffer.backend, grad_buffer.device_id) != (buffer.backend, buffer.device_id):
+        raise ValueError(f"{where}: grad_buffer runs on the {grad_buffer.backend} backend on device "
+                         f"{grad_buffer.device_id}, buffer on the {buffer.backend} backend on device {buffer.device_id}: "
+                         f"build grad_buffer where buffer is")
     if not isinstance(handle, Handle):
         raise TypeError(f"{where}: handle must be the Handle returned by dispatch, got {type(handle).__name__}")
     num_topk = check_grad_num_topk(where, grad_num_topk, handle.num_topk)

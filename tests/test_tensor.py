@@ -175,6 +175,14 @@ def test_swapped_last_axes_layout():
     assert not every_other_row.is_swapped_last_axes
 
 
+def test_a_numpy_masked_array_is_refused():
+    """Its mask is no part of the memory: a masked expert id or NaN weight would be used as it is."""
+    masked = np.ma.masked_array(np.arange(6, dtype=np.int64).reshape(3, 2), mask=[[0, 1], [0, 0], [0, 0]])
+    with pytest.raises(TypeError, match=r"^test: topk_idx is a numpy masked array, whose mask the call would ignore"):
+        read_array(masked, name="test: topk_idx")
+    assert read_array(np.ma.filled(masked, -1), name="test: topk_idx").shape == (3, 2)
+
+
 def test_numpy_view_keeps_memory_and_readonly():
     x = positional((4,), "float32")
     view = read_array(x, name="test: x")

@@ -343,6 +343,103 @@ def test_a_moe_layer_trains_like_the_dense_layer():
         torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0, msg=f"grad {name}")
 
 
+def test_under_torch_compile_the_calls_are_opaque_steps_with_eager_results():
+    """Dynamo traced into the library's host code and failed on its numpy (helper-120): the calls are
+    excluded from compilation, and a compiled layer's output and gradients equal the eager layer's."""
+    num_ranks, T, H, E, K = 2, 4, 128, 4, 2
+    xs, topks, weights = make_inputs(5, num_ranks, T, H, E, K)
+    expert_weights = torch.from_numpy(np.random.default_rng(6).standard_normal((E // num_ranks, H, H))
+                                      .astype(np.float32)) / H**0.5
+
+    def rank_fn(group):
+        r = group.rank
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        active = torch.ones(num_ranks, dtype=torch.int32)
+        mine = expert_weights.clone().requires_grad_()
+
+        def layer(x, w):
+            recv, _, handle = ept.dispatch(buffer, x, topks[r], active, T, E)
+            y = torch.einsum("erh,ehk->erk", recv.float(), mine).bfloat16()
+            return ept.combine(buffer, y, topks[r], w, active, handle, grad_buffer=grad_buffer)
+
+        results = []
+        for run in (layer, torch.compile(layer, backend="aot_eager")):
+            x, w = xs[r].clone().requires_grad_(), weights[r].clone().requires_grad_()
+            mine.grad = None
+            out = run(x, w)
+            (out.float() ** 2).sum().backward()
+            results.append((out.detach(), x.grad, w.grad, mine.grad))
+        return results
+
+    for eager, compiled in ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn):
+        for got, want, name in zip(compiled, eager, ("out", "grad x", "grad weights", "grad experts")):
+            assert torch.equal(got, want), name
+
+
+def test_a_dispatch_under_inference_mode_feeds_a_trained_combine():
+    """A frozen dispatch (torch.inference_mode) before trained experts and weights: the combine saved
+    the dispatch's routing copy, an inference tensor, and raised after its collective (helper-120)."""
+    num_ranks, T, H, E, K = 2, 4, 128, 4, 2
+    xs, topks, weights = make_inputs(7, num_ranks, T, H, E, K)
+
+    def rank_fn(group):
+        r = group.rank
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        active = torch.ones(num_ranks, dtype=torch.int32)
+        grads = []
+        for frozen in (True, False):
+            with torch.inference_mode(frozen):
+                recv, _, handle = ept.dispatch(buffer, xs[r], topks[r], active, T, E)
+            y = recv.clone().requires_grad_()
+            w = weights[r].clone().requires_grad_()
+            out = ept.combine(buffer, y, topks[r], w, active, handle, grad_buffer=grad_buffer)
+            (out.float() ** 2).sum().backward()
+            grads.append((y.grad, w.grad))
+        # The expert outputs as inference tensors, and topk_weights needing their gradient: refused
+        # before the combine's collective, on both ranks alike.
+        with torch.inference_mode():
+            recv, _, handle = ept.dispatch(buffer, xs[r], topks[r], active, T, E)
+        with pytest.raises(RuntimeError, match=r"^mooncake_ep.torch.combine: x was made under torch.inference_mode"):
+            ept.combine(buffer, recv, topks[r], weights[r].clone().requires_grad_(), active, handle,
+                        grad_buffer=grad_buffer)
+        return grads
+
+    for frozen, plain in ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn):
+        for got, want in zip(frozen, plain):
+            assert torch.equal(got, want)
+
+
+class _ReportsCuda(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0: the CUDA branch of DispatchFunction.forward, on the CPU."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    is_cuda = property(lambda self: True)
+
+
+@pytest.mark.parametrize("x, error, pattern", [
+    (torch.zeros(3 * 128, dtype=torch.bfloat16), ValueError, r"x must be 2-dimensional, got shape \(384,\)"),
+    (torch.zeros((), dtype=torch.bfloat16), ValueError, r"x must be 2-dimensional, got shape \(\)"),
+    (torch.zeros(3, 100), TypeError, r"x must be bfloat16, got float32"),
+    (torch.zeros(3, 100, dtype=torch.bfloat16), ValueError,
+     r"x.shape\[1\] \(hidden\) must be a multiple of 128, got 100"),
+], ids=["1-d", "0-d", "float32", "hidden-100"])
+def test_a_cuda_x_is_checked_before_the_backwards_configuration_is_agreed(x, error, pattern):
+    """The CUDA path agrees (with ranks in processes, a collective) on the fp8 configuration its backward
+    rebuilds the routing in, before the dispatch: it read x.shape[1] unchecked (a bare IndexError) and
+    agreed on a float32 x's hidden before the dispatch refused it (helper-120)."""
+    from test_buffer_launch import RecordingCuda, _TwoRankView
+
+    group = _TwoRankView()
+    buffer = ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(4, 128, 2, 8), backend="reference")
+    group.constructed = True
+    buffer._cuda, buffer.backend = RecordingCuda(), "cuda"
+    topk = torch.zeros((x.shape[0] if x.dim() else 1, 2), dtype=torch.int64).as_subclass(_ReportsCuda)
+    active = torch.ones(2, dtype=torch.int32).as_subclass(_ReportsCuda)
+    with pytest.raises(error, match=rf"^mooncake_ep\.torch\.dispatch: {pattern}"):
+        ept.dispatch(buffer, x.as_subclass(_ReportsCuda), topk, active, 4, 8)
+    assert buffer._cuda.agreed == []
+
+
 @pytest.mark.parametrize("loss", ["quadratic", "linear", "dispatch-only"])
 def test_a_double_backward_is_refused(loss):
     """The backward's dispatches and combines record no graph: a second derivative through them (a
@@ -423,6 +520,30 @@ def test_a_grad_buffer_of_another_rank_is_refused():
         return y.grad is not None
 
     assert ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [True, True]
+
+
+def test_a_grad_buffer_of_another_backend_is_refused_at_the_call():
+    """Its calls run in the backward: refused there, they named the backward's arrays (helper-120)."""
+    from test_buffer_launch import RecordingCuda
+
+    T, H, E, K = 3, 128, 2, 2
+    xs, topks, weights = make_inputs(8, 1, T, H, E, K)
+
+    def rank_fn(group):
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        active = torch.ones(1, dtype=torch.int32)
+        recv, _, handle = ept.dispatch(buffer, xs[0], topks[0], active, T, E)
+        y = recv.clone().requires_grad_()
+        reference_backend = grad_buffer._cuda, grad_buffer.backend
+        grad_buffer._cuda, grad_buffer.backend = RecordingCuda(), "cuda"  # as a Buffer built on cuda:0
+        with pytest.raises(ValueError, match=r"^mooncake_ep.torch.combine: grad_buffer runs on the cuda backend on "
+                                             r"device 0, buffer on the reference backend on device -1"):
+            ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=grad_buffer)
+        grad_buffer._cuda, grad_buffer.backend = reference_backend
+        ept.combine(buffer, y, topks[0], weights[0], active, handle, grad_buffer=grad_buffer).float().sum().backward()
+        return y.grad is not None
+
+    assert ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [True]
 
 
 def test_refusals_name_the_argument_and_leave_the_buffer_usable():
