@@ -48,8 +48,7 @@ import torch
 from mooncake_ep import _constants
 from mooncake_ep._handshake import RankMismatchError
 from mooncake_ep.buffer import Buffer, Handle
-from mooncake_ep.tensor import read_array
-from mooncake_ep.validation import check_array, check_grad_num_topk, check_hidden
+from mooncake_ep.validation import check_grad_num_topk, check_hidden
 
 __all__ = ["dispatch", "combine", "grad_buffer_size_hint", "DispatchFunction", "CombineFunction"]
 
@@ -204,7 +203,10 @@ class DispatchFunction(torch.autograd.Function):
             where = "mooncake_ep.torch.dispatch"
             # x as the dispatch checks it, before its hidden size is read and agreed on (a 1-D x raised
             # a bare IndexError; a float32 one was agreed on, then refused: helper-120).
-            check_array(where, "x", read_array(x, name=f"{where}: x"), dtypes=("bfloat16",), ndim=2)
+            if x.dtype != torch.bfloat16:
+                raise TypeError(f"{where}: x must be bfloat16, got {str(x.dtype).removeprefix('torch.')}")
+            if x.dim() != 2:
+                raise ValueError(f"{where}: x must be 2-dimensional, got shape {tuple(x.shape)}")
             hidden = check_hidden(where, "x.shape[1] (hidden)", x.shape[1])
             buffer._agree_ahead(num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8=True,
                                 round_scale=False, use_ue8m0=False, where=where)
