@@ -82,12 +82,14 @@ def _check_rank(where: str, rank: Any, world_size: Any) -> tuple[int, int]:
 
 
 def _check_timeout(where: str, timeout_s: Any) -> float:
-    """Seconds > 0; ``math.inf`` waits forever (so does anything from 1e8 s on, see :func:`_wait_arg`)."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+    """Seconds > 0, as a float (a numpy scalar too, as every integer argument takes numpy's);
+    ``math.inf`` waits forever (so does anything from 1e8 s on, see :func:`_wait_arg`)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):  # numpy's bool is no Real
         raise TypeError(f"{where}: timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+    timeout_s = float(timeout_s)
     if not timeout_s > 0:  # also refuses NaN
         raise ValueError(f"{where}: timeout_s must be > 0 seconds (math.inf waits forever), got {timeout_s}")
-    return float(timeout_s)
+    return timeout_s
 
 
 # Waits at least this long are forever: socket and lock timeouts overflow a little above 1e9 s.

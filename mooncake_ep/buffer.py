@@ -987,7 +987,10 @@ class Buffer:
         peers' workspaces, then (barrier) frees its own: CUDA requires that no peer still maps it.
         Ranks of one process free after one barrier, and return after another, all of them freed.
         A Buffer dropped without destroy() is released when garbage-collected, without waiting
-        for the peers (no collective can run there): destroy() on every rank is the safe way.
+        for the peers (no collective can run there): destroy() on every rank is the safe way. One
+        a JAX op has used is not collected while JAX's caches hold the programs traced with it
+        (they may replay its launches without calling back): free it with
+        ``mooncake_ep.jax.destroy_buffers``, which also clears those caches.
         """
         self._destroyed = True
         try:

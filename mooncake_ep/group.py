@@ -809,8 +809,10 @@ class LocalGroup:
                                  f"{num_ranks}), got {len(devices)}: {list(devices)}")
             devices = tuple(_check_int("LocalGroup", f"devices[{i}]", d, 0) for i, d in enumerate(devices))
         self.devices: tuple[int, ...] | None = devices
-        self.timeout_s = _check_timeout("LocalGroup", timeout_s)
-        self._active_timeout_s = self.timeout_s
+        self._timeout_s = _check_timeout("LocalGroup", timeout_s)
+        # What the collectives wait: timeout_s, or a running spawn's own (spawn(timeout_s=...)).
+        self._active_timeout_s = self._timeout_s
+        self._spawn_timeout_s: float | None = None
         self._barrier = threading.Barrier(num_ranks)
         self._slots: list[list[Any]] = [[None] * num_ranks, [None] * num_ranks]
         self._arrivals = [0] * num_ranks  # collectives each rank has entered
@@ -838,6 +840,18 @@ class LocalGroup:
         rank, _ = _check_rank("LocalGroup.rank_group", rank, self.num_ranks)
         return self._rank_groups[rank]
 
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a collective waits for its peers (math.inf = forever); set it to change that for the
+        collectives from now on, inside or outside :meth:`spawn` (but for a spawn given its own)."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_s = _check_timeout("LocalGroup.timeout_s", value)
+        if self._spawn_timeout_s is None:
+            self._active_timeout_s = self._timeout_s
+
     def spawn(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
         """Run ``fn(rank_group, *args)`` on one thread per rank; return the results in rank order.
 
@@ -862,12 +876,15 @@ class LocalGroup:
         """
         if not callable(fn):
             raise TypeError(f"LocalGroup.spawn: fn must be callable, got {type(fn).__name__}")
-        timeout = self.timeout_s if timeout_s is None else _check_timeout("LocalGroup.spawn", timeout_s)
+        own_timeout = None if timeout_s is None else _check_timeout("LocalGroup.spawn", timeout_s)
         if not self._spawn_lock.acquire(blocking=False):
             raise GroupError("LocalGroup.spawn: another spawn of this LocalGroup is running")
         try:
-            return self._spawn(fn, args, timeout)
+            self._spawn_timeout_s = own_timeout
+            return self._spawn(fn, args, self._timeout_s if own_timeout is None else own_timeout)
         finally:
+            self._spawn_timeout_s = None
+            self._active_timeout_s = self._timeout_s
             self._spawn_lock.release()
 
     def _spawn(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> list[Any]:
@@ -905,17 +922,23 @@ class LocalGroup:
 
         self._threads = [threading.Thread(target=run, args=(r,), name=f"mooncake_ep-rank{r}", daemon=True)
                          for r in range(n)]
-        for thread in self._threads:
-            thread.start()
-        with done:
-            try:
+        try:
+            # Inside: a start that fails (no more threads) or a KeyboardInterrupt between two starts
+            # must release the ranks already started as well (they waited out timeout_s).
+            for thread in self._threads:
+                thread.start()
+            with done:
                 done.wait_for(lambda: num_done == n or self._failure is not None)
                 # After a failure the others are released from their collectives; give them the
                 # timeout to get out of whatever else they are doing.
                 done.wait_for(lambda: num_done == n, timeout=_wait_arg(timeout))
-            except BaseException:  # KeyboardInterrupt: release the ranks, then propagate
-                self._barrier.abort()
-                raise
+        except BaseException as exc:  # release the ranks, saying why, then propagate
+            with self._state_lock:
+                if self._break_reason is None:
+                    self._break_reason = (f"LocalGroup.spawn stopped in its calling thread: {type(exc).__name__}"
+                                          + (f": {exc}" if str(exc) else ""))
+            self._barrier.abort()
+            raise
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if not failed:
             return results

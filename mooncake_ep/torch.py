@@ -150,6 +150,10 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     # no_grad records no backward, so a Parameter among the inputs needs no grad_buffer there.
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(topk_weights)):
         grad_num_topk = _check_grad_buffer(buffer, grad_buffer, handle, grad_num_topk)
+        if _requires_grad(topk_weights) and x.is_inference():  # before the collective: saving x fails after it
+            raise RuntimeError("mooncake_ep.torch.combine: x was made under torch.inference_mode, and the gradient "
+                               "of topk_weights reads it in the backward, which torch cannot save; clone it outside "
+                               "inference mode (x.clone())")
     return CombineFunction.apply(x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, grad_num_topk,
                                  timeout_us)
 
@@ -227,6 +231,7 @@ class DispatchFunction(torch.autograd.Function):
         return recv_x, recv_count, handle
 
     @staticmethod
+    @torch.compiler.disable  # compiled autograd traces backwards too: the library's calls stay opaque
     @_refuse_create_graph("dispatch")
     def backward(ctx, grad_recv_x, grad_recv_count, grad_handle):
         if grad_recv_x is None:
@@ -256,11 +261,9 @@ class CombineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, topk_idx, active_ranks, handle, buffer, grad_buffer, grad_num_topk, timeout_us):
-        need_w = ctx.needs_input_grad[1]  # grad_w reads the forward's expert outputs
-        if need_w and x.is_inference():  # refused before the collective: saving it would fail after it
-            raise RuntimeError("mooncake_ep.torch.combine: x was made under torch.inference_mode, and the gradient of "
-                               "topk_weights reads it in the backward, which torch cannot save; clone it outside "
-                               "inference mode (x.clone())")
+        # grad_w reads the forward's expert outputs. needs_input_grad ignores grad mode: under no_grad
+        # nothing is recorded, and an inference-mode x (refused by combine() where grad is on) is not kept.
+        need_w = ctx.needs_input_grad[1] and not x.is_inference()
         if isinstance(grad_buffer, Buffer) and topk_idx.is_cuda and isinstance(handle, Handle):
             # The backward's dispatch on grad_buffer: agreed now, while every rank is alive (on every rank
             # that passes grad_buffer, whatever it records: the condition must be the same everywhere).
@@ -289,6 +292,7 @@ class CombineFunction(torch.autograd.Function):
         return combined
 
     @staticmethod
+    @torch.compiler.disable
     @_refuse_create_graph("combine")
     def backward(ctx, grad_y):
         expert_out, topk_idx, topk_weights, dispatched_idx = ctx.saved_tensors

@@ -6,6 +6,7 @@ CPU only. Timeouts here are short but only bound failures; no assertion is about
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -145,6 +146,61 @@ def test_local_timeout_names_missing_rank():
 
     with pytest.raises(GroupError, match=r"barrier #0 .*timed out after .* ranks \[1\] of 3"):
         LocalGroup(3).spawn(body, timeout_s=0.2)
+
+
+def test_a_spawn_that_fails_to_start_its_threads_releases_the_ranks_it_started(monkeypatch):
+    """A thread start that fails (no more threads), or a KeyboardInterrupt between two starts: the ranks
+    already started waited in their collective for timeout_s (here forever), and the group refused
+    every later spawn (helper-122). They are released, told why, and the group spawns again."""
+    group = LocalGroup(4, timeout_s=math.inf)
+    seen = []
+    start = threading.Thread.start
+    started = []
+
+    def start_two(thread):
+        if len(started) == 2:
+            raise RuntimeError("can't start new thread")
+        started.append(thread)
+        start(thread)
+
+    def body(g):
+        try:
+            g.barrier()
+        except GroupError as exc:
+            seen.append(str(exc))
+            raise
+
+    monkeypatch.setattr(threading.Thread, "start", start_two)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        group.spawn(body)
+    monkeypatch.undo()
+    for thread in started:
+        thread.join(SHORT_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in started), "a started rank was never released"
+    assert len(seen) == 2 and all("LocalGroup.spawn stopped in its calling thread: RuntimeError: can't start new "
+                                  "thread" in message for message in seen), seen
+    assert group.spawn(lambda g: g.allgather_bytes(bytes([g.rank]))) == [[b"\0", b"\1", b"\2", b"\3"]] * 4
+
+
+def test_local_timeout_s_is_checked_and_applies_from_now_on():
+    """A plain attribute before: any value was taken, and read only at the next spawn, so ranks driven
+    outside spawn (JAX's make_buffers drives them so) kept the old timeout (helper-122)."""
+    group = LocalGroup(2, timeout_s=math.inf)
+    for bad, error in ((float("nan"), ValueError), (0, ValueError), (-1.0, ValueError), ("5", TypeError),
+                       (True, TypeError)):
+        with pytest.raises(error, match=r"^LocalGroup.timeout_s: timeout_s must be"):
+            group.timeout_s = bad
+    assert group.timeout_s == math.inf
+    group.timeout_s = np.float32(0.25)  # numpy scalars as every integer argument takes numpy's
+    assert group.timeout_s == 0.25 and type(group.timeout_s) is float
+    errors = []
+    alone = threading.Thread(target=lambda: errors.append(_threads.call_or_error(group.rank_group(0).barrier)))
+    alone.start()
+    alone.join(SHORT_TIMEOUT_S)
+    assert not alone.is_alive(), "a barrier outside spawn kept the timeout of before"
+    assert isinstance(errors[0], GroupError) and "timed out after 0.25 s waiting for ranks [1]" in str(errors[0])
+    # A spawn's own timeout_s is not overridden by the group's meanwhile, and the group's comes back after it.
+    assert LocalGroup(1, timeout_s=np.int64(30)).spawn(lambda g: g.barrier(), timeout_s=np.float32(1.5)) == [None]
 
 
 def test_local_mismatched_collectives_are_refused():

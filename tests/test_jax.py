@@ -465,31 +465,37 @@ def test_a_program_sharded_over_devices_outside_shard_map_is_refused_when_lowere
 
 
 @pytest.mark.parametrize("form", ["dispatch", "dispatch_send"])
-def test_a_buffer_used_by_eager_ops_is_released_when_dropped(form):
-    """The eager ops' compiled programs (and JAX's caches) keep their static configuration for good:
-    it holds the Buffers weakly, so a Buffer dropped without destroy() is still garbage-collected, as
-    Buffer.destroy's docstring promises (helper-118: it was kept until jax.clear_caches())."""
+def test_a_buffer_used_by_eager_ops_lives_until_destroy_buffers(form):
+    """JAX's caches keep the programs traced with a Buffer, which may replay its launches without
+    calling back: the Buffer lives while they do (held weakly, it was collected under a cached program,
+    helper-121), and destroy_buffers, which clears them, releases it."""
     import gc
     import weakref
 
     case = make_case(21, num_ranks=1)
-
-    def rank_fn(group):
-        buffer = reference_buffer(group, case)
-        x, topk, active = (jnp.asarray(a[0]) for a in (case.xs, case.topk_idxs, case.actives))
-        result = getattr(epj, form)(buffer, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)
-        jax.block_until_ready(jax.tree_util.tree_leaves(result))
-        if form == "dispatch_send":
-            jax.block_until_ready(jax.tree_util.tree_leaves(epj.dispatch_recv([result])))
-        ranks = jax_args.Ranks(buffer)
-        return weakref.ref(buffer), ranks
-
-    (buffer_ref, ranks), = spawn(1, rank_fn)
+    buffers = epj.make_buffers(cpu_devices(1), case.size_hint)
+    (buffer,) = buffers.values()
+    x, topk, active = (jnp.asarray(a[0]) for a in (case.xs, case.topk_idxs, case.actives))
+    result = getattr(epj, form)(buffer, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)
+    if form == "dispatch_send":
+        result = epj.dispatch_recv([result])
+    jax.block_until_ready(jax.tree_util.tree_leaves(result))
+    held = weakref.ref(buffer)
+    del buffer, result
     gc.collect()
-    assert buffer_ref() is None, "an eager op's program kept the Buffer alive"
-    assert repr(ranks) == "Ranks(one Buffer)"  # printed in JAX's errors: never raises
-    with pytest.raises(RuntimeError, match="a Buffer this program was traced with was garbage-collected"):
-        ranks.single
+    assert held() is not None, "collected while JAX's caches hold programs traced with it"
+    epj.destroy_buffers(buffers)
+    del buffers
+    gc.collect()
+    assert held() is None, "destroy_buffers left the Buffer alive"
+
+
+def test_a_numpy_masked_array_is_refused_by_name():
+    """JAX's own refusal named neither the call nor the argument."""
+    case, buffer, (x, topk, active) = one_rank()
+    masked = np.ma.masked_array(np.asarray(topk), mask=np.zeros(topk.shape, bool))
+    with pytest.raises(TypeError, match=r"^mooncake_ep.jax.dispatch: topk_idx is a numpy masked array"):
+        epj.dispatch(buffer, x, masked, active, case.num_max_tokens, case.num_experts, use_fp8=False)
 
 
 @pytest.mark.parametrize("form", ["dispatch", "dispatch_send"])

@@ -343,13 +343,24 @@ def test_a_moe_layer_trains_like_the_dense_layer():
         torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0, msg=f"grad {name}")
 
 
-def test_under_torch_compile_the_calls_are_opaque_steps_with_eager_results():
-    """Dynamo traced into the library's host code and failed on its numpy (helper-120): the calls are
-    excluded from compilation, and a compiled layer's output and gradients equal the eager layer's."""
-    num_ranks, T, H, E, K = 2, 4, 128, 4, 2
+@pytest.mark.parametrize("num_ranks, compiled_backward", [(2, False), (1, True)],
+                         ids=["compiled-forward", "compiled-autograd"])
+def test_under_torch_compile_the_calls_are_opaque_steps_with_eager_results(num_ranks, compiled_backward):
+    """Dynamo traced into the library's host code and failed on its numpy (helper-120), and compiled
+    autograd the same from the backwards (helper-121): the calls and the backwards are excluded from
+    compilation, and a compiled layer's output and gradients equal the eager layer's. Compiled
+    autograd is one rank's: its state is the process's, and two rank threads would nest it."""
+    import contextlib
+
+    from torch._dynamo import compiled_autograd
+
+    T, H, E, K = 4, 128, 4, 2
     xs, topks, weights = make_inputs(5, num_ranks, T, H, E, K)
     expert_weights = torch.from_numpy(np.random.default_rng(6).standard_normal((E // num_ranks, H, H))
                                       .astype(np.float32)) / H**0.5
+    # torch's switch for compiled autograd is private (its own tests use _enable).
+    backward_context = ((lambda: compiled_autograd._enable(torch.compile(backend="aot_eager")))
+                        if compiled_backward else contextlib.nullcontext)
 
     def rank_fn(group):
         r = group.rank
@@ -363,11 +374,13 @@ def test_under_torch_compile_the_calls_are_opaque_steps_with_eager_results():
             return ept.combine(buffer, y, topks[r], w, active, handle, grad_buffer=grad_buffer)
 
         results = []
-        for run in (layer, torch.compile(layer, backend="aot_eager")):
+        for run, context in ((layer, contextlib.nullcontext),
+                             (torch.compile(layer, backend="aot_eager"), backward_context)):
             x, w = xs[r].clone().requires_grad_(), weights[r].clone().requires_grad_()
             mine.grad = None
-            out = run(x, w)
-            (out.float() ** 2).sum().backward()
+            with context():
+                out = run(x, w)
+                (out.float() ** 2).sum().backward()
             results.append((out.detach(), x.grad, w.grad, mine.grad))
         return results
 
@@ -396,12 +409,18 @@ def test_a_dispatch_under_inference_mode_feeds_a_trained_combine():
             (out.float() ** 2).sum().backward()
             grads.append((y.grad, w.grad))
         # The expert outputs as inference tensors, and topk_weights needing their gradient: refused
-        # before the combine's collective, on both ranks alike.
+        # before the combine's collective, on both ranks alike; where no graph is recorded (no_grad,
+        # inference_mode: an evaluation) the same call runs (helper-121: it had been refused there too).
+        w = weights[r].clone().requires_grad_()
         with torch.inference_mode():
             recv, _, handle = ept.dispatch(buffer, xs[r], topks[r], active, T, E)
         with pytest.raises(RuntimeError, match=r"^mooncake_ep.torch.combine: x was made under torch.inference_mode"):
-            ept.combine(buffer, recv, topks[r], weights[r].clone().requires_grad_(), active, handle,
-                        grad_buffer=grad_buffer)
+            ept.combine(buffer, recv, topks[r], w, active, handle, grad_buffer=grad_buffer)
+        for evaluation in (torch.no_grad, torch.inference_mode):
+            with torch.inference_mode():
+                recv, _, handle = ept.dispatch(buffer, xs[r], topks[r], active, T, E)
+            with evaluation():
+                ept.combine(buffer, recv * 2, topks[r], w, active, handle)
         return grads
 
     for frozen, plain in ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,62 +26,28 @@ DLPACK_CPU, DLPACK_CUDA = 1, 2
 # --- which Buffer runs where ------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
 class Ranks:
     """The Buffer an op runs on: one Buffer, or one per JAX device (``shard_map``).
 
-    Part of every op's static configuration, which JAX keeps in its compilation caches (and the
-    eager ops' programs in ours) for as long as the process lives: so it holds its Buffers by weak
-    reference, and a Buffer dropped without ``destroy()`` is still released when garbage-collected,
-    as the Buffer promises. A program run after that refuses it by name. Compared and hashed by the
-    Buffers' identities, as the Buffers themselves are.
+    Part of every op's static configuration, which JAX keeps in its compilation caches with the
+    programs traced from it: so a Buffer a JAX op has used lives as long as those programs are cached
+    (until ``jax.clear_caches()``, which :func:`mooncake_ep.jax.destroy_buffers` calls), even dropped
+    without ``destroy()``. Held weakly, it was released by the garbage collector while a cached
+    program could still replay its launches from a command buffer, without calling back, on the
+    freed workspace (helper-121): a leak until destroy_buffers is the safe side of that.
 
     Attributes:
         single: the Buffer when one was given, else None.
         by_device: ``((dlpack_device_type, device_id), Buffer)`` pairs of a per-device mapping.
     """
 
-    __slots__ = ("_single", "_by_device", "_hash")
-
-    def __init__(self, single: Buffer | None, by_device: tuple[tuple[tuple[int, int], Buffer], ...] = ()) -> None:
-        self._single = None if single is None else weakref.ref(single)
-        self._by_device = tuple((key, weakref.ref(buffer)) for key, buffer in by_device)
-        # Hashed now, while every Buffer lives: a weak reference hashes its referent's hash, and
-        # cannot once the referent is gone.
-        self._hash = hash((self._single, self._by_device))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Ranks):
-            return NotImplemented
-        return self._single == other._single and self._by_device == other._by_device
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __repr__(self) -> str:  # never raises: a program's static arguments are printed in JAX's errors
-        if self._single is not None:
-            return "Ranks(one Buffer)"
-        return f"Ranks(a mapping over {len(self._by_device)} devices)"
-
-    @staticmethod
-    def _live(ref: weakref.ref) -> Buffer:
-        buffer = ref()
-        if buffer is None:
-            raise RuntimeError("mooncake_ep.jax: a Buffer this program was traced with was garbage-collected; keep "
-                               "the Buffers alive while their programs run (and destroy() them when done)")
-        return buffer
-
-    @property
-    def single(self) -> Buffer | None:
-        return None if self._single is None else self._live(self._single)
-
-    @property
-    def by_device(self) -> tuple[tuple[tuple[int, int], Buffer], ...]:
-        return tuple((key, self._live(ref)) for key, ref in self._by_device)
+    single: Buffer | None
+    by_device: tuple[tuple[tuple[int, int], Buffer], ...] = ()
 
     @property
     def buffers(self) -> tuple[Buffer, ...]:
-        single = self.single
-        return (single,) if single is not None else tuple(b for _, b in self.by_device)
+        return (self.single,) if self.single is not None else tuple(b for _, b in self.by_device)
 
     @property
     def first(self) -> Buffer:
@@ -242,6 +207,9 @@ def as_jax(where: str, name: str, value):
     if isinstance(value, jax.Array):
         return value
     if isinstance(value, (np.ndarray, np.generic)):
+        if isinstance(value, np.ma.MaskedArray):  # as read_array refuses it; JAX's refusal names nothing
+            raise TypeError(f"{where}: {name} is a numpy masked array, whose mask the call would ignore; pass the "
+                            f"values to use (np.ma.filled(array, fill_value))")
         if not value.dtype.isnative:  # JAX's own refusal names neither the call nor the argument
             raise TypeError(f"{where}: {name} is a byte-swapped numpy array ({value.dtype.str}); pass native byte "
                             f"order, e.g. {name}.astype({name}.dtype.newbyteorder('='))")
