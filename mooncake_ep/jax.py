@@ -559,7 +559,7 @@ def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_to
     parity = jax_args.check_parity(where, parity)
     options = dict(timeout_us=timeout_us, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                    parity=parity, command_buffer_compatible=command_buffer_compatible)
-    # The Buffer as Ranks: static arguments stay in JAX's caches, which must not keep it alive.
+    # The Buffer as Ranks, as the fused ops' static configuration holds it.
     static = (ranks, num_max_dispatch_tokens_per_rank, num_experts, tuple(sorted(options.items())))
     return _bind(where, _dispatch_send, static, *arrays)
 

@@ -232,7 +232,7 @@ def _shapes(specs) -> list:
 def _call(where: str, callback, specs, operands: Sequence, aliases: dict[int, int], command_buffer_compatible: bool,
           has_side_effect: bool = False):
     """One ``buffer_callback`` launch of ``callback`` with result ``specs``; vmap refused by name, and
-    outside ``shard_map`` a program of several devices refused when it is lowered (:func:`_one_device`)."""
+    outside ``shard_map`` a program of several devices refused when it is lowered (:func:`_one_device_primitive`)."""
     from jax.custom_batching import custom_vmap
     from jax.experimental.buffer_callback import buffer_callback
 
