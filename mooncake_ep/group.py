@@ -810,9 +810,7 @@ class LocalGroup:
             devices = tuple(_check_int("LocalGroup", f"devices[{i}]", d, 0) for i, d in enumerate(devices))
         self.devices: tuple[int, ...] | None = devices
         self._timeout_s = _check_timeout("LocalGroup", timeout_s)
-        # What the collectives wait: timeout_s, or a running spawn's own (spawn(timeout_s=...)).
-        self._active_timeout_s = self._timeout_s
-        self._spawn_timeout_s: float | None = None
+        self._spawn_timeout_s: float | None = None  # a running spawn's own (spawn(timeout_s=...))
         self._barrier = threading.Barrier(num_ranks)
         self._slots: list[list[Any]] = [[None] * num_ranks, [None] * num_ranks]
         self._arrivals = [0] * num_ranks  # collectives each rank has entered
@@ -849,8 +847,11 @@ class LocalGroup:
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
         self._timeout_s = _check_timeout("LocalGroup.timeout_s", value)
-        if self._spawn_timeout_s is None:
-            self._active_timeout_s = self._timeout_s
+
+    @property
+    def _active_timeout_s(self) -> float:
+        """What the collectives wait: a running spawn's own timeout_s, else the group's."""
+        return self._timeout_s if self._spawn_timeout_s is None else self._spawn_timeout_s
 
     def spawn(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
         """Run ``fn(rank_group, *args)`` on one thread per rank; return the results in rank order.
@@ -881,10 +882,9 @@ class LocalGroup:
             raise GroupError("LocalGroup.spawn: another spawn of this LocalGroup is running")
         try:
             self._spawn_timeout_s = own_timeout
-            return self._spawn(fn, args, self._timeout_s if own_timeout is None else own_timeout)
+            return self._spawn(fn, args, self._active_timeout_s)
         finally:
             self._spawn_timeout_s = None
-            self._active_timeout_s = self._timeout_s
             self._spawn_lock.release()
 
     def _spawn(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> list[Any]:
@@ -892,7 +892,7 @@ class LocalGroup:
         if stuck:
             raise GroupError(f"LocalGroup.spawn: threads of an earlier spawn are still running {stuck}; "
                              f"make a new LocalGroup")
-        self._reset(timeout)
+        self._reset()
         if self.devices is not None:
             self._make_streams()
         n = self.num_ranks
@@ -985,9 +985,8 @@ class LocalGroup:
                     streams[rank] = cupy.cuda.Stream(non_blocking=True)
         _kept_streams.extend(self._comm_streams)
 
-    def _reset(self, timeout: float) -> None:
+    def _reset(self) -> None:
         """Fresh collective state for a new spawn (a failed spawn leaves the barrier broken)."""
-        self._active_timeout_s = timeout
         self._barrier = threading.Barrier(self.num_ranks)
         self._slots = [[None] * self.num_ranks, [None] * self.num_ranks]
         self._arrivals = [0] * self.num_ranks

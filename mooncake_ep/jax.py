@@ -550,8 +550,7 @@ def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_to
     arrays = tuple(jax_args.as_jax(where, name, value) for name, value in
                    (("x", x), ("topk_idx", topk_idx), ("active_ranks", active_ranks)))
     # As the fused op's: one device's arrays, of a device the Buffer serves (XLA's own errors name args[i]).
-    ranks = jax_args.Ranks(buffer)
-    jax_args.check_devices(where, ranks, x=arrays[0], topk_idx=arrays[1], active_ranks=arrays[2])
+    jax_args.check_devices(where, jax_args.Ranks(buffer), x=arrays[0], topk_idx=arrays[1], active_ranks=arrays[2])
     num_experts = check_experts(where, num_experts, buffer.num_ranks)
     jax_args.check_eager_expert_ids(where, arrays[1], num_experts, num_max_dispatch_tokens_per_rank)
     check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
@@ -559,16 +558,15 @@ def dispatch_send(buffer: Buffer, x, topk_idx, active_ranks, num_max_dispatch_to
     parity = jax_args.check_parity(where, parity)
     options = dict(timeout_us=timeout_us, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                    parity=parity, command_buffer_compatible=command_buffer_compatible)
-    # The Buffer as Ranks, as the fused ops' static configuration holds it.
-    static = (ranks, num_max_dispatch_tokens_per_rank, num_experts, tuple(sorted(options.items())))
+    static = (buffer, num_max_dispatch_tokens_per_rank, num_experts, tuple(sorted(options.items())))
     return _bind(where, _dispatch_send, static, *arrays)
 
 
 @_no_gradient("dispatch_send")
 def _dispatch_send(static, x, topk_idx, active_ranks):
-    ranks, num_max_tokens, num_experts, options = static
-    return jax_split.dispatch_send("mooncake_ep.jax.dispatch_send", ranks.single, x, topk_idx, active_ranks,
-                                 num_max_tokens, num_experts, **dict(options))
+    buffer, num_max_tokens, num_experts, options = static
+    return jax_split.dispatch_send("mooncake_ep.jax.dispatch_send", buffer, x, topk_idx, active_ranks, num_max_tokens,
+                                 num_experts, **dict(options))
 
 
 def dispatch_recv(pending: Sequence[PendingDispatch]) -> list:
@@ -613,14 +611,14 @@ def combine_send(buffer: Buffer, x, topk_idx, topk_weights, active_ranks, handle
     check_flags(where, renormalize=renormalize)
     timeout_us = _checked_options(where, timeout_us, command_buffer_compatible)
     options = dict(timeout_us=timeout_us, renormalize=renormalize, command_buffer_compatible=command_buffer_compatible)
-    return _bind(where, _combine_send, (ranks, tuple(sorted(options.items()))), *arrays, handle)
+    return _bind(where, _combine_send, (buffer, tuple(sorted(options.items()))), *arrays, handle)
 
 
 @_no_gradient("combine_send")
 def _combine_send(static, x, topk_idx, topk_weights, active_ranks, handle):
-    ranks, options = static
-    return jax_split.combine_send("mooncake_ep.jax.combine_send", ranks.single, x, topk_idx, topk_weights,
-                                active_ranks, handle, **dict(options))
+    buffer, options = static
+    return jax_split.combine_send("mooncake_ep.jax.combine_send", buffer, x, topk_idx, topk_weights, active_ranks,
+                                handle, **dict(options))
 
 
 def combine_recv(pending: Sequence[PendingCombine]) -> list:

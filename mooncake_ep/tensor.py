@@ -59,6 +59,7 @@ __all__ = [
     "read_array",
     "c_contiguous_strides",
     "swapped_last_axes_strides",
+    "masked_array_error",
     "numpy_dtype",
 ]
 
@@ -553,11 +554,15 @@ def _reader_of(kind: type) -> Callable[[Any, str, int | None], ArrayView | None]
     return _no_fast_path
 
 
+def masked_array_error(name: str) -> TypeError:
+    """The refusal of a numpy masked array: its data would be read as it is, masked entries included (an
+    expert id, a NaN weight), since the mask is no part of the memory (the JAX front raises it too)."""
+    return TypeError(f"{name} is a numpy masked array, whose mask the call would ignore; pass the values to use "
+                     f"(np.ma.filled(array, fill_value))")
+
+
 def _refuse_masked(obj: Any, name: str, stream: int | None) -> None:
-    """A numpy masked array: its data would be read as it is, masked entries included (an expert id, a
-    NaN weight), since the mask is no part of the memory; refused, never read."""
-    raise TypeError(f"{name} is a numpy masked array, whose mask the call would ignore; pass the values to use "
-                    f"(np.ma.filled(array, fill_value))")
+    raise masked_array_error(name)
 
 
 # The framework of the arrays a reader serves, also when they go through DLPack.

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_ep.buffer import Buffer
-from mooncake_ep.tensor import c_contiguous_strides, numpy_dtype, read_array
+from mooncake_ep.tensor import c_contiguous_strides, masked_array_error, numpy_dtype, read_array
 from mooncake_ep.validation import check_expert_ids, check_same_routing, first_index
 
 __all__ = ["Ranks", "as_ranks", "abstract_view", "as_jax", "check_devices", "check_parity", "manual_axes",
@@ -208,8 +208,7 @@ def as_jax(where: str, name: str, value):
         return value
     if isinstance(value, (np.ndarray, np.generic)):
         if isinstance(value, np.ma.MaskedArray):  # as read_array refuses it; JAX's refusal names nothing
-            raise TypeError(f"{where}: {name} is a numpy masked array, whose mask the call would ignore; pass the "
-                            f"values to use (np.ma.filled(array, fill_value))")
+            raise masked_array_error(f"{where}: {name}")
         if not value.dtype.isnative:  # JAX's own refusal names neither the call nor the argument
             raise TypeError(f"{where}: {name} is a byte-swapped numpy array ({value.dtype.str}); pass native byte "
                             f"order, e.g. {name}.astype({name}.dtype.newbyteorder('='))")
