@@ -159,7 +159,7 @@ class TorchGroup:
                              "group on the ranks of the process group only")
         self.world_size = dist.get_world_size(process_group)
         self.device = _check_device("TorchGroup", device)
-        self.timeout_s = _check_timeout("TorchGroup", timeout_s)
+        self._timeout_s = _check_timeout("TorchGroup", timeout_s)
         self.backend = str(dist.get_backend(process_group))
         self.collective_device = (self._backend_device() if collective_device is None
                                   else collective_device)
@@ -168,6 +168,16 @@ class TorchGroup:
     def __repr__(self) -> str:
         return (f"TorchGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
                 f"collective_device={self.collective_device})")
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a gloo barrier waits for its peers (math.inf = forever); set it to change that for
+        the barriers from now on."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_s = _check_timeout("TorchGroup.timeout_s", value)
 
     def _backend_device(self) -> Any:
         import torch

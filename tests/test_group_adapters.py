@@ -132,6 +132,10 @@ TORCH_WORKER = textwrap.dedent("""
     if rank == 2:
         store.wait(["barrier_done"])
     else:
+        try:
+            group.timeout_s = float("nan")
+        except ValueError as exc:
+            out["bad_timeout"] = [str(exc), group.timeout_s]
         group.timeout_s = float(sys.argv[3])
         try:
             group.barrier()
@@ -168,6 +172,9 @@ def test_torch_gloo_three_processes():
         assert "torch TCPStore" in message
         assert out[rank]["barrier_timeout"].startswith(f"barrier #1 on rank {rank}: torch.distributed barrier (gloo)")
         assert "broken by an earlier failure" in out[rank]["after_failure"]
+        # A refused timeout leaves the previous one.
+        assert out[rank]["bad_timeout"] == ["TorchGroup.timeout_s: timeout_s must be > 0 seconds (math.inf waits "
+                                            "forever), got nan", 30.0], out[rank]["bad_timeout"]
     assert "Ranks 2 failed to pass monitoredBarrier" in out[0]["barrier_timeout"]
 
 
