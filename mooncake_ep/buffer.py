@@ -24,8 +24,9 @@ import numpy as np
 from mooncake_ep import _constants, _handshake, frameworks, layout, reference
 from mooncake_ep._handshake import CONFIGURATION_FIELDS
 from mooncake_ep._reference_backend import ReferenceBackend
+from mooncake_ep.group import init_group
 from mooncake_ep.tensor import (ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array, same_stream,
-                                 swapped_last_axes_strides)
+                                swapped_last_axes_strides)
 from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_allocatable, check_array, check_disjoint,
                                     check_element_aligned, check_expert_ids, check_experts, check_flags, check_hidden,
                                     check_int, check_mutable, check_out, check_same_routing, check_timeout,
@@ -121,7 +122,9 @@ class Buffer:
     """A communication buffer for low-latency (decode) expert-parallel dispatch and combine.
 
     Args:
-        group: the ranks (:class:`mooncake_ep.LocalGroup` rank, or :func:`mooncake_ep.init_group`).
+        group: the ranks (:class:`mooncake_ep.LocalGroup` rank, or :func:`mooncake_ep.init_group`); a
+            torch ``ProcessGroup`` or an mpi4py communicator, as Mooncake EP's Buffer takes, is wrapped
+            by ``init_group(group)`` (:attr:`group` is then that wrapper).
         num_ep_buffer_bytes: bytes of this rank's workspace; at least
             :meth:`get_ep_buffer_size_hint` for every configuration used.
         num_sms: blocks (one per SM) of each kernel launch; default: the device's SMs shared evenly
@@ -167,10 +170,18 @@ class Buffer:
 
     def __init__(self, group, num_ep_buffer_bytes: int, *, num_sms: int | None = None, backend: str = "auto",
                  kernel_cache_dir: str | None = None):
-        for attribute in ("rank", "world_size", "allgather_bytes", "barrier"):
-            if not hasattr(group, attribute):
-                raise TypeError(f"Buffer: group must provide rank, world_size, allgather_bytes and barrier; "
-                                f"{type(group).__name__} has no {attribute!r}")
+        missing = [name for name in ("rank", "world_size", "allgather_bytes", "barrier") if not hasattr(group, name)]
+        if missing and group is not None and not isinstance(group, str):
+            # Mooncake EP's and DeepEP's Buffer take a torch ProcessGroup: wrapped as init_group(group)
+            # would (an mpi4py communicator too), so that their callers' one line stays one line.
+            try:
+                group, missing = init_group(group), []
+            except TypeError:
+                pass
+        if missing:
+            raise TypeError(f"Buffer: group must be a mooncake_ep group (init_group(), LocalGroup) or what "
+                            f"init_group() takes (a torch ProcessGroup, an mpi4py communicator); "
+                            f"{type(group).__name__} has no {missing[0]!r}")
         # Every configuration's regions come after the header (flags, step counters, route table),
         # which the CUDA backend reads and writes at construction.
         check_int("Buffer", "num_ep_buffer_bytes", num_ep_buffer_bytes, minimum=layout.header_bytes())
@@ -236,6 +247,11 @@ class Buffer:
         # (T, hidden, num_experts, fp8 flags) this rank launched (in-process) or agreed on (processes)
         self._claimed_configurations: set[tuple] = set()
         self._num_launched_calls = 0
+
+    @property
+    def group_size(self) -> int:
+        """The number of ranks, as Mooncake EP's and DeepEP's Buffer name it (:attr:`num_ranks`)."""
+        return self.num_ranks
 
     def _choose_device(self) -> int:
         device_id = getattr(self.group, "device", None)

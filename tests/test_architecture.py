@@ -20,9 +20,10 @@ PACKAGE = Path(mooncake_ep.__file__).parent
 TRANSPORT = Path(mooncake_ep.transport.__file__).parent
 FRAMEWORK_GLUE = PACKAGE / "frameworks"
 FRAMEWORKS = {"torch", "jax", "jaxlib", "cupy"}
-# The public per-framework modules (import mooncake_ep.jax / mooncake_ep.torch): a user imports them for
-# their framework, so they import it at module level; nothing else in the package imports them.
-FRAMEWORK_FRONTS = {"jax.py": {"jax", "jaxlib"}, "torch.py": {"torch"}}
+# The public per-framework modules (import mooncake_ep.jax / mooncake_ep.torch, and DeepEP's torch API
+# mooncake_ep.deep_ep): a user imports them for their framework, so they import it at module level;
+# nothing else in the package imports them.
+FRAMEWORK_FRONTS = {"jax.py": {"jax", "jaxlib"}, "torch.py": {"torch"}, "deep_ep.py": {"torch"}}
 
 # module file -> package modules it must never import (at any level), and whether it may import
 # GPU/framework libraries at module level.
@@ -39,6 +40,7 @@ NEVER = {
     # The framework fronts reach the kernels only through Buffer (and its launch entries).
     "jax.py": {"kernels", "transport", "_cuda_backend", "tensor", "_dlpack", "reference"},
     "torch.py": {"kernels", "transport", "_cuda_backend", "tensor", "_dlpack", "reference", "frameworks"},
+    "deep_ep.py": {"kernels", "transport", "_cuda_backend", "tensor", "_dlpack", "reference", "frameworks"},
 }
 # frameworks/<file> -> what it must never import: no other framework, and nothing below the Buffer.
 GLUE_NEVER = {
@@ -116,7 +118,8 @@ def test_nothing_imports_the_framework_fronts(path):
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         for name in names:
-            assert name not in ("mooncake_ep.jax", "mooncake_ep.torch"), f"{path.name} imports {name}"
+            assert name not in ("mooncake_ep.jax", "mooncake_ep.torch", "mooncake_ep.deep_ep"), \
+                f"{path.name} imports {name}"
 
 
 def test_import_needs_no_gpu_library_or_framework():

@@ -391,6 +391,50 @@ def test_torch_bad_input_is_refused_and_the_buffer_still_works():
     check(case, xs, topks, weights, FLAGS["bf16"], local_group(case).spawn(run))
 
 
+@pytest.mark.parametrize("mode", ["sync", "async_finish", "return_recv_hook"])
+def test_deep_ep_calls_with_recv_stats_equal_reference(mode):
+    """mooncake_ep.deep_ep as DeepEP's callers use it, two steps: results equal the reference, and
+    cumulative_local_expert_recv_stats grows by recv_count each step, ordered as the receive (a side
+    stream after the event with async_finish, the hook's stream with a hook)."""
+    import mooncake_ep.deep_ep as deep_ep
+
+    flags = FLAGS["fp8"]
+    case = Case(seed=5)
+    xs, topks, weights = make_inputs(case)
+    modes = dict(async_finish=mode == "async_finish", return_recv_hook=mode == "return_recv_hook")
+
+    def run(g):
+        r = g.rank
+        buffer = deep_ep.Buffer(g, 0, case.size, low_latency_mode=True, timeout_us=TIMEOUT_US, num_sms=NUM_SMS)
+        x, topk, w = to_torch(xs[r]), to_torch(topks[r]), to_torch(weights[r])
+        stats = torch.full((case.num_local_experts,), 1000 + r, dtype=torch.int32, device="cuda")
+        ready(g)
+        for _ in range(2):
+            recv, count, handle, event, hook = buffer.low_latency_dispatch(
+                x, topk, case.num_max_tokens, case.num_experts, stats, **flags, **modes)
+            if hook is not None:
+                hook()
+            event.current_stream_wait()
+            settle(g)
+            y = torch_experts(case, r, recv, flags)
+            settle(g)
+            combined, event, hook = buffer.low_latency_combine(y, topk, w, handle, **modes)
+            if hook is not None:
+                hook()
+            event.current_stream_wait()
+            settle(g)
+        result = dict(recv=tuple(to_numpy(t) for t in recv), count=to_numpy(count), y=to_numpy(y),
+                      combined=to_numpy(combined), active=to_numpy(buffer.active_ranks),
+                      stats_growth=to_numpy(stats) - (1000 + r))
+        buffer.destroy()
+        return result
+
+    results = local_group(case).spawn(run)
+    check(case, xs, topks, weights, flags, results)
+    for rank, result in enumerate(results):
+        np.testing.assert_array_equal(result["stats_growth"], 2 * result["count"], err_msg=f"rank {rank}")
+
+
 # --- cupy ---------------------------------------------------------------------------------------------
 
 

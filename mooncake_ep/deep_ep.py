@@ -1,0 +1,307 @@
+"""DeepEP's low-latency API on :class:`mooncake_ep.Buffer`: an engine written for ``deep_ep`` switches
+with one line, ``import mooncake_ep.deep_ep as deep_ep``.
+
+:class:`Buffer` takes DeepEP's constructor arguments, and its ``low_latency_*`` methods take DeepEP's
+arguments in DeepEP's order (its current one: ``cumulative_local_expert_recv_stats`` fifth in
+dispatch, ``use_logfmt`` fifth in combine) and return what DeepEP's return. torch tensors, as DeepEP::
+
+    import mooncake_ep.deep_ep as deep_ep
+
+    num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, hidden, num_ranks, num_experts)
+    buffer = deep_ep.Buffer(process_group, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
+                            num_qps_per_rank=num_experts // num_ranks)
+    recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, T, num_experts)
+    combined_x, event, hook = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+
+What differs from DeepEP:
+    - Only the low-latency mode: ``low_latency_mode=True`` is required, and the high-throughput
+      methods (``dispatch``, ``combine``, ``get_dispatch_layout``...) raise NotImplementedError.
+    - The handle is a :class:`mooncake_ep.Handle`, not a tuple of tensors; callers pass it on as
+      they do DeepEP's.
+    - The kernels measure no wait times: ``dispatch_wait_recv_cost_stats`` and
+      ``combine_wait_recv_cost_stats`` are refused, and so is ``use_logfmt`` (a LogFMT combine is
+      not built).
+    - A rank that stops is masked after ``timeout_us`` (a keyword of the constructor; DeepEP waits
+      forever, and so does the default, -1). The masks are DeepEP's mask buffer
+      (``low_latency_update_mask_buffer`` and the like) and :attr:`Buffer.active_ranks`.
+    - ``get_next_low_latency_combine_buffer(handle)`` wants the dispatch received (its hook called):
+      peers may read the buffer's previous contents until then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mooncake_ep import _constants
+from mooncake_ep.buffer import Buffer as _Buffer
+from mooncake_ep.buffer import EventOverlap, Handle
+from mooncake_ep.validation import check_int, check_timeout
+
+__all__ = ["Buffer", "EventOverlap"]
+
+# DeepEP's high-throughput API: named here so that a call says what is missing, not AttributeError.
+_HIGH_THROUGHPUT_METHODS = frozenset({
+    "capture", "get_dispatch_config", "get_combine_config", "get_dispatch_layout", "dispatch", "combine",
+    "internode_dispatch", "internode_combine", "intranode_dispatch", "intranode_combine", "get_local_buffer_tensor",
+})
+
+
+class Buffer:
+    """DeepEP's ``deep_ep.Buffer`` in low-latency mode, over a :class:`mooncake_ep.Buffer` (:attr:`runtime`).
+
+    Args:
+        group: a torch ``ProcessGroup`` (as DeepEP), or a mooncake_ep group.
+        num_nvl_bytes: DeepEP's high-throughput buffer; unused (that mode is not built).
+        num_rdma_bytes: the low-latency workspace's bytes, at least
+            :meth:`get_low_latency_rdma_size_hint` for every configuration used.
+        low_latency_mode: must be True.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy,
+            enable_shrink: DeepEP's transport settings, accepted and unused: the transport is chosen
+            from where the ranks are (one process, one host, or RDMA), :meth:`destroy` is always
+            available, and the mask buffer always works.
+        timeout_us: microseconds a kernel waits for a peer before masking it; -1 waits forever, as
+            DeepEP does.
+        num_sms, backend, kernel_cache_dir: as :class:`mooncake_ep.Buffer`'s.
+
+    Attributes:
+        rank, group_size, group: this rank, the number of ranks, and the group (a mooncake_ep group).
+        runtime: the :class:`mooncake_ep.Buffer`.
+        active_ranks: ``[group_size]`` int32 on the Buffer's device, 1 = alive, 0 = masked (by the
+            kernels after ``timeout_us``, or by :meth:`low_latency_update_mask_buffer`).
+    """
+
+    num_sms: int = 20  # DeepEP's SMs of its high-throughput kernels (set_num_sms); not the low-latency ones
+
+    def __init__(self, group: Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
+                 enable_shrink: bool = False, comm: Any = None, *, timeout_us: int = _constants.TIMEOUT_FOREVER,
+                 num_sms: int | None = None, backend: str = "auto", kernel_cache_dir: str | None = None) -> None:
+        where = "deep_ep.Buffer"
+        if low_latency_mode is not True:
+            raise ValueError(f"{where}: low_latency_mode must be True: mooncake_ep builds DeepEP's low-latency mode "
+                             f"only (its high-throughput dispatch and combine are not there), got {low_latency_mode!r}")
+        check_int(where, "num_nvl_bytes", num_nvl_bytes, minimum=0)
+        check_int(where, "num_qps_per_rank", num_qps_per_rank, minimum=1)
+        for name, value in (("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
+                            ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
+                            ("explicitly_destroy", explicitly_destroy), ("enable_shrink", enable_shrink)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
+        if comm is not None:
+            raise ValueError(f"{where}: comm (DeepEP's mpi4py communicator for NVSHMEM) is not used; pass the group "
+                             f"as group (an mpi4py communicator is taken there too)")
+        self.runtime = _Buffer(group, num_rdma_bytes, num_sms=num_sms, backend=backend,
+                               kernel_cache_dir=kernel_cache_dir)
+        self.timeout_us = check_timeout(where, timeout_us)
+        self.group = self.runtime.group
+        self.rank = self.runtime.rank
+        self.group_size = self.runtime.num_ranks
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.num_rdma_bytes = self.runtime.num_ep_buffer_bytes
+        self.low_latency_mode = True
+        device = "cpu" if self.runtime.backend == "reference" else torch.device("cuda", self.runtime.device_id)
+        self.active_ranks = torch.ones(self.group_size, dtype=torch.int32, device=device)
+        self._stats_streams: dict[int, torch.cuda.Stream] = {}  # per device: async_finish's recv-stats adds
+
+    def __repr__(self) -> str:
+        return f"deep_ep.Buffer(rank={self.rank}, group_size={self.group_size}, runtime={self.runtime!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _HIGH_THROUGHPUT_METHODS:
+            raise NotImplementedError(f"deep_ep.Buffer.{name}: DeepEP's high-throughput mode is not built in "
+                                      f"mooncake_ep; only its low-latency methods are (low_latency_dispatch, "
+                                      f"low_latency_combine, ...)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """DeepEP's SMs of its high-throughput kernels, which mooncake_ep has not: recorded, as DeepEP
+        does, and used by nothing. The low-latency kernels' SMs are the constructor's ``num_sms``."""
+        check_int("deep_ep.Buffer.set_num_sms", "new_num_sms", new_num_sms, minimum=2)
+        if new_num_sms % 2:
+            raise ValueError(f"deep_ep.Buffer.set_num_sms: new_num_sms must be even (as DeepEP's), got {new_num_sms}")
+        Buffer.num_sms = int(new_num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of ``num_rdma_bytes`` that a configuration needs (:meth:`mooncake_ep.Buffer.get_ep_buffer_size_hint`)."""
+        return _Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """DeepEP zeroes its signals here before first use; mooncake_ep's carry the step they belong
+        to (stale ones are told apart), so nothing is cleaned. The configuration is checked: a
+        workspace too small for it raises ValueError now rather than at the first dispatch."""
+        needed = self.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size,
+                                                     num_experts)
+        if needed > self.num_rdma_bytes:
+            raise ValueError(f"clean_low_latency_buffer: num_rdma_bytes={self.num_rdma_bytes} is smaller than the "
+                             f"{needed} bytes of T={num_max_dispatch_tokens_per_rank}, hidden={hidden}, "
+                             f"num_experts={num_experts} (get_low_latency_rdma_size_hint)")
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Send each token to the ranks of its top-k experts; receive this rank's experts' tokens.
+
+        Args:
+            x: ``[num_tokens, hidden]`` bf16, num_tokens <= num_max_dispatch_tokens_per_rank.
+            topk_idx: ``[num_tokens, num_topk]`` int64 global expert ids, -1 = none.
+            num_max_dispatch_tokens_per_rank: T, equal on every rank.
+            num_experts: E, a multiple of group_size.
+            cumulative_local_expert_recv_stats: ``[E / group_size]`` int32, or None: recv_count is
+                added to it, ordered as the receive (in the hook's stream order with
+                return_recv_hook; before the event completes with async_finish).
+            dispatch_wait_recv_cost_stats: must be None (not measured).
+            use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook: as DeepEP's, see
+                :meth:`mooncake_ep.Buffer.dispatch`.
+
+        Returns:
+            ``(recv_x, recv_count, handle, event, hook)`` as DeepEP's: recv_x
+            ``[E_l, group_size * T, hidden]`` bf16, or ``(e4m3 data, fp32 scales [E_l, group_size * T,
+            hidden / 128])`` with use_fp8 (int32 ``ceil(hidden / 512)`` columns with use_ue8m0);
+            recv_count ``[E_l]`` int32.
+        """
+        where = "low_latency_dispatch"
+        _check_tensor(where, "x", x)
+        _check_unmeasured(where, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            _check_recv_stats(where, stats, x, num_experts, self.group_size)
+        recv_x, recv_count, handle, event, hook = self.runtime.dispatch(
+            x, topk_idx, self.active_ranks, num_max_dispatch_tokens_per_rank, num_experts, self.timeout_us, use_fp8,
+            async_finish, return_recv_hook, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        if stats is not None:
+            event, hook = self._add_recv_count(stats, recv_count, event, hook, async_finish)
+        return recv_x, recv_count, handle, event, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: Handle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: torch.Tensor | None = None, combine_wait_recv_cost_stats: torch.Tensor | None = None):
+        """Bring the expert outputs back to their tokens' ranks, weighted and summed.
+
+        Args:
+            x: ``[E_l, group_size * T, hidden]`` bf16 expert outputs laid out as recv_x (ignored with
+                zero_copy, which reads :meth:`get_next_low_latency_combine_buffer`).
+            topk_idx, topk_weights: ``[num_tokens, num_topk]``: the dispatch's ids, and fp32 weights.
+            handle: the dispatch's.
+            use_logfmt: must be False (not built).
+            zero_copy, async_finish, return_recv_hook, out: as DeepEP's, see :meth:`mooncake_ep.Buffer.combine`.
+            combine_wait_recv_cost_stats: must be None (not measured).
+
+        Returns:
+            ``(combined_x [num_tokens, hidden] bf16, event, hook)``.
+        """
+        where = "low_latency_combine"
+        if use_logfmt is not False:
+            if use_logfmt is True:
+                raise NotImplementedError(f"{where}: use_logfmt=True (DeepEP's LogFMT-compressed combine) is not "
+                                          f"built; bf16 is sent (DeepEP's older API had zero_copy fifth: pass it by "
+                                          f"name)")
+            raise TypeError(f"{where}: use_logfmt must be a bool, got {type(use_logfmt).__name__}")
+        _check_unmeasured(where, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
+        if not zero_copy:
+            _check_tensor(where, "x", x)
+        return self.runtime.combine(x, topk_idx, topk_weights, self.active_ranks, self.timeout_us, handle,
+                                    zero_copy=zero_copy, async_finish=async_finish,
+                                    return_recv_hook=return_recv_hook, out=out)
+
+    def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
+        """``[E_l, group_size * T, hidden]`` bf16: write the expert outputs here, then
+        ``low_latency_combine(..., zero_copy=True)`` (see :meth:`mooncake_ep.Buffer.get_next_combine_buffer`)."""
+        return self.runtime.get_next_combine_buffer(handle)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask ``rank_to_mask`` (``mask=True``: nothing is sent to or waited for from it) or admit it
+        again (False), from the next call on, on torch's current stream."""
+        rank_to_mask = check_int("low_latency_update_mask_buffer", "rank_to_mask", rank_to_mask, minimum=0)
+        if rank_to_mask >= self.group_size:
+            raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask must be < group_size={self.group_size}, "
+                             f"got {rank_to_mask}")
+        if not isinstance(mask, bool):
+            raise TypeError(f"low_latency_update_mask_buffer: mask must be a bool, got {type(mask).__name__}")
+        self.active_ranks[rank_to_mask] = 0 if mask else 1
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write each rank's mask into ``mask_status`` (``[group_size]`` int32, 1 = masked), on torch's
+        current stream."""
+        _check_tensor("low_latency_query_mask_buffer", "mask_status", mask_status)
+        if mask_status.dtype != torch.int32 or tuple(mask_status.shape) != (self.group_size,):
+            raise ValueError(f"low_latency_query_mask_buffer: mask_status must be [{self.group_size}] int32, got "
+                             f"{list(mask_status.shape)} {mask_status.dtype}")
+        mask_status.copy_(self.active_ranks == 0)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Admit every rank again, on torch's current stream."""
+        self.active_ranks.fill_(1)
+
+    def destroy(self) -> None:
+        """Free the workspace (:meth:`mooncake_ep.Buffer.destroy`)."""
+        self.runtime.destroy()
+
+    def _add_recv_count(self, stats: torch.Tensor, recv_count: torch.Tensor, event: EventOverlap,
+                        hook: Callable[[], None] | None, async_finish: bool) -> tuple[EventOverlap, Callable | None]:
+        """``stats += recv_count`` once the receive has written recv_count: DeepEP's kernels add it
+        themselves, so it is ordered as the receive is, and covered by its event."""
+        if hook is not None:
+            stream = torch.cuda.current_stream(stats.device) if stats.is_cuda else None
+
+            def counted_hook() -> None:
+                hook()
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    stats.add_(recv_count)
+
+            return event, counted_hook
+        if async_finish and stats.is_cuda:
+            # On a side stream after the dispatch's event, and an event after it: the caller's stream
+            # waits for both, as for DeepEP's one kernel, and is not made to wait for them by the add.
+            side = self._stats_streams.get(stats.device.index)
+            if side is None:
+                side = self._stats_streams[stats.device.index] = torch.cuda.Stream(stats.device)
+            with torch.cuda.stream(side):
+                event.current_stream_wait()
+                stats.add_(recv_count)
+                done = torch.cuda.Event()
+                done.record(side)
+            for tensor in (stats, recv_count):
+                tensor.record_stream(side)
+            return EventOverlap(lambda: torch.cuda.current_stream(stats.device).wait_event(done),
+                                extra=event.extra), None
+        stats.add_(recv_count)  # the caller's stream, after the receive (or the host's reference result)
+        return event, hook
+
+
+def _check_tensor(where: str, name: str, value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor (DeepEP's API takes torch tensors; mooncake_ep.Buffer "
+                        f"takes torch, cupy, JAX and numpy arrays), got {type(value).__name__}")
+
+
+def _check_unmeasured(where: str, name: str, value: Any) -> None:
+    if value is not None:
+        raise NotImplementedError(f"{where}: {name} must be None: mooncake_ep's kernels do not measure DeepEP's "
+                                  f"per-rank wait times")
+
+
+def _check_recv_stats(where: str, stats: Any, x: torch.Tensor, num_experts: Any, num_ranks: int) -> None:
+    name = "cumulative_local_expert_recv_stats"
+    if not isinstance(stats, torch.Tensor):
+        hint = " (DeepEP's older API had use_fp8 fifth: pass it by name)" if isinstance(stats, bool) else ""
+        raise TypeError(f"{where}: {name} must be an int32 torch.Tensor or None, got {type(stats).__name__}{hint}")
+    # num_experts itself is checked by the dispatch; the shape only where it is a valid count.
+    shape = ((int(num_experts) // num_ranks,)
+             if isinstance(num_experts, int) and not isinstance(num_experts, bool) and num_experts > 0
+             and num_experts % num_ranks == 0 else tuple(stats.shape))
+    if stats.dtype != torch.int32 or tuple(stats.shape) != shape or not stats.is_contiguous():
+        raise ValueError(f"{where}: {name} must be a contiguous [{shape[0] if shape else '?'}] int32 tensor "
+                         f"(one count per local expert), got {list(stats.shape)} {stats.dtype}")
+    if stats.device != x.device:
+        raise ValueError(f"{where}: {name} is on {stats.device}, x on {x.device}: both must be on one device")

@@ -1,0 +1,215 @@
+"""mooncake_ep.deep_ep on the CPU: DeepEP's low-latency calls, made as DeepEP's callers make them, equal
+mooncake_ep.reference; what DeepEP has and mooncake_ep has not is refused by name.
+
+The ranks are threads of a LocalGroup with CPU tensors (the numpy reference runs the collectives).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _cases import BF16, bits, make_case, reference_step
+
+import mooncake_ep as ep
+
+torch = pytest.importorskip("torch")
+deep_ep = pytest.importorskip("mooncake_ep.deep_ep")
+
+GROUP_TIMEOUT_S = 30.0
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    if array.dtype == BF16:
+        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())
+
+
+def new_buffer(group, case, **kwargs) -> deep_ep.Buffer:
+    num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.num_max_tokens, case.hidden, case.num_ranks,
+                                                                   case.num_experts)
+    return deep_ep.Buffer(group, 0, num_rdma_bytes, low_latency_mode=True, num_qps_per_rank=case.num_local_experts,
+                          backend="reference", **kwargs)
+
+
+def expert_outputs(case, seed: int) -> list[np.ndarray]:
+    """Each rank's expert outputs, ``[E_l, R*T, H]`` bf16, random (rows past recv_count too)."""
+    rng = np.random.default_rng(seed)
+    shape = (case.num_local_experts, case.num_ranks * case.num_max_tokens, case.hidden)
+    return [rng.standard_normal(shape).astype(np.float32).astype(BF16) for _ in range(case.num_ranks)]
+
+
+FLAGS = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True),
+         "ue8m0": dict(use_fp8=True, round_scale=True, use_ue8m0=True)}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async_finish", "return_recv_hook", "zero_copy"])
+@pytest.mark.parametrize("precision", sorted(FLAGS))
+def test_deepep_calls_equal_the_reference(precision, mode):
+    """Two dispatch + combine steps as DeepEP's tests make them, with cumulative_local_expert_recv_stats:
+    results equal the reference bit for bit, and the stats grow by recv_count each step."""
+    flags = FLAGS[precision]
+    case = make_case(7, num_ranks=3, num_max_tokens=4, hidden=256, num_experts=6, num_topk=3)
+    outs = expert_outputs(case, 8)
+    expected, expected_combined = reference_step(case, flags, lambda rank, result, flags: outs[rank])
+    stats_start = np.random.default_rng(9).integers(0, 1000, size=case.num_local_experts).astype(np.int32)
+
+    def rank_fn(group):
+        rank = group.rank
+        buffer = new_buffer(group, case)
+        x, topk_idx, topk_weights = (to_torch(a[rank]) for a in (case.xs, case.topk_idxs, case.weights))
+        stats = to_torch(stats_start)
+        steps = []
+        for _ in range(2):  # both workspace halves
+            recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+                x, topk_idx, case.num_max_tokens, case.num_experts, stats, None, **flags,
+                async_finish=mode == "async_finish", return_recv_hook=mode == "return_recv_hook")
+            if hook is not None:
+                hook()
+            event.current_stream_wait()
+            dispatched = (recv_x if flags["use_fp8"] else (recv_x, None), recv_count.clone())
+            if mode == "zero_copy":
+                buffer.get_next_low_latency_combine_buffer(handle).copy_(to_torch(outs[rank]))
+            combined, event, hook = buffer.low_latency_combine(
+                None if mode == "zero_copy" else to_torch(outs[rank]), topk_idx, topk_weights, handle,
+                zero_copy=mode == "zero_copy", async_finish=mode == "async_finish",
+                return_recv_hook=mode == "return_recv_hook")
+            if hook is not None:
+                hook()
+            event.current_stream_wait()
+            steps.append((dispatched, combined))
+        return steps, stats.numpy() - stats_start
+
+    for rank, (steps, stats_growth) in enumerate(ep.LocalGroup(case.num_ranks, timeout_s=GROUP_TIMEOUT_S)
+                                                 .spawn(rank_fn)):
+        ref = expected[rank]
+        for ((recv_x, recv_scales), recv_count), combined in steps:
+            np.testing.assert_array_equal(recv_count.numpy(), ref.recv_count, err_msg=f"rank {rank}")
+            for e, count in enumerate(ref.recv_count):
+                np.testing.assert_array_equal(bits(recv_x[e, :count].view(torch.uint8 if flags["use_fp8"]
+                                                                           else torch.int16).numpy()),
+                                              bits(ref.recv_x[e, :count]), err_msg=f"rank {rank} expert {e}")
+                if recv_scales is not None:
+                    np.testing.assert_array_equal(recv_scales[e, :count].numpy(), ref.recv_scales[e, :count])
+            np.testing.assert_array_equal(bits(combined.view(torch.int16).numpy()), bits(expected_combined[rank][0]),
+                                          err_msg=f"rank {rank}: combined")
+        np.testing.assert_array_equal(stats_growth, 2 * ref.recv_count, err_msg=f"rank {rank}: recv stats")
+
+
+def test_the_mask_buffer_is_active_ranks():
+    """low_latency_update_mask_buffer masks a rank for the next calls (equal to the reference with that
+    mask), low_latency_query_mask_buffer reads the masks back, low_latency_clean_mask_buffer admits all."""
+    masked = [[1, 0, 1], [1, 1, 1], [1, 0, 1]]
+    case = make_case(11, num_ranks=3, num_max_tokens=3, hidden=128, num_experts=3, num_topk=2, actives=masked)
+    outs = expert_outputs(case, 12)
+    _, expected_combined = reference_step(case, FLAGS["bf16"], lambda rank, result, flags: outs[rank])
+
+    def rank_fn(group):
+        rank = group.rank
+        buffer = new_buffer(group, case)
+        if rank != 1:
+            buffer.low_latency_update_mask_buffer(1, True)
+        status = torch.full((3,), -1, dtype=torch.int32)
+        buffer.low_latency_query_mask_buffer(status)
+        x, topk_idx, topk_weights = (to_torch(a[rank]) for a in (case.xs, case.topk_idxs, case.weights))
+        _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, case.num_max_tokens, case.num_experts,
+                                                         use_fp8=False)
+        combined, _, _ = buffer.low_latency_combine(to_torch(outs[rank]), topk_idx, topk_weights, handle)
+        buffer.low_latency_clean_mask_buffer()
+        after_clean = torch.full((3,), -1, dtype=torch.int32)
+        buffer.low_latency_query_mask_buffer(after_clean)
+        return status.tolist(), combined, after_clean.tolist(), buffer.active_ranks.tolist()
+
+    for rank, (status, combined, after_clean, active) in enumerate(
+            ep.LocalGroup(3, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)):
+        assert status == [1 - a for a in masked[rank]]
+        np.testing.assert_array_equal(bits(combined.view(torch.int16).numpy()), bits(expected_combined[rank][0]))
+        assert after_clean == [0, 0, 0] and active == [1, 1, 1]
+
+
+def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
+    case = make_case(13, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
+    group = ep.LocalGroup(1).rank_group(0)
+    with pytest.raises(ValueError, match=r"^deep_ep.Buffer: low_latency_mode must be True: mooncake_ep builds "
+                                         r"DeepEP's low-latency mode only"):
+        deep_ep.Buffer(group, 1 << 20, 0, backend="reference")
+    with pytest.raises(ValueError, match=r"comm \(DeepEP's mpi4py communicator for NVSHMEM\) is not used"):
+        new_buffer(group, case, comm=object())
+    with pytest.raises(ValueError, match=r"num_qps_per_rank must be >= 1, got 0"):
+        deep_ep.Buffer(group, 0, case.size_hint, True, 0, backend="reference")
+    with pytest.raises(TypeError, match=r"enable_shrink must be a bool, got int"):
+        new_buffer(group, case, enable_shrink=1)
+    with pytest.raises(ValueError, match=r"num_ep_buffer_bytes must be >= \d+, got 0"):  # as DeepEP's default
+        deep_ep.Buffer(group, 0, 0, low_latency_mode=True, backend="reference")
+
+    buffer = new_buffer(group, case)
+    x, topk_idx, topk_weights = (to_torch(a[0]) for a in (case.xs, case.topk_idxs, case.weights))
+    T, E = case.num_max_tokens, case.num_experts
+    refusals = [
+        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, False), TypeError,
+         r"cumulative_local_expert_recv_stats must be an int32 torch.Tensor or None, got bool \(DeepEP's older API "
+         r"had use_fp8 fifth: pass it by name\)"),
+        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, torch.zeros(2, dtype=torch.int64)), ValueError,
+         r"must be a contiguous \[2\] int32 tensor \(one count per local expert\), got \[2\] torch.int64"),
+        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, torch.zeros(3, dtype=torch.int32)), ValueError,
+         r"must be a contiguous \[2\] int32 tensor"),
+        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(1)),
+         NotImplementedError, r"dispatch_wait_recv_cost_stats must be None: mooncake_ep's kernels do not measure"),
+        (lambda: buffer.low_latency_dispatch(case.xs[0], topk_idx, T, E), TypeError,
+         r"low_latency_dispatch: x must be a torch.Tensor \(DeepEP's API takes torch tensors"),
+        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, 3), ValueError, r"num_experts"),
+        (lambda: buffer.dispatch(x, topk_idx=topk_idx), NotImplementedError,
+         r"deep_ep.Buffer.dispatch: DeepEP's high-throughput mode is not built in mooncake_ep"),
+        (lambda: buffer.get_dispatch_layout(topk_idx, E), NotImplementedError, r"get_dispatch_layout"),
+        (lambda: buffer.clean_low_latency_buffer(T * 2, case.hidden, E), ValueError,
+         r"clean_low_latency_buffer: num_rdma_bytes=\d+ is smaller than the \d+ bytes of T=8"),
+        (lambda: buffer.low_latency_update_mask_buffer(1, True), ValueError, r"rank_to_mask must be < group_size=1"),
+        (lambda: buffer.low_latency_update_mask_buffer(0, 1), TypeError, r"mask must be a bool, got int"),
+        (lambda: buffer.low_latency_query_mask_buffer(torch.zeros(1)), ValueError,
+         r"mask_status must be \[1\] int32, got \[1\] torch.float32"),
+        (lambda: deep_ep.Buffer.set_num_sms(23), ValueError, r"new_num_sms must be even"),
+    ]
+    for call, exc, pattern in refusals:
+        with pytest.raises(exc, match=pattern):
+            call()
+    with pytest.raises(AttributeError, match="no attribute 'low_latency_dispach'"):
+        buffer.low_latency_dispach  # noqa: B018 (a typo stays an AttributeError)
+
+    # After every refusal the buffer works, and combine's refusals come after a real dispatch.
+    buffer.clean_low_latency_buffer(T, case.hidden, E)
+    recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    out = recv_x.float().mul(2).to(torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"use_logfmt=True \(DeepEP's LogFMT-compressed combine\) is not "
+                                                  r"built; bf16 is sent \(DeepEP's older API had zero_copy fifth"):
+        buffer.low_latency_combine(out, topk_idx, topk_weights, handle, True)
+    with pytest.raises(NotImplementedError, match=r"combine_wait_recv_cost_stats must be None"):
+        buffer.low_latency_combine(out, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats=torch.zeros(1))
+    combined, _, _ = buffer.low_latency_combine(out, topk_idx, topk_weights, handle)
+    live = topk_idx >= 0
+    expected = (2 * x.float() * (topk_weights * live).sum(1, keepdim=True)).to(torch.bfloat16)  # one rank: its own
+    torch.testing.assert_close(combined, expected, rtol=2**-7, atol=1e-2)
+
+
+def test_static_helpers_are_deepep_s():
+    assert (deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+            == ep.Buffer.get_ep_buffer_size_hint(128, 7168, 8, 256))
+    previous = deep_ep.Buffer.num_sms
+    try:
+        deep_ep.Buffer.set_num_sms(24)
+        assert deep_ep.Buffer.num_sms == 24
+    finally:
+        deep_ep.Buffer.num_sms = previous
+
+
+def test_a_torch_process_group_builds_the_buffers():
+    """DeepEP's and Mooncake EP's Buffers take a torch ProcessGroup: so do both of mooncake_ep's."""
+    dist = pytest.importorskip("torch.distributed")
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        process_group = dist.group.WORLD
+        plain = ep.Buffer(process_group, 1 << 20, backend="reference")
+        assert type(plain.group).__name__ == "TorchGroup" and plain.group_size == plain.num_ranks == 1
+        compatible = deep_ep.Buffer(process_group, 0, 1 << 20, low_latency_mode=True, backend="reference")
+        assert compatible.group_size == 1 and compatible.rank == 0
+    finally:
+        dist.destroy_process_group()
