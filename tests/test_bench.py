@@ -152,6 +152,52 @@ def abs_weighted_sum(dispatch_results, expert_outs, weights: np.ndarray, rank: i
 # --- the command -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_the_kernels_results_are_checked_against_the_baseline(use_fp8):
+    """bench's check before timing: results equal to the baseline's pass, with rows past recv_count
+    anything; a wrong count, row byte, scale or combined element raises, naming the rank."""
+    num_ranks, num_max_tokens, hidden, num_topk, num_experts = 3, 5, 256, 2, 6
+    xs, topk_idxs, weights = random_inputs(4, num_ranks, num_max_tokens, hidden, num_topk, num_experts)
+    gen = torch.Generator().manual_seed(5)
+    inputs = [dict(x=x, topk=t, weights=w, expert_out=torch.randn(num_experts // num_ranks, num_ranks * num_max_tokens,
+                                                                  hidden, generator=gen).to(torch.bfloat16))
+              for x, t, w in zip(xs, topk_idxs, weights)]
+    args = argparse.Namespace(tokens=num_max_tokens, experts=num_experts, fp8=use_fp8)
+
+    def results():
+        """What correct kernels return: the baseline's results, with NaN rows past recv_count."""
+        expected = baseline.dispatch(xs, topk_idxs, num_max_tokens, num_experts, use_fp8=use_fp8)
+        combined = baseline.combine([inp["expert_out"] for inp in inputs], weights, expected.layout)
+        dispatched = {}
+        for r in range(num_ranks):
+            rows = expected.recv_x[r].clone()
+            for e, count in enumerate(expected.recv_count[r].tolist()):
+                rows[e, count:] = float("nan")
+            recv_x = (rows, expected.recv_scales[r].clone()) if use_fp8 else rows
+            dispatched[r] = recv_x, expected.recv_count[r].clone()
+        return dispatched, dict(enumerate(combined))
+
+    dispatched, combined = results()
+    bench.check_against_baseline(args, inputs, dispatched, combined, torch)
+    combined[1][0, 0] = combined[1][0, 0].float() * 1.05 + 0.1  # past one bf16 rounding
+    with pytest.raises(RuntimeError, match=r"^bench: rank 1's combined_x differs from the torch baseline's by up to"):
+        bench.check_against_baseline(args, inputs, dispatched, combined, torch)
+    busy = max(range(num_ranks), key=lambda r: int(dispatched[r][1].sum()))
+    expert = int(dispatched[busy][1].argmax())
+    corruptions = [("recv_count", lambda d: d[busy][1].__setitem__(expert, d[busy][1][expert] + 1),
+                    rf"rank {busy}'s recv_count \[.*\] differs"),
+                   ("recv_x", lambda d: (d[busy][0][0] if use_fp8 else d[busy][0])[expert, 0, 5].fill_(3.0),
+                    rf"rank {busy}'s recv_x of local expert {expert} differ")]
+    if use_fp8:
+        corruptions.append(("scales", lambda d: d[busy][0][1][expert, 0, 1].fill_(7.0),
+                            rf"rank {busy}'s scales of local expert {expert} differ"))
+    for name, corrupt, pattern in corruptions:
+        dispatched, combined = results()
+        corrupt(dispatched)
+        with pytest.raises(RuntimeError, match=pattern):
+            bench.check_against_baseline(args, inputs, dispatched, combined, torch)
+
+
 def test_expert_load_counts_copies_per_expert_and_per_owning_rank():
     # 2 ranks x 2 local experts; set 0: expert 0 twice, 1 once, 3 once (-1 ignored); set 1: even.
     uneven = [np.array([[0, 1], [0, -1]]), np.array([[3, -1]])]

@@ -612,9 +612,9 @@ def measure_cuda(args, progress, group=None) -> dict:
                 event.current_stream_wait()
         return inside
 
-    def dispatch_all(inputs, handles) -> tuple[float, float]:
+    def dispatch_all(inputs, handles, results: dict | None = None) -> tuple[float, float]:
         """Every rank's dispatch; returns the seconds spent inside the calls and inside the hooks
-        (not the stream switches)."""
+        (not the stream switches). ``results``: filled with each rank's (recv_x, recv_count)."""
         inside, pending = 0.0, []
         for r in local_ranks:
             with torch.cuda.stream(streams[r]):
@@ -624,9 +624,11 @@ def measure_cuda(args, progress, group=None) -> dict:
                     KERNEL_TIMEOUT_US, use_fp8=args.fp8, out=fp8_out.get(r), **flags)
                 inside += time.perf_counter() - start
                 pending.append((r, event, hook, (recv_x, recv_count)))
+                if results is not None:
+                    results[r] = recv_x, recv_count
         return inside, finish_all(pending)
 
-    def combine_all(inputs, handles, zero_copy) -> tuple[float, float]:
+    def combine_all(inputs, handles, zero_copy, results: dict | None = None) -> tuple[float, float]:
         inside, pending = 0.0, []
         for r in local_ranks:
             with torch.cuda.stream(streams[r]):
@@ -636,6 +638,8 @@ def measure_cuda(args, progress, group=None) -> dict:
                     inputs[r]["active"], KERNEL_TIMEOUT_US, handles[r], zero_copy=zero_copy, **flags)
                 inside += time.perf_counter() - start
                 pending.append((r, event, hook, combined))
+                if results is not None:
+                    results[r] = combined
         return inside, finish_all(pending)
 
     def run_phase(phase: str, inputs, handles) -> None:
@@ -651,10 +655,17 @@ def measure_cuda(args, progress, group=None) -> dict:
     def forked(fn, ends: str = "none", inner: InnerEvents | None = None):
         fork_join(torch, list(streams.values()), fn, ends, end_nodes, inner)
 
-    # Eager warm-up (uploads each configuration's layout) and host time per call.
+    # Eager warm-up (uploads each configuration's layout), whose results are checked, and host time per call.
     handles = [None] * args.ranks
-    forked(lambda: run_phase("step", sets[0], handles))
-    torch.cuda.synchronize()
+    if group is None:
+        dispatched, combined = {}, {}
+        forked(lambda: (dispatch_all(sets[0], handles, dispatched), combine_all(sets[0], handles, False, combined)))
+        torch.cuda.synchronize()
+        check_against_baseline(args, sets[0], dispatched, combined, torch)
+        del dispatched, combined
+    else:
+        forked(lambda: run_phase("step", sets[0], handles))
+        torch.cuda.synchronize()
     host = {"dispatch": [], "combine": []}
     if args.mode == "hook":
         host.update(dispatch_hook=[], combine_hook=[])
@@ -843,6 +854,38 @@ def measure_cuda(args, progress, group=None) -> dict:
         inner_graphs.clear()
     torch.cuda.empty_cache()  # the next point of a sweep starts with the memory this one cached
     return report
+
+
+def check_against_baseline(args, inputs: list[dict], dispatched: dict, combined: dict, torch) -> None:
+    """One step's results of the kernels against the torch baseline's (which tests/test_bench.py checks
+    against mooncake_ep.reference), every rank: recv_count exactly, the valid rows of recv_x and the fp8
+    scales bit for bit, combine within one bf16 rounding (the two sum the same products in another
+    order). A timing of wrong results is no timing: raises RuntimeError. In-process ranks only (the
+    baseline needs every rank's tensors)."""
+    from mooncake_ep.cli import baseline
+
+    expected = baseline.dispatch([inp["x"] for inp in inputs], [inp["topk"] for inp in inputs], args.tokens,
+                                 args.experts, use_fp8=args.fp8)
+    expected_combined = baseline.combine([inp["expert_out"] for inp in inputs], [inp["weights"] for inp in inputs],
+                                         expected.layout)
+    for r, (recv_x, recv_count) in sorted(dispatched.items()):
+        if not torch.equal(recv_count, expected.recv_count[r]):
+            raise RuntimeError(f"bench: rank {r}'s recv_count {recv_count.tolist()} differs from the torch "
+                               f"baseline's {expected.recv_count[r].tolist()}")
+        rows, scales = recv_x if args.fp8 else (recv_x, None)
+        for e, count in enumerate(expected.recv_count[r].tolist()):
+            wrong = [name for name, got, want in (
+                ("recv_x", rows[e, :count].view(torch.uint8), expected.recv_x[r][e, :count].view(torch.uint8)),
+                ("scales", None if scales is None else scales[e, :count],
+                 None if scales is None else expected.recv_scales[r][e, :count])) if got is not None
+                and not torch.equal(got, want)]
+            if wrong:
+                raise RuntimeError(f"bench: rank {r}'s {' and '.join(wrong)} of local expert {e} differ from the "
+                                   f"torch baseline's")
+        got, want = combined[r].float(), expected_combined[r].float()
+        if not torch.allclose(got, want, rtol=2.0**-7, atol=1e-3):
+            raise RuntimeError(f"bench: rank {r}'s combined_x differs from the torch baseline's by up to "
+                               f"{(got - want).abs().max().item():.3g} (more than one bf16 rounding)")
 
 
 def check_no_rank_masked(sets: list[list[dict]], torch) -> None:
