@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -94,7 +95,10 @@ def test_demo_fails_beyond_tolerance():
     proc = run_cli("demo", *TINY, "--backend", "reference", "--tolerance", "1e-9")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert all(row[-1] == "FAIL" for row in table_rows(proc.stdout, 2))
-    assert "FAIL" in proc.stdout
+    # The verdict says against what, and which rank was worst.
+    assert re.search(r"^FAIL: ranks \[0, 1\] have a token off by more than relative error 1e-09 of the same layer "
+                     r"computed densely in float32( from the dequantised fp8 tokens)? \(worst: rank [01], ",
+                     proc.stdout, re.MULTILINE), proc.stdout
 
 
 def test_the_demo_check_fails_one_token_missing_an_expert_among_many_right_ones():
