@@ -612,6 +612,23 @@ def test_cli_imports_only_public_names():
                     assert not private, f"{path.name}:{node.lineno} imports {name}"
 
 
+# Private attributes cli/ reads of objects not its own: the standard library's and torch's, and bench's
+# one switch of the Buffer's backend (cli/__init__.py says why).
+ALLOWED_PRIVATE_ATTRIBUTES = {("__init__.py", "_exit"), ("__init__.py", "_get_help_string"), ("bench.py", "_sleep"),
+                              ("bench.py", "_cuda")}
+
+
+def test_cli_reads_no_private_attribute_of_the_library():
+    """As the imports: ``obj._name`` only on the command's own objects (self), or where listed."""
+    used = set()
+    for path in sorted(CLI_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                used.add((path.name, node.attr))
+    assert used == ALLOWED_PRIVATE_ATTRIBUTES
+
+
 def _gpu_usable() -> bool:
     try:
         import cupy

@@ -6,7 +6,8 @@ Each command is a module of this package named in :data:`COMMANDS`, exposing::
     run(args: argparse.Namespace) -> int                     # the exit code: 0 only on success
 
 The module docstring's first line is the command's one-line help, the whole docstring its
-description. Command modules use only public ``mooncake_ep`` names (no leading ``_``, a test checks),
+description. Command modules use only public ``mooncake_ep`` names (no leading ``_``, a test checks; the
+one exception, bench's ``--peer-reads workspace`` switch, says why where it is),
 and import heavy or optional packages (torch, cupy, tqdm, matplotlib) inside ``run``, so that
 ``--help`` is fast and works without them. A command raises :class:`UsageError` for a combination
 of flags argparse cannot check; the message is printed as argparse prints its own errors.
