@@ -249,6 +249,17 @@ class Buffer:
         self._num_launched_calls = 0
 
     @property
+    def num_sms(self) -> int | None:
+        """Blocks (one per SM) of each kernel launch; None on the reference backend."""
+        return None if self._cuda is None else self._cuda.num_sms
+
+    @property
+    def num_dispatches(self) -> int:
+        """Dispatches made on this Buffer so far, the same count on every rank (a replacement process
+        continues the survivors'): its parity is the workspace half of the next dispatch."""
+        return self._num_dispatches
+
+    @property
     def group_size(self) -> int:
         """The number of ranks, as Mooncake EP's and DeepEP's Buffer name it (:attr:`num_ranks`)."""
         return self.num_ranks

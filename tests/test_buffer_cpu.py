@@ -1491,3 +1491,19 @@ def test_a_configuration_agreed_ahead_is_checked_and_agreed_in_python_ints(monke
     assert agreed == [(8, 1024, 16, True, False, False)] and [type(v) for v in agreed[0][:3]] == [int] * 3
     agree(8, 16)  # agreed: no second collective
     assert len(agreed) == 1
+
+
+def test_the_public_counts_of_a_buffer():
+    """num_dispatches counts every rank's dispatches alike (its parity is the next one's workspace half);
+    num_sms is the kernels' (None on the reference backend); group_size is num_ranks, as DeepEP names it."""
+    case = make_case(31, num_ranks=2)
+
+    def rank_fn(group):
+        buf = new_buffer(group, case)
+        counts = [buf.num_dispatches]
+        for _ in range(3):
+            run_step(buf, case, group.rank, BF16_FLAGS)
+            counts.append(buf.num_dispatches)
+        return counts, buf.num_sms, buf.group_size
+
+    assert spawn(2, rank_fn) == [([0, 1, 2, 3], None, 2)] * 2

@@ -6,7 +6,8 @@ Each command is a module of this package named in :data:`COMMANDS`, exposing::
     run(args: argparse.Namespace) -> int                     # the exit code: 0 only on success
 
 The module docstring's first line is the command's one-line help, the whole docstring its
-description. Command modules use only public ``mooncake_ep`` names (no leading ``_``, a test checks),
+description. Command modules use only public ``mooncake_ep`` names (no leading ``_``, a test checks; the
+one exception, bench's ``--peer-reads workspace`` switch, says why where it is),
 and import heavy or optional packages (torch, cupy, tqdm, matplotlib) inside ``run``, so that
 ``--help`` is fast and works without them. A command raises :class:`UsageError` for a combination
 of flags argparse cannot check; the message is printed as argparse prints its own errors.
@@ -176,7 +177,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         sub = subparsers.add_parser(name, help=_summary(doc), description=doc, formatter_class=HelpFormatter,
                                     allow_abbrev=False)
         module.add_arguments(sub)
-        sub.set_defaults(run=module.run)
+        sub.set_defaults(run=module.run, command_parser=sub)
     return parser
 
 
@@ -195,7 +196,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """
     parser = build_parser(prog)
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # the command's usage, not the top-level one that argparse would print
+            getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # argparse exits on --help, --version and bad flags
         return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_USAGE)
     if args.command is None:

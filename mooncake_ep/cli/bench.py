@@ -588,6 +588,8 @@ def measure_cuda(args, progress, group=None) -> dict:
         num_copying_gpus = len(set(places))
     if args.peer_reads == "workspace":  # the protocol of the ipc transport, on these ranks
         for buffer in buffers.values():
+            # The one private name a command uses (cli/__init__.py): a measurement's switch, not an
+            # option a caller of Buffer would want (the transport chooses what is fastest).
             buffer._cuda.direct_peer_reads = False
 
     rng = np.random.default_rng(args.seed)
@@ -700,7 +702,7 @@ def measure_cuda(args, progress, group=None) -> dict:
                 # --parities alternate: set k's dispatch graph on half k mod 2 (a capture of a set's
                 # graphs makes two dispatches, so the next set would have the same half): one eager,
                 # uncaptured step moves the dispatch count on where it does not.
-                if args.parities == "alternate" and buffers[local_ranks[0]]._num_dispatches % 2 != k % 2:
+                if args.parities == "alternate" and buffers[local_ranks[0]].num_dispatches % 2 != k % 2:
                     forked(lambda: run_phase("step", inputs, graph_handles[k]))
                     torch.cuda.synchronize()
                 for phase in captured:
@@ -840,7 +842,7 @@ def measure_cuda(args, progress, group=None) -> dict:
                 for phase, times in host.items()}
     report = build_report(args, backend="cuda", timer="cuda_events",
                           device=torch.cuda.get_device_name(devices[local_ranks[0]]),
-                          num_sms_per_rank=buffers[local_ranks[0]]._cuda.num_sms, copy_bandwidth=copy_bandwidth,
+                          num_sms_per_rank=buffers[local_ranks[0]].num_sms, copy_bandwidth=copy_bandwidth,
                           write_bandwidth=write_bandwidth,
                           copies=mean_copies(sets), load=set_load(args, sets), host=host, kernel=kernel,
                           baseline_stats=baseline_stats, spans=spans, inner=inner_stats, hold_ran_out=hold_ran_out)

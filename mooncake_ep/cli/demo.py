@@ -385,11 +385,17 @@ def _report(config: DemoConfig, backend: str, results: list[RankResult], elapsed
     """Print the table and the verdict, write ``--json``; the exit code."""
     _print_table(results)
     failed = [r.rank for r in results if not r.passed]
+    against = "of the same layer computed densely in float32" + (" from the dequantised fp8 tokens" if config.use_fp8 else "")
     if failed:
-        print(f"FAIL: ranks {failed} have a token off by more than relative error {args.tolerance:g} "
-              f"or lost a peer ({elapsed_s:.2f} s)")
+        worst = max(results, key=lambda r: r.relative_error)
+        off = [r.rank for r in results if r.relative_error > args.tolerance]
+        masking = {r.rank: r.masked_ranks for r in results if r.masked_ranks}
+        reasons = [f"ranks {off} have a token off by more than relative error {args.tolerance:g} {against} "
+                   f"(worst: rank {worst.rank}, {worst.relative_error:.3g})"] if off else []
+        reasons += [f"rank {rank} masked ranks {masked}" for rank, masked in masking.items()]
+        print(f"FAIL: {'; '.join(reasons)} ({elapsed_s:.2f} s)")
     else:
-        print(f"PASS: every token within relative error {args.tolerance:g} ({elapsed_s:.2f} s)")
+        print(f"PASS: every token within relative error {args.tolerance:g} {against} ({elapsed_s:.2f} s)")
     sys.stdout.flush()
     if args.json:
         report = {"config": dataclasses.asdict(config), "backend": backend, "tolerance": args.tolerance,
