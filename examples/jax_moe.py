@@ -83,9 +83,11 @@ def dense_layer(params, x, num_topk: int):
     import jax.numpy as jnp
 
     topk_idx, weights = route(params["router"], x, num_topk)
-    picked = params["experts"][topk_idx]  # [t, K, H, H]
-    ys = jnp.einsum("th,tkhj->tkj", x.astype(jnp.float32), picked)
-    return jnp.sum(weights[:, :, None] * ys, axis=1)
+    # Every expert on every token, then each token's picks: [t, E, H] (gathering each token's K
+    # matrices, [t, K, H, H], held H / E times as much).
+    ys = jnp.einsum("th,ehj->tej", x.astype(jnp.float32), params["experts"])
+    picked = jnp.take_along_axis(ys, topk_idx[:, :, None], axis=1)  # [t, K, H]
+    return jnp.sum(weights[:, :, None] * picked, axis=1)
 
 
 def loss_of(out):
@@ -256,9 +258,15 @@ def main(argv=None) -> int:
         ranks = 4 if args.mode == "split" else len(gpus) or min(4, len(devices))
     import mooncake_ep as ep
 
+    from mooncake_ep.cli import UsageError, check_host_memory
+
     try:  # the library's own checks of the shape (hidden a multiple of 128, experts of ranks, ...)
-        ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, ranks, args.experts)
-    except ValueError as exc:
+        workspace_bytes = ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, ranks, args.experts)
+        if not gpus:  # CPU ranks: what does not fit fails deep inside XLA
+            dense_bytes = ranks * args.tokens * args.experts * args.hidden * 4  # dense_layer's [t, E, H] fp32
+            check_host_memory(f"{ranks} CPU ranks' workspaces and the dense check", ranks * workspace_bytes + dense_bytes,
+                              "--tokens, --hidden or --experts")
+    except (ValueError, UsageError) as exc:
         parser.error(str(exc).replace("get_ep_buffer_size_hint: ", ""))
     params = init_params(args.seed, args.hidden, args.experts)
     from mooncake_ep.reference import bfloat16

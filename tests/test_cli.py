@@ -212,7 +212,7 @@ def test_bad_usage_returns_2(argv, capsys):
     (["bench", "--experts", "32", "--topk", "17"], "--topk must be <= 16 (the kernels' bound)"),
     (["bench", "--routing", "zipf", "--alpha", "nan"], "--alpha must be a finite number >= 0, got nan"),
     (["bench", "--routing", "zipf", "--alpha", "2000"], "gives fewer than --topk=2 experts a probability above 0"),
-    (["bench", "--warmup-ms", "inf"], "--warmup-ms must be at most 60000"),
+    (["bench", "--warmup-ms", "inf"], "--warmup-ms must be a number in [0, 60000], got inf"),
     (["bench", "--json", "."], "--json .: is a directory"),
     (["bench", "--plot", "sweep"], "--plot sweep: must end in .png"),
     # --launch checks what each process would refuse before any starts, naming --launch.

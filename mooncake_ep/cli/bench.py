@@ -1232,10 +1232,11 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
     if args.parities == "alternate" and args.input_sets % 2:
         raise UsageError(f"--parities alternate takes an even --input-sets (set k on half k mod 2, replayed in "
                          f"rotation), got {args.input_sets}")
-    if not args.hold_ms <= HOLD_MS_MAX:  # also refuses nan and inf
-        raise UsageError(f"--hold-ms must be at most {HOLD_MS_MAX:g}, got {args.hold_ms}")
+    # (>= 0 was checked above; nan fails every comparison, so these refuse it and inf too)
+    if not args.hold_ms <= HOLD_MS_MAX:
+        raise UsageError(f"--hold-ms must be a number in [0, {HOLD_MS_MAX:g}], got {args.hold_ms}")
     if not args.warmup_ms <= WARMUP_MS_MAX:  # a warm-up loop runs until this much time has passed
-        raise UsageError(f"--warmup-ms must be at most {WARMUP_MS_MAX:g}, got {args.warmup_ms}")
+        raise UsageError(f"--warmup-ms must be a number in [0, {WARMUP_MS_MAX:g}], got {args.warmup_ms}")
     check_moe_shape(args.tokens, args.hidden, args.ranks, ranks_flag, args.experts, args.topk, args.seed)
     # A routing's flags with another routing would be ignored without a word: refused, then defaulted.
     for flag, name, routing, default in (("--alpha", "alpha", "zipf", ZIPF_ALPHA),
