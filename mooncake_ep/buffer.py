@@ -24,7 +24,7 @@ import numpy as np
 from mooncake_ep import _constants, _handshake, frameworks, layout, reference
 from mooncake_ep._handshake import CONFIGURATION_FIELDS
 from mooncake_ep._reference_backend import ReferenceBackend
-from mooncake_ep.group import init_group
+from mooncake_ep.group import init_group, is_communicator
 from mooncake_ep.tensor import (ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array, same_stream,
                                 swapped_last_axes_strides)
 from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_allocatable, check_array, check_disjoint,
@@ -170,18 +170,15 @@ class Buffer:
 
     def __init__(self, group, num_ep_buffer_bytes: int, *, num_sms: int | None = None, backend: str = "auto",
                  kernel_cache_dir: str | None = None):
+        if is_communicator(group):
+            # Mooncake EP's and DeepEP's Buffers take a torch ProcessGroup: wrapped here (an mpi4py
+            # communicator too), so that their callers' one line stays one line.
+            group = init_group(group)
         missing = [name for name in ("rank", "world_size", "allgather_bytes", "barrier") if not hasattr(group, name)]
-        if missing and group is not None and not isinstance(group, str):
-            # Mooncake EP's and DeepEP's Buffer take a torch ProcessGroup: wrapped as init_group(group)
-            # would (an mpi4py communicator too), so that their callers' one line stays one line.
-            try:
-                group, missing = init_group(group), []
-            except TypeError:
-                pass
         if missing:
-            raise TypeError(f"Buffer: group must be a mooncake_ep group (init_group(), LocalGroup) or what "
-                            f"init_group() takes (a torch ProcessGroup, an mpi4py communicator); "
-                            f"{type(group).__name__} has no {missing[0]!r}")
+            raise TypeError(f"Buffer: group must be a mooncake_ep group (init_group()'s, or a rank of a LocalGroup: "
+                            f"rank_group(r), or what spawn passes), a torch ProcessGroup or an mpi4py "
+                            f"communicator; {type(group).__name__} has no {missing[0]!r}")
         # Every configuration's regions come after the header (flags, step counters, route table),
         # which the CUDA backend reads and writes at construction.
         check_int("Buffer", "num_ep_buffer_bytes", num_ep_buffer_bytes, minimum=layout.header_bytes())
@@ -258,6 +255,12 @@ class Buffer:
         """Dispatches made on this Buffer so far, the same count on every rank (a replacement process
         continues the survivors'): its parity is the workspace half of the next dispatch."""
         return self._num_dispatches
+
+    @property
+    def comm_stream_ptr(self) -> int | None:
+        """The ``cudaStream_t`` of the communication stream ``async_finish`` calls run on (an int; None
+        on the reference backend)."""
+        return None if self._cuda is None else self._cuda.comm_stream.ptr
 
     @property
     def group_size(self) -> int:

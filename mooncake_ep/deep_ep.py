@@ -15,17 +15,20 @@ dispatch, ``use_logfmt`` fifth in combine) and return what DeepEP's return. torc
 
 What differs from DeepEP:
     - Only the low-latency mode: ``low_latency_mode=True`` is required, and the high-throughput
-      methods (``dispatch``, ``combine``, ``get_dispatch_layout``...) raise NotImplementedError.
+      methods (``dispatch``, ``combine``, ``get_dispatch_layout``, ``Buffer.capture``,
+      ``Buffer.get_dispatch_config``...) and :class:`Config`'s size hints raise NotImplementedError.
     - The handle is a :class:`mooncake_ep.Handle`, not a tuple of tensors; callers pass it on as
-      they do DeepEP's.
+      they do DeepEP's. ``Buffer.group`` is the mooncake_ep group wrapping the ProcessGroup.
     - The kernels measure no wait times: ``dispatch_wait_recv_cost_stats`` and
       ``combine_wait_recv_cost_stats`` are refused, and so is ``use_logfmt`` (a LogFMT combine is
       not built).
-    - A rank that stops is masked after ``timeout_us`` (a keyword of the constructor; DeepEP waits
-      forever, and so does the default, -1). The masks are DeepEP's mask buffer
+    - A rank that stops is masked after ``timeout_us`` (a keyword of the constructor; the default,
+      -1, waits forever; DeepEP's kernels give up after a very long fixed time and trap, or mask
+      the rank with ``enable_shrink``). The masks are DeepEP's mask buffer
       (``low_latency_update_mask_buffer`` and the like) and :attr:`Buffer.active_ranks`.
     - ``get_next_low_latency_combine_buffer(handle)`` wants the dispatch received (its hook called):
       peers may read the buffer's previous contents until then.
+    - :meth:`Buffer.destroy` frees the workspace whether ``explicitly_destroy`` was given or not.
 """
 
 from __future__ import annotations
@@ -41,13 +44,39 @@ from mooncake_ep.buffer import Buffer as _Buffer
 from mooncake_ep.buffer import EventOverlap, Handle
 from mooncake_ep.validation import check_int, check_timeout
 
-__all__ = ["Buffer", "EventOverlap"]
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
-# DeepEP's high-throughput API: named here so that a call says what is missing, not AttributeError.
+topk_idx_t = torch.int64  # DeepEP's dtype of topk_idx (int32 is taken too)
+
+# DeepEP's high-throughput methods: named here so that a call says what is missing, not AttributeError.
 _HIGH_THROUGHPUT_METHODS = frozenset({
-    "capture", "get_dispatch_config", "get_combine_config", "get_dispatch_layout", "dispatch", "combine",
-    "internode_dispatch", "internode_combine", "intranode_dispatch", "intranode_combine", "get_local_buffer_tensor",
+    "get_dispatch_layout", "dispatch", "combine", "internode_dispatch", "internode_combine", "intranode_dispatch",
+    "intranode_combine", "get_local_buffer_tensor",
 })
+
+
+def _high_throughput(name: str) -> NotImplementedError:
+    return NotImplementedError(f"deep_ep.{name}: DeepEP's high-throughput mode is not built in mooncake_ep; only its "
+                               f"low-latency methods are (low_latency_dispatch, low_latency_combine, ...)")
+
+
+class Config:
+    """DeepEP's tuning of its high-throughput kernels, which mooncake_ep has not: held, so that an
+    engine that imports or builds one still loads; its buffer size hints raise NotImplementedError."""
+
+    def __init__(self, num_sms: int, num_max_nvl_chunked_send_tokens: int, num_max_nvl_chunked_recv_tokens: int,
+                 num_max_rdma_chunked_send_tokens: int = 0, num_max_rdma_chunked_recv_tokens: int = 0) -> None:
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        raise _high_throughput("Config.get_nvl_buffer_size_hint")
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        raise _high_throughput("Config.get_rdma_buffer_size_hint")
 
 
 class Buffer:
@@ -113,10 +142,33 @@ class Buffer:
 
     def __getattr__(self, name: str) -> Any:
         if name in _HIGH_THROUGHPUT_METHODS:
-            raise NotImplementedError(f"deep_ep.Buffer.{name}: DeepEP's high-throughput mode is not built in "
-                                      f"mooncake_ep; only its low-latency methods are (low_latency_dispatch, "
-                                      f"low_latency_combine, ...)")
+            raise _high_throughput(f"Buffer.{name}")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    # DeepEP's static high-throughput helpers, called on the class (where __getattr__ does not apply).
+    @staticmethod
+    def capture() -> EventOverlap:
+        raise _high_throughput("Buffer.capture")
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        raise _high_throughput("Buffer.get_dispatch_config")
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        raise _high_throughput("Buffer.get_combine_config")
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether the kernels have SM90 code: they are compiled at run time for the GPU in use, so
+        wherever the current CUDA device is an SM90 (or newer) one."""
+        return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The communication stream ``async_finish`` calls run on, as a torch stream."""
+        if self.runtime.comm_stream_ptr is None:
+            raise RuntimeError("get_comm_stream: this Buffer runs on the reference backend, which has no stream")
+        return torch.cuda.ExternalStream(self.runtime.comm_stream_ptr, device=self.active_ranks.device)
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -257,7 +309,7 @@ class Buffer:
             def counted_hook() -> None:
                 hook()
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    stats.add_(recv_count)
+                    _add(stats, recv_count)
 
             return event, counted_hook
         if async_finish and stats.is_cuda:
@@ -268,15 +320,22 @@ class Buffer:
                 side = self._stats_streams[stats.device.index] = torch.cuda.Stream(stats.device)
             with torch.cuda.stream(side):
                 event.current_stream_wait()
-                stats.add_(recv_count)
+                _add(stats, recv_count)
                 done = torch.cuda.Event()
                 done.record(side)
             for tensor in (stats, recv_count):
                 tensor.record_stream(side)
             return EventOverlap(lambda: torch.cuda.current_stream(stats.device).wait_event(done),
                                 extra=event.extra), None
-        stats.add_(recv_count)  # the caller's stream, after the receive (or the host's reference result)
+        _add(stats, recv_count)  # the caller's stream, after the receive (or the host's reference result)
         return event, hook
+
+
+def _add(stats: torch.Tensor, recv_count: torch.Tensor) -> None:
+    # Inference mode: DeepEP's kernels write the counts through the pointer, so a tensor made under
+    # torch.inference_mode must be written outside it too (torch refuses that in-place add elsewhere).
+    with torch.inference_mode():
+        stats.add_(recv_count)
 
 
 def _check_tensor(where: str, name: str, value: Any) -> None:

@@ -94,6 +94,7 @@ __all__ = [
     "TorchStoreGroup",
     "free_port",
     "init_group",
+    "is_communicator",
 ]
 
 logger = logging.getLogger("mooncake_ep")
@@ -475,7 +476,7 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
         adapter: Group = TorchGroup(None if group == "torch" else group, device=device, timeout_s=timeout_s)
     elif isinstance(group, Group):
         adapter = group
-    elif all(callable(getattr(group, m, None)) for m in ("Get_rank", "Get_size", "allgather", "Barrier")):
+    elif _is_mpi_communicator(group):
         adapter = MPIGroup(group, device=device)
     else:
         raise TypeError(f"{where}: group must be None, a torch ProcessGroup or Store, an mpi4py communicator, "
@@ -542,6 +543,17 @@ def _detect_group() -> str | Any | None:
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
         return mpi.COMM_WORLD
     return None
+
+
+def is_communicator(obj: Any) -> bool:
+    """Whether ``obj`` is a torch ProcessGroup or an mpi4py communicator: the groups of other libraries
+    that ``init_group(obj)`` wraps with nothing else given (as Buffer does, where Mooncake EP's and
+    DeepEP's Buffers take a ProcessGroup)."""
+    return _torch_kind(obj) == "process_group" or _is_mpi_communicator(obj)
+
+
+def _is_mpi_communicator(obj: Any) -> bool:
+    return all(callable(getattr(obj, m, None)) for m in ("Get_rank", "Get_size", "allgather", "Barrier"))
 
 
 def _torch_kind(obj: Any) -> str | None:

@@ -57,7 +57,9 @@ def test_deepep_calls_equal_the_reference(precision, mode):
         rank = group.rank
         buffer = new_buffer(group, case)
         x, topk_idx, topk_weights = (to_torch(a[rank]) for a in (case.xs, case.topk_idxs, case.weights))
-        stats = to_torch(stats_start)
+        # Made as an engine may make it, under inference mode: the adds happen outside it.
+        with torch.inference_mode():
+            stats = to_torch(stats_start)
         steps = []
         for _ in range(2):  # both workspace halves
             recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
@@ -160,6 +162,12 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
         (lambda: buffer.dispatch(x, topk_idx=topk_idx), NotImplementedError,
          r"deep_ep.Buffer.dispatch: DeepEP's high-throughput mode is not built in mooncake_ep"),
         (lambda: buffer.get_dispatch_layout(topk_idx, E), NotImplementedError, r"get_dispatch_layout"),
+        (lambda: deep_ep.Buffer.capture(), NotImplementedError, r"deep_ep.Buffer.capture: DeepEP's high-throughput"),
+        (lambda: deep_ep.Buffer.get_dispatch_config(8), NotImplementedError, r"get_dispatch_config"),
+        (lambda: deep_ep.Buffer.get_combine_config(8), NotImplementedError, r"get_combine_config"),
+        (lambda: deep_ep.Config(24, 6, 256).get_nvl_buffer_size_hint(7168 * 2, 8), NotImplementedError,
+         r"deep_ep.Config.get_nvl_buffer_size_hint: DeepEP's high-throughput mode"),
+        (lambda: buffer.get_comm_stream(), RuntimeError, r"reference backend, which has no stream"),
         (lambda: buffer.clean_low_latency_buffer(T * 2, case.hidden, E), ValueError,
          r"clean_low_latency_buffer: num_rdma_bytes=\d+ is smaller than the \d+ bytes of T=8"),
         (lambda: buffer.low_latency_update_mask_buffer(1, True), ValueError, r"rank_to_mask must be < group_size=1"),
@@ -190,6 +198,9 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
 
 
 def test_static_helpers_are_deepep_s():
+    assert deep_ep.topk_idx_t == torch.int64
+    assert deep_ep.Buffer.is_sm90_compiled() == (torch.cuda.is_available()
+                                                 and torch.cuda.get_device_capability() >= (9, 0))
     assert (deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
             == ep.Buffer.get_ep_buffer_size_hint(128, 7168, 8, 256))
     previous = deep_ep.Buffer.num_sms

@@ -408,6 +408,7 @@ def test_deep_ep_calls_with_recv_stats_equal_reference(mode):
         buffer = deep_ep.Buffer(g, 0, case.size, low_latency_mode=True, timeout_us=TIMEOUT_US, num_sms=NUM_SMS)
         x, topk, w = to_torch(xs[r]), to_torch(topks[r]), to_torch(weights[r])
         stats = torch.full((case.num_local_experts,), 1000 + r, dtype=torch.int32, device="cuda")
+        assert buffer.get_comm_stream().cuda_stream == buffer.runtime.comm_stream_ptr
         ready(g)
         for _ in range(2):
             recv, count, handle, event, hook = buffer.low_latency_dispatch(
