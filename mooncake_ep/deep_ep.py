@@ -21,7 +21,8 @@ What differs from DeepEP:
       they do DeepEP's. ``Buffer.group`` is the mooncake_ep group wrapping the ProcessGroup.
     - The kernels measure no wait times: ``dispatch_wait_recv_cost_stats`` and
       ``combine_wait_recv_cost_stats`` are refused, and so is ``use_logfmt`` (a LogFMT combine is
-      not built).
+      not built). A dispatch in DeepEP's older order (``use_fp8`` fifth) is refused, and so is a
+      combine with ``zero_copy=True`` fifth; a combine's other flags after ``handle`` go by name.
     - A rank that stops is masked after ``timeout_us`` (a keyword of the constructor; the default,
       -1, waits forever; DeepEP's kernels give up after a very long fixed time and trap, or mask
       the rank with ``enable_shrink``). The masks are DeepEP's mask buffer
@@ -90,10 +91,12 @@ class Buffer:
         low_latency_mode: must be True.
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy,
             enable_shrink: DeepEP's transport settings, accepted and unused: the transport is chosen
-            from where the ranks are (one process, one host, or RDMA), :meth:`destroy` is always
-            available, and the mask buffer always works.
-        timeout_us: microseconds a kernel waits for a peer before masking it; -1 waits forever, as
-            DeepEP does.
+            from where the ranks are (one process or one host; several hosts are refused until the
+            proxy transport exists), :meth:`destroy` is always available, and the mask buffer
+            always works.
+        comm: must be None (DeepEP's mpi4py communicator for NVSHMEM): an mpi4py communicator goes
+            as ``group``.
+        timeout_us: microseconds a kernel waits for a peer before masking it; -1 waits forever.
         num_sms, backend, kernel_cache_dir: as :class:`mooncake_ep.Buffer`'s.
 
     Attributes:
