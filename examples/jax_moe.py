@@ -264,8 +264,8 @@ def main(argv=None) -> int:
         workspace_bytes = ep.Buffer.get_ep_buffer_size_hint(args.tokens, args.hidden, ranks, args.experts)
         if not gpus:  # CPU ranks: what does not fit fails deep inside XLA
             dense_bytes = ranks * args.tokens * args.experts * args.hidden * 4  # dense_layer's [t, E, H] fp32
-            check_host_memory(f"{ranks} CPU ranks' workspaces and the dense check", ranks * workspace_bytes + dense_bytes,
-                              "--tokens, --hidden or --experts")
+            check_host_memory(f"{ranks} CPU ranks' workspaces and the dense check",
+                              ranks * workspace_bytes + dense_bytes, "--tokens, --hidden or --experts")
     except (ValueError, UsageError) as exc:
         parser.error(str(exc).replace("get_ep_buffer_size_hint: ", ""))
     params = init_params(args.seed, args.hidden, args.experts)

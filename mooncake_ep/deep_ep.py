@@ -185,7 +185,8 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Bytes of ``num_rdma_bytes`` that a configuration needs (:meth:`mooncake_ep.Buffer.get_ep_buffer_size_hint`)."""
+        """Bytes of ``num_rdma_bytes`` that a configuration needs
+        (:meth:`mooncake_ep.Buffer.get_ep_buffer_size_hint`)."""
         return _Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

@@ -1380,7 +1380,8 @@ def test_buffer_smaller_than_the_hint_is_refused_and_stays_usable_for_smaller_sh
     (lambda g: ep.Buffer(g, ep_layout.header_bytes() - 1, backend="reference"),
      rf"Buffer: num_ep_buffer_bytes must be >= {ep_layout.header_bytes()}, got {ep_layout.header_bytes() - 1}"),
     (lambda g: ep.Buffer(g, 1 << 20, backend="gpu"), r"Buffer: backend must be 'auto', 'cuda' or 'reference'"),
-    (lambda g: ep.Buffer(object(), 1 << 20, backend="reference"), r"Buffer: group must be a mooncake_ep group \(init_group\(\)'s, or a rank of a LocalGroup: rank_group\(r\), or "
+    (lambda g: ep.Buffer(object(), 1 << 20, backend="reference"),
+     r"Buffer: group must be a mooncake_ep group \(init_group\(\)'s, or a rank of a LocalGroup: rank_group\(r\), or "
      r"what spawn passes\), a torch ProcessGroup or an mpi4py communicator; object has no 'rank'"),
     (lambda g: ep.Buffer(ep.LocalGroup(2), 1 << 20, backend="reference"), r"LocalGroup has no 'rank'"),
 ])

@@ -6,6 +6,7 @@ No assertion is about elapsed time; the process limit only turns a hang into a f
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import os
@@ -99,6 +100,21 @@ def test_demo_fails_beyond_tolerance():
     assert re.search(r"^FAIL: ranks \[0, 1\] have a token off by more than relative error 1e-09 of the same layer "
                      r"computed densely in float32( from the dequantised fp8 tokens)? \(worst: rank [01], ",
                      proc.stdout, re.MULTILINE), proc.stdout
+
+
+def test_the_demo_verdict_names_a_nan_error_and_masked_ranks_apart(capsys):
+    from mooncake_ep.cli import demo
+
+    config = demo.DemoConfig(num_ranks=3, num_experts=6, num_topk=2, hidden=128, num_tokens=4, use_fp8=False,
+                             seed=0, timeout_us=-1)
+    results = [demo.RankResult(0, 4, 8, 0.0, 1e-3, [], True),
+               demo.RankResult(1, 4, 8, float("nan"), float("nan"), [], False),
+               demo.RankResult(2, 4, 8, 0.0, 1e-3, [0], False)]
+    args = argparse.Namespace(tolerance=0.02, json=None)
+    assert demo._report(config, "reference", results, 0.5, args) == cli.EXIT_FAILURE
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert verdict == ("FAIL: ranks [1] have a token off by more than relative error 0.02 of the same layer computed "
+                       "densely in float32 (worst: rank 1, nan); rank 2 masked ranks [0] (0.50 s)")
 
 
 def test_the_demo_check_fails_one_token_missing_an_expert_among_many_right_ones():

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 
@@ -385,10 +386,14 @@ def _report(config: DemoConfig, backend: str, results: list[RankResult], elapsed
     """Print the table and the verdict, write ``--json``; the exit code."""
     _print_table(results)
     failed = [r.rank for r in results if not r.passed]
-    against = "of the same layer computed densely in float32" + (" from the dequantised fp8 tokens" if config.use_fp8 else "")
+    against = "of the same layer computed densely in float32" + (" from the dequantised fp8 tokens"
+                                                                 if config.use_fp8 else "")
     if failed:
-        worst = max(results, key=lambda r: r.relative_error)
-        off = [r.rank for r in results if r.relative_error > args.tolerance]
+        def error(r: RankResult) -> float:  # a NaN error is the worst
+            return math.inf if math.isnan(r.relative_error) else r.relative_error
+
+        worst = max(results, key=error)
+        off = [r.rank for r in results if not error(r) < args.tolerance]
         masking = {r.rank: r.masked_ranks for r in results if r.masked_ranks}
         reasons = [f"ranks {off} have a token off by more than relative error {args.tolerance:g} {against} "
                    f"(worst: rank {worst.rank}, {worst.relative_error:.3g})"] if off else []
