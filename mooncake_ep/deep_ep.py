@@ -336,9 +336,12 @@ class Buffer:
 
 
 def _add(stats: torch.Tensor, recv_count: torch.Tensor) -> None:
-    # Inference mode: DeepEP's kernels write the counts through the pointer, so a tensor made under
-    # torch.inference_mode must be written outside it too (torch refuses that in-place add elsewhere).
-    with torch.inference_mode():
+    if stats.is_inference():
+        # DeepEP's kernels write the counts through the pointer, so a tensor made under
+        # torch.inference_mode is written outside it too (torch refuses that in-place add elsewhere).
+        with torch.inference_mode():
+            stats.add_(recv_count)
+    else:  # (entering inference mode costs ~2 us a call)
         stats.add_(recv_count)
 
 
