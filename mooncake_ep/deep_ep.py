@@ -34,7 +34,6 @@ What differs from DeepEP:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -43,17 +42,17 @@ import torch
 from mooncake_ep import _constants
 from mooncake_ep.buffer import Buffer as _Buffer
 from mooncake_ep.buffer import EventOverlap, Handle
-from mooncake_ep.validation import check_int, check_timeout
+from mooncake_ep.validation import check_experts, check_int, check_timeout
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
 topk_idx_t = torch.int64  # DeepEP's dtype of topk_idx (int32 is taken too)
 
-# DeepEP's high-throughput methods: named here so that a call says what is missing, not AttributeError.
-_HIGH_THROUGHPUT_METHODS = frozenset({
-    "get_dispatch_layout", "dispatch", "combine", "internode_dispatch", "internode_combine", "intranode_dispatch",
-    "intranode_combine", "get_local_buffer_tensor",
-})
+# DeepEP's high-throughput methods (static ones included, called on the class): each raises
+# NotImplementedError when called, so a call says what is missing and hasattr() finds them as in DeepEP.
+_HIGH_THROUGHPUT_METHODS = ("capture", "get_dispatch_config", "get_combine_config", "get_dispatch_layout", "dispatch",
+                            "combine", "internode_dispatch", "internode_combine", "intranode_dispatch",
+                            "intranode_combine", "get_local_buffer_tensor")
 
 
 def _high_throughput(name: str) -> NotImplementedError:
@@ -142,24 +141,6 @@ class Buffer:
 
     def __repr__(self) -> str:
         return f"deep_ep.Buffer(rank={self.rank}, group_size={self.group_size}, runtime={self.runtime!r})"
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _HIGH_THROUGHPUT_METHODS:
-            raise _high_throughput(f"Buffer.{name}")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    # DeepEP's static high-throughput helpers, called on the class (where __getattr__ does not apply).
-    @staticmethod
-    def capture() -> EventOverlap:
-        raise _high_throughput("Buffer.capture")
-
-    @staticmethod
-    def get_dispatch_config(num_ranks: int) -> Config:
-        raise _high_throughput("Buffer.get_dispatch_config")
-
-    @staticmethod
-    def get_combine_config(num_ranks: int) -> Config:
-        raise _high_throughput("Buffer.get_combine_config")
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -312,7 +293,7 @@ class Buffer:
 
             def counted_hook() -> None:
                 hook()
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                with torch.cuda.stream(stream):  # None (CPU tensors): no stream to switch to
                     _add(stats, recv_count)
 
             return event, counted_hook
@@ -333,6 +314,19 @@ class Buffer:
                                 extra=event.extra), None
         _add(stats, recv_count)  # the caller's stream, after the receive (or the host's reference result)
         return event, hook
+
+
+def _refuse_high_throughput(name: str) -> staticmethod:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise _high_throughput(f"Buffer.{name}")
+
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = "DeepEP's high-throughput mode, not built in mooncake_ep: raises NotImplementedError."
+    return staticmethod(refuse)
+
+
+for _name in _HIGH_THROUGHPUT_METHODS:
+    setattr(Buffer, _name, _refuse_high_throughput(_name))
 
 
 def _add(stats: torch.Tensor, recv_count: torch.Tensor) -> None:
@@ -362,12 +356,9 @@ def _check_recv_stats(where: str, stats: Any, x: torch.Tensor, num_experts: Any,
     if not isinstance(stats, torch.Tensor):
         hint = " (DeepEP's older API had use_fp8 fifth: pass it by name)" if isinstance(stats, bool) else ""
         raise TypeError(f"{where}: {name} must be an int32 torch.Tensor or None, got {type(stats).__name__}{hint}")
-    # num_experts itself is checked by the dispatch; the shape only where it is a valid count.
-    shape = ((int(num_experts) // num_ranks,)
-             if isinstance(num_experts, int) and not isinstance(num_experts, bool) and num_experts > 0
-             and num_experts % num_ranks == 0 else tuple(stats.shape))
-    if stats.dtype != torch.int32 or tuple(stats.shape) != shape or not stats.is_contiguous():
-        raise ValueError(f"{where}: {name} must be a contiguous [{shape[0] if shape else '?'}] int32 tensor "
-                         f"(one count per local expert), got {list(stats.shape)} {stats.dtype}")
+    num_local_experts = check_experts(where, num_experts, num_ranks) // num_ranks  # as the dispatch checks it
+    if stats.dtype != torch.int32 or tuple(stats.shape) != (num_local_experts,) or not stats.is_contiguous():
+        raise ValueError(f"{where}: {name} must be a contiguous [{num_local_experts}] int32 tensor (one count per "
+                         f"local expert), got {list(stats.shape)} {stats.dtype}")
     if stats.device != x.device:
         raise ValueError(f"{where}: {name} is on {stats.device}, x on {x.device}: both must be on one device")

@@ -179,6 +179,7 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
     for call, exc, pattern in refusals:
         with pytest.raises(exc, match=pattern):
             call()
+    assert hasattr(buffer, "get_dispatch_layout")  # there, as in DeepEP: it is calling it that is refused
     with pytest.raises(AttributeError, match="no attribute 'low_latency_dispach'"):
         buffer.low_latency_dispach  # noqa: B018 (a typo stays an AttributeError)
 

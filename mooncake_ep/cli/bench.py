@@ -878,11 +878,10 @@ def check_against_baseline(args, inputs: list[dict], dispatched: dict, combined:
                                f"baseline's {expected.recv_count[r].tolist()}")
         rows, scales = recv_x if args.fp8 else (recv_x, None)
         for e, count in enumerate(expected.recv_count[r].tolist()):
-            wrong = [name for name, got, want in (
-                ("recv_x", rows[e, :count].view(torch.uint8), expected.recv_x[r][e, :count].view(torch.uint8)),
-                ("scales", None if scales is None else scales[e, :count],
-                 None if scales is None else expected.recv_scales[r][e, :count])) if got is not None
-                and not torch.equal(got, want)]
+            pairs = [("recv_x", rows[e, :count].view(torch.uint8), expected.recv_x[r][e, :count].view(torch.uint8))]
+            if scales is not None:
+                pairs.append(("scales", scales[e, :count], expected.recv_scales[r][e, :count]))
+            wrong = [name for name, got, want in pairs if not torch.equal(got, want)]
             if wrong:
                 raise RuntimeError(f"bench: rank {r}'s {' and '.join(wrong)} of local expert {e} differ from the "
                                    f"torch baseline's")
