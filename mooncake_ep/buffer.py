@@ -427,7 +427,8 @@ class Buffer:
                 The receive half reads ``active_ranks`` when it runs: a rank masked by then sends
                 this rank nothing, one re-admitted by then is received (if it sent).
             out: ``(recv_x, recv_count)`` arrays to write into, shaped as the results (for graphs); with
-                use_fp8 ``((x_fp8, scales), recv_count)``, scales row-major or in the results' layout.
+                use_fp8 ``((x_fp8, scales), recv_count)``, scales row-major or in DeepEP's layout
+                (column-major in their last two dimensions).
             stream: the CUDA stream to launch on instead of the arrays' framework's current one: a
                 ``torch.cuda.Stream``, a ``cupy.cuda.Stream``, an object with ``__cuda_stream__``, or
                 a ``cudaStream_t`` as an int (1 reads as 0, the legacy default stream; 2, the
@@ -446,9 +447,9 @@ class Buffer:
             recv_x: ``[num_local_experts, num_ranks * T, hidden]`` bf16, or with use_fp8 a pair
             ``(x_fp8 [num_local_experts, num_ranks * T, hidden] float8_e4m3fn, scales
             [num_local_experts, num_ranks * T, hidden / 128] fp32)`` (int32 ``[..., ceil(hidden / 512)]``
-            with use_ue8m0), the scales laid out as DeepEP's: column-major in their last two
-            dimensions (a transposed view of ``[num_local_experts, hidden / 128, num_ranks * T]``, the
-            layout DeepGEMM's TMA loads read; JAX arrays, which have no strides, are row-major); rows
+            with use_ue8m0); torch callers get the scales laid out as DeepEP's: column-major in their
+            last two dimensions (a transposed view of ``[num_local_experts, hidden / 128, num_ranks *
+            T]``, the layout DeepGEMM's TMA loads read), numpy, cupy and JAX callers row-major; rows
             are ordered by source rank, then token; rows past recv_count[e] are undefined.
             recv_count: ``[num_local_experts]`` int32. handle: for combine.
             event: :class:`EventOverlap`. hook: a callable with return_recv_hook, else None.
@@ -614,7 +615,7 @@ class Buffer:
         if out_views is None:
             check_allocatable(where, "x", x_view)
         return _Plan.of(num_tokens, hidden, num_topk, specs, _dispatch_spans(out_views, active_view, x_view, topk_view),
-                        swapped_last_axes=_SWAPPED_RESULTS)
+                        swapped_last_axes=_SWAPPED_RESULTS if x_view.framework in _SWAPPING_FRAMEWORKS else ())
 
     def _check_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
                         num_max_dispatch_tokens_per_rank: int, num_experts: int, *, timeout_us: int, use_fp8: bool,
@@ -1421,9 +1422,15 @@ class _Plan(NamedTuple):
         return cls(num_tokens, hidden, num_topk, specs, strides, swapped, tuple(view.nbytes for view in spans))
 
 
-# Results made, and accepted as out=, with their last two dimensions swapped: the fp8 scales, as
-# DeepEP returns them (column-major [rows, columns] per local expert, for TMA).
+# Results accepted as out= with their last two dimensions swapped, and made so for torch callers: the
+# fp8 scales, as DeepEP returns them (column-major [rows, columns] per local expert, what DeepGEMM's TMA
+# loads read). numpy, cupy and JAX callers get them row-major: no GEMM of theirs wants the other
+# layout, JAX arrays have no strides, and on the H200 an in-process rank that had read swapped scales
+# back with cupy.asnumpy (a copy under `with stream:` inside cupy, for a non-contiguous array) made
+# its next call on another current stream than its own (the legacy default); the cause was not
+# pinned down, and row-major cupy results are what every earlier GPU run tested.
 _SWAPPED_RESULTS = ("recv_scales",)
+_SWAPPING_FRAMEWORKS = ("torch",)
 
 
 def _scale_strides(view: ArrayView) -> tuple[int, int]:

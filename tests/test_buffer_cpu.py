@@ -25,7 +25,7 @@ import mooncake_ep as ep
 from mooncake_ep import layout as ep_layout
 from mooncake_ep import reference
 from mooncake_ep.buffer import EventOverlap, Handle, _Plan
-from mooncake_ep.tensor import DeviceMemoryArray, read_array, swapped_last_axes_strides
+from mooncake_ep.tensor import DeviceMemoryArray, c_contiguous_strides, read_array, swapped_last_axes_strides
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 # Seconds a collective waits in these tests: a call that communicated on one rank only fails fast.
@@ -326,8 +326,10 @@ def test_framework_callers_get_their_own_arrays(framework):
         expert_out = to_framework(expert_fn(group.rank, to_numpy(q), to_numpy(scales), UE8M0_FLAGS), framework)
         combined, _, _ = buf.combine(expert_out, args["topk_idx"], to_framework(case.weights[group.rank], framework),
                                      args["active_ranks"], -1, handle)
-        if framework != "jax":  # the scales come as DeepEP's: column-major in their last two dimensions
-            assert to_numpy(scales).strides == tuple(4 * s for s in swapped_last_axes_strides(tuple(scales.shape)))
+        # torch's scales come as DeepEP's (column-major in their last two dimensions), the others row-major.
+        strides = swapped_last_axes_strides(tuple(scales.shape)) if framework == "torch" else (
+            c_contiguous_strides(tuple(scales.shape)))
+        assert to_numpy(scales).strides == tuple(4 * s for s in strides)
         return [type(obj) for obj in (q, scales, count, combined)]
 
     for types in spawn(2, rank_fn):

@@ -1,15 +1,17 @@
 """Per-framework glue: allocate, convert and wrap arrays in the caller's framework.
 
-Each module (``numpy``, ``torch``, ``jax``, ``cupy``) exposes the same five functions, and is
+Each module (``numpy``, ``torch``, ``jax``, ``cupy``) exposes the same four functions, and is
 imported only by :func:`get`, so ``import mooncake_ep`` imports no framework:
 
 - ``empty(shape, dtype, device_type, device_id)``: a new, uninitialised array.
-- ``empty_swapped(shape, strides, dtype, device_type, device_id)``: a new array laid out with its last
-  two dimensions swapped (``strides``, DeepEP's layout of the fp8 scales).
 - ``from_numpy(arr, like)``: an array of the framework holding ``arr``'s values, on ``like``'s
   device.
 - ``current_stream(device_id) -> int``: the framework's current CUDA stream handle.
 - ``wrap(array)``: the framework's array sharing a :class:`~mooncake_ep.tensor.DeviceMemoryArray`.
+
+``torch`` also has ``empty_swapped(shape, strides, dtype, device_type, device_id)``: a new array laid
+out with its last two dimensions swapped (``strides``), DeepEP's layout of the fp8 scales, which only
+torch callers get.
 
 The JAX ops (``jax_ops``, ``jax_split``, ``jax_args``) live here too, beside the JAX glue; they
 are reached through :mod:`mooncake_ep.jax`, not through :func:`get`.

@@ -19,7 +19,7 @@ from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray
 if TYPE_CHECKING:
     import cupy
 
-__all__ = ["RAW_BITS_DTYPES", "empty", "empty_swapped", "from_numpy", "current_stream", "wrap"]
+__all__ = ["RAW_BITS_DTYPES", "empty", "from_numpy", "current_stream", "wrap"]
 
 # Our dtype -> the cupy dtype that carries its bits.
 RAW_BITS_DTYPES = {"bfloat16": "uint16", "float8_e4m3fn": "uint8"}
@@ -56,14 +56,6 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
         return cupy.empty(tuple(shape), dtype=np_dtype)
     with cupy.cuda.Device(device_id):
         return cupy.empty(tuple(shape), dtype=np_dtype)
-
-
-def empty_swapped(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, device_type: str,
-                  device_id: int) -> cupy.ndarray:
-    """Returns :func:`empty` of ``shape`` laid out with its last two dimensions swapped (``strides``:
-    ``swapped_last_axes_strides(shape)``, which this layout has)."""
-    *outer, rows, columns = shape
-    return empty((*outer, columns, rows), dtype, device_type, device_id).swapaxes(-1, -2)
 
 
 def from_numpy(arr: np.ndarray, like: ArrayView) -> cupy.ndarray:

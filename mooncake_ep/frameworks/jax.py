@@ -17,7 +17,7 @@ from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, numpy_dtype
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["empty", "empty_swapped", "from_numpy", "current_stream", "wrap"]
+__all__ = ["empty", "from_numpy", "current_stream", "wrap"]
 
 _64_BIT_DTYPES = ("int64", "float64")
 
@@ -55,14 +55,6 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
         raise TypeError(f"jax.empty: device_type must be 'cpu', got {device_type!r}; JAX arrays "
                         f"are immutable, GPU outputs are allocated by XLA (use mooncake_ep.jax)")
     return np.empty(shape, numpy_dtype(dtype))
-
-
-def empty_swapped(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, device_type: str,
-                  device_id: int) -> np.ndarray:
-    """Returns :func:`empty`'s scratch array of ``shape`` laid out with its last two dimensions swapped
-    (``strides``); :func:`from_numpy` then makes a JAX array of its values (JAX arrays have no strides)."""
-    *outer, rows, columns = shape
-    return empty((*outer, columns, rows), dtype, device_type, device_id).swapaxes(-1, -2)
 
 
 def from_numpy(arr: np.ndarray, like: ArrayView) -> jax.Array:

@@ -10,7 +10,7 @@ import numpy as np
 
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, numpy_dtype, read_array
 
-__all__ = ["empty", "empty_swapped", "from_numpy", "current_stream", "wrap"]
+__all__ = ["empty", "from_numpy", "current_stream", "wrap"]
 
 
 def _require_cpu(device_type: str, where: str) -> None:
@@ -28,14 +28,6 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str = "cpu",
     """
     _require_cpu(device_type, "numpy.empty: device_type")
     return np.empty(shape, numpy_dtype(dtype))
-
-
-def empty_swapped(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, device_type: str,
-                  device_id: int) -> np.ndarray:
-    """Returns :func:`empty` of ``shape`` laid out with its last two dimensions swapped (``strides``:
-    ``swapped_last_axes_strides(shape)``, which this layout has)."""
-    *outer, rows, columns = shape
-    return empty((*outer, columns, rows), dtype, device_type, device_id).swapaxes(-1, -2)
 
 
 def from_numpy(arr: np.ndarray, like: ArrayView) -> np.ndarray:
