@@ -40,7 +40,8 @@
 //     - the rows are numbered over the grid in pair order; warp w of W copies the rows numbered w
 //       modulo W: one load per lane finds the source tokens of its next 32 rows, then each row (and
 //       its scales; packed to UE8M0 when asked) is copied from the source's send_x into
-//       recv_x[e_l][row];
+//       recv_x[e_l][row] (and recv_scales[e_l][row], row-major or DeepEP's column-major view:
+//       the caller's array's strides are kernel arguments);
 //     - block 0 writes recv_range and recv_count (the handle combine reads); the last block to
 //       finish sets to 0 the rows in recv_range of every source a block found unstaged, clears those
 //       bits, and stores step into state.dispatch_step[parity]. The zero rows stay counted in
@@ -361,9 +362,10 @@ __device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t
 }
 #endif
 
-// One warp copies one received row from the source's staging into recv_x, and its scales.
+// One warp copies one received row from the source's staging into recv_x, and its scales: 4-byte
+// scale column j of the row at dst_scale_row + j * scale_column_stride.
 __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* src_scale_row, uint8_t* dst_row,
-                                         void* dst_scale_row, int row_bytes, int num_scales) {
+                                         void* dst_scale_row, int row_bytes, int num_scales, int scale_column_stride) {
 #if EP_USE_FP8
     const int lane = threadIdx.x % kWarpSize;
     // The scales first: their loads then overlap the row's.
@@ -377,11 +379,12 @@ __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* sr
             const int j = 4 * w + b;
             if (j < num_scales) word |= ue8m0_byte(ld_cg_float(src_scale_row + j)) << (8 * b);
         }
-        st_once(static_cast<uint32_t*>(dst_scale_row) + w, word);
+        st_once(static_cast<uint32_t*>(dst_scale_row) + static_cast<int64_t>(w) * scale_column_stride, word);
     }
 #else
     for (int j = lane; j < num_scales; j += kWarpSize)
-        st_once(static_cast<float*>(dst_scale_row) + j, ld_cg_float(src_scale_row + j));
+        st_once(static_cast<float*>(dst_scale_row) + static_cast<int64_t>(j) * scale_column_stride,
+                ld_cg_float(src_scale_row + j));
 #endif
 #endif
     warp_copy<true>(reinterpret_cast<const int4*>(src_row), reinterpret_cast<int4*>(dst_row),
@@ -390,10 +393,12 @@ __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* sr
 
 // One warp writes a received row, and its scales, as zeros: the row of a source that stopped after
 // its routing flag (counted, never staged). fp8 scale 0 (UE8M0 byte 0) dequantises to 0 as well.
-__device__ __forceinline__ void zero_row(uint8_t* dst_row, void* dst_scale_row, int row_bytes, int num_scale_words) {
+__device__ __forceinline__ void zero_row(uint8_t* dst_row, void* dst_scale_row, int row_bytes, int num_scale_columns,
+                                         int scale_column_stride) {
     const int lane = threadIdx.x % kWarpSize;
     if (EP_USE_FP8)
-        for (int w = lane; w < num_scale_words; w += kWarpSize) st_once(static_cast<uint32_t*>(dst_scale_row) + w, 0u);
+        for (int w = lane; w < num_scale_columns; w += kWarpSize)
+            st_once(static_cast<uint32_t*>(dst_scale_row) + static_cast<int64_t>(w) * scale_column_stride, 0u);
     for (int v = lane; v < row_bytes / static_cast<int>(sizeof(int4)); v += kWarpSize)
         st_once(reinterpret_cast<int4*>(dst_row) + v, make_int4(0, 0, 0, 0));
 }
@@ -405,8 +410,8 @@ using namespace ep;
 extern "C" __global__ void __launch_bounds__(EP_NUM_THREADS, 1)
 ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8_t* workspace, int rank,
             const int4* __restrict__ x, int num_tokens, const void* __restrict__ topk_idx, int topk_is_int64,
-            int num_topk, int* active_ranks, uint8_t* recv_x, void* recv_scales, int* recv_count,
-            long long timeout_ns) {
+            int num_topk, int* active_ranks, uint8_t* recv_x, void* recv_scales, int scale_row_stride,
+            int scale_column_stride, int* recv_count, long long timeout_ns) {
     // send: block 0's per-expert prefix; recv: rows per (source, local expert) pair
     __shared__ int s_counts[EP_MAX_EXPERTS + 1];
     __shared__ int s_start[EP_MAX_EXPERTS];  // send: block 0's running counts; recv: first send_list entry per pair
@@ -481,7 +486,10 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         const int64_t num_rows_per_expert = static_cast<int64_t>(num_ranks) * layout.num_max_tokens;
         int* s_base = reinterpret_cast<int*>(s_bits);
         const int out_row_bytes = EP_USE_FP8 ? hidden : hidden * 2;
-        const int out_scale_stride = EP_USE_UE8M0 ? (num_scales + 3) / 4 : num_scales;
+        // recv_scales[e_l][row][column], 4-byte words: at e_l * rows per expert * columns + row *
+        // scale_row_stride + column * scale_column_stride; row-major (columns, 1) or DeepEP's
+        // column-major view (1, rows per expert), as the caller's array is laid out.
+        const int num_scale_columns = EP_USE_UE8M0 ? (num_scales + 3) / 4 : num_scales;
         const int num_warps_total = gridDim.x * kNumWarps;
         const int global_warp = blockIdx.x * kNumWarps + warp;
         const int num_pairs = num_ranks * num_local_experts;
@@ -518,7 +526,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         for (int base = global_warp; base < num_rows; base += kWarpSize * num_warps_total) {
             const int my_n = base + lane * num_warps_total;
             int my_src = 0, my_token = 0;
-            int64_t my_out_row = 0;
+            int64_t my_out_row = 0, my_scale_offset = 0;
             if (my_n < num_rows) {
                 const int pair = upper_bound(s_flat, num_pairs, my_n) - 1;
                 const int local_expert = pair % num_local_experts;
@@ -529,6 +537,8 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                     my_token = ld_cg_int(send_list + s_start[pair] + j);
                 }
                 my_out_row = local_expert * num_rows_per_expert + s_base[pair] + j;
+                my_scale_offset = local_expert * num_rows_per_expert * num_scale_columns +
+                                  static_cast<int64_t>(s_base[pair] + j) * scale_row_stride;
             }
             const int rows_here = min(kWarpSize, (num_rows - base + num_warps_total - 1) / num_warps_total);
             if (base == global_warp) EP_TRACE_POINT(15);  // thread 0: warp 0's first row, found
@@ -536,18 +546,20 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                 const int src = __shfl_sync(kFullMask, my_src, i);
                 const int token = __shfl_sync(kFullMask, my_token, i);
                 const int64_t out_row = __shfl_sync(kFullMask, my_out_row, i);
-                void* out_scales = EP_USE_FP8 ? static_cast<void*>(static_cast<uint8_t*>(recv_scales) +
-                                                                  out_row * out_scale_stride * 4)
+                void* out_scales = EP_USE_FP8 ? static_cast<void*>(static_cast<uint32_t*>(recv_scales) +
+                                                                  __shfl_sync(kFullMask, my_scale_offset, i))
                                               : nullptr;
                 if (!s_staged[src]) {
-                    zero_row(recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, out_scale_stride);
+                    zero_row(recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scale_columns,
+                             scale_column_stride);
                     continue;
                 }
                 const uint8_t* src_row = reinterpret_cast<const uint8_t*>(route[src] + layout.send_x[parity]) +
                                          token * layout.send_row_bytes;
                 const float* src_scales = reinterpret_cast<const float*>(route[src] + layout.send_scales[parity]) +
                                           static_cast<int64_t>(token) * num_scales;
-                copy_row(src_row, src_scales, recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scales);
+                copy_row(src_row, src_scales, recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scales,
+                         scale_column_stride);
             }
         }
         EP_TRACE_POINT(6);

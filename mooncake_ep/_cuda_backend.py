@@ -390,13 +390,16 @@ class CudaBackend:
 
     def dispatch_launch(self, parity: int, layout_ptr: int, *, x_ptr: int, num_tokens: int, topk_ptr: int,
                         topk_is_int64: bool, num_topk: int, active_ptr: int, recv_x_ptr: int, recv_scales_ptr: int,
-                        recv_count_ptr: int, timeout_ns: int, use_fp8: bool, round_scale: bool,
-                        use_ue8m0: bool) -> Callable[[int, int], None]:
+                        scale_row_stride: int, scale_column_stride: int, recv_count_ptr: int, timeout_ns: int,
+                        use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> Callable[[int, int], None]:
         """The launch of one dispatch, as ``launch(phases, stream_ptr)``: the arguments are bound once
-        here, so that launching (once, or twice in hook mode) only packs them."""
+        here, so that launching (once, or twice in hook mode) only packs them. ``scale_row_stride``,
+        ``scale_column_stride``: recv_scales' strides in 4-byte elements (row-major, or DeepEP's
+        column-major view); its local experts are ``rows * columns`` apart either way."""
         launcher = self.launchers[kernels.dispatch_launcher_name(use_fp8, round_scale, use_ue8m0)]
         args = (parity, layout_ptr, self.workspace.ptr, self.group.rank, x_ptr, num_tokens, topk_ptr, topk_is_int64,
-                num_topk, active_ptr, recv_x_ptr, recv_scales_ptr, recv_count_ptr, timeout_ns)
+                num_topk, active_ptr, recv_x_ptr, recv_scales_ptr, scale_row_stride, scale_column_stride,
+                recv_count_ptr, timeout_ns)
         return lambda phases, stream_ptr: self._launch(launcher, (phases, *args), stream_ptr)
 
     def combine_launch(self, parity: int, layout_ptr: int, *, expert_out_ptr: int, zero_copy: bool, num_tokens: int,

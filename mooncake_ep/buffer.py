@@ -25,7 +25,8 @@ from mooncake_ep import _constants, _handshake, frameworks, layout, reference
 from mooncake_ep._handshake import CONFIGURATION_FIELDS
 from mooncake_ep._reference_backend import ReferenceBackend
 from mooncake_ep.group import init_group, is_communicator
-from mooncake_ep.tensor import ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array, same_stream
+from mooncake_ep.tensor import (ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array, same_stream,
+                                swapped_last_axes_strides)
 from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_allocatable, check_array, check_disjoint,
                                     check_element_aligned, check_expert_ids, check_experts, check_flags, check_hidden,
                                     check_int, check_mutable, check_out, check_same_routing, check_timeout,
@@ -425,7 +426,9 @@ class Buffer:
                 a dispatch-experts-combine step, ensures it; the host can only check its own hooks).
                 The receive half reads ``active_ranks`` when it runs: a rank masked by then sends
                 this rank nothing, one re-admitted by then is received (if it sent).
-            out: ``(recv_x, recv_count)`` arrays to write into, shaped as the results (for graphs).
+            out: ``(recv_x, recv_count)`` arrays to write into, shaped as the results (for graphs); with
+                use_fp8 ``((x_fp8, scales), recv_count)``, scales row-major or in DeepEP's layout
+                (column-major in their last two dimensions).
             stream: the CUDA stream to launch on instead of the arrays' framework's current one: a
                 ``torch.cuda.Stream``, a ``cupy.cuda.Stream``, an object with ``__cuda_stream__``, or
                 a ``cudaStream_t`` as an int (1 reads as 0, the legacy default stream; 2, the
@@ -444,8 +447,11 @@ class Buffer:
             recv_x: ``[num_local_experts, num_ranks * T, hidden]`` bf16, or with use_fp8 a pair
             ``(x_fp8 [num_local_experts, num_ranks * T, hidden] float8_e4m3fn, scales
             [num_local_experts, num_ranks * T, hidden / 128] fp32)`` (int32 ``[..., ceil(hidden / 512)]``
-            with use_ue8m0); rows are ordered by source rank, then token; rows past recv_count[e] are
-            undefined. recv_count: ``[num_local_experts]`` int32. handle: for combine.
+            with use_ue8m0); torch callers get the scales laid out as DeepEP's: column-major in their
+            last two dimensions (a transposed view of ``[num_local_experts, hidden / 128, num_ranks *
+            T]``, the layout DeepGEMM's TMA loads read), numpy, cupy and JAX callers row-major; rows
+            are ordered by source rank, then token; rows past recv_count[e] are undefined.
+            recv_count: ``[num_local_experts]`` int32. handle: for combine.
             event: :class:`EventOverlap`. hook: a callable with return_recv_hook, else None.
 
         Note:
@@ -605,10 +611,11 @@ class Buffer:
         if use_fp8:
             specs.append(("recv_scales", scale_shape, "int32" if use_ue8m0 else "float32"))
         specs.append(("recv_count", (num_local_experts,), "int32"))
-        check_out(where, out_views, specs, x_view)
+        check_out(where, out_views, specs, x_view, swapped_last_axes=_SWAPPED_RESULTS)
         if out_views is None:
             check_allocatable(where, "x", x_view)
-        return _Plan.of(num_tokens, hidden, num_topk, specs, _dispatch_spans(out_views, active_view, x_view, topk_view))
+        return _Plan.of(num_tokens, hidden, num_topk, specs, _dispatch_spans(out_views, active_view, x_view, topk_view),
+                        swapped_last_axes=_SWAPPED_RESULTS if x_view.framework in _SWAPPING_FRAMEWORKS else ())
 
     def _check_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
                         num_max_dispatch_tokens_per_rank: int, num_experts: int, *, timeout_us: int, use_fp8: bool,
@@ -691,11 +698,12 @@ class Buffer:
         """
         cuda = self._cuda
         _, layout_ptr = cuda.layout_for(num_max_dispatch_tokens_per_rank, x_view.shape[1], num_experts)
-        recv_scales_ptr = out_views[1].ptr if use_fp8 else 0
+        recv_scales_ptr, scale_strides = (out_views[1].ptr, _scale_strides(out_views[1])) if use_fp8 else (0, (0, 0))
         return cuda.dispatch_launch(parity, layout_ptr, x_ptr=x_view.ptr, num_tokens=x_view.shape[0],
                                     topk_ptr=topk_view.ptr, topk_is_int64=topk_view.dtype == "int64",
                                     num_topk=topk_view.shape[1], active_ptr=active_view.ptr, recv_x_ptr=out_views[0].ptr,
-                                    recv_scales_ptr=recv_scales_ptr, recv_count_ptr=out_views[-1].ptr,
+                                    recv_scales_ptr=recv_scales_ptr, scale_row_stride=scale_strides[0],
+                                    scale_column_stride=scale_strides[1], recv_count_ptr=out_views[-1].ptr,
                                     timeout_ns=_timeout_ns(timeout_us), use_fp8=use_fp8, round_scale=round_scale,
                                     use_ue8m0=use_ue8m0)
 
@@ -1285,10 +1293,13 @@ class Buffer:
         """The results of a call, allocated in the caller's framework on its device."""
         fw = frameworks.get(like.framework)
         results = []
-        for (name, shape, dtype), strides in zip(plan.specs, plan.result_strides):
-            obj = fw.empty(shape, dtype, like.device_type, like.device_id)
-            # An array just made contiguous with the spec's shape and dtype: only its address is new, so
-            # read_array's checks are skipped for torch and cupy (~1 us per result).
+        for (name, shape, dtype), strides, swapped in zip(plan.specs, plan.result_strides, plan.result_swapped):
+            if swapped:
+                obj = fw.empty_swapped(shape, strides, dtype, like.device_type, like.device_id)
+            else:
+                obj = fw.empty(shape, dtype, like.device_type, like.device_id)
+            # An array just made dense with the spec's shape, layout and dtype: only its address is new,
+            # so read_array's checks are skipped for torch and cupy (~1 us per result).
             if like.framework == "torch":
                 view = ArrayView(obj, obj.data_ptr(), shape, strides, dtype, like.device_type, like.device_id,
                                  "torch", obj)
@@ -1391,19 +1402,43 @@ class _Plan(NamedTuple):
     hidden: int
     num_topk: int
     specs: tuple  # (name, shape, dtype) of each result; shape a tuple
-    # C-contiguous strides of each result, in elements: worked out once per plan, not per
-    # allocating call (~0.8 us a result).
+    # Strides of each result as the call makes it, in elements: worked out once per plan, not per
+    # allocating call (~0.8 us a result). C-contiguous, or swapped_last_axes_strides where
+    # result_swapped says so.
     result_strides: tuple
+    result_swapped: tuple
     # The bytes of each array of the call, in check_disjoint's order (_DISPATCH_SPAN_NAMES).
     span_nbytes: tuple = ()
 
     @classmethod
-    def of(cls, num_tokens: int, hidden: int, num_topk: int, specs, spans=()) -> _Plan:
+    def of(cls, num_tokens: int, hidden: int, num_topk: int, specs, spans=(), swapped_last_axes=()) -> _Plan:
         """The plan of a call whose results are ``specs``, (name, shape, dtype) each; ``spans``: the
-        call's arrays in check_disjoint's order."""
+        call's arrays in check_disjoint's order; ``swapped_last_axes``: the names of the results made
+        with their last two dimensions swapped (:func:`~mooncake_ep.tensor.swapped_last_axes_strides`)."""
         specs = tuple((name, tuple(shape), dtype) for name, shape, dtype in specs)
-        return cls(num_tokens, hidden, num_topk, specs, tuple(c_contiguous_strides(shape) for _, shape, _ in specs),
-                   tuple(view.nbytes for view in spans))
+        swapped = tuple(name in swapped_last_axes for name, _, _ in specs)
+        strides = tuple(swapped_last_axes_strides(shape) if swap else c_contiguous_strides(shape)
+                        for (_, shape, _), swap in zip(specs, swapped))
+        return cls(num_tokens, hidden, num_topk, specs, strides, swapped, tuple(view.nbytes for view in spans))
+
+
+# Results accepted as out= with their last two dimensions swapped, and made so for torch callers: the
+# fp8 scales, as DeepEP returns them (column-major [rows, columns] per local expert, what DeepGEMM's TMA
+# loads read). numpy, cupy and JAX callers get them row-major: no GEMM of theirs wants the other
+# layout, JAX arrays have no strides, and on the H200 an in-process rank that had read swapped scales
+# back with cupy.asnumpy (a copy under `with stream:` inside cupy, for a non-contiguous array) made
+# its next call on another current stream than its own (the legacy default); the cause was not
+# pinned down, and row-major cupy results are what every earlier GPU run tested.
+_SWAPPED_RESULTS = ("recv_scales",)
+_SWAPPING_FRAMEWORKS = ("torch",)
+
+
+def _scale_strides(view: ArrayView) -> tuple[int, int]:
+    """The row and column strides of recv_scales ``[E_l, rows, columns]`` (checked dense, row-major or
+    swapped) for the kernel, in 4-byte elements; 0 for an extent of 1, whose stride any value may have."""
+    _, rows, columns = view.shape
+    row_stride, column_stride = view.strides[1:]
+    return (row_stride if rows > 1 else 0), (column_stride if columns > 1 else 0)
 
 
 # Checked plans a Buffer keeps; far more than the configurations an engine uses.

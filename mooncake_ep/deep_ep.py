@@ -19,8 +19,6 @@ What differs from DeepEP:
       ``Buffer.get_dispatch_config``...) and :class:`Config`'s size hints raise NotImplementedError.
     - The handle is a :class:`mooncake_ep.Handle`, not a tuple of tensors; callers pass it on as
       they do DeepEP's. ``Buffer.group`` is the mooncake_ep group wrapping the ProcessGroup.
-    - The fp8 scales are in :meth:`mooncake_ep.Buffer.dispatch`'s layout (see its docstring: the
-      README says where it differs from DeepEP's column-major view).
     - The kernels measure no wait times: ``dispatch_wait_recv_cost_stats`` and
       ``combine_wait_recv_cost_stats`` are refused, and so is ``use_logfmt`` (a LogFMT combine is
       not built). A dispatch in DeepEP's older order (``use_fp8`` fifth) is refused, and so is a

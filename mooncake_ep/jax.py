@@ -153,7 +153,8 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
     Returns:
         ``(recv_x, recv_count, handle, active_ranks)``: recv_x ``[num_local_experts, num_ranks * T,
         hidden]`` bf16, or with use_fp8 ``(x_fp8 float8_e4m3fn [same], scales [num_local_experts,
-        num_ranks * T, hidden / 128] fp32)`` (int32 ``[..., ceil(hidden / 512)]`` with use_ue8m0); rows
+        num_ranks * T, hidden / 128] fp32)`` (int32 ``[..., ceil(hidden / 512)]`` with use_ue8m0; row-major,
+        as every JAX array, where Buffer.dispatch's torch results are DeepEP's column-major view); rows
         ordered by source rank then token, rows past recv_count[e] undefined. recv_count
         ``[num_local_experts]`` int32. handle: :class:`Handle`, for :func:`combine`. active_ranks
         ``[num_ranks]`` int32, with 0 for the ranks this call timed out on.

@@ -700,7 +700,7 @@ def _loaded_function(cubin: bytes, name: str, device_id: int):
 _ARG_SLOT_BYTES = 8
 _ARG_SLOT_FORMATS = {"i": "i4x", "q": "q", "Q": "Q"}
 # Parameters of the entry points, in order (ll_dispatch.cu, ll_combine.cu).
-DISPATCH_ARG_FORMAT = "iiQQiQiQiiQQQQq"
+DISPATCH_ARG_FORMAT = "iiQQiQiQiiQQQiiQq"
 COMBINE_ARG_FORMAT = "iiQQiQiiQiiQQQiq"
 
 

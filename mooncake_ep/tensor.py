@@ -58,6 +58,7 @@ __all__ = [
     "DeviceMemoryArray",
     "read_array",
     "c_contiguous_strides",
+    "swapped_last_axes_strides",
     "masked_array_error",
     "numpy_dtype",
 ]
@@ -120,6 +121,15 @@ def c_contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(int(extent), 1)
     return tuple(reversed(strides))
+
+
+def swapped_last_axes_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Returns the strides, in elements, of a C-contiguous array of ``shape`` with its last two
+    extents swapped, viewed with those two dimensions swapped back: DeepEP's fp8 scales
+    ``[E_l, rows, columns]``, column-major in their last two dimensions (the layout TMA reads)."""
+    *outer, rows, columns = shape
+    *outer_strides, column_stride, row_stride = c_contiguous_strides((*outer, columns, rows))
+    return (*outer_strides, row_stride, column_stride)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,6 +258,15 @@ class ArrayView:
                 return False
             expected *= extent
         return True
+
+    @property
+    def is_swapped_last_axes(self) -> bool:
+        """Whether the elements are dense in the order of :func:`swapped_last_axes_strides`
+        (DeepEP's fp8 scales). Dimensions of extent 1 may have any stride, as in :attr:`is_contiguous`."""
+        if self.size == 0:
+            return True
+        expected = swapped_last_axes_strides(self.shape)
+        return all(extent == 1 or stride == want for extent, stride, want in zip(self.shape, self.strides, expected))
 
     def numpy(self) -> np.ndarray:
         """Returns a zero-copy numpy array over the memory (CPU only).

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_ep import _constants, frameworks
-from mooncake_ep.tensor import ArrayView, read_array
+from mooncake_ep.tensor import ArrayView, c_contiguous_strides, read_array, swapped_last_axes_strides
 
 __all__ = ["check_int", "check_hidden", "check_experts", "check_timeout", "check_flags", "check_array",
            "check_expert_ids", "check_same_routing", "read_out", "check_out", "check_writable",
@@ -147,14 +147,22 @@ def check_flags(where: str, *, use_fp8: bool = False, round_scale: bool = False,
 
 
 def check_array(where: str, name: str, view: ArrayView, *, dtypes: tuple[str, ...], ndim: int | None = None,
-                 shape: tuple[int, ...] | None = None, like: ArrayView | None = None) -> None:
+                 shape: tuple[int, ...] | None = None, like: ArrayView | None = None,
+                 swapped_last_axes: bool = False) -> None:
+    """Dtype, shape and device of an argument, dense and row-major (or, with ``swapped_last_axes``,
+    dense with its last two dimensions swapped: DeepEP's fp8 scales)."""
     if view.dtype not in dtypes and not is_raw_bits(view, dtypes):
         raise TypeError(f"{where}: {name} must be {' or '.join(dtypes)}, got {view.dtype}")
     if shape is not None and tuple(view.shape) != tuple(shape):
         raise ValueError(f"{where}: {name} must have shape {tuple(shape)}, got {tuple(view.shape)}")
     if ndim is not None and view.ndim != ndim:
         raise ValueError(f"{where}: {name} must be {ndim}-dimensional, got shape {tuple(view.shape)}")
-    if not view.is_contiguous:
+    if not view.is_contiguous and not (swapped_last_axes and view.is_swapped_last_axes):
+        if swapped_last_axes:
+            raise ValueError(f"{where}: {name} must be contiguous (row-major, strides "
+                             f"{c_contiguous_strides(view.shape)}) or a contiguous array with its last two "
+                             f"dimensions swapped (DeepEP's layout, strides {swapped_last_axes_strides(view.shape)}), "
+                             f"got strides {view.strides}")
         raise ValueError(f"{where}: {name} must be contiguous (row-major), got strides {view.strides}; "
                          f"pass a contiguous copy")
     if like is not None and (view.device_type, view.device_id) != (like.device_type, like.device_id):
@@ -231,12 +239,14 @@ def read_out(where: str, out, nested_fp8: bool, stream: int | None) -> list[tupl
 _OUT_LABELS: dict[tuple[str, bool], tuple[str, ...]] = {}
 
 
-def check_out(where: str, out_views, specs, like: ArrayView) -> None:
-    """Check ``out=`` arrays against the result specs (nothing to check when the call allocates)."""
+def check_out(where: str, out_views, specs, like: ArrayView, swapped_last_axes: tuple[str, ...] = ()) -> None:
+    """Check ``out=`` arrays against the result specs (nothing to check when the call allocates);
+    the results named in ``swapped_last_axes`` may also be laid out as :func:`check_array` says."""
     if out_views is None:
         return
     for (view, _), (name, shape, dtype) in zip(out_views, specs):
-        check_array(where, f"out {name}", view, dtypes=(dtype,), shape=shape, like=like)
+        check_array(where, f"out {name}", view, dtypes=(dtype,), shape=shape, like=like,
+                    swapped_last_axes=name in swapped_last_axes)
         check_writable(where, f"out {name}", view)
 
 

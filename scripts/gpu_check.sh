@@ -33,6 +33,8 @@
 #   ab         kernel variants (AB_VARIANTS, extra NVRTC macros) benchmarked side by side on the decode shape
 #   inner      the decode benchmark with and without the events inside a copy of each phase's graph
 #              (--inner-events), alternated twice: the events around the other graphs should not move
+#   scales     the decode benchmark with out= fp8 results, the scales in DeepEP's layout (the results')
+#              and row-major, alternated twice
 #   modes      the decode benchmark in the other modes: async and hook (graphs), sync eager (no graph),
 #              without the graph's own nodes around the fork/join (--graph-ends none), and with 32
 #              hardware queues instead of the driver's default 8
@@ -45,7 +47,7 @@ set -uo pipefail
 out="${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE ...]}"
 shift
 stages="${*:-tests bench warmup sanitizer}"
-known_stages=" tests bench sweep warmup trace ncu hbm host fault sanitizer ab inner modes routing parities repeat "
+known_stages=" tests bench sweep warmup trace ncu hbm host fault sanitizer ab inner scales modes routing parities repeat "
 for stage in $stages; do
   if [[ "$known_stages" != *" $stage "* ]]; then  # a typo ran nothing, and passed
     echo "gpu_check.sh: unknown stage '$stage' (stages:$known_stages)" >&2
@@ -129,6 +131,14 @@ if has inner; then
     for flag in inner-events no-inner-events; do
       step "bench_${flag//-/_}_$round" 150 "${bench[@]}" "${decode[@]}" "--$flag" --iters 200 --no-baseline \
         --json "$out/bench_${flag//-/_}_$round.json"
+    done
+  done
+fi
+if has scales; then
+  for round in 1 2; do
+    for layout in swapped row-major; do
+      step "bench_scales_${layout//-/_}_$round" 150 "${bench[@]}" "${decode[@]}" --fp8-scales "$layout" --iters 200 \
+        --no-baseline --json "$out/bench_scales_${layout//-/_}_$round.json"
     done
   done
 fi

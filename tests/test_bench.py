@@ -441,6 +441,8 @@ def test_bench_bad_flag_exits_2():
     (["--peer-reads", "workspace"], "--peer-reads sets where the GPU kernels read"),
     (["--graph-ends", "none"], "--graph-ends shapes the CUDA graphs; the reference backend has none"),
     (["--parities", "alternate"], "--parities places the CUDA graphs' calls; the reference backend has none"),
+    (["--fp8-scales", "row-major"], "--fp8-scales gives the GPU kernels out= arrays to write"),
+    (["--fp8-scales", "swapped", "--no-fp8"], "--fp8-scales lays out fp8 dispatch's scales; --no-fp8 dispatches bf16"),
     (["--plot", "/no/such/dir/x.png"], "does not exist"),
     (["--mode", "eager"], "invalid choice"),
     (["--launch", "2", "--group", "init"], "leave out --group"),

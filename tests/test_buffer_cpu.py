@@ -25,7 +25,7 @@ import mooncake_ep as ep
 from mooncake_ep import layout as ep_layout
 from mooncake_ep import reference
 from mooncake_ep.buffer import EventOverlap, Handle, _Plan
-from mooncake_ep.tensor import DeviceMemoryArray, read_array
+from mooncake_ep.tensor import DeviceMemoryArray, c_contiguous_strides, read_array, swapped_last_axes_strides
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 # Seconds a collective waits in these tests: a call that communicated on one rank only fails fast.
@@ -326,6 +326,10 @@ def test_framework_callers_get_their_own_arrays(framework):
         expert_out = to_framework(expert_fn(group.rank, to_numpy(q), to_numpy(scales), UE8M0_FLAGS), framework)
         combined, _, _ = buf.combine(expert_out, args["topk_idx"], to_framework(case.weights[group.rank], framework),
                                      args["active_ranks"], -1, handle)
+        # torch's scales come as DeepEP's (column-major in their last two dimensions), the others row-major.
+        strides = swapped_last_axes_strides(tuple(scales.shape)) if framework == "torch" else (
+            c_contiguous_strides(tuple(scales.shape)))
+        assert to_numpy(scales).strides == tuple(4 * s for s in strides)
         return [type(obj) for obj in (q, scales, count, combined)]
 
     for types in spawn(2, rank_fn):
@@ -349,14 +353,19 @@ def test_jax_active_ranks_array_is_not_mutated():
 # --- out= -------------------------------------------------------------------------------------------
 
 
-def dispatch_outs(case: Case, flags: dict, framework: str):
+def dispatch_outs(case: Case, flags: dict, framework: str, scales_layout: str = "row-major"):
+    """Poisoned out= arrays of a dispatch; fp8 scales row-major or ``"swapped"`` (DeepEP's layout)."""
     shape = (case.num_local_experts, case.num_ranks * case.num_max_tokens, case.hidden)
     count = to_framework(poisoned((case.num_local_experts,), np.int32), framework)
     if not flags.get("use_fp8", True):
         return to_framework(poisoned(shape, BF16), framework), count
     columns = reference.num_scale_columns(case.hidden, flags.get("use_ue8m0", False))
-    scales = poisoned(shape[:2] + (columns,), np.int32 if flags.get("use_ue8m0") else np.float32)
-    return (to_framework(poisoned(shape, FP8), framework), to_framework(scales, framework)), count
+    scale_dtype = np.int32 if flags.get("use_ue8m0") else np.float32
+    if scales_layout == "swapped":
+        scales = to_framework(poisoned((shape[0], columns, shape[1]), scale_dtype), framework).swapaxes(1, 2)
+    else:
+        scales = to_framework(poisoned(shape[:2] + (columns,), scale_dtype), framework)
+    return (to_framework(poisoned(shape, FP8), framework), scales), count
 
 
 def unpack_dispatch_out(out, flags):
@@ -365,16 +374,18 @@ def unpack_dispatch_out(out, flags):
     return q, scales, to_numpy(count)
 
 
-@pytest.mark.parametrize("flags", ALL_FLAGS, ids=FLAG_IDS)
+@pytest.mark.parametrize("flags, scales_layout",
+                         [(flags, "row-major") for flags in ALL_FLAGS] + [(FP8_FLAGS, "swapped"), (UE8M0_FLAGS, "swapped")],
+                         ids=FLAG_IDS + ["fp8-swapped-scales", "fp8-ue8m0-swapped-scales"])
 @pytest.mark.parametrize("framework", ["numpy", "torch"])
-def test_out_arrays_are_written_in_place(framework, flags):
+def test_out_arrays_are_written_in_place(framework, flags, scales_layout):
     import_framework(framework)
     case = make_case(12, num_ranks=2, hidden=256)
 
     def rank_fn(group):
         rank = group.rank
         buf = new_buffer(group, case)
-        out = dispatch_outs(case, flags, framework)
+        out = dispatch_outs(case, flags, framework, scales_layout)
         args = dispatch_args(case, rank, framework)
         recv_x, count, handle, _, _ = buf.dispatch(**args, **flags, out=out)
         assert count is out[1]
@@ -1152,6 +1163,12 @@ DISPATCH_REJECTIONS = [
     ("out-is-active", ValueError, r"dispatch: out recv_count shares memory with active_ranks", shared_mask_and_count),
     ("out-holds-x", ValueError, r"dispatch: out recv_x shares memory with x", x_inside_recv_x),
     ("out-not-a-tuple", TypeError, r"dispatch: out must be a tuple of arrays", lambda c: dict(out=5)),
+    # fp8 scales: row-major or DeepEP's swapped layout, nothing else (here every other row of a larger array).
+    ("out-scales-strided", ValueError,
+     r"dispatch: out recv_scales must be contiguous \(row-major, strides \(16, 2, 1\)\) or a contiguous array with "
+     r"its last two dimensions swapped \(DeepEP's layout, strides \(16, 1, 8\)\), got strides \(32, 4, 1\)",
+     lambda c: dict(use_fp8=True, out=((np.zeros((2, 8, 256), FP8), np.zeros((2, 16, 2), np.float32)[:, ::2]),
+                                       np.zeros(2, np.int32)))),
     ("out-jax", TypeError, r"dispatch: out recv_count is a jax array, which is immutable, and the call writes into it",
      lambda c: dict(out=(np.zeros((2, 8, 256), BF16), to_framework(np.zeros(2, np.int32), "jax")))),
     ("active-jax", TypeError, r"dispatch: active_ranks is a jax array, which is immutable",  # x is numpy
@@ -1437,22 +1454,27 @@ def test_error_messages_name_the_call():
             re.compile(pattern)
 
 
-@pytest.mark.parametrize("shape", [(4, 8, 128), (4, 0, 128), (0, 7), (3,), (1, 1, 1)])
+@pytest.mark.parametrize("shape, swapped", [((4, 8, 128), False), ((4, 0, 128), False), ((0, 7), False), ((3,), False),
+                                            ((1, 1, 1), False), ((4, 8, 56), True), ((4, 0, 56), True), ((3, 1, 5), True),
+                                            ((2, 3), True)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32", "int32"])
-def test_allocated_torch_results_read_as_read_array_reads_them(shape, dtype):
+def test_allocated_torch_results_read_as_read_array_reads_them(shape, swapped, dtype):
     """_allocate builds the views of torch results it just made without read_array (the plan's
-    strides, worked out once): same fields."""
+    strides, worked out once): same fields; a swapped result (DeepEP's fp8 scales) has its layout."""
     torch = pytest.importorskip("torch")
     buffer = ep.LocalGroup(1).spawn(lambda g: ep.Buffer(g, ep.Buffer.get_ep_buffer_size_hint(8, 128, 1, 4),
                                                         backend="reference"))[0]
     like = read_array(torch.ones(2, 2), name="like")
-    plan = _Plan.of(0, 0, 0, [("out", list(shape), dtype)])  # a list: the plan makes it a tuple
+    plan = _Plan.of(0, 0, 0, [("out", list(shape), dtype)],  # a list: the plan makes it a tuple
+                    swapped_last_axes=("out",) if swapped else ())
     ((view, obj),) = buffer._allocate(plan, like)
     expected = read_array(obj, name="out")
     assert (view.ptr, view.shape, view.strides, view.dtype, view.device_type, view.device_id, view.framework) == \
         (expected.ptr, expected.shape, expected.strides, expected.dtype, expected.device_type, expected.device_id,
          expected.framework)
-    assert view.obj is obj and view.is_contiguous
+    assert view.obj is obj and (view.is_swapped_last_axes if swapped else view.is_contiguous)
+    if swapped and view.size and shape[-2] > 1 and shape[-1] > 1:
+        assert view.strides == swapped_last_axes_strides(shape) and not view.is_contiguous
 
 
 def test_a_configuration_agreed_ahead_is_checked_and_agreed_in_python_ints(monkeypatch):

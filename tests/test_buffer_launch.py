@@ -145,6 +145,51 @@ def dispatch_out(device, use_fp8: bool, num_max_tokens: int = T):
     return device(np.zeros((E // R, rows, H), ml_dtypes.bfloat16)), recv_count
 
 
+class FakeDeviceStrided:
+    """A host float32 array exported through DLPack as cuda:0 memory with its own strides."""
+
+    def __init__(self, array: np.ndarray):
+        assert array.dtype == np.float32
+        self.array = array
+
+    def __dlpack_device__(self):
+        return (_dlpack.DLDeviceType.kDLCUDA, 0)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        return _dlpack.build_capsule(self.array.view(np.uint32), versioned=max_version is not None,
+                                     code=_dlpack.DLDataTypeCode.kDLFloat, bits=32,
+                                     dl_device=self.__dlpack_device__())
+
+
+@pytest.mark.parametrize("layout", ["row-major", "swapped"])
+def test_the_kernel_writes_the_fp8_scales_in_the_layout_of_out(setup, layout):
+    """The scales' strides reach the kernel: row-major, or DeepEP's swapped layout (the results')."""
+    buf, cuda, device, inputs = setup
+    (q, _), count = dispatch_out(device, True)
+    rows, columns = R * T, H // 128
+    scales = np.zeros((E // R, rows, columns) if layout == "row-major" else (E // R, columns, rows), np.float32)
+    out = ((q, FakeDeviceStrided(scales if layout == "row-major" else scales.swapaxes(1, 2))), count)
+    buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=True, out=out)
+    args = cuda.launches[-1].args
+    assert args["recv_scales_ptr"] == scales.ctypes.data
+    assert (args["scale_row_stride"], args["scale_column_stride"]) == ((columns, 1) if layout == "row-major"
+                                                                       else (1, rows))
+
+
+def test_fp8_scales_in_another_layout_are_refused_and_the_buffer_stays_usable(setup):
+    buf, cuda, device, inputs = setup
+    (q, _), count = dispatch_out(device, True)
+    every_other_row = np.zeros((E // R, 2 * R * T, H // 128), np.float32)[:, ::2]
+    with pytest.raises(ValueError, match=r"^dispatch: out recv_scales must be contiguous \(row-major, strides "):
+        buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=True,
+                     out=((q, FakeDeviceStrided(every_other_row)), count))
+    assert cuda.launches == []
+    buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=True,
+                 out=dispatch_out(device, True))
+    assert [(l.kernel, l.args["scale_row_stride"], l.args["scale_column_stride"]) for l in cuda.launches] == \
+        [("dispatch", H // 128, 1)]
+
+
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_sync_dispatch_launches_both_halves_in_one_kernel_on_the_caller_stream(setup, use_fp8):
     buf, cuda, device, inputs = setup
@@ -160,6 +205,7 @@ def test_sync_dispatch_launches_both_halves_in_one_kernel_on_the_caller_stream(s
     recv_x = out[0][0] if use_fp8 else out[0]
     assert args["recv_x_ptr"] == recv_x.ptr and args["recv_count_ptr"] == out[1].ptr
     assert args["recv_scales_ptr"] == (out[0][1].ptr if use_fp8 else 0)
+    assert (args["scale_row_stride"], args["scale_column_stride"]) == ((H // 128, 1) if use_fp8 else (0, 0))
     event.current_stream_wait()  # a no-op: the work is on the caller's stream
 
 

@@ -355,8 +355,8 @@ def test_in_process_ranks_make_no_collective_for_a_configuration():
 
 # Arguments of a bf16 dispatch_launch, pointers made up: the stubs never dereference them.
 DISPATCH_ARGUMENTS = dict(x_ptr=1, num_tokens=1, topk_ptr=2, topk_is_int64=True, num_topk=1, active_ptr=3,
-                          recv_x_ptr=4, recv_scales_ptr=0, recv_count_ptr=5, timeout_ns=-1, use_fp8=False,
-                          round_scale=False, use_ue8m0=False)
+                          recv_x_ptr=4, recv_scales_ptr=0, scale_row_stride=0, scale_column_stride=0, recv_count_ptr=5,
+                          timeout_ns=-1, use_fp8=False, round_scale=False, use_ue8m0=False)
 
 
 def test_a_new_configuration_is_written_by_the_next_launch_on_its_stream(monkeypatch):

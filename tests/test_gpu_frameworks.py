@@ -28,6 +28,7 @@ import pytest
 
 import mooncake_ep as ep
 from mooncake_ep import reference
+from mooncake_ep.tensor import swapped_last_axes_strides
 
 torch = pytest.importorskip("torch")
 
@@ -276,6 +277,8 @@ def test_torch_calls_wait_for_the_callers_stream_and_do_not_block_the_host(flag_
                                                     timeout_us=TIMEOUT_US, **flags)
         gate.open()
         settle(g)
+        if flags["use_fp8"]:  # the scales come as DeepEP's: column-major in their last two dimensions
+            assert recv[1].stride() == swapped_last_axes_strides(tuple(recv[1].shape)), recv[1].stride()
         fresh_y = torch_experts(case, r, recv, flags)
         y = torch.full_like(fresh_y, float("nan"))
         settle(g)
@@ -472,6 +475,7 @@ def test_cupy_arrays_in_and_out_on_cupys_stream(flag_id):
         if flags["use_fp8"]:
             q, scales = recv
             assert q.dtype == cupy.uint8 and scales.dtype == (cupy.int32 if flags.get("use_ue8m0") else cupy.float32)
+            assert scales.flags.c_contiguous, scales.strides  # DeepEP's layout is torch callers' only
             host_recv = (cupy.asnumpy(q).view(FP8), cupy.asnumpy(scales))
         else:
             assert recv.dtype == cupy.uint16

@@ -70,6 +70,9 @@ class Case:
     # Each rank's own num_topk (num_topk is then the largest): the API lets ranks differ, and a
     # receiver must find a source's tokens without knowing its K.
     rank_topk: tuple[int, ...] | None = None
+    # fp8 scales given as out=: "swapped", DeepEP's layout (column-major in the last two dimensions,
+    # as the calls make them), or "row-major"; the kernels write either, as the strides say.
+    scales_layout: str = "swapped"
 
     def topk_of(self, rank: int) -> int:
         return self.rank_topk[rank] if self.rank_topk is not None else self.num_topk
@@ -278,9 +281,12 @@ def poisoned_outputs(case: Case, num_tokens: int):
     rows = case.num_ranks * case.num_max_tokens
     if case.use_fp8:
         columns = reference.num_scale_columns(case.hidden, case.use_ue8m0)
-        recv_out = (torch.empty((num_local, rows, case.hidden), dtype=torch.float8_e4m3fn, device="cuda"),
-                    torch.empty((num_local, rows, columns), dtype=torch.int32 if case.use_ue8m0 else torch.float32,
-                                device="cuda"))
+        scale_dtype = torch.int32 if case.use_ue8m0 else torch.float32
+        if case.scales_layout == "swapped":
+            scales = torch.empty((num_local, columns, rows), dtype=scale_dtype, device="cuda").transpose(1, 2)
+        else:
+            scales = torch.empty((num_local, rows, columns), dtype=scale_dtype, device="cuda")
+        recv_out = (torch.empty((num_local, rows, case.hidden), dtype=torch.float8_e4m3fn, device="cuda"), scales)
     else:
         recv_out = torch.empty((num_local, rows, case.hidden), dtype=torch.bfloat16, device="cuda")
     recv_count = torch.empty((num_local,), dtype=torch.int32, device="cuda")
@@ -362,8 +368,9 @@ GRID = [
     Case(1, 8, 1024, 4),
     Case(2, 8, 1152, 1),
     Case(2, 64, 2048, 8, use_fp8=True),
-    Case(4, 64, 2816, 4, use_fp8=True, round_scale=True),
+    Case(4, 64, 2816, 4, use_fp8=True, round_scale=True, scales_layout="row-major"),
     Case(4, 256, 4096, 16, use_fp8=True, round_scale=True, use_ue8m0=True),
+    Case(4, 256, 4096, 16, use_fp8=True, round_scale=True, use_ue8m0=True, scales_layout="row-major"),
     Case(8, 256, 7168, 8, num_max_tokens=128, use_fp8=True),
     Case(8, 512, 8192, 16, num_max_tokens=16),
     Case(8, 64, 3584, 8, routing="skewed", use_fp8=True),
@@ -376,7 +383,7 @@ GRID = [
 ]
 MODES = [
     Case(4, 32, 1024, 4, mode="async", use_fp8=True),
-    Case(4, 32, 1024, 4, mode="hook", use_fp8=True),
+    Case(4, 32, 1024, 4, mode="hook", use_fp8=True, scales_layout="row-major"),
     Case(4, 32, 1024, 4, mode="hook", zero_copy=True),
     Case(4, 32, 1152, 4, zero_copy=True, use_fp8=True),
     Case(4, 32, 1024, 4, renormalize=True),
@@ -387,7 +394,7 @@ MODES = [
     Case(4, 32, 1024, 8, use_fp8=True, topk_dtype=np.int32),
     # 9 scale blocks a row: the last UE8M0 word of each row is three quarters padding.
     Case(4, 32, 1152, 4, mode="mixed", use_fp8=True, round_scale=True, use_ue8m0=True),
-    Case(3, 24, 1152, 4, use_fp8=True, round_scale=True, use_ue8m0=True, routing="skewed"),
+    Case(3, 24, 1152, 4, use_fp8=True, round_scale=True, use_ue8m0=True, routing="skewed", scales_layout="row-major"),
     # One rank in the process: the sanitizer stage of scripts/gpu_check.sh runs the R1 cases in-process
     # (the kernels ordered at GPU scope, which ranks in processes of their own never build).
     Case(1, 8, 1152, 4, mode="hook", use_fp8=True, round_scale=True, use_ue8m0=True),
@@ -415,6 +422,8 @@ def _case_id(case: Case) -> str:
               if getattr(case, name)]
     if case.topk_dtype != np.int64:
         parts.append(np.dtype(case.topk_dtype).name)
+    if case.use_fp8 and case.scales_layout != "swapped":
+        parts.append(f"{case.scales_layout}-scales")
     if case.dead_rank is not None:
         parts.append(f"dead{case.dead_rank}-at-{case.dead_phase}")
     return "-".join(parts)

@@ -1456,6 +1456,29 @@ def test_the_split_callbacks_launch_one_half_each():
             jnp.asarray(case.xs[0]), jnp.asarray(case.topk_idxs[0]), jnp.asarray(case.actives[0]))
 
 
+def test_the_split_fp8_dispatch_launches_its_halves_with_the_scales_layout_of_the_receive_half():
+    """The send half writes no results (null pointers, no scales layout: it once failed reading one);
+    the receive half writes XLA's row-major scales."""
+    from mooncake_ep.frameworks import jax_split
+
+    case, buffer, cuda = cuda_rank(ranks_on_device=4)
+    T, E = case.num_max_tokens, case.num_experts
+    x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topk_idxs[0], case.actives[0]))
+    config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), x, topk, active, T, E, timeout_us=-1,
+                                            use_fp8=True, round_scale=False, use_ue8m0=False, parity=0,
+                                            command_buffer_compatible=True)
+    ins = [device_array(a) for a in (case.xs[0], case.topk_idxs[0], case.actives[0])]
+    sent = device_array(case.actives[0].copy())
+    jax_ops._DispatchCallback("test", config, jax_ops.SEND)(FakeContext(), [sent], *ins)
+    dtypes = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+    outs = [device_array(np.zeros(shape, dtypes.get(d, d))) for _, shape, d in specs]
+    outs.append(device_array(case.actives[0].copy()))
+    jax_split._DispatchRecvCallback("test", config, 0, (0,))(FakeContext(), outs, ins[0], ins[1], sent)
+    launched = [(phases, args["recv_scales_ptr"], args["scale_row_stride"], args["scale_column_stride"])
+                for _, phases, _, _, args in cuda.launches]
+    assert launched == [(1, 0, 0, 0), (2, outs[1].ptr, case.hidden // 128, 1)]
+
+
 def test_eager_calls_check_the_arrays_devices_at_once():
     case, buffer, _ = cuda_rank()
     T, E = case.num_max_tokens, case.num_experts

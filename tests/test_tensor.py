@@ -24,6 +24,7 @@ from mooncake_ep.tensor import (
     c_contiguous_strides,
     numpy_dtype,
     read_array,
+    swapped_last_axes_strides,
 )
 
 torch = pytest.importorskip("torch")
@@ -152,6 +153,26 @@ def test_numpy_zero_d_empty_and_unit_dims():
     assert column.strides == (6, 1) and not column.is_contiguous
     row = read_array(positional((4, 6), "float32")[1:2, :], name="test: x")
     assert row.is_contiguous  # a dimension of extent 1 may have any stride
+
+
+def test_swapped_last_axes_layout():
+    """DeepEP's fp8 scales: [E, rows, columns] viewed over a C-contiguous [E, columns, rows]."""
+    assert swapped_last_axes_strides((4, 6, 3)) == (18, 1, 6)
+    assert swapped_last_axes_strides((6, 3)) == (1, 6)
+    swapped = read_array(np.zeros((4, 3, 6), np.float32).swapaxes(1, 2), name="test: x")
+    assert swapped.strides == (18, 1, 6) and swapped.is_swapped_last_axes and not swapped.is_contiguous
+    torch_swapped = read_array(torch.zeros(4, 3, 6).transpose(1, 2), name="test: x")
+    assert torch_swapped.strides == (18, 1, 6) and torch_swapped.is_swapped_last_axes
+    row_major = read_array(np.zeros((4, 6, 3), np.float32), name="test: x")
+    assert row_major.is_contiguous and not row_major.is_swapped_last_axes
+    # Extents of 1 may have any stride, and an empty array has every layout.
+    assert read_array(np.zeros((4, 1, 3), np.float32), name="test: x").is_swapped_last_axes
+    assert read_array(np.zeros((4, 0, 3), np.float32), name="test: x").is_swapped_last_axes
+    # Dense but neither: the outer dimension inside.
+    outer_inside = read_array(np.zeros((6, 3, 4), np.float32).transpose(2, 0, 1), name="test: x")
+    assert not outer_inside.is_swapped_last_axes and not outer_inside.is_contiguous
+    every_other_row = read_array(np.zeros((4, 3, 12), np.float32).swapaxes(1, 2)[:, ::2], name="test: x")
+    assert not every_other_row.is_swapped_last_axes
 
 
 def test_a_numpy_masked_array_is_refused():

@@ -163,6 +163,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk", type=int, default=shape("topk"), help="experts per token")
     parser.add_argument("--experts", type=int, default=shape("experts"), help="experts in all, a multiple of --ranks")
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="fp8 dispatch")
+    parser.add_argument("--fp8-scales", choices=("made", "swapped", "row-major"), default="made",
+                        help="fp8 dispatch's results: made by each call (the scales in DeepEP's layout, column-major "
+                             "in their last two dimensions), or given as out= (made once) with the scales in that "
+                             "layout (swapped) or row-major")
     parser.add_argument("--num-sms", type=int, default=None, help="SMs per rank (default: the GPU shared evenly)")
     parser.add_argument("--mode", choices=MODES, default="sync",
                         help="sync: on the caller's stream; async: async_finish=True (the communication stream, "
@@ -295,6 +299,21 @@ def bytes_moved(args, copies: float) -> tuple[dict, dict]:
     }
     deepep_bytes["step"] = deepep_bytes["dispatch"] + deepep_bytes["combine"]
     return floor_bytes, deepep_bytes
+
+
+def fp8_results(args, device: str) -> tuple:
+    """``((x_fp8, scales), recv_count)`` for one rank's fp8 dispatches as out=, the scales in the layout
+    of ``--fp8-scales``: row-major, or swapped (DeepEP's, as the calls make them)."""
+    import torch
+
+    rows, columns = args.ranks * args.tokens, args.hidden // 128
+    num_local = args.experts // args.ranks
+    if args.fp8_scales == "row-major":
+        scales = torch.empty(num_local, rows, columns, dtype=torch.float32, device=device)
+    else:
+        scales = torch.empty(num_local, columns, rows, dtype=torch.float32, device=device).transpose(1, 2)
+    return ((torch.empty(num_local, rows, args.hidden, dtype=torch.float8_e4m3fn, device=device), scales),
+            torch.empty(num_local, dtype=torch.int32, device=device))
 
 
 def make_input_sets(args, rng: np.random.Generator, devices: list[str | None], torch) -> list[list[dict]]:
@@ -577,6 +596,9 @@ def measure_cuda(args, progress, group=None) -> dict:
     sets = make_input_sets(args, rng, [None if d is None else f"cuda:{d}" for d in devices], torch)
 
     flags = call_flags(args.mode)
+    # out= arrays of every rank, written by every call (nothing reads them back).
+    fp8_out = {r: fp8_results(args, f"cuda:{devices[r]}") for r in local_ranks} \
+        if args.fp8 and args.fp8_scales != "made" else {}
 
     def finish_all(pending) -> float:
         """Every rank's receive hook (hook mode), then its stream joined to the call's event (async).
@@ -601,7 +623,7 @@ def measure_cuda(args, progress, group=None) -> dict:
                 start = time.perf_counter()
                 recv_x, recv_count, handles[r], event, hook = buffers[r].dispatch(
                     inputs[r]["x"], inputs[r]["topk"], inputs[r]["active"], args.tokens, args.experts,
-                    KERNEL_TIMEOUT_US, use_fp8=args.fp8, **flags)
+                    KERNEL_TIMEOUT_US, use_fp8=args.fp8, out=fp8_out.get(r), **flags)
                 inside += time.perf_counter() - start
                 pending.append((r, event, hook, (recv_x, recv_count)))
                 if results is not None:
@@ -1047,8 +1069,8 @@ def build_report(args, *, backend: str, timer: str, device: str, num_sms_per_ran
         "device": device,
         "backend": backend,
         "timer": timer,
-        "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "num_sms",
-                                                 "mode", "graph", "graph_ends", "peer_reads", "routing", "iters",
+        "config": {k: getattr(args, k) for k in ("ranks", "tokens", "hidden", "topk", "experts", "fp8", "fp8_scales",
+                                                 "num_sms", "mode", "graph", "graph_ends", "peer_reads", "routing", "iters",
                                                  "input_sets", "parities", "warmup", "warmup_ms", "seed", "baseline")}
                   | routing_parameters(args)
                   # The flags as they applied, not as given.
@@ -1310,6 +1332,8 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
         value = getattr(args, name)
         if isinstance(value, ByBackend):
             setattr(args, name, value.resolve(backend))
+    if args.fp8_scales != "made" and not args.fp8:
+        raise UsageError("--fp8-scales lays out fp8 dispatch's scales; --no-fp8 dispatches bf16")
     if backend == "reference":  # the GPU's flags, given where they would change nothing
         if args.num_sms is not None:
             raise UsageError("--num-sms sets the kernels' SMs per rank; the reference backend has none")
@@ -1322,6 +1346,9 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
             raise UsageError("--graph-ends shapes the CUDA graphs; the reference backend has none")
         if args.parities != "one":
             raise UsageError("--parities places the CUDA graphs' calls; the reference backend has none")
+        if args.fp8_scales != "made":
+            raise UsageError("--fp8-scales gives the GPU kernels out= arrays to write; the reference backend's calls "
+                             "make their results")
     if args.graph is None:
         args.graph = backend == "cuda"
     check_args(args, ranks_flag)

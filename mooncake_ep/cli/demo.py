@@ -244,9 +244,11 @@ def _cuda_rank_step(group, config: DemoConfig, weights: Weights, tolerance: floa
     recv_shape = (config.num_local_experts, config.num_ranks * config.num_tokens, config.hidden)
     recv_count = torch.empty(config.num_local_experts, dtype=torch.int32, device=device)
     if config.use_fp8:
-        scale_shape = recv_shape[:2] + (reference.num_scale_columns(config.hidden, False),)
-        recv_x = (torch.empty(recv_shape, dtype=torch.float8_e4m3fn, device=device),
-                  torch.empty(scale_shape, dtype=torch.float32, device=device))
+        # The scales in the layout dispatch makes them in (DeepEP's): [E_l, rows, blocks] viewed over
+        # [E_l, blocks, rows]. A row-major array works too.
+        num_blocks = reference.num_scale_columns(config.hidden, False)
+        scales = torch.empty((recv_shape[0], num_blocks, recv_shape[1]), dtype=torch.float32, device=device)
+        recv_x = (torch.empty(recv_shape, dtype=torch.float8_e4m3fn, device=device), scales.transpose(1, 2))
     else:
         recv_x = torch.empty(recv_shape, dtype=torch.bfloat16, device=device)
     expert_out = torch.zeros(recv_shape, dtype=torch.bfloat16, device=device)

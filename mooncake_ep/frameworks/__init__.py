@@ -9,6 +9,10 @@ imported only by :func:`get`, so ``import mooncake_ep`` imports no framework:
 - ``current_stream(device_id) -> int``: the framework's current CUDA stream handle.
 - ``wrap(array)``: the framework's array sharing a :class:`~mooncake_ep.tensor.DeviceMemoryArray`.
 
+``torch`` also has ``empty_swapped(shape, strides, dtype, device_type, device_id)``: a new array laid
+out with its last two dimensions swapped (``strides``), DeepEP's layout of the fp8 scales, which only
+torch callers get.
+
 The JAX ops (``jax_ops``, ``jax_split``, ``jax_args``) live here too, beside the JAX glue; they
 are reached through :mod:`mooncake_ep.jax`, not through :func:`get`.
 

@@ -304,9 +304,12 @@ def _executes(ctx) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _NoArray:
-    """The pointer of a result a half does not write (the kernels' send halves never touch it)."""
+    """A result a half does not write (the kernels' send halves never touch it): a null pointer, and
+    no elements, so no strides (the launch reads recv_scales' layout, Buffer._dispatch_launcher)."""
 
     ptr: int = 0
+    shape: tuple[int, ...] = (0, 0, 0)
+    strides: tuple[int, ...] = (0, 0, 0)
 
 
 _NO_ARRAY = _NoArray()

@@ -11,7 +11,7 @@ from mooncake_ep.tensor import DTYPES, ArrayView, DeviceMemoryArray, torch_curre
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["empty", "from_numpy", "current_stream", "wrap", "record_stream", "mark_modified"]
+__all__ = ["empty", "empty_swapped", "from_numpy", "current_stream", "wrap", "record_stream", "mark_modified"]
 
 # numpy dtypes torch.from_numpy refuses (ml_dtypes) -> unsigned int of the same width; the
 # tensor is then reinterpreted with Tensor.view(dtype), which copies nothing.
@@ -40,14 +40,7 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
     Raises:
         TypeError: ``dtype`` or ``device_type`` is not supported.
     """
-    found = _EMPTY_ARGS.get((dtype, device_type, device_id))
-    if found is None:
-        import torch
-
-        found = (torch.empty, _torch_dtype(dtype, "torch.empty: dtype"),
-                 torch.device(_device(device_type, device_id, "torch.empty: device_type")))
-        _EMPTY_ARGS[(dtype, device_type, device_id)] = found
-    make, torch_dtype, device = found
+    make, torch_dtype, device = _empty_args(dtype, device_type, device_id)
     if shape:  # extents as separate arguments: torch parses them ~0.45 us faster than one tuple
         return make(*shape, dtype=torch_dtype, device=device)
     return make(shape, dtype=torch_dtype, device=device)
@@ -56,6 +49,28 @@ def empty(shape: tuple[int, ...], dtype: str, device_type: str, device_id: int) 
 # (dtype, device_type, device_id) -> (torch.empty, torch dtype, torch.device): each call allocates its
 # results, and parsing "cuda:N" and looking the dtype up every time costs a microsecond a result.
 _EMPTY_ARGS: dict[tuple[str, str, int], tuple] = {}
+
+
+def empty_swapped(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, device_type: str,
+                  device_id: int) -> torch.Tensor:
+    """Returns :func:`empty` of ``shape`` laid out with its last two dimensions swapped: ``strides``,
+    ``swapped_last_axes_strides(shape)`` (one ``torch.empty_strided``: a transpose after ``empty``
+    costs a microsecond more of every call)."""
+    import torch
+
+    _, torch_dtype, device = _empty_args(dtype, device_type, device_id)
+    return torch.empty_strided(shape, strides, dtype=torch_dtype, device=device)
+
+
+def _empty_args(dtype: str, device_type: str, device_id: int) -> tuple:
+    found = _EMPTY_ARGS.get((dtype, device_type, device_id))
+    if found is None:
+        import torch
+
+        found = (torch.empty, _torch_dtype(dtype, "torch.empty: dtype"),
+                 torch.device(_device(device_type, device_id, "torch.empty: device_type")))
+        _EMPTY_ARGS[(dtype, device_type, device_id)] = found
+    return found
 
 
 def from_numpy(arr: np.ndarray, like: ArrayView) -> torch.Tensor:
