@@ -1413,21 +1413,34 @@ def test_the_callback_launches_on_xlas_stream_with_the_static_parity():
     assert hash(callback) == hash(jax_ops._DispatchCallback("test", config, jax_ops.SEND | jax_ops.RECV))
 
 
-def test_the_split_callbacks_launch_one_half_each():
+def split_dispatch(use_fp8: bool):
+    """One split dispatch of rank 0 of 4 on one GPU, through the stand-in backend: its send half, then
+    its receive half into zeroed results. Returns the case, the buffer, the backend's launches, the
+    dispatch's configuration, the input shapes (x, topk_idx, active_ranks) and arrays, the send half's
+    active_ranks and the results."""
     from mooncake_ep.frameworks import jax_split
 
     case, buffer, cuda = cuda_rank(ranks_on_device=4)
-    T, E = case.num_max_tokens, case.num_experts
-    x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topk_idxs[0], case.actives[0]))
-    config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), x, topk, active, T, E, timeout_us=-1,
-                                            use_fp8=False, round_scale=False, use_ue8m0=False, parity=0,
-                                            command_buffer_compatible=True)
-    ins = [device_array(a) for a in (case.xs[0], case.topk_idxs[0], case.actives[0])]
+    arrays = (case.xs[0], case.topk_idxs[0], case.actives[0])
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), *shapes, case.num_max_tokens,
+                                            case.num_experts, timeout_us=-1, use_fp8=use_fp8, round_scale=False,
+                                            use_ue8m0=False, parity=0, command_buffer_compatible=True)
+    ins = [device_array(a) for a in arrays]
     sent = device_array(case.actives[0].copy())
     jax_ops._DispatchCallback("test", config, jax_ops.SEND)(FakeContext(), [sent], *ins)
-    outs = [device_array(np.zeros(shape, BF16 if d == "bfloat16" else d)) for _, shape, d in specs]
+    dtypes = {"bfloat16": BF16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+    outs = [device_array(np.zeros(shape, dtypes.get(d, d))) for _, shape, d in specs]
     outs.append(device_array(case.actives[0].copy()))
     jax_split._DispatchRecvCallback("test", config, 0, (0,))(FakeContext(), outs, ins[0], ins[1], sent)
+    return case, buffer, cuda, config, shapes, ins, sent, outs
+
+
+def test_the_split_callbacks_launch_one_half_each():
+    from mooncake_ep.frameworks import jax_split
+
+    case, buffer, cuda, config, (_, topk, active), ins, sent, outs = split_dispatch(use_fp8=False)
+    T, E = case.num_max_tokens, case.num_experts
     assert [(k, phases) for k, phases, _, _, _ in cuda.launches] == [("dispatch", 1), ("dispatch", 2)]
     assert cuda.launches[0][4]["active_ptr"] == sent.ptr and cuda.launches[1][4]["active_ptr"] == outs[-1].ptr
     # The split combine never lets peers read the expert outputs in place: that makes a receive half
@@ -1459,21 +1472,7 @@ def test_the_split_callbacks_launch_one_half_each():
 def test_the_split_fp8_dispatch_launches_its_halves_with_the_scales_layout_of_the_receive_half():
     """The send half writes no results (null pointers, no scales layout: it once failed reading one);
     the receive half writes XLA's row-major scales."""
-    from mooncake_ep.frameworks import jax_split
-
-    case, buffer, cuda = cuda_rank(ranks_on_device=4)
-    T, E = case.num_max_tokens, case.num_experts
-    x, topk, active = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (case.xs[0], case.topk_idxs[0], case.actives[0]))
-    config, specs = jax_ops.dispatch_config("test", jax_args.Ranks(buffer), x, topk, active, T, E, timeout_us=-1,
-                                            use_fp8=True, round_scale=False, use_ue8m0=False, parity=0,
-                                            command_buffer_compatible=True)
-    ins = [device_array(a) for a in (case.xs[0], case.topk_idxs[0], case.actives[0])]
-    sent = device_array(case.actives[0].copy())
-    jax_ops._DispatchCallback("test", config, jax_ops.SEND)(FakeContext(), [sent], *ins)
-    dtypes = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn}
-    outs = [device_array(np.zeros(shape, dtypes.get(d, d))) for _, shape, d in specs]
-    outs.append(device_array(case.actives[0].copy()))
-    jax_split._DispatchRecvCallback("test", config, 0, (0,))(FakeContext(), outs, ins[0], ins[1], sent)
+    case, _, cuda, _, _, _, _, outs = split_dispatch(use_fp8=True)
     launched = [(phases, args["recv_scales_ptr"], args["scale_row_stride"], args["scale_column_stride"])
                 for _, phases, _, _, args in cuda.launches]
     assert launched == [(1, 0, 0, 0), (2, outs[1].ptr, case.hidden // 128, 1)]
