@@ -157,11 +157,12 @@ _JOIN = struct.Struct("!IIB")
 _PROBE_S = 0.05
 # The two decisions of an attempt of a counted renewal round (_counted_round).
 _ROUND_COMPLETE, _ROUND_FAILED = b"complete", b"failed"
-# A rank 0 whose store closes when it raises, having found ranks started with another world_size,
-# keeps the store up for them at most this long (and within its timeout_s), twice: for the ranks
-# beyond its own world_size that a larger one says exist, which may still be starting, to come and
-# read why (instead of finding no store); then for the connected ranks to hang up. The first is
-# what rank 0's error is delayed by when no such rank comes (one rank's WORLD_SIZE was too large).
+# A rank 0 whose store closes when it raises, having failed to join its group, keeps the store up
+# for the connected ranks to hang up at most this long (and within its timeout_s), so that each
+# raises its own error, not "store closed". When it found ranks started with another world_size it
+# first waits as long for the ranks beyond its own world_size that a larger one says exist, which
+# may still be starting, to come and read why (instead of finding no store): that wait is what
+# rank 0's error is delayed by when no such rank comes (one rank's WORLD_SIZE was too large).
 _MISMATCH_GRACE_S = 30.0
 
 

@@ -656,6 +656,27 @@ def test_tcp_group_names_a_rank_that_came_and_left_the_rendezvous():
                              f"own init_group failed first)")
 
 
+def test_tcp_group_rank0_that_gives_up_first_keeps_its_store_up_for_the_others_to_time_out():
+    """Rank 0 gives up first (ranks started with one timeout_s a moment apart): it keeps serving
+    the store until rank 1 hangs up, so rank 1's own wait runs out and names rank 0 as one that came
+    and left, where a store closed at once had cut it short with "store closed"."""
+    port = free_port()
+    rank0 = []
+    waiting = threading.Thread(target=lambda: rank0.append(_threads.call_or_error(
+        lambda: TCPGroup(0, 3, master_port=port, timeout_s=2 * SHORT_TIMEOUT_S))))
+    waiting.start()
+    with TCPStoreClient("127.0.0.1", port, timeout_s=PROCESS_LIMIT_S) as probe:
+        probe.get("c/0/0", timeout_s=PROCESS_LIMIT_S)  # rank 0 is in the round: its wait runs out first
+    time.sleep(SHORT_TIMEOUT_S / 2)  # rank 1's process started later: rank 0 has raised before rank 1's wait runs out
+    with pytest.raises(GroupError) as rank1:
+        TCPGroup(1, 3, master_port=port, timeout_s=2 * SHORT_TIMEOUT_S)
+    waiting.join(PROCESS_LIMIT_S)
+    where = f"(MASTER_ADDR=127.0.0.1, MASTER_PORT={port})"
+    assert str(rank0[0]) == f"init_group #0 timed out after {2 * SHORT_TIMEOUT_S} s waiting for ranks [2] of 3 {where}"
+    assert str(rank1.value) == (f"init_group #0 timed out after {2 * SHORT_TIMEOUT_S} s waiting for ranks [0, 2] of 3 "
+                                f"{where}; of these, ranks [0] came and left (their own init_group failed first)")
+
+
 def mismatch_message(sizes: str, outside: str = "") -> str:
     """The start of what every rank of a rendezvous with different world sizes raises."""
     return (f"init_group: ranks disagree on world_size ({sizes}){outside}: start every rank with the same "
