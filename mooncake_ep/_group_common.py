@@ -158,11 +158,11 @@ _PROBE_S = 0.05
 # The two decisions of an attempt of a counted renewal round (_counted_round).
 _ROUND_COMPLETE, _ROUND_FAILED = b"complete", b"failed"
 # A rank 0 whose store closes when it raises, having failed to join its group, keeps the store up
-# for the connected ranks to hang up at most this long (and within its timeout_s), so that each
-# raises its own error, not "store closed". When it found ranks started with another world_size it
-# first waits as long for the ranks beyond its own world_size that a larger one says exist, which
-# may still be starting, to come and read why (instead of finding no store): that wait is what
-# rank 0's error is delayed by when no such rank comes (one rank's WORLD_SIZE was too large).
+# for the ranks connected to it to hang up at most this long (and at most its timeout_s), so that
+# those whose own wait ends meanwhile raise their own error, not "store closed". When it found ranks
+# started with another world_size it first waits as long, within its rendezvous's deadline, for the
+# ranks beyond its own world_size that a larger one says exist, which may still be starting, to
+# come and read why (instead of finding no store). Both delay rank 0's error.
 _MISMATCH_GRACE_S = 30.0
 
 

@@ -243,9 +243,8 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         _configure(sock)
         store = self.server.store
         try:
-            if not store._connected(sock, +1) or not self._greet(sock):
+            if not store._connected(sock, +1) or not self._greet(sock, store):
                 return
-            store._greeted(sock)
             while True:
                 try:
                     op, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
@@ -298,8 +297,10 @@ class _StoreHandler(socketserver.BaseRequestHandler):
             raise
 
     @staticmethod
-    def _greet(sock: socket.socket) -> bool:
-        """Read the client's hello and answer it; False: the connection is not to be served."""
+    def _greet(sock: socket.socket, store: TCPStoreServer) -> bool:
+        """Read the client's hello and answer it; False: the connection is not to be served. A client
+        is counted greeted before the answer reaches it, so that a client whose connect returned is
+        one the store's close() lets hang up first."""
         magic = version = None
         try:
             if _HEADER.unpack(_recv_exact(sock, _HEADER.size)) == (_OP_HELLO, _HELLO.size):
@@ -315,6 +316,7 @@ class _StoreHandler(socketserver.BaseRequestHandler):
                        f"must run the same mooncake_ep version").encode()
             _send_message(sock, _ERROR, [message])
             return False
+        store._greeted(sock)
         _send_message(sock, _OK, [])
         return True
 
@@ -410,16 +412,29 @@ class TCPStoreServer:
         """Stop serving. Idempotent.
 
         Args:
-            wait_for_clients_s: seconds to wait for connected clients to hang up first (so a
-                peer still reading its last reply is not cut off); 0 closes at once. A connection
-                that has not said the store's hello is not waited for.
+            wait_for_clients_s: seconds to wait for the clients connected now to hang up first (so
+                a peer still reading its last reply is not cut off); 0 closes at once. A connection
+                that has not said the store's hello is not waited for, nor one made meanwhile (a
+                peer retrying at once would otherwise hold the store open for a retry it cannot
+                complete). Interrupted (KeyboardInterrupt) while it waits, it still closes.
         """
         deadline = time.monotonic() + wait_for_clients_s
         with self._cond:
             if self._closing:
                 return
-            self._cond.wait_for(lambda: not self._greeted_clients,
-                                timeout=_wait_arg(max(0.0, deadline - time.monotonic())))
+            connected = set(self._greeted_clients)
+        try:
+            with self._cond:
+                self._cond.wait_for(lambda: not (connected & self._greeted_clients),
+                                    timeout=_wait_arg(max(0.0, deadline - time.monotonic())))
+        finally:
+            self._stop_serving()
+
+    def _stop_serving(self) -> None:
+        """Answer every waiter CLOSED, hang up on every client and stop the server thread."""
+        with self._cond:
+            if self._closing:  # a concurrent close() stops it
+                return
             self._closing = True  # wakes any waiter: it answers CLOSED
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._num_busy == 0, timeout=_CLOSE_REPLY_S)
@@ -434,6 +449,12 @@ class TCPStoreServer:
                 pass
         self._thread.join()
         logger.debug("TCPStoreServer: closed %s:%d", self.host, self.port)
+
+    @property
+    def num_clients(self) -> int:
+        """How many clients are connected now (connections that said the store's hello)."""
+        with self._cond:
+            return len(self._greeted_clients)
 
     def _connected(self, sock: socket.socket, delta: int) -> bool:
         """Count a connection in (+1) or out (-1); False: in, but the store is closing (not to be served).

@@ -59,7 +59,6 @@ from mooncake_ep._group_common import (
     _check_rank,
     _check_timeout,
     _KeyValueGroup,
-    _MISMATCH_GRACE_S,
     _PeerAbortedError,
     _PROBE_S,
     _wait_arg,
@@ -176,8 +175,9 @@ class TCPGroup(_KeyValueGroup):
             without ``rejoin``, joined again after its process died), or some ranks did not join
             within ``timeout_s``. With ``rejoin``: the rank never joined, its first process is
             still connected, or the running ranks did not renew the membership within ``timeout_s``.
-            Rank 0, whose store closes when it raises, first waits for the connected ranks to
-            hang up (up to 30 s, within ``timeout_s``), so that each raises its own error.
+            Rank 0, whose store closes when it raises, first waits for the ranks connected to it
+            to hang up, at most ``min(timeout_s, 30 s)`` more, so that those whose own wait ends
+            meanwhile raise their own error, not "store closed".
         RankMismatchError: ranks were started with different ``world_size`` (or this ``rank`` is
             outside rank 0's group), naming each rank's value. Raised on this rank at once when
             rank 0's value differs from its own; rank 0's group raises it as soon as the rank's
@@ -254,14 +254,20 @@ class TCPGroup(_KeyValueGroup):
             else:
                 self._rendezvous(deadline)
         except BaseException as exc:
-            # A rank 0 whose rendezvous failed keeps its store up until the peers have hung up: closed
-            # at once, it cut them off with "store closed" before they could read why. Ranks started
-            # differently raise once they read its world_size or the round's pairs; ranks started with
-            # the same timeout_s a moment after it, when their own wait runs out, naming the rank that
-            # never came and rank 0 as one that came and left. (Ranks beyond its world_size that may
-            # still be starting it waited for in _rendezvous.)
-            failed_to_join = isinstance(exc, (RankMismatchError, GroupError))
-            drain_s = min(self._timeout_s, _MISMATCH_GRACE_S) if failed_to_join else 0.0
+            # A rank 0 whose rendezvous failed keeps its store up until the peers connected now have
+            # hung up: closed at once, it cut them off with "store closed" before they could read why.
+            # Ranks started differently raise once they read its world_size or the round's pairs;
+            # ranks started with the same timeout_s a moment after it, when their own wait runs out,
+            # naming the rank that never came and rank 0 as one that came and left. A rank whose wait
+            # ends later than the grace still finds the store closed. (Ranks beyond its world_size
+            # that may still be starting it waited for in _rendezvous.)
+            drain_s = 0.0
+            if isinstance(exc, (RankMismatchError, GroupError)) and self._server is not None:
+                num_peers = self._server.num_clients - (self._client is not None)  # its own client too
+                if num_peers > 0:
+                    drain_s = min(self._timeout_s, _group_common._MISMATCH_GRACE_S)
+                    logger.warning("init_group: rank 0 failed to join; it keeps the store up until the ranks "
+                                   "connected to it (%d) have hung up, %.0f s at most, then raises", num_peers, drain_s)
             self._shutdown(drain_s=drain_s)
             raise
 

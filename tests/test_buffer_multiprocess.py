@@ -187,13 +187,14 @@ def test_processes_equal_reference(world_size, tmp_path):
 
 
 def test_peer_that_never_joins_is_named(tmp_path):
-    # Rank 2 of 3 is never started: ranks 0 and 1 give up in init_group, naming it. The one whose
-    # wait runs out second also names the other, which left first taking its slot with it, and says so.
+    # Rank 2 of 3 is never started: ranks 0 and 1 give up in init_group, each when its own wait runs
+    # out (rank 0 keeps its store up until rank 1 has hung up), naming it. The one whose wait runs
+    # out second also names the other, which left first taking its slot with it, and says so.
     argv = ["run", str(JOIN_TIMEOUT_S), str(SHORT_TIMEOUT_S), "0", str(tmp_path)]
     out = launch(3, {0: argv, 1: argv})
     for rank, other in ((0, 1), (1, 0)):
         error = out[rank]["error"]
-        assert error.startswith("init_group #0 "), out
+        assert error.startswith(f"init_group #0 timed out after {JOIN_TIMEOUT_S} s "), out
         assert ("waiting for ranks [2] of 3 (MASTER_ADDR=127.0.0.1" in error
                 or (f"waiting for ranks [{other}, 2] of 3 (MASTER_ADDR=127.0.0.1" in error
                     and error.endswith(f"; of these, ranks [{other}] came and left (their own init_group failed "

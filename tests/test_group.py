@@ -459,6 +459,59 @@ def test_store_close_does_not_wait_for_connections_that_never_said_hello():
     assert close_s < PROCESS_LIMIT_S / 2  # not a timing claim: without the fix it returns only when the wait ends
 
 
+def test_store_close_waits_only_for_the_clients_connected_when_it_was_called(monkeypatch):
+    """A failed rank 0 lets the ranks connected to it hang up first; a peer that reconnects at once to
+    retry joined a store about to close, and held it (and rank 0's error) open for the whole wait."""
+    server = TCPStoreServer("127.0.0.1", 0)
+    first = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+    assert server.num_clients == 1
+    waiting = threading.Event()
+    wait_for = server._cond.wait_for
+
+    def signalled_wait_for(predicate, timeout=None):
+        waiting.set()  # close() has listed the clients it waits for
+        return wait_for(predicate, timeout)
+
+    monkeypatch.setattr(server._cond, "wait_for", signalled_wait_for)
+    closed = []
+    closing = threading.Thread(target=lambda: closed.append(_threads.call_or_error(
+        lambda: server.close(wait_for_clients_s=PROCESS_LIMIT_S))))
+    closing.start()
+    assert waiting.wait(PROCESS_LIMIT_S)
+    with TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as retry:  # greeted while close() waits
+        retry.set("k", b"v")
+        first.close()
+        closing.join(PROCESS_LIMIT_S)
+        assert closed == [None] and not closing.is_alive()  # without the fix close() waits for retry too
+        with pytest.raises(GroupError):
+            retry.get("k", timeout_s=5.0)
+
+
+def test_store_close_interrupted_while_it_waits_still_closes(monkeypatch):
+    """Ctrl-C while rank 0 waits for its peers to hang up: the store still stops and frees its port
+    (it kept serving until the failed group was collected, and a retry found the port taken)."""
+    server = TCPStoreServer("127.0.0.1", 0)
+    client = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+    wait_for = server._cond.wait_for
+    calls = []
+
+    def interrupted_once(predicate, timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return wait_for(predicate, timeout)
+
+    monkeypatch.setattr(server._cond, "wait_for", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        server.close(wait_for_clients_s=PROCESS_LIMIT_S)
+    assert calls[0] == pytest.approx(PROCESS_LIMIT_S, abs=1.0)
+    with TCPStoreServer("127.0.0.1", server.port):  # the port is free again
+        pass
+    with pytest.raises(GroupError):
+        client.get("k", timeout_s=5.0)
+    client.close()
+
+
 def test_store_connections_keep_alive_and_the_listener_queues_a_whole_start_up():
     """A host that vanishes leaves an idle connection, and its rank's claims, that TCP without
     keepalive keeps for hours; every rank connects at once at start-up (a queue of 5 left the rest
@@ -626,11 +679,12 @@ def test_tcp_group_in_threads_missing_and_duplicate_rank():
     assert all(isinstance(e, GroupError) for e in out), out
     messages = sorted(str(e) for e in out)
     assert sum("rank 1 joined" in m and "twice" in m for m in messages) == 1, messages
-    # Rank 0 times out; the other rank 1 times out too, or is answered "store closed" when rank 0
-    # gives up first. Either way both name the rank that never came, and the one whose wait failed
-    # second also the other (it withdrew its slot), saying that it came and left.
+    # Rank 0 times out, and so does the other rank 1 (rank 0, giving up first, keeps its store up until
+    # it has hung up). Both name the rank that never came, and the one whose wait failed second also
+    # the other (it withdrew its slot), saying that it came and left.
     waited = [m for m in messages if "twice" not in m]
-    assert len(waited) == 2 and all(m.startswith("init_group #0 ") for m in waited), messages
+    assert len(waited) == 2 and all(m.startswith(f"init_group #0 timed out after {SHORT_TIMEOUT_S} s ")
+                                    for m in waited), messages
     where = re.escape(f" of 3 (MASTER_ADDR=127.0.0.1, MASTER_PORT={port})")
     came_and_left = r"; of these, ranks \[\1\] came and left \(their own init_group failed first\)"
     assert all(re.search(rf"waiting for ranks \[2\]{where}$|waiting for ranks \[([01]), 2\]{where}{came_and_left}$", m)
