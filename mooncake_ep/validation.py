@@ -154,16 +154,21 @@ def check_array(where: str, name: str, view: ArrayView, *, dtypes: tuple[str, ..
     if view.dtype not in dtypes and not is_raw_bits(view, dtypes):
         raise TypeError(f"{where}: {name} must be {' or '.join(dtypes)}, got {view.dtype}")
     if shape is not None and tuple(view.shape) != tuple(shape):
-        raise ValueError(f"{where}: {name} must have shape {tuple(shape)}, got {tuple(view.shape)}")
+        hint = ""
+        if swapped_last_axes and tuple(view.shape) == (*shape[:-2], shape[-1], shape[-2]):
+            hint = "; for DeepEP's layout pass this array with its last two dimensions swapped (.swapaxes(1, 2))"
+        raise ValueError(f"{where}: {name} must have shape {tuple(shape)}, got {tuple(view.shape)}{hint}")
     if ndim is not None and view.ndim != ndim:
         raise ValueError(f"{where}: {name} must be {ndim}-dimensional, got shape {tuple(view.shape)}")
     if not view.is_contiguous and not (swapped_last_axes and view.is_swapped_last_axes):
+        # Strides in elements, whatever the framework counts them in (numpy: bytes): the arrays
+        # are named by their shape and dtype, and so are the strides that fit.
         if swapped_last_axes:
-            raise ValueError(f"{where}: {name} must be contiguous (row-major, strides "
+            raise ValueError(f"{where}: {name} must be contiguous (row-major, strides in elements "
                              f"{c_contiguous_strides(view.shape)}) or a contiguous array with its last two "
                              f"dimensions swapped (DeepEP's layout, strides {swapped_last_axes_strides(view.shape)}), "
-                             f"got strides {view.strides}")
-        raise ValueError(f"{where}: {name} must be contiguous (row-major), got strides {view.strides}; "
+                             f"got strides {view.strides}; pass a contiguous array, or the .swapaxes(1, 2) of one")
+        raise ValueError(f"{where}: {name} must be contiguous (row-major), got strides in elements {view.strides}; "
                          f"pass a contiguous copy")
     if like is not None and (view.device_type, view.device_id) != (like.device_type, like.device_id):
         raise TypeError(f"{where}: {name} is on {view.device_type}:{view.device_id}, expected "
@@ -226,6 +231,9 @@ def read_out(where: str, out, nested_fp8: bool, stream: int | None) -> list[tupl
         if len(flat) != 2 or not isinstance(flat[0], (tuple, list)) or len(flat[0]) != 2:
             raise TypeError(f"{where}: out must be ((recv_x, recv_scales), recv_count) with use_fp8")
         flat = [flat[0][0], flat[0][1], flat[1]]
+    elif flat and isinstance(flat[0], (tuple, list)):
+        raise TypeError(f"{where}: out must be (recv_x, recv_count) without use_fp8; ((recv_x, recv_scales), "
+                        f"recv_count) is the form of an fp8 dispatch")
     names = ("recv_x", "recv_scales", "recv_count") if nested_fp8 else ("recv_x", "recv_count")
     if len(flat) != len(names):
         raise TypeError(f"{where}: out must hold {len(names)} arrays ({', '.join(names)}), got {len(flat)}")

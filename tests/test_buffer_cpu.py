@@ -1165,10 +1165,21 @@ DISPATCH_REJECTIONS = [
     ("out-not-a-tuple", TypeError, r"dispatch: out must be a tuple of arrays", lambda c: dict(out=5)),
     # fp8 scales: row-major or DeepEP's swapped layout, nothing else (here every other row of a larger array).
     ("out-scales-strided", ValueError,
-     r"dispatch: out recv_scales must be contiguous \(row-major, strides \(16, 2, 1\)\) or a contiguous array with "
-     r"its last two dimensions swapped \(DeepEP's layout, strides \(16, 1, 8\)\), got strides \(32, 4, 1\)",
+     r"dispatch: out recv_scales must be contiguous \(row-major, strides in elements \(16, 2, 1\)\) or a contiguous "
+     r"array with its last two dimensions swapped \(DeepEP's layout, strides \(16, 1, 8\)\), got strides \(32, 4, 1\); "
+     r"pass a contiguous array, or the \.swapaxes\(1, 2\) of one$",
      lambda c: dict(use_fp8=True, out=((np.zeros((2, 8, 256), FP8), np.zeros((2, 16, 2), np.float32)[:, ::2]),
                                        np.zeros(2, np.int32)))),
+    # DeepEP's layout's own array, not yet viewed with its last two dimensions swapped.
+    ("out-scales-not-swapped-back", ValueError,
+     r"dispatch: out recv_scales must have shape \(2, 8, 2\), got \(2, 2, 8\); for DeepEP's layout pass this "
+     r"array with its last two dimensions swapped \(\.swapaxes\(1, 2\)\)$",
+     lambda c: dict(use_fp8=True, out=((np.zeros((2, 8, 256), FP8), np.zeros((2, 2, 8), np.float32)),
+                                       np.zeros(2, np.int32)))),
+    ("out-fp8-form-for-bf16", TypeError,
+     r"dispatch: out must be \(recv_x, recv_count\) without use_fp8; \(\(recv_x, recv_scales\), recv_count\) is the "
+     r"form of an fp8 dispatch$",
+     lambda c: dict(out=((np.zeros((2, 8, 256), BF16), np.zeros((2, 8, 2), np.float32)), np.zeros(2, np.int32)))),
     ("out-jax", TypeError, r"dispatch: out recv_count is a jax array, which is immutable, and the call writes into it",
      lambda c: dict(out=(np.zeros((2, 8, 256), BF16), to_framework(np.zeros(2, np.int32), "jax")))),
     ("active-jax", TypeError, r"dispatch: active_ranks is a jax array, which is immutable",  # x is numpy

@@ -498,6 +498,53 @@ def test_cupy_arrays_in_and_out_on_cupys_stream(flag_id):
     check(case, xs, topks, weights, flags, results)
 
 
+def test_cupy_out_scales_in_deepeps_layout_read_back_with_asnumpy():
+    """cupy callers may pass DeepEP's swapped scales as out=: the kernel writes them there, and
+    reading them back with cupy.asnumpy (which copies a non-contiguous array under ``with
+    stream:``) leaves cupy's current stream as it was. On the H200, when cupy results were swapped,
+    the call after such a read found cupy's current stream changed (the thirty-fifth session);
+    this names the step that changes it."""
+    cupy = pytest.importorskip("cupy")
+    flags = FLAGS["fp8"]
+    case = Case(seed=6)
+    xs, topks, weights = make_inputs(case)
+    rows, columns = case.num_ranks * case.num_max_tokens, case.hidden // 128
+
+    def run(g):
+        r = g.rank
+        buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS)
+        x = cupy.asarray(xs[r].view(np.uint16))
+        topk, w = cupy.asarray(topks[r]), cupy.asarray(weights[r])
+        active = cupy.ones(case.num_ranks, cupy.int32)
+        q = cupy.full((case.num_local_experts, rows, case.hidden), 0xFF, cupy.uint8)
+        scales = cupy.full((case.num_local_experts, columns, rows), np.nan, cupy.float32).swapaxes(1, 2)
+        count = cupy.full(case.num_local_experts, -1, cupy.int32)
+        assert scales.strides == tuple(4 * s for s in swapped_last_axes_strides(scales.shape))
+        ready(g)
+        (got_q, got_scales), got_count, handle, _, _ = buffer.dispatch(
+            x, topk, active, case.num_max_tokens, case.num_experts, timeout_us=TIMEOUT_US,
+            out=((q, scales), count), **flags)
+        assert got_q is q and got_scales is scales and got_count is count
+        cupy_wait_idle()
+        before = cupy.cuda.get_current_stream().ptr
+        host_recv = (cupy.asnumpy(q).view(FP8), cupy.asnumpy(scales))
+        after = cupy.cuda.get_current_stream().ptr
+        assert after == before == g.stream_ptr, (
+            f"rank {r}: cupy.asnumpy of the swapped scales changed cupy's current stream from {before:#x} to "
+            f"{after:#x} (the rank's stream is {g.stream_ptr:#x})")
+        g.barrier()
+        y = cupy.asarray(host_experts(case, r, host_recv, flags).view(np.uint16))
+        combined, _, _ = buffer.combine(y, topk, w, active, TIMEOUT_US, handle)
+        cupy_wait_idle()
+        result = dict(recv=host_recv, count=cupy.asnumpy(count), y=cupy.asnumpy(y).view(BF16),
+                      combined=cupy.asnumpy(combined).view(BF16), active=cupy.asnumpy(active))
+        g.barrier()
+        buffer.destroy()
+        return result
+
+    check(case, xs, topks, weights, flags, local_group(case).spawn(run))
+
+
 @pytest.mark.parametrize("shape", [(4, 8, 128), (4, 0, 128), (0, 7), (3,), (1, 1, 1)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32", "int32"])
 def test_allocated_cupy_results_read_as_read_array_reads_them(shape, dtype):
