@@ -1,4 +1,4 @@
-"""A test helper shared by the group tests: run callables on threads, collect results or errors."""
+"""Test helpers shared by the group tests: run callables on threads, collect results or errors."""
 
 from __future__ import annotations
 
@@ -30,3 +30,24 @@ def call_or_error(fn):
         return fn()
     except Exception as exc:  # noqa: BLE001 - inspected by the test
         return exc
+
+
+def tcp_rank0_in_its_round(port: int, world_size: int, timeout_s: float, limit_s: float):
+    """Start rank 0 of a TCPGroup on ``port`` in a thread and return once it is in the init_group
+    round, with a function that joins the thread (at most ``limit_s``) and gives what its
+    TCPGroup returned or raised."""
+    from mooncake_ep.group import TCPGroup, TCPStoreClient
+
+    out = []
+    thread = threading.Thread(target=lambda: out.append(call_or_error(
+        lambda: TCPGroup(0, world_size, master_port=port, timeout_s=timeout_s))))
+    thread.start()
+    with TCPStoreClient("127.0.0.1", port, timeout_s=limit_s) as probe:
+        probe.get("c/0/0", timeout_s=limit_s)
+
+    def outcome():
+        thread.join(limit_s)
+        assert not thread.is_alive(), "rank 0's thread hung"
+        return out[0]
+
+    return outcome

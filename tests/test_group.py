@@ -695,17 +695,10 @@ def test_tcp_group_names_a_rank_that_came_and_left_the_rendezvous():
     """Rank 1 gives up first and takes its slot with it: rank 0's wait then names it with the rank
     that never came, and says that it came and left (not that it never started)."""
     port = free_port()
-    rank0 = []
-    waiting = threading.Thread(target=lambda: rank0.append(_threads.call_or_error(
-        lambda: TCPGroup(0, 3, master_port=port, timeout_s=4 * SHORT_TIMEOUT_S))))
-    waiting.start()
-    probe = TCPStoreClient("127.0.0.1", port, timeout_s=PROCESS_LIMIT_S)
-    probe.get("c/0/0", timeout_s=PROCESS_LIMIT_S)  # rank 0 is in the round
-    probe.close()
+    rank0 = _threads.tcp_rank0_in_its_round(port, 3, 4 * SHORT_TIMEOUT_S, PROCESS_LIMIT_S)
     with pytest.raises(GroupError, match=r"^init_group #0 timed out after 0\.2 s waiting for ranks \[2\] of 3 "):
         TCPGroup(1, 3, master_port=port, timeout_s=0.2)
-    waiting.join(PROCESS_LIMIT_S)
-    assert str(rank0[0]) == (f"init_group #0 timed out after {4 * SHORT_TIMEOUT_S} s waiting for ranks [1, 2] of 3 "
+    assert str(rank0()) == (f"init_group #0 timed out after {4 * SHORT_TIMEOUT_S} s waiting for ranks [1, 2] of 3 "
                              f"(MASTER_ADDR=127.0.0.1, MASTER_PORT={port}); of these, ranks [1] came and left (their "
                              f"own init_group failed first)")
 
@@ -715,18 +708,12 @@ def test_tcp_group_rank0_that_gives_up_first_keeps_its_store_up_for_the_others_t
     the store until rank 1 hangs up, so rank 1's own wait runs out and names rank 0 as one that came
     and left, where a store closed at once had cut it short with "store closed"."""
     port = free_port()
-    rank0 = []
-    waiting = threading.Thread(target=lambda: rank0.append(_threads.call_or_error(
-        lambda: TCPGroup(0, 3, master_port=port, timeout_s=2 * SHORT_TIMEOUT_S))))
-    waiting.start()
-    with TCPStoreClient("127.0.0.1", port, timeout_s=PROCESS_LIMIT_S) as probe:
-        probe.get("c/0/0", timeout_s=PROCESS_LIMIT_S)  # rank 0 is in the round: its wait runs out first
+    rank0 = _threads.tcp_rank0_in_its_round(port, 3, 2 * SHORT_TIMEOUT_S, PROCESS_LIMIT_S)  # runs out first
     time.sleep(SHORT_TIMEOUT_S / 2)  # rank 1's process started later: rank 0 has raised before rank 1's wait runs out
     with pytest.raises(GroupError) as rank1:
         TCPGroup(1, 3, master_port=port, timeout_s=2 * SHORT_TIMEOUT_S)
-    waiting.join(PROCESS_LIMIT_S)
     where = f"(MASTER_ADDR=127.0.0.1, MASTER_PORT={port})"
-    assert str(rank0[0]) == f"init_group #0 timed out after {2 * SHORT_TIMEOUT_S} s waiting for ranks [2] of 3 {where}"
+    assert str(rank0()) == f"init_group #0 timed out after {2 * SHORT_TIMEOUT_S} s waiting for ranks [2] of 3 {where}"
     assert str(rank1.value) == (f"init_group #0 timed out after {2 * SHORT_TIMEOUT_S} s waiting for ranks [0, 2] of 3 "
                                 f"{where}; of these, ranks [0] came and left (their own init_group failed first)")
 
@@ -773,20 +760,15 @@ def test_tcp_group_rank_restarted_into_a_round_a_wrong_world_size_spoiled_is_ref
     slot over: ranks that read the pair in a complete round have raised, and it would complete the
     round with the others (a split group). It says why; rank 0 still names the mismatch."""
     port = free_port()
-    rank0 = []
-    waiting = threading.Thread(target=lambda: rank0.append(_threads.call_or_error(
-        lambda: TCPGroup(0, 3, master_port=port, timeout_s=4 * SHORT_TIMEOUT_S))))
-    waiting.start()
-    with TCPStoreClient("127.0.0.1", port, timeout_s=PROCESS_LIMIT_S) as probe:
-        probe.get("c/0/0", timeout_s=PROCESS_LIMIT_S)  # rank 0 is in the round
+    rank0 = _threads.tcp_rank0_in_its_round(port, 3, 4 * SHORT_TIMEOUT_S, PROCESS_LIMIT_S)
     with pytest.raises(RankMismatchError, match=r"\(rank 0: 3, rank 1: 2\)"):
         TCPGroup(1, 2, master_port=port, timeout_s=PROCESS_LIMIT_S)
     with pytest.raises(GroupError, match=r"^init_group: rank 1's slot of the rendezvous \(MASTER_ADDR=127\.0\.0\.1, "
                                          r"MASTER_PORT=\d+\) holds the world_size of a process of this rank started "
                                          r"with another one, .*restart every rank with the same world_size"):
         TCPGroup(1, 3, master_port=port, timeout_s=PROCESS_LIMIT_S)
-    waiting.join(PROCESS_LIMIT_S)
-    assert isinstance(rank0[0], RankMismatchError) and "(rank 0: 3, rank 1: 2)" in str(rank0[0]), rank0
+    outcome = rank0()
+    assert isinstance(outcome, RankMismatchError) and "(rank 0: 3, rank 1: 2)" in str(outcome), outcome
 
 
 def test_tcp_group_rank0_names_a_smaller_world_size_when_its_wait_runs_out(monkeypatch):

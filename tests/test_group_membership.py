@@ -792,18 +792,12 @@ def test_rejoin_of_a_rank_that_never_joined_is_refused():
         server.close()
     # Rank 0 in its rendezvous, which rank 1 never completed: refused, and the rendezvous goes on.
     port = free_port()
-    rank0 = []
-    waiting = threading.Thread(target=lambda: rank0.append(_threads.call_or_error(
-        lambda: TCPGroup(0, 2, master_port=port, timeout_s=LONG_TIMEOUT_S))))
-    waiting.start()
-    with TCPStoreClient("127.0.0.1", port, timeout_s=PROCESS_LIMIT_S) as probe:
-        probe.get("c/0/0", timeout_s=PROCESS_LIMIT_S)
+    rank0 = _threads.tcp_rank0_in_its_round(port, 2, LONG_TIMEOUT_S, PROCESS_LIMIT_S)
     with pytest.raises(GroupError, match=r"rank 1 never joined the group .* \(no process of this rank completed the "
                                          r"rendezvous\): there is nothing to take over; join without rejoin"):
         TCPGroup(1, 2, master_port=port, timeout_s=SHORT_TIMEOUT_S, rejoin=True)
     rank1 = join_while_claimed(lambda: TCPGroup(1, 2, master_port=port, timeout_s=LONG_TIMEOUT_S))
-    waiting.join(PROCESS_LIMIT_S)
-    groups = rank0 + [rank1]
+    groups = [rank0(), rank1]
     assert gather_ranks(groups) == [[b"\0\0", b"\1\0"]] * 2
     run_in_threads([lambda g=g: g.close() for g in groups])
 
