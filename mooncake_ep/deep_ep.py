@@ -23,10 +23,14 @@ What differs from DeepEP:
       ``combine_wait_recv_cost_stats`` are refused, and so is ``use_logfmt`` (a LogFMT combine is
       not built). A dispatch in DeepEP's older order (``use_fp8`` fifth) is refused, and so is a
       combine with ``zero_copy=True`` fifth; a combine's other flags after ``handle`` go by name.
-    - A rank that stops is masked after ``timeout_us`` (a keyword of the constructor; the default,
-      -1, waits forever; DeepEP's kernels give up after a very long fixed time and trap, or mask
-      the rank with ``enable_shrink``). The masks are DeepEP's mask buffer
-      (``low_latency_update_mask_buffer`` and the like) and :attr:`Buffer.active_ranks`.
+    - A rank that stops is masked after ``timeout_us`` (a keyword of the constructor). By default
+      that is DeepEP's 100 s with ``enable_shrink=True``, where DeepEP's kernels mask it after that
+      long too, and forever without, where DeepEP's give up after 100 s and trap (which leaves the
+      CUDA context unusable; a mask nobody reads would leave results silently short). The masks
+      are DeepEP's mask buffer (``low_latency_update_mask_buffer`` and the like) and
+      :attr:`Buffer.active_ranks`.
+    - :class:`EventOverlap` has DeepEP's ``current_stream_wait()`` and ``with`` use, not its
+      ``event`` and ``extra_tensors`` attributes (read only by DeepEP's high-throughput calls).
     - ``get_next_low_latency_combine_buffer(handle)`` wants the dispatch received (its hook called):
       peers may read the buffer's previous contents until then.
     - :meth:`Buffer.destroy` frees the workspace whether ``explicitly_destroy`` was given or not.
@@ -48,6 +52,10 @@ __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
 topk_idx_t = torch.int64  # DeepEP's dtype of topk_idx (int32 is taken too)
 
+# How long DeepEP's kernels wait for a peer (NUM_TIMEOUT_CYCLES, 200G cycles, "~= 100s") before
+# masking it with enable_shrink: the timeout_us a Buffer built with enable_shrink gets by default.
+SHRINK_TIMEOUT_US = 100_000_000
+
 # DeepEP's high-throughput methods (static ones included, called on the class): each raises
 # NotImplementedError when called, so a call says what is missing and hasattr() finds them as in DeepEP.
 _HIGH_THROUGHPUT_METHODS = ("capture", "get_dispatch_config", "get_combine_config", "get_dispatch_layout", "dispatch",
@@ -64,8 +72,9 @@ class Config:
     """DeepEP's tuning of its high-throughput kernels, which mooncake_ep has not: held, so that an
     engine that imports or builds one still loads; its buffer size hints raise NotImplementedError."""
 
-    def __init__(self, num_sms: int, num_max_nvl_chunked_send_tokens: int, num_max_nvl_chunked_recv_tokens: int,
-                 num_max_rdma_chunked_send_tokens: int = 0, num_max_rdma_chunked_recv_tokens: int = 0) -> None:
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:  # DeepEP's defaults
         self.num_sms = num_sms
         self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
         self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
@@ -88,14 +97,17 @@ class Buffer:
         num_rdma_bytes: the low-latency workspace's bytes, at least
             :meth:`get_low_latency_rdma_size_hint` for every configuration used.
         low_latency_mode: must be True.
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy,
-            enable_shrink: DeepEP's transport settings, accepted and unused: the transport is chosen
-            from where the ranks are (one process or one host; several hosts are refused until the
-            proxy transport exists), :meth:`destroy` is always available, and the mask buffer
-            always works.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy:
+            DeepEP's transport settings, accepted and unused: the transport is chosen from where the
+            ranks are (one process or one host; several hosts are refused until the proxy transport
+            exists), and :meth:`destroy` is always available.
+        enable_shrink: DeepEP's fault tolerance: peers that stop are masked (after ``timeout_us``)
+            instead of the kernels trapping. Here only the default of ``timeout_us`` follows it: the
+            mask buffer always works.
         comm: must be None (DeepEP's mpi4py communicator for NVSHMEM): an mpi4py communicator goes
             as ``group``.
         timeout_us: microseconds a kernel waits for a peer before masking it; -1 waits forever.
+            None (the default): DeepEP's 100 s with ``enable_shrink``, else forever.
         num_sms, backend, kernel_cache_dir: as :class:`mooncake_ep.Buffer`'s.
 
     Attributes:
@@ -110,7 +122,7 @@ class Buffer:
     def __init__(self, group: Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
-                 enable_shrink: bool = False, comm: Any = None, *, timeout_us: int = _constants.TIMEOUT_FOREVER,
+                 enable_shrink: bool = False, comm: Any = None, *, timeout_us: int | None = None,
                  num_sms: int | None = None, backend: str = "auto", kernel_cache_dir: str | None = None) -> None:
         where = "deep_ep.Buffer"
         if low_latency_mode is not True:
@@ -128,6 +140,8 @@ class Buffer:
                              f"as group (an mpi4py communicator is taken there too)")
         self.runtime = _Buffer(group, num_rdma_bytes, num_sms=num_sms, backend=backend,
                                kernel_cache_dir=kernel_cache_dir)
+        if timeout_us is None:
+            timeout_us = SHRINK_TIMEOUT_US if enable_shrink else _constants.TIMEOUT_FOREVER
         self.timeout_us = check_timeout(where, timeout_us)
         self.group = self.runtime.group
         self.rank = self.runtime.rank
