@@ -112,9 +112,8 @@ def protocol_digest(sys_scope: bool) -> str:
     digest = hashlib.sha256(__version__.encode() + b"\0")
     for key in kernels.low_latency_keys(_DIGEST_ARCH, sys_scope):
         digest.update(repr((key.file, key.name, key.macros, key.options)).encode() + b"\0")
-    for path in sorted(kernels.kernel_source_dir().iterdir()):
-        if path.suffix in (".cu", ".cuh"):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for name, source in kernels.kernel_sources().items():
+        digest.update(name.encode() + b"\0" + source.encode() + b"\0")
     digest.update(repr((layout.LAYOUT_DTYPE.descr, sorted(layout.HEADER_OFFSETS.items()))).encode())
     # Where the regions of a configuration lie (peers write into them): two shapes stand for the rule.
     for configuration in ((8, 256, 128, 7168), (3, 24, 5, 1152)):

@@ -137,7 +137,8 @@ class Buffer:
             orders no device work: combine a CUDA dispatch (or make another CUDA call) before a
             host-array dispatch follows it, or a peer may still read the rows the next CUDA
             dispatch on that parity restages.
-        kernel_cache_dir: where compiled kernels are cached (default: see :mod:`mooncake_ep.kernels`).
+        kernel_cache_dir: where compiled kernels are cached (default: see :mod:`mooncake_ep.kernels`);
+            ``~`` is expanded, and a relative path is taken from the working directory.
 
     Note:
         Every rank must call dispatch and combine in the same order: they are collectives. A
@@ -184,6 +185,10 @@ class Buffer:
         check_int("Buffer", "num_ep_buffer_bytes", num_ep_buffer_bytes, minimum=layout.header_bytes())
         if backend not in ("auto", "cuda", "reference"):
             raise ValueError(f"Buffer: backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+        if kernel_cache_dir is not None:  # checked here, before the collectives, on every backend
+            from mooncake_ep import kernels
+
+            kernel_cache_dir = kernels.resolve_cache_dir(kernel_cache_dir, "Buffer: kernel_cache_dir")
         if group.world_size > _constants.MAX_RANKS:
             raise ValueError(f"Buffer: at most {_constants.MAX_RANKS} ranks are supported, got {group.world_size}")
         self.group = group
@@ -297,7 +302,7 @@ class Buffer:
         ranks_here = sum(c.device == configs[self.rank].device for c in configs)
         if getattr(self.group, "is_in_process", False):
             self._in_process_ranks_on_device = ranks_here
-        cache = kernels.KernelCache(kernel_cache_dir) if kernel_cache_dir is not None else None
+        cache = kernels.KernelCache(kernel_cache_dir, name="kernel_cache_dir") if kernel_cache_dir is not None else None
         return _cuda_backend.CudaBackend(self.group, self.num_ep_buffer_bytes, self._device_id, num_sms, cache,
                                          all_on_one_device=ranks_here == self.num_ranks)
 

@@ -13,6 +13,7 @@ The cache lives in ``$MOONCAKE_EP_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/moo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -29,6 +30,11 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from mooncake_ep import _constants
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: compiles are not shared between processes (each compiles on a miss)
+    fcntl = None
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -69,6 +75,13 @@ def kernel_source_dir() -> Path:
 @functools.lru_cache(maxsize=None)
 def _read_source(name: str) -> str:
     return (kernel_source_dir() / name).read_text()
+
+
+def kernel_sources() -> dict[str, str]:
+    """Every shipped ``.cu``/``.cuh`` source by file name, as this process compiles them: each read
+    once, so a file edited on disk afterwards changes neither the kernels nor what the ranks compare."""
+    return {path.name: _read_source(path.name) for path in sorted(kernel_source_dir().iterdir())
+            if path.suffix in (".cu", ".cuh")}
 
 
 def _source_closure(name: str) -> list[str]:
@@ -130,17 +143,13 @@ def nvrtc_build() -> str:
     """A hash naming the NVRTC library build this process loaded (a cache key part).
 
     :func:`nvrtc_version` gives (major, minor) only, and patch releases of one minor version compile
-    the same source to different code. The loaded ``libnvrtc.so`` (found in ``/proc/self/maps``) is
-    named by its size and both ends of its bytes, which read in milliseconds where hashing the whole
-    ~100 MB would take a tenth of a second; "" where the maps cannot be read (the version alone then).
+    the same source to different code. The loaded ``libnvrtc.so`` is named by its size and both ends
+    of its bytes, which read in milliseconds where hashing the whole ~100 MB would take a tenth of a
+    second; "" where it cannot be found (the version alone then).
     """
     nvrtc_version()  # loads the library
-    try:
-        with open("/proc/self/maps", "rb") as maps:  # bytes: other mapped files' paths need not be UTF-8
-            paths = sorted({line.split(maxsplit=5)[-1].strip() for line in maps
-                            if os.path.basename(line.rstrip()).startswith(b"libnvrtc.so")})
-    except OSError as exc:
-        logger.debug("no /proc/self/maps to name the NVRTC build: %s", exc)
+    paths = _loaded_nvrtc_paths()
+    if paths is None:
         return ""
     digest, named = hashlib.sha256(), False
     for path in paths:
@@ -156,6 +165,28 @@ def nvrtc_build() -> str:
         digest.update(str(size).encode() + b"\0" + head + tail)
         named = True
     return digest.hexdigest() if named else ""
+
+
+def _loaded_nvrtc_paths() -> list[bytes] | None:
+    """The file of the NVRTC library that ``cuda.bindings`` compiles with: the one ``cuda.pathfinder``
+    loaded for it (cached there, the same handle). Without pathfinder (older ``cuda.bindings``),
+    every ``libnvrtc.so*`` mapped in this process (``/proc/self/maps``), which a framework loading
+    another NVRTC (another CUDA major) would add to. None where neither can tell."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        path = load_nvidia_dynamic_lib("nvrtc").abs_path
+        if path:
+            return [os.fsencode(path)]
+    except Exception as exc:  # noqa: BLE001 - any failure here leaves the maps to tell
+        logger.debug("cuda.pathfinder does not name the NVRTC library: %s", exc)
+    try:
+        with open("/proc/self/maps", "rb") as maps:  # bytes: other mapped files' paths need not be UTF-8
+            return sorted({line.split(maxsplit=5)[-1].strip() for line in maps
+                           if os.path.basename(line.rstrip()).startswith(b"libnvrtc.so")})
+    except OSError as exc:
+        logger.debug("no /proc/self/maps to name the NVRTC build: %s", exc)
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +356,33 @@ def _warn_once(message: str) -> None:
 _warned: set[str] = set()
 
 
+def resolve_cache_dir(directory: str | os.PathLike, name: str = "directory") -> Path:
+    """``directory`` (an argument named ``name``) as a kernel cache folder: ``~`` expanded, made
+    absolute. A relative path is taken from the working directory, with a warning (a warm-up and a
+    server started in different folders would not share it).
+
+    Raises:
+        TypeError: not a str or path.
+        ValueError: empty (the working directory), or a ``~`` this process has no home folder for.
+    """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike, got {type(directory).__name__}")
+    given = os.fspath(directory)
+    if not isinstance(given, str):
+        given = os.fsdecode(given)
+    if not given:
+        raise ValueError(f"{name}: the path is empty; name the kernel cache's directory")
+    expanded = os.path.expanduser(given)
+    if expanded.startswith("~"):
+        raise ValueError(f"{name}={given!r} names a home folder this process does not have (no HOME, no passwd "
+                         f"entry); pass an absolute path")
+    if not os.path.isabs(expanded):
+        _warn_once(f"mooncake_ep: {name}={given!r} is relative: the kernel cache is {os.path.abspath(expanded)}, "
+                   f"under this process's working directory; pass an absolute path to share it between "
+                   f"processes started elsewhere")
+    return Path(expanded).absolute()
+
+
 def _private_temp_folder() -> str:
     """This user's folder under the shared temporary directory, made 0700 if missing. Another user
     could make the folder first and plant cubins under their digests, which a Buffer would load and
@@ -370,9 +428,21 @@ class KernelCache:
     # no secret: entries, and the folders the cache makes, are readable by all whatever the umask.
     _CACHE_FILE_MODE = 0o644
     _CACHE_DIR_MODE = 0o755
+    # How long a process waits for another compiling the same entry (:meth:`compiling`) before it
+    # compiles the entry itself: a compile takes seconds, several at once on a loaded host tens.
+    _COMPILE_WAIT_S = 300.0
 
-    def __init__(self, directory: str | os.PathLike | None = None):
-        self.directory = Path(directory) if directory is not None else default_cache_dir()
+    def __init__(self, directory: str | os.PathLike | None = None, *, name: str = "directory"):
+        """Args:
+            directory: the folder (default: :func:`default_cache_dir`); see :func:`resolve_cache_dir`.
+            name: how errors name ``directory`` (the caller's argument: ``kernel_cache_dir``, ``--cache-dir``).
+        """
+        if directory is None:
+            self.directory = default_cache_dir()
+            self._remedy = f"set {_constants.CACHE_DIR_ENV} to a writable folder"
+        else:
+            self.directory = resolve_cache_dir(directory, name)
+            self._remedy = f"pass a writable {name}"
 
     def _path(self, digest: str) -> Path:
         return self.directory / f"{digest}.cubin"
@@ -383,10 +453,7 @@ class KernelCache:
             self._make_directory()
             return tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".cubin")
         except OSError as exc:
-            raise OSError(
-                f"kernel cache directory {self.directory} is not writable ({exc}); "
-                f"set {_constants.CACHE_DIR_ENV} to a writable folder"
-            ) from exc
+            raise OSError(f"kernel cache directory {self.directory} is not writable ({exc}); {self._remedy}") from exc
 
     def _make_directory(self) -> None:
         """Create the folder and its missing parents, each with at least ``_CACHE_DIR_MODE`` (a umask of
@@ -422,6 +489,7 @@ class KernelCache:
     _STALE_TEMP_S = 3600
 
     def _remove_stale_temp_files(self) -> None:
+        _swept_cache_dirs.add(self.directory)
         deadline = time.time() - self._STALE_TEMP_S
         for path in self.directory.glob(".tmp-*.cubin"):
             try:
@@ -441,7 +509,46 @@ class KernelCache:
             return None
         return payload
 
+    @contextlib.contextmanager
+    def compiling(self, digest: str):
+        """Hold the entry's lock while compiling it: processes (and threads) that miss the same entry
+        at once, as every rank of a job starting on a cold cache does, compile it once; the others
+        wait, then find it saved. The lock is ``flock`` on a ``.<digest>.lock`` file beside the entry
+        (left there: removing it would race with its next user), released when its holder exits or
+        dies. Where no lock file can be made (a read-only cache), or another holder takes longer than
+        ``_COMPILE_WAIT_S``, the caller goes on without it and compiles the entry itself."""
+        fd = None
+        if fcntl is not None:
+            try:
+                self._make_directory()
+                fd = os.open(self.directory / f".{digest}.lock", os.O_RDONLY | os.O_CREAT, self._CACHE_FILE_MODE)
+            except OSError as exc:
+                logger.debug("mooncake_ep: no lock file for kernel cache entry %s: %s", digest, exc)
+        try:
+            if fd is not None:
+                deadline = time.monotonic() + self._COMPILE_WAIT_S
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            logger.info("mooncake_ep: kernel cache entry %s still compiled elsewhere after %.0f s; "
+                                        "compiling it here", digest, self._COMPILE_WAIT_S)
+                            break
+                        time.sleep(0.02)
+                    except OSError as exc:  # a file system without locks (ENOLCK on some NFS mounts)
+                        logger.debug("mooncake_ep: no lock for kernel cache entry %s: %s", digest, exc)
+                        break
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the lock
+
     def save(self, digest: str, cubin: bytes) -> None:
+        if self.directory not in _swept_cache_dirs:  # once per folder and process: what killed writers left
+            with contextlib.suppress(OSError):
+                self._remove_stale_temp_files()
         fd, tmp = self._mkstemp()
         try:
             with os.fdopen(fd, "wb") as f:  # owns fd from here: closed whatever fails below
@@ -453,28 +560,45 @@ class KernelCache:
             Path(tmp).unlink(missing_ok=True)
             if isinstance(exc, OSError):  # a full disk, a quota: say which cache, and how to choose another
                 raise OSError(exc.errno, f"could not write kernel cache entry {self._path(digest)} "
-                                         f"({exc.strerror or exc}); set {_constants.CACHE_DIR_ENV} to another "
-                                         f"folder") from exc
+                                         f"({exc.strerror or exc}); {self._remedy}") from exc
             raise
 
 
+# Cache folders whose stale temporary files this process has removed (KernelCache.save).
+_swept_cache_dirs: set[Path] = set()
+# Cubins this process compiled and could not save, by digest: a later Buffer of the process finds
+# them here instead of compiling them again; and the folders they could not be saved in.
+_unsaved_cubins: dict[str, bytes] = {}
+_unwritable_cache_dirs: set[Path] = set()
+
+
 def get_cubin(key: KernelKey, cache: KernelCache | None = None) -> tuple[bytes, bool]:
-    """The cubin of ``key`` from the cache, compiling and storing it on a miss.
+    """The cubin of ``key`` from the cache, compiling and storing it on a miss (once for all the
+    processes missing it at once: :meth:`KernelCache.compiling`).
+
+    A cubin that cannot be saved (a read-only or full cache) is kept in this process, with a warning
+    once per cache folder.
 
     Returns:
         ``(cubin, compiled)``: compiled is False when the cache answered.
     """
     cache = cache if cache is not None else KernelCache()
-    cubin = cache.load(key.digest)
+    cubin = _unsaved_cubins.get(key.digest) or cache.load(key.digest)
     if cubin is not None:
         return cubin, False
-    cubin = compile_kernel(key)
-    try:
-        cache.save(key.digest, cubin)
-    except OSError as exc:
-        logger.warning("mooncake_ep: could not cache kernel %s (%s, %s): %s", key.name, key.arch,
-                       " ".join(f"{k}={v}" for k, v in key.macros if k.startswith("EP_USE") or k == "EP_SYS_SCOPE"),
-                       exc)
+    with cache.compiling(key.digest):
+        cubin = cache.load(key.digest)  # saved by another process (or thread) while this one waited
+        if cubin is not None:
+            return cubin, False
+        cubin = compile_kernel(key)
+        try:
+            cache.save(key.digest, cubin)
+        except OSError as exc:
+            _unsaved_cubins[key.digest] = cubin
+            if cache.directory not in _unwritable_cache_dirs:  # a warning per folder, not per kernel
+                _unwritable_cache_dirs.add(cache.directory)
+                logger.warning("mooncake_ep: could not cache the kernels this process compiles (%s); it keeps "
+                               "them, and every process compiles them again", exc)
     return cubin, True
 
 
@@ -711,16 +835,15 @@ def load_low_latency_kernels(arch: str, cache: KernelCache | None = None, sys_sc
         ``{"dispatch/<fp8>/<round>/<ue8m0>": Launcher, "combine": Launcher}``.
     """
     cache = cache if cache is not None else KernelCache()  # one folder for all five
-
-    def launcher(key: KernelKey, arg_format: str) -> Launcher:
-        cubin, _ = get_cubin(key, cache)
-        # Blocks of the size the kernel was built for (its __launch_bounds__ and warp roles).
-        return Launcher(cubin, key.name, arg_format, num_threads=int(dict(key.macros)["EP_NUM_THREADS"]))
-
-    launchers = {dispatch_launcher_name(*mode): launcher(dispatch_key(arch, *mode, sys_scope), DISPATCH_ARG_FORMAT)
-                 for mode in DISPATCH_MODES}
-    launchers["combine"] = launcher(combine_key(arch, sys_scope), COMBINE_ARG_FORMAT)
-    return launchers
+    keys = {dispatch_launcher_name(*mode): (dispatch_key(arch, *mode, sys_scope), DISPATCH_ARG_FORMAT)
+            for mode in DISPATCH_MODES}
+    keys["combine"] = (combine_key(arch, sys_scope), COMBINE_ARG_FORMAT)
+    # Misses compile at once (NVRTC releases the GIL); the modules load here, on the caller's device.
+    with ThreadPoolExecutor(max_workers=len(keys)) as executor:
+        cubins = dict(zip(keys, executor.map(lambda item: get_cubin(item[0], cache)[0], keys.values())))
+    # Blocks of the size each kernel was built for (its __launch_bounds__ and warp roles).
+    return {name: Launcher(cubins[name], key.name, arg_format, num_threads=int(dict(key.macros)["EP_NUM_THREADS"]))
+            for name, (key, arg_format) in keys.items()}
 
 
 def dispatch_launcher_name(use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> str:

@@ -293,6 +293,17 @@ def test_protocol_digest_ignores_the_gpu_but_not_the_scope():
     assert _cuda_backend.protocol_digest(True) != _cuda_backend.protocol_digest(False)
 
 
+def test_protocol_digest_covers_the_sources_as_this_process_compiles_them(monkeypatch):
+    """The sources come from kernels.kernel_sources (each read once, as compiled): a file edited on
+    disk after a process started would otherwise change what it reports, not what it runs."""
+    before = _cuda_backend.protocol_digest(True)
+    sources = kernels.kernel_sources()
+    assert {"ll_dispatch.cu", "ll_combine.cu"} <= set(sources), sorted(sources)
+    name = sorted(sources)[0]
+    monkeypatch.setattr(kernels, "kernel_sources", lambda: sources | {name: sources[name] + "\n// edited\n"})
+    assert _cuda_backend.protocol_digest(True) != before
+
+
 def test_protocol_digest_covers_where_the_layout_puts_each_region(monkeypatch):
     """Peers write into each other's regions at offsets layout.py computes: two checkouts that place
     them differently must not connect, even with the same kernels."""

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+import _threads
 import mooncake_ep
 from mooncake_ep import cli, kernels
 
@@ -330,16 +331,42 @@ def test_digest_changes_with_the_nvrtc_build_of_one_version(monkeypatch):
     assert kernels.combine_key(ARCH).digest != before
 
 
-@needs_nvrtc
-def test_nvrtc_build_reads_maps_listing_paths_that_are_not_utf8(tmp_path):
-    """/proc/self/maps lists every mapped file of the process, whatever bytes its path holds."""
-    path = os.path.join(os.fsencode(tmp_path), b"\xff-mapped.bin")
+def mapped_file(path: bytes):
+    """Map a 4 KiB file at ``path`` into this process (listed in /proc/self/maps while open)."""
     with open(path, "wb") as f:
         f.write(b"\0" * 4096)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 4096, access=mmap.ACCESS_READ):
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 4096, access=mmap.ACCESS_READ)
+
+
+@needs_nvrtc
+def test_nvrtc_build_reads_maps_listing_paths_that_are_not_utf8(tmp_path, monkeypatch):
+    """Without cuda.pathfinder the maps name the library: /proc/self/maps lists every mapped file of
+    the process, whatever bytes its path holds."""
+    monkeypatch.setitem(sys.modules, "cuda.pathfinder", None)  # import fails: the maps are read
+    kernels.nvrtc_build.cache_clear()
+    try:
         build = kernels.nvrtc_build()
+        with mapped_file(os.path.join(os.fsencode(tmp_path), b"\xff-mapped.bin")):
+            kernels.nvrtc_build.cache_clear()
+            assert kernels.nvrtc_build() == build
+    finally:
         kernels.nvrtc_build.cache_clear()
-        assert kernels.nvrtc_build() == build
+
+
+@needs_nvrtc
+def test_nvrtc_build_names_only_the_library_cuda_bindings_compiles_with(tmp_path):
+    """Another libnvrtc.so in the process (a framework's, of another CUDA major) does not change the
+    key: the warm-up command, which loads no framework, and a server that does must agree on it."""
+    pytest.importorskip("cuda.pathfinder")
+    kernels.nvrtc_build.cache_clear()
+    try:
+        build = kernels.nvrtc_build()
+        with mapped_file(os.path.join(os.fsencode(tmp_path), b"libnvrtc.so.99")):
+            kernels.nvrtc_build.cache_clear()
+            assert kernels.nvrtc_build() == build
+    finally:
+        kernels.nvrtc_build.cache_clear()
 
 
 # --- (c) KernelCache: round trip, corrupt entries, atomic writes ----------------------------------
@@ -465,10 +492,114 @@ def test_failed_write_leaves_no_temp_file_and_keeps_the_old_entry(tmp_path, monk
     with pytest.raises(OSError, match="No space left") as info:
         cache.save(DIGEST, b"new")
     assert info.value.errno == 28  # the entry, the cause and the way out:
-    assert str(entry_path(cache)) in str(info.value) and "MOONCAKE_EP_CACHE_DIR" in str(info.value)
+    assert str(entry_path(cache)) in str(info.value) and str(info.value).endswith("; pass a writable directory")
     monkeypatch.undo()
     assert temp_files(tmp_path) == []
     assert cache.load(DIGEST) == b"old"
+
+
+@needs_nvrtc
+def test_ranks_missing_an_entry_at_once_compile_it_once(tmp_path, monkeypatch):
+    """Every rank of a job starting on a cold cache missed every entry and compiled it: 8 ranks, 40
+    compiles for 5 entries (helper-132). The first to take the entry's lock compiles it; the others
+    wait and load what it saved. (Threads here, each with its own cache object: flock locks an open
+    file, so threads of one process exclude each other as processes do.)"""
+    key = kernels.combine_key(ARCH)
+    compiled = []
+
+    def slow_compile(k):
+        compiled.append(k)
+        time.sleep(0.2)  # long enough for the other threads to miss the entry and queue on its lock
+        return b"cubin of " + k.digest.encode()
+
+    monkeypatch.setattr(kernels, "compile_kernel", slow_compile)
+    results = _threads.run_in_threads([lambda: kernels.get_cubin(key, kernels.KernelCache(tmp_path))] * 4,
+                                      PROCESS_LIMIT_S)
+    assert compiled == [key]
+    assert sorted(results) == [(b"cubin of " + key.digest.encode(), False)] * 3 + [
+        (b"cubin of " + key.digest.encode(), True)]
+    assert (tmp_path / f".{key.digest}.lock").exists() and temp_files(tmp_path) == []
+
+
+@needs_nvrtc
+def test_a_cubin_that_cannot_be_saved_is_kept_by_the_process(tmp_path, monkeypatch, caplog):
+    """A cache folder that cannot be made (a file in its place; a home-less service account's) made
+    every Buffer of the process compile every kernel again, with a warning per kernel each time."""
+    monkeypatch.setattr(kernels, "_unsaved_cubins", {})
+    monkeypatch.setattr(kernels, "_unwritable_cache_dirs", set())
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    compiled = []
+    monkeypatch.setattr(kernels, "compile_kernel", lambda k: compiled.append(k) or b"cubin of " + k.digest.encode())
+    keys = [kernels.combine_key(ARCH), kernels.dispatch_key(ARCH, True, False, False)]
+    for _ in range(2):  # two Buffers
+        cache = kernels.KernelCache(blocker / "cache", name="kernel_cache_dir")
+        results = [kernels.get_cubin(key, cache) for key in keys]
+    assert compiled == keys and [compiled_now for _, compiled_now in results] == [False, False]
+    warnings = [r.getMessage() for r in caplog.records if "could not cache" in r.getMessage()]
+    assert len(warnings) == 1 and str(blocker / "cache") in warnings[0], warnings
+    assert "pass a writable kernel_cache_dir" in warnings[0]
+
+
+def test_save_removes_temp_files_left_by_killed_writers(tmp_path, monkeypatch):
+    """Only the warm-up command removed them; a Buffer's save now does too, once per folder and process."""
+    monkeypatch.setattr(kernels, "_swept_cache_dirs", set())
+    stale, fresh = tmp_path / ".tmp-killed.cubin", tmp_path / ".tmp-writing.cubin"
+    for path in (stale, fresh):
+        path.write_bytes(b"partial")
+    hours_ago = time.time() - 2 * kernels.KernelCache._STALE_TEMP_S
+    os.utime(stale, (hours_ago, hours_ago))
+    kernels.KernelCache(tmp_path).save(DIGEST, b"cubin")
+    assert not stale.exists() and fresh.exists()
+
+
+def test_kernel_cache_dir_is_expanded_made_absolute_and_never_empty(tmp_path, monkeypatch, caplog):
+    """kernel_cache_dir="~/k" made a folder named ~ under the working directory, where
+    MOONCAKE_EP_CACHE_DIR=~/k is expanded; "" was the working directory (helper-132)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert kernels.KernelCache("~/k").directory == tmp_path / "home" / "k"
+    monkeypatch.chdir(tmp_path)
+    assert kernels.KernelCache("relative/k", name="kernel_cache_dir").directory == tmp_path / "relative" / "k"
+    assert "kernel_cache_dir='relative/k' is relative" in caplog.text
+    with pytest.raises(ValueError, match=r"^--cache-dir: the path is empty; name the kernel cache's directory$"):
+        kernels.KernelCache("", name="--cache-dir")
+    with pytest.raises(TypeError, match=r"^directory must be a str or os.PathLike, got int$"):
+        kernels.KernelCache(5)
+    group = mooncake_ep.LocalGroup(1).rank_group(0)
+    with pytest.raises(ValueError, match=r"^Buffer: kernel_cache_dir: the path is empty"):
+        mooncake_ep.Buffer(group, mooncake_ep.Buffer.get_ep_buffer_size_hint(4, 128, 1, 2), backend="reference",
+                           kernel_cache_dir="")
+
+
+@needs_nvrtc
+def test_a_buffer_compiles_its_missing_kernels_at_once_and_loads_each_as_its_own(tmp_path, monkeypatch):
+    """load_low_latency_kernels compiles the misses on worker threads (NVRTC releases the GIL: five
+    compiles one after another were most of a cold Buffer's construction) and loads the modules
+    on the calling thread, each launcher with its own kernel's cubin."""
+    compiled_on = {}
+
+    def compile_stub(key):
+        compiled_on[key.digest] = threading.current_thread()
+        return b"cubin of " + key.digest.encode()
+
+    loaded = {}
+
+    def launcher_stub(cubin, name, arg_format, num_threads):
+        loaded[cubin] = (name, arg_format, num_threads, threading.current_thread())
+        return cubin
+
+    monkeypatch.setattr(kernels, "compile_kernel", compile_stub)
+    monkeypatch.setattr(kernels, "Launcher", launcher_stub)
+    launchers = kernels.load_low_latency_kernels(ARCH, kernels.KernelCache(tmp_path))
+    keys = {kernels.dispatch_launcher_name(*mode): kernels.dispatch_key(ARCH, *mode) for mode in kernels.DISPATCH_MODES}
+    keys["combine"] = kernels.combine_key(ARCH)
+    assert launchers == {name: b"cubin of " + key.digest.encode() for name, key in keys.items()}
+    assert set(compiled_on) == {key.digest for key in keys.values()}
+    assert threading.main_thread() not in compiled_on.values()
+    assert {loaded[launchers[name]][:3] for name in launchers} == {
+        ("ll_dispatch", kernels.DISPATCH_ARG_FORMAT, kernels.NUM_THREADS),
+        ("ll_combine", kernels.COMBINE_ARG_FORMAT, kernels.NUM_THREADS)}
+    assert all(entry[3] is threading.main_thread() for entry in loaded.values())
 
 
 def poll_entry(cache: kernels.KernelCache, payloads: list[bytes], writing) -> int:
@@ -542,13 +673,19 @@ def test_concurrent_processes_never_expose_a_torn_entry(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["under a file", "is a file"])
-def test_check_writable_names_the_folder_and_the_variable(where, tmp_path):
+def test_check_writable_names_the_folder_and_the_variable(where, tmp_path, monkeypatch):
+    """The remedy named is what chose the folder: the caller's argument, else the variable."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     directory = blocker / "cache" if where == "under a file" else blocker
     with pytest.raises(OSError) as info:
-        kernels.KernelCache(directory).check_writable()
-    assert str(directory) in str(info.value) and "MOONCAKE_EP_CACHE_DIR" in str(info.value)
+        kernels.KernelCache(directory, name="kernel_cache_dir").check_writable()
+    assert str(directory) in str(info.value) and str(info.value).endswith("; pass a writable kernel_cache_dir")
+    monkeypatch.setenv("MOONCAKE_EP_CACHE_DIR", str(directory))
+    with pytest.raises(OSError) as info:
+        kernels.KernelCache().check_writable()
+    assert str(directory) in str(info.value) and str(info.value).endswith(
+        "; set MOONCAKE_EP_CACHE_DIR to a writable folder")
     kernels.KernelCache(tmp_path / "x" / "y").check_writable()  # creates what is missing
     assert (tmp_path / "x" / "y").is_dir() and temp_files(tmp_path / "x" / "y") == []
 

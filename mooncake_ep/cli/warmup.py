@@ -263,9 +263,10 @@ def run(args: argparse.Namespace) -> int:
               f"pip install 'mooncake_ep[cuda12]' (or [cuda13])", file=sys.stderr)
         return EXIT_FAILURE
     check_supported(archs)
-    if args.cache_dir == "":  # Path("") is the current directory: kernels would land wherever the shell is
-        raise UsageError("--cache-dir: the path is empty; name the kernel cache's directory")
-    cache = kernels.KernelCache(args.cache_dir)
+    try:  # "" (the working directory), a "~" with no home to expand to
+        cache = kernels.KernelCache(args.cache_dir, name="--cache-dir")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     check_cache_dir(cache)
 
     scopes = sorted({s for config in configs for s in config.sys_scopes}, reverse=True)  # sys first
