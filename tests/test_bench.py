@@ -180,7 +180,7 @@ def test_the_kernels_results_are_checked_against_the_baseline(use_fp8):
     dispatched, combined = results()
     bench.check_against_baseline(args, inputs, dispatched, combined, torch)
     combined[1][0, 0] = combined[1][0, 0].float() * 1.05 + 0.1  # past one bf16 rounding
-    with pytest.raises(RuntimeError, match=r"^bench: rank 1's combined_x differs from the torch baseline's by up to"):
+    with pytest.raises(cli.CheckFailed, match=r"^bench: rank 1's combined_x differs from the torch baseline's by up to"):
         bench.check_against_baseline(args, inputs, dispatched, combined, torch)
     busy = max(range(num_ranks), key=lambda r: int(dispatched[r][1].sum()))
     expert = int(dispatched[busy][1].argmax())
@@ -194,8 +194,22 @@ def test_the_kernels_results_are_checked_against_the_baseline(use_fp8):
     for name, corrupt, pattern in corruptions:
         dispatched, combined = results()
         corrupt(dispatched)
-        with pytest.raises(RuntimeError, match=pattern):
+        with pytest.raises(cli.CheckFailed, match=pattern):
             bench.check_against_baseline(args, inputs, dispatched, combined, torch)
+
+
+def test_a_failed_check_is_one_line_and_exit_1(monkeypatch, capsys):
+    """A check of the results is the run's verdict, not a crash: it read as a RuntimeError's traceback."""
+    from mooncake_ep.cli import bench
+
+    def failing(*args):
+        raise cli.CheckFailed("bench: rank 1's combined_x differs from the torch baseline's by up to 0.5")
+
+    monkeypatch.setattr(bench, "run_ranks", failing)
+    assert cli.main(["bench", "--backend", "reference"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()  # the program's name as this process was started
+    assert len(lines) == 1 and lines[0].endswith(
+        " bench: CheckFailed: bench: rank 1's combined_x differs from the torch baseline's by up to 0.5"), lines
 
 
 def test_expert_load_counts_copies_per_expert_and_per_owning_rank():
@@ -449,6 +463,11 @@ def test_bench_bad_flag_exits_2():
     (["--launch", "2", "--ranks", "4"], "must match --launch"),
     (["--launch", "0"], "--launch must be >= 1"),
     (["--graph"], "no CUDA graphs"),
+    # The GPU's timing flags, given where they would change nothing: refused, as --graph (they were ignored).
+    (["--hold-ms", "10"], "--hold-ms paces the GPU's replays; the reference backend's calls run on the host"),
+    (["--warmup-ms", "5"], "--warmup-ms paces the GPU's replays"),
+    (["--kernel-span"], "--kernel-span times the CUDA graphs' kernels; the reference backend has none"),
+    (["--inner-events"], "--inner-events times the CUDA graphs' kernels"),
     (["--experts", "-8"], "--experts must be >= 1, got -8"),
     # The plot saved over the JSON's measurements (helper-114), however the two paths are spelled.
     (["--json", "./same.png", "--plot", "same.png"], "--json ./same.png and --plot same.png name the same file"),

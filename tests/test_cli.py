@@ -217,6 +217,7 @@ def test_bad_usage_returns_2(argv, capsys):
     (["demo", "--timeout-us", "-5"], "--timeout-us must be >= -1"),
     (["demo", "--timeout-us", "9223372036854776"], "--timeout-us: timeout_us must be <= 9223372036854775"),
     (["demo", "--json", ""], "--json: the path is empty; name a file"),
+    (["demo", "--json", "-"], "--json: '-' would be a file named '-', not stdout; name a file"),
     # Sizes no host holds: refused before an allocation fails deep in numpy, or a loop runs for hours.
     (["demo", "--hidden", "1280000000000000000000000"], "the demo needs at least"),
     (["demo", "--tokens", "100000000000000000000000"], "GiB of host memory, this machine has"),
@@ -257,6 +258,24 @@ def test_group_init_without_a_launchers_environment_is_a_usage_error(monkeypatch
         monkeypatch.delenv(name, raising=False)
     assert cli.main(["demo", "--group", "init", "--backend", "reference"]) == 2
     assert "error: --group init: init_group: rank was not given" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, flags, message", [
+    ("demo", ["--hidden", "100"], "hidden must be a multiple of 128, got 100 (T = --tokens, hidden = --hidden"),
+    ("demo", ["--ranks", "3"], "--ranks 3 does not match WORLD_SIZE 2; leave --ranks out"),
+    ("bench", ["--hidden", "100"], "hidden must be a multiple of 128, got 100 (T = --tokens, hidden = --hidden"),
+    ("bench", ["--ranks", "3"], "--ranks (3) must match WORLD_SIZE's 2 ranks, or be left out"),
+])
+def test_group_init_refuses_its_flags_before_waiting_for_the_ranks(command, flags, message, monkeypatch, capsys):
+    """A flag every rank refuses was reported only after the join's wait (120 s when a rank never
+    came), or lost behind a peer's timeout: it is checked against WORLD_SIZE before joining."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    from mooncake_ep.cli import launch
+
+    monkeypatch.setattr(launch, "join_group", lambda *args: pytest.fail("joined before checking the flags"))
+    assert cli.main([command, "--group", "init", "--backend", "reference", *flags]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_ranks_started_with_other_flags_fail_in_one_line():
@@ -503,6 +522,17 @@ def test_a_launch_whose_sigchld_is_ignored_still_reads_its_ranks_exit_codes(tmp_
     proc = subprocess.run([sys.executable, "-c", wrapper], cwd=tmp_path, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=PROCESS_LIMIT_S)
     assert proc.returncode == cli.EXIT_FAILURE and "FAIL: rank 1 exited 3" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_launch_says_when_a_rank_failed_and_the_others_are_given_time(capsys):
+    """The grace before the others are stopped (10 s) passed in silence after a rank died."""
+    from mooncake_ep.cli import launch
+
+    rank_code = "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(1.0)\n"
+    assert launch.launch("test", [sys.executable, "-c", rank_code], 2) == cli.EXIT_FAILURE
+    out, err = capsys.readouterr()
+    assert (f"mooncake_ep launch: rank 1 exited 3; the others get {launch.LAUNCH_GRACE_S:.0f} s to finish before "
+            f"they are stopped") in err and "FAIL: rank 1 exited 3" in out, (out, err)
 
 
 def _wait_until(condition, proc: subprocess.Popen | None = None, limit_s: float = 30.0) -> None:

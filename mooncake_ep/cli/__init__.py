@@ -32,9 +32,9 @@ from types import ModuleType
 
 import mooncake_ep
 
-__all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "OutputError", "UsageError",
-           "build_parser", "check_host_memory", "check_output_path", "console_main", "exit_process", "main",
-           "write_json"]
+__all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CheckFailed", "OutputError",
+           "UsageError", "build_parser", "check_host_memory", "check_output_path", "console_main", "exit_process",
+           "main", "write_json"]
 
 # Command names, in the order --help lists them; each is the module mooncake_ep.cli.<name>.
 COMMANDS: tuple[str, ...] = ("demo", "bench", "warmup")
@@ -49,12 +49,17 @@ class OutputError(Exception):
     """A result file could not be written at the end of a run (a full disk, a path that went away)."""
 
 
+class CheckFailed(RuntimeError):
+    """A command's own check of the results failed (bench's against the torch baseline, a rank
+    masked while timing): exit 1 with its message, as a failed demo."""
+
+
 # Failures of the runtime that deserve a one-line message rather than a traceback: the user's
 # environment (a peer that never came, ranks of a --group init job started with other flags or
 # another mooncake_ep, a kernel that does not compile here, no peer access, a result file the
-# system would not take).
+# system would not take), and a failed check.
 _REPORTED_ERRORS = (mooncake_ep.GroupError, mooncake_ep.RankMismatchError, mooncake_ep.KernelCompileError,
-                    mooncake_ep.TransportError, OutputError)
+                    mooncake_ep.TransportError, OutputError, CheckFailed)
 
 
 class UsageError(Exception):
@@ -68,6 +73,8 @@ def check_output_path(flag: str, path: str | None, suffix: str | None = None) ->
         return
     if not path:
         raise UsageError(f"{flag}: the path is empty; name a file")
+    if path == "-":  # a script's "stdout" would be a file named "-"; stdout holds the report's table
+        raise UsageError(f"{flag}: '-' would be a file named '-', not stdout; name a file (./- for that one)")
     full = os.path.abspath(path)
     if os.path.isdir(full):
         raise UsageError(f"{flag} {path}: is a directory; name a file")

@@ -63,8 +63,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import mooncake_ep as ep
-from mooncake_ep.cli import (EXIT_OK, OutputError, UsageError, check_host_memory, check_moe_shape, check_output_path,
-                             kernel_span, launch, write_json)
+from mooncake_ep.cli import (EXIT_OK, CheckFailed, OutputError, UsageError, check_host_memory, check_moe_shape,
+                             check_output_path, kernel_span, launch, write_json)
 from mooncake_ep.cli.gpu import gpu_status
 
 DEFAULTS_DECODE = dict(ranks=8, tokens=128, hidden=7168, topk=8, experts=256)
@@ -179,15 +179,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nodes of its own at the ends of each captured fork/join of the rank streams: "
                              "root (one before the fork), both (and one after the join), or none (every "
                              "rank's first launch a root of the graph: they start 0.7-1.6 us apart each)")
-    parser.add_argument("--inner-events", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--inner-events", action=argparse.BooleanOptionalAction, default=None,
                         help="also time replays of a copy of each graph with events recorded inside it, after the "
                              "root node and after every rank's last kernel: the phase without the graph's launch "
-                             "and end nodes (graphs with a root node: --graph-ends root or both)")
-    parser.add_argument("--kernel-span", action=argparse.BooleanOptionalAction, default=True,
+                             "and end nodes (graphs with a root node: --graph-ends root or both; on by default "
+                             "on the GPU)")
+    parser.add_argument("--kernel-span", action=argparse.BooleanOptionalAction, default=None,
                         help="also profile each phase's graph replays (CUPTI, through torch.profiler) for the span "
                              "of its kernels alone, first start to last end over every rank: the events' time "
                              "less the graph's launch, end nodes, fork and join; and for the graph span, every "
-                             "node of the replay (graphs of in-process ranks only)")
+                             "node of the replay (graphs of in-process ranks only; on by default on the GPU)")
     parser.add_argument("--peer-reads", choices=("in-place", "workspace"), default="in-place",
                         help="where combine's token owners read the expert outputs of ranks in this process: "
                              "in-place (the caller's array), or workspace (copied there first, as ranks in other "
@@ -874,7 +875,7 @@ def check_against_baseline(args, inputs: list[dict], dispatched: dict, combined:
                                          expected.layout)
     for r, (recv_x, recv_count) in sorted(dispatched.items()):
         if not torch.equal(recv_count, expected.recv_count[r]):
-            raise RuntimeError(f"bench: rank {r}'s recv_count {recv_count.tolist()} differs from the torch "
+            raise CheckFailed(f"bench: rank {r}'s recv_count {recv_count.tolist()} differs from the torch "
                                f"baseline's {expected.recv_count[r].tolist()}")
         rows, scales = recv_x if args.fp8 else (recv_x, None)
         for e, count in enumerate(expected.recv_count[r].tolist()):
@@ -883,11 +884,11 @@ def check_against_baseline(args, inputs: list[dict], dispatched: dict, combined:
                 pairs.append(("scales", scales[e, :count], expected.recv_scales[r][e, :count]))
             wrong = [name for name, got, want in pairs if not torch.equal(got, want)]
             if wrong:
-                raise RuntimeError(f"bench: rank {r}'s {' and '.join(wrong)} of local expert {e} differ from the "
+                raise CheckFailed(f"bench: rank {r}'s {' and '.join(wrong)} of local expert {e} differ from the "
                                    f"torch baseline's")
         got, want = combined[r].float(), expected_combined[r].float()
         if not torch.allclose(got, want, rtol=2.0**-7, atol=1e-3):
-            raise RuntimeError(f"bench: rank {r}'s combined_x differs from the torch baseline's by up to "
+            raise CheckFailed(f"bench: rank {r}'s combined_x differs from the torch baseline's by up to "
                                f"{(got - want).abs().max().item():.3g} (more than one bf16 rounding)")
 
 
@@ -901,7 +902,7 @@ def check_no_rank_masked(sets: list[list[dict]], torch) -> None:
                 continue  # another process's rank
             masked = (inputs["active"] == 0).nonzero().flatten().tolist()
             if masked:
-                raise RuntimeError(f"bench: rank {r} masked ranks {masked} (a call waited more than "
+                raise CheckFailed(f"bench: rank {r} masked ranks {masked} (a call waited more than "
                                    f"{KERNEL_TIMEOUT_US} us for them). In-process ranks share the GPU: a "
                                    f"device-wide synchronisation inside one rank's call (a pool's cudaFree when "
                                    f"memory runs short) stalls the peers waiting for that rank")
@@ -1287,11 +1288,16 @@ def run(args) -> int:
     backend, why = choose_backend(args.backend)
     if args.group == "local":
         return run_ranks(args, backend, why, None)
+    world_size = launch.env_world_size()
+    if world_size is not None:  # the flags, before the wait for every rank to join
+        check_ranks_flag(args, world_size, "WORLD_SIZE's")
+        as_joined = copy.copy(args)
+        as_joined.ranks = world_size
+        settle_args(as_joined, backend, ranks_flag="WORLD_SIZE")
     group = launch.join_group(backend)
     finished = False
     try:
-        if not isinstance(args.ranks, ByBackend) and args.ranks != group.world_size:
-            raise UsageError(f"--ranks ({args.ranks}) must match the group's {group.world_size} ranks, or be left out")
+        check_ranks_flag(args, group.world_size, "the group's")
         args.ranks = group.world_size
         code = run_ranks(args, backend, why, group)
         finished = True
@@ -1326,6 +1332,12 @@ def choose_backend(requested: str) -> tuple[str, str]:
     return ("cuda" if usable else "reference"), why
 
 
+def check_ranks_flag(args, world_size: int, whose: str) -> None:
+    """UsageError if ``--ranks`` was given and is not the group's ``world_size`` (``whose``, in words)."""
+    if not isinstance(args.ranks, ByBackend) and args.ranks != world_size:
+        raise UsageError(f"--ranks ({args.ranks}) must match {whose} {world_size} ranks, or be left out")
+
+
 def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
     """Resolve the flags whose defaults depend on ``backend``, then check them all (UsageError)."""
     for name in DEFAULTS_DECODE:
@@ -1349,10 +1361,19 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
         if args.fp8_scales != "made":
             raise UsageError("--fp8-scales gives the GPU kernels out= arrays to write; the reference backend's calls "
                              "make their results")
+        for flag, given in (("--inner-events", args.inner_events), ("--kernel-span", args.kernel_span)):
+            if given:
+                raise UsageError(f"{flag} times the CUDA graphs' kernels; the reference backend has none")
     if args.graph is None:
         args.graph = backend == "cuda"
+    for name in ("inner_events", "kernel_span"):  # on by default where there is a GPU to time
+        if getattr(args, name) is None:
+            setattr(args, name, backend == "cuda")
     check_args(args, ranks_flag)
     if backend == "reference":
+        for flag, given, default in (("--warmup-ms", args.warmup_ms, WARMUP_MS), ("--hold-ms", args.hold_ms, HOLD_MS)):
+            if given != default:  # (after check_args: a value out of range is named as such)
+                raise UsageError(f"{flag} paces the GPU's replays; the reference backend's calls run on the host")
         args.warmup_ms, args.hold_ms = 0.0, 0.0  # GPU timing only: recorded as not applied
         # Every rank's received rows, per channel: what the reference backend and the timed calls hold
         # of them, 14 + 2R bytes (the received rows, the expert outputs, every rank's inputs as the

@@ -443,6 +443,9 @@ def _run_threads(args: argparse.Namespace) -> int:
 def _run_process_rank(args: argparse.Namespace) -> int:
     """One rank of a multi-process run: join, run the step, gather every rank's result on rank 0."""
     backend, why = _choose_backend(args.backend)
+    world_size = launch.env_world_size()
+    if world_size is not None:  # the flags, before the wait for every rank to join
+        _make_config(args, world_size, "WORLD_SIZE")
     group = launch.join_group(backend)
     finished = False
     try:

@@ -76,6 +76,15 @@ def check_launch(args: argparse.Namespace) -> None:
         raise UsageError(f"--launch must be >= 1, got {args.launch}")
 
 
+def env_world_size() -> int | None:
+    """WORLD_SIZE of this process's environment (a launcher's, torchrun's) where it is a positive
+    integer, else None (:func:`join_group` then says what is wrong with it). A command checks its
+    flags against it before joining, which waits for every rank: a flag every rank refuses was
+    reported only after that wait, or as the timeout of a peer that had already refused it."""
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.isascii() and value.isdigit() and int(value) > 0 else None
+
+
 def join_group(backend: str, device: int | None = None) -> mooncake_ep.Group:
     """This process's rank of a ``--group init`` run (a launcher's, or torchrun's): the group, its
     device made current on the GPU (``device``: already chosen). UsageError for an environment
@@ -147,10 +156,13 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     finally:
         stop.restore()
         # Interrupted, a failure while starting, or ranks that left processes of their own running:
-        # leave nothing behind. Each group is killed before its leader is reaped.
+        # leave nothing behind. Each group is killed before its leader is reaped, and every one
+        # before any is waited for: ranks killed one by one saw rank 0's store go away first and
+        # printed that as their error.
         try:
             for proc in procs:
                 _signal_rank(proc, _KILL)
+            for proc in procs:
                 proc.wait()
         finally:  # a second Ctrl-C in those waits too
             stop.restore_child_signal()
@@ -210,11 +222,8 @@ class _StopOnSignal:
             self._suspend = False
             if _group_is_orphaned():
                 # Said, not silent: whoever sent it (a supervisor, a kill by hand) learns why nothing stopped.
-                try:
-                    print("mooncake_ep launch: SIGTSTP ignored: this launch's process group is orphaned (started "
-                          "with setsid or by a supervisor), so nothing could continue it", file=sys.stderr, flush=True)
-                except OSError:  # a stderr nobody reads any more (a closed pipe) must not end the launch
-                    pass
+                _say("mooncake_ep launch: SIGTSTP ignored: this launch's process group is orphaned (started with "
+                     "setsid or by a supervisor), so nothing could continue it")
                 return
             for proc in self._procs:
                 if proc.returncode is None:  # not reaped: its group id is still its own
@@ -266,6 +275,14 @@ def _group_is_orphaned() -> bool:
     return True
 
 
+def _say(line: str) -> None:
+    """A line on stderr; a stderr nobody reads any more (a closed pipe) must not end the launch."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> None:
     """Returns once every process has exited (on POSIX not yet reaped: see _OWN_GROUPS). Once one
     fails, the others get LAUNCH_GRACE_S, then SIGTERM and LAUNCH_GRACE_S more; the caller kills
@@ -278,6 +295,10 @@ def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> N
             return
         if stop_at is None and any(code not in (None, 0) for code in codes):
             stop_at = time.monotonic() + LAUNCH_GRACE_S
+            if any(code is None for code in codes):  # said now: the wait is otherwise silent
+                rank = next(r for r, code in enumerate(codes) if code not in (None, 0))
+                _say(f"mooncake_ep launch: rank {rank} {_describe_exit(codes[rank])}; the others get "
+                     f"{LAUNCH_GRACE_S:.0f} s to finish before they are stopped")
         if stop_at is not None and time.monotonic() > stop_at:
             for proc in procs:
                 _signal_rank(proc, signal.SIGTERM)
