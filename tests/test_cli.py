@@ -253,6 +253,14 @@ def test_flags_are_not_abbreviated(capsys):
     assert "unrecognized arguments: --laun 2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, count", [(["demo"], 0), (["-v", "demo"], 1), (["demo", "-v"], 1), (["demo", "-vv"], 2),
+                                         (["warmup", "--verbose"], 1)])
+def test_verbose_goes_before_or_after_the_command(argv, count):
+    """`demo -v` was refused as an unknown flag: only `-v demo` was taken."""
+    args, unknown = cli.build_parser().parse_known_args(argv)
+    assert unknown == [] and args.verbose == count
+
+
 def test_group_init_without_a_launchers_environment_is_a_usage_error(monkeypatch, capsys):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

@@ -184,6 +184,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         sub = subparsers.add_parser(name, help=_summary(doc), description=doc, formatter_class=HelpFormatter,
                                     allow_abbrev=False)
         module.add_arguments(sub)
+        # -v after the command too (where scripts add flags); SUPPRESS: absent, it leaves the count as is.
+        sub.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                         help="log the library's messages: -v for INFO, -vv for DEBUG")
         sub.set_defaults(run=module.run, command_parser=sub)
     return parser
 
