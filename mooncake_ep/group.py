@@ -267,7 +267,7 @@ class TCPGroup(_KeyValueGroup):
                 if num_peers > 0:
                     drain_s = min(self._timeout_s, _group_common._MISMATCH_GRACE_S)
                     logger.warning("init_group: rank 0 failed to join; it keeps the store up until the ranks "
-                                   "connected to it (%d) have hung up, %.0f s at most, then raises", num_peers, drain_s)
+                                   "connected to it (%d) have hung up, %g s at most, then raises", num_peers, drain_s)
             self._shutdown(drain_s=drain_s)
             raise
 

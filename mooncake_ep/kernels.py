@@ -168,25 +168,31 @@ def nvrtc_build() -> str:
 
 
 def _loaded_nvrtc_paths() -> list[bytes] | None:
-    """The file of the NVRTC library that ``cuda.bindings`` compiles with: the one ``cuda.pathfinder``
-    loaded for it (cached there, the same handle). Without pathfinder (older ``cuda.bindings``),
-    every ``libnvrtc.so*`` mapped in this process (``/proc/self/maps``), which a framework loading
-    another NVRTC (another CUDA major) would add to. None where neither can tell."""
-    try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib
-
-        path = load_nvidia_dynamic_lib("nvrtc").abs_path
-        if path:
-            return [os.fsencode(path)]
-    except Exception as exc:  # noqa: BLE001 - any failure here leaves the maps to tell
-        logger.debug("cuda.pathfinder does not name the NVRTC library: %s", exc)
+    """The files of the NVRTC library that ``cuda.bindings`` compiles with: every ``libnvrtc.so*``
+    mapped in this process (``/proc/self/maps``), or of these the one ``cuda.pathfinder`` names,
+    which ``cuda.bindings`` (from 12.9) loads NVRTC through: a framework that loaded another NVRTC
+    (another CUDA major) then changes nothing. Pathfinder's answer counts only where it is mapped:
+    older bindings load NVRTC themselves, and pathfinder may name another file. None where the maps
+    cannot be read."""
     try:
         with open("/proc/self/maps", "rb") as maps:  # bytes: other mapped files' paths need not be UTF-8
-            return sorted({line.split(maxsplit=5)[-1].strip() for line in maps
-                           if os.path.basename(line.rstrip()).startswith(b"libnvrtc.so")})
+            mapped = sorted({line.split(maxsplit=5)[-1].strip() for line in maps
+                             if os.path.basename(line.rstrip()).startswith(b"libnvrtc.so")})
     except OSError as exc:
         logger.debug("no /proc/self/maps to name the NVRTC build: %s", exc)
         return None
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        named = load_nvidia_dynamic_lib("nvrtc").abs_path
+    except Exception as exc:  # noqa: BLE001 - any failure here leaves the maps to tell
+        logger.debug("cuda.pathfinder does not name the NVRTC library: %s", exc)
+        return mapped
+    if named:
+        real = os.path.realpath(os.fsencode(named))
+        if real in {os.path.realpath(path) for path in mapped}:
+            return [real]
+    return mapped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,40 +516,65 @@ class KernelCache:
         return payload
 
     @contextlib.contextmanager
-    def compiling(self, digest: str):
+    def compiling(self, digest: str, cancelled: threading.Event | None = None):
         """Hold the entry's lock while compiling it: processes (and threads) that miss the same entry
         at once, as every rank of a job starting on a cold cache does, compile it once; the others
-        wait, then find it saved. The lock is ``flock`` on a ``.<digest>.lock`` file beside the entry
-        (left there: removing it would race with its next user), released when its holder exits or
-        dies. Where no lock file can be made (a read-only cache), or another holder takes longer than
-        ``_COMPILE_WAIT_S``, the caller goes on without it and compiles the entry itself."""
-        fd = None
-        if fcntl is not None:
-            try:
-                self._make_directory()
-                fd = os.open(self.directory / f".{digest}.lock", os.O_RDONLY | os.O_CREAT, self._CACHE_FILE_MODE)
-            except OSError as exc:
-                logger.debug("mooncake_ep: no lock file for kernel cache entry %s: %s", digest, exc)
+        wait, then find it saved. Yields whether this caller waited for another holder (one that
+        then left no entry, its compile or its save failed, is not waited for again: see
+        :func:`get_cubin`).
+
+        The lock is ``flock`` on a ``.<digest>.lock`` file beside the entry (left there: removing
+        it would race with its next user), released when its holder exits or dies (a process forked
+        meanwhile does not inherit it). Where no lock can be had (a read-only cache, a file system
+        without locks), another holder takes longer than ``_COMPILE_WAIT_S``, or ``cancelled`` is
+        set, the caller goes on without it and compiles the entry itself."""
+        fd = self._open_lock_file(digest) if fcntl is not None else None
+        waited = False
         try:
             if fd is not None:
                 deadline = time.monotonic() + self._COMPILE_WAIT_S
                 while True:
                     try:
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        _held_lock_fds.add(fd)
                         break
                     except BlockingIOError:
+                        waited = True
+                        if cancelled is not None and cancelled.is_set():
+                            break
                         if time.monotonic() > deadline:
                             logger.info("mooncake_ep: kernel cache entry %s still compiled elsewhere after %.0f s; "
                                         "compiling it here", digest, self._COMPILE_WAIT_S)
                             break
                         time.sleep(0.02)
                     except OSError as exc:  # a file system without locks (ENOLCK on some NFS mounts)
-                        logger.debug("mooncake_ep: no lock for kernel cache entry %s: %s", digest, exc)
+                        _log_once_per_folder(logging.INFO, self.directory, "mooncake_ep: no lock in the kernel "
+                                             f"cache {self.directory} ({exc}): ranks missing an entry at once each "
+                                             f"compile it")
                         break
-            yield
+            yield waited
         finally:
             if fd is not None:
+                _held_lock_fds.discard(fd)
                 os.close(fd)  # releases the lock
+
+    def _open_lock_file(self, digest: str) -> int | None:
+        """The entry's lock file, opened for writing where it can be (NFS emulates flock with byte
+        range locks, which an exclusive lock needs a writable file for), else for reading; None where
+        it cannot be opened at all (a read-only cache whose lock file is missing)."""
+        path = self.directory / f".{digest}.lock"
+        try:
+            self._make_directory()
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self._CACHE_FILE_MODE)
+        except OSError:
+            try:  # a lock file another user made, in a cache this one only reads
+                return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                logger.debug("mooncake_ep: no lock file for kernel cache entry %s: %s", digest, exc)
+                return None
+        with contextlib.suppress(OSError):  # readable by the other users of the cache, whatever the umask
+            os.fchmod(fd, self._CACHE_FILE_MODE)
+        return fd
 
     def save(self, digest: str, cubin: bytes) -> None:
         if self.directory not in _swept_cache_dirs:  # once per folder and process: what killed writers left
@@ -567,14 +598,18 @@ class KernelCache:
 # Cache folders whose stale temporary files this process has removed (KernelCache.save).
 _swept_cache_dirs: set[Path] = set()
 # Cubins this process compiled and could not save, by digest: a later Buffer of the process finds
-# them here instead of compiling them again; and the folders they could not be saved in.
+# them here instead of compiling them again.
 _unsaved_cubins: dict[str, bytes] = {}
-_unwritable_cache_dirs: set[Path] = set()
+# (log level, cache folder) of the messages logged once per folder (_log_once_per_folder).
+_logged_cache_dirs: set[tuple[int, Path]] = set()
+# The lock files whose lock this process holds now (KernelCache.compiling).
+_held_lock_fds: set[int] = set()
 
 
-def get_cubin(key: KernelKey, cache: KernelCache | None = None) -> tuple[bytes, bool]:
+def get_cubin(key: KernelKey, cache: KernelCache | None = None,
+              cancelled: threading.Event | None = None) -> tuple[bytes, bool]:
     """The cubin of ``key`` from the cache, compiling and storing it on a miss (once for all the
-    processes missing it at once: :meth:`KernelCache.compiling`).
+    processes missing it at once: :meth:`KernelCache.compiling`; ``cancelled`` ends a wait there).
 
     A cubin that cannot be saved (a read-only or full cache) is kept in this process, with a warning
     once per cache folder.
@@ -586,20 +621,47 @@ def get_cubin(key: KernelKey, cache: KernelCache | None = None) -> tuple[bytes, 
     cubin = _unsaved_cubins.get(key.digest) or cache.load(key.digest)
     if cubin is not None:
         return cubin, False
-    with cache.compiling(key.digest):
-        cubin = cache.load(key.digest)  # saved by another process (or thread) while this one waited
+    with cache.compiling(key.digest, cancelled) as waited:
+        # Saved by another process, or kept by another thread of this one, while this one waited.
+        cubin = _unsaved_cubins.get(key.digest) or cache.load(key.digest)
         if cubin is not None:
             return cubin, False
-        cubin = compile_kernel(key)
-        try:
-            cache.save(key.digest, cubin)
-        except OSError as exc:
-            _unsaved_cubins[key.digest] = cubin
-            if cache.directory not in _unwritable_cache_dirs:  # a warning per folder, not per kernel
-                _unwritable_cache_dirs.add(cache.directory)
-                logger.warning("mooncake_ep: could not cache the kernels this process compiles (%s); it keeps "
-                               "them, and every process compiles them again", exc)
-    return cubin, True
+        if not waited:
+            return _compile_and_save(key, cache), True
+    # The holder left no entry (its compile failed, or its save): compiled here, beside the others
+    # that waited, not one after another under the lock.
+    return _compile_and_save(key, cache), True
+
+
+def _compile_and_save(key: KernelKey, cache: KernelCache) -> bytes:
+    cubin = compile_kernel(key)
+    try:
+        cache.save(key.digest, cubin)
+    except OSError as exc:
+        _unsaved_cubins[key.digest] = cubin
+        _log_once_per_folder(logging.WARNING, cache.directory, f"mooncake_ep: could not cache the kernels this "
+                             f"process compiles ({exc}); it keeps them, and every process compiles them again")
+    return cubin
+
+
+def _log_once_per_folder(level: int, folder: Path, message: str) -> None:
+    """``message`` logged the first time this process says something of ``folder`` at ``level``."""
+    if (level, folder) not in _logged_cache_dirs:
+        _logged_cache_dirs.add((level, folder))
+        logger.log(level, message)
+
+
+def _close_held_locks_in_child() -> None:
+    """In a process forked while a thread held an entry's lock: let it go (the child shares the lock
+    with its parent, and would otherwise hold it for as long as it lives)."""
+    for fd in list(_held_lock_fds):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_lock_fds.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_locks_in_child)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -839,8 +901,16 @@ def load_low_latency_kernels(arch: str, cache: KernelCache | None = None, sys_sc
             for mode in DISPATCH_MODES}
     keys["combine"] = (combine_key(arch, sys_scope), COMBINE_ARG_FORMAT)
     # Misses compile at once (NVRTC releases the GIL); the modules load here, on the caller's device.
-    with ThreadPoolExecutor(max_workers=len(keys)) as executor:
-        cubins = dict(zip(keys, executor.map(lambda item: get_cubin(item[0], cache)[0], keys.values())))
+    # Interrupted (Ctrl-C), the workers stop waiting for other processes' compiles at once.
+    cancelled = threading.Event()
+    executor = ThreadPoolExecutor(max_workers=len(keys))
+    try:
+        cubins = dict(zip(keys, executor.map(lambda item: get_cubin(item[0], cache, cancelled)[0], keys.values())))
+    except BaseException:
+        cancelled.set()
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise
+    executor.shutdown()
     # Blocks of the size each kernel was built for (its __launch_bounds__ and warp roles).
     return {name: Launcher(cubins[name], key.name, arg_format, num_threads=int(dict(key.macros)["EP_NUM_THREADS"]))
             for name, (key, arg_format) in keys.items()}

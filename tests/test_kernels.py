@@ -54,6 +54,15 @@ NVRTC_ERROR = _nvrtc_error()
 needs_nvrtc = pytest.mark.skipif(NVRTC_ERROR is not None, reason=f"cuda-python is not installed: {NVRTC_ERROR}")
 
 
+@pytest.fixture(autouse=True)
+def fresh_cache_state(monkeypatch):
+    """What kernels.py remembers per process of its cache folders (cubins it could not save, folders
+    it warned of or swept), fresh for each test: one test's could answer another's."""
+    monkeypatch.setattr(kernels, "_unsaved_cubins", {})
+    monkeypatch.setattr(kernels, "_logged_cache_dirs", set())
+    monkeypatch.setattr(kernels, "_swept_cache_dirs", set())
+
+
 def all_keys() -> list[kernels.KernelKey]:
     """Every variant the library produces for ARCH: what one Buffer loads, at either memory scope."""
     return [key for sys_scope in (True, False) for key in kernels.low_latency_keys(ARCH, sys_scope)]
@@ -227,7 +236,8 @@ def test_launchers_use_the_block_size_their_kernels_were_built_for(monkeypatch):
     original = kernels._common_macros
     monkeypatch.setattr(kernels, "_common_macros", lambda sys_scope: original(sys_scope) | {"EP_NUM_THREADS": 256})
     built = []
-    monkeypatch.setattr(kernels, "get_cubin", lambda key, cache=None: (built.append(key) or key.digest.encode(), False))
+    monkeypatch.setattr(kernels, "get_cubin",
+                        lambda key, cache=None, cancelled=None: (built.append(key) or key.digest.encode(), False))
     monkeypatch.setattr(kernels, "_loaded_function", lambda cubin, name, device_id: types.SimpleNamespace(ptr=1))
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
     launchers = kernels.load_low_latency_kernels("sm_90")
@@ -525,8 +535,6 @@ def test_ranks_missing_an_entry_at_once_compile_it_once(tmp_path, monkeypatch):
 def test_a_cubin_that_cannot_be_saved_is_kept_by_the_process(tmp_path, monkeypatch, caplog):
     """A cache folder that cannot be made (a file in its place; a home-less service account's) made
     every Buffer of the process compile every kernel again, with a warning per kernel each time."""
-    monkeypatch.setattr(kernels, "_unsaved_cubins", {})
-    monkeypatch.setattr(kernels, "_unwritable_cache_dirs", set())
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     compiled = []
@@ -541,9 +549,98 @@ def test_a_cubin_that_cannot_be_saved_is_kept_by_the_process(tmp_path, monkeypat
     assert "pass a writable kernel_cache_dir" in warnings[0]
 
 
-def test_save_removes_temp_files_left_by_killed_writers(tmp_path, monkeypatch):
+@needs_nvrtc
+def test_ranks_that_waited_for_a_holder_that_left_no_entry_compile_beside_each_other(tmp_path, monkeypatch):
+    """A holder whose compile failed (or, in another process, whose save did) leaves no entry: the
+    ranks that waited for it compiled one after another under the lock, minutes for 8 ranks
+    (helper-134); they compile at once, as without a lock."""
+    key = kernels.combine_key(ARCH)
+    spans = []
+
+    def failing_compile(k):
+        start = time.monotonic()
+        time.sleep(0.3)
+        spans.append((start, time.monotonic()))
+        raise kernels.KernelCompileError(k, "error: stand-in")
+
+    monkeypatch.setattr(kernels, "compile_kernel", failing_compile)
+    results = _threads.run_in_threads([lambda: kernels.get_cubin(key, kernels.KernelCache(tmp_path))] * 4,
+                                      PROCESS_LIMIT_S)
+    assert all(isinstance(r, kernels.KernelCompileError) for r in results), results
+    holder, *waiters = sorted(spans)
+    assert all(start >= holder[1] for start, _ in waiters)  # they waited for the holder...
+    assert max(start for start, _ in waiters) < min(end for _, end in waiters)  # ...then compiled together
+
+
+@needs_nvrtc
+def test_threads_that_waited_take_what_the_holder_could_not_save(tmp_path, monkeypatch):
+    key = kernels.combine_key(ARCH)
+    compiled = []
+
+    def slow_compile(k):
+        compiled.append(k)
+        time.sleep(0.2)
+        return b"cubin of " + k.digest.encode()
+
+    def full_disk(self, digest, cubin):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kernels, "compile_kernel", slow_compile)
+    monkeypatch.setattr(kernels.KernelCache, "save", full_disk)
+    results = _threads.run_in_threads([lambda: kernels.get_cubin(key, kernels.KernelCache(tmp_path))] * 4,
+                                      PROCESS_LIMIT_S)
+    assert compiled == [key] and sorted(flag for _, flag in results) == [False, False, False, True]
+
+
+@needs_nvrtc
+def test_a_cancelled_wait_for_another_holder_compiles_at_once(tmp_path, monkeypatch):
+    """Ctrl-C in load_low_latency_kernels left its workers polling another holder's lock for minutes."""
+    key = kernels.combine_key(ARCH)
+    monkeypatch.setattr(kernels, "compile_kernel", lambda k: b"cubin")
+    cancelled = threading.Event()
+    cancelled.set()
+    with kernels.KernelCache(tmp_path).compiling(key.digest) as waited:  # another holder, for good
+        assert not waited
+        assert kernels.get_cubin(key, kernels.KernelCache(tmp_path), cancelled) == (b"cubin", True)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
+    """A child forked mid-compile (a DataLoader's worker) shared the lock, and held it for its life."""
+    cache = kernels.KernelCache(tmp_path)
+    with cache.compiling(DIGEST):
+        pid = os.fork()
+        if pid == 0:  # the child: alive well past the parent's look below
+            time.sleep(5)
+            os._exit(0)
+    gave_up = threading.Event()  # bounds the wait the test makes, should the child hold the lock
+    timer = threading.Timer(3.0, gave_up.set)
+    timer.start()
+    try:
+        start = time.monotonic()
+        with kernels.KernelCache(tmp_path).compiling(DIGEST, gave_up):
+            assert time.monotonic() - start < 2.0  # the child let go of it as it started, not as it exits
+    finally:
+        timer.cancel()
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+
+
+@needs_nvrtc
+def test_nvrtc_build_takes_pathfinders_library_only_where_it_is_loaded(monkeypatch):
+    """Bindings older than 12.9 load NVRTC themselves: pathfinder may name another file, whose
+    build would then stand in the key for the one compiling."""
+    kernels.nvrtc_version()
+    mapped = kernels._loaded_nvrtc_paths()
+    assert mapped, "no libnvrtc.so mapped"
+    elsewhere = types.SimpleNamespace(abs_path="/nowhere/libnvrtc.so.99")
+    monkeypatch.setitem(sys.modules, "cuda.pathfinder",
+                        types.SimpleNamespace(load_nvidia_dynamic_lib=lambda name: elsewhere))
+    assert b"/nowhere/libnvrtc.so.99" not in kernels._loaded_nvrtc_paths()
+
+
+def test_save_removes_temp_files_left_by_killed_writers(tmp_path):
     """Only the warm-up command removed them; a Buffer's save now does too, once per folder and process."""
-    monkeypatch.setattr(kernels, "_swept_cache_dirs", set())
     stale, fresh = tmp_path / ".tmp-killed.cubin", tmp_path / ".tmp-writing.cubin"
     for path in (stale, fresh):
         path.write_bytes(b"partial")
@@ -751,7 +848,7 @@ def test_a_buffers_kernels_share_one_cache(monkeypatch):
     """load_low_latency_kernels without a cache made one per kernel: without a home folder, five
     folders for one Buffer, every time."""
     caches = []
-    monkeypatch.setattr(kernels, "get_cubin", lambda key, cache: caches.append(cache) or (b"", False))
+    monkeypatch.setattr(kernels, "get_cubin", lambda key, cache, cancelled: caches.append(cache) or (b"", False))
     monkeypatch.setattr(kernels, "Launcher", lambda *args, **kwargs: None)
     launchers = kernels.load_low_latency_kernels("sm_90")
     assert len(caches) == len(launchers) == 5 and isinstance(caches[0], kernels.KernelCache)

@@ -34,7 +34,7 @@ import mooncake_ep
 
 __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CheckFailed", "OutputError",
            "UsageError", "build_parser", "check_host_memory", "check_output_path", "console_main", "exit_process",
-           "main", "write_json"]
+           "main", "verbosity", "write_json"]
 
 # Command names, in the order --help lists them; each is the module mooncake_ep.cli.<name>.
 COMMANDS: tuple[str, ...] = ("demo", "bench", "warmup")
@@ -184,11 +184,18 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         sub = subparsers.add_parser(name, help=_summary(doc), description=doc, formatter_class=HelpFormatter,
                                     allow_abbrev=False)
         module.add_arguments(sub)
-        # -v after the command too (where scripts add flags); SUPPRESS: absent, it leaves the count as is.
-        sub.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+        # -v after the command too (where scripts add flags): a count of its own (argparse would copy
+        # the command's over the one before it), the larger of the two applies (verbosity()).
+        sub.add_argument("-v", "--verbose", action="count", default=0, dest="verbose_after_command",
                          help="log the library's messages: -v for INFO, -vv for DEBUG")
         sub.set_defaults(run=module.run, command_parser=sub)
     return parser
+
+
+def verbosity(args: argparse.Namespace) -> int:
+    """How many ``-v`` apply: the larger count, before or after the command's name (a command that
+    starts copies of itself passes both on, and the copies must count as many)."""
+    return max(args.verbose, getattr(args, "verbose_after_command", 0))
 
 
 def _summary(doc: str) -> str:
@@ -214,6 +221,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    args.verbose = verbosity(args)
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
                             format="%(levelname)s %(name)s: %(message)s")
