@@ -358,7 +358,7 @@ def test_a_terminated_launcher_stops_its_processes(tmp_path, signal_name):
         assert time.monotonic() < deadline and launcher.poll() is None, log.read_text()
         time.sleep(0.1)
     launcher.send_signal(getattr(signal, signal_name))
-    expected = cli.EXIT_INTERRUPTED if signal_name == "SIGTERM" else -signal.SIGKILL
+    expected = 128 + signal.SIGTERM if signal_name == "SIGTERM" else -signal.SIGKILL  # 143, as a shell reports it
     assert launcher.wait(PROCESS_LIMIT_S) == expected
     deadline = time.monotonic() + 10.0  # a watching rank sees its parent gone within 0.2 s
     while workers():
@@ -382,8 +382,9 @@ def test_a_signal_while_a_process_starts_leaves_none_running(monkeypatch, capsys
         return started[-1]
     monkeypatch.setattr(launch.subprocess, "Popen", popen_then_signal)
     previous = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(KeyboardInterrupt, match=f"signal {int(signal.SIGTERM)}"):
+    with pytest.raises(cli.Interrupted, match=f"signal {int(signal.SIGTERM)}") as interrupted:
         launch.launch("test", [sys.executable, "-c", "import time; time.sleep(60)"], 3)
+    assert interrupted.value.signum == signal.SIGTERM
     assert len(started) == 2 and [proc.poll() for proc in started] == [-signal.SIGKILL] * 2
     assert signal.getsignal(signal.SIGTERM) is previous
     capsys.readouterr()
@@ -532,6 +533,20 @@ def test_a_launch_whose_sigchld_is_ignored_still_reads_its_ranks_exit_codes(tmp_
     proc = subprocess.run([sys.executable, "-c", wrapper], cwd=tmp_path, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=PROCESS_LIMIT_S)
     assert proc.returncode == cli.EXIT_FAILURE and "FAIL: rank 1 exited 3" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("raised, code", [(KeyboardInterrupt(), 130), (cli.Interrupted(15), 143),
+                                          (cli.Interrupted(1), 129)])
+def test_an_interrupted_command_exits_as_a_shell_reports_its_signal(raised, code, monkeypatch, capsys):
+    """Ctrl-C: 130; a launch stopped by SIGTERM exited 130 too, where 143 is what supervisors expect."""
+    from mooncake_ep.cli import demo
+
+    def interrupted(args):
+        raise raised
+
+    monkeypatch.setattr(demo, "run", interrupted)
+    assert cli.main(["demo", "--backend", "reference"]) == code
+    assert capsys.readouterr().err.strip().endswith("demo: interrupted")
 
 
 def test_a_launch_says_when_a_rank_failed_and_the_others_are_given_time(capsys):

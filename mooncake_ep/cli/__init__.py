@@ -15,7 +15,8 @@ of flags argparse cannot check; the message is printed as argparse prints its ow
 To add a command (``warmup``, say): write ``cli/<name>.py`` with the two functions above and
 add ``"<name>"`` to :data:`COMMANDS`.
 
-Exit codes: 0 success, 1 a failed check or a runtime error, 2 bad usage (as argparse), 130 interrupted.
+Exit codes: 0 success, 1 a failed check or a runtime error, 2 bad usage (as argparse), 130 interrupted
+(a launch stopped by another signal: 128 + its number, 143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from types import ModuleType
 
 import mooncake_ep
 
-__all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CheckFailed", "OutputError",
-           "UsageError", "build_parser", "check_host_memory", "check_output_path", "console_main", "exit_process",
+__all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CheckFailed", "Interrupted",
+           "OutputError", "UsageError", "build_parser", "check_host_memory", "check_output_path", "console_main", "exit_process",
            "main", "verbosity", "write_json"]
 
 # Command names, in the order --help lists them; each is the module mooncake_ep.cli.<name>.
@@ -47,6 +48,15 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 class OutputError(Exception):
     """A result file could not be written at the end of a run (a full disk, a path that went away)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A launch stopped by a signal (SIGINT, SIGTERM, SIGHUP): the command exits 128 + its number,
+    as a shell reports a process the signal ended."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
 
 
 class CheckFailed(RuntimeError):
@@ -251,9 +261,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print(f"{where}: out of {'host' if host else 'device'} memory ({str(exc).splitlines()[0]}); lower --hidden, "
               f"--experts or --tokens", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print(f"{where}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return 128 + exc.signum if isinstance(exc, Interrupted) else EXIT_INTERRUPTED
     except BrokenPipeError:  # stdout went away where something wrote to it directly: exit quietly
         _silence_stdout(stdout)
         return EXIT_FAILURE

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import mooncake_ep
-from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, UsageError
+from mooncake_ep.cli import EXIT_FAILURE, EXIT_OK, Interrupted, UsageError
 from mooncake_ep.group import TORCHRUN_AGENT_STORE_VAR, free_port
 
 # Seconds a launched process waits for its peers, to join and in each collective: long enough for N
@@ -178,7 +178,8 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
 
 
 class _StopOnSignal:
-    """Notes SIGINT, SIGTERM and SIGHUP in this (main) thread; :meth:`check` raises KeyboardInterrupt then.
+    """Notes SIGINT, SIGTERM and SIGHUP in this (main) thread; :meth:`check` raises Interrupted (a
+    KeyboardInterrupt) then.
     SIGCHLD is set to its default meanwhile: ignored (inherited so from a daemon or a wrapper), the
     kernel reaps the ranks itself, and the launch could not read their exit codes.
 
@@ -233,7 +234,7 @@ class _StopOnSignal:
                 if proc.returncode is None:
                     _signal_rank(proc, signal.SIGCONT)
         if self.signum is not None:
-            raise KeyboardInterrupt(f"signal {self.signum}")
+            raise Interrupted(self.signum)
 
     def restore(self) -> None:
         """The handlers before the launch, but SIGCHLD's (:meth:`restore_child_signal`)."""
