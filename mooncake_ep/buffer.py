@@ -202,7 +202,7 @@ class Buffer:
         # routing that the hook's receive half reads).
         self._pending_hooks: set[int] = set()
         # (event, arrays): arrays of calls launched on a stream their allocator does not know (async_finish,
-        # stream=, two frameworks), torch's excepted (record_stream), held until that event is done.
+        # stream=, two frameworks, another DLPack producer's), held until that event is done.
         self._in_flight: collections.deque = collections.deque()
         self._in_flight_lock = threading.Lock()
         self._pending_combine_hooks: dict[int, int] = {}  # parity -> hooks; a dict: .get is the cheapest miss
@@ -559,8 +559,7 @@ class Buffer:
                                                  num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                                  num_experts=num_experts, timeout_us=timeout_us, use_fp8=use_fp8,
                                                  round_scale=round_scale, use_ue8m0=use_ue8m0)
-                off_stream = self._wait_for_writers(stream_ptr,
-                                                    None if given_stream is not None else x_view.framework,
+                off_stream = self._wait_for_writers(stream_ptr, _launch_framework(x_view, given_stream),
                                                     (x_view, topk_view, active_view, *output_views))
                 receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
                 # Counted once the send half is launched: a configuration refused on the way (the layout
@@ -816,7 +815,7 @@ class Buffer:
             # zero_copy: the expert outputs were written into get_next_combine_buffer's array, of the
             # dispatch's framework, on its current stream.
             written_before = (handle.framework,) if zero_copy else ()
-            off_stream = self._wait_for_writers(stream_ptr, None if given_stream is not None else topk_view.framework,
+            off_stream = self._wait_for_writers(stream_ptr, _launch_framework(topk_view, given_stream),
                                                 (x_view, topk_view, weights_view, active_view, outputs[0][0]),
                                                 written_before)
             receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
@@ -1158,8 +1157,9 @@ class Buffer:
         (``stream_given``: ``stream_ptr`` is that stream) where it is not torch's current one; the
         event of such a call makes that stream wait, not the current one. And so are they where some
         array's framework runs on another stream than the launch (``off_stream``, _wait_for_writers's
-        frameworks: arrays of two frameworks in one call). Those arrays of other frameworks than torch
-        (all of them with async_finish) are also held by the Buffer until the kernels are done
+        frameworks: arrays of two frameworks in one call, or of another DLPack producer). The arrays
+        of those frameworks (all of them with async_finish, torch's included: recording does nothing
+        for memory torch did not allocate) are also held by the Buffer until the kernels are done
         (_hold_until_done): callers drop the event.
         """
         views = None  # the call's arrays, where the kernels run on another stream than torch's current one
@@ -1167,8 +1167,9 @@ class Buffer:
         if like.device_type == "cuda" and (async_finish or stream_given or off_stream):
             views = [view for view in inputs if view is not None] + [view for view, _ in outputs]
             self._record_on(async_finish, stream_ptr, views)
-            held = tuple(view.keepalive for view in views
-                         if view.framework != "torch" and (async_finish or view.framework in off_stream))
+            # torch tensors too: record_stream does nothing for memory torch's allocator did not make
+            # (torch.from_dlpack of a JAX or cupy array), which its owner may reuse on its own stream.
+            held = tuple(view.keepalive for view in views if async_finish or view.framework in off_stream)
         # Nothing is let go of or held while the stream captures a graph: an event query there would end
         # the capture, and a graph's arrays must outlive its replays, the caller's care. (The communication
         # stream of async_finish captures with the caller's: _launch_stream made it wait there.)
@@ -1187,7 +1188,7 @@ class Buffer:
             # with direct reads in-process peers read a combine's x in their receive halves, which
             # this rank's own receive half waits for. Dropped by the caller meanwhile, their memory
             # could go to new work, which the kernels would then read or overwrite.
-            arrays = [inputs, outputs]
+            arrays = [inputs, outputs, held]  # cleared once launched: the hook object may outlive its work
             # The per-thread default stream (a cupy current stream under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM)
             # names another stream in each thread: launched from another thread, the receive half would
             # run unordered after its send half.
@@ -1208,8 +1209,8 @@ class Buffer:
                     # is the arrays' own; elsewhere they are held until the receive half is done. A launch
                     # that failed leaves them with the hook: peers may still read x, and nothing here
                     # knows when they are done.
-                    if held and not self._cuda.stream_is_capturing(stream_ptr):
-                        self._hold_until_done(stream_ptr, held)
+                    if arrays[2] and not self._cuda.stream_is_capturing(stream_ptr):
+                        self._hold_until_done(stream_ptr, arrays[2])
                     arrays.clear()
                 finally:
                     if call == "dispatch":
@@ -1244,8 +1245,9 @@ class Buffer:
         For arrays of a call launched on another stream than their allocator's (async_finish, stream=,
         two frameworks): cupy's pool, say, hands a dropped array's memory to new work on the stream it
         was allocated on, which nothing orders after our kernels, and the returned event, which also
-        holds them, is dropped by most callers. torch tensors are recorded on the stream instead
-        (_record_on). Held arrays whose event is done are let go at the next call on a device
+        holds them, is dropped by most callers. torch tensors are also recorded on the stream
+        (_record_on), which orders the reuse of the memory torch's allocator made, not of memory it
+        borrowed (torch.from_dlpack). Held arrays whose event is done are let go at the next call on a device
         (_let_go_of_done); destroy() lets go of all.
         """
         entry = (event if event is not None else self._cuda.record_event(stream_ptr), keepalives)
@@ -1470,6 +1472,16 @@ def _signature(view: ArrayView) -> tuple:
 # Frameworks whose arrays read_array reads directly, ordering nothing: Buffer._wait_for_writers orders them.
 _STREAM_FRAMEWORKS = ("torch", "cupy")
 _NO_FRAMEWORKS: frozenset = frozenset()
+
+
+def _launch_framework(view: ArrayView, given_stream: int | None) -> str | None:
+    """The framework whose current stream the call launches on (``view``: the array that chose the
+    stream), for _wait_for_writers; None where none is: a ``stream=`` given, or an array of another
+    DLPack producer, whose stream is the legacy default one and whose allocator's is unknown (its
+    arrays are then held until the kernels are done, as with ``stream=``)."""
+    if given_stream is not None or view.framework == "dlpack":
+        return None
+    return view.framework
 
 
 def _dlpack_stream(first: ArrayView, stream_ptr: int) -> int | None:

@@ -276,7 +276,9 @@ def test_an_active_ranks_exported_as_a_copy_is_refused_after_a_remembered_plan_t
 def test_a_hook_keeps_the_calls_arrays_until_it_has_launched(setup):
     """In-process peers read a combine's x in their receive halves (direct reads), and the receive half
     writes the outputs: the arrays live until the hook launched, though the caller dropped them (their
-    memory could otherwise go to new work before the kernels are done with it)."""
+    memory could otherwise go to new work before the kernels are done with it). Then, arrays of a
+    DLPack producer other than torch and cupy (whose allocator's stream nothing orders after the
+    kernels), until the receive half is done."""
     buf, cuda, device, inputs = setup
     _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
                                       out=dispatch_out(device, False))
@@ -292,7 +294,13 @@ def test_a_hook_keeps_the_calls_arrays_until_it_has_launched(setup):
     assert all(ref() is not None for ref in alive), "dropped by the caller, kept by the pending hook"
     hook()
     gc.collect()
-    assert all(ref() is None for ref in alive), "released once the receive half is launched"
+    # Held until the receive half is done (the dispatch's arrays are held too: 2 entries).
+    assert all(ref() is not None for ref in alive) and len(buf._in_flight) == 2
+    cuda.done_events = True
+    buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                 out=dispatch_out(device, False))  # the next call lets go of what is done
+    gc.collect()
+    assert all(ref() is None for ref in alive), "released once the receive half is done"
 
 
 def test_a_combine_hook_whose_launch_failed_keeps_the_calls_arrays_and_its_handle_is_refused(setup):
@@ -848,8 +856,9 @@ def test_the_launch_stream_waits_once_for_each_other_frameworks_current_stream(s
 
 
 def test_arrays_of_a_call_on_another_stream_live_until_its_kernels_are_done(setup):
-    """A call launched on another stream than its arrays' allocator's (stream=, async_finish) holds the
-    arrays (torch's excepted: record_stream) until an event on the launch stream is done, even when the
+    """A call launched on another stream than its arrays' allocator's (stream=, async_finish; any
+    call of another DLPack producer's arrays) holds the arrays until an event on the launch stream is
+    done (torch's too with async_finish: record_stream protects only torch's own memory), even when the
     caller drops them and the returned event at once: a pool would otherwise hand their memory to new
     work that nothing orders after the kernels. In hook mode they are held from the call until the
     receive half, launched by hook(), is done. Done events let go at the next call, one that holds
@@ -894,9 +903,11 @@ def test_arrays_of_a_call_on_another_stream_live_until_its_kernels_are_done(setu
     assert captured() is None, "nothing held under capture: a graph's arrays are the caller's to keep"
     assert len(buf._in_flight) == 2, "nor let go: an event query would end the capture"
     cuda.capturing = False
-    buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))  # a call that holds nothing lets go
+    buf.dispatch(**inputs, **kwargs, out=dispatch_out(device, False))  # the next call lets go of what is done
     gc.collect()
-    assert not buf._in_flight and hooked() is None and later() is None
+    # ...and holds its own arrays: another DLPack producer's, launched on the legacy default stream (as
+    # with stream=, nothing orders their allocator's reuse of the memory after the kernels).
+    assert [event for event, _ in buf._in_flight] == [("event", 0)] and hooked() is None and later() is None
     dropped_call(stream=0xAB)
     buf._cuda = None  # destroy() without the backend's collective
     buf.destroy()
