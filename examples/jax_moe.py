@@ -10,8 +10,8 @@ Two ways to place the ranks:
 
 - ``shard_map`` (default): one rank per JAX device, the whole layer one ``jax.jit`` program under
   ``jax.shard_map``; the ops run on each device's own stream.
-- ``split``: all ranks in one program on one device (several ranks on one GPU, as DESIGN §7 says):
-  every rank's send half, then every rank's receive half.
+- ``split``: all ranks in one program on one device (several ranks on one GPU, whose work XLA runs on
+  one stream): every rank's send half, then every rank's receive half.
 
 Run ``python examples/jax_moe.py --help``. On a machine without a GPU the ranks are JAX CPU devices
 on the numpy reference backend (``--ranks`` of them; the script asks JAX for that many). The exit code

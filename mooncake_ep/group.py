@@ -1,6 +1,6 @@
 """Bootstrap: who the ranks are, an allgather of bytes, and a barrier.
 
-The buffers need only four things from a group (DESIGN §6): ``rank``, ``world_size``,
+The buffers need only four things from a group: ``rank``, ``world_size``,
 ``allgather_bytes`` and ``barrier``. This module provides them three ways:
 
 - :class:`TCPGroup`, one process per rank, over a small TCP store served by rank 0 (standard

@@ -19,7 +19,7 @@ Buffer, see :func:`make_buffers`)::
         return out
 
 Several ranks on one GPU share XLA's one stream for that device, where a receive half waiting for
-a peer would block the peer's send behind it. Use the split form there (DESIGN §7): every rank's
+a peer would block the peer's send behind it. Use the split form there: every rank's
 send half, then every rank's receive half; a send half never waits, and no receive half waits for
 another's (the split combine copies the expert outputs into the workspace instead of letting peers
 read them in place, which would make each receive half wait until every peer had read), so the

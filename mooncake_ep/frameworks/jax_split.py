@@ -1,6 +1,6 @@
 """The split form of the JAX ops: every rank's send half, then every rank's receive half.
 
-For several ranks on one device, where XLA runs all their work on one stream (DESIGN §7). A send
+For several ranks on one device, where XLA runs all their work on one stream. A send
 half never waits on a peer; each receive half takes every rank's send-half results as operands, so
 XLA cannot schedule a receive before a send it would wait for. On the CPU the send half is nothing
 at all: each receive half computes the numpy reference from every rank's inputs, which XLA hands
