@@ -653,10 +653,19 @@ def _log_once_per_folder(level: int, folder: Path, message: str) -> None:
 
 def _close_held_locks_in_child() -> None:
     """In a process forked while a thread held an entry's lock: let it go (the child shares the lock
-    with its parent, and would otherwise hold it for as long as it lives)."""
+    with its parent, and would otherwise hold it for as long as it lives). The descriptor is pointed
+    at /dev/null rather than closed: were the forking thread the holder, its own close would later
+    hit whatever file the child had opened under that number meanwhile."""
+    if not _held_lock_fds:
+        return
+    try:
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
     for fd in list(_held_lock_fds):
         with contextlib.suppress(OSError):
-            os.close(fd)
+            os.dup2(null, fd, inheritable=False)
+    os.close(null)
     _held_lock_fds.clear()
 
 
