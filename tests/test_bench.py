@@ -180,7 +180,8 @@ def test_the_kernels_results_are_checked_against_the_baseline(use_fp8):
     dispatched, combined = results()
     bench.check_against_baseline(args, inputs, dispatched, combined, torch)
     combined[1][0, 0] = combined[1][0, 0].float() * 1.05 + 0.1  # past one bf16 rounding
-    with pytest.raises(cli.CheckFailed, match=r"^bench: rank 1's combined_x differs from the torch baseline's by up to"):
+    with pytest.raises(cli.CheckFailed,
+                       match=r"^bench: rank 1's combined_x differs from the torch baseline's by up to"):
         bench.check_against_baseline(args, inputs, dispatched, combined, torch)
     busy = max(range(num_ranks), key=lambda r: int(dispatched[r][1].sum()))
     expert = int(dispatched[busy][1].argmax())

@@ -180,7 +180,8 @@ def test_fp8_scales_in_another_layout_are_refused_and_the_buffer_stays_usable(se
     buf, cuda, device, inputs = setup
     (q, _), count = dispatch_out(device, True)
     every_other_row = np.zeros((E // R, 2 * R * T, H // 128), np.float32)[:, ::2]
-    with pytest.raises(ValueError, match=r"^dispatch: out recv_scales must be contiguous \(row-major, strides in elements "):
+    with pytest.raises(ValueError,
+                       match=r"^dispatch: out recv_scales must be contiguous \(row-major, strides in elements "):
         buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=True,
                      out=((q, FakeDeviceStrided(every_other_row)), count))
     assert cuda.launches == []

@@ -217,8 +217,8 @@ def test_enable_shrink_masks_after_deepeps_timeout_and_config_has_deepeps_defaul
     without it, which a mask here would turn into results silently short: forever instead)."""
     case = make_case(17, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
     group = ep.LocalGroup(1).rank_group(0)
-    timeouts = [new_buffer(group, case, **kwargs).timeout_us
-                for kwargs in ({}, dict(enable_shrink=True), dict(enable_shrink=True, timeout_us=5), dict(timeout_us=7))]
+    settings = ({}, dict(enable_shrink=True), dict(enable_shrink=True, timeout_us=5), dict(timeout_us=7))
+    timeouts = [new_buffer(group, case, **kwargs).timeout_us for kwargs in settings]
     assert timeouts == [-1, 100_000_000, 5, 7]
     config = deep_ep.Config()
     assert (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,

@@ -34,8 +34,8 @@ from types import ModuleType
 import mooncake_ep
 
 __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CheckFailed", "Interrupted",
-           "OutputError", "UsageError", "build_parser", "check_host_memory", "check_output_path", "console_main", "exit_process",
-           "main", "verbosity", "write_json"]
+           "OutputError", "UsageError", "build_parser", "check_host_memory", "check_output_path", "console_main",
+           "exit_process", "main", "verbosity", "write_json"]
 
 # Command names, in the order --help lists them; each is the module mooncake_ep.cli.<name>.
 COMMANDS: tuple[str, ...] = ("demo", "bench", "warmup")
