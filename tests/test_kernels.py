@@ -605,6 +605,9 @@ def test_a_cancelled_wait_for_another_holder_compiles_at_once(tmp_path, monkeypa
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+# The child only sleeps and exits: the fork-with-threads warnings (JAX's, Python's) do not apply.
+@pytest.mark.filterwarnings("ignore:os.fork")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
 def test_a_process_forked_while_a_lock_is_held_does_not_keep_it(tmp_path):
     """A child forked mid-compile (a DataLoader's worker) shared the lock, and held it for its life."""
     cache = kernels.KernelCache(tmp_path)
