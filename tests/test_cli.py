@@ -288,6 +288,21 @@ def test_group_init_refuses_its_flags_before_waiting_for_the_ranks(command, flag
     assert message in capsys.readouterr().err
 
 
+def test_a_long_join_says_it_is_waiting_and_a_short_one_says_nothing(monkeypatch, capsys):
+    """--group init waited up to 120 s for a rank that never came without a word (helper-133)."""
+    from mooncake_ep.cli import launch
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(launch, "JOIN_NOTICE_S", 0.05)
+    for join_s, said in ((0.0, False), (0.5, True)):
+        monkeypatch.setattr(launch.mooncake_ep, "init_group", lambda **kwargs: time.sleep(join_s) or "group")
+        assert launch.join_group("reference") == "group"
+        time.sleep(0.1)  # a notice not cancelled would come now
+        err = capsys.readouterr().err
+        assert ("RANK 1 of WORLD_SIZE 2 at" in err and "still waiting for the other ranks to join" in err) == said, err
+
+
 def test_ranks_started_with_other_flags_fail_in_one_line():
     """Ranks of a --group init job (torchrun's, a custom launcher's) given different flags: every rank
     says which value differs where, in one line (it was a 30-line traceback of a ValueError)."""

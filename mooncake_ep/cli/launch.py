@@ -36,6 +36,8 @@ GROUP_TIMEOUT_S = 120.0
 LAUNCH_GRACE_S = 10.0
 # How often the launcher looks at its processes.
 _LAUNCH_POLL_S = 0.05
+# A join still waiting after this long says so once (the wait is otherwise silent up to GROUP_TIMEOUT_S).
+JOIN_NOTICE_S = 10.0
 # Where launched processes meet: this host only.
 LAUNCH_ADDR = "127.0.0.1"
 # POSIX: each launched process leads a session (and process group) of its own, so that stopping a
@@ -92,10 +94,19 @@ def join_group(backend: str, device: int | None = None) -> mooncake_ep.Group:
     watch_launcher()
     if backend == "cuda" and device is None:
         device = use_process_device()
+    where = (f"RANK {os.environ.get('RANK', '?')} of WORLD_SIZE {os.environ.get('WORLD_SIZE', '?')} at "
+             f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}")
+    notice = threading.Timer(JOIN_NOTICE_S, _say, (f"mooncake_ep: {where}: still waiting for the other ranks to "
+                                                   f"join ({JOIN_NOTICE_S:.0f} s so far, {GROUP_TIMEOUT_S:.0f} s "
+                                                   f"at most)",))
+    notice.daemon = True
+    notice.start()
     try:
         return mooncake_ep.init_group(timeout_s=GROUP_TIMEOUT_S, device=device)
     except ValueError as exc:
         raise UsageError(f"--group init: {exc}") from None
+    finally:
+        notice.cancel()
 
 
 def use_process_device() -> int:
