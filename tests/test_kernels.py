@@ -341,12 +341,20 @@ def test_digest_changes_with_the_nvrtc_build_of_one_version(monkeypatch):
     assert kernels.combine_key(ARCH).digest != before
 
 
-def mapped_file(path: bytes):
-    """Map a 4 KiB file at ``path`` into this process (listed in /proc/self/maps while open)."""
+def builds_before_and_while_mapped(tmp_path, name: bytes) -> tuple[str, str]:
+    """nvrtc_build() computed afresh, then again while a 4 KiB file ``name`` (under ``tmp_path``) is
+    mapped into this process, listed in /proc/self/maps; the cached answer is cleared after."""
+    path = os.path.join(os.fsencode(tmp_path), name)
     with open(path, "wb") as f:
         f.write(b"\0" * 4096)
-    with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 4096, access=mmap.ACCESS_READ)
+    try:
+        kernels.nvrtc_build.cache_clear()
+        before = kernels.nvrtc_build()
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 4096, access=mmap.ACCESS_READ):
+            kernels.nvrtc_build.cache_clear()
+            return before, kernels.nvrtc_build()
+    finally:
+        kernels.nvrtc_build.cache_clear()
 
 
 @needs_nvrtc
@@ -354,14 +362,8 @@ def test_nvrtc_build_reads_maps_listing_paths_that_are_not_utf8(tmp_path, monkey
     """Without cuda.pathfinder the maps name the library: /proc/self/maps lists every mapped file of
     the process, whatever bytes its path holds."""
     monkeypatch.setitem(sys.modules, "cuda.pathfinder", None)  # import fails: the maps are read
-    kernels.nvrtc_build.cache_clear()
-    try:
-        build = kernels.nvrtc_build()
-        with mapped_file(os.path.join(os.fsencode(tmp_path), b"\xff-mapped.bin")):
-            kernels.nvrtc_build.cache_clear()
-            assert kernels.nvrtc_build() == build
-    finally:
-        kernels.nvrtc_build.cache_clear()
+    before, during = builds_before_and_while_mapped(tmp_path, b"\xff-mapped.bin")
+    assert during == before
 
 
 @needs_nvrtc
@@ -369,14 +371,8 @@ def test_nvrtc_build_names_only_the_library_cuda_bindings_compiles_with(tmp_path
     """Another libnvrtc.so in the process (a framework's, of another CUDA major) does not change the
     key: the warm-up command, which loads no framework, and a server that does must agree on it."""
     pytest.importorskip("cuda.pathfinder")
-    kernels.nvrtc_build.cache_clear()
-    try:
-        build = kernels.nvrtc_build()
-        with mapped_file(os.path.join(os.fsencode(tmp_path), b"libnvrtc.so.99")):
-            kernels.nvrtc_build.cache_clear()
-            assert kernels.nvrtc_build() == build
-    finally:
-        kernels.nvrtc_build.cache_clear()
+    before, during = builds_before_and_while_mapped(tmp_path, b"libnvrtc.so.99")
+    assert during == before
 
 
 # --- (c) KernelCache: round trip, corrupt entries, atomic writes ----------------------------------

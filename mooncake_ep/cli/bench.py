@@ -1280,10 +1280,7 @@ def run(args) -> int:
         launch.check_launch(args)
         if not isinstance(args.ranks, ByBackend) and args.ranks != args.launch:
             raise UsageError(f"--ranks ({args.ranks}) must match --launch ({args.launch}), or be left out")
-        # What every process would refuse, refused once here, before any starts.
-        as_launched = copy.copy(args)
-        as_launched.ranks = args.launch
-        settle_args(as_launched, choose_backend(args.backend)[0], ranks_flag="--launch")
+        check_as_ranks(args, choose_backend(args.backend)[0], args.launch, "--launch")  # before any starts
         return launch.launch("bench", child_argv(args), args.launch)
     backend, why = choose_backend(args.backend)
     if args.group == "local":
@@ -1291,9 +1288,7 @@ def run(args) -> int:
     world_size = launch.env_world_size()
     if world_size is not None:  # the flags, before the wait for every rank to join
         check_ranks_flag(args, world_size, "WORLD_SIZE's")
-        as_joined = copy.copy(args)
-        as_joined.ranks = world_size
-        settle_args(as_joined, backend, ranks_flag="WORLD_SIZE")
+        check_as_ranks(args, backend, world_size, "WORLD_SIZE")
     group = launch.join_group(backend)
     finished = False
     try:
@@ -1330,6 +1325,15 @@ def choose_backend(requested: str) -> tuple[str, str]:
     if requested == "cuda" and not usable:
         raise UsageError(f"--backend cuda: {why}")
     return ("cuda" if usable else "reference"), why
+
+
+def check_as_ranks(args, backend: str, num_ranks: int, ranks_flag: str) -> None:
+    """What each of ``num_ranks`` rank processes would refuse (``settle_args`` with ``--ranks``
+    ``num_ranks``, on a copy: ``args`` is left as given), refused once here: before the processes
+    start (``--launch``) or join (``WORLD_SIZE``, which ``ranks_flag`` names)."""
+    as_ranks = copy.copy(args)
+    as_ranks.ranks = num_ranks
+    settle_args(as_ranks, backend, ranks_flag=ranks_flag)
 
 
 def check_ranks_flag(args, world_size: int, whose: str) -> None:
