@@ -151,7 +151,7 @@ class Buffer:
         self.low_latency_mode = True
         device = "cpu" if self.runtime.backend == "reference" else torch.device("cuda", self.runtime.device_id)
         self.active_ranks = torch.ones(self.group_size, dtype=torch.int32, device=device)
-        self._stats_streams: dict[int, torch.cuda.Stream] = {}  # per device: async_finish's recv-stats adds
+        self._comm_stream: torch.cuda.Stream | None = None  # get_comm_stream's, for async_finish's recv-stats adds
 
     def __repr__(self) -> str:
         return f"deep_ep.Buffer(rank={self.rank}, group_size={self.group_size}, runtime={self.runtime!r})"
@@ -312,18 +312,19 @@ class Buffer:
 
             return event, counted_hook
         if async_finish and stats.is_cuda:
-            # On a side stream after the dispatch's event, and an event after it: the caller's stream
-            # waits for both, as for DeepEP's one kernel, and is not made to wait for them by the add.
-            side = self._stats_streams.get(stats.device.index)
-            if side is None:
-                side = self._stats_streams[stats.device.index] = torch.cuda.Stream(stats.device)
-            with torch.cuda.stream(side):
-                event.current_stream_wait()
+            # On the communication stream, after the receive that wrote recv_count, and an event after
+            # it: the caller's stream waits for both, as for DeepEP's one kernel, and is not made to wait
+            # for them by the add. Not on a stream of its own: a new stream may share a hardware queue
+            # with an in-process peer's stream, and its wait for this rank's receive would then hold back
+            # the peer's dispatch that the receive waits for (LocalGroup._make_streams).
+            comm = self._comm_stream
+            if comm is None:
+                comm = self._comm_stream = self.get_comm_stream()
+            with torch.cuda.stream(comm):
                 _add(stats, recv_count)
                 done = torch.cuda.Event()
-                done.record(side)
-            for tensor in (stats, recv_count):
-                tensor.record_stream(side)
+                done.record(comm)
+            stats.record_stream(comm)  # recv_count is an output of the call: recorded there already
             return EventOverlap(lambda: torch.cuda.current_stream(stats.device).wait_event(done),
                                 extra=event.extra), None
         _add(stats, recv_count)  # the caller's stream, after the receive (or the host's reference result)
