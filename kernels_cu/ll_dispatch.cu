@@ -362,6 +362,23 @@ __device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t
 }
 #endif
 
+// One 4-byte scale word of a received row, column stride scale_column_stride. Row-major (stride 1),
+// a row's words are whole 32-byte sectors that one warp writes at once: streamed, as the rows are.
+// In DeepEP's column-major layout a sector holds one column of 8 neighbouring rows, which other
+// warps write at other times. Streamed (evict-first), each word left L2 as a partial sector of its
+// own: that layout cost an H100 decode dispatch +7.9 us over row-major's 43. Kept in L2 (the decode
+// shape's scales are 1.8 MB over all 8 ranks), sectors fill up before they are written back: +4.8.
+// A pass of their own after (or before) the rows, 32 rows' words a store, was slower (+9 us): its
+// loads of each row's send_list entry and scales wait in turn (docs/performance.md (52)).
+template <typename T>
+__device__ __forceinline__ void store_scale(T* dst_scale_row, int column, int scale_column_stride, T value) {
+    T* ptr = dst_scale_row + static_cast<int64_t>(column) * scale_column_stride;
+    if (scale_column_stride == 1)
+        st_once(ptr, value);
+    else
+        *ptr = value;
+}
+
 // One warp copies one received row from the source's staging into recv_x, and its scales: 4-byte
 // scale column j of the row at dst_scale_row + j * scale_column_stride.
 __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* src_scale_row, uint8_t* dst_row,
@@ -379,12 +396,11 @@ __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* sr
             const int j = 4 * w + b;
             if (j < num_scales) word |= ue8m0_byte(ld_cg_float(src_scale_row + j)) << (8 * b);
         }
-        st_once(static_cast<uint32_t*>(dst_scale_row) + static_cast<int64_t>(w) * scale_column_stride, word);
+        store_scale(static_cast<uint32_t*>(dst_scale_row), w, scale_column_stride, word);
     }
 #else
     for (int j = lane; j < num_scales; j += kWarpSize)
-        st_once(static_cast<float*>(dst_scale_row) + static_cast<int64_t>(j) * scale_column_stride,
-                ld_cg_float(src_scale_row + j));
+        store_scale(static_cast<float*>(dst_scale_row), j, scale_column_stride, ld_cg_float(src_scale_row + j));
 #endif
 #endif
     warp_copy<true>(reinterpret_cast<const int4*>(src_row), reinterpret_cast<int4*>(dst_row),
@@ -398,7 +414,7 @@ __device__ __forceinline__ void zero_row(uint8_t* dst_row, void* dst_scale_row, 
     const int lane = threadIdx.x % kWarpSize;
     if (EP_USE_FP8)
         for (int w = lane; w < num_scale_columns; w += kWarpSize)
-            st_once(static_cast<uint32_t*>(dst_scale_row) + static_cast<int64_t>(w) * scale_column_stride, 0u);
+            store_scale(static_cast<uint32_t*>(dst_scale_row), w, scale_column_stride, 0u);
     for (int v = lane; v < row_bytes / static_cast<int>(sizeof(int4)); v += kWarpSize)
         st_once(reinterpret_cast<int4*>(dst_row) + v, make_int4(0, 0, 0, 0));
 }

@@ -110,9 +110,9 @@ __device__ __forceinline__ int4 ld_once_int4(const int4* ptr) {
 #endif
 }
 
-// st_once: results written once and read only by later kernels (dispatch's recv_x rows and
-// scales): streaming stores (.cs, evict-first in L2), so that the 60 MB a decode dispatch writes do
-// not push out of L2 the staged rows that every receiver is still reading.
+// st_once: results written once and read only by later kernels (dispatch's recv_x rows, and its
+// row-major scales): streaming stores (.cs, evict-first in L2), so that the 60 MB a decode dispatch
+// writes do not push out of L2 the staged rows that every receiver is still reading.
 template <typename T>
 __device__ __forceinline__ void st_once(T* ptr, const T& value) {
     __stcs(ptr, value);
