@@ -126,6 +126,9 @@ def main() -> None:
     parser.add_argument("--num-sms", type=int, default=None)
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--zero-copy", action="store_true", help="trace the zero-copy combine")
+    parser.add_argument("--fp8-scales", choices=("made", "row-major"), default="made",
+                        help="the fp8 scales as the call makes them (DeepEP's column-major layout, for torch), or "
+                             "row-major arrays given as out=")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--warmup-ms", type=float, default=bench.WARMUP_MS,
                         help="replay both graphs back to back this long first, as the benchmark warms up each phase "
@@ -173,6 +176,12 @@ def main() -> None:
             weights=torch.rand(args.tokens, args.topk, device="cuda"),
             expert_out=torch.randn(num_local, args.ranks * args.tokens, args.hidden, device="cuda").to(torch.bfloat16),
             active=torch.ones(args.ranks, dtype=torch.int32, device="cuda")))
+        if args.fp8 and args.fp8_scales == "row-major":
+            rows = args.ranks * args.tokens
+            inputs[-1]["out"] = (
+                (torch.empty(num_local, rows, args.hidden, dtype=torch.float8_e4m3fn, device="cuda"),
+                 torch.empty(num_local, rows, args.hidden // 128, dtype=torch.float32, device="cuda")),
+                torch.empty(num_local, dtype=torch.int32, device="cuda"))
     handles = [None] * args.ranks
 
     end_nodes = bench.marker_end_nodes(torch)
@@ -184,7 +193,7 @@ def main() -> None:
         for r, inp in enumerate(inputs):
             with torch.cuda.stream(streams[r]):
                 _, _, handles[r], _, _ = buffers[r].dispatch(inp["x"], inp["topk"], inp["active"], args.tokens,
-                                                             args.experts, use_fp8=args.fp8)
+                                                             args.experts, use_fp8=args.fp8, out=inp.get("out"))
 
     def combine_all():
         for r, inp in enumerate(inputs):
