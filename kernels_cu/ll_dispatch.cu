@@ -363,13 +363,18 @@ __device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t
 #endif
 
 // One 4-byte scale word of a received row, column stride scale_column_stride. Row-major (stride 1),
-// a row's words are whole 32-byte sectors that one warp writes at once: streamed, as the rows are.
+// one warp writes a row's words at once: streamed, as the rows are (whole sectors where a row's
+// words are a multiple of 8: fp32 scales of a hidden size that is a multiple of 1024; UE8M0 rows at
+// 7168, 14 words, share their edge sectors with the neighbouring rows, not measured apart). With
+// one scale column the stride is 0, and the word is stored plainly in either layout.
 // In DeepEP's column-major layout a sector holds one column of 8 neighbouring rows, which other
 // warps write at other times. Streamed (evict-first), each word left L2 as a partial sector of its
 // own: that layout cost an H100 decode dispatch +7.9 us over row-major's 43. Kept in L2 (the decode
-// shape's scales are 1.8 MB over all 8 ranks), sectors fill up before they are written back: +4.8.
+// shape's scales are 1.8 MB over all 8 ranks), sectors fill up before they are written back: +4.8,
+// with no more DRAM bytes than row-major; what is left is the L2's work, a write request a word.
 // A pass of their own after (or before) the rows, 32 rows' words a store, was slower (+9 us): its
-// loads of each row's send_list entry and scales wait in turn (docs/performance.md (52)).
+// loads of each row's send_list entry, then of its scales, wait in turn behind the rows' traffic
+// (docs/performance.md (52)).
 template <typename T>
 __device__ __forceinline__ void store_scale(T* dst_scale_row, int column, int scale_column_stride, T value) {
     T* ptr = dst_scale_row + static_cast<int64_t>(column) * scale_column_stride;

@@ -1432,10 +1432,8 @@ class _Plan(NamedTuple):
 # Results accepted as out= with their last two dimensions swapped, and made so for torch callers: the
 # fp8 scales, as DeepEP returns them (column-major [rows, columns] per local expert, what DeepGEMM's TMA
 # loads read). numpy, cupy and JAX callers get them row-major: no GEMM of theirs wants the other
-# layout, JAX arrays have no strides, and on the H200 an in-process rank that had read swapped scales
-# back with cupy.asnumpy (a copy under `with stream:` inside cupy, for a non-contiguous array) made
-# its next call on another current stream than its own (the legacy default); the cause was not
-# pinned down, and row-major cupy results are what every earlier GPU run tested.
+# layout, JAX arrays have no strides, and cupy 14.2's ndarray.get() of a non-contiguous array (so
+# cupy.asnumpy of swapped scales) leaves the legacy default stream current (README, the fp8 scales).
 _SWAPPED_RESULTS = ("recv_scales",)
 _SWAPPING_FRAMEWORKS = ("torch",)
 

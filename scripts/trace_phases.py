@@ -156,6 +156,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.ranks > MAX_RANKS:
         parser.error(f"--ranks: the trace holds at most {MAX_RANKS} ranks (EP_TRACE_MAX_RANKS)")
+    if args.fp8_scales != "made" and not args.fp8:
+        parser.error("--fp8-scales lays out fp8 dispatch's scales; --no-fp8 dispatches bf16")
 
     import torch
 

@@ -238,3 +238,72 @@ def test_a_torch_process_group_builds_the_buffers():
         assert compatible.group_size == 1 and compatible.rank == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_async_finish_adds_recv_stats_on_the_communication_stream(monkeypatch):
+    """With async_finish the stats add joins the dispatch on the communication stream, and the returned
+    event follows it; no stream is made for it. A stream of its own, waiting there for this rank's
+    receive, could share a hardware queue with an in-process peer's stream and hold back the peer's
+    dispatch that the receive waits for (an H100 run masked a healthy peer so). CUDA stand-ins: the
+    order of the calls is what is checked."""
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(("wait", self.name, event))
+
+    class Event:
+        def record(self, stream):
+            log.append(("record", stream.name, self))
+
+    class StreamContext:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            log.append(("enter", self.stream.name))
+
+        def __exit__(self, *exc_info):
+            log.append(("exit", self.stream.name))
+
+    class Tensor:
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+        def __init__(self, name):
+            self.name = name
+
+        def is_inference(self):
+            return False
+
+        def add_(self, other):
+            log.append(("add", self.name, other.name))
+
+        def record_stream(self, stream):
+            log.append(("record_stream", self.name, stream.name))
+
+    def no_new_stream(*args, **kwargs):
+        raise AssertionError("a stream was made for the stats add")
+
+    comm, caller = Stream("comm"), Stream("caller")
+    monkeypatch.setattr(torch.cuda, "Stream", no_new_stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: caller)
+    runtime_event = deep_ep.EventOverlap(lambda: log.append(("runtime event wait",)), extra="kept")
+    buffer = deep_ep.Buffer.__new__(deep_ep.Buffer)  # only what _add_recv_count reads
+    buffer._comm_stream = None
+    buffer.get_comm_stream = lambda: comm
+
+    event, hook = buffer._add_recv_count(Tensor("stats"), Tensor("recv_count"), runtime_event, None, async_finish=True)
+    assert hook is None and event.extra == "kept"
+    done = log[2][2]
+    assert log == [("enter", "comm"), ("add", "stats", "recv_count"), ("record", "comm", done), ("exit", "comm"),
+                   ("record_stream", "stats", "comm")]
+    event.current_stream_wait()
+    assert log[-1] == ("wait", "caller", done)
+    buffer._add_recv_count(Tensor("stats"), Tensor("recv_count"), runtime_event, None, async_finish=True)
+    assert buffer._comm_stream is comm  # made once, then reused

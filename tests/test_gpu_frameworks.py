@@ -183,7 +183,7 @@ def check(case: Case, xs, topks, weights, flags, results, actives=None) -> None:
                       for rank in range(case.num_ranks)]
     for rank, (got, (_, want_mask)) in enumerate(zip(results, combined_wants)):
         np.testing.assert_array_equal(np.asarray(got["active"]), want_mask,
-                                      err_msg=f"rank {rank}: active_ranks (0: a peer this rank timed out waiting for)")
+                                      err_msg=f"rank {rank}: active_ranks (a 0 where the reference has 1: a peer timed out)")
     for rank, (got, want) in enumerate(zip(results, dispatched)):
         np.testing.assert_array_equal(got["count"], want.recv_count, err_msg=f"rank {rank}: recv_count")
         q = got["recv"][0] if flags.get("use_fp8") else got["recv"]
@@ -398,8 +398,8 @@ def test_torch_bad_input_is_refused_and_the_buffer_still_works():
 @pytest.mark.parametrize("mode", ["sync", "async_finish", "return_recv_hook"])
 def test_deep_ep_calls_with_recv_stats_equal_reference(mode):
     """mooncake_ep.deep_ep as DeepEP's callers use it, two steps: results equal the reference, and
-    cumulative_local_expert_recv_stats grows by recv_count each step, ordered as the receive (a side
-    stream after the event with async_finish, the hook's stream with a hook)."""
+    cumulative_local_expert_recv_stats grows by recv_count each step, ordered as the receive (the
+    communication stream with async_finish, the hook's stream with a hook)."""
     import mooncake_ep.deep_ep as deep_ep
 
     flags = FLAGS["fp8"]
