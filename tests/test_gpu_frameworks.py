@@ -183,7 +183,7 @@ def check(case: Case, xs, topks, weights, flags, results, actives=None) -> None:
                       for rank in range(case.num_ranks)]
     for rank, (got, (_, want_mask)) in enumerate(zip(results, combined_wants)):
         np.testing.assert_array_equal(np.asarray(got["active"]), want_mask,
-                                      err_msg=f"rank {rank}: active_ranks (a 0 where the reference has 1: a peer timed out)")
+                                      err_msg=f"rank {rank}: active_ranks (0 where the reference has 1: a timeout)")
     for rank, (got, want) in enumerate(zip(results, dispatched)):
         np.testing.assert_array_equal(got["count"], want.recv_count, err_msg=f"rank {rank}: recv_count")
         q = got["recv"][0] if flags.get("use_fp8") else got["recv"]
