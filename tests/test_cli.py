@@ -202,6 +202,23 @@ def test_bad_usage_returns_2(argv, capsys):
     assert "usage:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_backend_cuda_without_a_usable_gpu_is_a_failure_in_one_line(command, monkeypatch, capsys):
+    """--backend cuda where the GPU path cannot run: exit 1, the machine's failure, with what is
+    missing; 2 stays for flags that do not fit together. Before anything runs (--launch too)."""
+    from mooncake_ep.cli import gpu
+
+    monkeypatch.setattr(gpu, "gpu_status", lambda: (False, "no CUDA device is visible"))
+    for extra in ([], ["--launch", "2"]):
+        assert cli.main([command, "--backend", "cuda", *extra]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.endswith(f" {command}: GpuUnavailable: --backend cuda: no CUDA device "
+                                                      f"is visible\n"), err
+    monkeypatch.setattr(gpu, "gpu_status", lambda: (False, "cupy is not installed"))
+    assert gpu.choose_backend("auto") == ("reference", "cupy is not installed")
+    assert gpu.choose_backend("reference") == ("reference", "asked for")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--ranks", "4", "--experts", "6"], "multiple of num_ranks"),
     (["demo", "--hidden", "1000"], "multiple of 128"),

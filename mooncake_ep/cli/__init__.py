@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 import mooncake_ep
+from mooncake_ep.cli.gpu import GpuUnavailable
 
 __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CheckFailed", "Interrupted",
            "OutputError", "UsageError", "build_parser", "check_host_memory", "check_output_path", "console_main",
@@ -65,11 +66,11 @@ class CheckFailed(RuntimeError):
 
 
 # Failures of the runtime that deserve a one-line message rather than a traceback: the user's
-# environment (a peer that never came, ranks of a --group init job started with other flags or
+# environment (no GPU for --backend cuda, a peer that never came, ranks of a --group init job started with other flags or
 # another mooncake_ep, a kernel that does not compile here, no peer access, a result file the
 # system would not take), and a failed check.
 _REPORTED_ERRORS = (mooncake_ep.GroupError, mooncake_ep.RankMismatchError, mooncake_ep.KernelCompileError,
-                    mooncake_ep.TransportError, OutputError, CheckFailed)
+                    mooncake_ep.TransportError, OutputError, CheckFailed, GpuUnavailable)
 
 
 class UsageError(Exception):

@@ -65,7 +65,7 @@ import numpy as np
 import mooncake_ep as ep
 from mooncake_ep.cli import (EXIT_OK, CheckFailed, OutputError, UsageError, check_host_memory, check_moe_shape,
                              check_output_path, kernel_span, launch, write_json)
-from mooncake_ep.cli.gpu import gpu_status
+from mooncake_ep.cli.gpu import choose_backend
 
 DEFAULTS_DECODE = dict(ranks=8, tokens=128, hidden=7168, topk=8, experts=256)
 # The reference backend is numpy on one host thread per rank: a shape it runs in milliseconds.
@@ -1315,16 +1315,6 @@ def child_argv(args) -> list[str]:
             flags.append(token)
     return [sys.executable, "-m", "mooncake_ep", *["-v"] * getattr(args, "verbose", 0), "bench", *flags,
             "--group", "init"]
-
-
-def choose_backend(requested: str) -> tuple[str, str]:
-    """``(backend, why)`` for ``--backend``; UsageError for ``cuda`` without a usable GPU."""
-    if requested == "reference":
-        return "reference", "asked for"
-    usable, why = gpu_status()
-    if requested == "cuda" and not usable:
-        raise UsageError(f"--backend cuda: {why}")
-    return ("cuda" if usable else "reference"), why
 
 
 def check_as_ranks(args, backend: str, num_ranks: int, ranks_flag: str) -> None:

@@ -35,7 +35,7 @@ import mooncake_ep
 from mooncake_ep import reference
 from mooncake_ep.cli import (EXIT_FAILURE, EXIT_OK, UsageError, check_host_memory, check_moe_shape, check_output_path,
                              launch, write_json)
-from mooncake_ep.cli.gpu import gpu_status
+from mooncake_ep.cli.gpu import choose_backend
 from mooncake_ep.validation import check_timeout
 
 # Relative error a token may show: the norm of its row's difference over that of its dense row, for
@@ -283,17 +283,6 @@ def _cuda_rank_step(group, config: DemoConfig, weights: Weights, tolerance: floa
     return compare(config, group.rank, inputs, weights, combined_host, sum(counts), active_host, tolerance)
 
 
-def _choose_backend(requested: str) -> tuple[str, str]:
-    if requested == "reference":
-        return "reference", "asked for"
-    usable, why = gpu_status()
-    if requested == "cuda":
-        if not usable:
-            raise UsageError(f"--backend cuda: {why}")
-        return "cuda", why
-    return ("cuda", why) if usable else ("reference", why)
-
-
 def _make_config(args: argparse.Namespace, num_ranks: int, ranks_flag: str) -> DemoConfig:
     """The demo's configuration with ``num_ranks`` ranks, which ``ranks_flag`` set (for messages)."""
     given = getattr(args, "ranks", None)
@@ -423,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_threads(args: argparse.Namespace) -> int:
     config = _make_config(args, getattr(args, "ranks", DEFAULT_RANKS), "--ranks")
-    backend, why = _choose_backend(args.backend)
+    backend, why = choose_backend(args.backend)
     _check_memory(config, backend, 1, config.num_ranks, "--ranks")
     _print_header(config, "ranks", backend, why)
     weights = make_weights(config)
@@ -442,7 +431,7 @@ def _run_threads(args: argparse.Namespace) -> int:
 
 def _run_process_rank(args: argparse.Namespace) -> int:
     """One rank of a multi-process run: join, run the step, gather every rank's result on rank 0."""
-    backend, why = _choose_backend(args.backend)
+    backend, why = choose_backend(args.backend)
     world_size = launch.env_world_size()
     if world_size is not None:  # the flags, before the wait for every rank to join
         _make_config(args, world_size, "WORLD_SIZE")
@@ -488,6 +477,6 @@ def _rank_argv(args: argparse.Namespace, config: DemoConfig) -> list[str]:
 def _run_launcher(args: argparse.Namespace) -> int:
     """``--launch N``: start N rank processes on this host, wait for all, pass only if all passed."""
     config = _make_config(args, args.launch, "--launch")
-    backend, _ = _choose_backend(args.backend)  # --backend cuda without a GPU: refused here
+    backend, _ = choose_backend(args.backend)  # --backend cuda without a GPU: refused here
     _check_memory(config, backend, args.launch, 1, "--launch")  # every process on this host
     return launch.launch("demo", _rank_argv(args, config), args.launch)

@@ -3,6 +3,23 @@
 from __future__ import annotations
 
 
+class GpuUnavailable(RuntimeError):
+    """``--backend cuda`` where the GPU path cannot run (no device, no cupy, torch without CUDA): a
+    failure of the machine, exit 1 with one line, not a usage error (2: flags that do not fit)."""
+
+
+def choose_backend(requested: str) -> tuple[str, str]:
+    """``(backend, why)`` for ``--backend``: ``reference`` where asked for; ``cuda`` where asked for
+    (GpuUnavailable if it cannot run); for ``auto``, ``cuda`` where it can run, else ``reference``.
+    ``why`` is the device's name, or what is missing."""
+    if requested == "reference":
+        return "reference", "asked for"
+    usable, why = gpu_status()
+    if requested == "cuda" and not usable:
+        raise GpuUnavailable(f"--backend cuda: {why}")
+    return ("cuda" if usable else "reference"), why
+
+
 def gpu_status() -> tuple[bool, str]:
     """Whether cupy sees a CUDA device and torch can use it, and why (not).
 
