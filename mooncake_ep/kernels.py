@@ -576,6 +576,64 @@ class KernelCache:
             os.fchmod(fd, self._CACHE_FILE_MODE)
         return fd
 
+    # The files the cache names: an entry, or an entry's lock file (see :meth:`compiling`).
+    _ENTRY_FILE = re.compile(r"(?P<digest>[0-9a-f]{64})\.cubin|\.(?P<locked>[0-9a-f]{64})\.lock")
+
+    def prune(self, keep: Iterable[str]) -> PruneResult:
+        """Remove every entry whose digest is not in ``keep``, and its lock file: the cubins of other
+        mooncake_ep or NVRTC versions and of targets no longer served, which nothing else removes.
+
+        Only files named as this cache names them are touched. A lock file some process holds stays
+        (it is compiling that entry now); one removed while a process of another version opens it
+        costs that process at most a compile of its own, never a wrong entry (entries are renamed
+        into place whole).
+
+        Args:
+            keep: the digests to keep, e.g. those :func:`warmup` just compiled or found.
+        """
+        keep = set(keep)
+        removed: list[str] = []
+        failed: list[str] = []
+        num_bytes = 0
+        try:
+            paths = sorted(self.directory.iterdir())
+        except FileNotFoundError:
+            return PruneResult((), 0, ())
+        for path in paths:
+            match = self._ENTRY_FILE.fullmatch(path.name)
+            if match is None or (match["digest"] or match["locked"]) in keep:
+                continue
+            try:
+                size = path.stat().st_size
+                if match["locked"] is not None and not self._remove_unheld_lock(path):
+                    continue
+                if match["digest"] is not None:
+                    path.unlink()
+            except FileNotFoundError:  # another pruner, or a writer's rename: nothing left to do
+                continue
+            except OSError as exc:  # another user's entry in a shared cache, a read-only mount
+                failed.append(f"{path.name}: {exc.strerror or exc}")
+                continue
+            removed.append(path.name)
+            num_bytes += size
+        return PruneResult(tuple(removed), num_bytes, tuple(failed))
+
+    @staticmethod
+    def _remove_unheld_lock(path: Path) -> bool:
+        """Unlink a lock file no process holds (taken here first, so none holds it meanwhile);
+        False where one does. Raises OSError where it cannot be opened or removed."""
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return False
+            path.unlink()
+            return True
+        finally:
+            os.close(fd)
+
     def save(self, digest: str, cubin: bytes) -> None:
         if self.directory not in _swept_cache_dirs:  # once per folder and process: what killed writers left
             with contextlib.suppress(OSError):
@@ -671,6 +729,21 @@ def _close_held_locks_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_held_locks_in_child)
+
+
+@dataclasses.dataclass(frozen=True)
+class PruneResult:
+    """What :meth:`KernelCache.prune` removed.
+
+    Attributes:
+        removed: the file names removed (entries and lock files).
+        num_bytes: their size in bytes.
+        failed: ``"name: reason"`` of each file that could not be removed.
+    """
+
+    removed: tuple[str, ...]
+    num_bytes: int
+    failed: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import fcntl
 import hashlib
 import json
 import mmap
 import os
 import stat
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -649,6 +651,30 @@ def test_save_removes_temp_files_left_by_killed_writers(tmp_path):
     assert not stale.exists() and fresh.exists()
 
 
+def test_prune_removes_other_entries_and_their_unheld_locks_only(tmp_path):
+    """What is kept: the digests named, a lock file some process holds, and files the cache did not name."""
+    cache = kernels.KernelCache(tmp_path)
+    kept, old, busy = DIGEST, "1" * 64, "2" * 64
+    for digest in (kept, old, busy):
+        cache.save(digest, b"cubin " + digest.encode())
+        (tmp_path / f".{digest}.lock").touch()
+    foreign = [tmp_path / name for name in ("notes.txt", f"{old}.cubin.bak", f"{old[:63]}.cubin", ".tmp-x.cubin")]
+    for path in foreign:
+        path.write_bytes(b"not the cache's")
+    holder = os.open(tmp_path / f".{busy}.lock", os.O_RDWR)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # a process of another version compiling that entry now
+        result = cache.prune([kept])
+    finally:
+        os.close(holder)
+    assert sorted(result.removed) == sorted([f"{old}.cubin", f".{old}.lock", f"{busy}.cubin"])
+    assert result.num_bytes == 2 * (32 + len(b"cubin ") + 64) and result.failed == ()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{kept}.cubin", f".{kept}.lock", f".{busy}.lock", *(p.name for p in foreign)])
+    assert cache.load(kept) == b"cubin " + kept.encode()
+    assert kernels.KernelCache(tmp_path / "missing").prune([]) == kernels.PruneResult((), 0, ())
+
+
 def test_kernel_cache_dir_is_expanded_made_absolute_and_never_empty(tmp_path, monkeypatch, caplog):
     """kernel_cache_dir="~/k" made a folder named ~ under the working directory, where
     MOONCAKE_EP_CACHE_DIR=~/k is expanded; "" was the working directory (helper-132)."""
@@ -932,6 +958,39 @@ def test_warmup_single_scope_compiles_only_its_kernels(warm, tmp_path, capsys):
     expected = {key.digest for key in kernels.low_latency_keys(ARCH, sys_scope=False)}
     assert {k["digest"] for k in report["kernels"]} == expected
     assert SUMMARY_RE.search(capsys.readouterr().out).groups() == ("0", str(len(expected)), "0")
+
+
+@needs_nvrtc
+def test_warmup_prune_keeps_what_its_targets_load(warm, tmp_path, capsys):
+    """--prune after a warm-up of one scope: the other scope's entries and an older version's go, the
+    kept ones load; after a failed warm-up nothing is pruned."""
+    cache_dir = tmp_path / "cache"
+    shutil.copytree(warm.cache_dir, cache_dir)
+    older = "3" * 64
+    kernels.KernelCache(cache_dir).save(older, b"an older version's cubin")
+    (cache_dir / f".{older}.lock").touch()
+    (cache_dir / "README").write_text("the team's notes")
+    argv = ["warmup", "--arch", ARCH, "--cache-dir", str(cache_dir), "--scope", "gpu", "--prune",
+            "--json", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 0
+    gpu_scope = {key.digest for key in kernels.low_latency_keys(ARCH, sys_scope=False)}
+    sys_scope = {key.digest for key in kernels.low_latency_keys(ARCH, sys_scope=True)}
+    assert {p.name[:-len(".cubin")] for p in cache_dir.glob("*.cubin")} == gpu_scope
+    assert (cache_dir / "README").exists() and not (cache_dir / f".{older}.lock").exists()
+    out = capsys.readouterr().out
+    assert f"pruned {len(sys_scope) + 2} files" in out
+    pruned = json.loads((tmp_path / "r.json").read_text())["pruned"]
+    assert sorted(pruned["removed"]) == sorted([f"{older}.cubin", f".{older}.lock", *(f"{d}.cubin" for d in sys_scope)])
+
+    def broken(key):
+        raise kernels.KernelCompileError(key, "error: broken")
+
+    kernels.KernelCache(cache_dir).save(older, b"an older version's cubin")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "compile_kernel", broken)
+        assert cli.main(["warmup", "--arch", ARCH, "--cache-dir", str(cache_dir), "--scope", "sys", "--prune"]) == 1
+    assert "--prune skipped" in capsys.readouterr().err
+    assert (cache_dir / f"{older}.cubin").exists()
 
 
 @needs_nvrtc

@@ -22,10 +22,16 @@ absent = --scope).
 
 The cache key holds the kernel sources, the NVRTC version and the mooncake_ep version: the machines
 that load the cache must run the same two versions, or they compile again. Several processes may
-warm one cache at once (each entry is written to a temporary file and renamed into place).
+warm one cache at once (each entry is written to a temporary file and renamed into place). Nothing
+removes the entries of earlier versions (about 1 MB per version, architecture and scope) but
+--prune, which keeps only what this warm-up's targets and scopes load:
 
-Exit codes: 0 every variant compiled or cached; 1 a variant failed to compile (its NVRTC log is
-printed) or NVRTC is missing; 2 bad input (a shape, an architecture, the config file, the cache folder).
+    python -m mooncake_ep warmup --arch sm_90,sm_100 --cache-dir /models/mooncake_ep_kernels --prune
+
+Exit codes: 0 every variant compiled or cached (and, with --prune, every other entry removed); 1 a
+variant failed to compile (its NVRTC log is printed; nothing is pruned), NVRTC is missing, or a
+pruned file could not be removed; 2 bad input (a shape, an architecture, the config file, the cache
+folder).
 """
 
 from __future__ import annotations
@@ -84,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is unset")
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, MAX_DEFAULT_JOBS), metavar="N",
                         help="kernels compiled at once")
+    parser.add_argument("--prune", action="store_true",
+                        help="after a warm-up without failures, remove the cache's other entries: those of other "
+                             "mooncake_ep or NVRTC versions, and of architectures and scopes not named here (name "
+                             "every target the cache serves)")
     parser.add_argument("--json", metavar="PATH", help="also write the summary as JSON here")
 
 
@@ -300,6 +310,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"mooncake_ep warmup: {result.error}", file=sys.stderr)
     print(f"compiled {counts['compiled']}, loaded from cache {counts['cached']}, failed {counts['failed']} "
           f"in {elapsed_s:.2f} s")
+    pruned = None
+    if args.prune and failures:
+        print("mooncake_ep warmup: --prune skipped: a variant failed, so the cache does not hold all it needs",
+              file=sys.stderr)
+    elif args.prune:
+        pruned = cache.prune(r.key.digest for r in results)
+        print(f"pruned {len(pruned.removed)} files ({pruned.num_bytes / 1e6:.1f} MB) no target here uses")
+        for failure in pruned.failed:
+            print(f"mooncake_ep warmup: --prune could not remove {failure}", file=sys.stderr)
     if args.json:
         report = {
             "archs": archs,
@@ -310,10 +329,11 @@ def run(args: argparse.Namespace) -> int:
             "variants": num_variants,
             **counts,
             "elapsed_s": elapsed_s,
+            "pruned": dataclasses.asdict(pruned) if pruned is not None else None,
             "kernels": [{"file": r.key.file, "name": r.key.name, "arch": r.key.arch,
                          "sys_scope": scope_of[r.key.digest], "macros": dict(r.key.macros),
                          "digest": r.key.digest, "status": r.status, "elapsed_s": r.elapsed_s,
                          "log": r.error.log if r.error is not None else None} for r in results],
         }
         write_json("--json", args.json, report)
-    return EXIT_FAILURE if failures else EXIT_OK
+    return EXIT_FAILURE if failures or (pruned is not None and pruned.failed) else EXIT_OK
