@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import importlib.resources
@@ -583,52 +584,69 @@ class KernelCache:
         """Remove every entry whose digest is not in ``keep``, and its lock file: the cubins of other
         mooncake_ep or NVRTC versions and of targets no longer served, which nothing else removes.
 
-        Only files named as this cache names them are touched. A lock file some process holds stays
-        (it is compiling that entry now); one removed while a process of another version opens it
-        costs that process at most a compile of its own, never a wrong entry (entries are renamed
-        into place whole).
+        Only regular files named as this cache names them are touched (not a symlink, nor what it
+        points to). An entry whose lock file some process holds stays, with its lock: that process
+        is compiling it now. A lock file that a process opens just as it is removed costs that
+        process at most a compile of its own, never a wrong entry (entries are renamed into place
+        whole).
 
         Args:
             keep: the digests to keep, e.g. those :func:`warmup` just compiled or found.
         """
         keep = set(keep)
         removed: list[str] = []
-        failed: list[str] = []
+        failed: list[tuple[str, str]] = []
+        held: set[str] = set()  # digests whose lock a process holds: their entries stay
         num_bytes = 0
         try:
-            paths = sorted(self.directory.iterdir())
+            paths = sorted(self.directory.iterdir())  # ".<digest>.lock" sorts before "<digest>.cubin"
         except FileNotFoundError:
             return PruneResult((), 0, ())
         for path in paths:
             match = self._ENTRY_FILE.fullmatch(path.name)
-            if match is None or (match["digest"] or match["locked"]) in keep:
+            digest = match and (match["digest"] or match["locked"])
+            if match is None or digest in keep or digest in held:
                 continue
             try:
-                size = path.stat().st_size
-                if match["locked"] is not None and not self._remove_unheld_lock(path):
+                info = path.lstat()
+                if not stat.S_ISREG(info.st_mode):
                     continue
-                if match["digest"] is not None:
+                if match["locked"] is not None:
+                    if not self._remove_unheld_lock(path):
+                        held.add(digest)
+                        continue
+                else:
                     path.unlink()
             except FileNotFoundError:  # another pruner, or a writer's rename: nothing left to do
                 continue
             except OSError as exc:  # another user's entry in a shared cache, a read-only mount
-                failed.append(f"{path.name}: {exc.strerror or exc}")
+                failed.append((path.name, exc.strerror or str(exc)))
                 continue
             removed.append(path.name)
-            num_bytes += size
+            num_bytes += info.st_size
         return PruneResult(tuple(removed), num_bytes, tuple(failed))
 
     @staticmethod
     def _remove_unheld_lock(path: Path) -> bool:
-        """Unlink a lock file no process holds (taken here first, so none holds it meanwhile);
-        False where one does. Raises OSError where it cannot be opened or removed."""
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        """Unlink a lock file no process holds (taken here first, so none holds it meanwhile); False
+        where one does, or where the path names another file by now. Raises OSError where it cannot be
+        opened or removed."""
+        flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(path, os.O_RDWR | flags)
+        except PermissionError:  # another user's lock file (0644) in a shared cache: flock needs no write
+            fd = os.open(path, os.O_RDONLY | flags)
         try:
             if fcntl is not None:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     return False
+                except OSError as exc:  # a file system without locks: none can be held there either
+                    if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+                        raise
+            if os.fstat(fd).st_ino != path.lstat().st_ino:  # removed and made again since we opened it
+                return False
             path.unlink()
             return True
         finally:
@@ -738,12 +756,12 @@ class PruneResult:
     Attributes:
         removed: the file names removed (entries and lock files).
         num_bytes: their size in bytes.
-        failed: ``"name: reason"`` of each file that could not be removed.
+        failed: ``(name, reason)`` of each file that could not be removed.
     """
 
     removed: tuple[str, ...]
     num_bytes: int
-    failed: tuple[str, ...]
+    failed: tuple[tuple[str, str], ...]
 
 
 @dataclasses.dataclass(frozen=True)

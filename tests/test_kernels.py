@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
@@ -652,27 +653,60 @@ def test_save_removes_temp_files_left_by_killed_writers(tmp_path):
 
 
 def test_prune_removes_other_entries_and_their_unheld_locks_only(tmp_path):
-    """What is kept: the digests named, a lock file some process holds, and files the cache did not name."""
+    """What is kept: the digests named, an entry whose lock some process holds (it is compiling it
+    now) with that lock, files the cache did not name, and symlinks (not what they point to)."""
     cache = kernels.KernelCache(tmp_path)
-    kept, old, busy = DIGEST, "1" * 64, "2" * 64
+    kept, old, busy, linked = DIGEST, "1" * 64, "2" * 64, "4" * 64
     for digest in (kept, old, busy):
         cache.save(digest, b"cubin " + digest.encode())
         (tmp_path / f".{digest}.lock").touch()
     foreign = [tmp_path / name for name in ("notes.txt", f"{old}.cubin.bak", f"{old[:63]}.cubin", ".tmp-x.cubin")]
     for path in foreign:
         path.write_bytes(b"not the cache's")
+    target = tmp_path / "elsewhere.bin"
+    target.write_bytes(b"x" * 1000)
+    for name in (f"{linked}.cubin", f".{linked}.lock"):
+        (tmp_path / name).symlink_to(target)
     holder = os.open(tmp_path / f".{busy}.lock", os.O_RDWR)
     try:
         fcntl.flock(holder, fcntl.LOCK_EX)  # a process of another version compiling that entry now
         result = cache.prune([kept])
     finally:
         os.close(holder)
-    assert sorted(result.removed) == sorted([f"{old}.cubin", f".{old}.lock", f"{busy}.cubin"])
-    assert result.num_bytes == 2 * (32 + len(b"cubin ") + 64) and result.failed == ()
+    assert sorted(result.removed) == sorted([f"{old}.cubin", f".{old}.lock"])
+    assert result.num_bytes == 32 + len(b"cubin ") + 64 and result.failed == ()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"{kept}.cubin", f".{kept}.lock", f".{busy}.lock", *(p.name for p in foreign)])
-    assert cache.load(kept) == b"cubin " + kept.encode()
+        [f"{kept}.cubin", f".{kept}.lock", f"{busy}.cubin", f".{busy}.lock", f"{linked}.cubin", f".{linked}.lock",
+         target.name, *(p.name for p in foreign)])
+    assert cache.load(kept) == b"cubin " + kept.encode() and target.read_bytes() == b"x" * 1000
     assert kernels.KernelCache(tmp_path / "missing").prune([]) == kernels.PruneResult((), 0, ())
+
+
+@pytest.mark.parametrize("trouble", ["no locks on this file system", "another user's lock file"])
+def test_prune_removes_locks_it_can_only_read_or_not_lock(trouble, tmp_path, monkeypatch):
+    """A file system without locks (ENOLCK on some NFS mounts: nothing can hold one there either), and
+    a lock file of another user (0644: opened for reading, which flock needs no more than)."""
+    cache = kernels.KernelCache(tmp_path)
+    cache.save("1" * 64, b"old")
+    lock = tmp_path / f".{'1' * 64}.lock"
+    lock.touch()
+    if trouble == "no locks on this file system":
+        def flock(fd, operation):
+            raise OSError(errno.ENOLCK, "No locks available")
+
+        monkeypatch.setattr(kernels.fcntl, "flock", flock)
+    else:
+        real_open = os.open
+
+        def open_(path, flags, *args):
+            if flags & os.O_RDWR and str(path) == str(lock):
+                raise PermissionError(errno.EACCES, "Permission denied")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(kernels.os, "open", open_)
+    result = cache.prune([DIGEST])
+    assert result.failed == () and sorted(result.removed) == [f".{'1' * 64}.lock", f"{'1' * 64}.cubin"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_kernel_cache_dir_is_expanded_made_absolute_and_never_empty(tmp_path, monkeypatch, caplog):
@@ -978,7 +1012,7 @@ def test_warmup_prune_keeps_what_its_targets_load(warm, tmp_path, capsys):
     assert {p.name[:-len(".cubin")] for p in cache_dir.glob("*.cubin")} == gpu_scope
     assert (cache_dir / "README").exists() and not (cache_dir / f".{older}.lock").exists()
     out = capsys.readouterr().out
-    assert f"pruned {len(sys_scope) + 2} files" in out
+    assert re.search(rf"^pruned {len(sys_scope) + 2} files \(", out, re.MULTILINE), out
     pruned = json.loads((tmp_path / "r.json").read_text())["pruned"]
     assert sorted(pruned["removed"]) == sorted([f"{older}.cubin", f".{older}.lock", *(f"{d}.cubin" for d in sys_scope)])
 
@@ -991,6 +1025,20 @@ def test_warmup_prune_keeps_what_its_targets_load(warm, tmp_path, capsys):
         assert cli.main(["warmup", "--arch", ARCH, "--cache-dir", str(cache_dir), "--scope", "sys", "--prune"]) == 1
     assert "--prune skipped" in capsys.readouterr().err
     assert (cache_dir / f"{older}.cubin").exists()
+
+    # A file that cannot be removed (another user's, in a shared cache) fails the run, named.
+    def refused(self, keep):
+        return kernels.PruneResult((), 0, ((f"{older}.cubin", "Permission denied"),))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels.KernelCache, "prune", refused)
+        assert cli.main(argv) == 1
+    assert f"--prune could not remove {cache_dir / older}.cubin: Permission denied" in capsys.readouterr().err
+    assert json.loads((tmp_path / "r.json").read_text())["pruned"]["failed"] == [
+        {"file": f"{older}.cubin", "error": "Permission denied"}]
+    # A guess of the targets would drop the kernels of the cache's other machines.
+    assert cli.main(["warmup", "--cache-dir", str(cache_dir), "--prune"]) == 2
+    assert "not 'local'" in capsys.readouterr().err
 
 
 @needs_nvrtc

@@ -24,7 +24,8 @@ The cache key holds the kernel sources, the NVRTC version and the mooncake_ep ve
 that load the cache must run the same two versions, or they compile again. Several processes may
 warm one cache at once (each entry is written to a temporary file and renamed into place). Nothing
 removes the entries of earlier versions (about 1 MB per version, architecture and scope) but
---prune, which keeps only what this warm-up's targets and scopes load:
+--prune, which keeps only what this warm-up's targets and scopes load (name every architecture the
+cache serves; warm-ups of other targets running at the same time lose their entries to it):
 
     python -m mooncake_ep warmup --arch sm_90,sm_100 --cache-dir /models/mooncake_ep_kernels --prune
 
@@ -93,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prune", action="store_true",
                         help="after a warm-up without failures, remove the cache's other entries: those of other "
                              "mooncake_ep or NVRTC versions, and of architectures and scopes not named here (name "
-                             "every target the cache serves)")
+                             "every target the cache serves in --arch; not with 'local')")
     parser.add_argument("--json", metavar="PATH", help="also write the summary as JSON here")
 
 
@@ -262,6 +263,10 @@ def _progress_bar(total: int):
 
 def run(args: argparse.Namespace) -> int:
     check_output_path("--json", args.json)
+    if args.prune and "local" in (name.strip() for name in args.arch.split(",")):
+        # A cache shared by machines of other GPUs would lose their kernels to this one's guess.
+        raise UsageError("--prune keeps only the kernels of the targets named: name them all in --arch "
+                         "(e.g. --arch sm_90,sm_100), not 'local'")
     configs = load_configs(args)
     archs = parse_archs(args.arch)
     if args.jobs < 1:
@@ -310,15 +315,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"mooncake_ep warmup: {result.error}", file=sys.stderr)
     print(f"compiled {counts['compiled']}, loaded from cache {counts['cached']}, failed {counts['failed']} "
           f"in {elapsed_s:.2f} s")
-    pruned = None
+    pruned = prune_report = None
     if args.prune and failures:
+        prune_report = {"skipped": "a variant failed to compile"}
         print("mooncake_ep warmup: --prune skipped: a variant failed, so the cache does not hold all it needs",
               file=sys.stderr)
     elif args.prune:
         pruned = cache.prune(r.key.digest for r in results)
+        prune_report = {"removed": list(pruned.removed), "num_bytes": pruned.num_bytes,
+                        "failed": [{"file": name, "error": error} for name, error in pruned.failed]}
         print(f"pruned {len(pruned.removed)} files ({pruned.num_bytes / 1e6:.1f} MB) no target here uses")
-        for failure in pruned.failed:
-            print(f"mooncake_ep warmup: --prune could not remove {failure}", file=sys.stderr)
+        for name, error in pruned.failed:
+            print(f"mooncake_ep warmup: --prune could not remove {cache.directory / name}: {error}", file=sys.stderr)
     if args.json:
         report = {
             "archs": archs,
@@ -329,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
             "variants": num_variants,
             **counts,
             "elapsed_s": elapsed_s,
-            "pruned": dataclasses.asdict(pruned) if pruned is not None else None,
+            "pruned": prune_report,  # null without --prune
             "kernels": [{"file": r.key.file, "name": r.key.name, "arch": r.key.arch,
                          "sys_scope": scope_of[r.key.digest], "macros": dict(r.key.macros),
                          "digest": r.key.digest, "status": r.status, "elapsed_s": r.elapsed_s,
