@@ -373,8 +373,9 @@ __device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t
 // shape's scales are 1.8 MB over all 8 ranks), sectors fill up before they are written back: +4.8,
 // with no more DRAM bytes than row-major; what is left is the L2's work, a write request a word.
 // A pass of their own after (or before) the rows, 32 rows' words a store, was slower (+9 us): its
-// loads of each row's send_list entry, then of its scales, wait in turn behind the rows' traffic
-// (docs/performance.md (52)).
+// loads of each row's send_list entry, then of its scales, wait in turn behind the rows' traffic.
+// Storing 4 neighbouring rows' words a store, each warp dealt a run of rows, was slower too: the
+// dealing cost more than the fewer requests saved (docs/performance.md (52)).
 template <typename T>
 __device__ __forceinline__ void store_scale(T* dst_scale_row, int column, int scale_column_stride, T value) {
     T* ptr = dst_scale_row + static_cast<int64_t>(column) * scale_column_stride;
