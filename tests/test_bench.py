@@ -284,6 +284,7 @@ def test_bench_reference_writes_the_json_schema(tmp_path):
     proc = run_bench("--backend", "reference", "--json", str(path), "--iters", "5")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "host wall time" in proc.stdout  # the output says what was timed
+    assert "fp8 dispatch (scales row-major)" in proc.stdout  # and the layout, which moves dispatch's time
     report = json.loads(path.read_text())
     check_schema(report, with_baseline=True)
     # The small default shape of the reference backend.

@@ -1118,8 +1118,13 @@ def _cell(value: float | None, width: int, digits: int) -> str:
 
 def print_report(report: dict) -> None:
     c = report["config"]
+    precision = "bf16 dispatch"
+    if c["fp8"]:  # the layout of the scales moves dispatch's time (docs/performance.md (52))
+        made = "DeepEP's layout" if report["backend"] == "cuda" else "row-major"  # torch's results, or numpy's
+        layout = {"made": made, "swapped": "DeepEP's layout", "row-major": "row-major"}[c.get("fp8_scales", "made")]
+        precision = f"fp8 dispatch (scales {layout})"
     shape = (f"T={c['tokens']}, H={c['hidden']}, top-{c['topk']} of {c['experts']}, "
-             f"{'fp8' if c['fp8'] else 'bf16'} dispatch, routing {c['routing']}, mode {c['mode']}, "
+             f"{precision}, routing {c['routing']}, mode {c['mode']}, "
              f"{'CUDA graphs' if c['graph'] else 'eager calls'}")
     if report["backend"] == "cuda":
         print(f"{report['device']}: {c['ranks']} ranks x {report['num_sms_per_rank']} SMs, {shape}; "
