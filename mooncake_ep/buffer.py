@@ -1188,7 +1188,7 @@ class Buffer:
             # with direct reads in-process peers read a combine's x in their receive halves, which
             # this rank's own receive half waits for. Dropped by the caller meanwhile, their memory
             # could go to new work, which the kernels would then read or overwrite.
-            arrays = [inputs, outputs, held]  # cleared once launched: the hook object may outlive its work
+            arrays = dict(inputs=inputs, outputs=outputs, held=held)  # cleared once launched: the hook may outlive it
             # The per-thread default stream (a cupy current stream under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM)
             # names another stream in each thread: launched from another thread, the receive half would
             # run unordered after its send half.
@@ -1209,8 +1209,8 @@ class Buffer:
                     # is the arrays' own; elsewhere they are held until the receive half is done. A launch
                     # that failed leaves them with the hook: peers may still read x, and nothing here
                     # knows when they are done.
-                    if arrays[2] and not self._cuda.stream_is_capturing(stream_ptr):
-                        self._hold_until_done(stream_ptr, arrays[2])
+                    if arrays["held"] and not self._cuda.stream_is_capturing(stream_ptr):
+                        self._hold_until_done(stream_ptr, arrays["held"])
                     arrays.clear()
                 finally:
                     if call == "dispatch":
