@@ -66,9 +66,9 @@ class CheckFailed(RuntimeError):
 
 
 # Failures of the runtime that deserve a one-line message rather than a traceback: the user's
-# environment (no GPU for --backend cuda, a peer that never came, ranks of a --group init job started with other flags or
-# another mooncake_ep, a kernel that does not compile here, no peer access, a result file the
-# system would not take), and a failed check.
+# environment (no GPU for --backend cuda, a peer that never came, ranks of a --group init job
+# started with other flags or another mooncake_ep, a kernel that does not compile here, no peer
+# access, a result file the system would not take), and a failed check.
 _REPORTED_ERRORS = (mooncake_ep.GroupError, mooncake_ep.RankMismatchError, mooncake_ep.KernelCompileError,
                     mooncake_ep.TransportError, OutputError, CheckFailed, GpuUnavailable)
 
