@@ -38,10 +38,12 @@
 //       others' zero (the counts are the same either way). A block that finds a source so sets its
 //       bit in state.dispatch_unstaged[parity];
 //     - the rows are numbered over the grid in pair order; warp w of W copies the rows numbered w
-//       modulo W: one load per lane finds the source tokens of its next 32 rows, then each row (and
-//       its scales; packed to UE8M0 when asked) is copied from the source's send_x into
-//       recv_x[e_l][row] (and recv_scales[e_l][row], row-major or DeepEP's column-major view:
-//       the caller's array's strides are kernel arguments);
+//       modulo W from the source's send_x into recv_x[e_l][row], and their scales (packed to UE8M0
+//       when asked) into recv_scales[e_l][row] (the caller's array's strides are kernel arguments).
+//       Row-major scales: one load per lane finds the source tokens of the warp's next 32 rows, and
+//       each row's warp copies its scales. DeepEP's column-major view: the block looks up the rows
+//       of its next 32 rounds together into shared memory, and in each round its warps store the
+//       scales of the round's 16 neighbouring rows together, one column of 16 rows a store;
 //     - block 0 writes recv_range and recv_count (the handle combine reads); the last block to
 //       finish sets to 0 the rows in recv_range of every source a block found unstaged, clears those
 //       bits, and stores step into state.dispatch_step[parity]. The zero rows stay counted in
@@ -362,33 +364,20 @@ __device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t
 }
 #endif
 
-// One 4-byte scale word of a received row, column stride scale_column_stride. Row-major (stride 1),
-// one warp writes a row's words at once: streamed, as the rows are (whole sectors where a row's
-// words are a multiple of 8: fp32 scales of a hidden size that is a multiple of 1024; UE8M0 rows at
-// 7168, 14 words, share their edge sectors with the neighbouring rows, not measured apart). With
-// one scale column the stride is 0, and the word is stored plainly in either layout.
-// In DeepEP's column-major layout a sector holds one column of 8 neighbouring rows, which other
-// warps write at other times. Streamed (evict-first), each word left L2 as a partial sector of its
-// own: that layout cost an H100 decode dispatch +7.9 us over row-major's 43. Kept in L2 (the decode
-// shape's scales are 1.8 MB over all 8 ranks), sectors fill up before they are written back: +4.8,
-// with no more DRAM bytes than row-major; what is left is the L2's work, a write request a word.
-// A pass of their own after (or before) the rows, 32 rows' words a store, was slower (+9 us): its
-// loads of each row's send_list entry, then of its scales, wait in turn behind the rows' traffic.
-// Storing 4 neighbouring rows' words a store, each warp dealt a run of rows, was slower too: the
-// dealing cost more than the fewer requests saved (docs/performance.md (52)).
+// One 4-byte scale word of a received row's row-major scales (DeepEP's column-major layout takes
+// copy_scale_slice, below). One warp writes a row's words at once: streamed, as the rows are (whole
+// sectors where a row's words are a multiple of 8: fp32 scales of a hidden size that is a multiple
+// of 1024; UE8M0 rows at 7168, 14 words, share their edge sectors with the neighbouring rows, not
+// measured apart).
 template <typename T>
-__device__ __forceinline__ void store_scale(T* dst_scale_row, int column, int scale_column_stride, T value) {
-    T* ptr = dst_scale_row + static_cast<int64_t>(column) * scale_column_stride;
-    if (scale_column_stride == 1)
-        st_once(ptr, value);
-    else
-        *ptr = value;
+__device__ __forceinline__ void store_scale(T* dst_scale_row, int column, T value) {
+    st_once(dst_scale_row + column, value);
 }
 
-// One warp copies one received row from the source's staging into recv_x, and its scales: 4-byte
-// scale column j of the row at dst_scale_row + j * scale_column_stride.
+// One warp copies one received row from the source's staging into recv_x, and its num_scales
+// scales, row-major at dst_scale_row (none: num_scales 0).
 __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* src_scale_row, uint8_t* dst_row,
-                                         void* dst_scale_row, int row_bytes, int num_scales, int scale_column_stride) {
+                                         void* dst_scale_row, int row_bytes, int num_scales) {
 #if EP_USE_FP8
     const int lane = threadIdx.x % kWarpSize;
     // The scales first: their loads then overlap the row's.
@@ -402,27 +391,58 @@ __device__ __forceinline__ void copy_row(const uint8_t* src_row, const float* sr
             const int j = 4 * w + b;
             if (j < num_scales) word |= ue8m0_byte(ld_cg_float(src_scale_row + j)) << (8 * b);
         }
-        store_scale(static_cast<uint32_t*>(dst_scale_row), w, scale_column_stride, word);
+        store_scale(static_cast<uint32_t*>(dst_scale_row), w, word);
     }
 #else
     for (int j = lane; j < num_scales; j += kWarpSize)
-        store_scale(static_cast<float*>(dst_scale_row), j, scale_column_stride, ld_cg_float(src_scale_row + j));
+        store_scale(static_cast<float*>(dst_scale_row), j, ld_cg_float(src_scale_row + j));
 #endif
 #endif
     warp_copy<true>(reinterpret_cast<const int4*>(src_row), reinterpret_cast<int4*>(dst_row),
               row_bytes / static_cast<int>(sizeof(int4)));
 }
 
-// One warp writes a received row, and its scales, as zeros: the row of a source that stopped after
-// its routing flag (counted, never staged). fp8 scale 0 (UE8M0 byte 0) dequantises to 0 as well.
-__device__ __forceinline__ void zero_row(uint8_t* dst_row, void* dst_scale_row, int row_bytes, int num_scale_columns,
-                                         int scale_column_stride) {
+// One warp writes a received row, and its num_scale_columns row-major scale words, as zeros: the row
+// of a source that stopped after its routing flag (counted, never staged). fp8 scale 0 (UE8M0 byte 0)
+// dequantises to 0 as well.
+__device__ __forceinline__ void zero_row(uint8_t* dst_row, void* dst_scale_row, int row_bytes, int num_scale_columns) {
     const int lane = threadIdx.x % kWarpSize;
     if (EP_USE_FP8)
         for (int w = lane; w < num_scale_columns; w += kWarpSize)
-            store_scale(static_cast<uint32_t*>(dst_scale_row), w, scale_column_stride, 0u);
+            store_scale(static_cast<uint32_t*>(dst_scale_row), w, 0u);
     for (int v = lane; v < row_bytes / static_cast<int>(sizeof(int4)); v += kWarpSize)
         st_once(reinterpret_cast<int4*>(dst_row) + v, make_int4(0, 0, 0, 0));
+}
+
+// Slice `slice` of a received row's scales, in DeepEP's column-major layout: fp32, the 4 columns
+// 4 slice .. 4 slice + 3 (those below num_scales); UE8M0, word `slice`, packed from the same 4
+// scales. src_scale_row null: the row of an unstaged source, scale 0.
+__device__ __forceinline__ void copy_scale_slice(const float* src_scale_row, uint32_t* dst_scale_row, int slice,
+                                                 int num_scales, int scale_column_stride) {
+    const int first = 4 * slice;
+    float values[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (src_scale_row != nullptr) {
+        if (num_scales % 4 == 0) {  // the staged rows are then 16-byte aligned
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(src_scale_row + first));
+            values[0] = v.x, values[1] = v.y, values[2] = v.z, values[3] = v.w;
+        } else {
+#pragma unroll
+            for (int b = 0; b < 4; ++b)
+                if (first + b < num_scales) values[b] = ld_cg_float(src_scale_row + first + b);
+        }
+    }
+#if EP_USE_UE8M0
+    uint32_t word = 0u;
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+        if (first + b < num_scales) word |= ue8m0_byte(values[b]) << (8 * b);
+    dst_scale_row[static_cast<int64_t>(slice) * scale_column_stride] = word;
+#else
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+        if (first + b < num_scales)
+            dst_scale_row[static_cast<int64_t>(first + b) * scale_column_stride] = __float_as_uint(values[b]);
+#endif
 }
 
 }  // namespace ep
@@ -513,7 +533,6 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         // column-major view (1, rows per expert), as the caller's array is laid out.
         const int num_scale_columns = EP_USE_UE8M0 ? (num_scales + 3) / 4 : num_scales;
         const int num_warps_total = gridDim.x * kNumWarps;
-        const int global_warp = blockIdx.x * kNumWarps + warp;
         const int num_pairs = num_ranks * num_local_experts;
 
         if (warp == kPlanWarp) {
@@ -543,45 +562,114 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         EP_TRACE_POINT(8);
         const int num_rows = s_num_rows;
 
-        // Rows are numbered n over the whole grid in pair order: warp g copies the rows whose number
-        // is g modulo the grid's warps. Lane j looks up the warp's row base + j * num_warps_total.
-        for (int base = global_warp; base < num_rows; base += kWarpSize * num_warps_total) {
-            const int my_n = base + lane * num_warps_total;
-            int my_src = 0, my_token = 0;
-            int64_t my_out_row = 0, my_scale_offset = 0;
-            if (my_n < num_rows) {
-                const int pair = upper_bound(s_flat, num_pairs, my_n) - 1;
-                const int local_expert = pair % num_local_experts;
-                const int j = my_n - s_flat[pair];
-                my_src = pair / num_local_experts;
-                if (s_staged[my_src]) {
-                    const int* send_list = reinterpret_cast<const int*>(route[my_src] + layout.send_list[parity]);
-                    my_token = ld_cg_int(send_list + s_start[pair] + j);
-                }
-                my_out_row = local_expert * num_rows_per_expert + s_base[pair] + j;
-                my_scale_offset = local_expert * num_rows_per_expert * num_scale_columns +
-                                  static_cast<int64_t>(s_base[pair] + j) * scale_row_stride;
+        // recv_scales row `row` of local expert e_l (4-byte words).
+        const auto scale_row = [&](int local_expert, int row) {
+            return static_cast<uint32_t*>(recv_scales) + local_expert * num_rows_per_expert * num_scale_columns +
+                   static_cast<int64_t>(row) * scale_row_stride;
+        };
+        // One warp copies received row `row` of local expert e_l from its source's staging, or writes
+        // it as zeros where the source is unstaged; with its scales unless num_row_scales is 0.
+        const auto receive_row = [&](int src, int token, int local_expert, int row, int num_row_scales) {
+            uint8_t* dst_row = recv_x + (local_expert * num_rows_per_expert + row) * out_row_bytes;
+            void* dst_scale_row = EP_USE_FP8 ? static_cast<void*>(scale_row(local_expert, row)) : nullptr;
+            if (!s_staged[src]) {
+                zero_row(dst_row, dst_scale_row, out_row_bytes, num_row_scales > 0 ? num_scale_columns : 0);
+                return;
             }
-            const int rows_here = min(kWarpSize, (num_rows - base + num_warps_total - 1) / num_warps_total);
-            if (base == global_warp) EP_TRACE_POINT(15);  // thread 0: warp 0's first row, found
-            for (int i = 0; i < rows_here; ++i) {
-                const int src = __shfl_sync(kFullMask, my_src, i);
-                const int token = __shfl_sync(kFullMask, my_token, i);
-                const int64_t out_row = __shfl_sync(kFullMask, my_out_row, i);
-                void* out_scales = EP_USE_FP8 ? static_cast<void*>(static_cast<uint32_t*>(recv_scales) +
-                                                                  __shfl_sync(kFullMask, my_scale_offset, i))
-                                              : nullptr;
-                if (!s_staged[src]) {
-                    zero_row(recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scale_columns,
-                             scale_column_stride);
-                    continue;
+            const uint8_t* src_row =
+                reinterpret_cast<const uint8_t*>(route[src] + layout.send_x[parity]) + token * layout.send_row_bytes;
+            const float* src_scales = reinterpret_cast<const float*>(route[src] + layout.send_scales[parity]) +
+                                      static_cast<int64_t>(token) * num_scales;
+            copy_row(src_row, src_scales, dst_row, dst_scale_row, out_row_bytes, num_row_scales);
+        };
+
+        // Rows are numbered n over the whole grid in pair order: warp g copies the rows whose number
+        // is g modulo the grid's warps W. At iteration i a block's warps copy kGroupRows neighbouring
+        // rows (i W + blockIdx.x kGroupRows + warp), which neighbouring rows' scales use below.
+        constexpr int kGroupRows = kNumWarps;
+        if (!EP_USE_FP8 || scale_column_stride == 1) {
+            // bf16, or row-major scales: a row's scale words are whole sectors, its warp stores them.
+            // Lane j looks up the warp's row base + j W.
+            const int global_warp = blockIdx.x * kNumWarps + warp;
+            for (int base = global_warp; base < num_rows; base += kWarpSize * num_warps_total) {
+                const int my_n = base + lane * num_warps_total;
+                int my_src = 0, my_token = 0, my_expert = 0, my_row = 0;
+                if (my_n < num_rows) {
+                    const int pair = upper_bound(s_flat, num_pairs, my_n) - 1;
+                    const int j = my_n - s_flat[pair];
+                    my_src = pair / num_local_experts;
+                    my_expert = pair % num_local_experts;
+                    my_row = s_base[pair] + j;
+                    if (s_staged[my_src]) {
+                        const int* send_list = reinterpret_cast<const int*>(route[my_src] + layout.send_list[parity]);
+                        my_token = ld_cg_int(send_list + s_start[pair] + j);
+                    }
                 }
-                const uint8_t* src_row = reinterpret_cast<const uint8_t*>(route[src] + layout.send_x[parity]) +
-                                         token * layout.send_row_bytes;
-                const float* src_scales = reinterpret_cast<const float*>(route[src] + layout.send_scales[parity]) +
-                                          static_cast<int64_t>(token) * num_scales;
-                copy_row(src_row, src_scales, recv_x + out_row * out_row_bytes, out_scales, out_row_bytes, num_scales,
-                         scale_column_stride);
+                const int rows_here = min(kWarpSize, (num_rows - base + num_warps_total - 1) / num_warps_total);
+                if (base == global_warp) EP_TRACE_POINT(15);  // thread 0: warp 0's first row, found
+                for (int i = 0; i < rows_here; ++i)
+                    receive_row(__shfl_sync(kFullMask, my_src, i), __shfl_sync(kFullMask, my_token, i),
+                                __shfl_sync(kFullMask, my_expert, i), __shfl_sync(kFullMask, my_row, i), num_scales);
+            }
+        } else {
+            // DeepEP's column-major scales: a sector holds one column of 8 neighbouring rows. Stored by
+            // each row's warp, every 4-byte word was a write request of its own, more requests than
+            // the rows' (H100 decode dispatch +4.8 us over row-major). Here the block's warps store a
+            // group's scales together, a store covering one column of its 16 rows: the block looks up
+            // a window of groups, a row a thread, into shared memory, then the group's scale slices
+            // (4 columns, or one UE8M0 word) are dealt over its warps before each warp copies its row.
+            constexpr int kWindowIters = EP_NUM_THREADS / kGroupRows;
+            __shared__ int s_window_src[EP_NUM_THREADS], s_window_token[EP_NUM_THREADS];
+            __shared__ int s_window_expert[EP_NUM_THREADS], s_window_row[EP_NUM_THREADS];  // expert -1: no row
+            const int first_row_of_block = blockIdx.x * kGroupRows;
+            const int num_iters = num_rows > first_row_of_block
+                                      ? (num_rows - first_row_of_block + num_warps_total - 1) / num_warps_total
+                                      : 0;  // the same in every warp of the block: the barriers below
+            const int num_slices = EP_USE_UE8M0 ? num_scale_columns : (num_scales + 3) / 4;
+            const int num_scale_items = num_slices * kGroupRows;
+            const int num_scale_stores = (num_scale_items + kWarpSize - 1) / kWarpSize;
+            for (int window = 0; window < num_iters; window += kWindowIters) {
+                __syncthreads();  // every warp is done with the previous window's slots
+                const int slot = threadIdx.x, slot_iter = window + slot / kGroupRows;
+                const int n = slot_iter * num_warps_total + first_row_of_block + slot % kGroupRows;
+                int src = 0, token = 0, local_expert = -1, row = 0;
+                if (slot_iter < num_iters && n < num_rows) {
+                    const int pair = upper_bound(s_flat, num_pairs, n) - 1;
+                    const int j = n - s_flat[pair];
+                    src = pair / num_local_experts;
+                    local_expert = pair % num_local_experts;
+                    row = s_base[pair] + j;
+                    if (s_staged[src]) {
+                        const int* send_list = reinterpret_cast<const int*>(route[src] + layout.send_list[parity]);
+                        token = ld_cg_int(send_list + s_start[pair] + j);
+                    }
+                }
+                s_window_src[slot] = src;
+                s_window_token[slot] = token;
+                s_window_expert[slot] = local_expert;
+                s_window_row[slot] = row;
+                __syncthreads();
+                if (window == 0) EP_TRACE_POINT(15);  // thread 0: the block's first rows, found
+                for (int iter = window; iter < min(window + kWindowIters, num_iters); ++iter) {
+                    const int group = (iter - window) * kGroupRows;
+                    // Rotated by the iteration: the stores are often fewer than the warps.
+                    for (int store = (warp + iter * num_scale_stores) % kNumWarps; store < num_scale_stores;
+                         store += kNumWarps) {
+                        const int item = store * kWarpSize + lane;
+                        const int r = group + item % kGroupRows;
+                        if (item >= num_scale_items || s_window_expert[r] < 0) continue;
+                        const int item_src = s_window_src[r];
+                        const float* src_scales = nullptr;  // an unstaged source's: scale 0
+                        if (s_staged[item_src])
+                            src_scales = reinterpret_cast<const float*>(route[item_src] + layout.send_scales[parity]) +
+                                         static_cast<int64_t>(s_window_token[r]) * num_scales;
+                        copy_scale_slice(src_scales, scale_row(s_window_expert[r], s_window_row[r]), item / kGroupRows,
+                                         num_scales, scale_column_stride);
+                    }
+                    const int own = group + warp;
+                    if (s_window_expert[own] >= 0)
+                        receive_row(s_window_src[own], s_window_token[own], s_window_expert[own], s_window_row[own], 0);
+                }
             }
         }
         EP_TRACE_POINT(6);
