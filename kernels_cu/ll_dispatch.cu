@@ -40,10 +40,12 @@
 //     - the rows are numbered over the grid in pair order; warp w of W copies the rows numbered w
 //       modulo W from the source's send_x into recv_x[e_l][row], and their scales (packed to UE8M0
 //       when asked) into recv_scales[e_l][row] (the caller's array's strides are kernel arguments).
-//       Row-major scales: one load per lane finds the source tokens of the warp's next 32 rows, and
-//       each row's warp copies its scales. DeepEP's column-major view: the block looks up the rows
-//       of its next 32 rounds together into shared memory, and in each round its warps store the
-//       scales of the round's 16 neighbouring rows together, one column of 16 rows a store;
+//       Scale column stride 1 (row-major, or DeepEP's with one row an expert) and bf16: one load per
+//       lane finds the source tokens of the warp's next 32 rows, and each row's warp copies its
+//       scales. Any other stride (DeepEP's column-major view, or one scale column, stride 0): the
+//       block looks up the rows of its next 32 rounds together into shared memory, and in each
+//       round its warps store the scales of the round's 16 neighbouring rows together, a column of
+//       the 16 rows per half-warp store;
 //     - block 0 writes recv_range and recv_count (the handle combine reads); the last block to
 //       finish sets to 0 the rows in recv_range of every source a block found unstaged, clears those
 //       bits, and stores step into state.dispatch_step[parity]. The zero rows stay counted in
@@ -70,6 +72,8 @@ static_assert(EP_MAX_RANKS <= EP_NUM_THREADS, "one thread waits per source rank"
 static_assert(EP_MAX_RANKS <= 64, "state.dispatch_unstaged holds a bit per source rank");
 static_assert(EP_NUM_THREADS >= 2 * 32, "a block of both halves has a planning warp and at least one staging warp");
 static_assert(EP_FP8_BLOCK == 128, "a 128-channel scale block is 16 lanes of 8 channels");
+static_assert(EP_NUM_THREADS <= 768, "the receive half's row window (4 ints a thread) and the rest of the shared "
+                                     "memory fit the 48 KB of static shared memory up to 768 threads a block");
 
 namespace ep {
 
@@ -364,8 +368,8 @@ __device__ __forceinline__ void stage_tokens(const int4* __restrict__ x, uint8_t
 }
 #endif
 
-// One 4-byte scale word of a received row's row-major scales (DeepEP's column-major layout takes
-// copy_scale_slice, below). One warp writes a row's words at once: streamed, as the rows are (whole
+// One 4-byte scale word of a received row's scales with column stride 1 (row-major; other strides
+// take copy_scale_slice, below). One warp writes a row's words at once: streamed, as the rows are (whole
 // sectors where a row's words are a multiple of 8: fp32 scales of a hidden size that is a multiple
 // of 1024; UE8M0 rows at 7168, 14 words, share their edge sectors with the neighbouring rows, not
 // measured apart).
@@ -414,9 +418,12 @@ __device__ __forceinline__ void zero_row(uint8_t* dst_row, void* dst_scale_row, 
         st_once(reinterpret_cast<int4*>(dst_row) + v, make_int4(0, 0, 0, 0));
 }
 
-// Slice `slice` of a received row's scales, in DeepEP's column-major layout: fp32, the 4 columns
-// 4 slice .. 4 slice + 3 (those below num_scales); UE8M0, word `slice`, packed from the same 4
-// scales. src_scale_row null: the row of an unstaged source, scale 0.
+// Slice `slice` of a received row's scales, column stride scale_column_stride (DeepEP's column-major
+// layout): fp32, the 4 columns 4 slice .. 4 slice + 3 (those below num_scales); UE8M0, word `slice`,
+// packed from the same 4 scales. src_scale_row null: the row of an unstaged source, scale 0.
+// Plain stores, not streamed: a sector holds a column of 8 rows, which other half-warps complete;
+// streamed (evict-first), partial sectors left L2 alone (+7.9 us on an H100 decode dispatch,
+// docs/performance.md (52)).
 __device__ __forceinline__ void copy_scale_slice(const float* src_scale_row, uint32_t* dst_scale_row, int slice,
                                                  int num_scales, int scale_column_stride) {
     const int first = 4 * slice;
@@ -588,8 +595,9 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
         // rows (i W + blockIdx.x kGroupRows + warp), which neighbouring rows' scales use below.
         constexpr int kGroupRows = kNumWarps;
         if (!EP_USE_FP8 || scale_column_stride == 1) {
-            // bf16, or row-major scales: a row's scale words are whole sectors, its warp stores them.
-            // Lane j looks up the warp's row base + j W.
+            // bf16, or scale column stride 1 (row-major, or DeepEP's layout with one row an expert): a
+            // row's scale words are contiguous, its warp stores them. Lane j looks up the warp's row
+            // base + j W.
             const int global_warp = blockIdx.x * kNumWarps + warp;
             for (int base = global_warp; base < num_rows; base += kWarpSize * num_warps_total) {
                 const int my_n = base + lane * num_warps_total;
@@ -612,12 +620,13 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                                 __shfl_sync(kFullMask, my_expert, i), __shfl_sync(kFullMask, my_row, i), num_scales);
             }
         } else {
-            // DeepEP's column-major scales: a sector holds one column of 8 neighbouring rows. Stored by
-            // each row's warp, every 4-byte word was a write request of its own, more requests than
-            // the rows' (H100 decode dispatch +4.8 us over row-major). Here the block's warps store a
-            // group's scales together, a store covering one column of its 16 rows: the block looks up
-            // a window of groups, a row a thread, into shared memory, then the group's scale slices
-            // (4 columns, or one UE8M0 word) are dealt over its warps before each warp copies its row.
+            // DeepEP's column-major scales (or one scale column, stride 0): a sector holds one column
+            // of 8 neighbouring rows. Stored by each row's warp, every 4-byte word was a write request
+            // of its own, more requests than the rows' (H100 decode dispatch +4.8 us over row-major).
+            // Here the block's warps store a group's scales together, a column of its 16 rows per
+            // half-warp store: the block looks up a window of groups, a row a thread, into shared
+            // memory, then the group's scale slices (4 columns, or one UE8M0 word) are dealt over
+            // its warps before each warp copies its row (docs/performance.md (53)).
             constexpr int kWindowIters = EP_NUM_THREADS / kGroupRows;
             __shared__ int s_window_src[EP_NUM_THREADS], s_window_token[EP_NUM_THREADS];
             __shared__ int s_window_expert[EP_NUM_THREADS], s_window_row[EP_NUM_THREADS];  // expert -1: no row

@@ -11,7 +11,8 @@
 //   0 send entry   1 send work done   2 flags stored   3 receive entry
 //   4 flags seen   5 receive plan ready   6 rows done   7 receive exit (last block)   8 staging seen
 //   9-13 dispatch block 0's list building, step by step (below)
-//   14 dispatch plan: every live source's offsets loaded   15 dispatch: warp 0's first row found
+//   14 dispatch plan: every live source's offsets loaded   15 dispatch: warp 0's first rows found
+//      (with DeepEP's column-major scales, the block's first window of rows, after a barrier)
 // Dispatch: 1 is block 0's lists, or warp 0's staging in a staging block (with one block, the
 // latter overwrites the former); 2 block 0's routing flags; 4 and 5 are the planning warp's (every
 // source's verdict in, the plan in shared memory); 8 every source's staging seen, after which the
