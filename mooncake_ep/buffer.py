@@ -30,7 +30,7 @@ from mooncake_ep.tensor import (ArrayView, DeviceMemoryArray, c_contiguous_strid
 from mooncake_ep.validation import (IMMUTABLE_FRAMEWORKS, VECTOR_BYTES, check_allocatable, check_array, check_disjoint,
                                     check_element_aligned, check_expert_ids, check_experts, check_flags, check_hidden,
                                     check_int, check_mutable, check_out, check_same_routing, check_timeout,
-                                    check_vector_aligned, check_writable, read_out, stream_handle)
+                                    check_vector_aligned, check_writable, read_out, stream_handle, type_name)
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -1374,7 +1374,11 @@ class Buffer:
 
     def _check_handle(self, where: str, handle) -> None:
         if not isinstance(handle, Handle):
-            raise TypeError(f"{where}: handle must be the Handle returned by dispatch, got {type(handle).__name__}")
+            # By module name: the JAX ops' Handle is a class of their own, above this module.
+            advice = (" (a mooncake_ep.jax dispatch's: combine it with mooncake_ep.jax.combine)"
+                      if type(handle).__module__.startswith("mooncake_ep.frameworks.jax") else "")
+            raise TypeError(f"{where}: handle must be the Handle returned by Buffer.dispatch, got "
+                            f"{type_name(handle)}{advice}")
         if handle.buffer_id != self.buffer_id:
             raise ValueError(f"{where}: handle was made by another Buffer")
         if handle.dispatch_index < self._num_dispatches - layout.NUM_PARITIES:

@@ -18,7 +18,7 @@ from mooncake_ep import _constants, frameworks
 from mooncake_ep.tensor import ArrayView, c_contiguous_strides, read_array, swapped_last_axes_strides
 
 __all__ = ["check_int", "check_hidden", "check_experts", "check_timeout", "check_flags", "check_array",
-           "check_expert_ids", "check_same_routing", "read_out", "check_out", "check_writable",
+           "check_expert_ids", "check_same_routing", "type_name", "read_out", "check_out", "check_writable",
            "check_vector_aligned", "check_element_aligned", "check_disjoint", "check_allocatable", "check_mutable",
            "first_index", "is_raw_bits", "stream_handle", "IMMUTABLE_FRAMEWORKS", "VECTOR_BYTES"]
 
@@ -185,6 +185,13 @@ def is_raw_bits(view: ArrayView, dtypes: tuple[str, ...]) -> bool:
         return False
     raw_bits = frameworks.get(view.framework).RAW_BITS_DTYPES
     return any(raw_bits.get(dtype) == view.dtype for dtype in dtypes)
+
+
+def type_name(value) -> str:
+    """``value``'s type for an error message: a builtin's bare name (NoneType), any other's with its
+    module (mooncake_ep.buffer.Handle, where two classes share a name)."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def first_index(mask: np.ndarray) -> tuple[int, ...]:

@@ -1231,7 +1231,7 @@ COMBINE_REJECTIONS = [
     ("timeout-below-minus-1", ValueError, r"combine: timeout_us must be >= -1, got -5", lambda c: dict(timeout_us=-5)),
     ("async-and-hook", ValueError, r"combine: async_finish and return_recv_hook are exclusive",
      lambda c: dict(async_finish=True, return_recv_hook=True)),
-    ("handle-none", TypeError, r"combine: handle must be the Handle returned by dispatch, got NoneType",
+    ("handle-none", TypeError, r"combine: handle must be the Handle returned by Buffer.dispatch, got NoneType$",
      lambda c: dict(handle=None)),
     ("handle-tuple", TypeError, r"combine: handle must be the Handle", lambda c: dict(handle=(1, 2, 3))),
     # DeepEP's order, combine(x, topk_idx, topk_weights, handle): the handle lands in timeout_us

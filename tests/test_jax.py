@@ -1051,6 +1051,23 @@ def test_arrays_of_other_frameworks_and_foreign_handles_are_refused():
     with pytest.raises(TypeError, match=r"combine: topk_weights must be a jax.Array \(or a numpy array\), got float; "
                                         r"pass an array of float32, e.g. made with jnp.asarray$"):
         epj.combine(buffer, recv, topk, 0.5, active, handle)
+    # Each API's handle given to the other's combine: both classes are called Handle, so the message
+    # names the module and the combine that takes it (helper-141).
+    host_args = [np.asarray(a[0]) for a in (case.xs, case.topk_idxs, case.actives)]
+    host_recv, _, host_handle, _, _ = buffer.dispatch(*host_args, case.num_max_tokens, case.num_experts,
+                                                      use_fp8=False)
+    with pytest.raises(TypeError, match=r"mooncake_ep.jax.combine: handle must be the mooncake_ep.jax.Handle of a "
+                                        r"dispatch, got mooncake_ep.buffer.Handle \(a Buffer.dispatch's: combine it "
+                                        r"with Buffer.combine\)$"):
+        epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0]), active, host_handle)
+    with pytest.raises(TypeError, match=r"^combine: handle must be the Handle returned by Buffer.dispatch, got "
+                                        r"mooncake_ep.frameworks.jax_ops.Handle \(a mooncake_ep.jax dispatch's: "
+                                        r"combine it with mooncake_ep.jax.combine\)$"):
+        buffer.combine(host_recv, host_args[1], case.weights[0], host_args[2], handle=handle)
+    # JAX's extended dtypes (a PRNG key array) have no numpy dtype: named by the argument's check.
+    keys = jax.random.split(jax.random.key(0), x.shape[0])
+    with pytest.raises(TypeError, match=r"^mooncake_ep.jax.dispatch: x must be bfloat16, got key<fry>\n"):
+        epj.dispatch(buffer, keys, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)
     # A destroyed Buffer is the call's fault, not x's.
     gone = spawn(1, lambda g: reference_buffer(g, case))[0]
     gone.destroy()

@@ -176,8 +176,14 @@ class _AbstractView:
 
 
 def abstract_view(array) -> _AbstractView:
-    """The trace-time view of a JAX array or tracer: its shape and dtype name."""
-    return _AbstractView(tuple(int(n) for n in array.shape), np.dtype(array.dtype).name)
+    """The trace-time view of a JAX array or tracer: its shape and dtype name (JAX's own name for an
+    extended dtype numpy has none for, such as a PRNG key's, which the Buffer's checks then refuse
+    by name)."""
+    try:
+        dtype_name = np.dtype(array.dtype).name
+    except TypeError:  # key<fry>: not a numpy dtype
+        dtype_name = str(array.dtype)
+    return _AbstractView(tuple(int(n) for n in array.shape), dtype_name)
 
 
 # The dtypes each op argument takes, for the advice of as_jax's refusals.

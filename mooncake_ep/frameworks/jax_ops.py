@@ -50,7 +50,7 @@ from mooncake_ep._reference_backend import MESH_POSITION
 from mooncake_ep.frameworks.jax_args import (DLPACK_CUDA, Ranks, abstract_view, check_parity, manual_axes,
                                               rank_results, varying_like)
 from mooncake_ep.tensor import ArrayView, dense_device_view, numpy_dtype, read_array
-from mooncake_ep.validation import check_bool, check_flags, check_same_routing
+from mooncake_ep.validation import check_bool, check_flags, check_same_routing, type_name
 
 __all__ = ["Handle", "PendingDispatch", "PendingCombine", "DispatchConfig", "CombineConfig", "dispatch", "combine",
            "dispatch_config", "combine_config", "check_handle"]
@@ -499,8 +499,10 @@ def _write_dispatch(result: reference.DispatchResult, recv_views, active_view, m
 def check_handle(where: str, handle, ranks: Ranks) -> None:
     """Raises unless ``handle`` is a JAX dispatch handle made on ``ranks``."""
     if not isinstance(handle, Handle):
+        advice = (" (a Buffer.dispatch's: combine it with Buffer.combine)"
+                  if type(handle).__module__ == "mooncake_ep.buffer" else "")
         raise TypeError(f"{where}: handle must be the mooncake_ep.jax.Handle of a dispatch, got "
-                        f"{type(handle).__name__}")
+                        f"{type_name(handle)}{advice}")
     if handle.config.ranks != ranks:
         raise ValueError(f"{where}: handle was made by a dispatch on another Buffer")
 
