@@ -87,26 +87,81 @@ class Handle:
                 f"device_id={self.device_id})")
 
 
+class _StreamWait:
+    """DeepEP's ``EventHandle``: ``current_stream_wait()`` makes the caller's current stream wait."""
+
+    __slots__ = ("current_stream_wait",)
+
+    def __init__(self, wait: Callable[[], None]):
+        self.current_stream_wait = wait
+
+
 class EventOverlap:
-    """Completion of a call: a real event when the work ran on the communication stream.
+    """Completion of a call: a real event when the work ran on the communication stream. It has the
+    API of DeepEP's ``EventOverlap``, so engines written for DeepEP use it unchanged.
 
     ``current_stream_wait()`` makes the caller's current stream wait for it (a no-op when the work is
-    already ordered on that stream); ``with event:`` waits on exit.
+    already ordered on that stream), then runs the hook of :meth:`register_hook_after_wait`, if any,
+    and returns its result; ``with event:`` waits on exit, and ``with event(release_handle=True):``
+    then also lets go of the event and the arrays it keeps alive.
+
+    Attributes:
+        event: an object with ``current_stream_wait()``, or None where there is nothing to wait for
+            (the work ran on the caller's stream), as DeepEP's ``event`` of a call without
+            ``async_finish``.
+        extra (also ``extra_tensors``): the call's arrays, kept alive until the work is done.
     """
 
     def __init__(self, wait: Callable[[], None] | None = None, extra: Any = None):
         self._wait = wait
         self.extra = extra  # arrays kept alive until the work is done
+        self._hook_after_wait: Callable[[], Any] | None = None
+        self._release_on_exit = False
 
-    def current_stream_wait(self) -> None:
+    @property
+    def event(self) -> _StreamWait | None:
+        return None if self._wait is None else _StreamWait(self._wait)
+
+    @property
+    def extra_tensors(self) -> Any:
+        return self.extra
+
+    def current_stream_wait(self, release_handle: bool = False) -> Any:
         if self._wait is not None:
             self._wait()
+        result = None
+        if self._hook_after_wait is not None:
+            hook, self._hook_after_wait = self._hook_after_wait, None
+            result = hook()
+        if release_handle:  # the caller's stream is ordered after the work now
+            self._wait = self.extra = None
+        return result
+
+    def wait(self) -> Any:
+        """:meth:`current_stream_wait`, as DeepEP's."""
+        return self.current_stream_wait()
+
+    def register_hook_after_wait(self, hook_after_wait: Callable[[], Any]) -> None:
+        """Run ``hook_after_wait()`` once, after the next :meth:`current_stream_wait` (on the current
+        stream, then ordered after the work)."""
+        if self._hook_after_wait is not None:
+            raise RuntimeError("register_hook_after_wait: a hook is already registered on this EventOverlap")
+        if not callable(hook_after_wait):
+            raise TypeError(f"register_hook_after_wait: hook_after_wait must be callable, got "
+                            f"{type(hook_after_wait).__name__}")
+        self._hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
+        """``with event(release_handle=True):`` lets go of the event once its wait is made on exit."""
+        self._release_on_exit = release_handle
+        return self
 
     def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.current_stream_wait()
+        release, self._release_on_exit = self._release_on_exit, False
+        self.current_stream_wait(release_handle=release)
 
 
 def _gpu_available() -> bool:

@@ -15,22 +15,31 @@ dispatch, ``use_logfmt`` fifth in combine) and return what DeepEP's return. torc
 
 What differs from DeepEP:
     - Only the low-latency mode: ``low_latency_mode=True`` is required, and the high-throughput
-      methods (``dispatch``, ``combine``, ``get_dispatch_layout``, ``Buffer.capture``,
-      ``Buffer.get_dispatch_config``...) and :class:`Config`'s size hints raise NotImplementedError.
+      methods (``dispatch``, ``combine``, ``get_dispatch_layout``, ``Buffer.get_dispatch_config``...)
+      and :class:`Config`'s size hints raise NotImplementedError. ``Buffer.capture()`` works (an
+      event on torch's current stream).
     - The handle is a :class:`mooncake_ep.Handle`, not a tuple of tensors; callers pass it on as
-      they do DeepEP's. ``Buffer.group`` is the mooncake_ep group wrapping the ProcessGroup.
+      they do DeepEP's. ``Buffer.group`` is the group given (``comm`` where ``group`` is None), as
+      DeepEP's, so an engine's check that a cached Buffer is still its group's holds.
     - The kernels measure no wait times: ``dispatch_wait_recv_cost_stats`` and
       ``combine_wait_recv_cost_stats`` are refused, and so is ``use_logfmt`` (a LogFMT combine is
-      not built). A dispatch in DeepEP's older order (``use_fp8`` fifth) is refused, and so is a
-      combine with ``zero_copy=True`` fifth; a combine's other flags after ``handle`` go by name.
+      not built). A dispatch in DeepEP's older orders (``use_fp8`` fifth, or sixth) is refused, and
+      so is a combine with ``zero_copy=True`` fifth; a combine's other flags after ``handle`` go by
+      name.
     - A rank that stops is masked after ``timeout_us`` (a keyword of the constructor). By default
       that is DeepEP's 100 s with ``enable_shrink=True``, where DeepEP's kernels mask it after that
       long too, and forever without, where DeepEP's give up after 100 s and trap (which leaves the
       CUDA context unusable; a mask nobody reads would leave results silently short). The masks
       are DeepEP's mask buffer (``low_latency_update_mask_buffer`` and the like) and
       :attr:`Buffer.active_ranks`.
-    - :class:`EventOverlap` has DeepEP's ``current_stream_wait()`` and ``with`` use, not its
-      ``event`` and ``extra_tensors`` attributes (read only by DeepEP's high-throughput calls).
+    - :class:`EventOverlap` is DeepEP's (``event``, None without ``async_finish``; ``extra_tensors``;
+      ``current_stream_wait(release_handle)``, ``wait()``, ``register_hook_after_wait``, and
+      ``with event(release_handle=True):``), except that ``current_stream_wait()`` of an event that
+      is None does nothing instead of failing an assert.
+    - The constructor's positional order is DeepEP 2.x's (``explicitly_destroy`` eighth); DeepEP
+      1.x's ``use_fabric`` goes by name.
+    - A bf16 dispatch (``use_fp8=False``) ignores ``round_scale`` and ``use_ue8m0``, as DeepEP's does
+      (``use_ue8m0`` still needs ``round_scale``).
     - ``get_next_low_latency_combine_buffer(handle)`` wants the dispatch received (its hook called):
       peers may read the buffer's previous contents until then.
     - :meth:`Buffer.destroy` frees the workspace whether ``explicitly_destroy`` was given or not.
@@ -46,7 +55,7 @@ import torch
 from mooncake_ep import _constants
 from mooncake_ep.buffer import Buffer as _Buffer
 from mooncake_ep.buffer import EventOverlap, Handle
-from mooncake_ep.validation import check_experts, check_int, check_timeout
+from mooncake_ep.validation import check_bool, check_experts, check_int, check_timeout
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
@@ -58,7 +67,7 @@ SHRINK_TIMEOUT_US = 100_000_000
 
 # DeepEP's high-throughput methods (static ones included, called on the class): each raises
 # NotImplementedError when called, so a call says what is missing and hasattr() finds them as in DeepEP.
-_HIGH_THROUGHPUT_METHODS = ("capture", "get_dispatch_config", "get_combine_config", "get_dispatch_layout", "dispatch",
+_HIGH_THROUGHPUT_METHODS = ("get_dispatch_config", "get_combine_config", "get_dispatch_layout", "dispatch",
                             "combine", "internode_dispatch", "internode_combine", "intranode_dispatch",
                             "intranode_combine", "get_local_buffer_tensor")
 
@@ -92,26 +101,28 @@ class Buffer:
     """DeepEP's ``deep_ep.Buffer`` in low-latency mode, over a :class:`mooncake_ep.Buffer` (:attr:`runtime`).
 
     Args:
-        group: a torch ``ProcessGroup`` (as DeepEP), or a mooncake_ep group.
+        group: a torch ``ProcessGroup`` (as DeepEP), an mpi4py communicator, or a mooncake_ep group;
+            None to take ``comm``.
         num_nvl_bytes: DeepEP's high-throughput buffer; unused (that mode is not built).
         num_rdma_bytes: the low-latency workspace's bytes, at least
             :meth:`get_low_latency_rdma_size_hint` for every configuration used.
         low_latency_mode: must be True.
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, explicitly_destroy:
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, use_fabric:
             DeepEP's transport settings, accepted and unused: the transport is chosen from where the
             ranks are (one process or one host; several hosts are refused until the proxy transport
-            exists), and :meth:`destroy` is always available.
+            exists), and :meth:`destroy` is always available. ``use_fabric`` (DeepEP 1.x's, eighth
+            there) goes by name: the positional order is DeepEP 2.x's.
         enable_shrink: DeepEP's fault tolerance: peers that stop are masked (after ``timeout_us``)
             instead of the kernels trapping. Here only the default of ``timeout_us`` follows it: the
             mask buffer always works.
-        comm: must be None (DeepEP's mpi4py communicator for NVSHMEM): an mpi4py communicator goes
-            as ``group``.
+        comm: an mpi4py communicator, used where ``group`` is None (as DeepEP's).
         timeout_us: microseconds a kernel waits for a peer before masking it; -1 waits forever.
             None (the default): DeepEP's 100 s with ``enable_shrink``, else forever.
         num_sms, backend, kernel_cache_dir: as :class:`mooncake_ep.Buffer`'s.
 
     Attributes:
-        rank, group_size, group: this rank, the number of ranks, and the group (a mooncake_ep group).
+        rank, group_size, group: this rank, the number of ranks, and the group given (or ``comm``).
+        explicitly_destroy, enable_shrink: as given.
         runtime: the :class:`mooncake_ep.Buffer`.
         active_ranks: ``[group_size]`` int32 on the Buffer's device, 1 = alive, 0 = masked (by the
             kernels after ``timeout_us``, or by :meth:`low_latency_update_mask_buffer`).
@@ -121,8 +132,8 @@ class Buffer:
 
     def __init__(self, group: Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
-                 allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
-                 enable_shrink: bool = False, comm: Any = None, *, timeout_us: int | None = None,
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Any = None, *, use_fabric: bool = False, timeout_us: int | None = None,
                  num_sms: int | None = None, backend: str = "auto", kernel_cache_dir: str | None = None) -> None:
         where = "deep_ep.Buffer"
         if low_latency_mode is not True:
@@ -135,15 +146,19 @@ class Buffer:
                             ("explicitly_destroy", explicitly_destroy), ("enable_shrink", enable_shrink)):
             if not isinstance(value, bool):
                 raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
-        if comm is not None:
-            raise ValueError(f"{where}: comm (DeepEP's mpi4py communicator for NVSHMEM) is not used; pass the group "
-                             f"as group (an mpi4py communicator is taken there too)")
+        if group is None:  # DeepEP's: comm is "the communicator to use in case the group parameter is absent"
+            if comm is None:
+                raise ValueError(f"{where}: group or comm must be given (a torch ProcessGroup, an mpi4py "
+                                 f"communicator or a mooncake_ep group)")
+            group = comm
         self.runtime = _Buffer(group, num_rdma_bytes, num_sms=num_sms, backend=backend,
                                kernel_cache_dir=kernel_cache_dir)
         if timeout_us is None:
             timeout_us = SHRINK_TIMEOUT_US if enable_shrink else _constants.TIMEOUT_FOREVER
         self.timeout_us = check_timeout(where, timeout_us)
-        self.group = self.runtime.group
+        self.group = group  # the caller's, as DeepEP's: engines compare it to decide to build anew
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
         self.rank = self.runtime.rank
         self.group_size = self.runtime.num_ranks
         self.num_nvl_bytes = int(num_nvl_bytes)
@@ -161,6 +176,17 @@ class Buffer:
         """Whether the kernels have SM90 code: they are compiled at run time for the GPU in use, so
         wherever the current CUDA device is an SM90 (or newer) one."""
         return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on torch's current stream, as DeepEP's: ``current_stream_wait()`` makes
+        the stream current then wait for the work queued before it."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("deep_ep.Buffer.capture: records an event on torch's current CUDA stream; no CUDA "
+                               "device is available")
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream())
+        return EventOverlap(lambda: torch.cuda.current_stream().wait_event(done))
 
     def get_comm_stream(self) -> torch.cuda.Stream:
         """The communication stream ``async_finish`` calls run on, as a torch stream."""
@@ -212,7 +238,8 @@ class Buffer:
                 return_recv_hook; before the event completes with async_finish).
             dispatch_wait_recv_cost_stats: must be None (not measured).
             use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook: as DeepEP's, see
-                :meth:`mooncake_ep.Buffer.dispatch`.
+                :meth:`mooncake_ep.Buffer.dispatch`; with use_fp8=False, round_scale and use_ue8m0
+                are ignored, as DeepEP's (use_ue8m0 still needs round_scale).
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)`` as DeepEP's: recv_x
@@ -222,7 +249,17 @@ class Buffer:
         """
         where = "low_latency_dispatch"
         _check_tensor(where, "x", x)
+        if isinstance(dispatch_wait_recv_cost_stats, bool):
+            raise TypeError(f"{where}: dispatch_wait_recv_cost_stats must be an int64 torch.Tensor or None, got bool "
+                            f"(DeepEP's older API had use_fp8 sixth, after cumulative_local_expert_recv_stats: pass "
+                            f"it by name)")
         _check_unmeasured(where, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
+        if use_fp8 is False:  # DeepEP's bf16 dispatch ignores both (its only check: use_ue8m0 needs round_scale)
+            check_bool(where, "round_scale", round_scale)
+            check_bool(where, "use_ue8m0", use_ue8m0)
+            if use_ue8m0 and not round_scale:
+                raise ValueError(f"{where}: use_ue8m0=True needs round_scale=True (as DeepEP's)")
+            round_scale = use_ue8m0 = False
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             _check_recv_stats(where, stats, x, num_experts, self.group_size)

@@ -118,11 +118,8 @@ def stream_handle(where: str, stream, device_id: int | None) -> int:
 
 def check_bool(where: str, name: str, value) -> None:
     """TypeError unless ``value`` is True or False (a Python bool: numpy's, 0, None or a string are not)."""
-    if value is not True and value is not False:
-        kind = type(value)
-        # Qualified outside the builtins: numpy's bool is also called "bool".
-        type_name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-        raise TypeError(f"{where}: {name} must be a bool, got {type_name}")
+    if value is not True and value is not False:  # (type_name: numpy's bool is also called "bool")
+        raise TypeError(f"{where}: {name} must be a bool, got {type_name(value)}")
 
 
 def check_flags(where: str, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False,

@@ -134,8 +134,8 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^deep_ep.Buffer: low_latency_mode must be True: mooncake_ep builds "
                                          r"DeepEP's low-latency mode only"):
         deep_ep.Buffer(group, 1 << 20, 0, backend="reference")
-    with pytest.raises(ValueError, match=r"comm \(DeepEP's mpi4py communicator for NVSHMEM\) is not used"):
-        new_buffer(group, case, comm=object())
+    with pytest.raises(ValueError, match=r"^deep_ep.Buffer: group or comm must be given"):
+        new_buffer(None, case)
     with pytest.raises(ValueError, match=r"num_qps_per_rank must be >= 1, got 0"):
         deep_ep.Buffer(group, 0, case.size_hint, True, 0, backend="reference")
     with pytest.raises(TypeError, match=r"enable_shrink must be a bool, got int"):
@@ -156,13 +156,20 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
          r"must be a contiguous \[2\] int32 tensor"),
         (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(1)),
          NotImplementedError, r"dispatch_wait_recv_cost_stats must be None: mooncake_ep's kernels do not measure"),
+        # DeepEP's order before its wait-time diagnostics: use_fp8 sixth, after the stats.
+        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, None, False), TypeError,
+         r"dispatch_wait_recv_cost_stats must be an int64 torch.Tensor or None, got bool \(DeepEP's older API had "
+         r"use_fp8 sixth, after cumulative_local_expert_recv_stats: pass it by name\)"),
+        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, use_ue8m0=True), ValueError,
+         r"low_latency_dispatch: use_ue8m0=True needs round_scale=True \(as DeepEP's\)"),
+        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, round_scale=1), TypeError,
+         r"low_latency_dispatch: round_scale must be a bool, got int"),
         (lambda: buffer.low_latency_dispatch(case.xs[0], topk_idx, T, E), TypeError,
          r"low_latency_dispatch: x must be a torch.Tensor \(DeepEP's API takes torch tensors"),
         (lambda: buffer.low_latency_dispatch(x, topk_idx, T, 3), ValueError, r"num_experts"),
         (lambda: buffer.dispatch(x, topk_idx=topk_idx), NotImplementedError,
          r"deep_ep.Buffer.dispatch: DeepEP's high-throughput mode is not built in mooncake_ep"),
         (lambda: buffer.get_dispatch_layout(topk_idx, E), NotImplementedError, r"get_dispatch_layout"),
-        (lambda: deep_ep.Buffer.capture(), NotImplementedError, r"deep_ep.Buffer.capture: DeepEP's high-throughput"),
         (lambda: deep_ep.Buffer.get_dispatch_config(8), NotImplementedError, r"get_dispatch_config"),
         (lambda: deep_ep.Buffer.get_combine_config(8), NotImplementedError, r"get_combine_config"),
         (lambda: deep_ep.Config(24, 6, 256).get_nvl_buffer_size_hint(7168 * 2, 8), NotImplementedError,
@@ -307,3 +314,95 @@ def test_async_finish_adds_recv_stats_on_the_communication_stream(monkeypatch):
     assert log[-1] == ("wait", "caller", done)
     buffer._add_recv_count(Tensor("stats"), Tensor("recv_count"), runtime_event, None, async_finish=True)
     assert buffer._comm_stream is comm  # made once, then reused
+
+
+def test_deepeps_event_overlap_api():
+    """What engines read of DeepEP's EventOverlap: ``event`` (None without async_finish, as
+    TensorRT-LLM asserts), ``extra_tensors``, ``current_stream_wait(release_handle)``, ``wait()``,
+    ``register_hook_after_wait`` and ``with event(release_handle=True):``."""
+    log = []
+    event = deep_ep.EventOverlap(lambda: log.append("wait"), extra=("kept",))
+    assert event.extra_tensors == ("kept",) and event.event is not None
+    event.event.current_stream_wait()
+    assert log == ["wait"]
+    event.register_hook_after_wait(lambda: log.append("hook") or "result")
+    with pytest.raises(RuntimeError, match="a hook is already registered on this EventOverlap"):
+        event.register_hook_after_wait(lambda: None)
+    assert event.wait() == "result" and log == ["wait", "wait", "hook"]
+    assert event.current_stream_wait() is None and log[-1] == "wait"  # the hook ran once
+    with event(release_handle=True):
+        log.append("body")
+    assert log[-2:] == ["body", "wait"] and event.event is None and event.extra_tensors is None
+    with event:  # released: nothing left to wait for
+        pass
+    assert log[-1] == "wait" and len(log) == 6
+
+    case = make_case(19, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
+    buffer = new_buffer(ep.LocalGroup(1).rank_group(0), case)
+    x, topk_idx = to_torch(case.xs[0]), to_torch(case.topk_idxs[0])
+    _, _, _, sync_event, _ = buffer.low_latency_dispatch(x, topk_idx, case.num_max_tokens, case.num_experts,
+                                                         use_fp8=False)
+    assert sync_event.event is None  # the work is on the caller's stream
+
+
+def test_capture_records_an_event_on_torchs_current_stream(monkeypatch):
+    """DeepEP's ``Buffer.capture()``, a static helper of any mode: an event recorded on torch's
+    current stream, which a later current stream waits for. CUDA stand-ins."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"^deep_ep.Buffer.capture: records an event on torch's current CUDA "
+                                           r"stream; no CUDA device is available"):
+        deep_ep.Buffer.capture()
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(("wait", self.name, event))
+
+    class Event:
+        def record(self, stream):
+            log.append(("record", stream.name, self))
+
+    streams = iter([Stream("recording"), Stream("waiting")])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: next(streams))
+    event = deep_ep.Buffer.capture()
+    recorded = log[0][2]
+    assert log == [("record", "recording", recorded)] and event.event is not None
+    event.current_stream_wait()
+    assert log[-1] == ("wait", "waiting", recorded)
+
+
+def test_the_group_given_is_kept_and_comm_stands_in_for_it():
+    """DeepEP's ``buffer.group`` is the group given: engines rebuild a cached Buffer when
+    ``_buffer.group != group`` (DeepEP's own get_buffer recipe), which a wrapper would make every
+    call. ``comm`` is used where ``group`` is None, and the positional order is DeepEP 2.x's."""
+    case = make_case(23, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
+    group = ep.LocalGroup(1).rank_group(0)
+    assert new_buffer(group, case).group is group
+    from_comm = new_buffer(None, case, comm=group)
+    assert from_comm.group is group and from_comm.group_size == 1
+    # (group, nvl, rdma, low_latency_mode, qps, allow_nvlink, allow_mnnvl, explicitly_destroy, enable_shrink)
+    positional = deep_ep.Buffer(group, 0, case.size_hint, True, 2, True, False, True, True, backend="reference")
+    assert positional.explicitly_destroy and positional.enable_shrink and positional.timeout_us == 100_000_000
+    assert not new_buffer(group, case, use_fabric=True).enable_shrink  # DeepEP 1.x's flag, by name
+
+
+def test_bf16_dispatch_ignores_the_fp8_flags_as_deepeps():
+    """Engines pass ``round_scale`` and ``use_ue8m0`` whatever ``use_fp8`` is (SGLang's dispatchers
+    on Blackwell did); DeepEP's bf16 dispatch ignores them."""
+    case = make_case(29, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
+    buffer = new_buffer(ep.LocalGroup(1).rank_group(0), case)
+    x, topk_idx = to_torch(case.xs[0]), to_torch(case.topk_idxs[0])
+    T, E = case.num_max_tokens, case.num_experts
+    plain, plain_count, _, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    flagged, flagged_count, _, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, round_scale=True,
+                                                                  use_ue8m0=True)
+    assert flagged.dtype == torch.bfloat16
+    torch.testing.assert_close(flagged_count, plain_count, rtol=0, atol=0)
+    for e in range(plain.shape[0]):  # the received rows (the rest is the workspace's)
+        rows = int(plain_count[e])
+        assert torch.equal(flagged[e, :rows].view(torch.int16), plain[e, :rows].view(torch.int16))
