@@ -179,8 +179,8 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event recorded on torch's current stream, as DeepEP's: ``current_stream_wait()`` makes
-        the stream current then wait for the work queued before it."""
+        """An event recorded on torch's current stream, as DeepEP's: its ``current_stream_wait()``
+        makes the stream current at that later time wait for the work queued before the capture."""
         if not torch.cuda.is_available():
             raise RuntimeError("deep_ep.Buffer.capture: records an event on torch's current CUDA stream; no CUDA "
                                "device is available")
@@ -250,9 +250,8 @@ class Buffer:
         where = "low_latency_dispatch"
         _check_tensor(where, "x", x)
         if isinstance(dispatch_wait_recv_cost_stats, bool):
-            raise TypeError(f"{where}: dispatch_wait_recv_cost_stats must be an int64 torch.Tensor or None, got bool "
-                            f"(DeepEP's older API had use_fp8 sixth, after cumulative_local_expert_recv_stats: pass "
-                            f"it by name)")
+            raise TypeError(f"{where}: dispatch_wait_recv_cost_stats got a bool (DeepEP's older API had use_fp8 "
+                            f"sixth, after cumulative_local_expert_recv_stats: pass it by name)")
         _check_unmeasured(where, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
         if use_fp8 is False:  # DeepEP's bf16 dispatch ignores both (its only check: use_ue8m0 needs round_scale)
             check_bool(where, "round_scale", round_scale)

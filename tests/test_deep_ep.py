@@ -158,8 +158,8 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
          NotImplementedError, r"dispatch_wait_recv_cost_stats must be None: mooncake_ep's kernels do not measure"),
         # DeepEP's order before its wait-time diagnostics: use_fp8 sixth, after the stats.
         (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, None, False), TypeError,
-         r"dispatch_wait_recv_cost_stats must be an int64 torch.Tensor or None, got bool \(DeepEP's older API had "
-         r"use_fp8 sixth, after cumulative_local_expert_recv_stats: pass it by name\)"),
+         r"dispatch_wait_recv_cost_stats got a bool \(DeepEP's older API had use_fp8 sixth, after "
+         r"cumulative_local_expert_recv_stats: pass it by name\)"),
         (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, use_ue8m0=True), ValueError,
          r"low_latency_dispatch: use_ue8m0=True needs round_scale=True \(as DeepEP's\)"),
         (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, round_scale=1), TypeError,
