@@ -38,6 +38,23 @@ def expert_outputs(case, seed: int) -> list[np.ndarray]:
     return [rng.standard_normal(shape).astype(np.float32).astype(BF16) for _ in range(case.num_ranks)]
 
 
+def logged_stream_and_event(log: list):
+    """CUDA stand-ins that log what is done with them: a stream made with a name, whose waits are
+    logged, and an event whose records are."""
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(("wait", self.name, event))
+
+    class Event:
+        def record(self, stream):
+            log.append(("record", stream.name, self))
+
+    return Stream, Event
+
+
 FLAGS = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True),
          "ue8m0": dict(use_fp8=True, round_scale=True, use_ue8m0=True)}
 
@@ -255,17 +272,7 @@ def test_async_finish_adds_recv_stats_on_the_communication_stream(monkeypatch):
     order of the calls is what is checked."""
     log = []
 
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_event(self, event):
-            log.append(("wait", self.name, event))
-
-    class Event:
-        def record(self, stream):
-            log.append(("record", stream.name, self))
-
+    Stream, Event = logged_stream_and_event(log)
     class StreamContext:
         def __init__(self, stream):
             self.stream = stream
@@ -354,17 +361,7 @@ def test_capture_records_an_event_on_torchs_current_stream(monkeypatch):
         deep_ep.Buffer.capture()
     log = []
 
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_event(self, event):
-            log.append(("wait", self.name, event))
-
-    class Event:
-        def record(self, stream):
-            log.append(("record", stream.name, self))
-
+    Stream, Event = logged_stream_and_event(log)
     streams = iter([Stream("recording"), Stream("waiting")])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Event", Event)
