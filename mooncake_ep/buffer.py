@@ -102,39 +102,57 @@ class EventOverlap:
 
     ``current_stream_wait()`` makes the caller's current stream wait for it (a no-op when the work is
     already ordered on that stream), then runs the hook of :meth:`register_hook_after_wait`, if any,
-    and returns its result; ``with event:`` waits on exit, and ``with event(release_handle=True):``
-    then also lets go of the event and the arrays it keeps alive.
+    and returns its result; ``with event:`` waits on exit (nothing at all where ``event`` is None, as
+    DeepEP's), and ``with event(release_handle=True):`` then also sets ``event`` to None.
+
+    Args:
+        wait: makes the current stream wait for the work; None where it is ordered there already.
+            An object with ``current_stream_wait()`` (DeepEP's ``EventHandle``, an ``event`` of
+            another EventOverlap) is taken too, as DeepEP's ``EventOverlap(event)``.
+        extra: arrays kept alive until the work is done.
+        event, extra_tensors: DeepEP's names of the two, by keyword.
 
     Attributes:
         event: an object with ``current_stream_wait()``, or None where there is nothing to wait for
             (the work ran on the caller's stream), as DeepEP's ``event`` of a call without
-            ``async_finish``.
+            ``async_finish``; set it to None to let go of it, as DeepEP's callers do.
         extra (also ``extra_tensors``): the call's arrays, kept alive until the work is done.
     """
 
-    def __init__(self, wait: Callable[[], None] | None = None, extra: Any = None):
-        self._wait = wait
-        self.extra = extra  # arrays kept alive until the work is done
+    def __init__(self, wait: Callable[[], None] | Any = None, extra: Any = None, *, event: Any = None,
+                 extra_tensors: Any = None):
+        self._event: _StreamWait | None = None
+        if wait is not None or event is not None:  # (the common eager call makes one with neither)
+            self.event = wait if wait is not None else event
+        self.extra = extra if extra is not None else extra_tensors  # arrays kept alive until the work is done
         self._hook_after_wait: Callable[[], Any] | None = None
         self._release_on_exit = False
 
     @property
     def event(self) -> _StreamWait | None:
-        return None if self._wait is None else _StreamWait(self._wait)
+        return self._event
+
+    @event.setter
+    def event(self, event: Callable[[], None] | Any) -> None:
+        wait = getattr(event, "current_stream_wait", event)  # an EventHandle, or the wait itself
+        if wait is not None and not callable(wait):
+            raise TypeError(f"EventOverlap: event must have current_stream_wait() (or be the wait, a callable), got "
+                            f"{type(event).__name__}")
+        self._event = None if wait is None else _StreamWait(wait)
 
     @property
     def extra_tensors(self) -> Any:
         return self.extra
 
     def current_stream_wait(self, release_handle: bool = False) -> Any:
-        if self._wait is not None:
-            self._wait()
+        if self._event is not None:
+            self._event.current_stream_wait()
         result = None
         if self._hook_after_wait is not None:
-            hook, self._hook_after_wait = self._hook_after_wait, None
-            result = hook()
+            result = self._hook_after_wait()  # cleared once it returned: a hook that raised runs again
+            self._hook_after_wait = None
         if release_handle:  # the caller's stream is ordered after the work now
-            self._wait = self.extra = None
+            self._event = None
         return result
 
     def wait(self) -> Any:
@@ -142,8 +160,8 @@ class EventOverlap:
         return self.current_stream_wait()
 
     def register_hook_after_wait(self, hook_after_wait: Callable[[], Any]) -> None:
-        """Run ``hook_after_wait()`` once, after the next :meth:`current_stream_wait` (on the current
-        stream, then ordered after the work)."""
+        """Run ``hook_after_wait()`` after the next :meth:`current_stream_wait` (on the current stream,
+        then ordered after the work), once it returns."""
         if self._hook_after_wait is not None:
             raise RuntimeError("register_hook_after_wait: a hook is already registered on this EventOverlap")
         if not callable(hook_after_wait):
@@ -152,7 +170,7 @@ class EventOverlap:
         self._hook_after_wait = hook_after_wait
 
     def __call__(self, release_handle: bool = False) -> EventOverlap:
-        """``with event(release_handle=True):`` lets go of the event once its wait is made on exit."""
+        """``with event(release_handle=True):`` sets ``event`` to None once its wait is made on exit."""
         self._release_on_exit = release_handle
         return self
 
@@ -161,7 +179,8 @@ class EventOverlap:
 
     def __exit__(self, *exc_info) -> None:
         release, self._release_on_exit = self._release_on_exit, False
-        self.current_stream_wait(release_handle=release)
+        if self._event is not None:
+            self.current_stream_wait(release_handle=release)
 
 
 def _gpu_available() -> bool:

@@ -32,12 +32,16 @@ What differs from DeepEP:
       CUDA context unusable; a mask nobody reads would leave results silently short). The masks
       are DeepEP's mask buffer (``low_latency_update_mask_buffer`` and the like) and
       :attr:`Buffer.active_ranks`.
-    - :class:`EventOverlap` is DeepEP's (``event``, None without ``async_finish``; ``extra_tensors``;
-      ``current_stream_wait(release_handle)``, ``wait()``, ``register_hook_after_wait``, and
-      ``with event(release_handle=True):``), except that ``current_stream_wait()`` of an event that
-      is None does nothing instead of failing an assert.
+    - :class:`EventOverlap` has DeepEP's API (``event``, None without ``async_finish``;
+      ``extra_tensors``; ``current_stream_wait(release_handle)``, ``wait()``,
+      ``register_hook_after_wait``, ``with event(release_handle=True):``, and its constructor),
+      except that ``current_stream_wait()`` of an event that is None does nothing instead of
+      failing an assert.
     - The constructor's positional order is DeepEP 2.x's (``explicitly_destroy`` eighth); DeepEP
-      1.x's ``use_fabric`` goes by name.
+      1.x's ``use_fabric`` goes by name. A 1.x call with ten positional arguments is refused (a bool
+      lands in ``comm``); one with nine (up to ``explicitly_destroy``) cannot be told apart and
+      sets ``enable_shrink`` instead.
+    - ``Buffer.group`` is the caller's group; the mooncake_ep group is ``Buffer.runtime.group``.
     - A bf16 dispatch (``use_fp8=False``) ignores ``round_scale`` and ``use_ue8m0``, as DeepEP's does
       (``use_ue8m0`` still needs ``round_scale``).
     - ``get_next_low_latency_combine_buffer(handle)`` wants the dispatch received (its hook called):
@@ -55,6 +59,7 @@ import torch
 from mooncake_ep import _constants
 from mooncake_ep.buffer import Buffer as _Buffer
 from mooncake_ep.buffer import EventOverlap, Handle
+from mooncake_ep.group import is_communicator
 from mooncake_ep.validation import check_bool, check_experts, check_int, check_timeout
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
@@ -146,10 +151,16 @@ class Buffer:
                             ("explicitly_destroy", explicitly_destroy), ("enable_shrink", enable_shrink)):
             if not isinstance(value, bool):
                 raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
+        if isinstance(comm, bool):  # DeepEP 1.x's order, positionally: enable_shrink landed here
+            raise TypeError(f"{where}: comm got a bool: DeepEP 1.x had use_fabric eighth, where 2.x's order (taken "
+                            f"here) has explicitly_destroy; pass explicitly_destroy, enable_shrink and use_fabric by "
+                            f"name")
         if group is None:  # DeepEP's: comm is "the communicator to use in case the group parameter is absent"
             if comm is None:
                 raise ValueError(f"{where}: group or comm must be given (a torch ProcessGroup, an mpi4py "
                                  f"communicator or a mooncake_ep group)")
+            if not is_communicator(comm):
+                raise TypeError(f"{where}: comm must be an mpi4py communicator, got {type(comm).__name__}")
             group = comm
         self.runtime = _Buffer(group, num_rdma_bytes, num_sms=num_sms, backend=backend,
                                kernel_cache_dir=kernel_cache_dir)
@@ -249,6 +260,9 @@ class Buffer:
         """
         where = "low_latency_dispatch"
         _check_tensor(where, "x", x)
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:  # first: a bool here is the oldest order's use_fp8 (fifth), whatever follows
+            _check_recv_stats(where, stats, x, num_experts, self.group_size)
         if isinstance(dispatch_wait_recv_cost_stats, bool):
             raise TypeError(f"{where}: dispatch_wait_recv_cost_stats got a bool (DeepEP's older API had use_fp8 "
                             f"sixth, after cumulative_local_expert_recv_stats: pass it by name)")
@@ -259,9 +273,6 @@ class Buffer:
             if use_ue8m0 and not round_scale:
                 raise ValueError(f"{where}: use_ue8m0=True needs round_scale=True (as DeepEP's)")
             round_scale = use_ue8m0 = False
-        stats = cumulative_local_expert_recv_stats
-        if stats is not None:
-            _check_recv_stats(where, stats, x, num_experts, self.group_size)
         recv_x, recv_count, handle, event, hook = self.runtime.dispatch(
             x, topk_idx, self.active_ranks, num_max_dispatch_tokens_per_rank, num_experts, self.timeout_us, use_fp8,
             async_finish, return_recv_hook, round_scale=round_scale, use_ue8m0=use_ue8m0)

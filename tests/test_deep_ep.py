@@ -181,6 +181,10 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
          r"low_latency_dispatch: use_ue8m0=True needs round_scale=True \(as DeepEP's\)"),
         (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, round_scale=1), TypeError,
          r"low_latency_dispatch: round_scale must be a bool, got int"),
+        # The oldest order, use_fp8 fifth and round_scale sixth: the fifth's hint.
+        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, True, False), TypeError,
+         r"cumulative_local_expert_recv_stats must be an int32 torch.Tensor or None, got bool \(DeepEP's older API "
+         r"had use_fp8 fifth"),
         (lambda: buffer.low_latency_dispatch(case.xs[0], topk_idx, T, E), TypeError,
          r"low_latency_dispatch: x must be a torch.Tensor \(DeepEP's API takes torch tensors"),
         (lambda: buffer.low_latency_dispatch(x, topk_idx, T, 3), ValueError, r"num_experts"),
@@ -325,24 +329,46 @@ def test_async_finish_adds_recv_stats_on_the_communication_stream(monkeypatch):
 
 def test_deepeps_event_overlap_api():
     """What engines read of DeepEP's EventOverlap: ``event`` (None without async_finish, as
-    TensorRT-LLM asserts), ``extra_tensors``, ``current_stream_wait(release_handle)``, ``wait()``,
-    ``register_hook_after_wait`` and ``with event(release_handle=True):``."""
+    TensorRT-LLM asserts; set to None to let go of it), ``extra_tensors``,
+    ``current_stream_wait(release_handle)``, ``wait()``, ``register_hook_after_wait``, ``with
+    event(release_handle=True):``, and DeepEP's constructor ``EventOverlap(event, extra_tensors=)``."""
     log = []
     event = deep_ep.EventOverlap(lambda: log.append("wait"), extra=("kept",))
-    assert event.extra_tensors == ("kept",) and event.event is not None
+    assert event.extra_tensors == ("kept",) and event.event is not None and event.event is event.event
     event.event.current_stream_wait()
     assert log == ["wait"]
-    event.register_hook_after_wait(lambda: log.append("hook") or "result")
+
+    def hook():
+        log.append("hook")
+        if log.count("hook") == 1:
+            raise ValueError("the hook's first run fails")
+        return "result"
+
+    event.register_hook_after_wait(hook)
     with pytest.raises(RuntimeError, match="a hook is already registered on this EventOverlap"):
         event.register_hook_after_wait(lambda: None)
-    assert event.wait() == "result" and log == ["wait", "wait", "hook"]
-    assert event.current_stream_wait() is None and log[-1] == "wait"  # the hook ran once
+    with pytest.raises(ValueError, match="the hook's first run fails"):
+        event.wait()
+    assert event.wait() == "result" and log == ["wait", "wait", "hook", "wait", "hook"]  # kept until it returned
+    assert event.current_stream_wait() is None and log[-1] == "wait"  # then run no more
     with event(release_handle=True):
         log.append("body")
-    assert log[-2:] == ["body", "wait"] and event.event is None and event.extra_tensors is None
-    with event:  # released: nothing left to wait for
+    assert log[-2:] == ["body", "wait"] and event.event is None and event.extra_tensors == ("kept",)
+    event.register_hook_after_wait(lambda: log.append("late hook"))
+    with event:  # released: nothing to wait for, and nothing runs on exit (as DeepEP's)
         pass
-    assert log[-1] == "wait" and len(log) == 6
+    assert log[-1] == "wait" and len(log) == 8
+
+    rewrapped = deep_ep.EventOverlap(deep_ep.EventOverlap(lambda: log.append("inner")).event, extra_tensors=(1,))
+    rewrapped.current_stream_wait()
+    assert log[-1] == "inner" and rewrapped.extra_tensors == (1,)
+    assert deep_ep.EventOverlap(event=None).event is None
+    rewrapped.event = None  # DeepEP's callers let go of the event so
+    rewrapped.current_stream_wait()
+    assert log[-1] == "inner" and len(log) == 9
+    with pytest.raises(TypeError, match=r"EventOverlap: event must have current_stream_wait\(\) \(or be the wait, "
+                                        r"a callable\), got int"):
+        deep_ep.EventOverlap(event=3)
 
     case = make_case(19, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
     buffer = new_buffer(ep.LocalGroup(1).rank_group(0), case)
@@ -380,8 +406,28 @@ def test_the_group_given_is_kept_and_comm_stands_in_for_it():
     case = make_case(23, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
     group = ep.LocalGroup(1).rank_group(0)
     assert new_buffer(group, case).group is group
-    from_comm = new_buffer(None, case, comm=group)
-    assert from_comm.group is group and from_comm.group_size == 1
+
+    class Communicator:  # mpi4py's, as MPIGroup uses it: one rank
+        def Get_rank(self):
+            return 0
+
+        def Get_size(self):
+            return 1
+
+        def allgather(self, obj):
+            return [obj]
+
+        def Barrier(self):
+            pass
+
+    comm = Communicator()
+    from_comm = new_buffer(None, case, comm=comm)
+    assert from_comm.group is comm and from_comm.group_size == 1 and from_comm.runtime.num_ranks == 1
+    with pytest.raises(TypeError, match=r"^deep_ep.Buffer: comm must be an mpi4py communicator, got int$"):
+        new_buffer(None, case, comm=42)
+    # DeepEP 1.x's ten positional arguments (use_fabric eighth): enable_shrink lands in comm.
+    with pytest.raises(TypeError, match=r"^deep_ep.Buffer: comm got a bool: DeepEP 1.x had use_fabric eighth"):
+        deep_ep.Buffer(group, 0, case.size_hint, True, 2, True, False, False, False, True, backend="reference")
     # (group, nvl, rdma, low_latency_mode, qps, allow_nvlink, allow_mnnvl, explicitly_destroy, enable_shrink)
     positional = deep_ep.Buffer(group, 0, case.size_hint, True, 2, True, False, True, True, backend="reference")
     assert positional.explicitly_destroy and positional.enable_shrink and positional.timeout_us == 100_000_000
