@@ -149,8 +149,7 @@ class Buffer:
         for name, value in (("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
                             ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
                             ("explicitly_destroy", explicitly_destroy), ("enable_shrink", enable_shrink)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
+            check_bool(where, name, value)
         if isinstance(comm, bool):  # DeepEP 1.x's order, positionally: enable_shrink landed here
             raise TypeError(f"{where}: comm got a bool: DeepEP 1.x had use_fabric eighth, where 2.x's order (taken "
                             f"here) has explicitly_destroy; pass explicitly_destroy, enable_shrink and use_fabric by "
@@ -324,8 +323,7 @@ class Buffer:
         if rank_to_mask >= self.group_size:
             raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask must be < group_size={self.group_size}, "
                              f"got {rank_to_mask}")
-        if not isinstance(mask, bool):
-            raise TypeError(f"low_latency_update_mask_buffer: mask must be a bool, got {type(mask).__name__}")
+        check_bool("low_latency_update_mask_buffer", "mask", mask)
         self.active_ranks[rank_to_mask] = 0 if mask else 1
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
