@@ -590,6 +590,21 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             copy_row(src_row, src_scales, dst_row, dst_scale_row, out_row_bytes, num_row_scales);
         };
 
+        // Received row n (in pair order) is row j of pair (source, local expert): its source, the
+        // token's index in that source's staging (read only where the source staged), its local
+        // expert and its row within that expert.
+        const auto find_row = [&](int n, int& src, int& token, int& local_expert, int& row) {
+            const int pair = upper_bound(s_flat, num_pairs, n) - 1;
+            const int j = n - s_flat[pair];
+            src = pair / num_local_experts;
+            local_expert = pair % num_local_experts;
+            row = s_base[pair] + j;
+            if (s_staged[src]) {
+                const int* send_list = reinterpret_cast<const int*>(route[src] + layout.send_list[parity]);
+                token = ld_cg_int(send_list + s_start[pair] + j);
+            }
+        };
+
         // Rows are numbered n over the whole grid in pair order: warp g copies the rows whose number
         // is g modulo the grid's warps W. At iteration i a block's warps copy kGroupRows neighbouring
         // rows (i W + blockIdx.x kGroupRows + warp), which neighbouring rows' scales use below.
@@ -602,17 +617,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             for (int base = global_warp; base < num_rows; base += kWarpSize * num_warps_total) {
                 const int my_n = base + lane * num_warps_total;
                 int my_src = 0, my_token = 0, my_expert = 0, my_row = 0;
-                if (my_n < num_rows) {
-                    const int pair = upper_bound(s_flat, num_pairs, my_n) - 1;
-                    const int j = my_n - s_flat[pair];
-                    my_src = pair / num_local_experts;
-                    my_expert = pair % num_local_experts;
-                    my_row = s_base[pair] + j;
-                    if (s_staged[my_src]) {
-                        const int* send_list = reinterpret_cast<const int*>(route[my_src] + layout.send_list[parity]);
-                        my_token = ld_cg_int(send_list + s_start[pair] + j);
-                    }
-                }
+                if (my_n < num_rows) find_row(my_n, my_src, my_token, my_expert, my_row);
                 const int rows_here = min(kWarpSize, (num_rows - base + num_warps_total - 1) / num_warps_total);
                 if (base == global_warp) EP_TRACE_POINT(15);  // thread 0: warp 0's first row, found
                 for (int i = 0; i < rows_here; ++i)
@@ -642,17 +647,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                 const int slot = threadIdx.x, slot_iter = window + slot / kGroupRows;
                 const int n = slot_iter * num_warps_total + first_row_of_block + slot % kGroupRows;
                 int src = 0, token = 0, local_expert = -1, row = 0;
-                if (slot_iter < num_iters && n < num_rows) {
-                    const int pair = upper_bound(s_flat, num_pairs, n) - 1;
-                    const int j = n - s_flat[pair];
-                    src = pair / num_local_experts;
-                    local_expert = pair % num_local_experts;
-                    row = s_base[pair] + j;
-                    if (s_staged[src]) {
-                        const int* send_list = reinterpret_cast<const int*>(route[src] + layout.send_list[parity]);
-                        token = ld_cg_int(send_list + s_start[pair] + j);
-                    }
-                }
+                if (slot_iter < num_iters && n < num_rows) find_row(n, src, token, local_expert, row);
                 s_window_src[slot] = src;
                 s_window_token[slot] = token;
                 s_window_expert[slot] = local_expert;
