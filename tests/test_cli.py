@@ -320,6 +320,26 @@ def test_a_long_join_says_it_is_waiting_and_a_short_one_says_nothing(monkeypatch
         assert ("RANK 1 of WORLD_SIZE 2 at" in err and "still waiting for the other ranks to join" in err) == said, err
 
 
+def test_a_rank_that_fails_leaves_without_the_final_barrier(monkeypatch):
+    """bench's and demo's --group init ranks: one leaving on an error must not wait in the group's
+    final barrier for peers that may never come; one that finished must (its peers may still be
+    reading its memory)."""
+    from mooncake_ep.cli import launch
+
+    closed = []
+
+    class Group:
+        def close(self, final_barrier):
+            closed.append(final_barrier)
+
+    monkeypatch.setattr(launch, "join_group", lambda *args: Group())
+    with launch.joined_group("reference") as group:
+        assert isinstance(group, Group)
+    with pytest.raises(RuntimeError, match="boom"), launch.joined_group("reference"):
+        raise RuntimeError("boom")
+    assert closed == [True, False]
+
+
 def test_ranks_started_with_other_flags_fail_in_one_line():
     """Ranks of a --group init job (torchrun's, a custom launcher's) given different flags: every rank
     says which value differs where, in one line (it was a 30-line traceback of a ValueError)."""

@@ -1294,18 +1294,10 @@ def run(args) -> int:
     if world_size is not None:  # the flags, before the wait for every rank to join
         check_ranks_flag(args, world_size, "WORLD_SIZE's")
         check_as_ranks(args, backend, world_size, "WORLD_SIZE")
-    group = launch.join_group(backend)
-    finished = False
-    try:
+    with launch.joined_group(backend) as group:
         check_ranks_flag(args, group.world_size, "the group's")
         args.ranks = group.world_size
-        code = run_ranks(args, backend, why, group)
-        finished = True
-        return code
-    finally:
-        close = getattr(group, "close", None)  # the Group protocol has no close; every init_group group does
-        if close is not None:
-            close(final_barrier=finished)  # leaving on an error: the peers may never reach a final barrier
+        return run_ranks(args, backend, why, group)
 
 
 def child_argv(args) -> list[str]:

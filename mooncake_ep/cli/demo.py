@@ -435,16 +435,8 @@ def _run_process_rank(args: argparse.Namespace) -> int:
     world_size = launch.env_world_size()
     if world_size is not None:  # the flags, before the wait for every rank to join
         _make_config(args, world_size, "WORLD_SIZE")
-    group = launch.join_group(backend)
-    finished = False
-    try:
-        code = _process_rank_step(group, args, backend, why)
-        finished = True
-        return code
-    finally:
-        close = getattr(group, "close", None)  # the Group protocol has no close; every init_group group does
-        if close is not None:
-            close(final_barrier=finished)  # leaving on an error: the peers may never reach a final barrier
+    with launch.joined_group(backend) as group:
+        return _process_rank_step(group, args, backend, why)
 
 
 def _process_rank_step(group: mooncake_ep.Group, args: argparse.Namespace, backend: str, why: str) -> int:

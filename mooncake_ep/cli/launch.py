@@ -13,6 +13,7 @@ while suspended, with SIGKILL, leaves them suspended).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import stat
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import mooncake_ep
@@ -107,6 +108,21 @@ def join_group(backend: str, device: int | None = None) -> mooncake_ep.Group:
         raise UsageError(f"--group init: {exc}") from None
     finally:
         notice.cancel()
+
+
+@contextlib.contextmanager
+def joined_group(backend: str) -> Iterator[mooncake_ep.Group]:
+    """:func:`join_group`, closed when the block ends: with the group's final barrier when the block
+    returns, without it when it raises (the peers may never reach a final barrier then)."""
+    group = join_group(backend)
+    finished = False
+    try:
+        yield group
+        finished = True
+    finally:
+        close = getattr(group, "close", None)  # the Group protocol has no close; every init_group group does
+        if close is not None:
+            close(final_barrier=finished)
 
 
 def use_process_device() -> int:
