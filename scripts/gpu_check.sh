@@ -81,7 +81,8 @@ step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to OUTDIR/N
   echo "== $name: $*"
   timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
-  tail -n "${TAIL:-12}" "$out/$name.log"
+  # sed: a log cut mid-line by the limit still ends in a newline, so the rc line starts one of its own
+  tail -n "${TAIL:-12}" "$out/$name.log" | sed -e '$a\'
   echo "== $name rc=$rc"
   [[ " ${OK_RCS:-0} " == *" $rc "* ]] || status=1
   last_rc=$rc

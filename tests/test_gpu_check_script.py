@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
 STAND_IN = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >>"$CALLS"
 case "$*" in *"pip install"*) exit "${INSTALL_RC:-0}";; esac
-case "$*" in *test_b.py*) exit "${PYTEST_RC_TEST_B:-${PYTEST_RC:-0}}";; esac
+case "$*" in *test_b.py*) printf '%s' "${PYTEST_OUTPUT_TEST_B:-}"; exit "${PYTEST_RC_TEST_B:-${PYTEST_RC:-0}}";; esac
 case "$*" in *pytest*) exit "${PYTEST_RC:-0}";; esac
 exit 0
 """
@@ -74,3 +74,12 @@ def test_a_k_that_selects_nothing_in_any_file_fails(tmp_path):
     (helper-117)."""
     proc, _ = run_script(tmp_path, "tests", PYTEST_FILES="test_a test_b", PYTEST_K="no_such_case", PYTEST_RC="5")
     assert proc.returncode == 1 and "PYTEST_K='no_such_case' selected no test in any file" in proc.stdout
+
+
+def test_a_log_cut_mid_line_still_gets_its_exit_code_line(tmp_path):
+    """A pytest killed by its limit mid-line left the log without a final newline: the step's
+    "== NAME rc=" line was glued to it, and a caller's grep for "^== " lost that file's result."""
+    proc, _ = run_script(tmp_path, "tests", PYTEST_FILES="test_a test_b", PYTEST_OUTPUT_TEST_B="....F..",
+                         PYTEST_RC_TEST_B="124")
+    assert proc.returncode == 1
+    assert "\n== test_b rc=124\n" in proc.stdout and "\n== test_a rc=0\n" in proc.stdout, proc.stdout
