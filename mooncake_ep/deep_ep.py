@@ -161,11 +161,14 @@ class Buffer:
             if not is_communicator(comm):
                 raise TypeError(f"{where}: comm must be an mpi4py communicator, got {type(comm).__name__}")
             group = comm
-        self.runtime = _Buffer(group, num_rdma_bytes, num_sms=num_sms, backend=backend,
-                               kernel_cache_dir=kernel_cache_dir)
         if timeout_us is None:
             timeout_us = SHRINK_TIMEOUT_US if enable_shrink else _constants.TIMEOUT_FOREVER
-        self.timeout_us = check_timeout(where, timeout_us)
+        # Every argument is checked before the Buffer's collective construction: a rank refused after it
+        # would leave its peers a Buffer whose partner has none (and its own undestroyed).
+        timeout_us = check_timeout(where, timeout_us)
+        self.runtime = _Buffer(group, num_rdma_bytes, num_sms=num_sms, backend=backend,
+                               kernel_cache_dir=kernel_cache_dir)
+        self.timeout_us = timeout_us
         self.group = group  # the caller's, as DeepEP's: engines compare it to decide to build anew
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink

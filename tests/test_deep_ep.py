@@ -145,6 +145,16 @@ def test_the_mask_buffer_is_active_ranks():
         assert after_clean == [0, 0, 0] and active == [1, 1, 1]
 
 
+def test_a_bad_timeout_is_refused_before_the_collective_construction(monkeypatch):
+    """timeout_us was checked after the runtime Buffer's handshake: the refusing rank left its peers a
+    Buffer whose partner had none, and its own was never destroyed (helper-144)."""
+    case = make_case(13, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
+    group = ep.LocalGroup(1).rank_group(0)
+    monkeypatch.setattr(deep_ep, "_Buffer", lambda *args, **kwargs: pytest.fail("built before the checks"))
+    with pytest.raises(ValueError, match=r"^deep_ep.Buffer: timeout_us must be >= -1, got -5"):
+        deep_ep.Buffer(group, 0, case.size_hint, low_latency_mode=True, backend="reference", timeout_us=-5)
+
+
 def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
     case = make_case(13, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
     group = ep.LocalGroup(1).rank_group(0)
