@@ -911,11 +911,15 @@ class Buffer:
         the workspace that a second combine of ``handle`` would rewrite while they may still read.
 
         The reference backend's exchange has no such hazard; it answers as the kernels would for ranks
-        placed as its group's are (in processes: copies), so that a CPU test refuses what a GPU run would.
+        placed as its group's are (in processes, or in one process on several GPUs: copies), so that a
+        CPU test refuses what a GPU run would. Host arrays on a CUDA Buffer answer as its kernels.
         """
-        if handle.backend == "reference":
-            return bool(getattr(self.group, "is_in_process", False))
-        return self._cuda.direct_peer_reads
+        if self._cuda is not None:
+            return self._cuda.direct_peer_reads
+        if not getattr(self.group, "is_in_process", False):
+            return False
+        devices = getattr(getattr(self.group, "local_group", None), "devices", None)  # a LocalRankGroup's
+        return devices is None or len(set(devices)) == 1
 
     def _plan_combine(self, where: str, handle: Handle, topk_view: ArrayView, weights_view: ArrayView,
                       active_view: ArrayView, x_view: ArrayView | None, out_views) -> _Plan:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -975,6 +976,47 @@ def test_zero_copy_without_the_combine_buffer_is_refused_and_buffer_stays_usable
         return Step(np.asarray(recv_x).copy(), None, np.asarray(count).copy(), np.asarray(combined).copy())
 
     check_steps(case, flags, spawn(2, rank_fn), masks=False)
+
+
+@pytest.mark.parametrize("devices, second_combine_refused", [(None, False), ([0, 0], False), ([0, 1], True)])
+def test_a_second_combine_is_refused_where_peers_would_read_copies(devices, second_combine_refused):
+    """In-process ranks on several GPUs read each other's expert outputs from copies in the workspace,
+    which a second combine would rewrite under a slower peer's reads: the CUDA backend refuses it, and
+    the reference backend must too, or a CPU test passes what a GPU run refuses (helper-144). The
+    ranks run in threads of their own: LocalGroup.spawn with devices needs a GPU."""
+    case = make_case(20, num_ranks=2, hidden=128)
+    flags = BF16_FLAGS
+    local_group = ep.LocalGroup(2, devices=devices, timeout_s=GROUP_TIMEOUT_S)
+    steps, errors = [None, None], [None, None]
+
+    def rank_fn(rank):
+        try:
+            buf = new_buffer(local_group.rank_group(rank), case)
+            args = dispatch_args(case, rank)
+            recv_x, count, handle, _, _ = buf.dispatch(**args, **flags)
+            expert_out = expert_fn(rank, recv_x, None, flags)
+            weights = case.weights[rank]
+            combined, _, _ = buf.combine(expert_out, args["topk_idx"], weights, args["active_ranks"], -1, handle)
+            steps[rank] = Step(np.asarray(recv_x).copy(), None, np.asarray(count).copy(), np.asarray(combined).copy())
+            if second_combine_refused:
+                with pytest.raises(RuntimeError, match=r"combine: this handle was already combined through the "
+                                                       r"workspace"):
+                    buf.combine(expert_out, args["topk_idx"], weights, args["active_ranks"], -1, handle)
+            else:
+                again, _, _ = buf.combine(expert_out, args["topk_idx"], weights, args["active_ranks"], -1, handle)
+                np.testing.assert_array_equal(bits(again), bits(combined))
+        except BaseException as exc:  # noqa: BLE001 - raised in the test's thread below
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=rank_fn, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for error in errors:
+        if error is not None:
+            raise error
+    check_steps(case, flags, steps, masks=False)
 
 
 def test_zero_copy_combine_refuses_to_write_into_the_buffer_it_reads():
