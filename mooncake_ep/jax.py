@@ -53,8 +53,9 @@ Note:
     dispatch (fp8, of zeros) to rebuild the routing in the workspace, since the workspace keeps the
     routing of the last dispatches only. Not supported: gradients of an fp8 dispatch, of
     ``renormalize=True``, and of the split form (use :func:`dispatch` / :func:`combine`, one
-    rank per device); ``jax.vmap`` (use ``shard_map``), forward-mode ``jax.jvp``, and a
-    ``shard_map`` outside ``jax.jit`` (JAX runs a custom_vjp with symbolic zeros in shard_map only
+    rank per device); ``jax.vmap`` (use ``shard_map``) and what maps with it (``jax.jacrev``,
+    ``jax.hessian``), forward-mode ``jax.jvp``, second-order gradients (the backward's ops have no
+    derivative of their own), and a ``shard_map`` outside ``jax.jit`` (JAX runs a custom_vjp with symbolic zeros in shard_map only
     when traced). ``jax.checkpoint`` refuses a step in which a rank has no tokens (its ops keep a
     side effect, see :mod:`mooncake_ep.frameworks.jax_ops`): give it one token whose ids are all -1.
 
@@ -682,20 +683,48 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, *, timeout_s:
     return dict(zip(devices, buffers))
 
 
-def destroy_buffers(buffers: Mapping[Any, Buffer]) -> None:
-    """Free the Buffers of :func:`make_buffers` (their destroy is a collective of the group).
+def destroy_buffers(buffers: Mapping[Any, Buffer] | Sequence[Buffer] | Buffer) -> None:
+    """Free Buffers the JAX ops have used, and clear JAX's compilation caches.
 
-    Also clears JAX's compilation caches: a jitted program whose command buffer (CUDA graph) holds
-    these Buffers' launches would otherwise replay them on the freed workspaces without calling back.
-    Called again, such a program is traced anew, and its ops refuse the destroyed Buffers by name. An
-    executable the caller compiled ahead of time and kept (``jit(...).lower(...).compile()``) is not
-    reached by this: drop it before destroying the Buffers.
+    The caches go too: a jitted program whose command buffer (CUDA graph) holds these Buffers'
+    launches would otherwise replay them on the freed workspaces without calling back. Called again,
+    such a program is traced anew, and its ops refuse the destroyed Buffers by name. An executable
+    the caller compiled ahead of time and kept (``jit(...).lower(...).compile()``) is not reached by
+    this: drop it before destroying the Buffers.
+
+    Args:
+        buffers: every Buffer of one in-process group, as the mapping :func:`make_buffers` returned
+            or a sequence (the split form's list, from ``LocalGroup.spawn``): their destroy is a
+            collective, run here on the group's threads. Or this process's one Buffer of a group of
+            processes (``init_group``), where every process calls this with its own.
     """
-    if not buffers:
-        raise ValueError("destroy_buffers: buffers is empty; pass the mapping returned by make_buffers")
-    by_rank = {b.rank: b for b in buffers.values()}
-    parent = getattr(next(iter(by_rank.values())).group, "local_group", None)
-    if parent is None or sorted(by_rank) != list(range(parent.num_ranks)):
-        raise TypeError("destroy_buffers: buffers must be the whole mapping returned by make_buffers")
+    where = "destroy_buffers"
+    if isinstance(buffers, Buffer):
+        if getattr(buffers.group, "local_group", None) is not None:
+            raise TypeError(f"{where}: this Buffer is one rank of an in-process group, whose destroy is a "
+                            f"collective of its threads: pass every rank's Buffer (make_buffers' mapping, or a "
+                            f"list)")
+        buffers.destroy()  # collective: each process calls destroy_buffers with its own
+        jax.clear_caches()
+        return
+    if isinstance(buffers, Mapping):
+        values = list(buffers.values())
+    elif isinstance(buffers, Sequence) and not isinstance(buffers, (str, bytes)):
+        values = list(buffers)
+    else:
+        raise TypeError(f"{where}: buffers must be make_buffers' mapping, a sequence of Buffers or one Buffer, "
+                        f"got {type(buffers).__name__}")
+    if not values:
+        raise ValueError(f"{where}: buffers is empty; pass the mapping returned by make_buffers")
+    for buffer in values:
+        if not isinstance(buffer, Buffer):
+            raise TypeError(f"{where}: buffers must hold mooncake_ep Buffers, got {type(buffer).__name__}")
+    by_rank = {b.rank: b for b in values}
+    parent = getattr(values[0].group, "local_group", None)
+    if parent is None or len(values) != parent.num_ranks or sorted(by_rank) != list(range(parent.num_ranks)) \
+            or any(getattr(b.group, "local_group", None) is not parent for b in values):
+        raise ValueError(f"{where}: buffers must be every rank's Buffer of one in-process group, each once "
+                         f"(ranks {sorted(b.rank for b in values)} given); a process's own Buffer of a group "
+                         f"of processes goes alone")
     parent.spawn(lambda g: by_rank[g.rank].destroy())
     jax.clear_caches()

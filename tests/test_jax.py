@@ -23,6 +23,7 @@ from _cases import BF16, Case, bits, reference_step  # one definition for both i
 
 import mooncake_ep as ep
 from mooncake_ep import reference
+from mooncake_ep.group import free_port
 from mooncake_ep.tensor import DeviceMemoryArray
 
 jax = pytest.importorskip("jax")
@@ -1186,6 +1187,37 @@ def test_empty_buffer_mappings_are_refused():
         epj.make_buffers([], 1 << 20)
     with pytest.raises(ValueError, match="destroy_buffers: buffers is empty"):
         epj.destroy_buffers({})
+
+
+def test_destroy_buffers_takes_the_split_forms_list_and_refuses_part_of_a_group():
+    """The split form's Buffers come as a list (LocalGroup.spawn): destroy_buffers failed on it with an
+    AttributeError, leaving plain destroy(), which keeps JAX's caches of programs that may replay the
+    freed Buffers' launches (helper-143). Part of a group would wait in the collective for the rest."""
+    case = _cases.make_case(22, num_ranks=2)
+    buffers = ep.LocalGroup(2).spawn(lambda g: ep.Buffer(g, case.size_hint, backend="reference"))
+    for part, message in (([buffers[0]], r"every rank's Buffer of one in-process group, each once \(ranks \[0\]"),
+                          ([buffers[0], buffers[0]], r"each once \(ranks \[0, 0\] given\)")):
+        with pytest.raises(ValueError, match=message):
+            epj.destroy_buffers(part)
+    with pytest.raises(TypeError, match=r"one rank of an in-process group, .*: pass every rank's Buffer"):
+        epj.destroy_buffers(buffers[1])
+    with pytest.raises(TypeError, match=r"buffers must hold mooncake_ep Buffers, got str"):
+        epj.destroy_buffers([buffers[0], "buffer"])
+    with pytest.raises(TypeError, match=r"buffers must be make_buffers' mapping, a sequence of Buffers or one "
+                                        r"Buffer, got str"):
+        epj.destroy_buffers("buffers")
+    assert not any(b._destroyed for b in buffers)  # the refusals destroyed nothing
+    epj.destroy_buffers(buffers)
+    assert all(b._destroyed for b in buffers)
+    # A process's own Buffer of a group of processes (here a group of one) goes alone.
+    group = ep.init_group("tcp", rank=0, world_size=1, master_addr="127.0.0.1",
+                          master_port=free_port("127.0.0.1"))
+    try:
+        own = ep.Buffer(group, case.size_hint, backend="reference")
+        epj.destroy_buffers(own)
+        assert own._destroyed
+    finally:
+        group.close()
 
 
 def test_a_grad_buffer_of_another_rank_is_refused():

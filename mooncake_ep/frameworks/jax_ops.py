@@ -248,9 +248,10 @@ def _call(where: str, callback, specs, operands: Sequence, aliases: dict[int, in
 
     @run.def_vmap
     def _refuse_vmap(axis_size, in_batched, *args):
-        raise TypeError(f"{where}: jax.vmap is not supported (each call is one collective step of every rank); "
-                        f"map the ranks with shard_map, one device per rank, or use the split form "
-                        f"(dispatch_send / dispatch_recv) for several ranks on one device")
+        raise TypeError(f"{where}: jax.vmap is not supported (each call is one collective step of every rank), "
+                        f"nor what maps with it (jax.jacrev, jax.hessian); map the ranks with shard_map, one device "
+                        f"per rank, or use the split form (dispatch_send / dispatch_recv) for several ranks on one "
+                        f"device")
     return list(run(*operands))
 
 
