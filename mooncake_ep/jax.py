@@ -78,6 +78,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+try:  # every op is one; without it the first call failed deep inside, long after the import
+    import jax.experimental.buffer_callback  # noqa: F401
+except ImportError as error:
+    raise ImportError(f"mooncake_ep.jax needs jax.experimental.buffer_callback (jax >= 0.6.1; tested with "
+                      f"0.10 and 0.11), found jax {jax.__version__}") from error
+
 from mooncake_ep import _constants
 from mooncake_ep.buffer import Buffer
 from mooncake_ep.frameworks import jax_args, jax_ops, jax_split
