@@ -487,6 +487,7 @@ class Buffer:
                 by the kernels, in (token, k) order.
             active_ranks: ``[num_ranks]`` int32 on x's device; 1 (any nonzero value) = alive, 0 =
                 masked. The kernels write 0 for a rank that timed out; senders skip ranks marked 0.
+                A JAX array (immutable, CPU only here) is not written: ``mooncake_ep.jax`` returns the mask.
             num_max_dispatch_tokens_per_rank: T, equal on every rank.
             num_experts: E, a multiple of num_ranks, equal on every rank.
             timeout_us: microseconds a receive waits for a peer before masking it; -1 waits forever. On
@@ -797,7 +798,8 @@ class Buffer:
                 dispatch's recv_x. Ignored (may be None) with zero_copy.
             topk_idx: ``[num_tokens, num_topk]`` the same ids given to the dispatch of ``handle``.
             topk_weights: ``[num_tokens, num_topk]`` fp32 routing weights.
-            active_ranks: ``[num_ranks]`` int32; the kernels write 0 for an expert rank that timed out.
+            active_ranks: ``[num_ranks]`` int32; the kernels write 0 for an expert rank that timed out
+                (not into a JAX array, as in dispatch).
             timeout_us: microseconds to wait for an expert rank before masking it; -1 waits forever. On
                 itself a rank waits as in dispatch.
             handle: the handle of the dispatch this combine answers (that dispatch or the one after).
