@@ -1619,22 +1619,23 @@ def _torch_records_gradients() -> bool:
 def _torch_outputs(where: str, out_views, names: tuple[str, ...]) -> list:
     """The torch tensors among a call's out= arrays (``names`` theirs, in order), which it writes in place.
 
-    One that requires grad is refused, as torch's own out= ops refuse it: the write has no gradient.
-    The call then counts its write in the others' version counters (frameworks.torch.mark_modified).
-    Empty without out=, and while torch records no gradients (_torch_records_gradients), as torch's
-    own out= check: under ``no_grad`` / ``inference_mode`` (an inference engine's calls) the two would
-    cost 1-2 us a call for nothing, and an engine that overwrites there a tensor an earlier graph
-    saved is not told. active_ranks is not counted: the kernels write it only when a rank times out,
-    and a count every call would fail every backward that read the mask.
+    The call counts its write in their version counters (frameworks.torch.mark_modified) in every
+    grad mode, as torch's own out= ops do: a tensor an earlier graph saved and a call under
+    ``no_grad`` / ``inference_mode`` overwrote (an engine's static buffers, reused between a training
+    step and an eval step) makes that graph's backward raise, not compute from the new values. While
+    torch records gradients, one that requires grad is refused, as torch's out= ops refuse it: the
+    write has no gradient. Empty without out=. active_ranks is not counted: the kernels write it
+    only when a rank times out, and a count every call would fail every backward that read the mask.
     """
-    if out_views is None or not _torch_records_gradients():
+    if out_views is None:
         return []
     tensors = [tensor for view, tensor in out_views if view.framework == "torch"]
-    for tensor in tensors:
-        if tensor.requires_grad:
-            name = next(name for (_, out), name in zip(out_views, names) if out is tensor)
-            raise ValueError(f"{where}: {name} requires grad, and the call writes into it with no gradient "
-                             f"(torch's out= ops refuse it too); pass a tensor that does not require grad")
+    if tensors and _torch_records_gradients():
+        for tensor in tensors:
+            if tensor.requires_grad:
+                name = next(name for (_, out), name in zip(out_views, names) if out is tensor)
+                raise ValueError(f"{where}: {name} requires grad, and the call writes into it with no gradient "
+                                 f"(torch's out= ops refuse it too); pass a tensor that does not require grad")
     return tensors
 
 

@@ -585,8 +585,9 @@ class Ctx:
 
 def test_torch_out_arrays_keep_autograd_honest():
     """An out= tensor that requires grad is refused while torch records gradients (as torch's out= ops
-    refuse it), and each write counts in the version counters: a tensor saved for a backward and then
-    overwritten by the next call makes that backward raise instead of using the new values."""
+    refuse it), and each write counts in the version counters, in every grad mode: a tensor saved for
+    a backward and then overwritten by the next call makes that backward raise instead of using the
+    new values."""
     torch = pytest.importorskip("torch")
 
     def rank_fn(group):
@@ -607,6 +608,14 @@ def test_torch_out_arrays_keep_autograd_honest():
         buf.dispatch(**args, **BF16_FLAGS, out=out)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+        # An engine's eval step reusing the buffers a training graph saved: counted there too, as
+        # torch's out= ops count it (helper-145: that backward ran on the new values).
+        for grad_off in (torch.no_grad, torch.inference_mode):
+            loss = (recv_x * scale).float().sum()
+            with grad_off():
+                buf.dispatch(**args, **BF16_FLAGS, out=out)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
         return run_step(buf, VCASE, rank, FP8_FLAGS)
 
     check_steps(VCASE, FP8_FLAGS, spawn(2, rank_fn))
