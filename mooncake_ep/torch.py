@@ -130,10 +130,10 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         combined_x ``[num_tokens, hidden]`` bf16.
 
     Raises:
-        TypeError: buffer is not a Buffer; x, topk_idx, topk_weights or active_ranks is not a
-            torch.Tensor; or a gradient is needed and grad_buffer is missing, or not a Buffer.
-        ValueError: grad_buffer is of another group size or too small; grad_num_topk is below this
-            rank's num_topk or above 16.
+        TypeError: buffer or grad_buffer is not a Buffer; x, topk_idx, topk_weights or active_ranks
+            is not a torch.Tensor; or a gradient is needed and grad_buffer is missing.
+        ValueError: grad_num_topk is below this rank's num_topk or above 16; or a gradient is needed
+            and grad_buffer is of another group size or too small.
 
     Note:
         A rank that fails during the backward moves the gradient rows of the ranks after it; with a
@@ -146,6 +146,11 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     _check_buffer("mooncake_ep.torch.combine", buffer)
     _check_tensors("mooncake_ep.torch.combine", x=x, topk_idx=topk_idx, topk_weights=topk_weights,
                    active_ranks=active_ranks)
+    # Their types and range in every call: a typo found only when training starts is found late.
+    if grad_buffer is not None:
+        _check_buffer("mooncake_ep.torch.combine", grad_buffer, "grad_buffer")
+    if grad_num_topk is not None and isinstance(handle, Handle):
+        check_grad_num_topk("mooncake_ep.torch.combine", grad_num_topk, handle.num_topk)
     # Checked here, not in forward (which autograd runs with grad mode off): an evaluation under
     # no_grad records no backward, so a Parameter among the inputs needs no grad_buffer there.
     if torch.is_grad_enabled() and (_requires_grad(x) or _requires_grad(topk_weights)):

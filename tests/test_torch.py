@@ -565,6 +565,26 @@ def test_a_grad_buffer_of_another_backend_is_refused_at_the_call():
     assert ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [True]
 
 
+def test_a_bad_grad_buffer_or_grad_num_topk_is_refused_without_a_gradient_too():
+    """Checked only when a gradient was recorded, a typo there passed every inference call and was found
+    when training started (helper-145)."""
+    T, H, E, K = 3, 128, 2, 2
+    xs, topks, weights = make_inputs(9, 1, T, H, E, K)
+
+    def rank_fn(group):
+        buffer = buffers(group, T, H, E, K)[0]
+        active = torch.ones(1, dtype=torch.int32)
+        recv, _, handle = ept.dispatch(buffer, xs[0], topks[0], active, T, E)
+        with pytest.raises(TypeError, match=r"^mooncake_ep.torch.combine: grad_buffer must be a mooncake_ep.Buffer, "
+                                            r"got builtins.str"):
+            ept.combine(buffer, recv, topks[0], weights[0], active, handle, grad_buffer="grad")
+        with pytest.raises(ValueError, match=r"grad_num_topk"):
+            ept.combine(buffer, recv, topks[0], weights[0], active, handle, grad_num_topk=99)
+        return ept.combine(buffer, recv, topks[0], weights[0], active, handle).shape  # still usable
+
+    assert ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn) == [(T, H)]
+
+
 def test_refusals_name_the_argument_and_leave_the_buffer_usable():
     T, H, E, K = 3, 128, 2, 2
     xs, topks, weights = make_inputs(6, 1, T, H, E, K)
