@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from mooncake_ep import _constants
+from mooncake_ep import _constants, layout
 from mooncake_ep.buffer import Buffer as _Buffer
 from mooncake_ep.buffer import EventOverlap, Handle
 from mooncake_ep.group import is_communicator
@@ -145,6 +145,8 @@ class Buffer:
             raise ValueError(f"{where}: low_latency_mode must be True: mooncake_ep builds DeepEP's low-latency mode "
                              f"only (its high-throughput dispatch and combine are not there), got {low_latency_mode!r}")
         check_int(where, "num_nvl_bytes", num_nvl_bytes, minimum=0)
+        # Under DeepEP's name: its default 0 is a likely first call, and the runtime names its own argument.
+        check_int(where, "num_rdma_bytes", num_rdma_bytes, minimum=layout.header_bytes())
         check_int(where, "num_qps_per_rank", num_qps_per_rank, minimum=1)
         for name, value in (("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
                             ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
