@@ -745,9 +745,13 @@ class TCPStoreClient:
         except OSError as exc:
             self._sock.close()
             self._sock = None
-            raise GroupError(f"{where}: no answer to this rank's hello ({exc or type(exc).__name__}): rank 0 may run "
-                             f"a mooncake_ep of an older store protocol (this one speaks {_PROTOCOL_VERSION}), or "
-                             f"another program listens on MASTER_PORT") from exc
+            if isinstance(exc, TimeoutError):  # a store of any protocol answers a hello at once, if only to refuse it
+                cause = (f"none within {self.timeout_s} s: rank 0's process may be stopped or too busy to serve its "
+                         f"store, or another program listens on MASTER_PORT")
+            else:
+                cause = (f"{exc or type(exc).__name__}: rank 0 may run a mooncake_ep of an older store protocol (this "
+                         f"one speaks {_PROTOCOL_VERSION}), or another program listens on MASTER_PORT")
+            raise GroupError(f"{where}: no answer to this rank's hello ({cause})") from exc
         if status != _OK:
             self._sock.close()
             self._sock = None

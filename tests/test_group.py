@@ -437,6 +437,16 @@ def test_store_close_answers_pending_waits():
     client.close()
 
 
+def test_a_store_that_never_answers_the_hello_is_named_as_stalled_not_as_an_old_protocol():
+    """Every store protocol answers a hello at once (an old one refuses it): a timeout means rank 0
+    stopped or too busy to serve, which the error blamed on an older protocol (helper-146)."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # connections complete in its backlog, unanswered
+        port = silent.getsockname()[1]
+        with pytest.raises(GroupError, match=r"no answer to this rank's hello \(none within 0.3 s: rank 0's process "
+                                             r"may be stopped or too busy to serve its store"):
+            TCPStoreClient("127.0.0.1", port, timeout_s=0.3)
+
+
 def test_store_close_does_not_wait_for_connections_that_never_said_hello():
     """A port scanner, or another protocol's client that sent less than a header, holds a connection the
     store never serves and that may never hang up: close(wait_for_clients_s) waited for it all that time
