@@ -612,6 +612,18 @@ def test_a_launch_says_when_a_rank_failed_and_the_others_are_given_time(capsys):
             f"they are stopped") in err and "FAIL: rank 1 exited 3" in out, (out, err)
 
 
+def test_a_launchs_summary_tells_the_ranks_it_stopped_from_the_one_that_failed(monkeypatch, capsys):
+    """The ranks stopped after the grace were listed as "stopped by signal 15", like crashed ones
+    (helper-146)."""
+    from mooncake_ep.cli import launch
+
+    monkeypatch.setattr(launch, "LAUNCH_GRACE_S", 0.5)
+    rank_code = "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(60)\n"
+    assert launch.launch("test", [sys.executable, "-c", rank_code], 3) == cli.EXIT_FAILURE
+    assert "FAIL: rank 1 exited 3; ranks 0, 2 still running 0.5 s later, stopped by the launcher" in \
+        capsys.readouterr().out
+
+
 def _wait_until(condition, proc: subprocess.Popen | None = None, limit_s: float = 30.0) -> None:
     deadline = time.monotonic() + limit_s
     while not condition():

@@ -169,6 +169,7 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     # act on it where every started process is in procs (raised inside Popen, after its fork, it
     # would leave that process unknown, and running).
     stop = _StopOnSignal(procs)
+    stopped_by_launcher: set[int] = set()
     try:
         for rank in range(num_processes):
             env = dict(inherited, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
@@ -179,7 +180,7 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
             procs.append(subprocess.Popen(list(argv), env=env, pass_fds=() if watched_fd is None else (watched_fd,),
                                           start_new_session=_OWN_GROUPS))
             stop.check()
-        _wait_for_processes(procs, stop)
+        stopped_by_launcher = _wait_for_processes(procs, stop)
     finally:
         stop.restore()
         # Interrupted, a failure while starting, or ranks that left processes of their own running:
@@ -198,7 +199,14 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
                     os.close(fd)
     failed = {rank: proc.returncode for rank, proc in enumerate(procs) if proc.returncode != 0}
     if failed:
-        print("FAIL: " + ", ".join(f"rank {rank} {_describe_exit(code)}" for rank, code in failed.items()))
+        # The ranks the launcher stopped did not fail themselves: said apart, or they read as crashes.
+        stopped = sorted(rank for rank in failed if rank in stopped_by_launcher)
+        summary = ", ".join(f"rank {rank} {_describe_exit(code)}" for rank, code in failed.items()
+                            if rank not in stopped)
+        if stopped:
+            summary += (f"; {'rank' if len(stopped) == 1 else 'ranks'} {', '.join(map(str, stopped))} still running "
+                        f"{LAUNCH_GRACE_S:g} s later, stopped by the launcher")
+        print("FAIL: " + summary)
         return EXIT_FAILURE
     print(f"all {num_processes} processes passed")
     return EXIT_OK
@@ -311,16 +319,16 @@ def _say(line: str) -> None:
         pass
 
 
-def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> None:
+def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> set[int]:
     """Returns once every process has exited (on POSIX not yet reaped: see _OWN_GROUPS). Once one
     fails, the others get LAUNCH_GRACE_S, then SIGTERM and LAUNCH_GRACE_S more; the caller kills
-    what is left."""
+    what is left. Returns the ranks still running when the SIGTERM went out."""
     stop_at = None
     while True:
         stop.check()
         codes = [_exit_code(proc) for proc in procs]
         if all(code is not None for code in codes):
-            return
+            return set()
         if stop_at is None and any(code not in (None, 0) for code in codes):
             stop_at = time.monotonic() + LAUNCH_GRACE_S
             if any(code is None for code in codes):  # said now: the wait is otherwise silent
@@ -328,13 +336,14 @@ def _wait_for_processes(procs: list[subprocess.Popen], stop: _StopOnSignal) -> N
                 _say(f"mooncake_ep launch: rank {rank} {_describe_exit(codes[rank])}; the others get "
                      f"{LAUNCH_GRACE_S:.0f} s to finish before they are stopped")
         if stop_at is not None and time.monotonic() > stop_at:
+            running = {rank for rank, code in enumerate(codes) if code is None}
             for proc in procs:
                 _signal_rank(proc, signal.SIGTERM)
             deadline = time.monotonic() + LAUNCH_GRACE_S  # one grace for all, not one each in turn
             while time.monotonic() < deadline and any(_exit_code(proc) is None for proc in procs):
                 stop.check()
                 time.sleep(_LAUNCH_POLL_S)
-            return
+            return running
         time.sleep(_LAUNCH_POLL_S)
 
 
