@@ -52,7 +52,13 @@ class StoreTimeoutError(_StoreWaitError):
 
     Attributes:
         missing_keys: the keys still absent when the wait gave up, in the order they were asked for.
+        extended: why the wait went on past its timeout, in words for a message (" (and longer: ...)"),
+            or "" where it did not.
     """
+
+    def __init__(self, message: str, missing_keys: list[str], extended: str = "") -> None:
+        super().__init__(message, missing_keys)
+        self.extended = extended
 
 
 class _PeerAbortedError(GroupError):
@@ -484,8 +490,7 @@ class _KeyValueGroup:
                 if len(gave_up) < len(missing):
                     missing = [r for r in missing if r not in gave_up]
                 # A replacement's wait is what its join left of timeout_s: the whole join timed out.
-                what = (f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError)
-                        else exc.cut_short)
+                what = self._wait_failure(exc)
                 if self._is_replacement:
                     hint = "the running ranks join it through Buffer.update_ep_member() or group.renew_membership()"
                 elif self._takes_replacements:
@@ -769,7 +774,9 @@ class _KeyValueGroup:
 
     def _wait_failure(self, exc: _StoreWaitError) -> str:
         """How a store wait of a collective ended, in words: "timed out after 3.0 s", "was cut short ..."."""
-        return f"timed out after {self._timeout_s} s" if isinstance(exc, StoreTimeoutError) else exc.cut_short
+        if isinstance(exc, StoreTimeoutError):
+            return f"timed out after {self._timeout_s} s{exc.extended}"
+        return exc.cut_short
 
     def _collective(self, name: str, data: bytes, timeout_s: float | None = None,
                     on_wait_error: Callable[[list[str], list[str], str], None] | None = None,

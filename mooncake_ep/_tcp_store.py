@@ -876,7 +876,8 @@ class TCPStoreClient:
                     f"exited) while waiting for keys {missing}", missing)
             late = (f" (and longer: the store held the wait while a value of {max(arriving)} bytes for them was "
                     f"still arriving, until its transfer allowance ran out)" if arriving else "")
-            raise StoreTimeoutError(f"{where}: timed out after {timeout_s} s waiting for keys {missing}{late}", missing)
+            raise StoreTimeoutError(f"{where}: timed out after {timeout_s} s waiting for keys {missing}{late}", missing,
+                                    late)
         return [reader.blob() for _ in keys] if want_values else []
 
     def _request(self, op: int, payload: bytes | list[bytes], wait_s: float = 0.0,
