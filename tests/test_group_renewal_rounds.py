@@ -56,6 +56,37 @@ def test_a_late_peer_does_not_complete_a_renewal_its_peer_gave_up(kind):
     run([lambda g=g: g.close() for g in (a, b)])
 
 
+def test_a_peer_that_comes_just_after_a_renewal_timed_out_is_not_named_as_one_that_gave_up():
+    """The check for ranks that came and gave up looked only at their came keys, which a peer arriving
+    in that moment has set too: its error told every rank to call again, while that peer still waited
+    (helper-146). Such a peer holds its join as well; a retry meets it."""
+    a, b = pair("tcp")
+    b.timeout_s = SHORT_S
+    present, late = b._present, []
+
+    def a_arrives_first(ranks_by_key):  # b's wait has failed: a comes now, before b looks
+        if not late:
+            late.append(threading.Thread(target=lambda: late.append(_threads.call_or_error(a.renew_membership))))
+            late[0].start()
+            deadline = time.monotonic() + LONG_S
+            while not all(present({key: 0}) for key in ("e1/came/0", "e1/join/0")):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        return present(ranks_by_key)
+
+    b._present = a_arrives_first
+    with pytest.raises(GroupError, match=r"renew_membership #0 \(epoch 1\) timed out .* waiting for ranks \[0\] "
+                                         r"of 2") as info:
+        b.renew_membership()
+    assert "gave up first" not in str(info.value), info.value
+    b._present = present
+    b.timeout_s = LONG_S
+    assert b.renew_membership() == []  # meets a, still waiting
+    late[0].join(LONG_S)
+    assert late[1] == [] and (a.membership_epoch, b.membership_epoch) == (1, 1), late
+    run([lambda g=g: g.close() for g in (a, b)])
+
+
 def test_a_survivor_that_dies_in_a_renewal_is_not_counted_as_joined():
     """Its join key went with its connection: a replacement can take its rank in the same round."""
     port = free_port()
