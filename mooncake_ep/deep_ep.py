@@ -277,9 +277,12 @@ class Buffer:
             if use_ue8m0 and not round_scale:
                 raise ValueError(f"{where}: use_ue8m0=True needs round_scale=True (as DeepEP's)")
             round_scale = use_ue8m0 = False
-        recv_x, recv_count, handle, event, hook = self.runtime.dispatch(
-            x, topk_idx, self.active_ranks, num_max_dispatch_tokens_per_rank, num_experts, self.timeout_us, use_fp8,
-            async_finish, return_recv_hook, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        try:
+            recv_x, recv_count, handle, event, hook = self.runtime.dispatch(
+                x, topk_idx, self.active_ranks, num_max_dispatch_tokens_per_rank, num_experts, self.timeout_us,
+                use_fp8, async_finish, return_recv_hook, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        except (TypeError, ValueError) as exc:
+            raise _named_as_deepeps(exc, "dispatch", where) from exc.__cause__
         if stats is not None:
             event, hook = self._add_recv_count(stats, recv_count, event, hook, async_finish)
         return recv_x, recv_count, handle, event, hook
@@ -312,14 +315,21 @@ class Buffer:
         _check_unmeasured(where, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
         if not zero_copy:
             _check_tensor(where, "x", x)
-        return self.runtime.combine(x, topk_idx, topk_weights, self.active_ranks, self.timeout_us, handle,
-                                    zero_copy=zero_copy, async_finish=async_finish,
-                                    return_recv_hook=return_recv_hook, out=out)
+        try:
+            return self.runtime.combine(x, topk_idx, topk_weights, self.active_ranks, self.timeout_us, handle,
+                                        zero_copy=zero_copy, async_finish=async_finish,
+                                        return_recv_hook=return_recv_hook, out=out)
+        except (TypeError, ValueError) as exc:
+            raise _named_as_deepeps(exc, "combine", where) from exc.__cause__
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
         """``[E_l, group_size * T, hidden]`` bf16: write the expert outputs here, then
         ``low_latency_combine(..., zero_copy=True)`` (see :meth:`mooncake_ep.Buffer.get_next_combine_buffer`)."""
-        return self.runtime.get_next_combine_buffer(handle)
+        try:
+            return self.runtime.get_next_combine_buffer(handle)
+        except (TypeError, ValueError) as exc:
+            raise _named_as_deepeps(exc, "get_next_combine_buffer", "get_next_low_latency_combine_buffer") \
+                from exc.__cause__
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask ``rank_to_mask`` (``mask=True``: nothing is sent to or waited for from it) or admit it
@@ -408,6 +418,16 @@ def _check_tensor(where: str, name: str, value: Any) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where}: {name} must be a torch.Tensor (DeepEP's API takes torch tensors; mooncake_ep.Buffer "
                         f"takes torch, cupy, JAX and numpy arrays), got {type(value).__name__}")
+
+
+def _named_as_deepeps(exc: TypeError | ValueError, runtime_where: str, where: str) -> TypeError | ValueError:
+    """``exc`` of the runtime's call ``runtime_where``, named by the DeepEP method that made it: "dispatch: x
+    must be contiguous" reads "low_latency_dispatch: x must be contiguous". Another message, or a subclass
+    (which may carry attributes of its own), is returned as it is."""
+    message = str(exc)
+    if type(exc) not in (TypeError, ValueError) or not message.startswith(f"{runtime_where}: "):
+        return exc
+    return type(exc)(f"{where}: {message[len(runtime_where) + 2:]}")
 
 
 def _check_unmeasured(where: str, name: str, value: Any) -> None:

@@ -198,6 +198,8 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
         (lambda: buffer.low_latency_dispatch(case.xs[0], topk_idx, T, E), TypeError,
          r"low_latency_dispatch: x must be a torch.Tensor \(DeepEP's API takes torch tensors"),
         (lambda: buffer.low_latency_dispatch(x, topk_idx, T, 3), ValueError, r"num_experts"),
+        # The runtime's own checks, named by DeepEP's method (they read "dispatch: ...").
+        (lambda: buffer.low_latency_dispatch(x.t(), topk_idx, T, E), ValueError, r"^low_latency_dispatch: x must be"),
         (lambda: buffer.dispatch(x, topk_idx=topk_idx), NotImplementedError,
          r"deep_ep.Buffer.dispatch: DeepEP's high-throughput mode is not built in mooncake_ep"),
         (lambda: buffer.get_dispatch_layout(topk_idx, E), NotImplementedError, r"get_dispatch_layout"),
@@ -230,6 +232,9 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
         buffer.low_latency_combine(out, topk_idx, topk_weights, handle, True)
     with pytest.raises(NotImplementedError, match=r"combine_wait_recv_cost_stats must be None"):
         buffer.low_latency_combine(out, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats=torch.zeros(1))
+    with pytest.raises(ValueError, match=r"^low_latency_combine: out combined_x must have shape"):
+        buffer.low_latency_combine(out, topk_idx, topk_weights, handle, out=torch.empty(1, case.hidden,
+                                                                                        dtype=torch.bfloat16))
     combined, _, _ = buffer.low_latency_combine(out, topk_idx, topk_weights, handle)
     live = topk_idx >= 0
     expected = (2 * x.float() * (topk_weights * live).sum(1, keepdim=True)).to(torch.bfloat16)  # one rank: its own
