@@ -574,6 +574,11 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             return static_cast<uint32_t*>(recv_scales) + local_expert * num_rows_per_expert * num_scale_columns +
                    static_cast<int64_t>(row) * scale_row_stride;
         };
+        // The staged fp32 scales of token `token` of source `src`.
+        const auto source_scales = [&](int src, int token) {
+            return reinterpret_cast<const float*>(route[src] + layout.send_scales[parity]) +
+                   static_cast<int64_t>(token) * num_scales;
+        };
         // One warp copies received row `row` of local expert e_l from its source's staging, or writes
         // it as zeros where the source is unstaged; with its scales unless num_row_scales is 0.
         const auto receive_row = [&](int src, int token, int local_expert, int row, int num_row_scales) {
@@ -585,9 +590,7 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
             }
             const uint8_t* src_row =
                 reinterpret_cast<const uint8_t*>(route[src] + layout.send_x[parity]) + token * layout.send_row_bytes;
-            const float* src_scales = reinterpret_cast<const float*>(route[src] + layout.send_scales[parity]) +
-                                      static_cast<int64_t>(token) * num_scales;
-            copy_row(src_row, src_scales, dst_row, dst_scale_row, out_row_bytes, num_row_scales);
+            copy_row(src_row, source_scales(src, token), dst_row, dst_scale_row, out_row_bytes, num_row_scales);
         };
 
         // Received row n (in pair order) is row j of pair (source, local expert): its source, the
@@ -663,10 +666,9 @@ ll_dispatch(int phases, int parity, const Layout* __restrict__ layout_ptr, uint8
                         const int r = group + item % kGroupRows;
                         if (item >= num_scale_items || s_window_expert[r] < 0) continue;
                         const int item_src = s_window_src[r];
-                        const float* src_scales = nullptr;  // an unstaged source's: scale 0
-                        if (s_staged[item_src])
-                            src_scales = reinterpret_cast<const float*>(route[item_src] + layout.send_scales[parity]) +
-                                         static_cast<int64_t>(s_window_token[r]) * num_scales;
+                        // An unstaged source's: none, scale 0.
+                        const float* src_scales =
+                            s_staged[item_src] ? source_scales(item_src, s_window_token[r]) : nullptr;
                         copy_scale_slice(src_scales, scale_row(s_window_expert[r], s_window_row[r]), item / kGroupRows,
                                          num_scales, scale_column_stride);
                     }
