@@ -488,8 +488,8 @@ class _KeyValueGroup:
                 if self._takes_replacements and gave_up:
                     # Came is held while the process lives: one that has just come, its wait running,
                     # holds its join too; one that gave up took its join away (helper-146).
-                    waiting = self._present({keys[r]: r for r in gave_up}) or {}
-                    gave_up = [r for r in gave_up if r not in {rank for rank, _ in waiting.values()}]
+                    waiting = {rank for rank, _ in (self._present({keys[r]: r for r in gave_up}) or {}).values()}
+                    gave_up = [r for r in gave_up if r not in waiting]
                 left = (f"; ranks {gave_up} came and gave up first: every rank calls renew_membership() again"
                         if gave_up else "")
                 if len(gave_up) < len(missing):
