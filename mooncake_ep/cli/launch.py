@@ -169,7 +169,6 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     # act on it where every started process is in procs (raised inside Popen, after its fork, it
     # would leave that process unknown, and running).
     stop = _StopOnSignal(procs)
-    stopped_by_launcher: set[int] = set()
     try:
         for rank in range(num_processes):
             env = dict(inherited, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
