@@ -56,8 +56,9 @@ Note:
     rank per device); ``jax.vmap`` (use ``shard_map``) and what maps with it (``jax.jacrev``,
     ``jax.hessian``), forward-mode ``jax.jvp``, second-order gradients (the backward's ops have no
     derivative of their own), and a ``shard_map`` outside ``jax.jit`` (JAX runs a custom_vjp with
-    symbolic zeros in shard_map only when traced). ``jax.checkpoint`` refuses a step in which a rank has no tokens (its ops keep a
-    side effect, see :mod:`mooncake_ep.frameworks.jax_ops`): give it one token whose ids are all -1.
+    symbolic zeros in shard_map only when traced). ``jax.checkpoint`` refuses a step in which a
+    rank has no tokens (its ops keep a side effect, see :mod:`mooncake_ep.frameworks.jax_ops`):
+    give it one token whose ids are all -1.
 
     **CPU.** On the CPU each rank's collective runs through its group (a :class:`LocalGroup` of
     threads): the ranks must run at once, so give each rank its own JAX CPU device
