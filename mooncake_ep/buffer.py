@@ -183,13 +183,19 @@ class EventOverlap:
             self.current_stream_wait(release_handle=release)
 
 
-def _gpu_available() -> bool:
+def _why_no_gpu() -> str | None:
+    """None where ``backend="auto"`` finds a GPU; else why it found none, for the errors of CUDA arrays
+    given to the reference Buffer it then builds (a missing cupy reads otherwise as a missing GPU)."""
     try:
         import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver, or no device: all mean "no GPU here"
-        return False
+    except Exception as exc:  # noqa: BLE001 - any failure to import is "no cupy", named in the reason
+        return (f"cupy could not be imported ({type(exc).__name__}: {exc}); the CUDA backend needs it: "
+                f"pip install 'mooncake_ep[cuda12]' (or [cuda13]: the driver's CUDA major version)")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - no driver, or a broken one
+        return f"cupy found no usable CUDA driver ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "cupy found no CUDA device"
 
 
 class Buffer:
@@ -299,7 +305,16 @@ class Buffer:
         self._in_process_ranks_on_device = 1
         if num_sms is not None:
             num_sms = check_int("Buffer", "num_sms", num_sms, minimum=1)
-        use_cuda = backend == "cuda" or (backend == "auto" and _gpu_available())
+        # Why "auto" chose the reference backend, for the errors that a CUDA array then gets.
+        self._reference_reason = "backend='reference'" if backend == "reference" else None
+        if backend == "auto":
+            why = _why_no_gpu()
+            if why is not None:
+                self._reference_reason = f"backend='auto': {why}"
+                if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+                    logger.warning("mooncake_ep: Buffer of rank %d runs on the numpy reference backend, although "
+                                   "torch sees a CUDA device: %s", group.rank, why)
+        use_cuda = backend == "cuda" or (backend == "auto" and self._reference_reason is None)
         self._device_id = self._choose_device() if use_cuda else None
         self._num_sms_asked = num_sms or 0
         # Every rank checks every rank's configuration (the same verdict everywhere), and a process
@@ -1132,7 +1147,8 @@ class Buffer:
             return 0
         if self._cuda is None:
             raise TypeError(f"{where}: {name} is on cuda:{view.device_id}, and this Buffer runs on the numpy "
-                            f"reference backend (backend={self.backend!r}); build the Buffer where a GPU is visible")
+                            f"reference backend ({self._reference_reason}); build the Buffer where a GPU is "
+                            f"visible, with cupy installed")
         if view.device_id != self._cuda.device_id:
             raise TypeError(f"{where}: {name} is on cuda:{view.device_id}, this Buffer's rank uses "
                             f"cuda:{self._cuda.device_id}")

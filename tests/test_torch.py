@@ -434,6 +434,43 @@ class _ReportsCuda(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
     is_cuda = property(lambda self: True)
 
+    def get_device(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("cupy_module, reason", [
+    (None, r"backend='auto': cupy could not be imported \((ModuleNotFound|Import)Error: .*\); the CUDA backend needs "
+           r"it: pip install 'mooncake_ep\[cuda12\]' \(or \[cuda13\]: the driver's CUDA major version\)"),
+    ("no device", r"backend='auto': cupy found no CUDA device"),
+    ("no driver", r"backend='auto': cupy found no usable CUDA driver \(RuntimeError: driver gone\)"),
+], ids=["no-cupy", "no-device", "no-driver"])
+def test_a_cuda_array_given_to_an_auto_reference_buffer_is_told_why_no_gpu_was_found(monkeypatch, cupy_module,
+                                                                                       reason):
+    """backend='auto' took a missing cupy for a missing GPU without a word: a deep_ep engine installed
+    without the cuda extra got a reference Buffer, and its first CUDA tensor an error that said to
+    build the Buffer where a GPU is visible, on a GPU host (helper-147)."""
+    import sys
+    import types
+
+    def count(case=cupy_module):
+        if case == "no driver":
+            raise RuntimeError("driver gone")
+        return 0
+
+    if cupy_module is not None:
+        cupy_module = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
+            getDeviceCount=count)))
+    monkeypatch.setitem(sys.modules, "cupy", cupy_module)  # None: import raises ImportError
+    buffer = ep.Buffer(ep.LocalGroup(1).rank_group(0), ep.Buffer.get_ep_buffer_size_hint(4, 128, 1, 2))
+    assert buffer.backend == "reference"
+    x = torch.zeros((4, 128), dtype=torch.bfloat16).as_subclass(_ReportsCuda)
+    topk = torch.zeros((4, 1), dtype=torch.int64).as_subclass(_ReportsCuda)
+    active = torch.ones(1, dtype=torch.int32).as_subclass(_ReportsCuda)
+    with pytest.raises(TypeError, match=rf"^dispatch: x is on cuda:0, and this Buffer runs on the numpy reference "
+                                        rf"backend \({reason}\); build the Buffer where a GPU is visible"):
+        buffer.dispatch(x, topk, active, 4, 2)
+    buffer.destroy()
+
 
 @pytest.mark.parametrize("x, error, pattern", [
     (torch.zeros(3 * 128, dtype=torch.bfloat16), ValueError, r"x must be 2-dimensional, got shape \(384,\)"),
