@@ -47,10 +47,19 @@ What differs from DeepEP:
     - ``get_next_low_latency_combine_buffer(handle)`` wants the dispatch received (its hook called):
       peers may read the buffer's previous contents until then.
     - :meth:`Buffer.destroy` frees the workspace whether ``explicitly_destroy`` was given or not.
+      Dropping a Buffer built without it destroys it, as DeepEP's destructor does, but only on the
+      thread that built it (see ``Buffer.__del__``).
+    - A handle is good for a combine until two more dispatches of the Buffer were made, as
+      :class:`mooncake_ep.Handle` (its routing lives in the workspace half of its dispatch);
+      DeepEP's handle holds tensors of its own. Two micro-batches in flight (vLLM's and SGLang's
+      two-batch overlap) fit; a third is refused by name, never combined on another's routing.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +72,8 @@ from mooncake_ep.group import is_communicator
 from mooncake_ep.validation import check_bool, check_experts, check_int, check_timeout
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+
+logger = logging.getLogger("mooncake_ep")
 
 topk_idx_t = torch.int64  # DeepEP's dtype of topk_idx (int32 is taken too)
 
@@ -112,11 +123,12 @@ class Buffer:
         num_rdma_bytes: the low-latency workspace's bytes, at least
             :meth:`get_low_latency_rdma_size_hint` for every configuration used.
         low_latency_mode: must be True.
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, use_fabric:
-            DeepEP's transport settings, accepted and unused: the transport is chosen from where the
-            ranks are (one process or one host; several hosts are refused until the proxy transport
-            exists), and :meth:`destroy` is always available. ``use_fabric`` (DeepEP 1.x's, eighth
-            there) goes by name: the positional order is DeepEP 2.x's.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: DeepEP's transport
+            settings, accepted and unused: the transport is chosen from where the ranks are (one
+            process or one host; several hosts are refused until the proxy transport exists).
+            ``use_fabric`` (DeepEP 1.x's, eighth there) goes by name: the positional order is DeepEP 2.x's.
+        explicitly_destroy: False (DeepEP's default): dropping the Buffer destroys it, as DeepEP's
+            destructor does (see ``__del__``); True: only :meth:`destroy` does, which works either way.
         enable_shrink: DeepEP's fault tolerance: peers that stop are masked (after ``timeout_us``)
             instead of the kernels trapping. Here only the default of ``timeout_us`` follows it: the
             mask buffer always works.
@@ -182,6 +194,25 @@ class Buffer:
         device = "cpu" if self.runtime.backend == "reference" else torch.device("cuda", self.runtime.device_id)
         self.active_ranks = torch.ones(self.group_size, dtype=torch.int32, device=device)
         self._comm_stream: torch.cuda.Stream | None = None  # get_comm_stream's, for async_finish's recv-stats adds
+        self._built_on_thread = threading.get_ident()  # where dropping it may destroy it (__del__)
+
+    def __del__(self) -> None:
+        """DeepEP's destructor: a Buffer built with ``explicitly_destroy=False`` (DeepEP's default) is
+        destroyed when dropped, a collective as :meth:`destroy` is, so every rank drops its Buffer at
+        the same point. Engines rely on it: TensorRT-LLM grows its buffer with ``del buffer`` before
+        building the next, where a freed workspace that a slower peer still used would be written
+        into. Only on the thread that built it and outside interpreter shutdown: a Buffer collected
+        elsewhere (in a reference cycle, on whichever thread allocates next; an in-process rank's
+        Buffer dropped by another thread) would wait there for peers that cannot come, and the
+        runtime's finalizer releases it instead, as any dropped :class:`mooncake_ep.Buffer`."""
+        runtime = self.__dict__.get("runtime")  # absent: the constructor failed before building it
+        if (runtime is None or self.explicitly_destroy or sys.is_finalizing()
+                or threading.get_ident() != self._built_on_thread):
+            return
+        try:
+            runtime.destroy()
+        except Exception as exc:  # noqa: BLE001 - a destructor may not raise; destroy() would have
+            logger.warning("mooncake_ep: deep_ep.Buffer of rank %d dropped, its destroy() failed: %s", self.rank, exc)
 
     def __repr__(self) -> str:
         return f"deep_ep.Buffer(rank={self.rank}, group_size={self.group_size}, runtime={self.runtime!r})"
@@ -281,7 +312,7 @@ class Buffer:
             recv_x, recv_count, handle, event, hook = self.runtime.dispatch(
                 x, topk_idx, self.active_ranks, num_max_dispatch_tokens_per_rank, num_experts, self.timeout_us,
                 use_fp8, async_finish, return_recv_hook, round_scale=round_scale, use_ue8m0=use_ue8m0)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:
             raise _named_as_deepeps(exc, "dispatch", where) from exc.__cause__
         if stats is not None:
             event, hook = self._add_recv_count(stats, recv_count, event, hook, async_finish)
@@ -319,7 +350,7 @@ class Buffer:
             return self.runtime.combine(x, topk_idx, topk_weights, self.active_ranks, self.timeout_us, handle,
                                         zero_copy=zero_copy, async_finish=async_finish,
                                         return_recv_hook=return_recv_hook, out=out)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:
             raise _named_as_deepeps(exc, "combine", where) from exc.__cause__
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
@@ -327,7 +358,7 @@ class Buffer:
         ``low_latency_combine(..., zero_copy=True)`` (see :meth:`mooncake_ep.Buffer.get_next_combine_buffer`)."""
         try:
             return self.runtime.get_next_combine_buffer(handle)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:
             raise _named_as_deepeps(exc, "get_next_combine_buffer", "get_next_low_latency_combine_buffer") \
                 from exc.__cause__
 
@@ -420,14 +451,23 @@ def _check_tensor(where: str, name: str, value: Any) -> None:
                         f"takes torch, cupy, JAX and numpy arrays), got {type(value).__name__}")
 
 
-def _named_as_deepeps(exc: TypeError | ValueError, runtime_where: str, where: str) -> TypeError | ValueError:
+# The runtime's names in its messages' advice, and DeepEP's for them.
+_DEEPEPS_NAMES = (("the Handle returned by Buffer.dispatch", "the handle returned by low_latency_dispatch"),
+                  ("get_next_combine_buffer(handle)", "get_next_low_latency_combine_buffer(handle)"))
+
+
+def _named_as_deepeps(exc: Exception, runtime_where: str, where: str) -> Exception:
     """``exc`` of the runtime's call ``runtime_where``, named by the DeepEP method that made it: "dispatch: x
-    must be contiguous" reads "low_latency_dispatch: x must be contiguous". Another message, or a subclass
-    (which may carry attributes of its own), is returned as it is."""
+    must be contiguous" reads "low_latency_dispatch: x must be contiguous", and the runtime's methods in its
+    advice read as DeepEP's. Another message, or a subclass (which may carry attributes of its own), is
+    returned as it is."""
     message = str(exc)
-    if type(exc) not in (TypeError, ValueError) or not message.startswith(f"{runtime_where}: "):
+    if type(exc) not in (TypeError, ValueError, RuntimeError) or not message.startswith(f"{runtime_where}: "):
         return exc
-    return type(exc)(f"{where}: {message[len(runtime_where) + 2:]}")
+    message = message[len(runtime_where) + 2:]
+    for runtime_name, deepeps in _DEEPEPS_NAMES:
+        message = message.replace(runtime_name, deepeps)
+    return type(exc)(f"{where}: {message}")
 
 
 def _check_unmeasured(where: str, name: str, value: Any) -> None:

@@ -464,3 +464,43 @@ def test_bf16_dispatch_ignores_the_fp8_flags_as_deepeps():
     for e in range(plain.shape[0]):  # the received rows (the rest is the workspace's)
         rows = int(plain_count[e])
         assert torch.equal(flagged[e, :rows].view(torch.int16), plain[e, :rows].view(torch.int16))
+
+
+@pytest.mark.parametrize("explicitly_destroy", [False, True])
+def test_dropping_a_buffer_destroys_it_as_deepeps_destructor_does(monkeypatch, explicitly_destroy):
+    """DeepEP's destructor destroys a Buffer built with explicitly_destroy=False (its default), and
+    TensorRT-LLM grows its buffer with `del buffer` before building the next; ours left the workspace
+    to the garbage collector, which frees it without waiting for the peers (helper-147). Dropped on
+    another thread than the one that built it, nothing collective runs there (the peers could not
+    come): the runtime's finalizer is left to it, as before."""
+    case = make_case(17, num_ranks=2, num_max_tokens=4, hidden=128, num_experts=2, num_topk=1)
+    destroyed = []
+    real_destroy = ep.Buffer.destroy
+    monkeypatch.setattr(ep.Buffer, "destroy", lambda self: (destroyed.append(self.rank), real_destroy(self))[1])
+
+    def drop_here(group):
+        buffer = new_buffer(group, case, explicitly_destroy=explicitly_destroy)
+        del buffer
+        return sorted(destroyed)
+
+    dropped_on_rank_threads = ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(drop_here)
+    assert sorted(destroyed) == ([] if explicitly_destroy else [0, 1])
+    destroyed.clear()
+    kept = ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(lambda group: new_buffer(group, case))
+    del kept[:]  # on this thread, not the ranks' own
+    assert destroyed == []
+    assert len(dropped_on_rank_threads) == 2
+
+
+def test_a_buffer_whose_construction_failed_drops_without_a_word(monkeypatch):
+    """__del__ runs on a half-built Buffer too: it must find no runtime and do nothing."""
+    import gc
+    import sys
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    group = ep.LocalGroup(1).rank_group(0)
+    with pytest.raises(ValueError, match="low_latency_mode must be True"):
+        deep_ep.Buffer(group, 0, 1 << 20, low_latency_mode=False)
+    gc.collect()
+    assert [u.exc_value for u in unraisable] == []
