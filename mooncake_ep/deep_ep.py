@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from mooncake_ep import _constants, layout
+from mooncake_ep._handshake import RankMismatchError
 from mooncake_ep.buffer import Buffer as _Buffer
 from mooncake_ep.buffer import EventOverlap, Handle
 from mooncake_ep.group import is_communicator
@@ -312,7 +313,7 @@ class Buffer:
             recv_x, recv_count, handle, event, hook = self.runtime.dispatch(
                 x, topk_idx, self.active_ranks, num_max_dispatch_tokens_per_rank, num_experts, self.timeout_us,
                 use_fp8, async_finish, return_recv_hook, round_scale=round_scale, use_ue8m0=use_ue8m0)
-        except (TypeError, ValueError, RuntimeError) as exc:
+        except _RENAMED_ERRORS as exc:
             raise _named_as_deepeps(exc, "dispatch", where) from exc.__cause__
         if stats is not None:
             event, hook = self._add_recv_count(stats, recv_count, event, hook, async_finish)
@@ -344,13 +345,14 @@ class Buffer:
                                           f"name)")
             raise TypeError(f"{where}: use_logfmt must be a bool, got {type(use_logfmt).__name__}")
         _check_unmeasured(where, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
+        check_bool(where, "zero_copy", zero_copy)  # before its truth is taken: a shifted tensor has none
         if not zero_copy:
             _check_tensor(where, "x", x)
         try:
             return self.runtime.combine(x, topk_idx, topk_weights, self.active_ranks, self.timeout_us, handle,
                                         zero_copy=zero_copy, async_finish=async_finish,
                                         return_recv_hook=return_recv_hook, out=out)
-        except (TypeError, ValueError, RuntimeError) as exc:
+        except _RENAMED_ERRORS as exc:
             raise _named_as_deepeps(exc, "combine", where) from exc.__cause__
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
@@ -358,7 +360,7 @@ class Buffer:
         ``low_latency_combine(..., zero_copy=True)`` (see :meth:`mooncake_ep.Buffer.get_next_combine_buffer`)."""
         try:
             return self.runtime.get_next_combine_buffer(handle)
-        except (TypeError, ValueError, RuntimeError) as exc:
+        except _RENAMED_ERRORS as exc:
             raise _named_as_deepeps(exc, "get_next_combine_buffer", "get_next_low_latency_combine_buffer") \
                 from exc.__cause__
 
@@ -451,6 +453,8 @@ def _check_tensor(where: str, name: str, value: Any) -> None:
                         f"takes torch, cupy, JAX and numpy arrays), got {type(value).__name__}")
 
 
+# The runtime's errors that carry nothing but their message, and so can be made again under DeepEP's name.
+_RENAMED_ERRORS = (TypeError, ValueError, RuntimeError, RankMismatchError)
 # The runtime's names in its messages' advice, and DeepEP's for them.
 _DEEPEPS_NAMES = (("the Handle returned by Buffer.dispatch", "the handle returned by low_latency_dispatch"),
                   ("get_next_combine_buffer(handle)", "get_next_low_latency_combine_buffer(handle)"))
@@ -462,7 +466,7 @@ def _named_as_deepeps(exc: Exception, runtime_where: str, where: str) -> Excepti
     advice read as DeepEP's. Another message, or a subclass (which may carry attributes of its own), is
     returned as it is."""
     message = str(exc)
-    if type(exc) not in (TypeError, ValueError, RuntimeError) or not message.startswith(f"{runtime_where}: "):
+    if type(exc) not in _RENAMED_ERRORS or not message.startswith(f"{runtime_where}: "):
         return exc
     message = message[len(runtime_where) + 2:]
     for runtime_name, deepeps in _DEEPEPS_NAMES:

@@ -11,6 +11,7 @@ import pytest
 from _cases import BF16, bits, make_case, reference_step
 
 import mooncake_ep as ep
+from mooncake_ep._handshake import RankMismatchError
 
 torch = pytest.importorskip("torch")
 deep_ep = pytest.importorskip("mooncake_ep.deep_ep")
@@ -504,3 +505,49 @@ def test_a_buffer_whose_construction_failed_drops_without_a_word(monkeypatch):
         deep_ep.Buffer(group, 0, 1 << 20, low_latency_mode=False)
     gc.collect()
     assert [u.exc_value for u in unraisable] == []
+
+
+def test_the_runtimes_refusals_of_every_kind_are_named_by_deepeps_methods():
+    """Only TypeError and ValueError were renamed: a pending hook, a destroyed Buffer or ranks in different
+    calls named `dispatch` / `combine` (on deep_ep.Buffer, the high-throughput stubs), and the advice named
+    mooncake_ep's methods (helper-147, helper-148)."""
+    case = make_case(19, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
+    buffer = new_buffer(ep.LocalGroup(1).rank_group(0), case)
+    x, topk_idx, topk_weights = (to_torch(a[0]) for a in (case.xs, case.topk_idxs, case.weights))
+    T, E = case.num_max_tokens, case.num_experts
+    first = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, return_recv_hook=True)
+    with pytest.raises(RuntimeError, match=r"^low_latency_combine: the dispatch of this handle has not received"):
+        buffer.low_latency_combine(first[0], topk_idx, topk_weights, first[2])
+    with pytest.raises(RuntimeError, match=r"^get_next_low_latency_combine_buffer: the dispatch of this handle has "
+                                           r"not received"):
+        buffer.get_next_low_latency_combine_buffer(first[2])
+    second = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, return_recv_hook=True)
+    with pytest.raises(RuntimeError, match=r"^low_latency_dispatch: the dispatch two calls ago still waits"):
+        buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    first[4](), second[4]()
+    with pytest.raises(TypeError, match=r"^low_latency_combine: handle must be the handle returned by "
+                                        r"low_latency_dispatch, got tuple"):
+        buffer.low_latency_combine(second[0], topk_idx, topk_weights, (None, None, T, case.hidden, E))
+    with pytest.raises(ValueError, match=r"^low_latency_combine: zero_copy=True reads the expert outputs from "
+                                         r"get_next_low_latency_combine_buffer\(handle\)"):
+        buffer.low_latency_combine(second[0], topk_idx, topk_weights, second[2], zero_copy=True)
+    with pytest.raises(TypeError, match=r"^low_latency_combine: zero_copy must be a bool, got torch.Tensor"):
+        buffer.low_latency_combine(second[0], topk_idx, topk_weights, second[2], zero_copy=topk_weights)
+    combined, _, _ = buffer.low_latency_combine(second[0], topk_idx, topk_weights, second[2])  # still works
+    assert combined.shape == x.shape
+    buffer.destroy()
+    with pytest.raises(RuntimeError, match=r"^low_latency_dispatch: this Buffer was destroyed"):
+        buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+
+
+def test_ranks_in_different_calls_are_named_by_deepeps_method():
+    case = make_case(23, num_ranks=2, num_max_tokens=4, hidden=128, num_experts=2, num_topk=1)
+
+    def rank_fn(group):
+        buffer = new_buffer(group, case)
+        x, topk_idx = (to_torch(a[group.rank]) for a in (case.xs, case.topk_idxs))
+        with pytest.raises(RankMismatchError, match=r"^low_latency_dispatch: "):
+            buffer.low_latency_dispatch(x, topk_idx, case.num_max_tokens - group.rank, case.num_experts,
+                                        use_fp8=False)
+
+    ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
