@@ -351,7 +351,9 @@ def _torch():
     if not _torch_module:
         import torch
 
-        _torch_dtypes.update({getattr(torch, n): n for n in DTYPES})
+        # Of the dtypes this torch has: uint16 came in torch 2.3, and a tensor of a dtype torch lacks
+        # cannot be made.
+        _torch_dtypes.update({getattr(torch, n): n for n in DTYPES if hasattr(torch, n)})
         # The raw handle without building a torch.cuda.Stream (microseconds, once per array of
         # a call); the public spelling where a build lacks it.
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -631,3 +631,18 @@ def test_frameworks_refusals():
         cupy.empty((2,), "bfloat16", "cpu", 0)
     with pytest.raises(TypeError, match="cupy.empty: dtype must be one of"):
         cupy.empty((2,), "complex64", "cuda", 0)
+
+
+def test_a_torch_without_one_of_the_dtypes_still_reads_its_tensors(monkeypatch):
+    """torch.uint16 came in torch 2.3: on an older torch every tensor read raised AttributeError, whatever
+    the tensor's own dtype (helper-148)."""
+    import mooncake_ep.tensor as tensor_module
+
+    monkeypatch.setattr(tensor_module, "_torch_module", [])
+    monkeypatch.setattr(tensor_module, "_torch_stream", [])
+    monkeypatch.setattr(tensor_module, "_torch_dtypes", {})
+    monkeypatch.delattr(torch, "uint16")
+    tensor_module._torch()  # the first load, as a process's first torch tensor makes it
+    view = read_array(torch.zeros((2, 3), dtype=torch.bfloat16), name="x")
+    assert (view.dtype, view.shape) == ("bfloat16", (2, 3))
+    assert "uint16" not in tensor_module._torch_dtypes.values()
