@@ -72,7 +72,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any
 
 import jax
@@ -653,7 +653,7 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, *, timeout_s:
 
     Args:
         devices: distinct JAX devices in rank order, ``mesh.devices.flat`` of the ``shard_map``'s
-            mesh (or ``mesh.devices`` itself, read in that flat order): the
+            mesh (or ``mesh.devices``, or the mesh itself, read in that flat order): the
             program's data (its experts) is sharded by mesh position, so the Buffer of the device at
             position ``i`` must be rank ``i``. The CPU path checks it in every dispatch; on GPUs a
             mismatch is not detected (reading the position there would cost a host sync per call).
@@ -668,8 +668,16 @@ def make_buffers(devices: Sequence[Any], num_ep_buffer_bytes: int, *, timeout_s:
         ``{device: Buffer}``, for the ``buffer`` argument of the ops. Destroy the Buffers with
         :func:`destroy_buffers`.
     """
+    if isinstance(devices, jax.sharding.Mesh):  # its devices, as the docstring says to pass them
+        devices = devices.devices
     # A mesh's device array (any number of axes) in its flat order, the order of mesh positions.
-    devices = list(devices.flat) if isinstance(devices, np.ndarray) else list(devices)
+    if isinstance(devices, np.ndarray):
+        devices = list(devices.flat)
+    elif isinstance(devices, Iterable) and not isinstance(devices, (str, bytes, Set, Mapping)):  # in rank order
+        devices = list(devices)
+    else:  # a single Device, None, a set: list() would say only that it is not iterable, or guess an order
+        raise TypeError(f"make_buffers: devices must be JAX devices in rank order (a sequence, a Mesh or its "
+                        f"devices array), got {type(devices).__name__}")
     if not devices:
         raise ValueError("make_buffers: devices is empty; pass one JAX device per rank")
     for device in devices:

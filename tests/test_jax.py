@@ -885,6 +885,11 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
     assert combined.shape == (3, case.hidden)
 
 
+def _deleted(array):
+    array.delete()  # what donate_argnums does to a jitted step's argument
+    return array
+
+
 @pytest.mark.parametrize("mutate,error,pattern", [
     (lambda a: a | dict(x=a["x"].astype(jnp.float32)), TypeError, r"mooncake_ep.jax.dispatch: x must be bfloat16, "
                                                                   r"got float32"),
@@ -907,6 +912,12 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
      r"x is a int64 numpy array, which JAX would turn into int32 without a word; pass bfloat16"),
     (lambda a: a | dict(active_ranks=np.ones(1, ">i4")), TypeError,
      r"mooncake_ep.jax.dispatch: active_ranks is a byte-swapped numpy array \(>i4\); pass native byte order"),
+    # JAX's own errors named neither the call nor the argument (helper-148)
+    (lambda a: a | dict(topk_idx=np.zeros((3, 2), object)), TypeError,
+     r"mooncake_ep.jax.dispatch: topk_idx is a numpy array of \|O \(object\), which JAX cannot hold; pass int32"),
+    (lambda a: a | dict(active_ranks=_deleted(jnp.ones(1, jnp.int32))), TypeError,
+     r"mooncake_ep.jax.dispatch: active_ranks: this ArrayImpl was deleted \(donated to a jitted call, or "
+     r"\.delete\(\)\); pass a live array"),
     (lambda a: a | dict(buffer=object()), TypeError, r"buffer must be a mooncake_ep.Buffer or a mapping"),
     (lambda a: a | dict(use_ue8m0=True), ValueError, r"use_ue8m0=True needs use_fp8=True and round_scale=True"),
     (lambda a: a | dict(command_buffer_compatible="no"), TypeError,
@@ -915,7 +926,8 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
     (lambda a: a | dict(topk_idx=np.where(np.arange(6).reshape(3, 2) == 5, 2**32, np.zeros((3, 2), np.int64))),
      ValueError, r"topk_idx holds 4294967296 at \(2, 1\), outside int32, and with jax_enable_x64 off"),
 ], ids=["x-float32", "hidden", "topk-float", "active-shape", "too-many-tokens", "parity", "x-float64-numpy",
-        "topk-uint64-numpy", "active-int64-numpy", "x-int64-numpy", "active-byte-swapped", "not-a-buffer",
+        "topk-uint64-numpy", "active-int64-numpy", "x-int64-numpy", "active-byte-swapped", "topk-object-numpy",
+        "active-deleted", "not-a-buffer",
         "ue8m0-alone",
         "command-buffer-str", "int64-id-past-int32"])
 def test_bad_dispatch_is_refused_at_trace_time_and_the_buffer_still_works(mutate, error, pattern):
@@ -1284,10 +1296,16 @@ def test_make_buffers_takes_distinct_devices_or_a_mesh_array():
         epj.make_buffers([devices[0], devices[0]], 1 << 20)
     with pytest.raises(TypeError, match="devices must be JAX devices, got int"):
         epj.make_buffers([0, 1], 1 << 20)
+    # A bare "object is not iterable", or a set's arbitrary order as the ranks' (helper-148)
+    for not_in_order in (devices[0], None, set(devices)):
+        with pytest.raises(TypeError, match=rf"^make_buffers: devices must be JAX devices in rank order \(a sequence, "
+                                            rf"a Mesh or its devices array\), got {type(not_in_order).__name__}"):
+            epj.make_buffers(not_in_order, 1 << 20)
     mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("ep", "dp"))
-    buffers = epj.make_buffers(mesh.devices, 1 << 20)
-    assert [(device, buffer.rank) for device, buffer in buffers.items()] == list(zip(mesh.devices.flat, range(4)))
-    epj.destroy_buffers(buffers)
+    for given in (mesh.devices, mesh):  # the docstring's mesh.devices, and the Mesh itself
+        buffers = epj.make_buffers(given, 1 << 20)
+        assert [(device, buffer.rank) for device, buffer in buffers.items()] == list(zip(mesh.devices.flat, range(4)))
+        epj.destroy_buffers(buffers)
 
 
 def test_programs_traced_before_destroy_buffers_are_traced_again_and_refused():

@@ -211,6 +211,9 @@ def as_jax(where: str, name: str, value):
     import jax.numpy as jnp
 
     if isinstance(value, jax.Array):
+        if not isinstance(value, jax.core.Tracer) and value.is_deleted():  # its devices() raises JAX's own error
+            raise TypeError(f"{where}: {name}: this {type(value).__qualname__} was deleted (donated to a jitted "
+                            f"call, or .delete()); pass a live array")
         return value
     if isinstance(value, (np.ndarray, np.generic)):
         if isinstance(value, np.ma.MaskedArray):  # as read_array refuses it; JAX's refusal names nothing
@@ -230,7 +233,11 @@ def as_jax(where: str, name: str, value):
                 raise ValueError(f"{where}: {name} holds {int(value[first])} at {first}, outside int32, and with "
                                  f"jax_enable_x64 off JAX would wrap it into int32 without a word; pass int32 "
                                  f"values, or enable jax_enable_x64")
-        converted = jnp.asarray(value)
+        try:
+            converted = jnp.asarray(value)
+        except TypeError as exc:  # object, string, structured, longdouble: JAX names "position 0" of "stage"
+            raise TypeError(f"{where}: {name} is a numpy array of {value.dtype.str} ({value.dtype}), which JAX cannot "
+                            f"hold; pass {_DTYPES_TAKEN.get(name, 'an array of a dtype JAX has')}") from exc
         if converted.dtype != value.dtype and not narrowed_ids:
             # e.g. uint64 into uint32 with x64 off: name the caller's dtype, not the one JAX made of it
             raise TypeError(f"{where}: {name} is a {value.dtype} numpy array, which JAX would turn into "
