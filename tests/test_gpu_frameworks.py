@@ -440,6 +440,43 @@ def test_deep_ep_calls_with_recv_stats_equal_reference(mode):
         np.testing.assert_array_equal(result["stats_growth"], 2 * result["count"], err_msg=f"rank {rank}")
 
 
+def test_a_deep_ep_buffer_dropped_on_its_thread_is_destroyed_and_a_new_one_works():
+    """TensorRT-LLM grows its DeepEP buffer with `del buffer` before building the next: the destructor of
+    one built without explicitly_destroy runs destroy() (a collective on the GPU), and the next Buffer's
+    step equals the reference."""
+    import mooncake_ep.deep_ep as deep_ep
+
+    flags = FLAGS["bf16"]
+    case = Case(seed=7)
+    xs, topks, weights = make_inputs(case)
+
+    def run(g):
+        r = g.rank
+        first = deep_ep.Buffer(g, 0, case.size, low_latency_mode=True, timeout_us=TIMEOUT_US, num_sms=NUM_SMS)
+        runtime = first.runtime
+        ready(g)
+        del first  # the collective destroy, on every rank's thread
+        dropped = (runtime.backend, runtime._cuda is None)
+        buffer = deep_ep.Buffer(g, 0, case.size, low_latency_mode=True, timeout_us=TIMEOUT_US, num_sms=NUM_SMS)
+        x, topk, w = to_torch(xs[r]), to_torch(topks[r]), to_torch(weights[r])
+        ready(g)
+        recv, count, handle, _, _ = buffer.low_latency_dispatch(x, topk, case.num_max_tokens, case.num_experts,
+                                                                **flags)
+        settle(g)
+        y = torch_experts(case, r, recv, flags)
+        settle(g)
+        combined, _, _ = buffer.low_latency_combine(y, topk, w, handle)
+        settle(g)
+        result = dict(recv=to_numpy(recv), count=to_numpy(count), y=to_numpy(y), combined=to_numpy(combined),
+                      active=to_numpy(buffer.active_ranks), dropped=dropped)
+        buffer.destroy()
+        return result
+
+    results = local_group(case).spawn(run)
+    assert [result.pop("dropped") for result in results] == [("cuda", True)] * case.num_ranks
+    check(case, xs, topks, weights, flags, results)
+
+
 # --- cupy ---------------------------------------------------------------------------------------------
 
 
