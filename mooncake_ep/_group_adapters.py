@@ -333,7 +333,8 @@ class TorchStoreGroup(_KeyValueGroup):
         return bytes(self._call("compare_set", self.store.compare_set, key, "", value))
 
     def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
-                      settle: bool = False) -> list[bytes]:  # no claims here: every key stays
+                      settle: bool = False, holders: Sequence[str] | None = None) -> list[bytes]:
+        # No claims here: every key stays, and holders (_holder_keys: None) are never given.
         keys = list(keys)
         try:
             if self._waits_by_polling:
@@ -721,7 +722,8 @@ class JaxGroup(_KeyValueGroup):
             raise GroupError(f"jax.distributed key-value get of {key!r}, which exists, failed: {exc}") from None
 
     def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
-                      settle: bool = False) -> list[bytes]:  # no claims here: every key stays
+                      settle: bool = False, holders: Sequence[str] | None = None) -> list[bytes]:
+        # No claims here: every key stays, and holders (_holder_keys: None) are never given.
         deadline = time.monotonic() + _finite_s(timeout_s)
         values = []
         for i, key in enumerate(keys):

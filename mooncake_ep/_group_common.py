@@ -61,13 +61,29 @@ class StoreTimeoutError(_StoreWaitError):
         self.extended = extended
 
 
+class StoreHoldersGoneError(_StoreWaitError):
+    """A store wait ended early: the holders of some missing keys are gone (their claims went with
+    their connections: the processes exited or died), so no one will set those keys.
+
+    Attributes:
+        missing_keys: the keys still absent, in asked order.
+        gone_keys: those among them whose holders are gone.
+    """
+
+    cut_short = "ended early"
+
+    def __init__(self, message: str, missing_keys: list[str], gone_keys: list[str]) -> None:
+        super().__init__(message, missing_keys)
+        self.gone_keys = gone_keys
+
+
 class _PeerAbortedError(GroupError):
     """Raised in a LocalGroup rank whose wait was cut short because another rank failed (LocalGroup.spawn
     then raises that rank's own error, so callers of a collective let this one through as it is)."""
 
 
 # The public home of these errors is mooncake_ep.group (tracebacks and pickles name them there).
-GroupError.__module__ = StoreTimeoutError.__module__ = "mooncake_ep.group"
+GroupError.__module__ = StoreTimeoutError.__module__ = StoreHoldersGoneError.__module__ = "mooncake_ep.group"
 
 
 def _check_int(where: str, name: str, value: Any, minimum: int) -> int:
@@ -132,7 +148,9 @@ def _check_data(where: str, data: Any, name: str = "data") -> bytes:
 #    stay as the record of who joined (a wait's flag that withdraws the waiter's claims).
 # 7: on stores without claims (torch's, JAX's) each attempt of a renewal round is decided once, by the first
 #    rank to create e{epoch}/a{attempt}/decision: complete (the count of joins reached world_size) or failed.
-_PROTOCOL_VERSION = 7
+# 8: a TCP store wait can name each key's holder claim, and ends at once when a missing key's holder is
+#    gone (a collective fails fast on a dead rank instead of waiting out timeout_s).
+_PROTOCOL_VERSION = 8
 # The key a store with claims sets, in the same step, beside a claimed key that a failed wait withdrew:
 # a rank that came to a round and left is told from one that never came.
 WITHDRAWN_SUFFIX = ":withdrawn"
@@ -296,13 +314,20 @@ class _KeyValueGroup:
         raise NotImplementedError
 
     def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
-                      settle: bool = False) -> list[bytes]:
+                      settle: bool = False, holders: Sequence[str] | None = None) -> list[bytes]:
         """The keys' values once all are set (within ``timeout_s``); ``reply_bytes``: about how many
         bytes they hold, for a store whose transfers count against its time limits; ``settle``: a
         round that completes for every rank or for none: once all keys are there, those set by
         :meth:`_kv_set_while_connected` stay from then on, and if the wait fails, this process's
-        own such keys among them are removed in the same step (where the store has claims)."""
+        own such keys among them are removed in the same step (where the store has claims);
+        ``holders``: per key, the claim of the process that sets it (:meth:`_holder_keys`): where the
+        store has claims, the wait ends early once a missing key's holder is gone."""
         raise NotImplementedError
+
+    def _holder_keys(self) -> list[str] | None:
+        """Per rank, the claim its process holds for as long as it lives, where the store has claims;
+        None elsewhere (a collective then waits out its timeout for a dead rank)."""
+        return None
 
     def _kv_create(self, key: str, value: bytes) -> bytes:
         """Set ``key`` to ``value`` unless it is set: the value the key holds then, the first creator's
@@ -380,8 +405,9 @@ class _KeyValueGroup:
             ValueError: ``data`` is larger than the store holds in one value (the TCP store: 4 GiB,
                 less the collective's tag byte); raised before the round starts, so every rank's
                 next call still meets the others'.
-            GroupError: some ranks did not call within ``timeout_s`` (they are named), the
-                store is gone, or the group is broken or closed.
+            GroupError: some ranks did not call within ``timeout_s`` (they are named; on the TCP
+                store, one whose process exited or died is named at once), the store is gone, or
+                the group is broken or closed.
         """
         data = _check_data("allgather_bytes", data)
         # Checked here, not left to the store: its refusal came inside the round, after this rank's
@@ -812,14 +838,20 @@ class _KeyValueGroup:
                 mine = _slot_value(name, data)
                 if not slot_claimed:
                     self._kv_set(keys[self.rank], mine)
+                # Outside the rendezvous (where a rank's claim may not be made yet), a rank whose
+                # process is gone fails the round at once: its slot will never come.
                 values = self._kv_multi_get(keys, wait_s, reply_bytes=self.world_size * len(mine),
-                                            settle=slot_claimed)
+                                            settle=slot_claimed, holders=None if slot_claimed else self._holder_keys())
                 if seq > 0:
                     self._delete_spent_slot(self._collective_key(seq - 1, self.rank))
             except _StoreWaitError as exc:
                 missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
                 self._broken = (f"{label} {self._wait_failure(exc)} waiting for ranks {missing} of "
                                 f"{self.world_size} ({self._where()})")
+                if isinstance(exc, StoreHoldersGoneError):  # not timed out: told at once
+                    gone = sorted(int(k.rsplit("/", 1)[1]) for k in exc.gone_keys)
+                    self._broken += (f": ranks {gone} left the group (their store connections closed: their "
+                                     f"processes exited or died)")
                 if on_wait_error is not None:
                     on_wait_error(keys, exc.missing_keys, self._broken)
                 raise GroupError(self._broken) from None

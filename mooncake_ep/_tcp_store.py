@@ -44,6 +44,7 @@ from typing import Any
 from mooncake_ep._group_common import (
     DEFAULT_TIMEOUT_S,
     GroupError,
+    StoreHoldersGoneError,
     StoreTimeoutError,
     WITHDRAWN_SUFFIX,
     _PROTOCOL_VERSION,
@@ -56,7 +57,7 @@ from mooncake_ep._group_common import (
     _wait_arg,
 )
 
-__all__ = ["StoreTimeoutError", "TCPStoreClient", "TCPStoreServer"]
+__all__ = ["StoreHoldersGoneError", "StoreTimeoutError", "TCPStoreClient", "TCPStoreServer"]
 
 logger = logging.getLogger("mooncake_ep")
 
@@ -106,13 +107,17 @@ _OP_SET, _OP_ADD, _OP_WAIT, _OP_DELETE, _OP_CLAIM = 1, 2, 3, 4, 5
 # older answers it at once as an unknown op, which the client names, instead of waiting for more bytes.
 _OP_HELLO = 6
 _OK, _TIMEOUT, _ERROR, _CLOSED = 0, 1, 2, 3
+# A wait ended early (body: the missing keys' indexes, then those among them whose holders are gone):
+# a missing key's holder claim went with its connection, so no one will set the key.
+_HOLDERS_GONE = 5
 # An interim reply to a wait past its time (body: u64 bytes still coming): a missing key's value is
 # arriving from a peer that set it in time; the client extends its own limit by that transfer.
 _STILL_ARRIVING = 4
 # Bits of a wait's flags byte: return the values; end the claims on the keys once all are there;
 # remove the keys the waiting connection still holds a claim on when the wait fails (each leaving
-# key + WITHDRAWN_SUFFIX).
-_WAIT_VALUES, _WAIT_SETTLES_CLAIMS, _WAIT_WITHDRAWS_CLAIMS = 1, 2, 4
+# key + WITHDRAWN_SUFFIX); end the wait once a missing key's holder claim is gone (the request then
+# names a holder key per key after the keys, "" for none).
+_WAIT_VALUES, _WAIT_SETTLES_CLAIMS, _WAIT_WITHDRAWS_CLAIMS, _WAIT_ENDS_WITHOUT_HOLDERS = 1, 2, 4, 8
 _DONT_WAIT = getattr(socket, "MSG_DONTWAIT", 0)  # the server's sockets block: a peek must not
 
 
@@ -550,7 +555,19 @@ class TCPStoreServer:
             if op == _OP_WAIT:
                 timeout_s, flags = reader.scalar(_F64), reader.scalar(_U8)
                 keys = [reader.key() for _ in range(reader.scalar(_U32))]
+                holders = ([reader.key() for _ in range(reader.scalar(_U32))] if flags & _WAIT_ENDS_WITHOUT_HOLDERS
+                           else [])
+                if holders and len(holders) != len(keys):
+                    return _ERROR, f"wait: {len(holders)} holder keys for {len(keys)} keys".encode()
                 deadline = time.monotonic() + timeout_s
+
+                def orphaned() -> list[int]:  # missing keys whose holders are gone (call with the lock held)
+                    if not holders:
+                        return []
+                    self._dropped_hung_up_claimers([h for h in holders if h])  # one killed mid-request
+                    return [i for i, (k, h) in enumerate(zip(keys, holders))
+                            if h and k not in self._data and h not in self._data]
+
                 with self._cond:
                     # In slices, looking at the connection in between: a client that died while
                     # waiting (its socket closed) is let go at once, and with it its claims, instead
@@ -559,9 +576,11 @@ class TCPStoreServer:
                     # A wait that settles claims first drops those of claimers that hung up (a rank
                     # killed in its own wait, which its handler notices only at its next slice): a
                     # round is never settled with a member that is gone.
+                    # A wait given holders ends once a missing key's holder is gone: nobody will set it.
                     while not self._cond.wait_for(
                             lambda: self._closing or (all(k in self._data for k in keys) and not (
-                                flags & _WAIT_SETTLES_CLAIMS and self._dropped_hung_up_claimers(keys))),
+                                flags & _WAIT_SETTLES_CLAIMS and self._dropped_hung_up_claimers(keys)))
+                            or bool(orphaned()),
                             timeout=max(0.0, min(_DEAD_CLIENT_POLL_S, deadline - time.monotonic()))):
                         arriving = self._arriving_bytes(keys)
                         if (time.monotonic() >= deadline and not arriving) or _hung_up(client):
@@ -583,6 +602,9 @@ class TCPStoreServer:
                                     del self._data[key], self._claim_owners[key]
                                     self._data[key + WITHDRAWN_SUFFIX] = b""
                         body = _U32.pack(len(missing)) + b"".join(_U32.pack(i) for i in missing)
+                        gone = [] if self._closing else orphaned()
+                        if gone:
+                            return _HOLDERS_GONE, body + _U32.pack(len(gone)) + b"".join(_U32.pack(i) for i in gone)
                         return (_CLOSED if self._closing else _TIMEOUT), body
                     values = [self._data[k] for k in keys] if flags & _WAIT_VALUES else []
                     if flags & _WAIT_SETTLES_CLAIMS:  # in the same step as the answer, no window between
@@ -837,7 +859,8 @@ class TCPStoreClient:
         self._wait("TCPStoreClient.wait", keys, timeout_s, want_values=False)
 
     def multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
-                  settle_claims: bool = False, withdraw_claims: bool = False) -> list[bytes]:
+                  settle_claims: bool = False, withdraw_claims: bool = False,
+                  holders: Sequence[str] | None = None) -> list[bytes]:
         """Wait as :meth:`wait` does, then return the values of ``keys`` in order (one round trip).
 
         ``reply_bytes``: about how many bytes the values hold; the store needs time to assemble and
@@ -850,26 +873,44 @@ class TCPStoreClient:
         With ``settle_claims`` on every rank's wait, a round then either completes for every rank
         or for none: a rank that gave up takes its key with it, and never leaves peers a round
         whose member has left (and they can tell it came).
+        ``holders``: per key, the claim whose holder sets it ("" for none): the wait ends at once,
+        raising :class:`StoreHoldersGoneError`, when a missing key's holder claim is gone (its
+        connection closed: the process exited or died), instead of waiting out ``timeout_s`` for a
+        key nobody will set.
         """
         return self._wait("TCPStoreClient.multi_get", keys, timeout_s, want_values=True, reply_bytes=reply_bytes,
-                          settle_claims=settle_claims, withdraw_claims=withdraw_claims)
+                          settle_claims=settle_claims, withdraw_claims=withdraw_claims, holders=holders)
 
     def _wait(self, where: str, keys: Sequence[str], timeout_s: float, want_values: bool,
-              reply_bytes: int = 0, settle_claims: bool = False, withdraw_claims: bool = False) -> list[bytes]:
+              reply_bytes: int = 0, settle_claims: bool = False, withdraw_claims: bool = False,
+              holders: Sequence[str] | None = None) -> list[bytes]:
         timeout_s = _check_timeout(where, timeout_s)
         reply_bytes = _check_int(where, "reply_bytes", reply_bytes, 0)
         if isinstance(keys, (str, bytes)):  # a sequence, but of characters
             raise TypeError(f"{where}: keys must be a sequence of str, got one {type(keys).__name__}")
         keys = list(keys)
+        if holders is not None:
+            holders = list(holders)
+            if len(holders) != len(keys):
+                raise ValueError(f"{where}: holders must name one claim (or \"\") per key: {len(holders)} for "
+                                 f"{len(keys)} keys")
         flags = ((_WAIT_VALUES if want_values else 0) | (_WAIT_SETTLES_CLAIMS if settle_claims else 0)
-                 | (_WAIT_WITHDRAWS_CLAIMS if withdraw_claims else 0))
+                 | (_WAIT_WITHDRAWS_CLAIMS if withdraw_claims else 0)
+                 | (_WAIT_ENDS_WITHOUT_HOLDERS if holders is not None else 0))
         payload = (_F64.pack(timeout_s) + _U8.pack(flags) + _U32.pack(len(keys))
                    + b"".join(_pack_key(k) for k in keys))
+        if holders is not None:
+            payload += _U32.pack(len(holders)) + b"".join(_pack_key(h) for h in holders)
         arriving: list[int] = []
         status, body = self._request(_OP_WAIT, payload, wait_s=timeout_s, reply_bytes=reply_bytes, arriving=arriving)
         reader = _Reader(body)
         if status != _OK:
             missing = [keys[reader.scalar(_U32)] for _ in range(reader.scalar(_U32))]
+            if status == _HOLDERS_GONE:
+                gone = [keys[reader.scalar(_U32)] for _ in range(reader.scalar(_U32))]
+                raise StoreHoldersGoneError(
+                    f"{where}: the holders of keys {gone} are gone (their store connections closed: the processes "
+                    f"exited or died) while waiting for keys {missing}", missing, gone)
             if status == _CLOSED:
                 raise _StoreClosedError(
                     f"{where}: the store at {self.host}:{self.port} closed (rank 0 closed its group or "

@@ -52,6 +52,7 @@ from mooncake_ep import _constants, _group_common, _tcp_store
 from mooncake_ep._group_common import (
     DEFAULT_TIMEOUT_S,
     GroupError,
+    StoreHoldersGoneError,
     StoreTimeoutError,
     _check_data,
     _check_int,
@@ -84,6 +85,7 @@ __all__ = [
     "LocalGroup",
     "LocalRankGroup",
     "MPIGroup",
+    "StoreHoldersGoneError",
     "StoreTimeoutError",
     "TORCHRUN_AGENT_STORE_VAR",
     "TCPGroup",
@@ -282,9 +284,12 @@ class TCPGroup(_KeyValueGroup):
         return self._store().add(key, amount)
 
     def _kv_multi_get(self, keys: Sequence[str], timeout_s: float, reply_bytes: int = 0,
-                      settle: bool = False) -> list[bytes]:
+                      settle: bool = False, holders: Sequence[str] | None = None) -> list[bytes]:
         return self._store().multi_get(keys, timeout_s, reply_bytes=reply_bytes, settle_claims=settle,
-                                       withdraw_claims=settle)
+                                       withdraw_claims=settle, holders=holders)
+
+    def _holder_keys(self) -> list[str]:
+        return [f"member/{rank}" for rank in range(self.world_size)]  # _claim_rank's
 
     def _kv_delete(self, key: str) -> None:
         self._store().delete(key)

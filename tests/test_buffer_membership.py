@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,9 +32,11 @@ def test_killed_process_is_named_replaced_and_included_in_the_next_step(tmp_path
                                     mask_timeout=MASK_TIMEOUT_S, limit_s=PROCESS_LIMIT_S)
     assert all(r.get("ok") for r in reports.values()), reports
     for rank in (0, 1):
-        # The survivors' step-1 collective timed out naming the dead rank; update_ep_member took
-        # the replacement in and says which rank changed hands.
-        assert "waiting for ranks [2] of 3" in reports[rank]["step1_error"], reports[rank]
+        # The survivors' step-1 collective ended naming the dead rank (at once: its store connection
+        # closed; the other survivor's slot may not have been there yet); update_ep_member took the
+        # replacement in and says which rank changed hands.
+        assert re.search(r"waiting for ranks \[(\d, )?2\] of 3 .*: ranks \[2\] left the group",
+                         reports[rank]["step1_error"]), reports[rank]
         assert reports[rank]["replaced"] == [2]
     assert reports[2]["epoch"] == 1
     procs.check_step(tmp_path, "step0", 300, SHAPE, PRECISIONS["fp8"], 3, [True] * 3)

@@ -935,6 +935,11 @@ WORKER = textwrap.dedent("""
         if mode == "leave":  # joins, then exits without taking part in any collective
             group.close(final_barrier=False)
             sys.exit(0)
+        if mode == "idle":  # joins, then stays alive without taking part, for argv[2] seconds
+            import time
+            time.sleep(float(sys.argv[2]))
+            group.close(final_barrier=False)
+            sys.exit(0)
         group.timeout_s = float(sys.argv[2])
         rounds = []
         for i in range(int(sys.argv[3])):
@@ -977,12 +982,25 @@ def test_tcp_group_four_processes_allgather_and_barrier():
 
 
 def test_tcp_group_peer_missing_from_collective_is_named():
-    out = launch(3, free_port(), {0: ["run", "1.0", "1"], 1: ["run", "1.0", "1"], 2: ["leave"]})
-    # Rank 0 times out and exits, closing the store it serves; rank 1 either timed out too or
-    # was answered "store closed" by that exit. Both name the rank that never came.
+    # Rank 2 is alive and never calls: rank 0 times out and exits, closing the store it serves; rank 1
+    # either timed out too or was answered "store closed" by that exit. Both name the rank that never came.
+    out = launch(3, free_port(), {0: ["run", "1.0", "1"], 1: ["run", "1.0", "1"], 2: ["idle", "10"]})
     assert out[0]["error"].startswith("allgather_bytes #0 timed out after 1.0 s waiting for ranks [2] of 3")
     assert out[1]["error"].startswith("allgather_bytes #0 ")
     assert "waiting for ranks [2] of 3" in out[1]["error"]
+
+
+def test_tcp_group_peer_gone_from_collective_ends_it_at_once():
+    """Rank 2's process exits without calling: its claim goes with its connection, and the others'
+    collective ends at once, naming it, instead of waiting out their 60 s (helper-146)."""
+    out = launch(3, free_port(), {0: ["run", "60", "1"], 1: ["run", "60", "1"], 2: ["leave"]})
+    # The other rank's slot may not be there yet either, when a rank finds rank 2 gone.
+    assert re.match(r"allgather_bytes #0 ended early waiting for ranks \[(1, )?2\] of 3 \(MASTER_ADDR=", out[0]["error"]), out
+    assert out[0]["error"].endswith(": ranks [2] left the group (their store connections closed: their processes "
+                                    "exited or died)"), out
+    # Rank 1 was told the same, or, if rank 0's exit closed the store first, that it closed: either names rank 2.
+    assert re.match(r"allgather_bytes #0 .* waiting for ranks \[(0, )?2\] of 3", out[1]["error"]), out
+    assert "timed out" not in out[1]["error"], out
 
 
 MISMATCH_WORKER = textwrap.dedent("""

@@ -20,8 +20,8 @@ import pytest
 import _threads
 
 from mooncake_ep.cli.launch import free_port
-from mooncake_ep.group import (GroupError, StoreTimeoutError, TCPGroup, TCPStoreClient, TCPStoreServer, TorchStoreGroup,
-                               init_group)
+from mooncake_ep.group import (GroupError, StoreHoldersGoneError, StoreTimeoutError, TCPGroup, TCPStoreClient,
+                               TCPStoreServer, TorchStoreGroup, init_group)
 
 PROCESS_LIMIT_S = 60.0
 LONG_TIMEOUT_S = 30.0
@@ -88,6 +88,52 @@ def test_claim_is_held_by_its_connection_and_released_when_it_closes():
         assert c.get("member/1", timeout_s=1.0) == b"set"
         assert c.claim("member/1") is False
         c.close()
+
+
+def test_a_wait_given_holders_ends_at_once_when_a_missing_keys_holder_is_gone():
+    """A collective's wait names each slot's holder (the rank's member claim): once a missing slot's
+    holder is gone (its connection closed, as a killed process's is), nobody will set it, and the wait
+    ends there instead of at its timeout (helper-146). A holder that set its key before it left, or a
+    key without a holder (""), counts as usual."""
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        waiter = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        early = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        dying = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        assert early.claim("member/1") and dying.claim("member/2")
+        early.set("c/1", b"one")
+        early.close()  # gone, but its key is there
+        eventually(lambda: not _holds(waiter, "member/1"))
+        holders = ["", "member/1", "member/2"]
+        waiter.set("c/0", b"zero")
+        result: list = []
+        thread = threading.Thread(target=lambda: result.append(_threads.call_or_error(
+            lambda: waiter.multi_get(["c/0", "c/1", "c/2"], LONG_TIMEOUT_S, holders=holders))))
+        thread.start()
+        time.sleep(0.2)  # the wait is in the store, its holders alive
+        assert thread.is_alive()
+        dying.close()
+        thread.join(PROCESS_LIMIT_S)
+        (error,) = result
+        assert isinstance(error, StoreHoldersGoneError), error
+        assert (error.missing_keys, error.gone_keys) == (["c/2"], ["c/2"])
+        assert str(error) == ("TCPStoreClient.multi_get: the holders of keys ['c/2'] are gone (their store "
+                              "connections closed: the processes exited or died) while waiting for keys ['c/2']")
+        # The same wait finds a gone holder at its start, and one whose key is there is no failure.
+        with pytest.raises(StoreHoldersGoneError):
+            waiter.multi_get(["c/0", "c/2"], LONG_TIMEOUT_S, holders=["", "member/2"])
+        assert waiter.multi_get(["c/0", "c/1"], 1.0, holders=holders[:2]) == [b"zero", b"one"]
+        with pytest.raises(ValueError, match=r'holders must name one claim \(or ""\) per key: 1 for 2 keys'):
+            waiter.multi_get(["c/0", "c/1"], 1.0, holders=["member/1"])
+        waiter.close()
+
+
+def _holds(client: TCPStoreClient, key: str) -> bool:
+    """Whether ``key`` exists (a claim held), without waiting."""
+    try:
+        client.get(key, timeout_s=0.01)
+        return True
+    except StoreTimeoutError:
+        return False
 
 
 def test_a_wait_that_settles_claims_keeps_the_keys_after_their_claimer_leaves():
@@ -477,9 +523,10 @@ def test_replacement_takes_over_a_dead_rank_at_the_survivors_renew():
     for g in groups[:2]:
         g.timeout_s = SHORT_TIMEOUT_S
     out = run_in_threads([lambda g=g: g.allgather_bytes(b"x") for g in groups[:2]])
-    for e in out:  # the survivors notice: the collective names the dead rank, and the group is broken
-        assert isinstance(e, GroupError) and f"waiting for ranks [2] of 3 (MASTER_ADDR=127.0.0.1, MASTER_PORT={port})" \
-            in str(e), out
+    for e in out:  # the survivors notice at once: the collective names the dead rank, and the group is broken
+        assert isinstance(e, GroupError) and re.search(
+            rf"ended early waiting for ranks \[(\d, )?2\] of 3 \(MASTER_ADDR=127.0.0.1, MASTER_PORT={port}\): ranks "
+            rf"\[2\] left the group", str(e)), out
     with pytest.raises(GroupError, match="broken"):
         groups[0].barrier()
     for g in groups[:2]:
