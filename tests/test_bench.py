@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mooncake_ep import _constants, cli, reference  # noqa: E402 - after the torch skip
-from mooncake_ep.cli import baseline, bench  # noqa: E402
+from mooncake_ep.cli import baseline, bench, launch  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROCESS_LIMIT_S = 120.0
@@ -423,7 +423,8 @@ def test_bench_launch_runs_one_rank_per_process(tmp_path):
 def test_launch_passes_this_command_s_flags_to_each_process_without_launch():
     args = argparse.Namespace(verbose=1, command_argv=["--launch", "4", "--tokens", "8", "--launch=4", "--no-fp8"])
     argv = bench.child_argv(args)
-    assert argv[1:] == ["-m", "mooncake_ep", "-v", "bench", "--tokens", "8", "--no-fp8", "--group", "init"]
+    assert argv[3:] == ["-v", "bench", "--tokens", "8", "--no-fp8", "--group", "init"]
+    assert argv[:3] == launch.rank_command()  # this package, not whatever the current directory holds
 
 
 def test_bench_bad_flag_exits_2():

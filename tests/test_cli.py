@@ -84,6 +84,23 @@ def test_demo_launch_processes_passes(tmp_path):
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
 
 
+def test_launched_ranks_run_this_package_not_the_current_directorys(tmp_path):
+    """`python -m mooncake_ep` puts the current directory first on sys.path: ranks launched from a
+    checkout ran that checkout (a non-editable install, launched from its own checkout, failed every
+    rank on its missing compiled-in paths; an editable one, from another checkout, ran that one's code;
+    helper-149). The ranks now import the package the launcher runs."""
+    from mooncake_ep.cli.launch import rank_command
+
+    shadow = tmp_path / "mooncake_ep"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the current directory\'s mooncake_ep was imported')\n")
+    (shadow / "__main__.py").write_text("")
+    proc = subprocess.run(rank_command("demo", "--launch", "2", *TINY, "--backend", "reference"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=PROCESS_LIMIT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all 2 processes passed" in proc.stdout and "current directory" not in proc.stderr
+
+
 def test_demo_launch_fails_when_a_process_fails():
     proc = run_cli("demo", "--launch", "2", *TINY, "--tolerance", "1e-9")
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -56,7 +56,6 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -1310,8 +1309,7 @@ def child_argv(args) -> list[str]:
             skip = True  # and its value
         elif not token.startswith("--launch="):
             flags.append(token)
-    return [sys.executable, "-m", "mooncake_ep", *["-v"] * getattr(args, "verbose", 0), "bench", *flags,
-            "--group", "init"]
+    return launch.rank_command(*["-v"] * getattr(args, "verbose", 0), "bench", *flags, "--group", "init")
 
 
 def check_as_ranks(args, backend: str, num_ranks: int, ranks_flag: str) -> None:

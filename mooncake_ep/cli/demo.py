@@ -459,10 +459,11 @@ def _process_rank_step(group: mooncake_ep.Group, args: argparse.Namespace, backe
 
 def _rank_argv(args: argparse.Namespace, config: DemoConfig) -> list[str]:
     """The command line of one launched process: this demo's flags, as one rank (--group init)."""
-    argv = [sys.executable, "-m", "mooncake_ep", *["-v"] * getattr(args, "verbose", 0), "demo", "--group", "init",
-            "--experts", str(config.num_experts), "--topk", str(config.num_topk), "--hidden", str(config.hidden),
-            "--tokens", str(config.num_tokens), "--fp8" if config.use_fp8 else "--no-fp8", "--backend", args.backend,
-            "--seed", str(config.seed), "--tolerance", repr(args.tolerance), "--timeout-us", str(config.timeout_us)]
+    argv = launch.rank_command(
+        *["-v"] * getattr(args, "verbose", 0), "demo", "--group", "init", "--experts", str(config.num_experts),
+        "--topk", str(config.num_topk), "--hidden", str(config.hidden), "--tokens", str(config.num_tokens),
+        "--fp8" if config.use_fp8 else "--no-fp8", "--backend", args.backend, "--seed", str(config.seed),
+        "--tolerance", repr(args.tolerance), "--timeout-us", str(config.timeout_us))
     return argv + ([f"--json={args.json}"] if args.json else [])  # one token: a path may start with "-"
 
 

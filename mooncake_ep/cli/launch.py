@@ -142,6 +142,18 @@ def use_process_device() -> int:
     return device
 
 
+def rank_command(*args: str) -> list[str]:
+    """The command line of a launched rank running ``python -m mooncake_ep ARGS``, with the package this
+    process runs: ``-m`` would put the current directory first on ``sys.path``, where a checkout (or
+    any folder named ``mooncake_ep``) would be imported instead (a non-editable install launched
+    from its own checkout failed every rank; an editable one run from another checkout ran that
+    one's code). The script puts this package's folder where ``-m`` puts the current directory."""
+    package_root = str(Path(mooncake_ep.__file__).resolve().parent.parent)
+    script = (f"import runpy, sys; sys.path[0] = {package_root!r}; "
+              f"runpy.run_module('mooncake_ep', run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", script, *args]
+
+
 def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     """Run ``argv`` as ``num_processes`` rank processes on this host; EXIT_OK only if all exit 0.
 
