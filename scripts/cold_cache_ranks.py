@@ -6,7 +6,11 @@ loading the modules, all starting together at a barrier. NVRTC compiles without 
 on any machine. Reports the compiles summed over the ranks (one per entry is the least) and the
 slowest rank's wall time.
 
-    python scripts/cold_cache_ranks.py --ranks 8 --cache-dir /tmp/cold-cache
+    python scripts/cold_cache_ranks.py --ranks 8
+
+A rank that fails ends the run (its exit code named) instead of leaving the others' results waited
+for. ``--cache-dir`` must be absent or empty (by default a new temporary folder): the run needs
+every entry a miss, and a folder of anything else is not this script's to delete.
 """
 
 from __future__ import annotations
@@ -14,8 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
+import queue
 import shutil
+import tempfile
 import time
+
+# How often the parent looks for a rank that exited without its result.
+_POLL_S = 1.0
 
 
 def rank(cache_dir: str, arch: str, barrier, results) -> None:
@@ -34,22 +44,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--arch", default="sm_90")
-    parser.add_argument("--cache-dir", required=True, help="emptied first: every entry is a miss")
+    parser.add_argument("--cache-dir", default=None,
+                        help="an absent or empty folder, so that every entry is a miss (default: a new temporary one)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.ranks < 1:
+        parser.error(f"--ranks must be >= 1, got {args.ranks}")
+    own_dir = args.cache_dir is None
+    if own_dir:
+        args.cache_dir = tempfile.mkdtemp(prefix="mooncake_ep_cold_cache_")
+    elif os.path.exists(args.cache_dir) and (not os.path.isdir(args.cache_dir) or os.listdir(args.cache_dir)):
+        parser.error(f"--cache-dir {args.cache_dir} must be absent or an empty folder (every entry must be a miss)")
 
-    shutil.rmtree(args.cache_dir, ignore_errors=True)
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(args.ranks), context.Queue()
     processes = [context.Process(target=rank, args=(args.cache_dir, args.arch, barrier, results))
                  for _ in range(args.ranks)]
     for process in processes:
         process.start()
-    per_rank = [results.get() for _ in processes]
-    for process in processes:
-        process.join()
-    if any(process.exitcode for process in processes):
-        raise SystemExit(f"a rank failed: exit codes {[process.exitcode for process in processes]}")
+    per_rank = []
+    try:
+        while len(per_rank) < len(processes):
+            try:
+                per_rank.append(results.get(timeout=_POLL_S))
+            except queue.Empty:
+                failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                if failed:  # its peers wait at the barrier, or are done: nothing more will come
+                    raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in processes]}") from None
+    finally:
+        for process in processes:
+            if process.exitcode is None and len(per_rank) < len(processes):
+                process.terminate()
+            process.join()
+        if own_dir:
+            shutil.rmtree(args.cache_dir, ignore_errors=True)
     import mooncake_ep
 
     report = {"package": mooncake_ep.__file__, "config": vars(args),

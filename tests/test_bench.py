@@ -284,7 +284,8 @@ def test_bench_reference_writes_the_json_schema(tmp_path):
     proc = run_bench("--backend", "reference", "--json", str(path), "--iters", "5")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "host wall time" in proc.stdout  # the output says what was timed
-    assert "fp8 dispatch (scales row-major)" in proc.stdout  # and the layout, which moves dispatch's time
+    # and the layout, which moves dispatch's time: torch tensors' results, in DeepEP's (helper-149: said row-major)
+    assert "fp8 dispatch (scales DeepEP's layout)" in proc.stdout
     report = json.loads(path.read_text())
     check_schema(report, with_baseline=True)
     # The small default shape of the reference backend.
@@ -307,6 +308,8 @@ def test_bench_reference_writes_the_json_schema(tmp_path):
 @pytest.mark.parametrize("routing, extra, parameters", [
     ("zipf", ["--alpha", "0.7"], {"alpha": 0.7}),
     ("k_hot", ["--hot-fraction", "0.25", "--hot-experts", "3"], {"hot_fraction": 0.25, "hot_experts": 3}),
+    # The default, 8, would make every one of the reference shape's 8 experts hot: half of them are.
+    ("k_hot", [], {"hot_fraction": 0.5, "hot_experts": 4}),
 ])
 def test_bench_json_says_how_to_draw_its_routes_again(tmp_path, routing, extra, parameters):
     path = tmp_path / "bench.json"
@@ -450,7 +453,10 @@ def test_bench_bad_flag_exits_2():
     (["--hold-ms", "nan"], "--hold-ms must be a number in [0, 10000], got nan"),
     (["--num-sms", "4"], "--num-sms"),
     (["--routing", "k_hot", "--hot-experts", "99"], "--hot-experts"),
-    (["--routing", "k_hot", "--hot-experts", "1", "--topk", "2"], "--hot-experts must be in [--topk=2, --experts=8]"),
+    (["--routing", "k_hot", "--hot-experts", "1", "--topk", "2"], "--hot-experts must be in [--topk=2, --experts=8)"),
+    # every expert hot is uniform routing: --hot-fraction did nothing (helper-149)
+    (["--routing", "k_hot", "--hot-experts", "8"],
+     "--hot-experts must be in [--topk=2, --experts=8) (every expert hot is uniform routing), got 8"),
     # A routing's flags with another routing: refused, not ignored.
     (["--alpha", "-1"], "--alpha applies to --routing zipf, not uniform"),
     (["--routing", "zipf", "--hot-fraction", "2"], "--hot-fraction applies to --routing k_hot, not zipf"),
@@ -506,6 +512,16 @@ def test_plot_without_matplotlib_is_a_usage_error_before_anything_runs(monkeypat
     assert cli.main(["bench", "--backend", "reference", "--plot", str(tmp_path / "x.png")]) == 2
     captured = capsys.readouterr()
     assert "--plot needs matplotlib (pip install matplotlib)" in captured.err and "phase" not in captured.out
+
+
+def test_bench_without_torch_is_a_usage_error_before_anything_runs(monkeypatch, capsys):
+    """The timed calls take torch tensors on every backend: without torch the reference run ended in a
+    traceback from inside the measurement (helper-149)."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    assert cli.main(["bench", "--backend", "reference", "--no-baseline"]) == 2
+    captured = capsys.readouterr()
+    assert "bench needs torch (pip install torch; the demo runs without it)" in captured.err
+    assert "phase" not in captured.out
 
 
 def test_bench_help_shows_the_new_flags_and_backend_defaults(capsys):

@@ -734,11 +734,33 @@ def test_running_out_of_memory_is_one_line_naming_which(monkeypatch, capsys):
         monkeypatch.setattr(demo, "run", lambda args, error=error: (_ for _ in ()).throw(error))
         assert cli.main(["demo"]) == 1
         err = capsys.readouterr().err
-        assert f"demo: out of {which} memory (" in err and "lower --hidden, --experts or --tokens" in err
+        assert f"demo: out of {which} memory (" in err and "lower --hidden, --experts, --tokens or --ranks" in err
         assert "more" not in err  # one line
+    # numpy's MemoryError can be empty: no "()" (helper-149); bench names its own flags too
+    from mooncake_ep.cli import bench
+
+    monkeypatch.setattr(bench, "run", lambda args: (_ for _ in ()).throw(MemoryError()))
+    assert cli.main(["bench"]) == 1
+    assert capsys.readouterr().err.endswith("bench: out of host memory; lower --hidden, --experts, --tokens, --ranks or "
+                                            "--input-sets\n")
     monkeypatch.setattr(demo, "run", lambda args: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):  # other RuntimeErrors keep their traceback
         cli.main(["demo"])
+
+
+def test_the_memory_check_takes_the_containers_limit(tmp_path):
+    """A GPU pod's cgroup limit, not the machine's memory, is where the OOM killer ends a run without a
+    word (helper-149): v2's memory.max, v1's memory.limit_in_bytes, "max" or v1's unlimited as none."""
+    assert cli._cgroup_memory_limit_bytes(str(tmp_path)) is None  # neither file
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1 unlimited
+    assert cli._cgroup_memory_limit_bytes(str(tmp_path)) is None
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("4294967296\n")
+    assert cli._cgroup_memory_limit_bytes(str(tmp_path)) == 4 << 30
+    (tmp_path / "memory.max").write_text("max\n")  # v2 first: no limit there
+    assert cli._cgroup_memory_limit_bytes(str(tmp_path)) is None
+    (tmp_path / "memory.max").write_text("2147483648\n")
+    assert cli._cgroup_memory_limit_bytes(str(tmp_path)) == 2 << 30
 
 
 def test_main_returns_instead_of_exiting(capsys):

@@ -121,11 +121,35 @@ def _finite(value):
     return value
 
 
+# The flags of each command that set how much memory it takes, for an out-of-memory error's advice.
+_SHAPE_FLAGS = {"bench": "--hidden, --experts, --tokens, --ranks or --input-sets",
+                None: "--hidden, --experts, --tokens or --ranks"}
+
+
 def _physical_memory_bytes() -> int | None:
+    """The memory this process may use: the machine's, or its container's limit where that is less
+    (a GPU pod's: past it the OOM killer ends the run without a word)."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):  # not POSIX, or the value is unknown
-        return None
+        physical = None
+    limits = [b for b in (physical, _cgroup_memory_limit_bytes()) if b is not None]
+    return min(limits) if limits else None
+
+
+def _cgroup_memory_limit_bytes(root: str = "/sys/fs/cgroup") -> int | None:
+    """This process's cgroup memory limit (v2's ``memory.max``, else v1's ``memory.limit_in_bytes``);
+    None where there is none ("max", or v1's near-2**63 "unlimited") or it cannot be read."""
+    for path in (os.path.join(root, "memory.max"), os.path.join(root, "memory", "memory.limit_in_bytes")):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:
+            return int(text)
+        return None  # "max", or v1's unlimited
+    return None
 
 
 def check_host_memory(what: str, num_bytes: int, flags: str) -> None:
@@ -252,15 +276,17 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         return EXIT_FAILURE
     except MemoryError as exc:  # numpy's for a shape this host cannot hold, or cupy's for the device
         where_from = "device" if type(exc).__module__.startswith("cupy") else "host"
-        print(f"{where}: out of {where_from} memory ({exc}); lower --hidden, --experts or --tokens", file=sys.stderr)
+        detail = f" ({exc})" if str(exc) else ""  # numpy's can be empty
+        print(f"{where}: out of {where_from} memory{detail}; lower {_SHAPE_FLAGS.get(args.command, _SHAPE_FLAGS[None])}",
+              file=sys.stderr)
         return EXIT_FAILURE
     except RuntimeError as exc:
         # torch.cuda's OutOfMemoryError (a RuntimeError), and torch's CPU allocator's plain one: one line too.
         host = "can't allocate memory" in str(exc)
         if type(exc).__name__ != "OutOfMemoryError" and not host:
             raise
-        print(f"{where}: out of {'host' if host else 'device'} memory ({str(exc).splitlines()[0]}); lower --hidden, "
-              f"--experts or --tokens", file=sys.stderr)
+        print(f"{where}: out of {'host' if host else 'device'} memory ({str(exc).splitlines()[0]}); lower "
+              f"{_SHAPE_FLAGS.get(args.command, _SHAPE_FLAGS[None])}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt as exc:
         print(f"{where}: interrupted", file=sys.stderr)

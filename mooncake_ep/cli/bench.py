@@ -198,7 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=None, help="zipf: the exponent (default 1.2)")
     parser.add_argument("--hot-fraction", type=float, default=None,
                         help="k_hot: share of tokens that go hot (default 0.5)")
-    parser.add_argument("--hot-experts", type=int, default=None, help="k_hot: the first N experts are hot (default 8)")
+    parser.add_argument("--hot-experts", type=int, default=None, help="k_hot: the first N experts are hot (default 8, or max(--topk, --experts / 2) where that is fewer)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays")
     parser.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
                         help="on the GPU, each phase's untimed replays go on in rounds of --warmup until they have "
@@ -1119,8 +1119,9 @@ def print_report(report: dict) -> None:
     c = report["config"]
     precision = "bf16 dispatch"
     if c["fp8"]:  # the layout of the scales moves dispatch's time (docs/performance.md (52))
-        made = "DeepEP's layout" if report["backend"] == "cuda" else "row-major"  # torch's results, or numpy's
-        layout = {"made": made, "swapped": "DeepEP's layout", "row-major": "row-major"}[c.get("fp8_scales", "made")]
+        # The calls take torch tensors on both backends, so the results they make are in DeepEP's layout.
+        layout = {"made": "DeepEP's layout", "swapped": "DeepEP's layout", "row-major": "row-major"}[
+            c.get("fp8_scales", "made")]
         precision = f"fp8 dispatch (scales {layout})"
     shape = (f"T={c['tokens']}, H={c['hidden']}, top-{c['topk']} of {c['experts']}, "
              f"{precision}, routing {c['routing']}, mode {c['mode']}, "
@@ -1249,6 +1250,8 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
                                          ("--hot-fraction", "hot_fraction", "k_hot", HOT_FRACTION),
                                          ("--hot-experts", "hot_experts", "k_hot", HOT_EXPERTS)):
         if getattr(args, name) is None:
+            if name == "hot_experts":  # fewer where experts are few: with every expert hot, k_hot is uniform
+                default = min(HOT_EXPERTS, max(args.topk, args.experts // 2))
             setattr(args, name, default)
         elif args.routing != routing:
             raise UsageError(f"{flag} applies to --routing {routing}, not {args.routing}")
@@ -1259,10 +1262,11 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
         if np.count_nonzero(zipf_weights(args.experts, args.alpha)) < args.topk:
             raise UsageError(f"--alpha {args.alpha} gives fewer than --topk={args.topk} experts a probability "
                              f"above 0; use a smaller --alpha")
-    if args.routing == "k_hot" and not args.topk <= args.hot_experts <= args.experts:
-        # A hot token takes top-k distinct experts among the hot ones: fewer cannot hold them.
-        raise UsageError(f"--hot-experts must be in [--topk={args.topk}, --experts={args.experts}], got "
-                         f"{args.hot_experts}")
+    if args.routing == "k_hot" and not args.topk <= args.hot_experts < args.experts:
+        # A hot token takes top-k distinct experts among the hot ones: fewer cannot hold them; with
+        # every expert hot, the routing is uniform whatever --hot-fraction says.
+        raise UsageError(f"--hot-experts must be in [--topk={args.topk}, --experts={args.experts}) (every expert "
+                         f"hot is uniform routing), got {args.hot_experts}")
     if args.routing == "k_hot" and not 0 <= args.hot_fraction <= 1:
         raise UsageError(f"--hot-fraction must be in [0, 1], got {args.hot_fraction}")
     check_output_path("--json", args.json)
@@ -1277,6 +1281,10 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
             import matplotlib  # noqa: F401 - only checked here, before a long run, and used at the end
         except ImportError:
             raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+    try:  # the timed calls take torch tensors on every backend, as an engine's would (and the baseline is torch)
+        import torch  # noqa: F401
+    except ImportError:
+        raise UsageError("bench needs torch (pip install torch; the demo runs without it)") from None
 
 
 def run(args) -> int:
