@@ -562,9 +562,9 @@ class TCPStoreServer:
                 deadline = time.monotonic() + timeout_s
 
                 def orphaned() -> list[int]:  # missing keys whose holders are gone (call with the lock held)
-                    if not holders:
-                        return []
-                    self._dropped_hung_up_claimers([h for h in holders if h])  # one killed mid-request
+                    # No peek at the holders' sockets here (the predicate runs on every set, for every
+                    # waiter): a holder killed in a wait of its own is let go by that wait's next slice,
+                    # _DEAD_CLIENT_POLL_S, whose handler then drops its claims and wakes this wait.
                     return [i for i, (k, h) in enumerate(zip(keys, holders))
                             if h and k not in self._data and h not in self._data]
 
