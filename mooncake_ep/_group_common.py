@@ -46,6 +46,9 @@ class _StoreWaitError(GroupError):
         super().__init__(message)
         self.missing_keys = missing_keys
 
+    def __reduce__(self):  # pickled with its attributes (the default passes the message alone)
+        return type(self), (str(self), self.missing_keys)
+
 
 class StoreTimeoutError(_StoreWaitError):
     """A store wait ran out of time.
@@ -59,6 +62,9 @@ class StoreTimeoutError(_StoreWaitError):
     def __init__(self, message: str, missing_keys: list[str], extended: str = "") -> None:
         super().__init__(message, missing_keys)
         self.extended = extended
+
+    def __reduce__(self):
+        return type(self), (str(self), self.missing_keys, self.extended)
 
 
 class StoreHoldersGoneError(_StoreWaitError):
@@ -75,6 +81,9 @@ class StoreHoldersGoneError(_StoreWaitError):
     def __init__(self, message: str, missing_keys: list[str], gone_keys: list[str]) -> None:
         super().__init__(message, missing_keys)
         self.gone_keys = gone_keys
+
+    def __reduce__(self):
+        return type(self), (str(self), self.missing_keys, self.gone_keys)
 
 
 class _PeerAbortedError(GroupError):
@@ -851,7 +860,7 @@ class _KeyValueGroup:
                 if isinstance(exc, StoreHoldersGoneError):  # not timed out: told at once
                     gone = sorted(int(k.rsplit("/", 1)[1]) for k in exc.gone_keys)
                     self._broken += (f": ranks {gone} left the group (their store connections closed: their "
-                                     f"processes exited or died)")
+                                     f"processes exited or died, or closed the group)")
                 if on_wait_error is not None:
                     on_wait_error(keys, exc.missing_keys, self._broken)
                 raise GroupError(self._broken) from None

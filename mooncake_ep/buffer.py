@@ -311,7 +311,8 @@ class Buffer:
             why = _why_no_gpu()
             if why is not None:
                 self._reference_reason = f"backend='auto': {why}"
-                if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+                torch = sys.modules.get("torch")  # None where an import of it was blocked
+                if getattr(getattr(torch, "cuda", None), "is_available", lambda: False)():
                     logger.warning("mooncake_ep: Buffer of rank %d runs on the numpy reference backend, although "
                                    "torch sees a CUDA device: %s", group.rank, why)
         use_cuda = backend == "cuda" or (backend == "auto" and self._reference_reason is None)

@@ -57,9 +57,11 @@ What differs from DeepEP:
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +77,16 @@ from mooncake_ep.validation import check_bool, check_experts, check_int, check_t
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
 logger = logging.getLogger("mooncake_ep")
+
+# Whether a garbage collection is running (gc.callbacks): a Buffer it frees is not destroyed there.
+_collecting_garbage = [False]
+
+
+def _note_collection(phase: str, info: dict) -> None:
+    _collecting_garbage[0] = phase == "start"
+
+
+gc.callbacks.append(_note_collection)
 
 topk_idx_t = torch.int64  # DeepEP's dtype of topk_idx (int32 is taken too)
 
@@ -195,20 +207,24 @@ class Buffer:
         device = "cpu" if self.runtime.backend == "reference" else torch.device("cuda", self.runtime.device_id)
         self.active_ranks = torch.ones(self.group_size, dtype=torch.int32, device=device)
         self._comm_stream: torch.cuda.Stream | None = None  # get_comm_stream's, for async_finish's recv-stats adds
-        self._built_on_thread = threading.get_ident()  # where dropping it may destroy it (__del__)
+        # Where dropping it may destroy it (__del__): the thread itself, not its ident, which a later
+        # thread may be given once this one ends.
+        self._built_on_thread = weakref.ref(threading.current_thread())
 
     def __del__(self) -> None:
         """DeepEP's destructor: a Buffer built with ``explicitly_destroy=False`` (DeepEP's default) is
         destroyed when dropped, a collective as :meth:`destroy` is, so every rank drops its Buffer at
         the same point. Engines rely on it: TensorRT-LLM grows its buffer with ``del buffer`` before
         building the next, where a freed workspace that a slower peer still used would be written
-        into. Only on the thread that built it and outside interpreter shutdown: a Buffer collected
-        elsewhere (in a reference cycle, on whichever thread allocates next; an in-process rank's
-        Buffer dropped by another thread) would wait there for peers that cannot come, and the
+        into. Only when its last reference is dropped, on the thread that built it, outside
+        interpreter shutdown: a Buffer freed by the garbage collector (in a reference cycle, at
+        whatever allocation, perhaps inside another collective of the group) or on another thread (an
+        in-process rank's Buffer handed on) would wait there for peers that cannot come, and the
         runtime's finalizer releases it instead, as any dropped :class:`mooncake_ep.Buffer`."""
         runtime = self.__dict__.get("runtime")  # absent: the constructor failed before building it
-        if (runtime is None or self.explicitly_destroy or sys.is_finalizing()
-                or threading.get_ident() != self._built_on_thread):
+        built_on = self.__dict__.get("_built_on_thread")  # absent: it failed after building it
+        if (runtime is None or built_on is None or self.explicitly_destroy or sys.is_finalizing()
+                or _collecting_garbage[0] or built_on() is not threading.current_thread()):
             return
         try:
             runtime.destroy()

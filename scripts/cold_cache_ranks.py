@@ -78,6 +78,8 @@ def main() -> None:
             process.join()
         if own_dir:
             shutil.rmtree(args.cache_dir, ignore_errors=True)
+    if any(process.exitcode for process in processes):  # one that failed after sending its result
+        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in processes]}")
     import mooncake_ep
 
     report = {"package": mooncake_ep.__file__, "config": vars(args),

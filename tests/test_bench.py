@@ -457,6 +457,8 @@ def test_bench_bad_flag_exits_2():
     # every expert hot is uniform routing: --hot-fraction did nothing (helper-149)
     (["--routing", "k_hot", "--hot-experts", "8"],
      "--hot-experts must be in [--topk=2, --experts=8) (every expert hot is uniform routing), got 8"),
+    (["--routing", "k_hot", "--experts", "4", "--topk", "4"],
+     "--routing k_hot needs more --experts than --topk (some experts cold), got 4 and 4"),
     # A routing's flags with another routing: refused, not ignored.
     (["--alpha", "-1"], "--alpha applies to --routing zipf, not uniform"),
     (["--routing", "zipf", "--hot-fraction", "2"], "--hot-fraction applies to --routing k_hot, not zipf"),

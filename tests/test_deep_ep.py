@@ -494,7 +494,8 @@ def test_dropping_a_buffer_destroys_it_as_deepeps_destructor_does(monkeypatch, e
 
 
 def test_a_buffer_whose_construction_failed_drops_without_a_word(monkeypatch):
-    """__del__ runs on a half-built Buffer too: it must find no runtime and do nothing."""
+    """__del__ runs on a half-built Buffer too, failed before its runtime or after it (helper-150: an
+    AttributeError there): it must do nothing."""
     import gc
     import sys
 
@@ -503,8 +504,32 @@ def test_a_buffer_whose_construction_failed_drops_without_a_word(monkeypatch):
     group = ep.LocalGroup(1).rank_group(0)
     with pytest.raises(ValueError, match="low_latency_mode must be True"):
         deep_ep.Buffer(group, 0, 1 << 20, low_latency_mode=False)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (stand-in)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(deep_ep.torch, "ones", out_of_memory)  # after the runtime is built
+        with pytest.raises(RuntimeError, match="stand-in"):
+            deep_ep.Buffer(group, 0, 1 << 22, low_latency_mode=True, backend="reference")
     gc.collect()
     assert [u.exc_value for u in unraisable] == []
+
+
+def test_a_buffer_freed_by_the_garbage_collector_is_not_destroyed_there(monkeypatch):
+    """A collection runs at whatever allocation, perhaps inside another collective of the group, whose
+    lock it holds: a collective destroy there deadlocked (helper-150). Left to the runtime's finalizer."""
+    import gc
+
+    case = make_case(29, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=1)
+    destroyed = []
+    real_destroy = ep.Buffer.destroy
+    monkeypatch.setattr(ep.Buffer, "destroy", lambda self: (destroyed.append(self.rank), real_destroy(self))[1])
+    buffer = new_buffer(ep.LocalGroup(1).rank_group(0), case)
+    buffer.cycle = buffer  # only the collector frees it
+    del buffer
+    gc.collect()
+    assert destroyed == []
 
 
 def test_the_runtimes_refusals_of_every_kind_are_named_by_deepeps_methods():

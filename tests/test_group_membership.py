@@ -125,6 +125,14 @@ def test_a_wait_given_holders_ends_at_once_when_a_missing_keys_holder_is_gone():
         with pytest.raises(ValueError, match=r'holders must name one claim \(or ""\) per key: 1 for 2 keys'):
             waiter.multi_get(["c/0", "c/1"], 1.0, holders=["member/1"])
         waiter.close()
+    # Pickled with its attributes, as StoreTimeoutError (helper-150: neither could be unpickled)
+    import pickle
+
+    for exc in (error, StoreTimeoutError("timed out", ["c/2"], " (and longer)")):
+        copy = pickle.loads(pickle.dumps(exc))
+        assert (type(copy), str(copy), copy.missing_keys) == (type(exc), str(exc), exc.missing_keys)
+        assert getattr(copy, "gone_keys", None) == getattr(exc, "gone_keys", None)
+        assert getattr(copy, "extended", None) == getattr(exc, "extended", None)
 
 
 def _holds(client: TCPStoreClient, key: str) -> bool:

@@ -198,7 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=None, help="zipf: the exponent (default 1.2)")
     parser.add_argument("--hot-fraction", type=float, default=None,
                         help="k_hot: share of tokens that go hot (default 0.5)")
-    parser.add_argument("--hot-experts", type=int, default=None, help="k_hot: the first N experts are hot (default 8, or max(--topk, --experts / 2) where that is fewer)")
+    parser.add_argument("--hot-experts", type=int, default=None, help="k_hot: the first N experts are hot (default 8, at least --topk, at most max(--topk, --experts / 2))")
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays")
     parser.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
                         help="on the GPU, each phase's untimed replays go on in rounds of --warmup until they have "
@@ -1251,7 +1251,10 @@ def check_args(args, ranks_flag: str = "--ranks") -> None:
                                          ("--hot-experts", "hot_experts", "k_hot", HOT_EXPERTS)):
         if getattr(args, name) is None:
             if name == "hot_experts":  # fewer where experts are few: with every expert hot, k_hot is uniform
-                default = min(HOT_EXPERTS, max(args.topk, args.experts // 2))
+                if args.routing == "k_hot" and args.experts <= args.topk:
+                    raise UsageError(f"--routing k_hot needs more --experts than --topk (some experts cold), got "
+                                     f"{args.experts} and {args.topk}")
+                default = min(max(HOT_EXPERTS, args.topk), max(args.topk, args.experts // 2))
             setattr(args, name, default)
         elif args.routing != routing:
             raise UsageError(f"{flag} applies to --routing {routing}, not {args.routing}")

@@ -149,7 +149,9 @@ def rank_command(*args: str) -> list[str]:
     from its own checkout failed every rank; an editable one run from another checkout ran that
     one's code). The script puts this package's folder where ``-m`` puts the current directory."""
     package_root = str(Path(mooncake_ep.__file__).resolve().parent.parent)
-    script = (f"import runpy, sys; sys.path[0] = {package_root!r}; "
+    # The current directory's entry goes; the package's folder takes it only where it is not on the
+    # path already (installed in site-packages, which must stay after the standard library).
+    script = (f"import runpy, sys; sys.path[0:1] = [] if {package_root!r} in sys.path[1:] else [{package_root!r}]; "
               f"runpy.run_module('mooncake_ep', run_name='__main__', alter_sys=True)")
     return [sys.executable, "-c", script, *args]
 
@@ -163,9 +165,13 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
         num_processes: the ranks, >= 1 (:func:`check_launch`).
     """
     port = free_port(LAUNCH_ADDR)
-    # The children import the mooncake_ep this process runs, wherever it was imported from.
+    # The children import the mooncake_ep this process runs, wherever it was imported from (a checkout,
+    # not installed: on the path of the ranks' own children too). An installed one is on their path
+    # already, and its site-packages must not come before the standard library.
     package_root = str(Path(mooncake_ep.__file__).resolve().parent.parent)
-    python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    installed = package_root in (p for p in sys.path[1:] if "-packages" in Path(p).name)
+    python_path = os.pathsep.join(p for p in (None if installed else package_root, os.environ.get("PYTHONPATH"))
+                                  if p)
     print(f"mooncake_ep {command}: launching {num_processes} processes, store at {LAUNCH_ADDR}:{port}")
     sys.stdout.flush()
     # A launch inside a torchrun worker: its ranks meet at this launch's store, not torchrun's agent's
