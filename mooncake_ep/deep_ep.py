@@ -48,7 +48,7 @@ What differs from DeepEP:
       peers may read the buffer's previous contents until then.
     - :meth:`Buffer.destroy` frees the workspace whether ``explicitly_destroy`` was given or not.
       Dropping a Buffer built without it destroys it, as DeepEP's destructor does, but only on the
-      thread that built it (see ``Buffer.__del__``).
+      thread that built it and not in a garbage collection (see ``Buffer.__del__``).
     - A handle is good for a combine until two more dispatches of the Buffer were made, as
       :class:`mooncake_ep.Handle` (its routing lives in the workspace half of its dispatch);
       DeepEP's handle holds tensors of its own. Two micro-batches in flight (vLLM's and SGLang's

@@ -277,8 +277,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except MemoryError as exc:  # numpy's for a shape this host cannot hold, or cupy's for the device
         where_from = "device" if type(exc).__module__.startswith("cupy") else "host"
         detail = f" ({exc})" if str(exc) else ""  # numpy's can be empty
-        print(f"{where}: out of {where_from} memory{detail}; lower {_SHAPE_FLAGS.get(args.command, _SHAPE_FLAGS[None])}",
-              file=sys.stderr)
+        flags = _SHAPE_FLAGS.get(args.command, _SHAPE_FLAGS[None])
+        print(f"{where}: out of {where_from} memory{detail}; lower {flags}", file=sys.stderr)
         return EXIT_FAILURE
     except RuntimeError as exc:
         # torch.cuda's OutOfMemoryError (a RuntimeError), and torch's CPU allocator's plain one: one line too.

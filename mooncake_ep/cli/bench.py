@@ -198,7 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=None, help="zipf: the exponent (default 1.2)")
     parser.add_argument("--hot-fraction", type=float, default=None,
                         help="k_hot: share of tokens that go hot (default 0.5)")
-    parser.add_argument("--hot-experts", type=int, default=None, help="k_hot: the first N experts are hot (default 8, at least --topk, at most max(--topk, --experts / 2))")
+    parser.add_argument("--hot-experts", type=int, default=None,
+                        help="k_hot: the first N experts are hot (default 8, at least --topk, at most max(--topk, "
+                             "--experts / 2))")
     parser.add_argument("--warmup", type=int, default=20, help="untimed replays")
     parser.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
                         help="on the GPU, each phase's untimed replays go on in rounds of --warmup until they have "
