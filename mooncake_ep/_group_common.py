@@ -334,9 +334,12 @@ class _KeyValueGroup:
         raise NotImplementedError
 
     def _holder_keys(self) -> list[str] | None:
-        """Per rank, the claim its process holds for as long as it lives, where the store has claims;
-        None elsewhere (a collective then waits out its timeout for a dead rank)."""
+        """Per rank, the claim its process of the current epoch holds for as long as it lives, where
+        the store has claims; None elsewhere (a collective then waits out its timeout for a dead rank)."""
         return None
+
+    def _hold_alive(self, epoch: int) -> None:
+        """Make this process's claim of :meth:`_holder_keys` for ``epoch``, where the store has claims."""
 
     def _kv_create(self, key: str, value: bytes) -> bytes:
         """Set ``key`` to ``value`` unless it is set: the value the key holds then, the first creator's
@@ -491,6 +494,7 @@ class _KeyValueGroup:
             mine = _JOIN.pack(_PROTOCOL_VERSION, self.world_size, self._is_replacement)
             came = [f"{self._namespace}e{epoch}/came/{r}" for r in range(self.world_size)]
             try:
+                self._hold_alive(epoch)
                 if not self._is_replacement:
                     # Held while this process lives where the store can (a retry finds its own: refused,
                     # and kept): the peers' errors tell a rank that gave up from one whose process died.

@@ -289,7 +289,19 @@ class TCPGroup(_KeyValueGroup):
                                        withdraw_claims=settle, holders=holders)
 
     def _holder_keys(self) -> list[str]:
-        return [f"member/{rank}" for rank in range(self.world_size)]  # _claim_rank's
+        return [self._alive_key(self._epoch, rank) for rank in range(self.world_size)]
+
+    def _alive_key(self, epoch: int, rank: int) -> str:
+        """Held by ``rank``'s process of membership epoch ``epoch`` while it lives: the holder of that
+        rank's slots in the epoch's collectives. Per epoch, not ``member/{rank}``: a replacement holds
+        that one at once, while the dead process's slots of the current epoch still never come."""
+        return f"{self._namespace}alive/e{epoch}/{rank}"
+
+    def _hold_alive(self, epoch: int) -> None:
+        # Before this process's join of the epoch's round (or slot of the rendezvous): once the round
+        # completes, every member holds its key, so no collective of the epoch finds one missing early.
+        # A retried round finds its own claim (claim() is False then: only this process has this rank).
+        self._store().claim(self._alive_key(epoch, self.rank), f"pid {os.getpid()}".encode())
 
     def _kv_delete(self, key: str) -> None:
         self._store().delete(key)
@@ -321,6 +333,7 @@ class TCPGroup(_KeyValueGroup):
         if not store.claim(f"member/{self.rank}", who):
             raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
                              f"{self._same_rank_hint}")
+        self._hold_alive(0)
         slot = self._first_slot_key(self.rank)
         if not store.claim(slot, first_slot):
             held = self._present({slot: self.rank})

@@ -554,6 +554,39 @@ def test_replacement_takes_over_a_dead_rank_at_the_survivors_renew():
     run_in_threads([lambda g=g: g.close() for g in groups])
 
 
+def test_a_survivor_is_told_at_once_of_a_dead_rank_whose_replacement_is_already_waiting():
+    """The holder of a rank's slots is its process of the current epoch: a replacement already
+    holding member/{rank}, which joins only the next epoch, must not hide the dead process from a
+    survivor still in this epoch's collective (it waited out its timeout, and came to the renewal
+    after the replacement had given up; helper-150)."""
+    port = free_port()
+    groups = join(port, 3)
+    die(groups[2])
+    replacement: list = []
+    started = threading.Thread(target=lambda: replacement.append(_threads.call_or_error(
+        lambda: join_while_claimed(lambda: TCPGroup(2, 3, master_port=port, timeout_s=LONG_TIMEOUT_S,
+                                                    rejoin=True)))))
+    started.start()
+    # The replacement holds the rank (its claim is taken over) before the survivor's collective.
+    eventually(lambda: _holder_pid(groups[0], "member/2") is not None and _holder_pid(groups[0], "alive/e0/2") is None)
+    with pytest.raises(GroupError, match=r"ended early waiting for ranks \[(0, )?2\] of 3 .*: ranks \[2\] left"):
+        groups[1].allgather_bytes(b"x")  # its own timeout is LONG_TIMEOUT_S: told at once, not at that
+    assert run_in_threads([g.renew_membership for g in groups[:2]]) == [[2], [2]]
+    started.join(PROCESS_LIMIT_S)
+    (groups[2],) = replacement
+    assert isinstance(groups[2], TCPGroup), replacement
+    assert gather_ranks(groups) == [[b"\0\1", b"\1\1", b"\2\1"]] * 3
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
+def _holder_pid(group: TCPGroup, key: str) -> bytes | None:
+    """The value of a claim (its holder's "pid N"), None where nobody holds it."""
+    try:
+        return group._store().get(key, timeout_s=0.01)
+    except StoreTimeoutError:
+        return None
+
+
 def test_a_second_replacement_joins_the_next_epoch():
     port = free_port()
     groups = join(port, 3)
