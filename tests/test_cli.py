@@ -749,18 +749,38 @@ def test_running_out_of_memory_is_one_line_naming_which(monkeypatch, capsys):
 
 
 def test_the_memory_check_takes_the_containers_limit(tmp_path):
-    """A GPU pod's cgroup limit, not the machine's memory, is where the OOM killer ends a run without a
-    word (helper-149): v2's memory.max, v1's memory.limit_in_bytes, "max" or v1's unlimited as none."""
-    assert cli._cgroup_memory_limit_bytes(str(tmp_path)) is None  # neither file
-    (tmp_path / "memory").mkdir()
-    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1 unlimited
-    assert cli._cgroup_memory_limit_bytes(str(tmp_path)) is None
-    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("4294967296\n")
-    assert cli._cgroup_memory_limit_bytes(str(tmp_path)) == 4 << 30
-    (tmp_path / "memory.max").write_text("max\n")  # v2 first: no limit there
-    assert cli._cgroup_memory_limit_bytes(str(tmp_path)) is None
-    (tmp_path / "memory.max").write_text("2147483648\n")
-    assert cli._cgroup_memory_limit_bytes(str(tmp_path)) == 2 << 30
+    """A GPU pod's or a Slurm job's cgroup limit, not the machine's memory, is where the OOM killer ends
+    a run without a word (helper-149, helper-150): the least limit of the process's own cgroup and its
+    parents, v2's memory.max or v1's memory.limit_in_bytes, "max" or v1's unlimited counting as none."""
+    root, proc = tmp_path / "sys", tmp_path / "cgroup"
+    root.mkdir()
+    proc.write_text("")
+
+    def limit():
+        return cli._cgroup_memory_limit_bytes(str(root), str(proc))
+
+    def write(relative: str, text: str) -> None:
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(text + "\n")
+
+    assert limit() is None  # no file at all
+    write("memory/memory.limit_in_bytes", "9223372036854771712")  # v1 unlimited
+    assert limit() is None
+    write("memory.max", "max")  # v2: no limit at the root
+    assert limit() is None
+    # v1: the job's own cgroup, and a parent's lower limit
+    proc.write_text("9:name=systemd:/\n4:cpu,memory:/slurm/job_7\n0::/\n")
+    write("memory/slurm/job_7/memory.limit_in_bytes", str(8 << 30))
+    assert limit() == 8 << 30
+    write("memory/slurm/memory.limit_in_bytes", str(6 << 30))
+    assert limit() == 6 << 30
+    # v2: the unified hierarchy's path, "max" where unset
+    proc.write_text("0::/system.slice/job.scope\n")
+    write("system.slice/job.scope/memory.max", str(3 << 30))
+    write("system.slice/memory.max", "max")
+    assert limit() == 3 << 30
+    write("memory.max", str(2 << 30))  # a container's own namespace: its limit at the root
+    assert limit() == 2 << 30
 
 
 def test_main_returns_instead_of_exiting(capsys):

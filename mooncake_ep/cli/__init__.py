@@ -137,19 +137,35 @@ def _physical_memory_bytes() -> int | None:
     return min(limits) if limits else None
 
 
-def _cgroup_memory_limit_bytes(root: str = "/sys/fs/cgroup") -> int | None:
-    """This process's cgroup memory limit (v2's ``memory.max``, else v1's ``memory.limit_in_bytes``);
-    None where there is none ("max", or v1's near-2**63 "unlimited") or it cannot be read."""
-    for path in (os.path.join(root, "memory.max"), os.path.join(root, "memory", "memory.limit_in_bytes")):
+def _cgroup_memory_limit_bytes(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """This process's cgroup memory limit: the least ``memory.max`` (v2) or ``memory.limit_in_bytes``
+    (v1) of its own cgroup (``proc_cgroup``'s path: a Slurm job's, a systemd scope's) and each parent,
+    up to ``root`` (where a container's own namespace shows its cgroup). None where none is set
+    ("max", or v1's near-2**63 "unlimited") or none can be read."""
+    files = ["memory.max", os.path.join("memory", "memory.limit_in_bytes")]  # relative to root
+    try:
+        with open(proc_cgroup) as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                folder = path.strip("/")
+                while folder:  # the cgroup, then each parent below the root (listed above)
+                    if controllers == "":  # v2's unified hierarchy
+                        files.append(os.path.join(folder, "memory.max"))
+                    elif "memory" in controllers.split(","):
+                        files.append(os.path.join("memory", folder, "memory.limit_in_bytes"))
+                    folder = os.path.dirname(folder)
+    except (OSError, ValueError):
+        pass
+    limits = []
+    for name in files:
         try:
-            with open(path) as f:
+            with open(os.path.join(root, name)) as f:
                 text = f.read().strip()
         except OSError:
             continue
         if text.isdigit() and int(text) < 1 << 60:
-            return int(text)
-        return None  # "max", or v1's unlimited
-    return None
+            limits.append(int(text))
+    return min(limits) if limits else None
 
 
 def check_host_memory(what: str, num_bytes: int, flags: str) -> None:
