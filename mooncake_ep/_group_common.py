@@ -174,6 +174,11 @@ _TAG_BYTES = {name: _U8.pack(tag) for name, tag in _TAGS.items()}
 _TAG_NAMES = {tag: name for name, tag in _TAG_BYTES.items()}
 
 
+def _ranks_of(keys: Sequence[str]) -> list[int]:
+    """The ranks, ascending, of per-rank keys (``.../{rank}``): a wait's missing or gone slots."""
+    return sorted(int(key.rsplit("/", 1)[1]) for key in keys)
+
+
 def _slot_value(name: str, data: bytes) -> bytes:
     """What a rank stores in its slot of a round of the collective ``name``: the tag, then ``data``."""
     return _TAG_BYTES[name] + data
@@ -519,7 +524,7 @@ class _KeyValueGroup:
                     # joined for a peer whose wait is on its way (else the ranks split epochs).
                     values = self._kv_multi_get(keys, wait_s, settle=True)
             except _StoreWaitError as exc:
-                missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
+                missing = _ranks_of(exc.missing_keys)
                 # Survivors that came to this round and gave up first (their joins withdrawn) are not
                 # what the round waits for: the ranks that never came are named, those after them.
                 gave_up = self._present({came[r]: r for r in missing if r != self.rank}) or {}
@@ -858,11 +863,11 @@ class _KeyValueGroup:
                 if seq > 0:
                     self._delete_spent_slot(self._collective_key(seq - 1, self.rank))
             except _StoreWaitError as exc:
-                missing = sorted(int(k.rsplit("/", 1)[1]) for k in exc.missing_keys)
+                missing = _ranks_of(exc.missing_keys)
                 self._broken = (f"{label} {self._wait_failure(exc)} waiting for ranks {missing} of "
                                 f"{self.world_size} ({self._where()})")
                 if isinstance(exc, StoreHoldersGoneError):  # not timed out: told at once
-                    gone = sorted(int(k.rsplit("/", 1)[1]) for k in exc.gone_keys)
+                    gone = _ranks_of(exc.gone_keys)
                     self._broken += (f": ranks {gone} left the group (their store connections closed: their "
                                      f"processes exited or died, or closed the group)")
                 if on_wait_error is not None:
