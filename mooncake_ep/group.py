@@ -301,7 +301,12 @@ class TCPGroup(_KeyValueGroup):
         # Before this process's join of the epoch's round (or slot of the rendezvous): once the round
         # completes, every member holds its key, so no collective of the epoch finds one missing early.
         # A retried round finds its own claim (claim() is False then: only this process has this rank).
-        self._store().claim(self._alive_key(epoch, self.rank), f"pid {os.getpid()}".encode())
+        self._store().claim(self._alive_key(epoch, self.rank), self._claim_value())
+
+    @staticmethod
+    def _claim_value() -> bytes:
+        """What this process's claims hold: who holds them, for whoever reads one."""
+        return f"pid {os.getpid()}".encode()
 
     def _kv_delete(self, key: str) -> None:
         self._store().delete(key)
@@ -329,7 +334,7 @@ class TCPGroup(_KeyValueGroup):
         means a process with this rank joined before and has exited: it must say ``rejoin=True``.
         A process that died before the round completed left nothing: its restart joins afresh.
         """
-        store, who = self._store(), f"pid {os.getpid()}".encode()
+        store, who = self._store(), self._claim_value()
         if not store.claim(f"member/{self.rank}", who):
             raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
                              f"{self._same_rank_hint}")
@@ -356,7 +361,7 @@ class TCPGroup(_KeyValueGroup):
         """Hold ``member/{rank}`` once the dead process's claim on it is gone (retrying until
         ``deadline``, a ``time.monotonic()``), then check that the rank joined the group: its
         rendezvous slot is there."""
-        store, who = self._store(), f"pid {os.getpid()}".encode()
+        store, who = self._store(), self._claim_value()
         # The store frees the claim when it sees the old connection close, a moment after the
         # old process died: a replacement started at once retries until then.
         pauses = retry_pauses(deadline)
