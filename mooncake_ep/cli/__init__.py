@@ -126,6 +126,15 @@ _SHAPE_FLAGS = {"bench": "--hidden, --experts, --tokens, --ranks or --input-sets
                 None: "--hidden, --experts, --tokens or --ranks"}
 
 
+def _out_of_memory(where: str, command: str, memory: str, detail: str) -> int:
+    """Say in one line that ``command`` ran out of ``memory`` ("host" or "device"), and which of its
+    flags lower what it takes; EXIT_FAILURE. ``detail``: the allocator's words ("" prints none)."""
+    detail = f" ({detail})" if detail else ""  # numpy's MemoryError can be empty
+    print(f"{where}: out of {memory} memory{detail}; lower {_SHAPE_FLAGS.get(command, _SHAPE_FLAGS[None])}",
+          file=sys.stderr)
+    return EXIT_FAILURE
+
+
 def _physical_memory_bytes() -> int | None:
     """The memory this process may use: the machine's, or its container's limit where that is less
     (a GPU pod's: past it the OOM killer ends the run without a word)."""
@@ -291,19 +300,14 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print(f"{where}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except MemoryError as exc:  # numpy's for a shape this host cannot hold, or cupy's for the device
-        where_from = "device" if type(exc).__module__.startswith("cupy") else "host"
-        detail = f" ({exc})" if str(exc) else ""  # numpy's can be empty
-        flags = _SHAPE_FLAGS.get(args.command, _SHAPE_FLAGS[None])
-        print(f"{where}: out of {where_from} memory{detail}; lower {flags}", file=sys.stderr)
-        return EXIT_FAILURE
+        return _out_of_memory(where, args.command, "device" if type(exc).__module__.startswith("cupy") else "host",
+                              str(exc))
     except RuntimeError as exc:
         # torch.cuda's OutOfMemoryError (a RuntimeError), and torch's CPU allocator's plain one: one line too.
         host = "can't allocate memory" in str(exc)
         if type(exc).__name__ != "OutOfMemoryError" and not host:
             raise
-        print(f"{where}: out of {'host' if host else 'device'} memory ({str(exc).splitlines()[0]}); lower "
-              f"{_SHAPE_FLAGS.get(args.command, _SHAPE_FLAGS[None])}", file=sys.stderr)
-        return EXIT_FAILURE
+        return _out_of_memory(where, args.command, "host" if host else "device", str(exc).splitlines()[0])
     except KeyboardInterrupt as exc:
         print(f"{where}: interrupted", file=sys.stderr)
         return 128 + exc.signum if isinstance(exc, Interrupted) else EXIT_INTERRUPTED
