@@ -68,9 +68,8 @@ def main() -> None:
             try:
                 per_rank.append(results.get(timeout=_POLL_S))
             except queue.Empty:
-                failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-                if failed:  # its peers wait at the barrier, or are done: nothing more will come
-                    raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in processes]}") from None
+                if any(p.exitcode for p in processes):  # its peers wait at the barrier, or are done: no more
+                    break
     finally:
         for process in processes:
             if process.exitcode is None and len(per_rank) < len(processes):
@@ -78,7 +77,7 @@ def main() -> None:
             process.join()
         if own_dir:
             shutil.rmtree(args.cache_dir, ignore_errors=True)
-    if any(process.exitcode for process in processes):  # one that failed after sending its result
+    if any(process.exitcode for process in processes):  # before its result, or after it
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in processes]}")
     import mooncake_ep
 
