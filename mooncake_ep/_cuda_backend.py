@@ -176,6 +176,7 @@ class CudaBackend:
         # A replacement adopts the survivors' at connect, so no rank checks one that the others skip.
         self._agreed: set[tuple] = set()
         self._connected = False
+        self._route: list[int] = []  # the route table of the last connect that succeeded
         self._destroyed = False
         # Garbage collection cannot wait for the peers; it releases in the order that is safe for
         # this process (mappings of the peers first, then its own memory) and says so. Ranks in
@@ -219,15 +220,13 @@ class CudaBackend:
             The ranks whose workspace was replaced (empty on the first call).
         """
         if self._connected:
-            # With peers in this process the sync waits for their kernels too; they finish without
-            # any host's help, as every rank is here, past its last launch and with no hook pending
-            # (update_ep_member checked), and a dead rank's are bounded by their timeouts.
-            self._synchronize()
             try:
                 return self._connect(replaced_ranks)
-            except _PeerSetupFailed:  # the replacement released alone, before any collective of this connect
+            except _PeerSetupFailed:  # no rank has mapped or written anything of this connect
                 raise
             except Exception:
+                # The route tables some ranks wrote point at workspaces that failed replacements free now.
+                self._write_route(self._route)
                 if replaced_ranks:
                     self._meet_failed_replacements()
                 raise
@@ -252,8 +251,20 @@ class CudaBackend:
         # Every route table is written before any rank launches; a write that failed fails every rank,
         # so that the release after a failed update meets on every rank (_meet_failed_replacements).
         raise_if_any_failed(self.group, "Buffer: could not write the route table", failure)
+        if self._ipc is not None:
+            self._ipc.commit()  # the replaced ranks' old mappings: no route table points at them now
+        self._route = route
         self._connected = True
         return replaced
+
+    def _write_route(self, route: list[int]) -> None:
+        """Write back the route table of the last connect that succeeded, after one that failed: the
+        mappings and workspaces it points at stay (a failed write is logged: the context is gone)."""
+        try:
+            self.workspace.write(layout.ROUTE_OFFSET, struct.pack(f"<{len(route)}Q", *route))
+        except Exception as exc:  # noqa: BLE001 - the update's own error is the one raised
+            logger.warning("mooncake_ep: rank %d could not restore its route table after a failed update: %s",
+                           self.group.rank, exc)
 
     def _meet_failed_replacements(self) -> None:
         """A survivor's side of an update that failed on every rank: the replacements, whose construction
@@ -264,7 +275,7 @@ class CudaBackend:
         where = "update_ep_member, releasing the failed replacements"
         failure = self._barrier(where)
         if self._ipc is not None:
-            self._ipc.close_replaced()
+            self._ipc.abandon()
         if failure is None:
             self._barrier(where)
 
@@ -274,12 +285,28 @@ class CudaBackend:
 
         The counters are equal on ranks that made the same calls; a replacement's start at 0 and
         must jump to the survivors', or its flags would carry steps they never wait for.
+
+        Raises:
+            _PeerSetupFailed: on every rank, where one could not set up its side or read its counters
+                (before any rank mapped or wrote anything: each releases alone, or keeps its Buffer).
         """
-        mine = {"digest": protocol_digest(self.sys_scope), "nvrtc": list(kernels.nvrtc_version()),
-                # peek: no device-wide sync, which in one process would wait for peers' kernels
-                # (this rank has nothing in flight: a new Buffer, or connect synchronised first).
-                "steps": self._peek_steps(),
-                "agreed": sorted(self._agreed)}
+        try:
+            if self._connected:
+                # Reconnecting (update_ep_member): the counters read and the flags cleared must be final.
+                # With peers in this process the sync waits for their kernels too; they finish without
+                # any host's help, as every rank is here, past its last launch and with no hook pending
+                # (update_ep_member checked), and a dead rank's are bounded by their timeouts.
+                self.workspace.synchronize()
+            mine = {"digest": protocol_digest(self.sys_scope), "nvrtc": list(kernels.nvrtc_version()),
+                    # peek: no device-wide sync, which in one process would wait for peers' kernels
+                    # (this rank has nothing in flight: a new Buffer, or connect synchronised first).
+                    "steps": self._peek_steps(),
+                    "agreed": sorted(self._agreed)}
+        except Exception as exc:
+            # Said in the collective the peers are in, as a failed setup is, or they would wait for this
+            # rank's record the group's whole timeout and name no cause; this rank raises as they do.
+            _announce_setup_failure(self.group, exc)
+            raise _PeerSetupFailed(_setup_failure_message(self.group.rank, f"{type(exc).__name__}: {exc}")) from exc
         records = [_agreement_record(blob, rank) for rank, blob in
                    enumerate(self.group.allgather_bytes(json.dumps(mine).encode()))]
         digests = {rank: record["digest"][:12] for rank, record in enumerate(records)}
@@ -500,7 +527,7 @@ class CudaBackend:
         self._finalizer.detach()
         failure: GroupError | None = None
         try:
-            self._synchronize()
+            self.workspace.synchronize()
             failure = self._barrier()  # every rank's kernels are done: nobody reads any workspace
             if self._ipc is not None:
                 self._ipc.close()
@@ -539,13 +566,6 @@ class CudaBackend:
             return exc
         return None
 
-    def _synchronize(self) -> None:
-        """Wait for this process's work on the device (only this process's: peers may be elsewhere)."""
-        import cupy
-
-        with cupy.cuda.Device(self.device_id):
-            cupy.cuda.runtime.deviceSynchronize()
-
 
 # The phases argument of a launch (kPhaseSend / kPhaseRecv in ll_dispatch.cu, ll_combine.cu), for error messages.
 _PHASE_NAMES = {1: "send half", 2: "receive half", 3: "both halves"}
@@ -566,14 +586,18 @@ def _announce_setup_failure(group, exc: Exception) -> None:
                        group_error)
 
 
+def _setup_failure_message(rank: int, reason: str) -> str:
+    return (f"Buffer: rank {rank} could not set up its GPU side ({reason}); a new Buffer releases its own, and a "
+            f"Buffer in update_ep_member keeps its route table")
+
+
 def _agreement_record(blob: bytes, rank: int) -> dict:
     """A rank's record of _agree_on_kernels_and_steps; _PeerSetupFailed if that rank's setup failed,
     RankMismatchError if it is in another call."""
     try:
         record = json.loads(blob)
         if isinstance(record, dict) and "failed" in record:
-            raise _PeerSetupFailed(f"Buffer: rank {rank} could not set up its GPU side ({record['failed']}); this "
-                                   f"rank released its own")
+            raise _PeerSetupFailed(_setup_failure_message(rank, record["failed"]))
         if isinstance(record, dict) and {"digest", "nvrtc", "steps", "agreed"} <= record.keys():
             return record
     except ValueError:  # JSONDecodeError and UnicodeDecodeError
@@ -605,19 +629,22 @@ def _release_unreachable(rank: int, ipc, workspace: DeviceWorkspace, layout_tabl
         logger.warning("mooncake_ep: the Buffer of rank %d was garbage-collected without destroy(): its "
                        "workspace is freed without waiting for the peers, which must not use it any more; "
                        "call destroy() on every rank", rank)
-    for exc in _release(ipc, workspace, layout_table, comm_stream):  # a finalizer may not raise
+    for exc in _release(ipc, workspace, layout_table, comm_stream, wait_first=True):  # a finalizer may not raise
         logger.warning("mooncake_ep: releasing the Buffer of rank %d failed: %s", rank, exc)
 
 
-def _release(ipc, workspace: DeviceWorkspace, layout_table: DeviceWorkspace, comm_stream) -> list[Exception]:
+def _release(ipc, workspace: DeviceWorkspace, layout_table: DeviceWorkspace, comm_stream, *,
+             wait_first: bool = False) -> list[Exception]:
     """Close the mappings of the peers' workspaces (idempotent), free our own memory, then hand
     ``comm_stream`` (None: a group's, not ours) to the next Buffer of the device; each step tried
     even if one before it failed (a faulted kernel fails every device wait). Returns the failures.
     Memory whose free failed stays with its own finalizer; the stream, which may hold the faulted
-    work, goes to no one."""
+    work, goes to no one. ``wait_first``: wait for this process's kernels before closing (the
+    callers that have not: garbage collection can drop a Buffer right after an eager call, whose
+    kernel may still store through those mappings)."""
     steps = [workspace.free, layout_table.free]
     if ipc is not None:
-        steps.insert(0, ipc.close)  # the peers' workspaces before our own memory
+        steps[:0] = [workspace.synchronize, ipc.close] if wait_first else [ipc.close]  # the peers' first
     failures = []
     for step in steps:
         try:

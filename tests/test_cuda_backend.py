@@ -47,6 +47,9 @@ class HostWorkspace:
 
     peek = read  # on the host there is no device to synchronise
 
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+
     def write_on_stream(self, offset: int, data: bytes, stream_ptr: int) -> None:
         self.log.append(f"write {self.name} on stream {stream_ptr:#x}")
         self.write(offset, data)
@@ -72,8 +75,11 @@ class RecordingTransport:
     def close(self):
         self.log.append("close")
 
-    def close_replaced(self):
-        self.log.append("close replaced")
+    def commit(self):
+        self.log.append("commit")
+
+    def abandon(self):
+        self.log.append("abandon")
 
 
 class RecordingGroup:
@@ -148,9 +154,8 @@ def stub_backend(group, log: list, transport=None, workspace_fill: int = 0) -> C
     backend._ipc = transport
     backend.transport = "local" if transport is None else "ipc"
     backend._layouts, backend._agreed, backend._pending_layouts = {}, set(), []
-    backend._connected, backend._destroyed = False, False
+    backend._connected, backend._destroyed, backend._route = False, False, []
     backend._finalizer = weakref.finalize(backend, lambda: None)
-    backend._synchronize = lambda: log.append("synchronize")
     backend.comm_stream = f"communication stream of {id(backend):#x}"
     backend._owns_comm_stream = True
     return backend
@@ -166,13 +171,13 @@ def test_reconnect_waits_for_its_kernels_adopts_steps_and_clears_the_replaced_ra
                            workspace_fill=0xFF)
     backend.workspace.write(STATE, STEPS.pack(5, 6, 5, 6))
     backend.connect()
-    assert log == ["allgather", "transport connect", "allgather"]  # the first connect waits for nothing
+    assert log == ["allgather", "transport connect", "allgather", "commit"]  # the first connect waits for nothing
     assert backend.workspace.read(layout.ROUTE_OFFSET, 24) == struct.pack("<3Q", *route)
 
     log.clear()
     backend._ipc.replaced = [2]
     backend.connect()
-    assert log == ["synchronize", "allgather", "transport connect", "allgather"]
+    assert log == ["synchronize", "allgather", "transport connect", "allgather", "commit"]
     memory = backend.workspace.memory
     for region in ("dispatch_flag", "combine_flag"):
         for parity in range(layout.NUM_PARITIES):
@@ -203,7 +208,7 @@ def test_a_failed_update_meets_the_failed_replacements_release(transport, monkey
     with pytest.raises(TransportError, match="could not map"):
         backend.connect(replaced_ranks=[1])
     assert log == ["synchronize", "allgather", *(["transport connect"] if recording else []), "barrier",
-                   *(["close replaced"] if recording else []), "barrier"]
+                   *(["abandon"] if recording else []), "barrier"]
     # A replacement whose setup failed released alone before the agreement: nothing to meet.
     log.clear()
     monkeypatch.setattr(_cuda_backend, "_agreement_record", lambda blob, rank: (_ for _ in ()).throw(
@@ -237,6 +242,107 @@ def test_a_route_table_that_one_rank_cannot_write_fails_every_rank():
         assert isinstance(error, TransportError) and str(error) == (
             "Buffer: could not write the route table: on rank 1: RuntimeError: cudaErrorIllegalAddress: an illegal "
             "memory access was encountered"), out
+
+
+@pytest.mark.parametrize("failure", ["open", "route"])
+def test_a_failed_update_leaves_every_route_table_on_open_mappings(failure):
+    """Rank 2's process died; its replacement's update fails on every rank: rank 1 cannot open the new
+    workspace, or cannot write its route table after every rank mapped it. The replacement frees its
+    workspace, so the survivors close their mappings of it first (both failures: the second closed
+    none, helper-152), and each survivor's route table still points at the dead process's mapping,
+    which stays open (the first closed it before opening the new one, and left the table on it)."""
+    from test_ipc_transport import FakeRuntime as IpcRuntime, FakeWorkspace, mapped, process, workspace_ptr
+
+    from mooncake_ep.transport.ipc import IpcTransport
+
+    runtimes = [IpcRuntime() for _ in range(3)]
+    out = {}
+
+    def rank_fn(rank_group):
+        group = CountingGroup(rank_group)
+        runtime = runtimes[group.rank]
+        backend = stub_backend(group, [], IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank)),
+                                                       runtime=runtime, process=process(group.rank)))
+        backend.connect()
+        rank_group.barrier()
+        if group.rank == 2:  # the replacement builds its Buffer (CudaBackend.__init__'s path on a failure)
+            log: list = []
+            replacement = stub_backend(group, log, IpcTransport(group, FakeWorkspace(workspace_ptr(2, 1)),
+                                                                runtime=IpcRuntime(), process=process(2, pid=2002)))
+            with pytest.raises(TransportError):
+                replacement.connect()
+            replacement.destroy(raise_group_error=False)
+            out[2] = log
+            return
+        if group.rank == 1:
+            if failure == "open":
+                runtime.fail_open = True
+            else:
+                write = backend.workspace.write
+                backend.workspace.write = lambda offset, data: (_ for _ in ()).throw(
+                    RuntimeError("cudaErrorLaunchFailure: unspecified launch failure"))
+        with pytest.raises(TransportError):
+            backend.connect(replaced_ranks=[2])
+        if failure == "route" and group.rank == 1:
+            backend.workspace.write = write
+        route = struct.unpack("<3Q", backend.workspace.read(layout.ROUTE_OFFSET, 24))
+        out[group.rank] = route, set(runtime.open_mappings)
+
+    ep.LocalGroup(3, timeout_s=30.0).spawn(rank_fn)
+    assert out[2] == ["synchronize", "free workspace", "free layout table"]  # after its destroy's two barriers
+    for rank in (0, 1):
+        route, open_mappings = out[rank]
+        assert route[2] == mapped(2), (rank, hex(route[2]))
+        assert open_mappings == {mapped(1 - rank), mapped(2)}, (rank, sorted(map(hex, open_mappings)))
+
+
+def test_a_survivor_whose_device_wait_fails_fails_the_update_on_every_rank_at_once():
+    """The wait before a reconnect's counters ran outside any collective: the survivor raised alone and
+    the others waited in the agreement for the group's whole timeout, naming no cause (helper-152). Now
+    it tells them there, and every rank raises its reason; nobody meets a release (nothing was mapped)."""
+    out = {}
+
+    def rank_fn(rank_group):
+        group = CountingGroup(rank_group)
+        log: list = []
+        backend = stub_backend(group, log, RecordingTransport(log, [1, 2, 3], []))
+        backend.connect()
+        if group.rank == 1:
+            def faulted():
+                raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+            backend.workspace.synchronize = faulted
+        log.clear()
+        before = group.num_collectives
+        try:
+            backend.connect(replaced_ranks=[2])
+        except TransportError as exc:
+            out[group.rank] = str(exc), log, group.num_collectives - before
+
+    ep.LocalGroup(3, timeout_s=60.0).spawn(rank_fn)
+    for rank in range(3):
+        message, log, num_collectives = out[rank]
+        assert message == ("Buffer: rank 1 could not set up its GPU side (RuntimeError: cudaErrorIllegalAddress: an "
+                           "illegal memory access was encountered); a new Buffer releases its own, and a Buffer in "
+                           "update_ep_member keeps its route table"), message
+        assert log == ([] if rank == 1 else ["synchronize"]) and num_collectives == 1, (rank, log, num_collectives)
+
+
+def test_a_rank_that_cannot_read_its_step_counters_fails_the_construction_on_every_rank():
+    out = {}
+
+    def rank_fn(rank_group):
+        group = CountingGroup(rank_group)
+        backend = stub_backend(group, [], RecordingTransport([], [1, 2], []))
+        if group.rank == 0:
+            backend.workspace.peek = lambda offset, num_bytes: (_ for _ in ()).throw(
+                RuntimeError("cudaErrorECCUncorrectable: uncorrectable ECC error encountered"))
+        with pytest.raises(_cuda_backend._PeerSetupFailed, match="rank 0 could not set up its GPU side "
+                                                                 r"\(RuntimeError: cudaErrorECCUncorrectable"):
+            backend.connect()
+        out[group.rank] = group.num_collectives
+
+    ep.LocalGroup(2, timeout_s=60.0).spawn(rank_fn)
+    assert out == {0: 1, 1: 1}  # the agreement only: each then releases alone
 
 
 def test_a_replacement_jumps_to_the_survivors_steps_and_agreed_configurations():
@@ -586,13 +692,16 @@ def test_a_workspace_whose_device_wait_fails_keeps_its_memory_with_its_finalizer
     assert workspace.ptr == 0 and not workspace._finalizer.alive and freed == [0x5000]
 
 
-def test_garbage_collection_closes_the_peers_mappings_before_freeing(caplog, idle_comm_streams):
+def test_garbage_collection_waits_for_its_kernels_then_closes_the_peers_mappings_before_freeing(
+        caplog, idle_comm_streams):
+    """A Buffer dropped right after an eager call is collected while its kernel may still store through
+    the peers' mappings: the close came first, and the only wait was inside the free (helper-152)."""
     log: list = []
     transport = RecordingTransport(log, [1, 2], [])
     with caplog.at_level(logging.WARNING, logger="mooncake_ep"):
         _cuda_backend._release_unreachable(3, transport, HostWorkspace(8, log, "workspace"),
                                            HostWorkspace(8, log, "layout table"), False, "stream 3")
-    assert log == ["close", "free workspace", "free layout table"]
+    assert log == ["synchronize", "close", "free workspace", "free layout table"]
     assert "the Buffer of rank 3 was garbage-collected without destroy()" in caplog.text
     # Its communication stream goes to the next Buffer of the device, as destroy() hands it on.
     assert {d: list(q) for d, q in idle_comm_streams.items()} == {0: ["stream 3"]}
@@ -611,7 +720,7 @@ def test_garbage_collection_whose_free_fails_still_frees_the_rest_and_keeps_the_
     with caplog.at_level(logging.WARNING, logger="mooncake_ep"):
         _cuda_backend._release_unreachable(3, RecordingTransport(log, [1, 2], []), workspace,
                                            HostWorkspace(8, log, "layout table"), False, "stream 3")
-    assert log == ["close", "free workspace", "free layout table"]
+    assert log == ["synchronize", "close", "free workspace", "free layout table"]
     assert "releasing the Buffer of rank 3 failed: cudaErrorIllegalAddress" in caplog.text
     assert idle_comm_streams == {}
 

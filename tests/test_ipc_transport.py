@@ -121,6 +121,7 @@ def connected(group, runtime: FakeRuntime) -> IpcTransport:
     transport = IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank)), runtime=runtime,
                              process=process(group.rank))
     transport.connect()
+    transport.commit()
     return transport
 
 
@@ -259,7 +260,9 @@ def test_peer_record_round_trips():
 # ----------------------------------------------------------------------------- replacing and closing
 
 
-def test_reconnect_maps_only_the_replaced_rank_and_closes_its_old_mapping():
+def test_reconnect_maps_only_the_replaced_rank_and_closes_its_old_mapping_at_the_commit():
+    """The dead process's mapping stays open, and in the route table, until every rank has written its new
+    route table (commit): a connect that fails later leaves no route table pointing at a closed mapping."""
     runtimes = [FakeRuntime() for _ in range(3)]
 
     def rank_fn(group):
@@ -267,33 +270,39 @@ def test_reconnect_maps_only_the_replaced_rank_and_closes_its_old_mapping():
         transport = IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank)), runtime=runtime,
                                  process=process(group.rank))
         first = transport.connect()
+        transport.commit()
         if group.rank == 2:  # the process dies; a replacement with a new workspace takes rank 2
             group.barrier()
             transport = IpcTransport(group, FakeWorkspace(workspace_ptr(2, 1)), runtime=FakeRuntime(),
                                      process=process(2, pid=2002))
             second = transport.connect()
-        else:
-            group.barrier()
-            before = len(runtime.calls)
-            second = transport.connect()
-            assert runtime.calls[before:] == [("close", 0, mapped(2)), ("open", 0, runtime.calls[-1][2], LAZY_PEER_ACCESS)]
-        return first, second, set(runtime.open_mappings)
+            transport.commit()
+            return first, second, None, set()
+        group.barrier()
+        before = len(runtime.calls)
+        second = transport.connect()
+        assert runtime.calls[before:] == [("open", 0, runtime.calls[-1][2], LAZY_PEER_ACCESS)]
+        open_before_commit = set(runtime.open_mappings)
+        transport.commit()
+        assert runtime.calls[-1] == ("close", 0, mapped(2))
+        return first, second, open_before_commit, set(runtime.open_mappings)
 
     out = run(3, rank_fn)
     for rank in (0, 1):
-        (_, first_replaced), (route, replaced), open_mappings = out[rank]
+        (_, first_replaced), (route, replaced), open_before_commit, open_mappings = out[rank]
         assert first_replaced == [] and replaced == [2]
         assert route == [workspace_ptr(r) if r == rank else mapped(r) for r in (0, 1)] + [mapped(2, 1)]
+        assert open_before_commit == {mapped(1 - rank), mapped(2), mapped(2, 1)}
         assert open_mappings == {mapped(1 - rank), mapped(2, 1)}
     assert out[2][1] == ([mapped(0), mapped(1), workspace_ptr(2, 1)], [])
 
 
-def test_a_failed_updates_replacement_mappings_are_closed_and_its_rank_stays_replaced():
-    """A reconnect that unmapped a replaced rank and then failed (here: its new workspace would not open
-    on rank 1) forgot it: the retry mapped it as new and did not report it replaced, so the Buffer never
-    cleared the flags the dead process had left in rank 1's workspace (helper-113). A survivor of the
-    failed update also closes its mappings of the failed replacement's workspace before that process
-    frees it (close_replaced, between the barriers of the replacement's destroy)."""
+def test_a_failed_updates_new_mappings_are_abandoned_and_its_rank_stays_replaced():
+    """A reconnect that failed (here: the new workspace would not open on rank 1) keeps the dead process's
+    mapping, which the route table still holds, and the retry reports the rank replaced again, so the
+    Buffer clears the flags the dead process left (helper-113). A survivor closes its mappings of the
+    failed replacement's workspace before that process frees it (abandon, between the barriers of the
+    replacement's destroy)."""
     runtimes = [FakeRuntime() for _ in range(3)]
 
     def rank_fn(group):
@@ -314,16 +323,58 @@ def test_a_failed_updates_replacement_mappings_are_closed_and_its_rank_stays_rep
         runtime.fail_open = group.rank == 1
         with pytest.raises(TransportError):
             transport.connect()
-        transport.close_replaced()
+        transport.abandon()
         open_after_failure = set(runtime.open_mappings)
         runtime.fail_open = False
         group.barrier()
-        return transport.connect()[1], open_after_failure, set(runtime.open_mappings)
+        route, replaced = transport.connect()
+        transport.commit()
+        return replaced, open_after_failure, set(runtime.open_mappings), route[2]
 
     out = run(3, rank_fn)
-    # Rank 0 had opened the failed replacement's workspace (mapped(2, 1)): closed before the retry.
-    assert out[0] == ([2], {mapped(1)}, {mapped(1), mapped(2, 2)}), out
-    assert out[1] == ([2], {mapped(0)}, {mapped(0), mapped(2, 2)}), out
+    # Rank 0 had opened the failed replacement's workspace (mapped(2, 1)): closed before it frees, while the
+    # dead process's (mapped(2)) stays open until the retry's commit.
+    assert out[0] == ([2], {mapped(1), mapped(2)}, {mapped(1), mapped(2, 2)}, mapped(2, 2)), out
+    assert out[1] == ([2], {mapped(0), mapped(2)}, {mapped(0), mapped(2, 2)}, mapped(2, 2)), out
+
+
+def test_a_connect_left_neither_committed_nor_abandoned_closes_its_new_mappings_at_the_next():
+    """The next connect maps afresh: what the last one opened may be freed by now, and is closed."""
+    runtimes = [FakeRuntime() for _ in range(2)]
+
+    def rank_fn(group):
+        runtime = runtimes[group.rank]
+        transport = IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank)), runtime=runtime,
+                                 process=process(group.rank))
+        transport.connect()
+        transport.connect()
+        transport.commit()
+        return [call[0] for call in runtime.calls], set(runtime.open_mappings)
+
+    for rank, (calls, open_mappings) in enumerate(run(2, rank_fn)):
+        assert calls == ["open", "close", "open"] and open_mappings == {mapped(1 - rank)}
+
+
+def test_a_workspace_one_rank_cannot_export_fails_every_rank_with_its_reason():
+    """cudaIpcGetMemHandle ran before the exchange: the failing rank raised alone, and its peers, still in
+    the exchange, timed out or met its next collective without the cause (helper-152)."""
+
+    class NoIpc(FakeRuntime):
+        def ipcGetMemHandle(self, ptr):
+            raise FakeCudaError("cudaErrorNotSupported: operation not supported")
+
+    runtimes = [FakeRuntime(), NoIpc(), FakeRuntime()]
+
+    def rank_fn(group):
+        return IpcTransport(group, FakeWorkspace(workspace_ptr(group.rank)), runtime=runtimes[group.rank],
+                            process=process(group.rank)).connect()
+
+    for rank, error in enumerate(run(3, rank_fn)):
+        assert isinstance(error, TransportError) and str(error) == (
+            f"Buffer (ipc transport, rank {rank}): could not export the workspaces: on rank 1: cudaIpcGetMemHandle "
+            f"of the workspace on cuda:0 failed: cudaErrorNotSupported: operation not supported; CUDA IPC needs Linux "
+            f"and memory from cudaMalloc"), error
+        assert runtimes[rank].calls == []  # nothing was opened
 
 
 def test_a_cuda_error_on_one_rank_fails_every_rank_with_it():

@@ -19,8 +19,11 @@ never leaves one rank waiting in a collective that its peers have abandoned.
 Lifetime, and the order CUDA requires (an exporter may free its memory only once every importer
 has closed its mapping): the owner waits for its own kernels, barriers, calls :meth:`close`,
 barriers again, then frees its workspace (``CudaBackend.destroy``). :meth:`connect` called again
-(``Buffer.update_ep_member``) re-maps only the ranks whose workspace changed: a replacement
-process's new workspace is opened and the dead one's mapping closed.
+(``Buffer.update_ep_member``) maps only the ranks whose workspace changed, beside the mappings the
+route table holds; :meth:`commit` then closes the replaced ranks' old mappings, once every rank
+wrote its new route table, and :meth:`abandon` instead closes the new ones, of replacements whose
+construction failed with the update and which free their workspaces. Until the commit the route
+table keeps pointing at mappings that stay open.
 """
 
 from __future__ import annotations
@@ -150,13 +153,16 @@ class IpcTransport:
         self._process = process if process is not None else this_process()
         self._workspace_id = os.urandom(8).hex()
         self._record: PeerRecord | None = None
+        # The mappings of the last committed connect (the ones the route table holds), and those a
+        # connect since opened for ranks whose workspace changed: committed, or abandoned. A replaced
+        # rank's old mapping stays open until the commit, so a connect that fails anywhere (an open
+        # here, a route table on another rank) leaves every route table pointing at open mappings,
+        # and the retry still finds the rank replaced (the old process's flags still to be cleared).
         self._mappings: dict[int, _Mapping] = {}
-        # Ranks whose workspace changed since the last connect that succeeded on every rank: a connect
-        # that failed after re-mapping some (another rank's failure, or an open that failed) leaves them
-        # here, so that the retry still reports them replaced (their old flags are still to be cleared).
-        self._replaced_since_connected: set[int] = set()
+        self._new_mappings: dict[int, _Mapping] = {}
         self.peers: list[PeerRecord] = []
-        self._finalizer = weakref.finalize(self, _close_mappings, runtime, workspace.device_id, self._mappings)
+        self._finalizer = weakref.finalize(self, _close_all, runtime, workspace.device_id, self._mappings,
+                                           self._new_mappings)
         self._finalizer.atexit = False
 
     @property
@@ -167,22 +173,33 @@ class IpcTransport:
     def connect(self) -> tuple[list[int], list[int]]:
         """Exchange handles through the group and map every peer's workspace (collective).
 
-        Called again, it re-maps only the ranks whose workspace changed. The caller makes sure
-        that none of its kernels is running (they may read a mapping that is being replaced).
+        Called again, it maps only the ranks whose workspace changed, and keeps their old mappings
+        open until :meth:`commit` (or closes the new ones at :meth:`abandon`). The caller makes
+        sure that none of its kernels is running.
 
         Returns:
             ``(route, replaced)``: route is one address per rank, this process's view of each
-            rank's workspace; replaced lists the ranks whose workspace changed since the previous
-            connect (empty on the first).
+            rank's workspace; replaced lists the ranks whose workspace changed since the last
+            committed connect (empty on the first).
 
         Raises:
-            TransportError: on every rank alike: ranks on different hosts (the proxy transport is
-                needed), two GPUs without peer access, or a handle that would not open (each
-                failing rank's reason is in the message). Mappings opened before the failure stay
-                recorded, and :meth:`close` (or garbage collection) releases them.
+            TransportError: on every rank alike: a rank that could not export its workspace, ranks
+                on different hosts (the proxy transport is needed), two GPUs without peer access,
+                or a handle that would not open (each failing rank's reason is in the message).
+                Mappings opened before the failure stay recorded, for :meth:`abandon`, :meth:`close`
+                or garbage collection to close.
         """
         where = f"Buffer (ipc transport, rank {self.group.rank})"
-        records = [PeerRecord.unpack(blob) for blob in self.group.allgather_bytes(self._describe().pack())]
+        try:
+            mine = self._describe().pack()
+        except Exception as exc:  # noqa: BLE001 - said in the exchange: the peers must not wait for a record
+            mine = json.dumps({"failed": failure_text(exc)}).encode()
+        blobs = self.group.allgather_bytes(mine)
+        failures = {rank: fields["failed"] for rank, fields in enumerate(map(json.loads, blobs)) if "failed" in fields}
+        if failures:
+            raise TransportError(f"{where}: could not export the workspaces: " +
+                                 "; ".join(f"on rank {rank}: {message}" for rank, message in failures.items()))
+        records = [PeerRecord.unpack(blob) for blob in blobs]
         _check_one_host(where, records)
         failure = ""
         try:
@@ -191,9 +208,17 @@ class IpcTransport:
             failure = failure_text(exc)
         raise_if_any_failed(self.group, f"{where}: could not map the peers' workspaces", failure)
         self.peers = records
-        replaced = sorted(self._replaced_since_connected)
-        self._replaced_since_connected.clear()
-        return [self._mappings[rank].ptr for rank in range(len(records))], replaced
+        replaced = sorted(rank for rank in self._new_mappings if rank in self._mappings)
+        return [self._mapping(rank).ptr for rank in range(len(records))], replaced
+
+    def commit(self) -> None:
+        """The route table of :meth:`connect` is written on every rank: close the replaced ranks' old
+        mappings (no kernel of this rank runs: the caller's connect waited for them)."""
+        for rank in sorted(self._new_mappings):
+            if rank in self._mappings:
+                self._unmap(rank)
+        self._mappings.update(self._new_mappings)
+        self._new_mappings.clear()
 
     def close(self) -> None:
         """Close every IPC mapping of a peer's workspace this process opened. Idempotent.
@@ -202,16 +227,19 @@ class IpcTransport:
             Local only (no collective): the caller orders it, after a barrier that proves no
             kernel reads a peer any more, and before the barrier after which peers free.
         """
-        _close_mappings(self._runtime, self.workspace.device_id, self._mappings)
+        _close_all(self._runtime, self.workspace.device_id, self._mappings, self._new_mappings)
         self.peers = []
 
-    def close_replaced(self) -> None:
-        """Close the mappings of the ranks replaced since the last connect that succeeded (local only):
-        an update that failed, whose replacements free those workspaces now. They stay replaced for
-        the next connect, which maps their next processes' workspaces."""
-        _close_mappings(self._runtime, self.workspace.device_id,
-                        {rank: self._mappings.pop(rank) for rank in sorted(self._replaced_since_connected)
-                         if rank in self._mappings})
+    def abandon(self) -> None:
+        """Close the mappings the last :meth:`connect` opened, and forget them (local only): an update
+        failed, and the replacements, whose construction failed with it, free those workspaces now.
+        The route table holds the committed ones, which stay; the ranks stay replaced for the
+        next connect, which maps their next processes' workspaces."""
+        _close_mappings(self._runtime, self.workspace.device_id, self._new_mappings)
+
+    def _mapping(self, rank: int) -> _Mapping:
+        """How this process reaches ``rank``'s workspace as the last connect found it."""
+        return self._new_mappings.get(rank) or self._mappings[rank]
 
     # --- internals
 
@@ -229,17 +257,15 @@ class IpcTransport:
         return self._record
 
     def _map(self, records: list[PeerRecord]) -> None:
-        """Map each rank whose workspace is new to this process; note those that were replaced."""
+        """Map each rank whose workspace differs from the committed mapping's, into ``_new_mappings``."""
         me = self.group.rank
         mine = records[me]
+        # Left by a connect that failed and was not abandoned: their workspaces may be freed by now.
+        _close_mappings(self._runtime, self.workspace.device_id, self._new_mappings)
         for rank, peer in enumerate(records):
             current = self._mappings.get(rank)
             if current is not None and current.workspace_id == peer.workspace_id:
                 continue
-            if current is not None or rank in self._replaced_since_connected:
-                self._replaced_since_connected.add(rank)
-                if current is not None:
-                    self._unmap(rank)
             if rank == me:
                 mapping = _Mapping(peer.workspace_id, self.workspace.ptr, opened=False)
             elif peer.process.same_process(self._process):
@@ -250,7 +276,7 @@ class IpcTransport:
                 mapping = _Mapping(peer.workspace_id, peer.workspace_ptr, opened=False)
             else:
                 mapping = _Mapping(peer.workspace_id, self._open(me, mine, rank, peer), opened=True)
-            self._mappings[rank] = mapping
+            self._new_mappings[rank] = mapping
 
     def _open(self, me: int, mine: PeerRecord, rank: int, peer: PeerRecord) -> int:
         runtime = self._runtime
@@ -294,8 +320,14 @@ def _check_one_host(where: str, records: list[PeerRecord]) -> None:
                              f"every rank of a Buffer on one host")
 
 
+def _close_all(runtime, device_id: int, *mappings: dict[int, _Mapping]) -> None:
+    """:func:`_close_mappings` of each dict (also the finalizer)."""
+    for each in mappings:
+        _close_mappings(runtime, device_id, each)
+
+
 def _close_mappings(runtime, device_id: int, mappings: dict[int, _Mapping]) -> None:
-    """cudaIpcCloseMemHandle every opened mapping and forget them all (also the finalizer)."""
+    """cudaIpcCloseMemHandle every opened mapping and forget them all."""
     for rank in sorted(mappings):
         mapping = mappings.pop(rank)
         if not mapping.opened:

@@ -163,6 +163,14 @@ class DeviceWorkspace:
         """
         self._finalizer.detach()
 
+    def synchronize(self) -> None:
+        """Wait for this process's work on the workspace's device (only this process's: peers may be
+        in others)."""
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.runtime.deviceSynchronize()
+
     def free(self) -> None:
         """Wait for this process's work on the device, then free the memory. Idempotent.
 
@@ -172,8 +180,8 @@ class DeviceWorkspace:
         if self.ptr:
             import cupy
 
+            self.synchronize()
             with cupy.cuda.Device(self.device_id):
-                cupy.cuda.runtime.deviceSynchronize()
                 self._finalizer.detach()
                 ptr, self.ptr = self.ptr, 0  # a failed cudaFree is not retried: the memory is lost either way
                 cupy.cuda.runtime.free(ptr)
