@@ -53,7 +53,8 @@ class RankConfig:
         num_pending_hooks: receive hooks not called yet.
         device: the GPU, as the same string in every process (host and PCI bus id); "" on the CPU.
         device_name: the GPU in words, for messages.
-        num_sms: blocks per launch asked for; 0 = the default share of the device.
+        num_sms: blocks per launch: asked for (constructing; 0 = the default share of the device), or
+            in use (updating).
         num_device_sms: SMs of the device (0 on the CPU).
         token: a random name of the Buffer; every rank adopts one (:func:`buffer_token`).
     """
@@ -161,29 +162,50 @@ def replaced_ranks(configs: Sequence[RankConfig]) -> list[int]:
 def num_sms_for(configs: Sequence[RankConfig], rank: int, where: str) -> int:
     """Blocks per launch of ``rank``, after checking that every GPU's ranks fit on it at once.
 
-    A rank that asked for none gets the device's SMs shared evenly among the ranks on it. Every
-    rank checks every device, so an oversubscribed one raises everywhere.
+    A rank that asked for none gets the device's SMs shared evenly among the ranks on it; a
+    replacement joining running ranks (an update) gets an even share of what the others use
+    (the survivors' SMs in use, and those asked for) leave. Every rank checks every device, so an
+    oversubscribed one raises everywhere: at an update, before any rank connects.
 
     Raises:
-        ValueError: the ranks on one GPU ask for more SMs than it has (naming them and their values).
+        ValueError: the ranks on one GPU need more SMs than it has (naming them and their values).
     """
     by_device: dict[str, list[int]] = {}
     for r, config in enumerate(configs):
         by_device.setdefault(config.device, []).append(r)
 
+    def left_for_defaults(ranks: list[int]) -> tuple[int, int]:
+        """(SMs the ranks with a num_sms leave, ranks without one), on a device with running ranks."""
+        given = [configs[r].num_sms for r in ranks if configs[r].num_sms]
+        return configs[ranks[0]].num_device_sms - sum(given), len(ranks) - len(given)
+
     def effective(r: int) -> int:
         config = configs[r]
-        return config.num_sms or max(1, config.num_device_sms // len(by_device[config.device]))
+        if config.num_sms:
+            return config.num_sms
+        ranks = by_device[config.device]
+        if all(configs[q].phase == CONSTRUCT for q in ranks):
+            return max(1, config.num_device_sms // len(ranks))
+        left, num_defaults = left_for_defaults(ranks)  # the survivors' SMs are not theirs to give up
+        return max(1, left // num_defaults)
 
     for ranks in by_device.values():
         first = configs[ranks[0]]
         total = sum(effective(r) for r in ranks)
         if total > first.num_device_sms:
             asked = by_rank({r: effective(r) for r in ranks})
+            running = [r for r in ranks if configs[r].phase == UPDATE]
+            if running:  # the survivors keep theirs: the replacements fit in what is left, or go elsewhere
+                new = [r for r in ranks if configs[r].phase == CONSTRUCT]
+                in_use = sum(configs[r].num_sms for r in running)
+                share = (first.num_device_sms - in_use) // len(new)
+                fix = (f"ranks {running} run with {in_use} of them: place ranks {new} on another GPU" +
+                       (f", or give them num_sms <= {share} each" if share >= 1 else ""))
+            else:
+                fix = f"use num_sms <= {first.num_device_sms // len(ranks)}"
             raise ValueError(
                 f"{where}: the {len(ranks)} ranks on {first.device_name} need num_sms {asked}, {total} SMs in all, "
-                f"the device has {first.num_device_sms}: every rank's kernel must be resident at once, so use "
-                f"num_sms <= {first.num_device_sms // len(ranks)}")
+                f"the device has {first.num_device_sms}: every rank's kernel must be resident at once, so {fix}")
     return effective(rank)
 
 

@@ -382,7 +382,9 @@ class Buffer:
         from mooncake_ep import _cuda_backend
 
         device, device_name = _cuda_backend.device_identity(self._device_id)
-        return dataclasses.replace(config, device=device, device_name=device_name, num_sms=self._num_sms_asked,
+        # Updating: the blocks its kernels run with, which a replacement on its GPU must leave it.
+        num_sms = self._cuda.num_sms if phase == _handshake.UPDATE and self._cuda is not None else self._num_sms_asked
+        return dataclasses.replace(config, device=device, device_name=device_name, num_sms=num_sms,
                                    num_device_sms=_cuda_backend.device_sm_count(self._device_id))
 
     def _build_cuda_backend(self, configs: list[_handshake.RankConfig], kernel_cache_dir: str | None):
@@ -1086,9 +1088,11 @@ class Buffer:
 
         Raises:
             GroupError: a rank did not come within the group's timeout (it is named).
-            ValueError, RuntimeError: the ranks' configurations differ, or a rank has receive
-                hooks pending (raised on every rank).
-            TransportError: a replacement's workspace could not be mapped.
+            ValueError, RuntimeError: the ranks' configurations differ, a replacement's GPU has too few
+                SMs left beside the running ranks there, or a rank has receive hooks pending (raised on
+                every rank).
+            TransportError: a replacement's workspace could not be mapped (the Buffer keeps its peers
+                as they were, and the update can be retried).
 
         Note:
             Call it between steps, with no hook pending and nothing being captured; every rank
@@ -1107,6 +1111,8 @@ class Buffer:
         self._num_dispatches = _handshake.running_dispatches(configs)  # equal on the GPU, the most on the CPU
         replaced = _handshake.replaced_ranks(configs)
         if self._cuda is not None:
+            # The replacements check in Buffer(), on the same configs: every rank raises, or none.
+            _handshake.num_sms_for(configs, self.rank, "update_ep_member")
             self._cuda.connect(replaced)
         self._membership_epoch = getattr(self.group, "membership_epoch", None)
         return replaced

@@ -100,6 +100,80 @@ def test_an_oversubscribed_gpu_is_refused_naming_its_ranks():
         _handshake.num_sms_for(configs, 2, "Buffer")  # rank 2 (on GPU b) raises too: every rank checks all
 
 
+def test_a_replacement_gets_what_the_running_ranks_leave_on_its_gpu():
+    """At an update the survivors send the blocks they run with; a replacement that asks for none shares
+    what they leave, not an even share of the device (which ignored them: 66 + 66 + 44 on 132 SMs)."""
+    configs = [gpu("a", 60, phase=UPDATE), gpu("a"), gpu("b", 66, phase=UPDATE), gpu("b", 66, phase=UPDATE),
+               gpu("c", 100, phase=UPDATE), gpu("c"), gpu("c")]
+    assert [_handshake.num_sms_for(configs, r, "update_ep_member") for r in range(7)] == [60, 72, 66, 66, 100, 16, 16]
+
+
+def test_a_replacement_that_does_not_fit_beside_the_running_ranks_is_refused_naming_them():
+    configs = [gpu("a", 66, phase=UPDATE), gpu("a", 66, phase=UPDATE), gpu("b", 66, phase=UPDATE), gpu("a")]
+    with pytest.raises(ValueError, match=re.escape(
+            "update_ep_member: the 3 ranks on cuda:0 (GPU a) on h need num_sms ranks [0, 1]: 66, rank 3: 1, 133 SMs "
+            "in all, the device has 132: every rank's kernel must be resident at once, so ranks [0, 1] run with 132 "
+            "of them: place ranks [3] on another GPU")):
+        _handshake.num_sms_for(configs, 2, "update_ep_member")
+    configs = [gpu("a", 60, phase=UPDATE), gpu("a", 80)]
+    with pytest.raises(ValueError, match=re.escape(
+            "so ranks [0] run with 60 of them: place ranks [1] on another GPU, or give them num_sms <= 72 each")):
+        _handshake.num_sms_for(configs, 0, "update_ep_member")
+
+
+def test_update_checks_the_sms_on_every_rank_before_any_connects(monkeypatch):
+    """Only the replacement checked, in Buffer(), and raised alone: the survivors waited in the connect's
+    collective for the group's timeout, and named no cause (helper-152)."""
+    from mooncake_ep import _cuda_backend
+
+    connects = []
+
+    class Backend:  # CudaBackend's collectives, without a GPU
+        def __init__(self, group, num_bytes, device_id, num_sms, cache, all_on_one_device=False):
+            self.group, self.num_sms, self.comm_stream = group, num_sms, None
+            self.connect()
+
+        def connect(self, replaced_ranks=()):
+            connects.append(self.group.rank)
+            self.group.allgather_bytes(b"agreement")
+            return list(replaced_ranks)
+
+        def destroy(self):
+            pass
+
+    class ProcessRank:  # a LocalGroup rank posing as a process's, on the GPU named by `device`
+        is_in_process = False
+
+        def __init__(self, group, device):
+            self._group, self.rank, self.world_size, self.device = group, group.rank, group.world_size, device
+
+        def allgather_bytes(self, data):
+            return self._group.allgather_bytes(data)
+
+        def barrier(self):
+            self._group.barrier()
+
+    monkeypatch.setattr(_cuda_backend, "CudaBackend", Backend)
+    monkeypatch.setattr(_cuda_backend, "device_identity", lambda device_id: (f"h/{device_id}", f"cuda:{device_id}"))
+    monkeypatch.setattr(_cuda_backend, "device_sm_count", lambda device_id: 132)
+
+    def rank_fn(group):
+        group = ProcessRank(group, device=[0, 0, 1][group.rank])
+        buffer = ep.Buffer(group, SIZE, backend="cuda")
+        if group.rank == 2:  # its process dies; the replacement starts on the survivors' GPU
+            group.device = 0
+            ep.Buffer(group, SIZE, backend="cuda")
+        else:
+            buffer.update_ep_member()
+
+    out = on_every_rank(3, rank_fn)
+    for rank, error in enumerate(out):
+        assert isinstance(error, ValueError), out
+        assert str(error).startswith(("update_ep_member" if rank < 2 else "Buffer") + ": the 3 ranks on cuda:0 need "
+                                     "num_sms ranks [0, 1]: 66, rank 2: 1"), error
+    assert sorted(connects) == [0, 1, 2]  # the construction's only
+
+
 def test_config_round_trips():
     record = gpu("boot/0000:19:00.0", num_sms=8, phase=UPDATE, num_dispatches=3)
     assert RankConfig.unpack(record.pack()) == record
