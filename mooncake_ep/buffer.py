@@ -117,6 +117,8 @@ class EventOverlap:
             (the work ran on the caller's stream), as DeepEP's ``event`` of a call without
             ``async_finish``; set it to None to let go of it, as DeepEP's callers do.
         extra (also ``extra_tensors``): the call's arrays, kept alive until the work is done.
+        hook_after_wait: the hook the next :meth:`current_stream_wait` runs, or None (DeepEP's
+            attribute; :meth:`register_hook_after_wait` sets it, refusing to replace one).
     """
 
     def __init__(self, wait: Callable[[], None] | Any = None, extra: Any = None, *, event: Any = None,
@@ -125,7 +127,7 @@ class EventOverlap:
         if wait is not None or event is not None:  # (the common eager call makes one with neither)
             self.event = wait if wait is not None else event
         self.extra = extra if extra is not None else extra_tensors  # arrays kept alive until the work is done
-        self._hook_after_wait: Callable[[], Any] | None = None
+        self.hook_after_wait: Callable[[], Any] | None = None  # DeepEP's attribute, which callers may set
         self._release_on_exit = False
 
     @property
@@ -144,13 +146,17 @@ class EventOverlap:
     def extra_tensors(self) -> Any:
         return self.extra
 
+    @extra_tensors.setter
+    def extra_tensors(self, extra_tensors: Any) -> None:  # DeepEP's callers let go of them so
+        self.extra = extra_tensors
+
     def current_stream_wait(self, release_handle: bool = False) -> Any:
         if self._event is not None:
             self._event.current_stream_wait()
         result = None
-        if self._hook_after_wait is not None:
-            result = self._hook_after_wait()  # cleared once it returned: a hook that raised runs again
-            self._hook_after_wait = None
+        if self.hook_after_wait is not None:
+            result = self.hook_after_wait()  # cleared once it returned: a hook that raised runs again
+            self.hook_after_wait = None
         if release_handle:  # the caller's stream is ordered after the work now
             self._event = None
         return result
@@ -162,12 +168,12 @@ class EventOverlap:
     def register_hook_after_wait(self, hook_after_wait: Callable[[], Any]) -> None:
         """Run ``hook_after_wait()`` after the next :meth:`current_stream_wait` (on the current stream,
         then ordered after the work), once it returns."""
-        if self._hook_after_wait is not None:
+        if self.hook_after_wait is not None:
             raise RuntimeError("register_hook_after_wait: a hook is already registered on this EventOverlap")
         if not callable(hook_after_wait):
             raise TypeError(f"register_hook_after_wait: hook_after_wait must be callable, got "
                             f"{type(hook_after_wait).__name__}")
-        self._hook_after_wait = hook_after_wait
+        self.hook_after_wait = hook_after_wait
 
     def __call__(self, release_handle: bool = False) -> EventOverlap:
         """``with event(release_handle=True):`` sets ``event`` to None once its wait is made on exit."""

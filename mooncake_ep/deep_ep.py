@@ -53,6 +53,15 @@ What differs from DeepEP:
       :class:`mooncake_ep.Handle` (its routing lives in the workspace half of its dispatch);
       DeepEP's handle holds tensors of its own. Two micro-batches in flight (vLLM's and SGLang's
       two-batch overlap) fit; a third is refused by name, never combined on another's routing.
+      A handle combined through the workspace (``zero_copy=True``, or any combine with ranks in
+      other processes, whose peers read copies there) takes no second combine (RuntimeError,
+      "dispatch again"): the peers may still read the first's rows. DeepEP's own
+      ``tests/test_low_latency.py`` combines each dispatch twice, so it fails there across processes.
+    - :meth:`Buffer.clean_low_latency_buffer` cleans nothing and waits for no peer: it is neither a
+      barrier nor, with ``enable_shrink``, the point where a dead rank is masked (DeepEP's kernel is
+      both); the next dispatch or combine masks it.
+    - Flags (``use_fp8``, ``async_finish``, ``mask``...) take what DeepEP's pybind11 caster takes
+      but None: bools, numpy's bools and integers.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from mooncake_ep import _constants, layout
@@ -72,7 +82,7 @@ from mooncake_ep._handshake import RankMismatchError
 from mooncake_ep.buffer import Buffer as _Buffer
 from mooncake_ep.buffer import EventOverlap, Handle
 from mooncake_ep.group import is_communicator
-from mooncake_ep.validation import check_bool, check_experts, check_int, check_timeout
+from mooncake_ep.validation import check_experts, check_int, check_timeout, type_name
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
@@ -166,6 +176,7 @@ class Buffer:
                  comm: Any = None, *, use_fabric: bool = False, timeout_us: int | None = None,
                  num_sms: int | None = None, backend: str = "auto", kernel_cache_dir: str | None = None) -> None:
         where = "deep_ep.Buffer"
+        low_latency_mode = _flag(where, "low_latency_mode", low_latency_mode)
         if low_latency_mode is not True:
             raise ValueError(f"{where}: low_latency_mode must be True: mooncake_ep builds DeepEP's low-latency mode "
                              f"only (its high-throughput dispatch and combine are not there), got {low_latency_mode!r}")
@@ -173,10 +184,11 @@ class Buffer:
         # Under DeepEP's name: its default 0 is a likely first call, and the runtime names its own argument.
         check_int(where, "num_rdma_bytes", num_rdma_bytes, minimum=layout.header_bytes())
         check_int(where, "num_qps_per_rank", num_qps_per_rank, minimum=1)
-        for name, value in (("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
-                            ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
-                            ("explicitly_destroy", explicitly_destroy), ("enable_shrink", enable_shrink)):
-            check_bool(where, name, value)
+        _flag(where, "allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode)
+        _flag(where, "allow_mnnvl", allow_mnnvl)
+        _flag(where, "use_fabric", use_fabric)
+        explicitly_destroy = _flag(where, "explicitly_destroy", explicitly_destroy)
+        enable_shrink = _flag(where, "enable_shrink", enable_shrink)
         if isinstance(comm, bool):  # DeepEP 1.x's order, positionally: enable_shrink landed here
             raise TypeError(f"{where}: comm got a bool: DeepEP 1.x had use_fabric eighth, where 2.x's order (taken "
                             f"here) has explicitly_destroy; pass explicitly_destroy, enable_shrink and use_fabric by "
@@ -276,7 +288,9 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """DeepEP zeroes its signals here before first use; mooncake_ep's carry the step they belong
         to (stale ones are told apart), so nothing is cleaned. The configuration is checked: a
-        workspace too small for it raises ValueError now rather than at the first dispatch."""
+        workspace too small for it raises ValueError now rather than at the first dispatch. Local:
+        unlike DeepEP's clean kernel, no barrier with the peers, and so no rank masked here
+        (``enable_shrink``); the next dispatch or combine masks a rank that stopped."""
         needed = self.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size,
                                                      num_experts)
         if needed > self.num_rdma_bytes:
@@ -319,9 +333,11 @@ class Buffer:
             raise TypeError(f"{where}: dispatch_wait_recv_cost_stats got a bool (DeepEP's older API had use_fp8 "
                             f"sixth, after cumulative_local_expert_recv_stats: pass it by name)")
         _check_unmeasured(where, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
-        if use_fp8 is False:  # DeepEP's bf16 dispatch ignores both (its only check: use_ue8m0 needs round_scale)
-            check_bool(where, "round_scale", round_scale)
-            check_bool(where, "use_ue8m0", use_ue8m0)
+        use_fp8, round_scale, use_ue8m0 = (_flag(where, "use_fp8", use_fp8), _flag(where, "round_scale", round_scale),
+                                           _flag(where, "use_ue8m0", use_ue8m0))
+        async_finish = _flag(where, "async_finish", async_finish)
+        return_recv_hook = _flag(where, "return_recv_hook", return_recv_hook)
+        if not use_fp8:  # DeepEP's bf16 dispatch ignores both (its only check: use_ue8m0 needs round_scale)
             if use_ue8m0 and not round_scale:
                 raise ValueError(f"{where}: use_ue8m0=True needs round_scale=True (as DeepEP's)")
             round_scale = use_ue8m0 = False
@@ -354,14 +370,13 @@ class Buffer:
             ``(combined_x [num_tokens, hidden] bf16, event, hook)``.
         """
         where = "low_latency_combine"
-        if use_logfmt is not False:
-            if use_logfmt is True:
-                raise NotImplementedError(f"{where}: use_logfmt=True (DeepEP's LogFMT-compressed combine) is not "
-                                          f"built; bf16 is sent (DeepEP's older API had zero_copy fifth: pass it by "
-                                          f"name)")
-            raise TypeError(f"{where}: use_logfmt must be a bool, got {type(use_logfmt).__name__}")
+        if _flag(where, "use_logfmt", use_logfmt):
+            raise NotImplementedError(f"{where}: use_logfmt=True (DeepEP's LogFMT-compressed combine) is not built; "
+                                      f"bf16 is sent (DeepEP's older API had zero_copy fifth: pass it by name)")
         _check_unmeasured(where, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
-        check_bool(where, "zero_copy", zero_copy)  # before its truth is taken: a shifted tensor has none
+        zero_copy = _flag(where, "zero_copy", zero_copy)  # before its truth is taken: a shifted tensor has none
+        async_finish = _flag(where, "async_finish", async_finish)
+        return_recv_hook = _flag(where, "return_recv_hook", return_recv_hook)
         if not zero_copy:
             _check_tensor(where, "x", x)
         try:
@@ -387,7 +402,7 @@ class Buffer:
         if rank_to_mask >= self.group_size:
             raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask must be < group_size={self.group_size}, "
                              f"got {rank_to_mask}")
-        check_bool("low_latency_update_mask_buffer", "mask", mask)
+        mask = _flag("low_latency_update_mask_buffer", "mask", mask)
         self.active_ranks[rank_to_mask] = 0 if mask else 1
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
@@ -461,6 +476,15 @@ def _add(stats: torch.Tensor, recv_count: torch.Tensor) -> None:
             stats.add_(recv_count)
     else:  # (entering inference mode costs ~2 us a call)
         stats.add_(recv_count)
+
+
+def _flag(where: str, name: str, value: Any) -> bool:
+    """``value`` as a Python bool, taken as DeepEP's pybind11 bool caster takes it: a bool, numpy's bool or
+    an integer (a 0 or 1 read from a config). Anything else, a tensor that DeepEP's older argument orders
+    put there included, is a TypeError naming the argument."""
+    if isinstance(value, (bool, int, np.bool_, np.integer)):
+        return bool(value)
+    raise TypeError(f"{where}: {name} must be a bool, got {type_name(value)}")
 
 
 def _check_tensor(where: str, name: str, value: Any) -> None:

@@ -166,8 +166,8 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
         new_buffer(None, case)
     with pytest.raises(ValueError, match=r"num_qps_per_rank must be >= 1, got 0"):
         deep_ep.Buffer(group, 0, case.size_hint, True, 0, backend="reference")
-    with pytest.raises(TypeError, match=r"enable_shrink must be a bool, got int"):
-        new_buffer(group, case, enable_shrink=1)
+    with pytest.raises(TypeError, match=r"enable_shrink must be a bool, got str"):
+        new_buffer(group, case, enable_shrink="yes")
     with pytest.raises(ValueError, match=r"^deep_ep.Buffer: num_rdma_bytes must be >= \d+, got 0"):  # DeepEP's default
         deep_ep.Buffer(group, 0, 0, low_latency_mode=True, backend="reference")
 
@@ -190,8 +190,10 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
          r"cumulative_local_expert_recv_stats: pass it by name\)"),
         (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, use_ue8m0=True), ValueError,
          r"low_latency_dispatch: use_ue8m0=True needs round_scale=True \(as DeepEP's\)"),
-        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, round_scale=1), TypeError,
-         r"low_latency_dispatch: round_scale must be a bool, got int"),
+        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False, round_scale=None), TypeError,
+         r"low_latency_dispatch: round_scale must be a bool, got NoneType"),
+        (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, async_finish=torch.tensor(True)), TypeError,
+         r"low_latency_dispatch: async_finish must be a bool, got torch.Tensor"),
         # The oldest order, use_fp8 fifth and round_scale sixth: the fifth's hint.
         (lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, True, False), TypeError,
          r"cumulative_local_expert_recv_stats must be an int32 torch.Tensor or None, got bool \(DeepEP's older API "
@@ -212,7 +214,7 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
         (lambda: buffer.clean_low_latency_buffer(T * 2, case.hidden, E), ValueError,
          r"clean_low_latency_buffer: num_rdma_bytes=\d+ is smaller than the \d+ bytes of T=8"),
         (lambda: buffer.low_latency_update_mask_buffer(1, True), ValueError, r"rank_to_mask must be < group_size=1"),
-        (lambda: buffer.low_latency_update_mask_buffer(0, 1), TypeError, r"mask must be a bool, got int"),
+        (lambda: buffer.low_latency_update_mask_buffer(0, 0.0), TypeError, r"mask must be a bool, got float"),
         (lambda: buffer.low_latency_query_mask_buffer(torch.zeros(1)), ValueError,
          r"mask_status must be \[1\] int32, got \[1\] torch.float32"),
         (lambda: deep_ep.Buffer.set_num_sms(23), ValueError, r"new_num_sms must be even"),
@@ -385,6 +387,12 @@ def test_deepeps_event_overlap_api():
     with pytest.raises(TypeError, match=r"EventOverlap: event must have current_stream_wait\(\) \(or be the wait, "
                                         r"a callable\), got int"):
         deep_ep.EventOverlap(event=3)
+    # DeepEP's two plain attributes, which callers set: the hook (as its deterministic dispatch does), and
+    # the tensors (None lets go of them).
+    rewrapped.hook_after_wait = lambda: "set as an attribute"
+    assert rewrapped.current_stream_wait() == "set as an attribute" and rewrapped.hook_after_wait is None
+    rewrapped.extra_tensors = None
+    assert rewrapped.extra_tensors is None and rewrapped.extra is None
 
     case = make_case(19, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
     buffer = new_buffer(ep.LocalGroup(1).rank_group(0), case)
@@ -465,6 +473,37 @@ def test_bf16_dispatch_ignores_the_fp8_flags_as_deepeps():
     for e in range(plain.shape[0]):  # the received rows (the rest is the workspace's)
         rows = int(plain_count[e])
         assert torch.equal(flagged[e, :rows].view(torch.int16), plain[e, :rows].view(torch.int16))
+
+
+def test_flags_are_taken_as_deepeps_bool_caster_takes_them():
+    """DeepEP's flags go through pybind11's bool caster, which takes 0 / 1 (an engine's config) and numpy's
+    bools; a tensor (DeepEP's older orders put one there), None or a float is still refused by name."""
+    case = make_case(31, num_ranks=1, num_max_tokens=4, hidden=128, num_experts=2, num_topk=2)
+    buffer = new_buffer(ep.LocalGroup(1).rank_group(0), case, enable_shrink=np.bool_(True), explicitly_destroy=1)
+    assert buffer.explicitly_destroy is True and buffer.enable_shrink is True
+    x, topk_idx, topk_weights = (to_torch(a[0]) for a in (case.xs, case.topk_idxs, case.weights))
+    T, E = case.num_max_tokens, case.num_experts
+    plain = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True, round_scale=True, use_ue8m0=False)
+    loose, _, handle, event, hook = buffer.low_latency_dispatch(
+        x, topk_idx, T, E, use_fp8=np.bool_(True), round_scale=1, use_ue8m0=np.int64(0), async_finish=0,
+        return_recv_hook=np.bool_(False))
+    assert event.event is None and hook is None
+    for e, count in enumerate(plain[1].tolist()):
+        assert torch.equal(loose[0][e, :count].view(torch.uint8), plain[0][0][e, :count].view(torch.uint8))
+        assert torch.equal(loose[1][e, :count], plain[0][1][e, :count])
+    combined, _, hook = buffer.low_latency_combine(to_torch(expert_outputs(case, 3)[0]), topk_idx, topk_weights,
+                                                   handle, use_logfmt=0, zero_copy=np.bool_(False),
+                                                   return_recv_hook=1)
+    hook()
+    assert combined.shape == (case.num_max_tokens, case.hidden)
+    buffer.low_latency_update_mask_buffer(np.int64(0), mask=1)
+    assert buffer.active_ranks.tolist() == [0]
+    buffer.low_latency_update_mask_buffer(0, mask=np.bool_(False))
+    assert buffer.active_ranks.tolist() == [1]
+    with pytest.raises(TypeError, match=r"^low_latency_combine: return_recv_hook must be a bool, got float$"):
+        buffer.low_latency_combine(to_torch(expert_outputs(case, 3)[0]), topk_idx, topk_weights, handle,
+                                   return_recv_hook=1.0)
+    buffer.destroy()
 
 
 @pytest.mark.parametrize("explicitly_destroy", [False, True])
