@@ -573,6 +573,8 @@ class Buffer:
             self._check_alive(where)
         given_stream = None if stream is None else stream_handle(where, stream, self._device_id)
         x_view = read_array(x, name="dispatch: x", stream=given_stream)
+        if x_view.framework == "torch" and x_view.obj.requires_grad:
+            frameworks.get("torch").warn_if_differentiated(where, "x", x_view.obj)
         stream_ptr = self._stream_for(where, "x", x_view, given_stream)
         order = _dlpack_stream(x_view, stream_ptr)
         topk_view = read_array(topk_idx, name="dispatch: topk_idx", stream=order)
@@ -863,6 +865,8 @@ class Buffer:
         stream_ptr = self._stream_for(where, "topk_idx", topk_view, given_stream)
         order = _dlpack_stream(topk_view, stream_ptr)
         weights_view = read_array(topk_weights, name="combine: topk_weights", stream=order)
+        if weights_view.framework == "torch" and weights_view.obj.requires_grad:
+            frameworks.get("torch").warn_if_differentiated(where, "topk_weights", weights_view.obj)
         active_view = read_array(active_ranks, name="combine: active_ranks", stream=order)
         check_flags(where, async_finish=async_finish, return_recv_hook=return_recv_hook, zero_copy=zero_copy,
                     renormalize=renormalize)
@@ -876,6 +880,8 @@ class Buffer:
             if x is None:
                 raise TypeError(f"{where}: x (expert outputs) is required unless zero_copy=True")
             x_view = read_array(x, name="combine: x", stream=order)
+            if x_view.framework == "torch" and x_view.obj.requires_grad:
+                frameworks.get("torch").warn_if_differentiated(where, "x", x_view.obj)
         out_views = None if out is None else [(read_array(out, name="combine: out combined_x", stream=order), out)]
         written_tensors = _torch_outputs(where, out_views, ("out combined_x",))
         key = ("combine", _signature(topk_view), _signature(weights_view), _signature(active_view),

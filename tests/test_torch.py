@@ -8,6 +8,8 @@ whole MoE layer against the same layer computed densely by torch in float64.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -696,3 +698,36 @@ def test_grad_buffer_size_hint():
     with pytest.raises(ValueError, match=r"^grad_buffer_size_hint: hidden must be a multiple of 128, got 100"):
         ept.grad_buffer_size_hint(8, 100, 2, 4, 2)  # named as the function called, not the one it uses
     assert ept.grad_buffer_size_hint(8, 256, 2, 4, np.int64(3)) == ept.grad_buffer_size_hint(8, 256, 2, 4, 3)
+
+
+def test_buffer_calls_on_tensors_that_require_grad_warn_in_grad_mode_only():
+    """Buffer.dispatch / combine are no autograd ops: a residual MoE block trained through them still has
+    a loss, and left its experts and router untouched without a word (helper-154). A warning, not an
+    error: an inference script without torch.no_grad() gets what Mooncake EP's and DeepEP's calls give."""
+    T, H, E, K = 4, 128, 2, 2
+    xs, topks, weights = make_inputs(41, 1, T, H, E, K)
+
+    def rank_fn(group):
+        buffer, grad_buffer = buffers(group, T, H, E, K)
+        active = torch.ones(1, dtype=torch.int32)
+        x, w = xs[0].clone().requires_grad_(), weights[0].clone().requires_grad_()
+        with pytest.warns(UserWarning, match=r"^dispatch: x requires grad, and Buffer calls are not "
+                                             r"differentiable: no gradient flows back through them"):
+            recv, _, handle, _, _ = buffer.dispatch(x, topks[0], active, T, E, use_fp8=False)
+        y = recv.clone().requires_grad_()
+        with pytest.warns(UserWarning) as caught:
+            buffer.combine(y, topks[0], w, active, handle=handle)
+        assert [str(c.message).split(" requires")[0] for c in caught] == ["combine: topk_weights", "combine: x"]
+        assert caught[0].filename == __file__  # names the caller's line
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad():
+                recv, _, handle, _, _ = buffer.dispatch(x, topks[0], active, T, E, use_fp8=False)
+                buffer.combine(y, topks[0], w, active, handle=handle)
+            # The autograd functions call the Buffer with grad mode off, and train.
+            recv, _, handle = ept.dispatch(buffer, x, topks[0], active, T, E)
+            out = ept.combine(buffer, recv * 2, topks[0], w, active, handle, grad_buffer=grad_buffer)
+            out.float().sum().backward()
+        assert x.grad is not None and w.grad is not None
+
+    ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -155,3 +156,17 @@ def mark_modified(tensors: list) -> None:
 
 
 _increment_version: list = []  # torch.autograd.graph.increment_version, bound on first use
+
+
+def warn_if_differentiated(where: str, name: str, tensor) -> None:
+    """Warn where ``tensor`` requires grad in grad mode: the call is no autograd op, so its results
+    carry no gradient back to it, and a model that trains through it (a residual around an MoE layer
+    still has a loss) leaves its experts and router untouched without an error. Not an error: an
+    inference script that forgot ``torch.no_grad()`` gets what Mooncake EP's and DeepEP's calls give."""
+    import torch
+
+    if torch.is_grad_enabled():
+        warnings.warn(f"{where}: {name} requires grad, and Buffer calls are not differentiable: no gradient "
+                      f"flows back through them. Use mooncake_ep.torch.dispatch / combine to train; for "
+                      f"inference call under torch.no_grad() or torch.inference_mode() (or pass {name}.detach())",
+                      UserWarning, stacklevel=3)
