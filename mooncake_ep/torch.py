@@ -9,7 +9,7 @@ Example::
     import mooncake_ep.torch as ept
 
     recv_x, recv_count, handle = ept.dispatch(buffer, x, topk_idx, active_ranks, T, E)
-    y = experts(recv_x)                        # [E_l, R*T, H] bf16; rows past recv_count are ignored
+    y = experts(recv_x)                        # [E_l, R*T, H] bf16; rows past recv_count are 0, and ignored
     out = ept.combine(buffer, y, topk_idx, topk_weights, active_ranks, handle, grad_buffer=grad_buffer)
     loss(out).backward()                       # gradients for x, the experts and topk_weights
 
@@ -48,7 +48,7 @@ import torch
 from mooncake_ep import _constants
 from mooncake_ep._handshake import RankMismatchError
 from mooncake_ep.buffer import Buffer, Handle
-from mooncake_ep.validation import check_grad_num_topk, check_hidden
+from mooncake_ep.validation import check_experts, check_grad_num_topk, check_hidden, check_int
 
 __all__ = ["dispatch", "combine", "grad_buffer_size_hint", "DispatchFunction", "CombineFunction"]
 
@@ -82,7 +82,8 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ran
 
     Returns:
         ``(recv_x, recv_count, handle)``: recv_x ``[num_local_experts, num_ranks * T, hidden]`` bf16
-        (differentiable; rows past recv_count[e] undefined), recv_count ``[num_local_experts]`` int32,
+        (differentiable; rows past recv_count[e] are zeros, so an expert that computes every row gets
+        finite weight gradients), recv_count ``[num_local_experts]`` int32,
         handle for :func:`combine`.
 
     Raises:
@@ -217,10 +218,22 @@ class DispatchFunction(torch.autograd.Function):
             if x.dim() != 2:
                 raise ValueError(f"{where}: x must be 2-dimensional, got shape {tuple(x.shape)}")
             hidden = check_hidden(where, "x.shape[1] (hidden)", x.shape[1])
-            buffer._agree_ahead(num_max_dispatch_tokens_per_rank, hidden, num_experts, use_fp8=True,
-                                round_scale=False, use_ue8m0=False, where=where)
+            num_max_tokens = check_int(where, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank,
+                                       minimum=1)
+            num_local_experts = check_experts(where, num_experts, buffer.num_ranks) // buffer.num_ranks
+            buffer._agree_ahead(num_max_tokens, hidden, num_experts, use_fp8=True, round_scale=False,
+                                use_ue8m0=False, where=where)
+            # The kernels leave the rows past recv_count as they find them; an expert that computes every
+            # row (a dense einsum) takes them into its weight gradient, times a zero gradient row, and
+            # 0 * NaN is NaN: torch.empty's memory may hold any bits (NaN everywhere under
+            # torch.use_deterministic_algorithms). Zeros, as the reference backend's, for one memset.
+            out = (torch.zeros((num_local_experts, buffer.num_ranks * num_max_tokens, hidden), dtype=torch.bfloat16,
+                               device=x.device),
+                   torch.empty(num_local_experts, dtype=torch.int32, device=x.device))
+        else:
+            out = None  # the reference backend's rows past recv_count are zeros
         recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
-                                                           num_experts, timeout_us, use_fp8=False)
+                                                           num_experts, timeout_us, use_fp8=False, out=out)
         # Copies: the caller may write into the recv_count it gets back, and into topk_idx (combine
         # documents dropping entries with -1), which the backwards route by; and active_ranks, which
         # every later call updates in place.

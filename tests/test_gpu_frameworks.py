@@ -364,6 +364,52 @@ def test_torch_autograd_gradients_match_float64():
         np.testing.assert_allclose(grad_w, want_w[r], rtol=1e-4, atol=1e-3, err_msg=f"rank {r}: grad weights")
 
 
+def test_torch_dense_experts_get_finite_weight_gradients_past_recv_count():
+    """An expert that computes every row of recv_x (a dense einsum) takes the rows past recv_count into its
+    weight gradient, times zero gradient rows: the kernels leave those rows as they find them, and
+    0 * NaN poisoned the whole gradient (helper-154). They are zeros, as the reference backend's."""
+    import mooncake_ep.torch as ept
+
+    case = Case(num_experts=4, hidden=256, num_topk=2, num_max_tokens=8, seed=5)
+    xs, topks, weights = make_inputs(case)
+    rows = case.num_ranks * case.num_max_tokens
+    grad_size = ept.grad_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts,
+                                          case.num_topk)
+
+    def run(g):
+        r = g.rank
+        buffer, grad_buffer = ep.Buffer(g, case.size, num_sms=NUM_SMS), ep.Buffer(g, grad_size, num_sms=NUM_SMS)
+        generator = torch.Generator(device="cuda").manual_seed(r)
+        w_experts = torch.randn((case.num_local_experts, case.hidden, case.hidden), device="cuda",
+                                generator=generator).mul_(case.hidden ** -0.5).requires_grad_()
+        active = torch.ones(case.num_ranks, dtype=torch.int32, device="cuda")
+        # NaN in the caching allocator's block of recv_x's size: what torch.empty handed out before.
+        poison = torch.full((case.num_local_experts, rows, case.hidden), float("nan"), dtype=torch.bfloat16,
+                            device="cuda")
+        del poison
+        recv, count, handle = ept.dispatch(buffer, to_torch(xs[r]), to_torch(topks[r]), active, case.num_max_tokens,
+                                           case.num_experts, timeout_us=TIMEOUT_US)
+        y = torch.einsum("erh,ehk->erk", recv.float(), w_experts).to(torch.bfloat16)
+        y.retain_grad()
+        combined = ept.combine(buffer, y, to_torch(topks[r]), to_torch(weights[r]), active, handle,
+                               grad_buffer=grad_buffer, timeout_us=TIMEOUT_US)
+        combined.float().square().sum().backward()
+        valid = (torch.arange(rows, device="cuda")[None, :] < count[:, None])[:, :, None]
+        want = torch.einsum("erh,erk->ehk", torch.where(valid, recv.float(), 0.0), y.grad.float())
+        settle(g)
+        out = (to_numpy(count), recv.detach().float().cpu().numpy(), w_experts.grad.cpu().numpy(), want.cpu().numpy())
+        g.barrier()
+        buffer.destroy()
+        grad_buffer.destroy()
+        return out
+
+    for r, (count, recv, grad_w, want) in enumerate(local_group(case).spawn(run)):
+        for e, n in enumerate(count):
+            assert not recv[e, n:].any(), f"rank {r} expert {e}: rows past recv_count are not zeros"
+        assert np.isfinite(grad_w).all(), f"rank {r}: the experts' weight gradient is not finite"
+        np.testing.assert_allclose(grad_w, want, rtol=1e-5, atol=1e-5, err_msg=f"rank {r}: the experts' weight gradient")
+
+
 def test_torch_bad_input_is_refused_and_the_buffer_still_works():
     case = Case(num_ranks=1, num_experts=4, hidden=256, num_topk=2, num_max_tokens=8, seed=4)
     xs, topks, weights = make_inputs(case)
