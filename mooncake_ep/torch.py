@@ -166,7 +166,12 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
 
 def _check_buffer(where: str, buffer, name: str = "buffer") -> None:
     """``buffer`` is a Buffer: anything else (None, the group) failed later with an AttributeError
-    that named no argument (helper-105)."""
+    that named no argument (helper-105). And no ``torch.jit.trace`` runs: its shapes are tensors,
+    which read as a bad hidden size (helper-154), and a trace would replay no collective."""
+    if torch.jit.is_tracing():
+        raise RuntimeError(f"{where}: torch.jit.trace cannot record a call of mooncake_ep (a collective with "
+                           f"peers, launched from Python); run the model eagerly, in CUDA graphs, or under "
+                           f"torch.compile, where the calls are opaque steps")
     if not isinstance(buffer, Buffer):
         raise TypeError(f"{where}: {name} must be a mooncake_ep.Buffer, got {type(buffer).__module__}."
                         f"{type(buffer).__qualname__}")

@@ -731,3 +731,20 @@ def test_buffer_calls_on_tensors_that_require_grad_warn_in_grad_mode_only():
         assert x.grad is not None and w.grad is not None
 
     ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
+def test_torch_jit_trace_is_refused_by_name():
+    """Under torch.jit.trace the shapes are tensors, which read as a bad hidden size (helper-154)."""
+    T, H, E, K = 4, 128, 2, 2
+    xs, topks, weights = make_inputs(43, 1, T, H, E, K)
+
+    def rank_fn(group):
+        buffer, _ = buffers(group, T, H, E, K)
+        active = torch.ones(1, dtype=torch.int32)
+        with pytest.raises(RuntimeError, match=r"^mooncake_ep.torch.dispatch: torch.jit.trace cannot record a call"):
+            torch.jit.trace(lambda x: ept.dispatch(buffer, x, topks[0], active, T, E)[0], (xs[0],))
+        recv, _, _ = ept.dispatch(buffer, xs[0], topks[0], active, T, E)  # the Buffer still works
+        assert recv.shape == (E, T, H)
+
+    ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
