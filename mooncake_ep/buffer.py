@@ -296,6 +296,9 @@ class Buffer:
         # the reference backend's exchanges carry it (ReferenceBackend.exchange).
         self._token = os.urandom(8).hex()
         self._destroyed = False
+        # Why this rank's device step counters are behind its peers' (a receive half whose send half
+        # ran failed to launch), or None: every launch is refused until update_ep_member.
+        self._steps_behind: str | None = None
         # (id(plan), pointers...) of calls already found disjoint and aligned (_check_disjoint).
         self._disjoint_addresses: set[tuple] = set()
         # Checked plans by (call, array signatures, arguments): a call whose arrays have the layouts
@@ -569,7 +572,7 @@ class Buffer:
             every rank). num_topk and the number of tokens may differ between ranks.
         """
         where = "dispatch"
-        if self._destroyed:  # the flag first: this is every call's path
+        if self._destroyed or self._steps_behind is not None:  # the flags first: this is every call's path
             self._check_alive(where)
         given_stream = None if stream is None else stream_handle(where, stream, self._device_id)
         x_view = read_array(x, name="dispatch: x", stream=given_stream)
@@ -851,7 +854,7 @@ class Buffer:
             weight x expert output over the token's live experts, rounded once.
         """
         where = "combine"
-        if self._destroyed:  # the flag first: this is every call's path
+        if self._destroyed or self._steps_behind is not None:  # the flags first: this is every call's path
             self._check_alive(where)
         if handle is None and (isinstance(active_ranks, Handle) or isinstance(timeout_us, Handle)):
             # DeepEP's order, combine(x, topk_idx, topk_weights, handle), or the handle one place early
@@ -1045,7 +1048,7 @@ class Buffer:
         Raises:
             TypeError: the dispatch's arrays were JAX arrays, which cannot be written in place.
         """
-        self._check_alive("get_next_combine_buffer")
+        self._check_alive("get_next_combine_buffer", launches=False)
         self._check_handle("get_next_combine_buffer", handle)
         if handle.framework in IMMUTABLE_FRAMEWORKS:
             raise TypeError(f"get_next_combine_buffer: the dispatch's arrays are {handle.framework} arrays, which "
@@ -1098,6 +1101,8 @@ class Buffer:
         ``renew_membership`` (the store groups) starts its next membership epoch first, which also
         repairs a group broken by a timed-out collective; the configurations are then checked
         again and, on the GPU, the peers' workspaces re-mapped (the dead one's mapping closed).
+        On the GPU it also brings back a Buffer whose receive half failed to launch after its send
+        half ran (its step counters fell behind the peers'), which refuses every launch until then.
         Several Buffers of one group (a forward Buffer and a ``grad_buffer``): every survivor
         updates each of them, in the order in which the replacement builds them; the first update
         starts the epoch and the others join it (as does a retry of a refused update), unless the
@@ -1119,7 +1124,7 @@ class Buffer:
             Call it between steps, with no hook pending and nothing being captured; every rank
             must call it (survivors) or build its Buffer (replacements) at the same point.
         """
-        self._check_alive("update_ep_member")
+        self._check_alive("update_ep_member", launches=False)
         renew = getattr(self.group, "renew_membership", None)
         epoch = getattr(self.group, "membership_epoch", None)
         # One epoch per change of members, whatever the number of Buffers: the replacement joins one
@@ -1134,7 +1139,8 @@ class Buffer:
         if self._cuda is not None:
             # The replacements check in Buffer(), on the same configs: every rank raises, or none.
             _handshake.num_sms_for(configs, self.rank, "update_ep_member")
-            self._cuda.connect(replaced)
+            self._cuda.connect(replaced)  # every rank's step counters brought to the highest
+            self._steps_behind = None
         self._membership_epoch = getattr(self.group, "membership_epoch", None)
         return replaced
 
@@ -1158,9 +1164,17 @@ class Buffer:
         finally:
             self._in_flight.clear()
 
-    def _check_alive(self, where: str) -> None:
+    def _check_alive(self, where: str, *, launches: bool = True) -> None:
+        """RuntimeError if this Buffer was destroyed, or, for a call that ``launches``, if its step
+        counters are behind its peers'."""
         if self._destroyed:
             raise RuntimeError(f"{where}: this Buffer was destroyed; build a new one")
+        if launches and self._steps_behind is not None:
+            raise RuntimeError(f"{where}: {self._steps_behind}, after its send half ran, so this rank's step "
+                               f"counters are behind its peers' (they move at the end of a receive half): its next "
+                               f"call would take that call's step and could accept the peers' flags of it over "
+                               f"their later data. Call update_ep_member() on every rank, which brings them to the "
+                               f"peers'; then set active_ranks[r] = 1 for any rank masked meanwhile")
 
     # --- shared steps ---------------------------------------------------------------------------
 
@@ -1406,16 +1420,19 @@ class Buffer:
             return
         torch_framework.record_stream(tensors, launch_stream, cuda.device_id)
 
-    @staticmethod
-    def _receive(call: str, handle: Handle, receive) -> None:
+    def _receive(self, call: str, handle: Handle, receive) -> None:
         """Run a receive half (None: it ran with the send half), and mark the dispatch's handle:
         received, or failed (``"failed"``, or ``"combine_failed"`` for a combine's), which combine
-        then refuses."""
+        then refuses. On the GPU a failed receive half also leaves this rank's step counters behind
+        (see :meth:`_check_alive`): every later launch is refused until update_ep_member."""
         try:
             if receive is not None:
                 receive()
         except BaseException as error:
-            handle.state["failed" if call == "dispatch" else "combine_failed"] = f"{type(error).__name__}: {error}"
+            reason = f"{type(error).__name__}: {error}"
+            handle.state["failed" if call == "dispatch" else "combine_failed"] = reason
+            if self._cuda is not None:
+                self._steps_behind = f"the receive half of a {call} failed to launch ({reason})"
             raise
         if call == "dispatch":
             handle.state["received"] = True

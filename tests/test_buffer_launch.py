@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import mooncake_ep as ep
-from mooncake_ep import _dlpack, frameworks
+from mooncake_ep import _dlpack, _handshake, frameworks
 from mooncake_ep import layout
 from mooncake_ep.tensor import ArrayView, DeviceMemoryArray
 
@@ -302,7 +302,8 @@ def test_a_hook_keeps_the_calls_arrays_until_it_has_launched(setup):
     assert all(ref() is None for ref in alive), "released once the receive half is done"
 
 
-def test_a_combine_hook_whose_launch_failed_keeps_the_calls_arrays_and_its_handle_is_refused(setup):
+def test_a_combine_hook_whose_launch_failed_keeps_the_calls_arrays_and_refuses_launches_until_an_update(
+        setup, monkeypatch):
     """The send half ran, so in-process peers may still read x in place; with the receive half's launch
     failed nothing orders their reads before a reuse of the memory: the hook keeps it."""
     buf, cuda, device, inputs = setup
@@ -330,14 +331,29 @@ def test_a_combine_hook_whose_launch_failed_keeps_the_calls_arrays_and_its_handl
         hook()
     gc.collect()
     assert alive() is not None
-    # The combine's send half ran: another combine of the handle would take the same step. Refused.
+    # The combine's send half ran and its receive half, which moves the step counters, did not: this
+    # rank's next call would take the failed one's step, and could accept the peers' flags of it over
+    # their next call's data (helper-153). Every launch is refused until update_ep_member.
     cuda.combine_launch = real_launch
-    with pytest.raises(RuntimeError, match=r"combine: the receive half of a combine of this handle raised "
-                                           r"\(RuntimeError: cuLaunchKernel: the receive half failed\), after its send "
-                                           r"half ran: dispatch again"):
+    behind = (r"the receive half of a combine failed to launch \(RuntimeError: cuLaunchKernel: the receive half "
+              r"failed\), after its send half ran, so this rank's step counters are behind its peers' .* Call "
+              r"update_ep_member\(\) on every rank")
+    with pytest.raises(RuntimeError, match=r"^combine: " + behind):
         buf.combine(None, inputs["topk_idx"], device(np.ones((3, K), np.float32)), inputs["active_ranks"],
                     handle=handle, zero_copy=True, out=device(np.zeros((3, H), ml_dtypes.bfloat16)))
+    with pytest.raises(RuntimeError, match=r"^dispatch: " + behind):
+        buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                     out=dispatch_out(device, False))
     assert [launch.phases for launch in cuda.launches] == [SEND | RECV, SEND]
+    # update_ep_member (every rank) brings the counters to the peers': launches go on.
+    group = buf.group
+    group.constructed = False  # its collectives answer again, as a peer that agrees
+    cuda.connect = lambda replaced: cuda.launches.append(Launch("connect", 0, 0, 0, {"replaced": replaced}))
+    monkeypatch.setattr(_handshake, "num_sms_for", lambda configs, rank, where: 16)
+    assert buf.update_ep_member() == []
+    buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                 out=dispatch_out(device, False))
+    assert [launch.kernel for launch in cuda.launches] == ["dispatch", "combine", "connect", "dispatch"]
 
 
 def test_async_mode_runs_both_halves_on_the_comm_stream_after_the_caller(setup):
