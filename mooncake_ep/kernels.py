@@ -117,17 +117,29 @@ def supported_archs() -> tuple[str, ...]:
     :func:`validate_arch` checks only the form of a name; this is what this NVRTC accepts (an
     ``sm_90a``-style name is accepted when its ``sm_90`` is listed).
     """
-    from cuda.bindings import nvrtc
+    nvrtc = _nvrtc()
 
     result, archs = nvrtc.nvrtcGetSupportedArchs()
     _check_nvrtc(result, "nvrtcGetSupportedArchs")
     return tuple(f"sm_{int(a)}" for a in archs)
 
 
+def _nvrtc():
+    """cuda-python's NVRTC module; an ImportError that says what to install where it is missing (a
+    cupy installed without the package's CUDA extra: even a warm cache needs it, for its keys)."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        raise ImportError(f"mooncake_ep's CUDA kernels need cuda-python's NVRTC (cuda.bindings: {exc}), to compile "
+                          f"them and to name their kernel cache entries: pip install 'mooncake_ep[cuda12]' (or "
+                          f"[cuda13]: the driver's CUDA major version)") from exc
+    return nvrtc
+
+
 @functools.lru_cache(maxsize=1)
 def nvrtc_version() -> tuple[int, int]:
     """(major, minor) of the NVRTC library that :func:`compile_kernel` uses."""
-    from cuda.bindings import nvrtc
+    nvrtc = _nvrtc()
 
     result, major, minor = nvrtc.nvrtcVersion()
     _check_nvrtc(result, "nvrtcVersion")
@@ -236,7 +248,7 @@ class KernelKey:
 
 
 def _check_nvrtc(result, what: str) -> None:
-    from cuda.bindings import nvrtc
+    nvrtc = _nvrtc()
 
     if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise RuntimeError(f"{what} failed: {result}")
@@ -287,7 +299,7 @@ def compile_kernel(key: KernelKey) -> bytes:
     Raises:
         KernelCompileError: NVRTC reported an error, or a warning (warnings are bugs here).
     """
-    from cuda.bindings import nvrtc
+    nvrtc = _nvrtc()
 
     sources = {name: _read_source(name) for name in _source_closure(key.file)}
     headers = [name for name in sources if name != key.file]
@@ -414,6 +426,14 @@ def _private_temp_folder() -> str:
         fresh = _fresh_temp_folders.get(folder)
         if fresh is None or not os.path.isdir(fresh):
             fresh = _fresh_temp_folders[folder] = tempfile.mkdtemp(prefix="mooncake_ep-")
+    try:
+        info = os.lstat(folder)
+        found = f"owned by uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):o}"
+    except OSError as exc:
+        found = str(exc)
+    _warn_once(f"mooncake_ep: no home folder, and {folder} is not this user's private folder ({found}): the "
+               f"kernel cache is {fresh}, this process's alone, so every process compiles its kernels; set "
+               f"{_constants.CACHE_DIR_ENV} to a folder of this user's")
     return fresh
 
 
@@ -450,6 +470,11 @@ class KernelCache:
         else:
             self.directory = resolve_cache_dir(directory, name)
             self._remedy = f"pass a writable {name}"
+        # The folders made readable by all (_make_directory): a folder named for the cache, and every
+        # one made for it; of the default, only mooncake_ep's own (a missing ~/.cache is the user's,
+        # made 0700 as the XDG spec says).
+        default = directory is None and not os.environ.get(_constants.CACHE_DIR_ENV)
+        self._shared_from = self.directory.parent if default else None
 
     def _path(self, digest: str) -> Path:
         return self.directory / f"{digest}.cubin"
@@ -472,12 +497,13 @@ class KernelCache:
             missing.append(path)
             path = path.parent
         for folder in reversed(missing):
+            shared = self._shared_from is None or folder == self._shared_from or self._shared_from in folder.parents
             try:
-                folder.mkdir()
+                folder.mkdir(0o777 if shared else 0o700)
             except FileExistsError:  # another process made it meanwhile (or a file is there: mkstemp says)
                 continue
-            # Bits added, none taken: a umask of 002 keeps group write, a setgid parent its bit.
-            os.chmod(folder, stat.S_IMODE(folder.stat().st_mode) | self._CACHE_DIR_MODE)
+            if shared:  # bits added, none taken: a umask of 002 keeps group write, a setgid parent its bit
+                os.chmod(folder, stat.S_IMODE(folder.stat().st_mode) | self._CACHE_DIR_MODE)
 
     def check_writable(self) -> None:
         """Create the folder if it is missing and check that a file can be written in it.
@@ -505,16 +531,58 @@ class KernelCache:
             except OSError:  # removed by another process meanwhile, or not ours to remove
                 continue
 
+    # No cubin of ours comes near it; a file this size is not an entry, and is not read.
+    _MAX_ENTRY_BYTES = 64 << 20
+
     def load(self, digest: str) -> bytes | None:
+        """The entry's cubin, or None (a miss): none there, a checksum that does not match, or a file a
+        process could be made to run without choosing it (:meth:`_untrusted`)."""
+        path = self._path(digest)
         try:
-            blob = self._path(digest).read_bytes()
+            # No link followed, no FIFO waited on (open blocked for good on one planted there).
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return None
+        try:
+            info = os.fstat(fd)
+            refused = self._untrusted(info)
+            if refused:
+                _log_once_per_folder(logging.WARNING, self.directory, f"mooncake_ep: not loading kernel cache "
+                                     f"entry {path} ({refused}); compiling it instead")
+                return None
+            with os.fdopen(os.dup(fd), "rb") as f:
+                blob = f.read()
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         checksum, payload = blob[: self._CHECKSUM_BYTES], blob[self._CHECKSUM_BYTES :]
         if len(checksum) != self._CHECKSUM_BYTES or hashlib.sha256(payload).digest() != checksum:
             logger.warning("mooncake_ep: ignoring corrupt kernel cache entry %s", self._path(digest))
             return None
         return payload
+
+    def _untrusted(self, info: os.stat_result) -> str:
+        """Why an entry (``info``, its fstat) must not be loaded, or "". A cubin runs in the process's
+        CUDA context, and the checksum only finds damage: an entry that another user could have put
+        there, in a folder anyone may write (another user made ``/tmp/kernels`` first), or rewritten,
+        writable by anyone, is not one this user chose. A group-shared cache (group write, as a
+        setgid folder with umask 002 makes) trusts its group, as its users chose."""
+        if not stat.S_ISREG(info.st_mode):
+            return "not a regular file"
+        if info.st_size > self._MAX_ENTRY_BYTES:
+            return f"{info.st_size} bytes, larger than any entry"
+        if not hasattr(os, "geteuid") or info.st_uid in (os.geteuid(), 0):
+            return ""
+        if info.st_mode & stat.S_IWOTH:
+            return f"writable by every user, owned by uid {info.st_uid}"
+        try:
+            folder = os.stat(self.directory)
+        except OSError as exc:
+            return f"its folder cannot be checked: {exc}"
+        if folder.st_mode & stat.S_IWOTH:
+            return f"owned by uid {info.st_uid}, in a folder every user may write"
+        return ""
 
     @contextlib.contextmanager
     def compiling(self, digest: str, cancelled: threading.Event | None = None):
@@ -564,17 +632,28 @@ class KernelCache:
         range locks, which an exclusive lock needs a writable file for), else for reading; None where
         it cannot be opened at all (a read-only cache whose lock file is missing)."""
         path = self.directory / f".{digest}.lock"
+        # No link followed (a planted one had the file it names made 0644), no FIFO waited on.
+        flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
             self._make_directory()
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self._CACHE_FILE_MODE)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, self._CACHE_FILE_MODE)
         except OSError:
             try:  # a lock file another user made, in a cache this one only reads
-                return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | flags)
             except OSError as exc:
                 logger.debug("mooncake_ep: no lock file for kernel cache entry %s: %s", digest, exc)
                 return None
-        with contextlib.suppress(OSError):  # readable by the other users of the cache, whatever the umask
-            os.fchmod(fd, self._CACHE_FILE_MODE)
+        try:
+            info = os.fstat(fd)
+        except OSError:
+            info = None
+        if info is None or not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            logger.debug("mooncake_ep: the lock file of kernel cache entry %s is not a regular file", digest)
+            return None
+        if hasattr(os, "geteuid") and info.st_uid == os.geteuid():
+            with contextlib.suppress(OSError):  # readable by the other users of the cache, whatever the umask
+                os.fchmod(fd, self._CACHE_FILE_MODE)
         return fd
 
     # The files the cache names: an entry, or an entry's lock file (see :meth:`compiling`).

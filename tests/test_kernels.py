@@ -857,8 +857,89 @@ def test_check_writable_removes_temp_files_left_by_killed_writers_only(tmp_path)
     assert temp_files(tmp_path) == [fresh.name]  # a writer's file of now is left to its rename
 
 
+def test_an_entry_that_is_no_regular_file_is_a_miss_and_never_waited_on(tmp_path):
+    """A FIFO planted under an entry's name blocked every Buffer's construction in open(); a link was
+    followed to whatever it names (helper-155)."""
+    cache = kernels.KernelCache(tmp_path / "cache")
+    cache.save("cd" * 32, b"a cubin")
+    os.mkfifo(cache.directory / f"{DIGEST}.cubin")
+    os.symlink(cache.directory / f"{'cd' * 32}.cubin", cache.directory / f"{'ef' * 32}.cubin")
+    (results,) = _threads.run_in_threads([lambda: (cache.load(DIGEST), cache.load("ef" * 32),
+                                                   cache.load("cd" * 32))], limit_s=30.0)
+    assert results == (None, None, b"a cubin")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes files of another user (needs root)")
+def test_an_entry_another_user_could_have_planted_is_not_loaded(tmp_path, caplog):
+    """A cubin runs in the process's CUDA context, and the checksum only finds damage: an entry of another
+    user in a folder every user may write (another user made MOONCAKE_EP_CACHE_DIR=/tmp/kernels first),
+    or one every user may rewrite, was loaded (helper-155). A group-shared cache trusts its group, and
+    a cache an image's build user warmed is read by the server's user."""
+    nobody = 65534
+    for folder_mode, entry_mode, loaded in ((0o777, 0o644, False), (0o1777, 0o644, False), (0o755, 0o666, False),
+                                            (0o2775, 0o664, True), (0o755, 0o644, True)):
+        folder = tmp_path / f"cache-{folder_mode:o}-{entry_mode:o}"
+        cache = kernels.KernelCache(folder)
+        cache.save(DIGEST, b"a cubin")
+        os.chmod(folder, folder_mode)
+        os.chown(entry_path(cache), nobody, nobody)
+        os.chmod(entry_path(cache), entry_mode)
+        assert (cache.load(DIGEST) == b"a cubin") is loaded, (oct(folder_mode), oct(entry_mode))
+        os.chown(entry_path(cache), os.geteuid(), os.getegid())  # this user's own entries load anywhere
+        assert cache.load(DIGEST) == b"a cubin"
+    assert "owned by uid 65534, in a folder every user may write" in caplog.text
+
+
+def test_a_lock_file_that_is_a_link_or_a_fifo_is_not_used(tmp_path):
+    """The lock file was opened through a link and made 0644 (a planted link made another file of this
+    user readable by all), and a FIFO there blocked the open for good (helper-155): the entry is then
+    compiled without the lock."""
+    cache = kernels.KernelCache(tmp_path / "cache")
+    cache.check_writable()
+    private = tmp_path / "private"
+    private.write_text("secret")
+    os.chmod(private, 0o600)
+    os.symlink(private, cache.directory / f".{DIGEST}.lock")
+    os.mkfifo(cache.directory / f".{'cd' * 32}.lock")
+
+    def lock_both():
+        with cache.compiling(DIGEST) as waited, cache.compiling("cd" * 32) as waited_too:
+            return waited, waited_too
+
+    assert _threads.run_in_threads([lock_both], limit_s=30.0) == [(False, False)]
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600 and private.read_text() == "secret"
+
+
+def test_the_default_cache_makes_a_missing_xdg_base_private(tmp_path, monkeypatch):
+    """Only mooncake_ep's own folders are made readable by all: a missing ~/.cache is the user's, 0700
+    as the XDG spec says (it was made 0755, listing every other program's cache: helper-155)."""
+    monkeypatch.delenv("MOONCAKE_EP_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    cache = kernels.KernelCache()
+    previous = os.umask(0o022)
+    try:
+        cache.check_writable()
+    finally:
+        os.umask(previous)
+    modes = [oct(stat.S_IMODE(p.stat().st_mode)) for p in (tmp_path / "xdg", cache.directory.parent, cache.directory)]
+    assert modes == ["0o700", "0o755", "0o755"]
+
+
+def test_without_cuda_python_the_kernel_key_names_what_to_install(monkeypatch):
+    """Every key holds the NVRTC version: a cupy installed without the package's CUDA extra failed Buffer
+    construction, warm cache or not, with a bare ModuleNotFoundError (helper-155)."""
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    kernels.nvrtc_version.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"mooncake_ep's CUDA kernels need cuda-python's NVRTC .*pip install "
+                                              r"'mooncake_ep\[cuda12\]'"):
+            kernels.combine_key(ARCH).digest
+    finally:
+        kernels.nvrtc_version.cache_clear()
+
+
 @pytest.mark.parametrize("xdg", [None, "relative/cache"])
-def test_default_cache_dir_is_absolute_and_private_without_a_home_folder(xdg, tmp_path, monkeypatch):
+def test_default_cache_dir_is_absolute_and_private_without_a_home_folder(xdg, tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("MOONCAKE_EP_CACHE_DIR", raising=False)
     monkeypatch.delenv("HOME", raising=False)
     if xdg is None:
@@ -871,10 +952,12 @@ def test_default_cache_dir_is_absolute_and_private_without_a_home_folder(xdg, tm
     assert directory.is_absolute() and str(directory).startswith(str(tmp_path))
     private = directory.parents[1]  # <tmp>/mooncake_ep-<uid>: this user's, 0700
     assert private.stat().st_uid == os.getuid() and stat.S_IMODE(private.stat().st_mode) == 0o700
-    # Another user's folder there (or one others can write) is not used: a fresh private one is.
+    # Another user's folder there (or one others can write) is not used: a fresh private one is, and
+    # the warning says so (each process then compiles every kernel: helper-155).
     os.chmod(private, 0o777)
     other = kernels.default_cache_dir().parents[1]
     assert other != private and stat.S_IMODE(other.stat().st_mode) == 0o700
+    assert f"{private} is not this user's private folder (owned by uid {os.getuid()}, mode 777)" in caplog.text
     # And the same one for every later lookup: each made a folder of its own, whose cubins no later
     # lookup found (a Buffer's five kernels compiled into five folders, at every construction).
     assert kernels.default_cache_dir().parents[1] == other

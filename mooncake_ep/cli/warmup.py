@@ -20,8 +20,9 @@ fp8 (bool; a Buffer loads both precisions, so it changes nothing compiled) and s
 true = all ranks are threads of one process on one GPU, GPU scope only; false = system scope only;
 absent = --scope).
 
-The cache key holds the kernel sources, the NVRTC version and the mooncake_ep version: the machines
-that load the cache must run the same two versions, or they compile again. Several processes may
+The cache key holds the kernel sources, the NVRTC version and build, the CUDA headers NVRTC compiles
+against (the nvidia-cuda-runtime wheel's, else CUDA_PATH's, CUDA_HOME's or /usr/local/cuda's) and
+the mooncake_ep version: the machines that load the cache must have the same, or they compile again. Several processes may
 warm one cache at once (each entry is written to a temporary file and renamed into place). Nothing
 removes the entries of earlier versions (about 1 MB per version, architecture and scope) but
 --prune, which keeps only what this warm-up's targets and scopes load (name every architecture the
