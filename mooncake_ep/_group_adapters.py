@@ -202,7 +202,8 @@ class TorchGroup:
             label = self._state.begin("allgather_bytes")
             try:
                 return self._allgather(torch, data)
-            except RuntimeError as exc:  # torch's DistError and backend errors are RuntimeErrors
+            # torch's DistError and backend errors are RuntimeErrors; a destroyed default group a ValueError
+            except (RuntimeError, ValueError) as exc:
                 raise self._state.fail(label, self.rank, f"torch.distributed.all_gather ({self.backend})",
                                        exc) from exc
             except BaseException as exc:  # an interrupt between its two rounds: the ranks' calls no longer pair
@@ -228,12 +229,12 @@ class TorchGroup:
             label = self._state.begin("barrier")
             try:
                 if self.backend == "gloo":
-                    self._dist.monitored_barrier(group=self.process_group,
-                                                 timeout=datetime.timedelta(seconds=_finite_s(self.timeout_s)),
-                                                 wait_all_ranks=True)
+                    # At least 1 ms: torch keeps whole milliseconds, and gloo takes 0 as no limit at all.
+                    timeout = datetime.timedelta(seconds=max(_finite_s(self.timeout_s), 0.001))
+                    self._dist.monitored_barrier(group=self.process_group, timeout=timeout, wait_all_ranks=True)
                 else:
                     self._dist.barrier(group=self.process_group)
-            except RuntimeError as exc:
+            except (RuntimeError, ValueError) as exc:  # as allgather_bytes's
                 raise self._state.fail(label, self.rank, f"torch.distributed barrier ({self.backend})",
                                        exc) from exc
             except BaseException as exc:  # stopped inside the collective: the ranks' calls no longer pair
@@ -562,6 +563,7 @@ class MPIGroup:
 
     Raises:
         TypeError: ``comm`` lacks one of those methods.
+        ValueError: ``comm`` is an intercommunicator (its allgather returns the other group's data).
 
     Note:
         MPI collectives have no timeout: a peer that never calls makes the others wait until the
@@ -576,6 +578,12 @@ class MPIGroup:
             if not callable(getattr(comm, method, None)):
                 raise TypeError(f"MPIGroup: comm must be an mpi4py communicator, got {type(comm).__name__} "
                                 f"(no {method!r})")
+        is_inter = getattr(comm, "Is_inter", None)
+        if callable(is_inter) and is_inter():
+            # Its rank and size are the local group's, its allgather the remote group's objects: of equal
+            # sizes, every rank got the other side's bytes, and no error.
+            raise ValueError("MPIGroup: comm is an intercommunicator, whose allgather returns the other group's "
+                             "data; pass an intracommunicator (comm.Merge())")
         self.comm = comm
         self.rank, self.world_size = _check_rank("MPIGroup", comm.Get_rank(), comm.Get_size())
         self.device = _check_device("MPIGroup", device)
@@ -603,11 +611,11 @@ class MPIGroup:
                 self._state.fail(label, self.rank, "MPI allgather", exc)
                 raise
             if (not isinstance(values, list) or len(values) != self.world_size
-                    or not all(isinstance(v, bytes) for v in values)):
+                    or not all(isinstance(v, bytes) for v in values) or values[self.rank] != data):
                 self._state.broken = (f"{label} on rank {self.rank}: MPI allgather returned "
                                       f"{type(values).__name__} {values!r:.200}, expected a list of "
-                                      f"{self.world_size} bytes; every rank must make the same sequence "
-                                      f"of collective calls")
+                                      f"{self.world_size} bytes with this rank's own at {self.rank}; every "
+                                      f"rank must make the same sequence of collective calls")
                 raise GroupError(self._state.broken)
             return values
 

@@ -532,6 +532,28 @@ def test_torch_group_refuses_uninitialised_torch_distributed():
         init_group("torch")
 
 
+def test_torch_group_over_a_destroyed_process_group_and_a_sub_millisecond_barrier(monkeypatch):
+    """torch raises ValueError, not RuntimeError, once the default group is destroyed: it escaped as is
+    where callers catch GroupError. And torch keeps a barrier's timeout in whole milliseconds, where
+    gloo takes 0 as no limit: a timeout_s under 1 ms waited forever for a live peer (helper-156)."""
+    dist = pytest.importorskip("torch.distributed")
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = TorchGroup(timeout_s=0.0005)
+        timeouts = []
+        real_barrier = dist.monitored_barrier
+        monkeypatch.setattr(dist, "monitored_barrier", lambda group=None, timeout=None, wait_all_ranks=False: (
+            timeouts.append(timeout), real_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks))[1])
+        group.barrier()
+        assert timeouts[0].total_seconds() >= 0.001, timeouts
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(GroupError, match=r"allgather_bytes #0 on rank 0: torch.distributed.all_gather \(gloo\) "
+                                         r"failed: ValueError"):
+        group.allgather_bytes(b"x")
+
+
 # ----------------------------------------------------------------------------- mpi4py, a fake communicator
 
 
@@ -597,6 +619,24 @@ def test_mpi_group_errors_break_the_group():
         MPIGroup(object())
     with pytest.raises(TypeError, match="data must be bytes"):
         MPIGroup(FakeComm.world(1)[0]).allgather_bytes("text")
+
+
+def test_an_mpi_intercommunicator_or_others_bytes_are_refused():
+    """An intercommunicator's rank and size are its local group's, its allgather the remote group's
+    objects: of equal sizes every rank got the other side's bytes, and no error (helper-156)."""
+    class InterComm(FakeComm):
+        def Is_inter(self) -> bool:  # noqa: N802
+            return True
+
+    with pytest.raises(ValueError, match=r"comm is an intercommunicator, .* \(comm.Merge\(\)\)"):
+        MPIGroup(InterComm.world(1)[0])
+
+    class RemoteComm(FakeComm):  # what such a communicator's allgather gives: bytes, not this rank's
+        def allgather(self, obj):
+            return [b"the other group's"]
+
+    with pytest.raises(GroupError, match="expected a list of 1 bytes with this rank's own at 0"):
+        MPIGroup(RemoteComm.world(1)[0]).allgather_bytes(b"x")
 
 
 def test_mpi_group_stopped_inside_a_collective_is_broken_and_a_failed_final_barrier_still_closes(caplog):
