@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -414,10 +415,10 @@ def _env_int(where: str, var: str, arg: str, default: int | None = None) -> int:
                          f"set; pass {where}({arg}=...) or export {var} (torchrun and most "
                          f"launchers set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), or pass "
                          f"{where}(group=...) a torch ProcessGroup, an mpi4py communicator or 'jax'")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{where}: environment variable {var} must be an integer, got {raw!r}") from None
+    # ASCII digits only: int() also takes '1_0' (10) and other scripts' digits, a typo read as another rank.
+    if not re.fullmatch(r"-?[0-9]+", raw.strip()):
+        raise ValueError(f"{where}: environment variable {var} must be an integer, got {raw!r}")
+    return int(raw)
 
 
 def init_group(group: Any = None, *, rank: int | None = None, world_size: int | None = None,
@@ -501,6 +502,10 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
                          f"group={_describe(group)} leave them out")
     if group == "jax":
         return JaxGroup(rank=rank, world_size=world_size, timeout_s=timeout_s, device=device)
+    outside = _outside_group(group)
+    if outside is not None:
+        raise ValueError(f"{where}: group is {outside}: this process is not a member of that group; build "
+                         f"the Buffer on the ranks of the group only, or on a group this process belongs to")
     torch_kind = _torch_kind(group)
     if torch_kind == "store":
         rank = _env_int(where, "RANK", "rank") if rank is None else rank
@@ -532,7 +537,10 @@ def _tcp_settings(where: str, rank: int | None, world_size: int | None, master_a
     if world_size is None:
         world_size = from_env["WORLD_SIZE"] = _env_int(where, "WORLD_SIZE", "world_size")
     if master_addr is None:
-        master_addr = os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+        raw_addr = os.environ.get("MASTER_ADDR")
+        if raw_addr is not None and raw_addr.strip() != raw_addr:  # '10.0.0.1\n' from a file, or '   '
+            raise ValueError(f"{where}: environment variable MASTER_ADDR has surrounding whitespace: {raw_addr!r}")
+        master_addr = raw_addr or DEFAULT_MASTER_ADDR
     if master_port is None:
         master_port = _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT)
         if "MASTER_PORT" in os.environ:
@@ -582,8 +590,23 @@ def _detect_group() -> str | Any | None:
 def is_communicator(obj: Any) -> bool:
     """Whether ``obj`` is a torch ProcessGroup or an mpi4py communicator: the groups of other libraries
     that ``init_group(obj)`` wraps with nothing else given (as Buffer does, where Mooncake EP's and
-    DeepEP's Buffers take a ProcessGroup)."""
-    return _torch_kind(obj) == "process_group" or _is_mpi_communicator(obj)
+    DeepEP's Buffers take a ProcessGroup). What those libraries give a process outside a group counts
+    too, for init_group to name."""
+    return _torch_kind(obj) == "process_group" or _is_mpi_communicator(obj) or _outside_group(obj) is not None
+
+
+def _outside_group(obj: Any) -> str | None:
+    """What ``obj`` is, where it is what torch or mpi4py give a process outside a group: torch's
+    ``new_group`` returns ``GroupMember.NON_GROUP_MEMBER`` (an int) to the ranks it leaves out, and
+    mpi4py's ``Split`` ``MPI.COMM_NULL``; else None."""
+    dist = sys.modules.get("torch.distributed")
+    if (type(obj) is int and dist is not None and dist.is_available()
+            and obj == getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)):
+        return "torch.distributed.GroupMember.NON_GROUP_MEMBER (new_group's answer to a rank it leaves out)"
+    comm_null = getattr(sys.modules.get("mpi4py.MPI"), "COMM_NULL", None)
+    if comm_null is not None and type(obj) is type(comm_null) and obj == comm_null:
+        return "mpi4py's MPI.COMM_NULL (Split's answer to a process it leaves out)"
+    return None
 
 
 def _is_mpi_communicator(obj: Any) -> bool:

@@ -1055,6 +1055,16 @@ def test_init_group_environment_errors(clean_env):
     clean_env.setenv("WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="WORLD_SIZE must be an integer, got 'two'"):
         init_group()
+    # int() takes these, as other numbers than the ones meant (helper-156): 10, and 3.
+    for typo in ("1_0", "\u0663"):
+        clean_env.setenv("WORLD_SIZE", typo)
+        with pytest.raises(ValueError, match=f"WORLD_SIZE must be an integer, got {typo!r}"):
+            init_group()
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv("MASTER_ADDR", "10.0.0.1\n")  # read from a file
+    with pytest.raises(ValueError, match=r"MASTER_ADDR has surrounding whitespace: '10.0.0.1\\n'"):
+        init_group()
+    clean_env.delenv("MASTER_ADDR")
     clean_env.setenv("WORLD_SIZE", "2")
     clean_env.setenv("RANK", "2")
     with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\) = \[0, 2\), got 2"):

@@ -907,3 +907,31 @@ def test_init_group_detects_mpi4py(clean_env):
     clean_env.setitem(sys.modules, "mpi4py.MPI", fake_mpi)
     group = init_group()
     assert isinstance(group, MPIGroup) and group.comm is comms[0]
+
+
+def test_a_process_outside_a_torch_subgroup_is_told_so(clean_env):
+    """torch's new_group gives the ranks it leaves out GroupMember.NON_GROUP_MEMBER, an int: init_group
+    and Buffer said 'got builtins.int' and 'int has no rank' (helper-156)."""
+    dist = pytest.importorskip("torch.distributed")
+    import mooncake_ep as ep
+
+    outside = dist.GroupMember.NON_GROUP_MEMBER
+    for build in (lambda: init_group(outside), lambda: ep.Buffer(outside, 1 << 20)):
+        with pytest.raises(ValueError, match=r"group is torch.distributed.GroupMember.NON_GROUP_MEMBER .*: this "
+                                             r"process is not a member of that group"):
+            build()
+
+
+def test_a_process_outside_an_mpi_split_is_told_so(clean_env):
+    """mpi4py's Split gives the processes it leaves out MPI.COMM_NULL, whose methods raise MPI's own
+    'null communicator' errors (helper-156)."""
+    class Comm:  # mpi4py's Comm: COMM_NULL is one, compared by handle
+        def __eq__(self, other):
+            return other is self
+
+        __hash__ = object.__hash__
+
+    fake_mpi = types.SimpleNamespace(Is_initialized=lambda: True, Is_finalized=lambda: False, COMM_NULL=Comm())
+    clean_env.setitem(sys.modules, "mpi4py.MPI", fake_mpi)
+    with pytest.raises(ValueError, match=r"group is mpi4py's MPI.COMM_NULL .*: this process is not a member"):
+        init_group(fake_mpi.COMM_NULL)
