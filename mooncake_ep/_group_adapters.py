@@ -22,6 +22,7 @@ import datetime
 import importlib
 import logging
 import secrets
+import sys
 import threading
 import time
 from collections import Counter
@@ -550,6 +551,21 @@ def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_po
 # ----------------------------------------------------------------------------- mpi4py
 
 
+def _outside_group(obj: Any) -> str | None:
+    """What ``obj`` is, where it is what torch or mpi4py give a process outside a group: torch's
+    ``new_group`` returns ``GroupMember.NON_GROUP_MEMBER`` (an int) to the ranks it leaves out, and
+    mpi4py's ``Split`` ``MPI.COMM_NULL``; else None."""
+    dist = sys.modules.get("torch.distributed")
+    if (type(obj) is int and dist is not None and dist.is_available()
+            and obj == getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)):
+        return "torch.distributed.GroupMember.NON_GROUP_MEMBER (new_group's answer to a rank it leaves out)"
+    comm_null = getattr(sys.modules.get("mpi4py.MPI"), "COMM_NULL", None)
+    # Split's answer is an Intracomm holding MPI_COMM_NULL: a Comm, equal to COMM_NULL.
+    if comm_null is not None and isinstance(obj, type(comm_null)) and obj == comm_null:
+        return "mpi4py's MPI.COMM_NULL (Split's answer to a process it leaves out)"
+    return None
+
+
 class MPIGroup:
     """An mpi4py communicator as a mooncake_ep group.
 
@@ -578,6 +594,9 @@ class MPIGroup:
             if not callable(getattr(comm, method, None)):
                 raise TypeError(f"MPIGroup: comm must be an mpi4py communicator, got {type(comm).__name__} "
                                 f"(no {method!r})")
+        outside = _outside_group(comm)
+        if outside is not None:
+            raise ValueError(f"MPIGroup: comm is {outside}: this process is not a member of that communicator")
         is_inter = getattr(comm, "Is_inter", None)
         if callable(is_inter) and is_inter():
             # Its rank and size are the local group's, its allgather the remote group's objects: of equal

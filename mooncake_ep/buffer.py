@@ -832,18 +832,18 @@ class Buffer:
             timeout_us: microseconds to wait for an expert rank before masking it; -1 waits forever. On
                 itself a rank waits as in dispatch.
             handle: the handle of the dispatch this combine answers (that dispatch or the one after).
-                A handle may be combined again (as DeepEP's tests do) only after its earlier
-                combine's hook ran, and only where that combine left nothing in the workspace for
-                peers to read: not after a zero_copy combine, nor where peers read copies of the
-                expert outputs (ranks in other processes, or in-process ranks on several GPUs).
-                Those combines, and get_next_combine_buffer(handle) after them, are refused
+                A handle may be combined again (as DeepEP's tests do) only where its earlier
+                combine left nothing in the workspace for peers to read: not after a zero_copy
+                combine, a hook combine (which copies), nor where peers read copies of the expert
+                outputs (ranks in other processes, or in-process ranks on several GPUs). Those
+                combines, and get_next_combine_buffer(handle) after them, are refused
                 (RuntimeError): slower peers may still be reading the rows they would rewrite.
             zero_copy: the expert outputs were written into :meth:`get_next_combine_buffer`.
-            async_finish, return_recv_hook: as in :meth:`dispatch`. With a hook, in-process peers
-                on one GPU read ``x`` where it is until this rank's ``hook()`` has run on the
-                stream: the call keeps ``x`` alive until then, and the caller must not
-                write it meanwhile. The receive half reads ``active_ranks`` when it runs, as
-                dispatch's does, and ``topk_idx`` and ``topk_weights`` too: keep them as passed.
+            async_finish, return_recv_hook: as in :meth:`dispatch`. With a hook the expert outputs
+                are copied into the workspace by the send half (peers never read ``x`` in place:
+                that would make this rank's receive half wait for every peer's hook). The receive
+                half reads ``active_ranks`` when it runs, as dispatch's does, and ``topk_idx`` and
+                ``topk_weights`` too: keep them as passed.
             out: ``[num_tokens, hidden]`` bf16 array to write into.
             stream: as in :meth:`dispatch`.
             renormalize: scale each token's live weights so they sum to the sum of all its weights
@@ -929,8 +929,12 @@ class Buffer:
                                                 (x_view, topk_view, weights_view, active_view, outputs[0][0]),
                                                 written_before)
             receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
-        if zero_copy or not self._peers_read_in_place(handle, return_recv_hook):
-            handle.state["combined_through_workspace"] = True
+        if zero_copy:
+            handle.state["combined_through_workspace"] = "zero_copy=True"
+        elif return_recv_hook:
+            handle.state["combined_through_workspace"] = "return_recv_hook=True, which copies"
+        elif not self._peers_read_in_place(handle, return_recv_hook):
+            handle.state["combined_through_workspace"] = "ranks whose peers read copies there"
         if receive is None and not (async_finish or return_recv_hook or given_stream is not None or off_stream
                                     or self._in_flight):
             event, hook = EventOverlap(), None  # the common eager call, as dispatch's
@@ -1339,7 +1343,10 @@ class Buffer:
                     raise RuntimeError(f"hook: the {call} ran on the per-thread default stream (2), which is "
                                        f"another stream in each thread; call hook() in the {call}'s thread, "
                                        f"or make the call on a stream of its own (stream=)")
-                self._check_alive("hook")  # its launch would run on the freed workspace
+                # Its launch would run on the freed workspace. Not refused for another hook's failed launch
+                # (_steps_behind): counters are per parity and kind, and this one's are the other's; a
+                # refusal would leave it pending, which update_ep_member refuses.
+                self._check_alive("hook", launches=False)
                 called.append(True)
                 try:
                     self._receive(call, handle, receive)
@@ -1431,7 +1438,7 @@ class Buffer:
         except BaseException as error:
             reason = f"{type(error).__name__}: {error}"
             handle.state["failed" if call == "dispatch" else "combine_failed"] = reason
-            if self._cuda is not None:
+            if handle.backend == "cuda":  # a kernel's send half ran (host arrays run the reference)
                 self._steps_behind = f"the receive half of a {call} failed to launch ({reason})"
             raise
         if call == "dispatch":
@@ -1541,10 +1548,10 @@ class Buffer:
         # the parity does). And two combines of one dispatch would take the same step.
         if handle.state.get("combine_hook_pending"):
             raise RuntimeError(f"{where}: a combine of this handle still waits for its hook(); call it first")
-        if handle.state.get("combined_through_workspace"):
-            raise RuntimeError(f"{where}: this handle was already combined through the workspace (zero_copy=True, or a "
-                               f"transport whose peers read copies there), whose rows the peers may still be reading; "
-                               f"dispatch again to combine again")
+        how = handle.state.get("combined_through_workspace")
+        if how:
+            raise RuntimeError(f"{where}: this handle was already combined through the workspace ({how}), whose rows "
+                               f"the peers may still be reading; dispatch again to combine again")
 
 
 class _Plan(NamedTuple):

@@ -53,10 +53,11 @@ What differs from DeepEP:
       :class:`mooncake_ep.Handle` (its routing lives in the workspace half of its dispatch);
       DeepEP's handle holds tensors of its own. Two micro-batches in flight (vLLM's and SGLang's
       two-batch overlap) fit; a third is refused by name, never combined on another's routing.
-      A handle combined through the workspace (``zero_copy=True``, or any combine with ranks in
-      other processes, whose peers read copies there) takes no second combine (RuntimeError,
-      "dispatch again"): the peers may still read the first's rows. DeepEP's own
-      ``tests/test_low_latency.py`` combines each dispatch twice, so it fails there across processes.
+      A handle combined through the workspace (``zero_copy=True``, ``return_recv_hook=True``, or
+      any combine with ranks in other processes, whose peers read copies there) takes no second
+      combine (RuntimeError, "dispatch again"): the peers may still read the first's rows. DeepEP's
+      own ``tests/test_low_latency.py`` combines each dispatch twice, so it fails there across
+      processes, and in one process in its hook mode.
     - :meth:`Buffer.clean_low_latency_buffer` cleans nothing and waits for no peer: it is neither a
       barrier nor, with ``enable_shrink``, the point where a dead rank is masked (DeepEP's kernel is
       both); the next dispatch or combine masks it.

@@ -67,6 +67,7 @@ from mooncake_ep._group_common import (
 )
 from mooncake_ep._group_adapters import (
     TORCHRUN_AGENT_STORE_VAR,
+    _outside_group,
     JaxGroup,
     MPIGroup,
     TorchGroup,
@@ -416,7 +417,8 @@ def _env_int(where: str, var: str, arg: str, default: int | None = None) -> int:
                          f"launchers set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), or pass "
                          f"{where}(group=...) a torch ProcessGroup, an mpi4py communicator or 'jax'")
     # ASCII digits only: int() also takes '1_0' (10) and other scripts' digits, a typo read as another rank.
-    if not re.fullmatch(r"-?[0-9]+", raw.strip()):
+    # Surrounding whitespace (a value read from a file) is dropped, as for MASTER_ADDR.
+    if not re.fullmatch(r"[-+]?[0-9]+", raw.strip()):
         raise ValueError(f"{where}: environment variable {var} must be an integer, got {raw!r}")
     return int(raw)
 
@@ -538,9 +540,9 @@ def _tcp_settings(where: str, rank: int | None, world_size: int | None, master_a
         world_size = from_env["WORLD_SIZE"] = _env_int(where, "WORLD_SIZE", "world_size")
     if master_addr is None:
         raw_addr = os.environ.get("MASTER_ADDR")
-        if raw_addr is not None and raw_addr.strip() != raw_addr:  # '10.0.0.1\n' from a file, or '   '
-            raise ValueError(f"{where}: environment variable MASTER_ADDR has surrounding whitespace: {raw_addr!r}")
-        master_addr = raw_addr or DEFAULT_MASTER_ADDR
+        if raw_addr and not raw_addr.strip():
+            raise ValueError(f"{where}: environment variable MASTER_ADDR is only whitespace: {raw_addr!r}")
+        master_addr = (raw_addr or "").strip() or DEFAULT_MASTER_ADDR  # '10.0.0.1\n' read from a file
     if master_port is None:
         master_port = _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT)
         if "MASTER_PORT" in os.environ:
@@ -593,20 +595,6 @@ def is_communicator(obj: Any) -> bool:
     DeepEP's Buffers take a ProcessGroup). What those libraries give a process outside a group counts
     too, for init_group to name."""
     return _torch_kind(obj) == "process_group" or _is_mpi_communicator(obj) or _outside_group(obj) is not None
-
-
-def _outside_group(obj: Any) -> str | None:
-    """What ``obj`` is, where it is what torch or mpi4py give a process outside a group: torch's
-    ``new_group`` returns ``GroupMember.NON_GROUP_MEMBER`` (an int) to the ranks it leaves out, and
-    mpi4py's ``Split`` ``MPI.COMM_NULL``; else None."""
-    dist = sys.modules.get("torch.distributed")
-    if (type(obj) is int and dist is not None and dist.is_available()
-            and obj == getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)):
-        return "torch.distributed.GroupMember.NON_GROUP_MEMBER (new_group's answer to a rank it leaves out)"
-    comm_null = getattr(sys.modules.get("mpi4py.MPI"), "COMM_NULL", None)
-    if comm_null is not None and type(obj) is type(comm_null) and obj == comm_null:
-        return "mpi4py's MPI.COMM_NULL (Split's answer to a process it leaves out)"
-    return None
 
 
 def _is_mpi_communicator(obj: Any) -> bool:

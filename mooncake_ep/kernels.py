@@ -541,14 +541,16 @@ class KernelCache:
         try:
             # No link followed, no FIFO waited on (open blocked for good on one planted there).
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link (O_NOFOLLOW): a miss, said as the other refusals are
+                _warn_once(f"mooncake_ep: not loading kernel cache entry {path} (a symbolic link); compiling "
+                           f"it instead")
             return None
         try:
             info = os.fstat(fd)
             refused = self._untrusted(info)
             if refused:
-                _log_once_per_folder(logging.WARNING, self.directory, f"mooncake_ep: not loading kernel cache "
-                                     f"entry {path} ({refused}); compiling it instead")
+                _warn_once(f"mooncake_ep: not loading kernel cache entry {path} ({refused}); compiling it instead")
                 return None
             with os.fdopen(os.dup(fd), "rb") as f:
                 blob = f.read()
@@ -576,13 +578,23 @@ class KernelCache:
             return ""
         if info.st_mode & stat.S_IWOTH:
             return f"writable by every user, owned by uid {info.st_uid}"
-        try:
-            folder = os.stat(self.directory)
-        except OSError as exc:
-            return f"its folder cannot be checked: {exc}"
-        if folder.st_mode & stat.S_IWOTH:
-            return f"owned by uid {info.st_uid}, in a folder every user may write"
-        return ""
+        # The folders up to the root. Every user may put entries in the cache folder where it is
+        # writable by all, and swap any folder beneath one writable by all without the sticky bit;
+        # a folder of another user in one writable by all (a /tmp/kernels made first) is theirs to fill.
+        folder = self.directory.absolute()
+        while True:
+            try:
+                here, parent = os.stat(folder), os.stat(folder.parent)
+            except OSError as exc:
+                return f"its folder {folder} cannot be checked: {exc}"
+            if here.st_mode & stat.S_IWOTH and (folder == self.directory.absolute() or not here.st_mode & stat.S_ISVTX):
+                return f"owned by uid {info.st_uid}, in a folder every user may write ({folder})"
+            if here.st_uid not in (os.geteuid(), 0) and parent.st_mode & stat.S_IWOTH:
+                return (f"owned by uid {info.st_uid}, under {folder}, a folder of uid {here.st_uid} in one every "
+                        f"user may write")
+            if folder == folder.parent:
+                return ""
+            folder = folder.parent
 
     @contextlib.contextmanager
     def compiling(self, digest: str, cancelled: threading.Event | None = None):

@@ -327,10 +327,16 @@ def test_a_combine_hook_whose_launch_failed_keeps_the_calls_arrays_and_refuses_l
     _, _, hook = buf.combine(x, inputs["topk_idx"], device(np.ones((3, K), np.float32)), inputs["active_ranks"],
                              handle=handle, return_recv_hook=True, out=device(np.zeros((3, H), ml_dtypes.bfloat16)))
     del x
+    # A dispatch of the other parity, its hook pending (two micro-batches in flight).
+    _, _, _, _, other_hook = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E,
+                                          use_fp8=False, return_recv_hook=True, out=dispatch_out(device, False))
     with pytest.raises(RuntimeError, match="the receive half failed"):
         hook()
     gc.collect()
     assert alive() is not None
+    # Its counters are the other parity's: it still runs, else it stayed pending, and update_ep_member,
+    # which refuses pending hooks, could never run (helper-157).
+    other_hook()
     # The combine's send half ran and its receive half, which moves the step counters, did not: this
     # rank's next call would take the failed one's step, and could accept the peers' flags of it over
     # their next call's data (helper-153). Every launch is refused until update_ep_member.
@@ -344,7 +350,8 @@ def test_a_combine_hook_whose_launch_failed_keeps_the_calls_arrays_and_refuses_l
     with pytest.raises(RuntimeError, match=r"^dispatch: " + behind):
         buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
                      out=dispatch_out(device, False))
-    assert [launch.phases for launch in cuda.launches] == [SEND | RECV, SEND]
+    assert [(launch.kernel, launch.phases) for launch in cuda.launches] == [
+        ("dispatch", SEND | RECV), ("combine", SEND), ("dispatch", SEND), ("dispatch", RECV)]
     # update_ep_member (every rank) brings the counters to the peers': launches go on.
     group = buf.group
     group.constructed = False  # its collectives answer again, as a peer that agrees
@@ -353,7 +360,8 @@ def test_a_combine_hook_whose_launch_failed_keeps_the_calls_arrays_and_refuses_l
     assert buf.update_ep_member() == []
     buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
                  out=dispatch_out(device, False))
-    assert [launch.kernel for launch in cuda.launches] == ["dispatch", "combine", "connect", "dispatch"]
+    assert [launch.kernel for launch in cuda.launches] == ["dispatch", "combine", "dispatch", "dispatch", "connect",
+                                                           "dispatch"]
 
 
 def test_async_mode_runs_both_halves_on_the_comm_stream_after_the_caller(setup):
@@ -504,7 +512,8 @@ def test_a_dispatch_read_in_place_is_combined_again_and_a_hook_combine_copies(se
     with pytest.raises(RuntimeError, match=r"combine: a combine of this handle still waits for its hook\(\)"):
         buf.combine(x, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, out=combined)
     hook()
-    with pytest.raises(RuntimeError, match=r"combine: this handle was already combined through the workspace"):
+    with pytest.raises(RuntimeError, match=r"combine: this handle was already combined through the workspace "
+                                           r"\(return_recv_hook=True, which copies\)"):
         buf.combine(x, inputs["topk_idx"], weights, inputs["active_ranks"], -1, handle, out=combined)
     combines = [(l.phases, l.args["direct_reads"]) for l in cuda.launches if l.kernel == "combine"]
     assert combines == [(SEND | RECV, True), (SEND | RECV, True), (SEND, False), (RECV, False)]

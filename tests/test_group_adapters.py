@@ -925,13 +925,23 @@ def test_a_process_outside_a_torch_subgroup_is_told_so(clean_env):
 def test_a_process_outside_an_mpi_split_is_told_so(clean_env):
     """mpi4py's Split gives the processes it leaves out MPI.COMM_NULL, whose methods raise MPI's own
     'null communicator' errors (helper-156)."""
-    class Comm:  # mpi4py's Comm: COMM_NULL is one, compared by handle
+    class Comm:  # mpi4py's Comm: compared by handle
+        def __init__(self, handle):
+            self.handle = handle
+
         def __eq__(self, other):
-            return other is self
+            return isinstance(other, Comm) and other.handle == self.handle
 
         __hash__ = object.__hash__
 
-    fake_mpi = types.SimpleNamespace(Is_initialized=lambda: True, Is_finalized=lambda: False, COMM_NULL=Comm())
+    class Intracomm(Comm, FakeComm):  # what Split gives a process it leaves out: an Intracomm of the null handle
+        pass
+
+    fake_mpi = types.SimpleNamespace(Is_initialized=lambda: True, Is_finalized=lambda: False, COMM_NULL=Comm(0))
     clean_env.setitem(sys.modules, "mpi4py.MPI", fake_mpi)
-    with pytest.raises(ValueError, match=r"group is mpi4py's MPI.COMM_NULL .*: this process is not a member"):
-        init_group(fake_mpi.COMM_NULL)
+    split_null = Intracomm(0)
+    for build in (lambda: init_group(fake_mpi.COMM_NULL), lambda: init_group(split_null)):
+        with pytest.raises(ValueError, match=r"group is mpi4py's MPI.COMM_NULL .*: this process is not a member"):
+            build()
+    with pytest.raises(ValueError, match=r"MPIGroup: comm is mpi4py's MPI.COMM_NULL"):
+        MPIGroup(split_null)

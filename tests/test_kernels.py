@@ -888,6 +888,20 @@ def test_an_entry_another_user_could_have_planted_is_not_loaded(tmp_path, caplog
         os.chown(entry_path(cache), os.geteuid(), os.getegid())  # this user's own entries load anywhere
         assert cache.load(DIGEST) == b"a cubin"
     assert "owned by uid 65534, in a folder every user may write" in caplog.text
+    # Another user's folder, made first in a folder every user may write (as /tmp), 0755 (helper-157).
+    public = tmp_path / "public"
+    public.mkdir()
+    os.chmod(public, 0o1777)
+    cache = kernels.KernelCache(public / "kernels")
+    cache.save(DIGEST, b"a planted cubin")
+    os.chown(cache.directory, nobody, nobody)
+    os.chown(entry_path(cache), nobody, nobody)
+    assert cache.load(DIGEST) is None
+    assert f"under {cache.directory}, a folder of uid 65534 in one every user may write" in caplog.text
+    # A link to an entry is a miss, said so.
+    os.symlink(entry_path(cache), tmp_path / f"{'ef' * 32}.cubin")
+    assert kernels.KernelCache(tmp_path).load("ef" * 32) is None
+    assert "(a symbolic link); compiling it instead" in caplog.text
 
 
 def test_a_lock_file_that_is_a_link_or_a_fifo_is_not_used(tmp_path):

@@ -719,6 +719,14 @@ def test_buffer_calls_on_tensors_that_require_grad_warn_in_grad_mode_only():
             buffer.combine(y, topks[0], w, active, handle=handle)
         assert [str(c.message).split(" requires")[0] for c in caught] == ["combine: topk_weights", "combine: x"]
         assert caught[0].filename == __file__  # names the caller's line
+        import mooncake_ep.deep_ep as deep_ep  # through the DeepEP shim too, two frames of ours deeper
+
+        shim = deep_ep.Buffer(group, num_rdma_bytes=ep.Buffer.get_ep_buffer_size_hint(T, H, 1, E),
+                              low_latency_mode=True, backend="reference", explicitly_destroy=True)
+        with pytest.warns(UserWarning, match=r"^dispatch: x requires grad") as caught:
+            shim.low_latency_dispatch(x, topks[0], T, E, use_fp8=False)
+        assert caught[0].filename == __file__
+        shim.destroy()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             with torch.no_grad():

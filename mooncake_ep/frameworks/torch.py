@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -166,7 +168,12 @@ def warn_if_differentiated(where: str, name: str, tensor) -> None:
     import torch
 
     if torch.is_grad_enabled():
+        # Named at the caller's line: the first frame outside the package (deep_ep's calls pass two of ours).
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+        frame, stacklevel = sys._getframe(0), 1
+        while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+            frame, stacklevel = frame.f_back, stacklevel + 1
         warnings.warn(f"{where}: {name} requires grad, and Buffer calls are not differentiable: no gradient "
                       f"flows back through them. Use mooncake_ep.torch.dispatch / combine to train; for "
                       f"inference call under torch.no_grad() or torch.inference_mode() (or pass {name}.detach())",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=stacklevel)
