@@ -916,6 +916,10 @@ class Buffer:
             receive = self._reference_combine(handle, x_view, topk_view, weights_view, active_view, outputs,
                                               zero_copy, renormalize)
         else:
+            # Never in place with a hook: a receive half that reads in place waits until every peer has
+            # read this rank's outputs, i.e. until every peer's hook ran, where a hook's receive half must
+            # wait for the peers' send halves alone (a caller waiting for one rank's hook before calling
+            # the next rank's waited forever, or past timeout_us, which masked a live peer still reading).
             launch = self._combine_launcher(x_view, topk_view, weights_view, active_view, outputs[0][0],
                                             parity=handle.parity,
                                             num_max_dispatch_tokens_per_rank=handle.num_max_dispatch_tokens_per_rank,
@@ -931,9 +935,9 @@ class Buffer:
             receive = self._launch_halves(where, launch, async_finish, return_recv_hook, stream_ptr)
         if zero_copy:
             handle.state["combined_through_workspace"] = "zero_copy=True"
-        elif return_recv_hook:
+        elif return_recv_hook:  # direct_reads=False above
             handle.state["combined_through_workspace"] = "return_recv_hook=True, which copies"
-        elif not self._peers_read_in_place(handle, return_recv_hook):
+        elif not self._peers_read_in_place(handle):
             handle.state["combined_through_workspace"] = "ranks whose peers read copies there"
         if receive is None and not (async_finish or return_recv_hook or given_stream is not None or off_stream
                                     or self._in_flight):
@@ -946,22 +950,15 @@ class Buffer:
             frameworks.get("torch").mark_modified(written_tensors)
         return _caller_arrays(outputs, topk_view)[0], event, hook
 
-    def _peers_read_in_place(self, handle: Handle, return_recv_hook: bool) -> bool:
-        """Whether peers read this rank's expert outputs where the caller holds them, not from copies in
-        the workspace that a second combine of ``handle`` would rewrite while they may still read.
-
-        Never in hook mode: a receive half that reads in place waits until every peer has read this
-        rank's outputs, i.e. until every peer's hook ran, where a hook's receive half must wait for
-        the peers' send halves alone (a caller that waits for one rank's hook before calling the
-        next rank's would wait forever, or past timeout_us, which then masked a live peer while it
-        still read: helper-153).
+    def _peers_read_in_place(self, handle: Handle) -> bool:
+        """Whether peers read this rank's expert outputs (of a combine without a hook, which always
+        copies) where the caller holds them, not from copies in the workspace that a second combine
+        of ``handle`` would rewrite while they may still read.
 
         The reference backend's exchange has no such hazard; it answers as the kernels would for ranks
         placed as its group's are (in processes, or in one process on several GPUs: copies), so that a
         CPU test refuses what a GPU run would. Host arrays on a CUDA Buffer answer as its kernels.
         """
-        if return_recv_hook:
-            return False
         if self._cuda is not None:
             return self._cuda.direct_peer_reads
         if not getattr(self.group, "is_in_process", False):
