@@ -801,6 +801,10 @@ def get_cubin(key: KernelKey, cache: KernelCache | None = None,
 
 
 def _compile_and_save(key: KernelKey, cache: KernelCache) -> bytes:
+    # A miss said where it was looked for: a warm-up on another machine whose key differs (another
+    # NVRTC build, other CUDA headers) otherwise left no trace but the compile's seconds.
+    logger.info("mooncake_ep: compiling kernel %s for %s (entry %s not in the kernel cache %s)", key.name, key.arch,
+                key.digest[:16], cache.directory)
     cubin = compile_kernel(key)
     try:
         cache.save(key.digest, cubin)

@@ -1265,3 +1265,20 @@ def test_compiling_in_process_leaves_the_interpreters_shared_bytes_intact():
     cubin = kernels.compile_kernel(kernels.combine_key(ARCH))
     assert isinstance(cubin, bytes) and cubin.startswith(ELF_MAGIC)
     assert space == b"\x20" and ord(b" ") == 32 and b"a b".split(b" ") == [b"a", b"b"]
+
+
+def test_a_cache_miss_says_where_the_entry_was_looked_for(tmp_path, monkeypatch, caplog):
+    """A warm-up on a machine whose key differs (another NVRTC build, other CUDA headers) left no trace
+    but the compile's seconds (helper-155)."""
+    import logging
+
+    key = kernels.KernelKey("ll_combine.cu", "ll_combine", (), ARCH, ())
+    monkeypatch.setattr(kernels.KernelKey, "digest", "cd" * 32)
+    monkeypatch.setattr(kernels, "compile_kernel", lambda k: b"a cubin")
+    cache = kernels.KernelCache(tmp_path)
+    with caplog.at_level(logging.INFO, logger="mooncake_ep"):
+        assert kernels.get_cubin(key, cache) == (b"a cubin", True)
+        assert kernels.get_cubin(key, cache) == (b"a cubin", False)
+    misses = [r.getMessage() for r in caplog.records if "compiling kernel" in r.getMessage()]
+    assert misses == [f"mooncake_ep: compiling kernel ll_combine for {ARCH} (entry {'cd' * 8} not in the kernel "
+                      f"cache {tmp_path})"]
