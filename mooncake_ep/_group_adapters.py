@@ -18,6 +18,7 @@ mooncake_ep`` needs none of them. :func:`mooncake_ep.group.init_group` chooses a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import logging
@@ -165,6 +166,13 @@ class TorchGroup:
         self.collective_device = (self._backend_device() if collective_device is None
                                   else collective_device)
         self._state = _CollectiveState()
+        # How failures name the group: torch's own messages number a subgroup's ranks within it, which
+        # read as the job's ranks unless the mapping is said.
+        self._what = self.backend
+        if process_group is not None and process_group is not dist.group.WORLD:
+            with contextlib.suppress(Exception):  # torch releases without get_process_group_ranks
+                ranks = dist.get_process_group_ranks(process_group)
+                self._what += f"; a subgroup: its ranks 0..{len(ranks) - 1} are global ranks {ranks}"
 
     def __repr__(self) -> str:
         return (f"TorchGroup(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
@@ -205,10 +213,10 @@ class TorchGroup:
                 return self._allgather(torch, data)
             # torch's DistError and backend errors are RuntimeErrors; a destroyed default group a ValueError
             except (RuntimeError, ValueError) as exc:
-                raise self._state.fail(label, self.rank, f"torch.distributed.all_gather ({self.backend})",
+                raise self._state.fail(label, self.rank, f"torch.distributed.all_gather ({self._what})",
                                        exc) from exc
             except BaseException as exc:  # an interrupt between its two rounds: the ranks' calls no longer pair
-                self._state.fail(label, self.rank, f"torch.distributed.all_gather ({self.backend})", exc)
+                self._state.fail(label, self.rank, f"torch.distributed.all_gather ({self._what})", exc)
                 raise
 
     def _allgather(self, torch: Any, data: bytes) -> list[bytes]:
@@ -236,10 +244,10 @@ class TorchGroup:
                 else:
                     self._dist.barrier(group=self.process_group)
             except (RuntimeError, ValueError) as exc:  # as allgather_bytes's
-                raise self._state.fail(label, self.rank, f"torch.distributed barrier ({self.backend})",
+                raise self._state.fail(label, self.rank, f"torch.distributed barrier ({self._what})",
                                        exc) from exc
             except BaseException as exc:  # stopped inside the collective: the ranks' calls no longer pair
-                self._state.fail(label, self.rank, f"torch.distributed barrier ({self.backend})", exc)
+                self._state.fail(label, self.rank, f"torch.distributed barrier ({self._what})", exc)
                 raise
 
     def close(self, *, final_barrier: bool = False) -> None:

@@ -547,11 +547,16 @@ def test_torch_group_over_a_destroyed_process_group_and_a_sub_millisecond_barrie
             timeouts.append(timeout), real_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks))[1])
         group.barrier()
         assert timeouts[0].total_seconds() >= 0.001, timeouts
+        subgroup = TorchGroup(dist.new_group([0]))
     finally:
         dist.destroy_process_group()
     with pytest.raises(GroupError, match=r"allgather_bytes #0 on rank 0: torch.distributed.all_gather \(gloo\) "
                                          r"failed: ValueError"):
         group.allgather_bytes(b"x")
+    # torch numbers a subgroup's ranks within it: its failures say which global ranks those are.
+    with pytest.raises(GroupError, match=r"torch.distributed barrier \(gloo; a subgroup: its ranks 0..0 are global "
+                                         r"ranks \[0\]\) failed"):
+        subgroup.barrier()
 
 
 # ----------------------------------------------------------------------------- mpi4py, a fake communicator
