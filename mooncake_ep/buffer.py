@@ -907,9 +907,16 @@ class Buffer:
             self._check_disjoint(where, plan, addresses, _COMBINE_SPAN_NAMES[x_view is None, combined_view is not None],
                                  _combine_spans(combined_view, active_view, x_view, topk_view, weights_view),
                                  combined_view is not None)
-        if zero_copy:
-            self._check_outside_combine_buffer(where, handle, (
-                ("out combined_x", None if out_views is None else out_views[0][0]), ("active_ranks", active_view)))
+        # A combine through the workspace (zero-copy, a hook's copy, ranks reading copies) has peers read
+        # get_next_combine_buffer(handle)'s memory while its receive half writes: nothing written may
+        # lie there. Remembered as the addresses are, with the parity that places the buffer.
+        if zero_copy or return_recv_hook or not self._peers_read_in_place(handle):
+            outside = (addresses, handle.parity)
+            if outside not in self._disjoint_addresses:
+                self._check_outside_combine_buffer(where, handle, (("out combined_x", combined_view),
+                                                                   ("active_ranks", active_view)))
+                if handle.backend == "cuda" and len(self._disjoint_addresses) < _MAX_DISJOINT_ADDRESSES:
+                    self._disjoint_addresses.add(outside)
         outputs = out_views if out_views is not None else self._allocate(plan, topk_view)
         off_stream = _NO_FRAMEWORKS
         if handle.backend == "reference":
@@ -1079,17 +1086,20 @@ class Buffer:
         return self._cuda.workspace.ptr + workspace_layout.offsets["combine_x"][handle.parity]
 
     def _check_outside_combine_buffer(self, where: str, handle: Handle, written) -> None:
-        """A zero-copy combine reads its expert outputs from get_next_combine_buffer(handle), here and
-        from peers: none of the ``written`` (name, view) pairs may lie there."""
+        """A combine through the workspace has its expert outputs read from get_next_combine_buffer(handle)'s
+        memory, here and by peers: none of the ``written`` (name, view) pairs may lie there. (The
+        reference backend's buffer exists once get_next_combine_buffer made it: before, nothing can.)"""
         if handle.backend == "reference":
-            buffer = handle.state["combine_buffer"]
+            buffer = handle.state.get("combine_buffer")
+            if buffer is None:
+                return
             start, nbytes = buffer.ctypes.data, buffer.nbytes
         else:
             start, nbytes = self._combine_buffer_ptr(handle), math.prod(self._combine_buffer_shape(handle)) * 2
         written = [(name, view) for name, view in written if view is not None]
         # The one overlap rule: the written arrays, then the buffer as an array the call reads.
-        check_disjoint(where, (*(name for name, _ in written), "get_next_combine_buffer(handle), which a zero-copy "
-                                                               "combine reads"),
+        check_disjoint(where, (*(name for name, _ in written), "get_next_combine_buffer(handle), whose memory the "
+                                                               "combine's peers read"),
                        [*(view for _, view in written), types.SimpleNamespace(ptr=start)],
                        (*(view.nbytes for _, view in written), nbytes), len(written))
 

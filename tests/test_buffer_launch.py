@@ -455,6 +455,24 @@ def test_zero_copy_combine_refuses_an_out_inside_the_combine_buffer(setup):
     assert [l.kernel for l in cuda.launches] == ["dispatch", "combine"]
 
 
+@pytest.mark.parametrize("mode", ["hook", "copy"])
+def test_a_combine_that_copies_refuses_an_out_inside_the_combine_buffer_too(setup, mode):
+    """A hook combine, and any whose peers read copies, copies x into the same memory, which the peers
+    read while the receive half writes combined_x: only zero_copy was checked (helper-158)."""
+    buf, cuda, device, inputs = setup
+    cuda.direct_peer_reads = mode != "copy"
+    _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                      out=dispatch_out(device, False))
+    start = cuda.workspace.ptr + cuda.layout_for(T, H, E)[0].offsets["combine_x"][handle.parity]
+    inside = DeviceMemoryArray(start, (3, H), "bfloat16", "cuda", 0, owner=None)
+    x = device(np.zeros((E // R, R * T, H), ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match=r"combine: out combined_x shares memory with get_next_combine_buffer\(handle\), "
+                                         r"whose memory the combine's peers read"):
+        buf.combine(x, inputs["topk_idx"], device(np.ones((3, K), np.float32)), inputs["active_ranks"], -1, handle,
+                    return_recv_hook=mode == "hook", out=inside)
+    assert [l.kernel for l in cuda.launches] == ["dispatch"]
+
+
 def test_zero_copy_combine_passes_no_expert_output(setup):
     buf, cuda, device, inputs = setup
     _, _, handle, _, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
