@@ -910,7 +910,8 @@ class Buffer:
         # A combine through the workspace (zero-copy, a hook's copy, ranks reading copies) has peers read
         # get_next_combine_buffer(handle)'s memory while its receive half writes: nothing written may
         # lie there. Remembered as the addresses are, with the parity that places the buffer.
-        if zero_copy or return_recv_hook or not self._peers_read_in_place(handle):
+        read_in_place = not (zero_copy or return_recv_hook) and self._peers_read_in_place(handle)
+        if not read_in_place:
             outside = (addresses, handle.parity)
             if outside not in self._disjoint_addresses:
                 self._check_outside_combine_buffer(where, handle, (("out combined_x", combined_view),
@@ -944,7 +945,7 @@ class Buffer:
             handle.state["combined_through_workspace"] = "zero_copy=True"
         elif return_recv_hook:  # direct_reads=False above
             handle.state["combined_through_workspace"] = "return_recv_hook=True, which copies"
-        elif not self._peers_read_in_place(handle):
+        elif not read_in_place:
             handle.state["combined_through_workspace"] = "ranks whose peers read copies there"
         if receive is None and not (async_finish or return_recv_hook or given_stream is not None or off_stream
                                     or self._in_flight):
