@@ -189,6 +189,13 @@ class EventOverlap:
             self.current_stream_wait(release_handle=release)
 
 
+def _warn_if_differentiated(where: str, name: str, view: ArrayView) -> None:
+    """A torch input of a call that requires grad: warned of in grad mode (no gradient flows back
+    through a Buffer call); the attribute read is all the common call pays."""
+    if view.framework == "torch" and view.obj.requires_grad:
+        frameworks.get("torch").warn_if_differentiated(where, name, view.obj)
+
+
 def _why_no_gpu() -> str | None:
     """None where ``backend="auto"`` finds a GPU; else why it found none, for the errors of CUDA arrays
     given to the reference Buffer it then builds (a missing cupy reads otherwise as a missing GPU)."""
@@ -576,8 +583,7 @@ class Buffer:
             self._check_alive(where)
         given_stream = None if stream is None else stream_handle(where, stream, self._device_id)
         x_view = read_array(x, name="dispatch: x", stream=given_stream)
-        if x_view.framework == "torch" and x_view.obj.requires_grad:
-            frameworks.get("torch").warn_if_differentiated(where, "x", x_view.obj)
+        _warn_if_differentiated(where, "x", x_view)
         stream_ptr = self._stream_for(where, "x", x_view, given_stream)
         order = _dlpack_stream(x_view, stream_ptr)
         topk_view = read_array(topk_idx, name="dispatch: topk_idx", stream=order)
@@ -868,8 +874,7 @@ class Buffer:
         stream_ptr = self._stream_for(where, "topk_idx", topk_view, given_stream)
         order = _dlpack_stream(topk_view, stream_ptr)
         weights_view = read_array(topk_weights, name="combine: topk_weights", stream=order)
-        if weights_view.framework == "torch" and weights_view.obj.requires_grad:
-            frameworks.get("torch").warn_if_differentiated(where, "topk_weights", weights_view.obj)
+        _warn_if_differentiated(where, "topk_weights", weights_view)
         active_view = read_array(active_ranks, name="combine: active_ranks", stream=order)
         check_flags(where, async_finish=async_finish, return_recv_hook=return_recv_hook, zero_copy=zero_copy,
                     renormalize=renormalize)
@@ -883,8 +888,7 @@ class Buffer:
             if x is None:
                 raise TypeError(f"{where}: x (expert outputs) is required unless zero_copy=True")
             x_view = read_array(x, name="combine: x", stream=order)
-            if x_view.framework == "torch" and x_view.obj.requires_grad:
-                frameworks.get("torch").warn_if_differentiated(where, "x", x_view.obj)
+            _warn_if_differentiated(where, "x", x_view)
         out_views = None if out is None else [(read_array(out, name="combine: out combined_x", stream=order), out)]
         written_tensors = _torch_outputs(where, out_views, ("out combined_x",))
         key = ("combine", _signature(topk_view), _signature(weights_view), _signature(active_view),
