@@ -920,8 +920,8 @@ class Buffer:
             if outside not in self._disjoint_addresses:
                 self._check_outside_combine_buffer(where, handle, (("out combined_x", combined_view),
                                                                    ("active_ranks", active_view)))
-                if handle.backend == "cuda" and len(self._disjoint_addresses) < _MAX_DISJOINT_ADDRESSES:
-                    self._disjoint_addresses.add(outside)
+                if handle.backend == "cuda":
+                    self._remember_checked(outside)
         outputs = out_views if out_views is not None else self._allocate(plan, topk_view)
         off_stream = _NO_FRAMEWORKS
         if handle.backend == "reference":
@@ -1522,9 +1522,13 @@ class Buffer:
             check_vector_aligned(where, names[0][0], views[0], plan.span_nbytes[0])
         check_element_aligned(where, names[0], views, plan.span_nbytes)
         if views[0].device_type == "cuda":
-            if len(self._disjoint_addresses) >= _MAX_DISJOINT_ADDRESSES:  # out= arrays that keep changing
-                self._disjoint_addresses.clear()
-            self._disjoint_addresses.add(addresses)
+            self._remember_checked(addresses)
+
+    def _remember_checked(self, addresses: tuple) -> None:
+        """Remember a call's addresses as checked (_disjoint_addresses), within its bound."""
+        if len(self._disjoint_addresses) >= _MAX_DISJOINT_ADDRESSES:  # out= arrays that keep changing
+            self._disjoint_addresses.clear()
+        self._disjoint_addresses.add(addresses)
 
     def _check_same_routing(self, where: str, handle: Handle, topk_view: ArrayView) -> None:
         """Host arrays: combine's topk_idx against its dispatch's (validation.check_same_routing)."""
