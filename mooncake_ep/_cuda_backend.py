@@ -225,8 +225,13 @@ class CudaBackend:
             except _PeerSetupFailed:  # no rank has mapped or written anything of this connect
                 raise
             except Exception:
-                # The route tables some ranks wrote point at workspaces that failed replacements free now.
-                self._write_route(self._route)
+                # The route tables some ranks wrote point at workspaces that failed replacements free now:
+                # back to the last connect's, whose mappings and workspaces stay.
+                try:
+                    self._store_route(self._route)
+                except Exception as exc:  # noqa: BLE001 - the update's own error is the one raised
+                    logger.warning("mooncake_ep: rank %d could not restore its route table after a failed "
+                                   "update: %s", self.group.rank, exc)
                 if replaced_ranks:
                     self._meet_failed_replacements()
                 raise
@@ -245,7 +250,7 @@ class CudaBackend:
         try:
             for rank in replaced:
                 self._clear_flags_from(rank)
-            self.workspace.write(layout.ROUTE_OFFSET, struct.pack(f"<{len(route)}Q", *route))
+            self._store_route(route)
         except Exception as exc:  # noqa: BLE001 - shared: a rank failing here alone would leave the others connected
             failure = failure_text(exc)
         # Every route table is written before any rank launches; a write that failed fails every rank,
@@ -257,14 +262,9 @@ class CudaBackend:
         self._connected = True
         return replaced
 
-    def _write_route(self, route: list[int]) -> None:
-        """Write back the route table of the last connect that succeeded, after one that failed: the
-        mappings and workspaces it points at stay (a failed write is logged: the context is gone)."""
-        try:
-            self.workspace.write(layout.ROUTE_OFFSET, struct.pack(f"<{len(route)}Q", *route))
-        except Exception as exc:  # noqa: BLE001 - the update's own error is the one raised
-            logger.warning("mooncake_ep: rank %d could not restore its route table after a failed update: %s",
-                           self.group.rank, exc)
+    def _store_route(self, route: list[int]) -> None:
+        """Write the device route table: one address per rank."""
+        self.workspace.write(layout.ROUTE_OFFSET, struct.pack(f"<{len(route)}Q", *route))
 
     def _meet_failed_replacements(self) -> None:
         """A survivor's side of an update that failed on every rank: the replacements, whose construction
