@@ -174,11 +174,6 @@ def num_sms_for(configs: Sequence[RankConfig], rank: int, where: str) -> int:
     for r, config in enumerate(configs):
         by_device.setdefault(config.device, []).append(r)
 
-    def left_for_defaults(ranks: list[int]) -> tuple[int, int]:
-        """(SMs the ranks with a num_sms leave, ranks without one), on a device with running ranks."""
-        given = [configs[r].num_sms for r in ranks if configs[r].num_sms]
-        return configs[ranks[0]].num_device_sms - sum(given), len(ranks) - len(given)
-
     def effective(r: int) -> int:
         config = configs[r]
         if config.num_sms:
@@ -186,8 +181,9 @@ def num_sms_for(configs: Sequence[RankConfig], rank: int, where: str) -> int:
         ranks = by_device[config.device]
         if all(configs[q].phase == CONSTRUCT for q in ranks):
             return max(1, config.num_device_sms // len(ranks))
-        left, num_defaults = left_for_defaults(ranks)  # the survivors' SMs are not theirs to give up
-        return max(1, left // num_defaults)
+        # What the ranks with a num_sms (the survivors' in use, not theirs to give up) leave, shared.
+        given = [configs[q].num_sms for q in ranks if configs[q].num_sms]
+        return max(1, (config.num_device_sms - sum(given)) // (len(ranks) - len(given)))
 
     for ranks in by_device.values():
         first = configs[ranks[0]]
