@@ -560,7 +560,7 @@ class KernelCache:
             os.close(fd)
         checksum, payload = blob[: self._CHECKSUM_BYTES], blob[self._CHECKSUM_BYTES :]
         if len(checksum) != self._CHECKSUM_BYTES or hashlib.sha256(payload).digest() != checksum:
-            logger.warning("mooncake_ep: ignoring corrupt kernel cache entry %s", self._path(digest))
+            logger.warning("mooncake_ep: ignoring corrupt kernel cache entry %s", path)
             return None
         return payload
 
