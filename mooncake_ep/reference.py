@@ -234,6 +234,10 @@ def dispatch(
             tokens, topks = np.nonzero(topk_idx == expert)
             order = np.lexsort((slots[tokens, topks],))
             tokens, topks = tokens[order], topks[order]
+            # recv_x holds T rows per (expert, source): copies past a source's first T to one expert
+            # (only a token naming an expert twice makes them) are dropped, as the kernels drop them.
+            kept = slots[tokens, topks] < num_max_dispatch_tokens_per_rank
+            tokens, topks = tokens[kept], topks[kept]
             first = int(recv_count[local_expert])
             rows = slice(first, first + len(tokens))
             recv_x[local_expert, rows] = payload[tokens]

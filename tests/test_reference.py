@@ -307,6 +307,23 @@ def test_dispatch_orders_repeated_expert_by_k():
     assert received(result, 1) == [(0, 0, 1)]
 
 
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_dispatch_drops_a_sources_copies_past_its_first_t_to_one_expert(num_ranks):
+    # T = 2: rank 0 sends expert 0 three copies (token 0 names it twice), the third in (token, k)
+    # order past its T rows: dropped, as the kernels drop it (slot -1), and so left out of combine.
+    num_experts = 2 * num_ranks
+    xs = [origin_rows(src, 2, 128) for src in range(num_ranks)]
+    topks = [topk([[0, 0], [0, 1]])] + [topk([[0, -1], [-1, -1]])] * (num_ranks - 1)
+    result = reference.dispatch(0, xs, topks, ones(num_ranks), 2, num_experts, use_fp8=False)
+    assert received(result, 0) == [(0, 0, 0), (0, 0, 1)] + [(src, 0, 0) for src in range(1, num_ranks)]
+    np.testing.assert_array_equal(result.layout_range[0, 0], [0, 2])
+    assert result.recv_count[0] == 2 + (num_ranks - 1)
+    if num_ranks == 1:  # token 1's copy to expert 0 was dropped: it gets expert 1's output alone
+        combined, _ = reference.combine(0, [np.ones((2, 2, 128), BF16)], [result], topks[0],
+                                        np.ones((2, 2), np.float32), ones(1))
+        np.testing.assert_array_equal(combined.astype(np.float32)[:, 0], [2, 1])
+
+
 @pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
 def test_dispatch_fp8_rows_are_quantized_source_rows(round_scale, use_ue8m0):
     flags = dict(use_fp8=True, round_scale=round_scale, use_ue8m0=use_ue8m0)
