@@ -63,6 +63,13 @@ What differs from DeepEP:
       both); the next dispatch or combine masks it.
     - Flags (``use_fp8``, ``async_finish``, ``mask``...) take what DeepEP's pybind11 caster takes
       but None: bools, numpy's bools and integers.
+    - An fp8 block holding inf with ``round_scale``: both store an inf scale, but here its other
+      values quantise as times 0 (the reference's ``1 / scale``), where DeepEP's ``2^-exponent`` wraps
+      to -inf and flips their signs. Neither dequantises to anything; without ``round_scale``, and for
+      NaN, zero and denormal blocks, the bytes are DeepEP's.
+    - ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl`` and ``use_fabric``
+      are checked and choose nothing (``allow_nvlink_for_low_latency_mode=False`` included): the
+      transport is picked from where the ranks are (peer memory on one host).
 """
 
 from __future__ import annotations
@@ -396,9 +403,20 @@ class Buffer:
             raise _named_as_deepeps(exc, "get_next_combine_buffer", "get_next_low_latency_combine_buffer") \
                 from exc.__cause__
 
+    def _check_shrink(self, where: str) -> None:
+        """The mask methods need ``enable_shrink``, as DeepEP's assert ("Shrink mode must be enabled"):
+        without it a peer's wait has no timeout by default, and a rank masked here stops signalling the
+        peers that still count it live, whose next call would wait for it forever."""
+        if not self.enable_shrink:
+            raise RuntimeError(f"{where}: the mask buffer needs enable_shrink=True, as DeepEP's does: a rank masked "
+                               f"here is no longer signalled, and a peer that still counts it live would wait for it "
+                               f"{'forever' if self.timeout_us < 0 else f'{self.timeout_us} us'} (Buffer.active_ranks "
+                               f"is the mask without it)")
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask ``rank_to_mask`` (``mask=True``: nothing is sent to or waited for from it) or admit it
-        again (False), from the next call on, on torch's current stream."""
+        again (False), from the next call on, on torch's current stream. Needs ``enable_shrink``."""
+        self._check_shrink("low_latency_update_mask_buffer")
         rank_to_mask = check_int("low_latency_update_mask_buffer", "rank_to_mask", rank_to_mask, minimum=0)
         if rank_to_mask >= self.group_size:
             raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask must be < group_size={self.group_size}, "
@@ -408,7 +426,8 @@ class Buffer:
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Write each rank's mask into ``mask_status`` (``[group_size]`` int32, 1 = masked), on torch's
-        current stream."""
+        current stream. Needs ``enable_shrink``."""
+        self._check_shrink("low_latency_query_mask_buffer")
         _check_tensor("low_latency_query_mask_buffer", "mask_status", mask_status)
         if mask_status.dtype != torch.int32 or tuple(mask_status.shape) != (self.group_size,):
             raise ValueError(f"low_latency_query_mask_buffer: mask_status must be [{self.group_size}] int32, got "
@@ -416,7 +435,8 @@ class Buffer:
         mask_status.copy_(self.active_ranks == 0)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Admit every rank again, on torch's current stream."""
+        """Admit every rank again, on torch's current stream. Needs ``enable_shrink``."""
+        self._check_shrink("low_latency_clean_mask_buffer")
         self.active_ranks.fill_(1)
 
     def destroy(self) -> None:

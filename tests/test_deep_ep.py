@@ -125,7 +125,7 @@ def test_the_mask_buffer_is_active_ranks():
 
     def rank_fn(group):
         rank = group.rank
-        buffer = new_buffer(group, case)
+        buffer = new_buffer(group, case, enable_shrink=True)
         if rank != 1:
             buffer.low_latency_update_mask_buffer(1, True)
         status = torch.full((3,), -1, dtype=torch.int32)
@@ -172,6 +172,7 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
         deep_ep.Buffer(group, 0, 0, low_latency_mode=True, backend="reference")
 
     buffer = new_buffer(group, case)
+    shrink = new_buffer(group, case, enable_shrink=True)
     x, topk_idx, topk_weights = (to_torch(a[0]) for a in (case.xs, case.topk_idxs, case.weights))
     T, E = case.num_max_tokens, case.num_experts
     refusals = [
@@ -213,9 +214,17 @@ def test_what_deepep_has_and_mooncake_ep_has_not_is_refused_by_name():
         (lambda: buffer.get_comm_stream(), RuntimeError, r"reference backend, which has no stream"),
         (lambda: buffer.clean_low_latency_buffer(T * 2, case.hidden, E), ValueError,
          r"clean_low_latency_buffer: num_rdma_bytes=\d+ is smaller than the \d+ bytes of T=8"),
-        (lambda: buffer.low_latency_update_mask_buffer(1, True), ValueError, r"rank_to_mask must be < group_size=1"),
-        (lambda: buffer.low_latency_update_mask_buffer(0, 0.0), TypeError, r"mask must be a bool, got float"),
-        (lambda: buffer.low_latency_query_mask_buffer(torch.zeros(1)), ValueError,
+        # DeepEP asserts "Shrink mode must be enabled": a peer still counting a masked rank live would
+        # wait for it forever (no timeout without enable_shrink).
+        (lambda: buffer.low_latency_update_mask_buffer(0, True), RuntimeError,
+         r"^low_latency_update_mask_buffer: the mask buffer needs enable_shrink=True.* wait for it forever"),
+        (lambda: buffer.low_latency_query_mask_buffer(torch.zeros(1, dtype=torch.int32)), RuntimeError,
+         r"^low_latency_query_mask_buffer: the mask buffer needs enable_shrink=True"),
+        (lambda: buffer.low_latency_clean_mask_buffer(), RuntimeError,
+         r"^low_latency_clean_mask_buffer: the mask buffer needs enable_shrink=True"),
+        (lambda: shrink.low_latency_update_mask_buffer(1, True), ValueError, r"rank_to_mask must be < group_size=1"),
+        (lambda: shrink.low_latency_update_mask_buffer(0, 0.0), TypeError, r"mask must be a bool, got float"),
+        (lambda: shrink.low_latency_query_mask_buffer(torch.zeros(1)), ValueError,
          r"mask_status must be \[1\] int32, got \[1\] torch.float32"),
         (lambda: deep_ep.Buffer.set_num_sms(23), ValueError, r"new_num_sms must be even"),
     ]
