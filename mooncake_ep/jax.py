@@ -37,7 +37,9 @@ Note:
     on every rank. ``parity=0`` everywhere is correct as long as each dispatch is followed by its
     combine before the next dispatch on that Buffer; two dispatches whose handles are alive at once
     (two micro-batches) need parities 0 and 1. Do not interleave these ops with a
-    :meth:`mooncake_ep.Buffer.dispatch` whose handle is still waiting for its combine.
+    :meth:`mooncake_ep.Buffer.dispatch` whose handle is still waiting for its combine. The CPU
+    path refuses a combine of a handle whose parity a later dispatch took (``handle is stale``);
+    on a GPU nothing sees it, and the combine would use that dispatch's routing.
 
     **Order.** XLA orders the ops by data: a combine takes its dispatch's handle, and each
     receive half takes every rank's send-half results. Keep the data flowing (pass the returned

@@ -872,6 +872,8 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
     with pytest.raises(TypeError, match=r"mooncake_ep.jax.combine: topk_weights is a float64 numpy array, which JAX "
                                         r"would cast silently; pass float32"):
         epj.combine(buffer, recv, topk, case.weights[0].astype(np.float64), active, handle)
+    combined, _ = epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0]), active, handle)
+    assert combined.shape == (3, case.hidden)
     with jax.enable_x64(True):
         with pytest.raises(TypeError, match=r"mooncake_ep.jax.combine: topk_weights must be float32, got float64"):
             epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0], jnp.float64), active, handle)
@@ -881,7 +883,43 @@ def test_float64_weights_are_refused_and_int64_ids_accepted():
         # with x64 on, int64 ids stay int64 and are accepted as such
         _, _, handle64, _ = epj.dispatch(buffer, x, jnp.asarray(case.topk_idxs[0], jnp.int64), active,
                                          case.num_max_tokens, case.num_experts, use_fp8=False)
-    combined, _ = epj.combine(buffer, recv, topk, jnp.asarray(case.weights[0]), active, handle)
+        assert handle64.config.num_topk == case.num_topk
+
+
+def test_a_handle_a_later_dispatch_at_its_parity_overwrote_is_refused_on_the_cpu():
+    """A GPU combine reads the routing of its parity's last dispatch from the workspace, so a handle
+    whose parity a later dispatch took would be combined on that dispatch's routing: the CPU callbacks,
+    which run every call, refuse it (eagerly, under jit, and in the split form), before any exchange."""
+    case, buffer, (x, topk, active) = one_rank()
+    weights = jnp.asarray(case.weights[0])
+    dispatch = lambda parity: epj.dispatch(buffer, x, topk, active, case.num_max_tokens,  # noqa: E731
+                                           case.num_experts, use_fp8=False, parity=parity)
+    first, second = dispatch(0), dispatch(0)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"mooncake_ep.jax.combine: handle is stale: it is dispatch #1 "
+                                                         r"at parity 0 of this Buffer, and dispatch #2 at that parity"):
+        jax.block_until_ready(epj.combine(buffer, first[0], topk, weights, active, first[2]))
+    other = dispatch(1)  # the other half: the second's routing stays
+    for recv, _, handle, _ in (second, other):
+        combined, _ = epj.combine(buffer, recv, topk, weights, active, handle)
+        assert combined.shape == (3, case.hidden)
+
+    @jax.jit
+    def two_dispatches_then_the_first_combine(x):
+        recv, _, handle, mask = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts,
+                                             use_fp8=False)
+        _, _, _, mask = epj.dispatch(buffer, x, topk, mask, case.num_max_tokens, case.num_experts, use_fp8=False)
+        return epj.combine(buffer, recv, topk, weights, mask, handle)[0]
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"handle is stale"):
+        jax.block_until_ready(two_dispatches_then_the_first_combine(x))
+
+    pending = [epj.dispatch_send(buffer, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)]
+    (recv, _, handle, _), = epj.dispatch_recv(pending)
+    dispatch(0)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"mooncake_ep.jax.combine_recv: handle is stale"):
+        jax.block_until_ready(epj.combine_recv([epj.combine_send(buffer, recv, topk, weights, active, handle)]))
+    recv, _, handle, _ = dispatch(0)
+    combined, _ = epj.combine(buffer, recv, topk, weights, active, handle)
     assert combined.shape == (3, case.hidden)
 
 
@@ -1127,11 +1165,12 @@ def test_unsupported_transformations_name_the_alternative():
     with pytest.raises(TypeError, match=r"dispatch_send is not differentiable; for training use "
                                         r"mooncake_ep.jax.dispatch and mooncake_ep.jax.combine"):
         jax.grad(lambda x: epj.dispatch_send(buffer, x, topk, active, T, E).arrays[0].astype(jnp.float32).sum())(x)
-    with pytest.raises(TypeError, match="custom_vjp"):  # JAX's own message for forward mode
-        jax.jvp(lambda x: epj.dispatch(buffer, x, topk, active, T, E, use_fp8=False)[0], (x,), (x,))
     # Without differentiation the same calls are fine.
     combined, _ = epj.combine(buffer, recv, topk, w, active2, handle)
     assert combined.shape == (3, case.hidden)
+    # Last: JAX runs the dispatch before it refuses forward mode, which makes handle stale.
+    with pytest.raises(TypeError, match="custom_vjp"):  # JAX's own message for forward mode
+        jax.jvp(lambda x: epj.dispatch(buffer, x, topk, active, T, E, use_fp8=False)[0], (x,), (x,))
 
 
 def test_split_form_refuses_arrays_placed_where_its_ops_cannot_run():

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -117,6 +118,7 @@ class DispatchConfig:
         rows = (num_local_experts, self.num_ranks * self.num_max_dispatch_tokens_per_rank)
         return [(name, rows, "int32") for name in _METADATA[:3]] + \
             [("layout_range", (num_local_experts, self.num_ranks, 2), "int32"),
+             ("dispatch_number", (1,), "int32"),
              ("dispatched_topk_idx", (self.num_tokens, self.num_topk), "int32")]
 
 
@@ -148,7 +150,8 @@ class Handle:
         arrays: ``(recv_count, topk_idx)`` on the GPU, where the routing stays in the workspace
             (topk_idx: the dispatch's operand, as given); on the CPU recv_count, then recv_src_rank,
             recv_src_token, recv_src_topk ``[num_local_experts, num_ranks * T]`` int32, layout_range
-            ``[num_local_experts, num_ranks, 2]`` int32 and the ids as int32.
+            ``[num_local_experts, num_ranks, 2]`` int32, the dispatch's number at its parity ``[1]``
+            int32 (:func:`check_current`) and the ids as int32.
         sources: ``[num_ranks]`` int32, the dispatch's mask after it (the ranks whose rows it took),
             which combine's gradient checks its own against; not an operand of the combine ops. None
             in handles made otherwise.
@@ -480,18 +483,49 @@ class _DispatchCallback:
         gathered = buffer._reference.exchange(self.where, call, x_view.numpy().copy(), topk_view.numpy().copy(),
                                               active_view.numpy().copy())
         result = buffer._reference.dispatch(gathered, c.num_max_dispatch_tokens_per_rank, c.num_experts, **c.flags)
-        _write_dispatch(result, recv_views, active_view, out_views[num_recv + 1:], c.use_fp8, topk_view)
+        _write_dispatch(result, recv_views, active_view, out_views[num_recv + 1:], c.use_fp8, topk_view,
+                        _next_dispatch_number(buffer, c.parity))
 
 
 def _write_dispatch(result: reference.DispatchResult, recv_views, active_view, metadata_views, use_fp8,
-                    topk_view) -> None:
+                    topk_view, dispatch_number: int) -> None:
     values = [result.recv_x] + ([result.recv_scales] if use_fp8 else []) + [result.recv_count]
     for view, value in zip(recv_views, values):
         _write(view, value)
     _write(active_view, result.active_ranks)
     for view, name in zip(metadata_views, _METADATA):
         _write(view, getattr(result, name))
-    _write(metadata_views[len(_METADATA)], topk_view.numpy().astype(np.int32))
+    _write(metadata_views[len(_METADATA)], np.array([dispatch_number], np.int32))
+    _write(metadata_views[len(_METADATA) + 1], topk_view.numpy().astype(np.int32))
+
+
+# The CPU path's dispatches per (Buffer, parity), numbered as they run. A GPU combine reads the
+# routing of its parity's last dispatch from the workspace, so it would combine a handle that a later
+# dispatch at the same parity overwrote on that dispatch's routing, without a word; the CPU callbacks
+# run on every call (no command buffer replays them unseen), so they can refuse it (check_current).
+_dispatch_numbers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_dispatch_numbers_lock = threading.Lock()
+
+
+def _next_dispatch_number(buffer, parity: int) -> int:
+    """Counts a CPU dispatch of ``buffer`` at ``parity``; returns its number there (from 1, wrapping
+    within int32)."""
+    with _dispatch_numbers_lock:
+        numbers = _dispatch_numbers.setdefault(buffer, [0] * 2)
+        numbers[parity] = numbers[parity] % np.iinfo(np.int32).max + 1
+        return numbers[parity]
+
+
+def check_current(where: str, buffer, parity: int, handle_arrays) -> None:
+    """CPU: the handle is of the last dispatch of ``buffer`` at ``parity`` (see _dispatch_numbers)."""
+    number = int(_read(where, "handle", handle_arrays[1 + len(_METADATA)])[0].numpy()[0])
+    with _dispatch_numbers_lock:
+        current = _dispatch_numbers.get(buffer, [0] * 2)[parity]
+    if number != current:
+        raise ValueError(f"{where}: handle is stale: it is dispatch #{number} at parity {parity} of this Buffer, and "
+                         f"dispatch #{current} at that parity has overwritten its routing since (on a GPU this "
+                         f"combine would read that dispatch's); give dispatches whose handles are alive at once "
+                         f"different parities (mooncake_ep.jax's note on parity)")
 
 
 # --- combine ----------------------------------------------------------------------------------------
@@ -583,6 +617,7 @@ class _CombineCallback:
             # Both halves in one launch when both are asked, as Buffer's synchronous calls do.
             launch(self.phases, _stream(ctx))
             return
+        check_current(self.where, buffer, d.parity, handle_arrays)
         check_dispatched_ids(self.where, topk_view, handle_arrays, d.num_experts)
         metadata = _dispatch_metadata(self.where, handle_arrays)
         call = (("call", "combine (JAX)"), ("Buffer", buffer._token), ("parity", d.parity),
@@ -598,7 +633,7 @@ class _CombineCallback:
 
 def check_dispatched_ids(where: str, topk_view, handle_arrays, num_experts: int) -> None:
     """CPU: combine's topk_idx names the experts its dispatch was given (validation.check_same_routing)."""
-    dispatched = _read(where, "handle", handle_arrays[1 + len(_METADATA)])[0].numpy()
+    dispatched = _read(where, "handle", handle_arrays[2 + len(_METADATA)])[0].numpy()
     check_same_routing(where, topk_view.numpy(), dispatched, num_experts)
 
 

@@ -38,11 +38,13 @@ from mooncake_ep.frameworks.jax_ops import (
     _dispatch_results,
     _DispatchCallback,
     _executes,
+    _next_dispatch_number,
     _read,
     _register_pytrees,
     _stream,
     _write,
     _write_dispatch,
+    check_current,
     check_dispatched_ids,
     combine_config,
     dispatch_config,
@@ -183,7 +185,8 @@ class _DispatchRecvCallback:
             xs[rank], topks[rank], actives[rank] = xi.numpy(), ti.numpy(), ai.numpy()
         result = reference.dispatch(buffer.rank, xs, topks, actives, c.num_max_dispatch_tokens_per_rank,
                                     c.num_experts, **c.flags)
-        _write_dispatch(result, recv_views, active_view, out_views[num_recv + 1:], c.use_fp8, topk_view)
+        _write_dispatch(result, recv_views, active_view, out_views[num_recv + 1:], c.use_fp8, topk_view,
+                        _next_dispatch_number(buffer, c.parity))
 
 
 def combine_send(where: str, buffer: Buffer, x, topk_idx, topk_weights, active_ranks, handle: Handle,
@@ -253,6 +256,7 @@ class _CombineRecvCallback:
                                      renormalize=c.renormalize, timeout_us=c.timeout_us,
                                      direct_reads=False)(RECV, _stream(ctx))
             return
+        check_current(self.where, buffer, d.parity, handle_arrays)
         check_dispatched_ids(self.where, topk_view, handle_arrays, d.num_experts)
         outs_by_rank, results, actives = [None] * d.num_ranks, [None] * d.num_ranks, \
             [np.ones(d.num_ranks, np.int32)] * d.num_ranks
