@@ -459,6 +459,24 @@ def test_a_signal_while_a_process_starts_leaves_none_running(monkeypatch, capsys
     capsys.readouterr()
 
 
+def test_an_ignored_signal_stays_ignored_through_a_launch(capsys):
+    """nohup (SIGHUP ignored), or a script's ``cmd &`` (SIGINT ignored): the launch runs on, as Python
+    keeps such a signal ignored; it had put its own handler there and stopped every rank."""
+    signal = pytest.importorskip("signal")
+    if not hasattr(signal, "SIGHUP") or sys.platform == "win32":
+        pytest.skip("POSIX signals")
+    from mooncake_ep.cli import launch
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        rank_code = "import os, signal; os.kill(os.getppid(), signal.SIGHUP)"
+        assert launch.launch("test", [sys.executable, "-c", rank_code], 2) == cli.EXIT_OK
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert "all 2 processes passed" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("detached", [False, True], ids=["under-a-shell", "setsid"])
 def test_a_suspended_launcher_suspends_its_processes(tmp_path, detached):
     """Ctrl-Z (SIGTSTP) to --launch's process stops its ranks too, which lead process groups of their

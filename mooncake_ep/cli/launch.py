@@ -256,13 +256,17 @@ class _StopOnSignal:
         self._previous: dict = {}
         if threading.current_thread() is threading.main_thread():
             for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-                sig = getattr(signal, name, None)
-                if sig is not None:
-                    self._previous[sig] = signal.signal(sig, self._note)
+                self._handle(getattr(signal, name, None), self._note)
             if hasattr(signal, "SIGCHLD"):
                 self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             if _OWN_GROUPS:
-                self._previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._note_suspend)
+                self._handle(signal.SIGTSTP, self._note_suspend)
+
+    def _handle(self, sig: int | None, handler) -> None:
+        """Handles ``sig`` unless it is ignored: ``nohup`` (SIGHUP), or a shell's ``cmd &`` in a script
+        (SIGINT), says the launch should outlive it, as Python itself keeps it ignored."""
+        if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+            self._previous[sig] = signal.signal(sig, handler)
 
     def _note(self, signum, frame) -> None:
         self.signum = signum
