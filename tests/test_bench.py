@@ -9,6 +9,7 @@ No assertion is about elapsed time; the process limit only turns a hang into a f
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -831,3 +832,26 @@ def test_hold_current_stream_spins_the_asked_milliseconds_at_two_ghz_and_not_at_
 def test_the_hold_applies_to_graphs_of_ranks_in_this_process_only(graph, group, applies):
     """Eager calls are timed with their launches; ranks in processes meet at a barrier every replay."""
     assert bench.in_process_graphs(argparse.Namespace(graph=graph), group) is applies
+
+
+def test_the_seed_gives_every_rank_the_same_inputs_in_every_process():
+    """--seed fixes the tokens, weights and expert outputs too (torch's own generator is seeded at random
+    in each process), and a process holding one rank draws the same routes and values for it as a
+    process holding them all."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--ranks", "2", "--tokens", "4", "--hidden", "128", "--experts", "4", "--topk", "2",
+                              "--input-sets", "2", "--seed", "7"])
+
+    def draw(devices):
+        torch.manual_seed(len(devices) + sum(d is None for d in devices))  # torch's own stream differs
+        return bench.make_input_sets(args, np.random.default_rng(args.seed), devices, torch)
+
+    every, again, rank1_alone = draw(["cpu", "cpu"]), draw(["cpu", "cpu"]), draw([None, "cpu"])
+    same = lambda a, b: torch.equal(torch.as_tensor(a), torch.as_tensor(b))  # noqa: E731 - routes are numpy
+    for s, r, name in itertools.product(range(args.input_sets), range(args.ranks),
+                                        ("x", "topk", "weights", "expert_out", "routes")):
+        assert same(every[s][r][name], again[s][r][name]), (s, r, name)
+        if r == 1:
+            assert same(rank1_alone[s][r][name], every[s][r][name]), (s, name)
+    assert not torch.equal(every[0][0]["x"], every[0][1]["x"])

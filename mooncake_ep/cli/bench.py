@@ -329,17 +329,21 @@ def make_input_sets(args, rng: np.random.Generator, devices: list[str | None], t
         for r in range(args.ranks):
             device = devices[r]
             topk = route(rng, args, args.tokens)
+            # Every rank's values follow --seed too (torch's own generator is seeded at random in each
+            # process), drawn from the same numpy stream in every process, as the routes are.
+            values_seed = int(rng.integers(2**63))
             if device is None:
                 per_rank.append(dict(routes=topk))
                 continue
+            generator = torch.Generator(device).manual_seed(values_seed)
             per_rank.append(dict(
-                x=torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16),
+                x=torch.randn(args.tokens, args.hidden, device=device, generator=generator).to(torch.bfloat16),
                 topk=torch.from_numpy(topk).to(device),
-                weights=torch.rand(args.tokens, args.topk, device=device),
+                weights=torch.rand(args.tokens, args.topk, device=device, generator=generator),
                 # Drawn in bf16: an fp32 draw would cache twice the bytes in torch's pool (7.5 GB per
                 # rank at T = 1024), which later allocations then free with a device-wide cudaFree.
                 expert_out=torch.randn(num_local, args.ranks * args.tokens, args.hidden, device=device,
-                                       dtype=torch.bfloat16),
+                                       dtype=torch.bfloat16, generator=generator),
                 active=torch.ones(args.ranks, dtype=torch.int32, device=device),
                 routes=topk,
             ))
