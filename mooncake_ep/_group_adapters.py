@@ -22,7 +22,6 @@ import contextlib
 import datetime
 import importlib
 import logging
-import secrets
 import sys
 import threading
 import time
@@ -40,8 +39,8 @@ from mooncake_ep._group_common import (
     _check_int,
     _check_rank,
     _check_timeout,
-    _KeyValueGroup,
 )
+from mooncake_ep._group_join import _LedJoinGroup
 
 __all__ = ["JaxGroup", "MPIGroup", "TorchGroup", "TorchStoreGroup"]
 
@@ -265,12 +264,14 @@ class TorchGroup:
         self._state.closed = True
 
 
-class TorchStoreGroup(_KeyValueGroup):
+class TorchStoreGroup(_LedJoinGroup):
     """A ``torch.distributed.Store`` as a mooncake_ep group: our store protocol over its keys.
 
-    Keys live under ``{prefix}/{n}/``, where ``n`` counts the groups this rank has built on the
-    store, so several groups (and torch's own keys) share it without clashing, provided every
-    rank builds its groups in the same order.
+    Keys live under ``{prefix}/{n}/``, where ``n`` numbers rank 0's join attempts on the store
+    (``{prefix}/generation``): rank 0 opens each attempt and the other ranks follow it
+    (``_group_join``), so several groups (and torch's own keys) share the store without clashing,
+    and ranks that retry a failed join meet in rank 0's next attempt. Groups with the same
+    ``prefix`` are built one after another by every rank.
 
     Args:
         store: a TCPStore, FileStore, HashStore, PrefixStore... reachable by every rank.
@@ -306,10 +307,9 @@ class TorchStoreGroup(_KeyValueGroup):
         self._init_collectives(_check_timeout("TorchStoreGroup", timeout_s))
         if self.world_size == 1:
             return
-        deadline = (self._join_deadline if self._join_deadline is not None
-                    else time.monotonic() + _finite_s(self._timeout_s))
-        self._namespace = self._choose_namespace(prefix, deadline)
-        self._rendezvous(deadline)
+        self._prefix = prefix
+        self._rendezvous(self._join_deadline if self._join_deadline is not None
+                         else time.monotonic() + _finite_s(self._timeout_s))
 
     def __repr__(self) -> str:
         return f"TorchStoreGroup(rank={self.rank}, world_size={self.world_size}, store={type(self.store).__name__})"
@@ -317,14 +317,8 @@ class TorchStoreGroup(_KeyValueGroup):
     def _where(self) -> str:
         return f"torch {type(self.store).__name__}, keys {self._namespace}*"
 
-    def _choose_namespace(self, prefix: str, deadline: float) -> str:
-        """Where this group's keys live: ``{prefix}/{n}/``, ``n`` counting the groups this rank has built
-        on the store (so every rank must build its groups in the same order)."""
-        try:
-            generation = self.store.add(f"{prefix}/groups/{self.rank}", 1)
-        except RuntimeError as exc:
-            raise GroupError(f"TorchStoreGroup: rank {self.rank} cannot reach the store: {exc}") from exc
-        return f"{prefix}/{generation}/"
+    def _join_lock_key(self) -> tuple:
+        return "torch", id(self.store), self.rank
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
@@ -366,6 +360,9 @@ class TorchStoreGroup(_KeyValueGroup):
             return [bytes(v) for v in self._call("multi_get", self.store.multi_get, keys)]
         return [bytes(self._call("get", self.store.get, k)) for k in keys]
 
+    def _kv_try_get(self, key: str) -> bytes | None:
+        return bytes(self._call("get", self.store.get, key)) if self._check([key]) else None
+
     def _check(self, keys: list[str]) -> bool:
         """Whether every one of ``keys`` is set (at once: no wait)."""
         return bool(self._call("check", self.store.check, keys))
@@ -404,37 +401,17 @@ def _is_file_store(dist: Any, store: Any) -> bool:
 
 # torchrun sets this to "True" in its workers when its agent serves the job's store at MASTER_ADDR:MASTER_PORT.
 TORCHRUN_AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
-# How often rank 0 of a torchrun group's join looks for hellos and acknowledgements: from the first to
-# the last, doubling (a join of ranks already waiting takes a few ms, a long wait polls rarely).
-_TORCHRUN_POLL_S = (0.001, 0.02)
 
 
 class _TorchrunStoreGroup(TorchStoreGroup):
     """A :class:`TorchStoreGroup` on the store torchrun's agent serves, whose keys outlive the workers
     the agent restarts.
 
-    TorchStoreGroup's group numbers, which each rank counts in the store, would outlive them too: after
-    a restart in which one rank had built fewer groups than the others (it died before init_group), the
-    ranks would wait under different keys, at every restart (reproduced with ``torchrun --max-restarts
-    1``). Here rank 0 chooses each group's namespace, fresh and random, and hands it to each rank under
-    a key that only that rank's process can name:
-
-    - rank 0 sets ``{prefix}/torchrun/leader`` and its (protocol, world_size) pair in the namespace
-      (the rendezvous's ``init/world_size``), then answers each rank's latest nonce in the hello log
-      with the namespace until every rank has acknowledged;
-    - a rank r > 0 appends ``r:nonce;`` (a fresh random nonce of its own) to ``{prefix}/torchrun/hello``,
-      waits for ``{prefix}/torchrun/welcome/{nonce}``, and acknowledges under ``{namespace}ack/{r}``
-      with its own pair (rank 0 names a mismatch from there, the rank itself in the rendezvous).
-
-    A nonce of a process before a restart is answered too, to nobody, until the new process's comes;
-    no restart count is needed (torchrun's differs between nodes: a membership change restarts
-    workers uncounted). Then the ranks join as TorchStoreGroup's do, in that namespace. A rank 0 that finds the leader key holding
-    another namespace than its own raises: two processes lead as rank 0.
-
-    A rank builds its groups one at a time (a lock per rank: two threads of a rank building at once
-    would each take whichever answer came). A rank 0 still waiting for acknowledgements of a group
-    that will fail may answer a rank's hello of its next group with that group's namespace: the rank
-    ignores a namespace it has joined, and the next group's rank 0 answers it again.
+    The join already meets whatever restarted workers' predecessors left there (rank 0 leads each
+    attempt, and only a live rank 0 completes one: ``_group_join``). Here it ends by the
+    ``deadline`` the connection to the store started (one ``timeout_s`` for both), and each rank of
+    this process builds its groups one at a time, whichever store client each uses (a torchrun
+    worker connects one per group).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, timeout_s: float, device: int | None,
@@ -442,83 +419,8 @@ class _TorchrunStoreGroup(TorchStoreGroup):
         self._join_deadline = deadline
         super().__init__(store, rank, world_size, timeout_s=timeout_s, device=device)
 
-    def _choose_namespace(self, prefix: str, deadline: float) -> str:
-        self._namespace = f"{prefix}/torchrun/"  # what a timeout here names
-        with _rank_lock(self.rank):
-            joined = _joined_namespaces.setdefault(self.rank, set())
-            if self.rank == 0:
-                namespace = f"{prefix}/t{secrets.token_hex(8)}/"
-                self._lead(prefix, namespace, deadline)
-            else:
-                namespace = self._follow(prefix, joined, deadline)
-            joined.add(namespace)
-        return namespace
-
-    def _lead(self, prefix: str, namespace: str, deadline: float) -> None:
-        """Rank 0: answer each rank's latest hello with ``namespace`` until every rank acknowledged it."""
-        hello, leader, mine = f"{prefix}/torchrun/hello", f"{prefix}/torchrun/leader", self._init_pair()
-        self._kv_set(leader, namespace.encode())
-        self._kv_set(f"{namespace}init/world_size", mine)  # a rank of another world_size learns it at once
-        acks = [f"{namespace}ack/{r}" for r in range(1, self.world_size)]
-        answered: set[str] = set()
-        poll_s = _TORCHRUN_POLL_S[0]
-        while True:
-            if bytes(self._call("get", self.store.get, leader)).decode() != namespace:
-                raise GroupError(f"init_group: rank 0 joined the store ({self._where()}) twice: another process "
-                                 f"leads as rank 0; {self._same_rank_hint}")
-            log = bytes(self._call("get", self.store.get, hello)).decode() if self._check([hello]) else ""
-            # Each rank's latest hello only: a process appends its next one after it joined, so the
-            # entries before it are of groups it joined, or of processes before a restart.
-            latest = dict(entry.split(":", 1) for entry in log.split(";") if entry)
-            for nonce in latest.values():
-                if nonce not in answered:
-                    self._kv_set(f"{prefix}/torchrun/welcome/{nonce}", namespace.encode())
-                    answered.add(nonce)
-            if self._check(acks):
-                return
-            if time.monotonic() >= deadline:
-                arrived = {r: bytes(self._call("get", self.store.get, key)) for r, key in enumerate(acks, 1)
-                           if self._check([key])}
-                failure = self._join_failure([r for r in range(1, self.world_size) if r not in arrived])
-                self._check_init({0: mine, **arrived}, failure)
-                raise GroupError(failure)
-            time.sleep(poll_s)
-            poll_s = min(2 * poll_s, _TORCHRUN_POLL_S[1])
-
-    def _follow(self, prefix: str, joined: set[str], deadline: float) -> str:
-        """A rank > 0: rank 0's namespace for this group, once it answered this process's hello."""
-        nonce = secrets.token_hex(8)
-        self._call("append", self.store.append, f"{prefix}/torchrun/hello", f"{self.rank}:{nonce};")
-        welcome = f"{prefix}/torchrun/welcome/{nonce}"
-        while True:
-            try:
-                namespace = self._kv_multi_get([welcome], max(deadline - time.monotonic(), 0.0))[0].decode()
-            except StoreTimeoutError:
-                raise GroupError(self._join_failure([0])) from None
-            if namespace not in joined:
-                self._kv_set(f"{namespace}ack/{self.rank}", self._init_pair())
-                return namespace
-            # An answer of a rank 0 that is still leading an earlier group: the next one answers again.
-            time.sleep(_TORCHRUN_POLL_S[1])
-            if time.monotonic() >= deadline:
-                raise GroupError(self._join_failure([0]))
-
-    def _join_failure(self, missing: list[int]) -> str:
-        """The join's timeout, in the words of the rendezvous's."""
-        return (f"init_group #{self._num_calls['init_group']} timed out after {self._timeout_s} s waiting for ranks "
-                f"{missing} of {self.world_size} ({self._where()})")
-
-
-# Per rank of this process (a process is one rank under torchrun; the tests run several in threads): the
-# namespaces it joined through torchrun's store, and the lock that makes it build one group at a time.
-_joined_namespaces: dict[int, set[str]] = {}
-_rank_locks: dict[int, threading.Lock] = {}
-_rank_locks_lock = threading.Lock()
-
-
-def _rank_lock(rank: int) -> threading.Lock:
-    with _rank_locks_lock:
-        return _rank_locks.setdefault(rank, threading.Lock())
+    def _join_lock_key(self) -> tuple:
+        return "torchrun", self.rank
 
 
 def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
@@ -529,8 +431,9 @@ def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_po
     every worker connects to the agent's store as a client instead, as ``init_process_group("env://")``
     does.
 
-    The agent's store outlives the workers it restarts: rank 0 chooses each group's keys afresh there
-    (:class:`_TorchrunStoreGroup`), so restarted workers meet whatever their predecessors left.
+    The agent's store outlives the workers it restarts: rank 0 leads each join attempt there, and only a
+    live rank 0 completes one (``_group_join``), so restarted workers meet whatever their predecessors
+    left.
 
     Raises:
         GroupError: torch is missing, or the agent's store is unreachable within ``timeout_s``.
@@ -675,11 +578,12 @@ _JAX_CLIENT_METHODS = ("key_value_set_bytes", "blocking_key_value_get_bytes", "k
                        "key_value_increment", "key_value_delete")
 
 
-class JaxGroup(_KeyValueGroup):
+class JaxGroup(_LedJoinGroup):
     """``jax.distributed``'s key-value client as a mooncake_ep group: our store protocol over it.
 
     The coordination service that ``jax.distributed.initialize`` started holds the keys, under
-    ``{prefix}/{n}/`` (``n`` counts the groups this process has built), so no extra port is used.
+    ``{prefix}/{n}/`` (``n`` numbers rank 0's join attempts, as :class:`TorchStoreGroup`'s), so no
+    extra port is used.
     ``barrier`` goes through the same keys as ``allgather_bytes`` rather than the client's
     ``wait_at_barrier``, so a rank that calls the other collective, or none, is named the same way.
 
@@ -719,8 +623,7 @@ class JaxGroup(_KeyValueGroup):
         self._init_collectives(_check_timeout("JaxGroup", timeout_s))
         if self.world_size == 1:
             return
-        generation = self._call("increment", client.key_value_increment, f"{prefix}/groups/{self.rank}", 1)
-        self._namespace = f"{prefix}/{generation}/"
+        self._prefix = prefix
         self._rendezvous()
 
     def __repr__(self) -> str:
@@ -773,6 +676,17 @@ class JaxGroup(_KeyValueGroup):
                 raise StoreTimeoutError(f"jax.distributed key-value get timed out after {timeout_s} s "
                                         f"waiting for keys {missing}", missing or [key]) from None
         return values
+
+    def _kv_try_get(self, key: str) -> bytes | None:
+        try:
+            return bytes(self.client.key_value_try_get_bytes(key))
+        except Exception as exc:  # noqa: BLE001 - see _call
+            if "NOT_FOUND" in str(exc):
+                return None
+            raise GroupError(f"jax.distributed key-value get of {key!r} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _join_lock_key(self) -> tuple:
+        return "jax", id(self.client), self.rank
 
     def _has(self, key: str) -> bool:
         try:

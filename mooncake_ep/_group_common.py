@@ -159,7 +159,12 @@ def _check_data(where: str, data: Any, name: str = "data") -> bytes:
 #    rank to create e{epoch}/a{attempt}/decision: complete (the count of joins reached world_size) or failed.
 # 8: a TCP store wait can name each key's holder claim, and ends at once when a missing key's holder is
 #    gone (a collective fails fast on a dead rank instead of waiting out timeout_s).
-_PROTOCOL_VERSION = 8
+# 9: on stores without claims (torch's, JAX's) rank 0 leads each join attempt: it numbers it from
+#    {prefix}/generation (no more per-rank group counters {prefix}/groups/{rank}, which drifted apart after
+#    one rank's failed attempt), the others follow it, and the attempt is decided once under
+#    {prefix}/{n}/decision: complete by rank 0, failed by the first rank to give up, superseded by the
+#    next attempt's rank 0 (_group_join).
+_PROTOCOL_VERSION = 9
 # The key a store with claims sets, in the same step, beside a claimed key that a failed wait withdrew:
 # a rank that came to a round and left is told from one that never came.
 WITHDRAWN_SUFFIX = ":withdrawn"
@@ -246,7 +251,8 @@ class _KeyValueGroup:
 
     Construction ends in :meth:`_rendezvous`: the rank claims its rank (:meth:`_claim_rank`; a
     second process with the same rank is refused) and all ranks exchange (protocol version,
-    world_size). Rank 0 publishes its pair first, under ``{namespace}init/world_size`` (kept), and
+    world_size). (The groups over torch's and JAX's stores, which outlive the attempts made on them,
+    join in attempts that rank 0 leads, then read the same round: ``_group_join``.) Rank 0 publishes its pair first, under ``{namespace}init/world_size`` (kept), and
     every other rank reads it before it claims its rank: a rank started with another world_size, or
     with a rank outside rank 0's group, raises :class:`RankMismatchError` at once. Every collective
     then publishes ``{namespace}c/{seq}/{rank}`` for a per-call
@@ -371,18 +377,13 @@ class _KeyValueGroup:
         """Release the store once the group is closed; ``drain_s``: seconds peers may still need it."""
 
     def _claim_rank(self, first_slot: bytes) -> bool:
-        """Refuse a second process with this rank. A counter in the store: it cannot tell a dead
-        holder from a live one, so only the TCP store (whose claims die with their connection)
-        lets a replacement take a rank over.
+        """Refuse a second process with this rank (:meth:`_rendezvous`'s; the stores without claims
+        join otherwise, claiming a rank in each join attempt: ``_group_join``).
 
         Returns whether this also wrote ``first_slot``, this rank's value of the rendezvous round,
         as a claim (the TCP store); else the round writes it.
         """
-        if self._kv_add(f"{self._namespace}claim/{self.rank}", 1) > 1:
-            self._kv_add(f"{self._namespace}claim/{self.rank}", -1)  # not taken: the holder keeps it
-            raise GroupError(f"init_group: rank {self.rank} joined the store ({self._where()}) twice; "
-                             f"{self._same_rank_hint}")
-        return False
+        raise NotImplementedError
 
     # --- the Group protocol
 

@@ -223,7 +223,7 @@ def test_torchrun_store_group_spends_one_timeout_on_the_connection_and_the_rende
     """The wait for torchrun's store listener took 1.5 s of a 2 s timeout (a fake clock): the join, where
     rank 0 never comes, gets the 0.5 s left instead of 2 s more; the collectives after it all of it."""
     dist = pytest.importorskip("torch.distributed")
-    from mooncake_ep import _group_adapters
+    from mooncake_ep import _group_adapters, _group_common, _group_join
 
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)  # what torchrun's agent serves
@@ -238,10 +238,12 @@ def test_torchrun_store_group_spends_one_timeout_on_the_connection_and_the_rende
     def sleep(seconds):
         now[0] += seconds
 
-    monkeypatch.setattr(_group_adapters, "time", types.SimpleNamespace(monotonic=lambda: now[0], sleep=sleep))
+    clock = types.SimpleNamespace(monotonic=lambda: now[0], sleep=sleep)
+    for module in (_group_adapters, _group_common, _group_join):  # the join reads the clock in all three
+        monkeypatch.setattr(module, "time", clock)
     monkeypatch.setattr(_group_adapters, "_MIN_TORCH_TIMEOUT_S", 0.1)
     with pytest.raises(GroupError, match=r"^init_group #0 timed out after 2\.0 s waiting for ranks \[0\] of 2 "
-                                         r"\(torch TCPStore, keys mooncake_ep/torchrun/\*\)$"):
+                                         r"\(torch TCPStore, keys mooncake_ep/1/\*\)$"):
         _group_adapters.torchrun_store_group(1, 2, "127.0.0.1", port, timeout_s=2.0)
     assert now[0] == 101.5, now  # rank 1 waited in the store for rank 0's answer: 0.5 s of real time
     monkeypatch.undo()  # real time, and a fresh agent
@@ -258,56 +260,44 @@ def test_restarted_torchrun_workers_meet_whatever_their_predecessors_left(clean_
     """torchrun's agent store outlives the workers it restarts. Before, each rank counted its groups there,
     and after a restart in which one rank had built fewer than the others (it died before init_group)
     the ranks waited under different keys, at every restart (reproduced with torchrun --max-restarts 1).
-    Rank 0 now chooses each group's keys afresh. Here the store holds what an attempt left behind:
-    TorchStoreGroup's old count, hellos of dead processes (one answered), and a rank 0 that gave up
-    waiting for its ranks; then three ranks build two groups each, and both work."""
+    Here the store holds what an attempt left behind: the old count, and a join attempt rank 0 opened
+    before its process died, with rank 1's claim and join in it. Ranks 1 and 2 of the restarted workers
+    come first and join that attempt, which does not complete without a live rank 0; rank 0 closes it as
+    it opens the next, where all three meet, and they build a second group."""
     dist = pytest.importorskip("torch.distributed")
-    from mooncake_ep import _group_adapters
+    from mooncake_ep import _group_adapters, _group_common
 
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    agent.add("mooncake_ep/groups/0", 1)
-    agent.append("mooncake_ep/torchrun/hello", "1:0dead;2:1dead;")
-    agent.set("mooncake_ep/torchrun/welcome/0dead", "mooncake_ep/tstale/")
-    with pytest.raises(GroupError, match=r"^init_group #0 timed out after 0\.3 s waiting for ranks \[1, 2\] of 3 "
-                                         r"\(torch TCPStore, keys mooncake_ep/torchrun/\*\)$"):
-        _group_adapters.torchrun_store_group(0, 3, "127.0.0.1", port, timeout_s=0.3)
+    agent.add("mooncake_ep/groups/0", 1)  # protocol 8's count of rank 0's groups: no longer read
+    pair = _group_common._INIT.pack(_group_common._PROTOCOL_VERSION, 3)
+    agent.add("mooncake_ep/generation", 1)
+    agent.set("mooncake_ep/1/init/world_size", pair)
+    for rank in (0, 1):
+        agent.set(f"mooncake_ep/1/c/0/{rank}", _group_common._slot_value("init_group", pair))
+    agent.add("mooncake_ep/1/claim/1", 1)
 
     def rank_fn(rank):
         first = _group_adapters.torchrun_store_group(rank, 3, "127.0.0.1", port, timeout_s=LONG_TIMEOUT_S)
         second = _group_adapters.torchrun_store_group(rank, 3, "127.0.0.1", port, timeout_s=LONG_TIMEOUT_S)
         return first.allgather_bytes(bytes([rank])), second.allgather_bytes(bytes([10 + rank])), \
-            first._namespace != second._namespace
-    assert run_in_threads([lambda r=r: rank_fn(r) for r in range(3)]) == [([b"\0", b"\1", b"\2"],
-                                                                          [b"\n", b"\x0b", b"\x0c"], True)] * 3
-    # Alone, a rank > 0 names rank 0, which never answered its hello.
-    with pytest.raises(GroupError, match=r"^init_group #0 timed out after 0\.3 s waiting for ranks \[0\] of 3 "):
+            (first._namespace, second._namespace)
+    out = {}
+    followers = [threading.Thread(target=lambda r=r: out.__setitem__(r, _threads.call_or_error(lambda: rank_fn(r))))
+                 for r in (1, 2)]
+    for thread in followers:
+        thread.start()
+    agent.wait(["mooncake_ep/1/c/0/2"])  # rank 2 joined the attempt of the rank 0 that is gone
+    out[0] = rank_fn(0)
+    for thread in followers:
+        thread.join(PROCESS_LIMIT_S)
+    assert [out[r] for r in range(3)] == [([b"\0", b"\1", b"\2"], [b"\n", b"\x0b", b"\x0c"],
+                                           ("mooncake_ep/2/", "mooncake_ep/3/"))] * 3, out
+    # Alone, a rank > 0 names rank 0, which never opened the next attempt.
+    with pytest.raises(GroupError, match=r"^init_group #0 timed out after 0\.3 s waiting for ranks \[0\] of 3 "
+                                         r"\(torch TCPStore, keys mooncake_ep/4/\*\)$"):
         _group_adapters.torchrun_store_group(2, 3, "127.0.0.1", port, timeout_s=0.3)
     del agent
-
-
-def test_a_torchrun_rank_waits_past_an_answer_naming_a_group_it_joined(monkeypatch):
-    """A rank 0 still waiting for the acknowledgements of a group may answer a rank's hello of its next
-    group with that group's namespace. The rank ignores it and takes the next rank 0's answer."""
-    dist = pytest.importorskip("torch.distributed")
-    from collections import Counter
-
-    from mooncake_ep import _group_adapters
-
-    store = dist.HashStore()
-    monkeypatch.setattr(_group_adapters.secrets, "token_hex", lambda n: "abc")  # the rank's nonce
-    follower = object.__new__(_group_adapters._TorchrunStoreGroup)
-    follower.store, follower._dist, follower._waits_by_polling = store, dist, False
-    follower.rank, follower.world_size, follower._timeout_s, follower._num_calls = 5, 6, LONG_TIMEOUT_S, Counter()
-    store.set("mooncake_ep/torchrun/welcome/abc", "mooncake_ep/tfirst/")
-    later = threading.Timer(0.2, lambda: store.set("mooncake_ep/torchrun/welcome/abc", "mooncake_ep/tsecond/"))
-    later.start()
-    try:
-        assert follower._follow("mooncake_ep", {"mooncake_ep/tfirst/"}, math.inf) == "mooncake_ep/tsecond/"
-    finally:
-        later.join()
-    assert store.get("mooncake_ep/torchrun/hello") == b"5:abc;"
-    assert store.get("mooncake_ep/tsecond/ack/5") == follower._init_pair()
 
 
 def _torchrun_group(port: int, rank: int, world_size: int, timeout_s: float):
@@ -317,8 +307,8 @@ def _torchrun_group(port: int, rank: int, world_size: int, timeout_s: float):
 
 def test_torchrun_ranks_of_another_world_size_are_named_at_once(clean_env):
     """Rank 0 of 3 and a rank 1 of 2: rank 1 learns the mismatch from rank 0's pair at once (rank 0 sets
-    it before it waits for acknowledgements), and rank 0, at its timeout, names it from rank 1's
-    acknowledgement rather than a plain timeout (helper-109: both had become plain timeouts)."""
+    it as it opens its join attempt), and rank 0, at its timeout, names it from rank 1's slot of the
+    round rather than a plain timeout (helper-109: both had become plain timeouts)."""
     dist = pytest.importorskip("torch.distributed")
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
@@ -331,8 +321,9 @@ def test_torchrun_ranks_of_another_world_size_are_named_at_once(clean_env):
 
 
 def test_torchrun_groups_built_at_once_by_threads_of_each_rank_both_form(clean_env):
-    """Two threads of each rank build a group at once: a rank builds its groups one at a time, so each
-    thread takes one answer (helper-109: both threads of rank 1 took the first group's)."""
+    """Two threads of each rank build a group at once, each with a store client of its own: a rank builds
+    its groups one at a time, so each thread takes one attempt of rank 0 (helper-109: both threads of
+    rank 1 took the first group's)."""
     dist = pytest.importorskip("torch.distributed")
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
@@ -344,38 +335,23 @@ def test_torchrun_groups_built_at_once_by_threads_of_each_rank_both_form(clean_e
 
 
 def test_a_torchrun_rank_0_that_finds_another_leading_says_so(clean_env):
-    """A second process started as rank 0 sets the leader key to its own namespace: the first one, still
+    """A second process started as rank 0 opens the next attempt, closing the first one's: the first, still
     waiting for its ranks, raises naming the cause instead of timing out."""
     dist = pytest.importorskip("torch.distributed")
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    other = threading.Timer(0.2, lambda: agent.set("mooncake_ep/torchrun/leader", "mooncake_ep/tother/"))
-    other.start()
-    with pytest.raises(GroupError, match=r"^init_group: rank 0 joined the store \(torch TCPStore, keys "
-                                         r"mooncake_ep/torchrun/\*\) twice: another process leads as rank 0"):
-        _torchrun_group(port, 0, 2, LONG_TIMEOUT_S)
-    other.join()
-    del agent
-
-
-def test_a_torchrun_rank_0_answers_each_ranks_latest_hello_only(clean_env, monkeypatch):
-    """The agent's store keeps every hello of every attempt; rank 0 answers each rank's latest one, not
-    the whole history again at every join (helper-109: 1000 old hellos, 1000 answers)."""
-    dist = pytest.importorskip("torch.distributed")
-    port = free_port()
-    agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    agent.append("mooncake_ep/torchrun/hello", "".join(f"1:{i:016x};" for i in range(1000)))
-    answers = []
-    real_set = dist.TCPStore.set
-
-    def counting_set(store, key, value):
-        if "/welcome/" in key:
-            answers.append(key)
-        return real_set(store, key, value)
-    monkeypatch.setattr(dist.TCPStore, "set", counting_set)
-    groups = run_in_threads([lambda r=r: _torchrun_group(port, r, 2, LONG_TIMEOUT_S) for r in range(2)])
-    assert all(isinstance(g, TorchStoreGroup) for g in groups), groups
-    assert 1 <= len(answers) <= 2, answers  # the last old hello, perhaps, then the live one
+    out = []
+    first = threading.Thread(target=lambda: out.append(_threads.call_or_error(
+        lambda: _torchrun_group(port, 0, 2, LONG_TIMEOUT_S))))
+    first.start()
+    agent.wait(["mooncake_ep/1/init/world_size"])
+    other = dist.TCPStore("127.0.0.1", port, None, False)  # the other process's connection
+    with pytest.raises(GroupError, match=r"waiting for ranks \[1\] of 2 \(torch TCPStore, keys mooncake_ep/2/\*\)"):
+        TorchStoreGroup(other, 0, 2, timeout_s=SHORT_TIMEOUT_S)
+    first.join(PROCESS_LIMIT_S)
+    assert isinstance(out[0], GroupError), out
+    assert str(out[0]).startswith("init_group: rank 0 joined the store (torch TCPStore, keys mooncake_ep/1/*) twice: "
+                                  "another process leads as rank 0"), out
     del agent
 
 
@@ -491,8 +467,9 @@ def test_torch_store_group_over_a_file_store_names_a_store_error_while_it_waits(
 def test_torch_store_group_duplicate_rank_and_bad_input():
     dist = pytest.importorskip("torch.distributed")
     store = dist.HashStore()
-    # Two processes with rank 0 of 2: the generation counter puts them in different namespaces, so the
-    # second one waits for a rank 1 that never comes in its namespace, and names it.
+    # Two threads building a group as rank 0 of 2 on one store object: they join one after the other (as a
+    # process builds its groups), each in an attempt of its own, and each names the rank 1 that never comes.
+    # (Two processes as one rank: test_group_join.py.)
     out = run_in_threads([lambda: TorchStoreGroup(store, 0, 2, timeout_s=SHORT_TIMEOUT_S)] * 2)
     assert all(isinstance(e, GroupError) and "waiting for ranks [1] of 2" in str(e) for e in out), out
     with pytest.raises(TypeError, match="store must be a torch.distributed.Store, got dict"):
@@ -503,24 +480,51 @@ def test_torch_store_group_duplicate_rank_and_bad_input():
     assert solo.allgather_bytes(b"x") == [b"x"] and solo.barrier() is None
 
 
-def test_a_rank_0_of_the_older_store_protocol_is_named_by_its_version(monkeypatch):
-    """The store groups' rank 0 of protocol 4 writes no init key, only its slot of round 0: a rank of
-    this version, reading the key first, timed out naming no cause (the adapters' stores have no hello)."""
+@pytest.mark.parametrize("version", [4, 8])
+def test_a_rank_0_of_an_older_store_protocol_is_named_by_its_version(version):
+    """Rank 0 of an older store protocol takes its keys from its own count of its groups, and writes no
+    join attempt: a rank of this version, waiting for rank 0 to open one, names its version, at once
+    from its init key (protocols 5 to 8) or, when its wait ends, from its slot of round 0 (protocol 4,
+    which writes no init key; the adapters' stores have no hello)."""
     dist = pytest.importorskip("torch.distributed")
     from mooncake_ep import _group_common
 
     class OlderRank0(TorchStoreGroup):
-        def _rendezvous(self, deadline=None):  # protocol 4's: claim, then the round, with no init key
-            self._claim_rank(b"")  # a store without claims: the round writes the slot
-            self._collective("init_group", _group_common._INIT.pack(4, self.world_size))
+        def _rendezvous(self, deadline=None):  # its count names its keys; then the init key, the claim, the round
+            self._namespace = f"mooncake_ep/{self.store.add('mooncake_ep/groups/0', 1)}/"
+            pair = _group_common._INIT.pack(version, self.world_size)
+            if version >= 5:
+                self.store.set(self._init_key(), pair)
+            self.store.add(f"{self._namespace}claim/0", 1)
+            self._collective("init_group", pair)
 
     store = dist.HashStore()
     out = run_in_threads([lambda: OlderRank0(store, 0, 2, timeout_s=SHORT_TIMEOUT_S),
                           lambda: TorchStoreGroup(store, 1, 2, timeout_s=SHORT_TIMEOUT_S)])
     assert isinstance(out[1], RankMismatchError), out
-    assert str(out[1]).startswith(f"init_group: ranks disagree on the store protocol (rank 0: 4, rank 1: "
-                                  f"{_group_common._PROTOCOL_VERSION}): every rank must run the same mooncake_ep "
-                                  f"version; init_group #0 timed out after"), out[1]
+    named = (f"init_group: ranks disagree on the store protocol (rank 0: {version}, rank 1: "
+             f"{_group_common._PROTOCOL_VERSION}): every rank must run the same mooncake_ep version")
+    assert str(out[1]) == named if version >= 5 else str(out[1]).startswith(f"{named}; init_group #0 timed out after")
+
+
+def test_a_rank_of_an_older_store_protocol_is_named_by_its_version():
+    """A rank 1 of protocol 8 takes its keys from its own count of its groups: on the first group, those of
+    rank 0's first attempt, where it reads rank 0's pair and raises naming both versions, and leaves its
+    own pair in its slot, from which rank 0 names them when its wait ends."""
+    dist = pytest.importorskip("torch.distributed")
+    from mooncake_ep import _group_common
+
+    class OlderRank1(TorchStoreGroup):
+        def _rendezvous(self, deadline=None):  # its count names its keys; then rank 0's pair, read first
+            self._namespace = f"mooncake_ep/{self.store.add('mooncake_ep/groups/1', 1)}/"
+            self._check_rank0(_group_common._INIT.pack(8, self.world_size), deadline)
+
+    store = dist.HashStore()
+    out = run_in_threads([lambda: TorchStoreGroup(store, 0, 2, timeout_s=SHORT_TIMEOUT_S),
+                          lambda: OlderRank1(store, 1, 2, timeout_s=SHORT_TIMEOUT_S)])
+    named = (f"init_group: ranks disagree on the store protocol (rank 0: {_group_common._PROTOCOL_VERSION}, "
+             f"rank 1: 8): every rank must run the same mooncake_ep version")
+    assert all(isinstance(e, RankMismatchError) and str(e).startswith(named) for e in out), out
 
 
 def test_torch_group_refuses_uninitialised_torch_distributed():
