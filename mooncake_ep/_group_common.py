@@ -86,6 +86,11 @@ class StoreHoldersGoneError(_StoreWaitError):
         return type(self), (str(self), self.missing_keys, self.gone_keys)
 
 
+class _StoreStalledError(GroupError):
+    """A store wait's reply did not begin within its limit: rank 0's process, which serves the store,
+    stalled (the connection stays: TCPStoreClient reads the late reply before its next request)."""
+
+
 class _PeerAbortedError(GroupError):
     """Raised in a LocalGroup rank whose wait was cut short because another rank failed (LocalGroup.spawn
     then raises that rank's own error, so callers of a collective let this one through as it is)."""

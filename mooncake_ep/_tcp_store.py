@@ -48,6 +48,7 @@ from mooncake_ep._group_common import (
     StoreTimeoutError,
     WITHDRAWN_SUFFIX,
     _PROTOCOL_VERSION,
+    _StoreStalledError,
     _StoreWaitError,
     _check_data,
     _check_int,
@@ -199,6 +200,10 @@ def _send_message(sock: socket.socket, kind: int, parts: Sequence[bytes]) -> Non
     sock.sendall(_HEADER.pack(kind, length))
     for part in parts:
         sock.sendall(part)
+
+
+class _NoReplyYet(Exception):
+    """Nothing of a wait's reply came within its limit: the connection stays in step (TCPStoreClient)."""
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
@@ -736,6 +741,10 @@ class TCPStoreClient:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._closing = False  # close() was called: a request failing now was cut short by it
+        # Replies of waits that ran past their limit before a byte of them came (rank 0's process
+        # stalled): read and dropped before the next request, so that a stall closes no link (closed,
+        # it would take this rank's claims with it: its membership, for good).
+        self._unread_replies = 0
         try:
             self._sock = connect(host, port, self.timeout_s)
         except OSError as exc:
@@ -782,6 +791,33 @@ class TCPStoreClient:
                 reason = (f"it runs a mooncake_ep of store protocol 3 or older, and this rank {_PROTOCOL_VERSION}: "
                           f"every rank must run the same mooncake_ep version")
             raise GroupError(f"{where}: refused this rank: {reason}")
+
+    def _first_bytes(self, where: str, io_timeout: float) -> bytes:
+        """The first bytes of a wait's reply; _NoReplyYet where none came within ``io_timeout``."""
+        try:
+            first = self._sock.recv(_HEADER.size)
+        except TimeoutError:
+            raise _NoReplyYet(f"{where}: no reply within {io_timeout:.1f} s: rank 0's process, which serves the "
+                              f"store, stalled or is overloaded; the connection stays, its late reply read before "
+                              f"the next request's") from None
+        if not first:
+            raise ConnectionError("connection closed by the other side")
+        return first
+
+    def _read_reply(self, io_timeout: float, reply_bytes: int, arriving: list[int] | None,
+                    first: bytes = b"") -> tuple[int, bytes]:
+        """One reply's (status, body), its header's ``first`` bytes already read (see :meth:`_request`)."""
+        head = first + _recv_exact(self._sock, _HEADER.size - len(first))
+        status, length = _HEADER.unpack(head)
+        while status == _STILL_ARRIVING:
+            arriving_bytes = _U64.unpack(_recv_exact(self._sock, length))[0]
+            if arriving is not None:
+                arriving.append(arriving_bytes)
+            io_timeout = _REPLY_SLACK_S[1] + (arriving_bytes + reply_bytes) / _MIN_TRANSFER_BYTES_PER_S
+            self._sock.settimeout(_wait_arg(io_timeout))
+            status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
+        self._sock.settimeout(_wait_arg(io_timeout + length / _MIN_TRANSFER_BYTES_PER_S))
+        return status, _recv_exact(self._sock, length)
 
     def _forget_after_fork(self) -> None:
         """In a forked child: this connection is the parent's; close the child's copy of it."""
@@ -924,7 +960,8 @@ class TCPStoreClient:
     def _request(self, op: int, payload: bytes | list[bytes], wait_s: float = 0.0,
                  reply_bytes: int = 0, arriving: list[int] | None = None) -> tuple[int, bytes]:
         """Send one request (its payload, or the parts of it), read its reply. A broken link closes
-        the socket for good.
+        the socket for good; a wait whose reply has not begun by its limit (rank 0's process stalled)
+        raises and leaves it open, the reply to be read and dropped before the next request.
 
         ``reply_bytes``: the reply's expected size; the server reads the request before it answers,
         so the header's wait gets both transfers' time. A wait the server extends for a value still
@@ -934,7 +971,7 @@ class TCPStoreClient:
         parts = [payload] if isinstance(payload, bytes) else payload
         payload_bytes = sum(len(part) for part in parts)
         where = f"{self._who}: store at {self.host}:{self.port}"
-        # The server answers a wait itself when wait_s runs out; past the slack the link is dead.
+        # The server answers a wait itself when wait_s runs out; past the slack rank 0 stalled (or died).
         if wait_s:
             io_timeout = wait_s + min(max(0.25 * wait_s, _REPLY_SLACK_S[0]), _REPLY_SLACK_S[1])
         else:
@@ -950,17 +987,21 @@ class TCPStoreClient:
                 raise GroupError(f"{where}: the connection is closed")
             try:
                 self._sock.settimeout(_wait_arg(io_timeout))
+                while self._unread_replies:  # rank 0 answers in order: the late replies come first
+                    self._read_reply(io_timeout, 0, None, self._first_bytes(where, io_timeout))
+                    self._unread_replies -= 1
                 _send_message(self._sock, op, parts)
-                status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
-                while status == _STILL_ARRIVING:
-                    arriving_bytes = _U64.unpack(_recv_exact(self._sock, length))[0]
-                    if arriving is not None:
-                        arriving.append(arriving_bytes)
-                    io_timeout = _REPLY_SLACK_S[1] + (arriving_bytes + reply_bytes) / _MIN_TRANSFER_BYTES_PER_S
-                    self._sock.settimeout(_wait_arg(io_timeout))
-                    status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
-                self._sock.settimeout(_wait_arg(io_timeout + length / _MIN_TRANSFER_BYTES_PER_S))
-                body = _recv_exact(self._sock, length)
+                if wait_s:
+                    try:
+                        first = self._first_bytes(where, io_timeout)
+                    except _NoReplyYet:
+                        self._unread_replies += 1
+                        raise
+                else:
+                    first = b""
+                status, body = self._read_reply(io_timeout, reply_bytes, arriving, first)
+            except _NoReplyYet as exc:
+                raise _StoreStalledError(str(exc)) from None
             except BaseException as exc:  # a late or half-read reply would desynchronise the stream
                 self._sock.close()
                 self._sock = None

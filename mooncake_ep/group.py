@@ -63,6 +63,7 @@ from mooncake_ep._group_common import (
     _KeyValueGroup,
     _PeerAbortedError,
     _PROBE_S,
+    _StoreStalledError,
     _wait_arg,
 )
 from mooncake_ep._group_adapters import (
@@ -251,6 +252,8 @@ class TCPGroup(_KeyValueGroup):
                 # by the running ranks' renewal, would make that renewal and every later one fail.
                 try:  # a running group's rank 0 published its pair long ago
                     self._check_rank0(self._init_pair(), time.monotonic() + _PROBE_S)
+                except _StoreStalledError:  # rank 0's process is there, and stalled: said as such
+                    raise
                 except GroupError:  # (not a RankMismatchError, which is a ValueError)
                     raise GroupError(self._never_joined("no group's rank 0 serves this store")) from None
                 self._claim_rank_to_take_over(deadline)

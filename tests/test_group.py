@@ -24,7 +24,7 @@ import pytest
 
 import _threads
 
-from mooncake_ep import RankMismatchError, _group_common
+from mooncake_ep import RankMismatchError, _group_common, _tcp_store
 from mooncake_ep.group import (
     Group,
     GroupError,
@@ -435,6 +435,35 @@ def test_store_close_answers_pending_waits():
     assert isinstance(out[0], GroupError) and not isinstance(out[0], StoreTimeoutError), out
     assert "closed" in str(out[0]) and out[0].missing_keys == ["never"]
     client.close()
+
+
+def test_a_wait_past_its_limit_on_a_stalled_store_keeps_the_connection_and_its_claims(monkeypatch):
+    """Rank 0's process stalled (its main thread holding the GIL for seconds, say) past a short wait's
+    reply slack: the client closed the connection, which dropped every claim it held (the rank's
+    membership, for good), though both processes were alive (helper-162). The wait still fails in
+    time, and the late reply is read before the next request."""
+    server = TCPStoreServer("127.0.0.1", 0)
+    client = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+    assert client.claim("member/1")
+    serve, stalled = server._serve, threading.Event()
+
+    def stalled_wait(op, payload, client_socket=None):
+        if op == _tcp_store._OP_WAIT and not stalled.is_set():
+            stalled.set()
+            time.sleep(1.0)  # past the 0.05-s wait's 0.5 s of slack
+        return serve(op, payload, client_socket)
+    monkeypatch.setattr(server, "_serve", stalled_wait)
+    with pytest.raises(GroupError, match=r"no reply within 0.6 s: rank 0's process, which serves the store, stalled "
+                                         r"or is overloaded; the connection stays"):
+        client.wait(["never"], timeout_s=0.05)
+    assert client._unread_replies == 1
+    client.set("after", b"1")  # waits for the late reply (a timeout answer), drops it, then is answered
+    assert client.get("after", timeout_s=1.0) == b"1" and client._unread_replies == 0
+    other = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+    assert not other.claim("member/1")  # still held by the live client
+    other.close()
+    client.close()
+    server.close()
 
 
 def test_a_store_that_never_answers_the_hello_is_named_as_stalled_not_as_an_old_protocol():
