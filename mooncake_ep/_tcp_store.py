@@ -88,9 +88,10 @@ _MIN_TRANSFER_BYTES_PER_S = 20e6
 # Payload fields: key = u16 length + UTF-8, blob = u32 length + bytes, then fixed-size scalars.
 _HEADER = struct.Struct("!BQ")  # u64 lengths: a multi_get reply holds every rank's value, 4 GiB each at most
 _HELLO, _MAGIC = struct.Struct("!4sI"), b"MCEP"
-# The server reads a request in pieces of at most this many bytes, so a length that no data follows
-# (a client of another protocol) costs no more memory than what actually arrives.
-_RECV_PIECE_BYTES = 64 << 20
+# The server reads a request of a length its client chose in pieces, growing from the first's size
+# as bytes arrive, up to the largest's: a length that no data follows (a client of another protocol, or
+# a hostile one) costs the first piece, not its length (_recv_in_pieces).
+_RECV_FIRST_PIECE_BYTES, _RECV_PIECE_BYTES = 1 << 20, 64 << 20
 # A set larger than this marks its key as arriving while its value comes in (waits on it go on).
 _ARRIVING_SET_BYTES = 1 << 20
 # A message (request or reply) whose body is up to this size is sent in one piece; a larger one as
@@ -218,13 +219,16 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 def _recv_in_pieces(sock: socket.socket, size: int, prefix: bytes = b"") -> bytes:
-    """``prefix`` + :func:`_recv_exact` for a length the peer chose: memory grows with the bytes that arrive."""
-    if size <= _RECV_PIECE_BYTES and not prefix:
+    """``prefix`` + :func:`_recv_exact` for a length the peer chose: memory grows with the bytes that
+    arrive, each piece at most as large as all before it (and _RECV_FIRST_PIECE_BYTES at first), so a
+    length that no data follows costs at most that first piece."""
+    if size <= _RECV_FIRST_PIECE_BYTES and not prefix:
         return _recv_exact(sock, size)
     pieces, got = [prefix], 0
     while got < size:
-        pieces.append(_recv_exact(sock, min(_RECV_PIECE_BYTES, size - got)))
-        got += len(pieces[-1])
+        piece = min(max(_RECV_FIRST_PIECE_BYTES, got), _RECV_PIECE_BYTES, size - got)
+        pieces.append(_recv_exact(sock, piece))
+        got += piece
     return b"".join(pieces)
 
 

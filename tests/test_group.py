@@ -466,6 +466,31 @@ def test_a_wait_past_its_limit_on_a_stalled_store_keeps_the_connection_and_its_c
     server.close()
 
 
+def test_the_store_reads_a_request_in_pieces_no_larger_than_what_arrived(monkeypatch):
+    """A header announcing 64 MiB that no data follows made the store allocate all of it at once, per
+    connection (helper-162): the pieces now grow with the bytes that arrive."""
+    sizes, recv_exact = [], _tcp_store._recv_exact
+    monkeypatch.setattr(_tcp_store, "_recv_exact", lambda sock, size: sizes.append(size) or recv_exact(sock, size))
+    server_end, client_end = socket.socketpair()
+    with server_end, client_end:
+        def send_3_mib_and_stop() -> None:
+            client_end.sendall(bytes(3 << 20))
+            client_end.shutdown(socket.SHUT_WR)
+        sender = threading.Thread(target=send_3_mib_and_stop)
+        sender.start()
+        with pytest.raises(ConnectionError):
+            _tcp_store._recv_in_pieces(server_end, 64 << 20)
+        sender.join()
+    assert sizes == [1 << 20, 1 << 20, 2 << 20], sizes  # 3 MiB came: the last piece found 1 MiB, then the end
+    whole = bytes(range(256)) * ((5 << 20) // 256 + 1)
+    server_end, client_end = socket.socketpair()
+    with server_end, client_end:
+        sender = threading.Thread(target=client_end.sendall, args=(whole,))
+        sender.start()
+        assert _tcp_store._recv_in_pieces(server_end, len(whole), prefix=b"k") == b"k" + whole
+        sender.join()
+
+
 def test_a_store_that_never_answers_the_hello_is_named_as_stalled_not_as_an_old_protocol():
     """Every store protocol answers a hello at once (an old one refuses it): a timeout means rank 0
     stopped or too busy to serve, which the error blamed on an older protocol (helper-146)."""
