@@ -855,3 +855,20 @@ def test_the_seed_gives_every_rank_the_same_inputs_in_every_process():
         if r == 1:
             assert same(rank1_alone[s][r][name], every[s][r][name]), (s, name)
     assert not torch.equal(every[0][0]["x"], every[0][1]["x"])
+
+
+@pytest.mark.parametrize("flags,pattern", [
+    (["--no-graph", "--inner-events"], r"^--inner-events applies to the CUDA graphs' replays; --no-graph times eager"),
+    (["--no-graph", "--kernel-span"], r"^--kernel-span applies to the CUDA graphs' replays"),
+    (["--no-graph", "--graph-ends", "root"], r"^--graph-ends applies to the CUDA graphs' replays"),
+    (["--no-graph", "--parities", "alternate"], r"^--parities applies to the CUDA graphs' replays"),
+    (["--no-graph", "--hold-ms", "5"], r"^--hold-ms applies to the CUDA graphs' replays"),
+    (["--warmup", "0", "--warmup-ms", "500"], r"^--warmup-ms paces rounds of --warmup untimed replays; --warmup 0"),
+])
+def test_graph_flags_that_would_change_nothing_on_the_gpu_are_refused(flags, pattern):
+    """On a GPU, --no-graph's run quietly turned these off while the JSON recorded them as given (helper-161)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(cli.UsageError, match=pattern):
+        bench.settle_args(parser.parse_args(flags), "cuda")
+    bench.settle_args(parser.parse_args(["--no-graph", "--no-inner-events", "--no-kernel-span"]), "cuda")  # said off

@@ -1370,12 +1370,20 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
         for flag, given in (("--inner-events", args.inner_events), ("--kernel-span", args.kernel_span)):
             if given:
                 raise UsageError(f"{flag} times the CUDA graphs' kernels; the reference backend has none")
+    elif args.graph is False:  # --no-graph on the GPU: the graphs' flags, given, would change nothing
+        for flag, given in (("--inner-events", args.inner_events), ("--kernel-span", args.kernel_span),
+                            ("--graph-ends", args.graph_ends != "both"), ("--parities", args.parities != "one"),
+                            ("--hold-ms", args.hold_ms != HOLD_MS)):
+            if given:
+                raise UsageError(f"{flag} applies to the CUDA graphs' replays; --no-graph times eager calls")
     if args.graph is None:
         args.graph = backend == "cuda"
     for name in ("inner_events", "kernel_span"):  # on by default where there is a GPU to time
         if getattr(args, name) is None:
             setattr(args, name, backend == "cuda")
     check_args(args, ranks_flag)
+    if args.warmup == 0 and args.warmup_ms != WARMUP_MS:
+        raise UsageError("--warmup-ms paces rounds of --warmup untimed replays; --warmup 0 runs none")
     if backend == "reference":
         for flag, given, default in (("--warmup-ms", args.warmup_ms, WARMUP_MS), ("--hold-ms", args.hold_ms, HOLD_MS)):
             if given != default:  # (after check_args: a value out of range is named as such)
