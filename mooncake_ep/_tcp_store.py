@@ -942,7 +942,8 @@ class TCPStoreClient:
         if holders is not None:
             payload += _U32.pack(len(holders)) + b"".join(_pack_key(h) for h in holders)
         arriving: list[int] = []
-        status, body = self._request(_OP_WAIT, payload, wait_s=timeout_s, reply_bytes=reply_bytes, arriving=arriving)
+        status, body = self._request(_OP_WAIT, payload, wait_s=timeout_s, reply_bytes=reply_bytes, arriving=arriving,
+                                     decides_claims=settle_claims or withdraw_claims)
         reader = _Reader(body)
         if status != _OK:
             missing = [keys[reader.scalar(_U32)] for _ in range(reader.scalar(_U32))]
@@ -962,10 +963,16 @@ class TCPStoreClient:
         return [reader.blob() for _ in keys] if want_values else []
 
     def _request(self, op: int, payload: bytes | list[bytes], wait_s: float = 0.0,
-                 reply_bytes: int = 0, arriving: list[int] | None = None) -> tuple[int, bytes]:
+                 reply_bytes: int = 0, arriving: list[int] | None = None,
+                 decides_claims: bool = False) -> tuple[int, bytes]:
         """Send one request (its payload, or the parts of it), read its reply. A broken link closes
         the socket for good; a wait whose reply has not begun by its limit (rank 0's process stalled)
         raises and leaves it open, the reply to be read and dropped before the next request.
+
+        ``decides_claims``: a wait that settles or withdraws claims (a round every rank must see
+        complete, or none) waits for the store's verdict up to ``timeout_s`` past its own limit, since
+        the store may still settle the round with this rank's claim in it; past that the link is
+        closed, which takes the claim out of the round.
 
         ``reply_bytes``: the reply's expected size; the server reads the request before it answers,
         so the header's wait gets both transfers' time. A wait the server extends for a value still
@@ -976,7 +983,9 @@ class TCPStoreClient:
         payload_bytes = sum(len(part) for part in parts)
         where = f"{self._who}: store at {self.host}:{self.port}"
         # The server answers a wait itself when wait_s runs out; past the slack rank 0 stalled (or died).
-        if wait_s:
+        if decides_claims:
+            io_timeout = wait_s + self.timeout_s
+        elif wait_s:
             io_timeout = wait_s + min(max(0.25 * wait_s, _REPLY_SLACK_S[0]), _REPLY_SLACK_S[1])
         else:
             io_timeout = self.timeout_s
@@ -994,8 +1003,9 @@ class TCPStoreClient:
                 while self._unread_replies:  # rank 0 answers in order: the late replies come first
                     self._read_reply(io_timeout, 0, None, self._first_bytes(where, io_timeout))
                     self._unread_replies -= 1
+                    self._sock.settimeout(_wait_arg(io_timeout))  # (a reply's reading moves it)
                 _send_message(self._sock, op, parts)
-                if wait_s:
+                if wait_s and not decides_claims:
                     try:
                         first = self._first_bytes(where, io_timeout)
                     except _NoReplyYet:
