@@ -318,7 +318,7 @@ class TorchStoreGroup(_LedJoinGroup):
         return f"torch {type(self.store).__name__}, keys {self._namespace}*"
 
     def _join_lock_key(self) -> tuple:
-        return "torch", id(self.store), self.rank
+        return "torch", id(self.store), self._prefix, self.rank
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
@@ -362,6 +362,9 @@ class TorchStoreGroup(_LedJoinGroup):
 
     def _kv_try_get(self, key: str) -> bytes | None:
         return bytes(self._call("get", self.store.get, key)) if self._check([key]) else None
+
+    def _kv_holds_all(self, keys: list[str]) -> bool:
+        return self._check(keys)
 
     def _check(self, keys: list[str]) -> bool:
         """Whether every one of ``keys`` is set (at once: no wait)."""
@@ -420,7 +423,7 @@ class _TorchrunStoreGroup(TorchStoreGroup):
         super().__init__(store, rank, world_size, timeout_s=timeout_s, device=device)
 
     def _join_lock_key(self) -> tuple:
-        return "torchrun", self.rank
+        return "torchrun", self._prefix, self.rank
 
 
 def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
@@ -686,7 +689,10 @@ class JaxGroup(_LedJoinGroup):
             raise GroupError(f"jax.distributed key-value get of {key!r} failed: {type(exc).__name__}: {exc}") from exc
 
     def _join_lock_key(self) -> tuple:
-        return "jax", id(self.client), self.rank
+        return "jax", id(self.client), self._prefix, self.rank
+
+    def _kv_holds_all(self, keys: list[str]) -> bool:
+        return all(self._kv_try_get(key) is not None for key in keys)  # a service gone: GroupError
 
     def _has(self, key: str) -> bool:
         try:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from mooncake_ep._group_common import (
     _PROBE_S,
@@ -48,13 +48,15 @@ from mooncake_ep._group_common import (
 
 # The third decision of a join attempt: the next attempt's rank 0 closed it while it was still open.
 _ATTEMPT_SUPERSEDED = b"superseded"
+# Not a decision: what a follower's look finds once rank 0 opened the attempt and none decided it yet.
+_ATTEMPT_OPENED = b"opened"
 # How a timeout names the way an attempt before it ended (keyed by the attempt's decision).
 _ENDED = {_ROUND_FAILED: "failed: a rank gave up on it", _ATTEMPT_SUPERSEDED: "was superseded by a newer one"}
-# Seconds between rank 0's looks, while it waits for the joins, at whether a peer decided its attempt
-# (a rank that gave up, another process opening a newer attempt as rank 0): from the first to the
-# last, doubling. How late it notices that, not how late it sees the joins (its waits for those
-# return as soon as they are there); each look past a wait also checks every missing join.
-_JOIN_POLL_S = (0.01, 0.5)
+# Seconds between the looks of a rank waiting in the join (rank 0 for the joins or its attempt's
+# decision, a rank > 0 for rank 0 to open an attempt or decide it): from the first to the last,
+# doubling. Looks, not waits on the store: a wait for either of two keys has no store operation, and
+# torch's stores log two lines for every short wait that times out.
+_JOIN_POLL_S = (0.005, 0.1)
 
 
 class _LedJoinGroup(_KeyValueGroup):
@@ -71,10 +73,16 @@ class _LedJoinGroup(_KeyValueGroup):
         """``key``'s value now (no wait); None if the store does not hold it."""
         raise NotImplementedError
 
+    def _kv_holds_all(self, keys: list[str]) -> bool:
+        """Whether the store holds every one of ``keys`` now (no wait)."""
+        raise NotImplementedError
+
     def _join_lock_key(self) -> Hashable:
-        """What this process's joins of this rank on this store share: they run one at a time (two
-        threads of a rank building groups at once each take an attempt of rank 0 in turn, where
-        together they would claim the same attempt twice, or, as rank 0, close each other's)."""
+        """What this process's joins of this rank on this store under this prefix share: they run one
+        at a time (two threads of a rank building groups at once each take an attempt of rank 0 in
+        turn, where together they would claim the same attempt twice, or, as rank 0, close each
+        other's). Groups of other prefixes join apart: one lock across them let two processes each
+        hold it for one prefix while waiting for the other's join of the other."""
         raise NotImplementedError
 
     def _attempt(self, generation: int) -> str:
@@ -106,31 +114,20 @@ class _LedJoinGroup(_KeyValueGroup):
     def _lead(self, mine: bytes, deadline: float) -> None:
         """Rank 0: open the next attempt, wait for every rank's join, decide the attempt."""
         generation = self._kv_add(f"{self._prefix}/generation", 1)
-        if generation > 1:
-            before = self._attempt(generation - 1)
-            self._decide(before + "decision", before + "decided", _ATTEMPT_SUPERSEDED)
         self._namespace = self._attempt(generation)
         decision_key, decided_key = self._namespace + "decision", self._namespace + "decided"
         label = f"init_group #{self._num_calls['init_group']}"
         keys = [self._first_slot_key(r) for r in range(self.world_size)]
-        poll_s = _JOIN_POLL_S[0]
-        try:
+        try:  # from the number on: an attempt this rank leaves is decided, never left open to the followers
+            if generation > 1:
+                before = self._attempt(generation - 1)
+                self._decide(before + "decision", before + "decided", _ATTEMPT_SUPERSEDED)
             self._kv_set(self._init_key(), mine)
             self._kv_set(keys[0], _slot_value("init_group", mine))
-            while True:
-                try:
-                    self._kv_multi_get(keys, max(min(poll_s, deadline - time.monotonic()), _PROBE_S))
-                    decision, missing = self._decide(decision_key, decided_key, _ROUND_COMPLETE), []
-                    break
-                except _StoreWaitError as exc:
-                    missing = exc.missing_keys
-                decision = self._kv_try_get(decision_key)
-                if decision is not None:
-                    break
-                if time.monotonic() >= deadline:
-                    decision = self._decide(decision_key, decided_key, _ROUND_FAILED)
-                    break
-                poll_s = min(2 * poll_s, _JOIN_POLL_S[1])
+            decision = self._look_until(deadline, lambda: _ROUND_COMPLETE if self._kv_holds_all(keys)
+                                  else self._kv_try_get(decision_key))
+            if decision == _ROUND_COMPLETE or decision is None:  # every join there, or the deadline
+                decision = self._decide(decision_key, decided_key, decision or _ROUND_FAILED)
         except BaseException:
             self._give_up(decision_key, decided_key)
             raise
@@ -139,6 +136,7 @@ class _LedJoinGroup(_KeyValueGroup):
         if decision == _ATTEMPT_SUPERSEDED:
             raise GroupError(f"init_group: rank 0 joined the store ({self._where()}) twice: another process leads "
                              f"as rank 0; {self._same_rank_hint}")
+        missing = [key for key in keys if self._kv_try_get(key) is None]
         waiting = (f"waiting for ranks {_ranks_of(missing)} of {self.world_size}" if missing
                    else f"as the last of {self.world_size} ranks joined")
         if time.monotonic() >= deadline:
@@ -156,10 +154,13 @@ class _LedJoinGroup(_KeyValueGroup):
         ended = ""  # how the last attempt this rank saw end did, for its timeout's message
         while True:
             self._namespace = self._attempt(generation)
-            # A decided attempt is passed over unread: an earlier group's (of another world_size,
-            # perhaps), or one that ended without completing.
-            decision = self._kv_try_get(self._namespace + "decision")
-            if decision is None:
+            # Rank 0 opens the attempt, or it is decided (an earlier group's, of another world_size
+            # perhaps, or one that ended without completing: passed over unread; or one whose rank 0
+            # failed between numbering it and opening it).
+            decision_key, init_key = self._namespace + "decision", self._init_key()
+            decision = self._look_until(deadline, lambda: self._kv_try_get(decision_key)
+                                  or (_ATTEMPT_OPENED if self._kv_holds_all([init_key]) else None))
+            if decision in (None, _ATTEMPT_OPENED):  # opened (or the deadline, which the check names)
                 try:
                     self._check_rank0(mine, deadline)  # rank 0's pair: the attempt is open
                 except GroupError as exc:
@@ -210,6 +211,18 @@ class _LedJoinGroup(_KeyValueGroup):
         if not claimed and decision == _ROUND_COMPLETE:  # the group formed with the other process
             raise GroupError(f"{twice}; {self._same_rank_hint}")
         return decision
+
+    @staticmethod
+    def _look_until(deadline: float, look: Callable[[], bytes | None]) -> bytes | None:
+        """What ``look()`` returns first that is not None, looking every _JOIN_POLL_S; None at ``deadline``."""
+        poll_s = _JOIN_POLL_S[0]
+        while True:
+            found = look()
+            left_s = deadline - time.monotonic()
+            if found is not None or left_s <= 0:
+                return found
+            time.sleep(min(poll_s, left_s))
+            poll_s = min(2 * poll_s, _JOIN_POLL_S[1])
 
     def _give_up(self, decision_key: str, decided_key: str) -> None:
         """Decide the attempt failed, where nobody decided it yet, as a rank leaves it on an error of

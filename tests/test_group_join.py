@@ -231,3 +231,39 @@ def test_a_rank_of_another_world_size_in_the_attempt_is_named(kind):
     assert isinstance(error, RankMismatchError), error
     assert str(error).startswith("init_group: ranks disagree on world_size (rank 0: 3, rank 1: 2)"), error
     assert "waiting for ranks [2] of 3" in str(error), error
+
+
+def test_groups_of_two_prefixes_built_at_once_by_two_processes_form():
+    """Each process builds a group on prefix a and one on prefix b from two threads, in crossed orders.
+    One join lock per process and rank across prefixes let process 0 hold it for a while process 1
+    held it for b, each waiting for the other's join of the other prefix (helper-164)."""
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore()
+    connections = [_Connection(store, lambda key, value: None) for _ in range(2)]  # a process each
+    joins = [in_thread(lambda r=r, p=p: TorchStoreGroup(connections[r], r, 2, timeout_s=RETRY_S, prefix=p))
+             for r, p in ((0, "a"), (1, "b"), (0, "b"), (1, "a"))]
+    formed_groups = [outcome() for outcome in joins]
+    assert not [g for g in formed_groups if isinstance(g, BaseException)], formed_groups
+
+
+def test_followers_join_rank_0s_retry_after_its_attempt_failed_before_it_opened():
+    """Rank 0 numbered an attempt, then failed (a store error) before opening it: that attempt is decided
+    failed, and a follower waiting for it goes on to rank 0's retry. It had waited for the unopened
+    attempt's init key until its own timeout, and rank 0's retry timed out too (helper-164)."""
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore()
+
+    class Failing(_Connection):  # the compare-and-set that closes the attempt before fails once
+        failures = 1
+
+        def compare_set(self, *args):
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("a transient store error")
+            return self._store.compare_set(*args)
+    quiet = lambda key, value: None  # noqa: E731
+    formed(run([lambda r=r: TorchStoreGroup(_Connection(store, quiet), r, 2, timeout_s=RETRY_S) for r in range(2)]))
+    follower = in_thread(lambda: TorchStoreGroup(_Connection(store, quiet), 1, 2, timeout_s=2 * RETRY_S))
+    with pytest.raises(GroupError, match=r"torch store compare_set failed: RuntimeError: a transient store error"):
+        TorchStoreGroup(Failing(store, quiet), 0, 2, timeout_s=RETRY_S)
+    formed([TorchStoreGroup(_Connection(store, quiet), 0, 2, timeout_s=RETRY_S), follower()])
