@@ -161,8 +161,8 @@ class Buffer:
         explicitly_destroy: False (DeepEP's default): dropping the Buffer destroys it, as DeepEP's
             destructor does (see ``__del__``); True: only :meth:`destroy` does, which works either way.
         enable_shrink: DeepEP's fault tolerance: peers that stop are masked (after ``timeout_us``)
-            instead of the kernels trapping. Here only the default of ``timeout_us`` follows it: the
-            mask buffer always works.
+            instead of the kernels trapping. Here the default of ``timeout_us`` follows it, and the
+            mask buffer's methods need it, as DeepEP's do.
         comm: an mpi4py communicator, used where ``group`` is None (as DeepEP's).
         timeout_us: microseconds a kernel waits for a peer before masking it; -1 waits forever.
             None (the default): DeepEP's 100 s with ``enable_shrink``, else forever.

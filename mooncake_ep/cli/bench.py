@@ -324,17 +324,17 @@ def make_input_sets(args, rng: np.random.Generator, devices: list[str | None], t
     draws the same routes, and the load statistics count them all."""
     num_local = args.experts // args.ranks
     sets = []
-    for _ in range(args.input_sets):
+    for input_set in range(args.input_sets):
         per_rank = []
         for r in range(args.ranks):
             device = devices[r]
             topk = route(rng, args, args.tokens)
-            # Every rank's values follow --seed too (torch's own generator is seeded at random in each
-            # process), drawn from the same numpy stream in every process, as the routes are.
-            values_seed = int(rng.integers(2**63))
             if device is None:
                 per_rank.append(dict(routes=topk))
                 continue
+            # The values follow --seed too (torch's own generator is seeded at random in each process),
+            # from a stream of their own: the routes of a seed stay what they were.
+            values_seed = int(np.random.default_rng([args.seed, input_set, r]).integers(2**63))
             generator = torch.Generator(device).manual_seed(values_seed)
             per_rank.append(dict(
                 x=torch.randn(args.tokens, args.hidden, device=device, generator=generator).to(torch.bfloat16),
