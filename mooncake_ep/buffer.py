@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -1370,11 +1371,10 @@ class Buffer:
                         self._hold_until_done(stream_ptr, arrays["held"])
                     arrays.clear()
                 finally:
-                    if call == "dispatch":
-                        self._pending_hooks.discard(handle.parity)
-                    else:
-                        self._pending_combine_hooks[handle.parity] -= 1
-                        handle.state["combine_hook_pending"] = False
+                    self._end_pending_hook(call, handle)
+            # Dropped uncalled (the caller's code raised between the call and hook(), say), it would stay
+            # pending for good: every later call on its parity, and update_ep_member, refuse that.
+            weakref.finalize(hook, _drop_uncalled_hook, weakref.ref(self), call, handle, called)
             return EventOverlap(), hook
         if receive is not None:
             self._receive(call, handle, receive)
@@ -1394,6 +1394,14 @@ class Buffer:
         if views is not None:  # launched on the given stream: ordered there; the arrays live with the event
             return EventOverlap(extra=tuple(view.keepalive for view in views)), None
         return EventOverlap(), None
+
+    def _end_pending_hook(self, call: str, handle: Handle) -> None:
+        """A receive hook of ``call`` on ``handle`` is no longer pending (called, or dropped uncalled)."""
+        if call == "dispatch":
+            self._pending_hooks.discard(handle.parity)
+        else:
+            self._pending_combine_hooks[handle.parity] -= 1
+            handle.state["combine_hook_pending"] = False
 
     def _hold_until_done(self, stream_ptr: int, keepalives: tuple, event=None) -> None:
         """Hold ``keepalives`` until the work queued on ``stream_ptr`` so far is done (``event``, one
@@ -1568,6 +1576,21 @@ class Buffer:
         if how:
             raise RuntimeError(f"{where}: this handle was already combined through the workspace ({how}), whose rows "
                                f"the peers may still be reading; dispatch again to combine again")
+
+
+def _drop_uncalled_hook(buffer_ref, call: str, handle: Handle, called: list) -> None:
+    """A receive hook collected without being called: its half is given up as a receive that failed
+    to launch is (:meth:`Buffer._receive`): no longer pending, its handle marked, and on the GPU,
+    where the send half moved the step counters and no receive half will, every launch refused until
+    update_ep_member."""
+    buffer = buffer_ref()
+    if called or buffer is None or buffer._destroyed:
+        return
+    reason = "its receive hook was dropped without being called"
+    handle.state["failed" if call == "dispatch" else "combine_failed"] = reason
+    buffer._end_pending_hook(call, handle)
+    if handle.backend == "cuda":
+        buffer._steps_behind = f"the receive hook of a {call} was dropped without being called"
 
 
 class _Plan(NamedTuple):

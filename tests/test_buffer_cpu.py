@@ -13,6 +13,7 @@ token t holds s and channel 1 holds t (exact in bf16), so a misrouted row names 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 import threading
 
@@ -469,6 +470,46 @@ def test_two_hooks_may_be_pending_and_run_in_any_order():
     results = spawn(2, rank_fn)
     for i, c in enumerate(cases):
         check_steps(c, FP8_FLAGS, [r[i] for r in results], masks=False)
+
+
+def test_a_receive_hook_dropped_uncalled_leaves_the_buffer_usable():
+    """The caller's code raised between a hook-mode call and its hook() (an expert's OOM, say), and the
+    hook went with the frame: it stayed pending for good, so every later dispatch on its parity and
+    update_ep_member were refused (helper-165). Dropped uncalled, it is given up as a receive that
+    failed: its handle is refused by name, and the next steps equal the reference."""
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, VCASE)
+
+        def step_that_raises_before_its_hook(call):
+            recv_x, _, handle, _, hook = buf.dispatch(**dispatch_args(VCASE, rank), **BF16_FLAGS,
+                                                      return_recv_hook=(call == "dispatch"))
+            if call == "combine":
+                buf.combine(expert_fn(rank, recv_x, None, BF16_FLAGS), dispatch_args(VCASE, rank)["topk_idx"],
+                            VCASE.weights[rank], dispatch_args(VCASE, rank)["active_ranks"], -1, handle,
+                            return_recv_hook=True)
+            raise MemoryError("an expert ran out of memory")
+
+        steps = []
+        for call in ("dispatch", "combine"):
+            with pytest.raises(MemoryError):
+                step_that_raises_before_its_hook(call)
+            gc.collect()
+            steps += [run_step(buf, VCASE, rank, BF16_FLAGS) for _ in range(2)]  # both parities
+        _, _, handle, _, hook = buf.dispatch(**dispatch_args(VCASE, rank), **BF16_FLAGS, return_recv_hook=True)
+        del hook
+        gc.collect()
+        with pytest.raises(RuntimeError, match=r"^combine: the receive half of this handle's dispatch raised \(its "
+                                               r"receive hook was dropped without being called\)"):
+            buf.combine(np.zeros((VCASE.num_local_experts, 2 * VCASE.num_max_tokens, VCASE.hidden), BF16),
+                        dispatch_args(VCASE, rank)["topk_idx"], VCASE.weights[rank],
+                        dispatch_args(VCASE, rank)["active_ranks"], -1, handle)
+        assert buf.update_ep_member() == []
+        return steps
+
+    results = spawn(2, rank_fn)
+    for i in range(4):
+        check_steps(VCASE, BF16_FLAGS, [steps[i] for steps in results])
 
 
 def test_a_third_dispatch_while_two_receive_hooks_are_pending_is_refused():

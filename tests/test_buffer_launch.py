@@ -364,6 +364,29 @@ def test_a_combine_hook_whose_launch_failed_keeps_the_calls_arrays_and_refuses_l
                                                            "dispatch"]
 
 
+def test_a_hook_dropped_uncalled_refuses_launches_until_an_update(setup, monkeypatch):
+    """Its send half moved the step counters and no receive half will (as a receive half that failed to
+    launch): every launch is refused by name until update_ep_member, which it had refused for good while
+    the dropped hook stayed pending (helper-165)."""
+    buf, cuda, device, inputs = setup
+    _, _, _, _, hook = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                                    return_recv_hook=True, out=dispatch_out(device, False))
+    del hook
+    gc.collect()
+    with pytest.raises(RuntimeError, match=r"^dispatch: the receive hook of a dispatch was dropped without being "
+                                           r"called, after its send half ran, so this rank's step counters are "
+                                           r"behind its peers'"):
+        buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                     out=dispatch_out(device, False))
+    buf.group.constructed = False  # its collectives answer again, as a peer that agrees
+    cuda.connect = lambda replaced: cuda.launches.append(Launch("connect", 0, 0, 0, {"replaced": replaced}))
+    monkeypatch.setattr(_handshake, "num_sms_for", lambda configs, rank, where: 16)
+    assert buf.update_ep_member() == []
+    buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                 out=dispatch_out(device, False))
+    assert [launch.kernel for launch in cuda.launches] == ["dispatch", "connect", "dispatch"]
+
+
 def test_async_mode_runs_both_halves_on_the_comm_stream_after_the_caller(setup):
     buf, cuda, device, inputs = setup
     _, _, _, event, _ = buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
