@@ -540,7 +540,8 @@ class _KeyValueGroup:
                     # holds its join too; one that gave up took its join away (helper-146).
                     waiting = {rank for rank, _ in (self._present({keys[r]: r for r in gave_up}) or {}).values()}
                     gave_up = [r for r in gave_up if r not in waiting]
-                left = (f"; ranks {gave_up} came and gave up first: every rank calls renew_membership() again"
+                left = (f"; ranks {gave_up} came and gave up first: every rank calls Buffer.update_ep_member() "
+                        f"(or group.renew_membership()) again"
                         if gave_up else "")
                 if len(gave_up) < len(missing):
                     missing = [r for r in missing if r not in gave_up]
@@ -552,7 +553,8 @@ class _KeyValueGroup:
                     hint = ("a rank whose process died needs a replacement: start one with "
                             "init_group(rank=..., rejoin=True)")
                 else:  # torch and JAX stores: no process can take a rank over
-                    hint = ("every rank must call renew_membership() again, or, where a rank's process died, the job "
+                    hint = ("every rank must call Buffer.update_ep_member() (or group.renew_membership()) again, or, "
+                            "where a rank's process died, the job "
                             "builds a new group (only TCPGroup takes a replacement process, init_group(rejoin=True))")
                 # No join missing: in a counted round, every rank had come but not every count was in.
                 waiting_for = (f"ranks {missing} of {self.world_size}" if missing else

@@ -471,8 +471,8 @@ class Buffer:
         Args:
             num_max_dispatch_tokens_per_rank: T, the most tokens any rank dispatches in one call.
             hidden: H, a multiple of 128.
-            num_ranks: R.
-            num_experts: E, a multiple of R.
+            num_ranks: R, at most 64.
+            num_experts: E, a multiple of R, at most 1024.
         """
         return _workspace_bytes("get_ep_buffer_size_hint", num_max_dispatch_tokens_per_rank, hidden, num_ranks,
                                 num_experts)

@@ -35,7 +35,8 @@ What differs from DeepEP:
     - :class:`EventOverlap` has DeepEP's API (``event``, None without ``async_finish``;
       ``extra_tensors``; ``current_stream_wait(release_handle)``, ``wait()``,
       ``register_hook_after_wait``, ``with event(release_handle=True):``, and its constructor),
-      except that ``current_stream_wait()`` of an event that is None does nothing instead of
+      except that ``current_stream_wait()`` of an event that is None waits for nothing (a hook
+      registered with ``register_hook_after_wait`` still runs) instead of
       failing an assert.
     - The constructor's positional order is DeepEP 2.x's (``explicitly_destroy`` eighth); DeepEP
       1.x's ``use_fabric`` goes by name. A 1.x call with ten positional arguments is refused (a bool

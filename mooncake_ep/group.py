@@ -927,7 +927,7 @@ class LocalGroup:
         Note:
             Without a failure, spawn waits as long as the ranks run; collectives are what time
             out. Once a rank fails, the others get ``timeout_s`` more to return; any still running
-            then are left behind (daemon threads) and the group refuses further spawns.
+            then are left behind (daemon threads), and the group refuses further spawns while they run.
 
         Raises:
             BaseException: the exception of the lowest rank that failed on its own (not because a
