@@ -392,8 +392,9 @@ def test_a_torch_store_groups_renewal_timeout_gives_advice_it_can_follow():
     groups = run_in_threads([lambda r=r: TorchStoreGroup(store, r, 2, timeout_s=LONG_TIMEOUT_S) for r in range(2)])
     groups[0].timeout_s = SHORT_TIMEOUT_S
     with pytest.raises(GroupError, match=r"renew_membership #0 \(epoch 1\) timed out .* waiting for ranks \[1\] of 2 "
-                                         r".*every rank must call renew_membership\(\) again, or, where a rank's "
-                                         r"process died, the job builds a new group") as info:
+                                         r".*every rank must call Buffer.update_ep_member\(\) \(or "
+                                         r"group.renew_membership\(\)\) again, or, where a rank's process died, the "
+                                         r"job builds a new group") as info:
         groups[0].renew_membership()
     assert "rejoin=True)" not in str(info.value).split("(only TCPGroup")[0]
     assert not TorchStoreGroup._takes_replacements and TCPGroup._takes_replacements
