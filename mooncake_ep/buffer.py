@@ -1457,12 +1457,19 @@ class Buffer:
                 receive()
         except BaseException as error:
             reason = f"{type(error).__name__}: {error}"
-            handle.state["failed" if call == "dispatch" else "combine_failed"] = reason
-            if handle.backend == "cuda":  # a kernel's send half ran (host arrays run the reference)
-                self._steps_behind = f"the receive half of a {call} failed to launch ({reason})"
+            self._give_up_receive(call, handle, reason, f"the receive half of a {call} failed to launch ({reason})")
             raise
         if call == "dispatch":
             handle.state["received"] = True
+
+    def _give_up_receive(self, call: str, handle: Handle, reason: str, steps_behind: str) -> None:
+        """A receive half that will never run (it failed to launch, or its hook was dropped uncalled):
+        the handle is marked (``reason``), which combine then refuses, and on the GPU, where the send
+        half ran and moved the step counters, every later launch is refused until update_ep_member
+        (``steps_behind`` says why)."""
+        handle.state["failed" if call == "dispatch" else "combine_failed"] = reason
+        if handle.backend == "cuda":  # a kernel's send half ran (host arrays run the reference)
+            self._steps_behind = steps_behind
 
     def _allocate(self, plan: _Plan, like: ArrayView) -> list[tuple[ArrayView, Any]]:
         """The results of a call, allocated in the caller's framework on its device."""
@@ -1579,18 +1586,14 @@ class Buffer:
 
 
 def _drop_uncalled_hook(buffer_ref, call: str, handle: Handle, called: list) -> None:
-    """A receive hook collected without being called: its half is given up as a receive that failed
-    to launch is (:meth:`Buffer._receive`): no longer pending, its handle marked, and on the GPU,
-    where the send half moved the step counters and no receive half will, every launch refused until
-    update_ep_member."""
+    """A receive hook collected without being called: no longer pending, its half given up as a
+    receive that failed to launch is (:meth:`Buffer._give_up_receive`)."""
     buffer = buffer_ref()
     if called or buffer is None or buffer._destroyed:
         return
-    reason = "its receive hook was dropped without being called"
-    handle.state["failed" if call == "dispatch" else "combine_failed"] = reason
     buffer._end_pending_hook(call, handle)
-    if handle.backend == "cuda":
-        buffer._steps_behind = f"the receive hook of a {call} was dropped without being called"
+    buffer._give_up_receive(call, handle, "its receive hook was dropped without being called",
+                            f"the receive hook of a {call} was dropped without being called")
 
 
 class _Plan(NamedTuple):
