@@ -581,20 +581,23 @@ class KernelCache:
         # The folders up to the root. Every user may put entries in the cache folder where it is
         # writable by all, and swap any folder beneath one writable by all without the sticky bit;
         # a folder of another user in one writable by all (a /tmp/kernels made first) is theirs to fill.
-        folder = self.directory.absolute()
+        folder = top = self.directory.absolute()
+        here = None  # each folder's stat, taken once: as the parent of the one below it, then as itself
         while True:
             try:
-                here, parent = os.stat(folder), os.stat(folder.parent)
+                if here is None:
+                    here = os.stat(folder)
+                parent = os.stat(folder.parent)
             except OSError as exc:
                 return f"its folder {folder} cannot be checked: {exc}"
-            if here.st_mode & stat.S_IWOTH and (folder == self.directory.absolute() or not here.st_mode & stat.S_ISVTX):
+            if here.st_mode & stat.S_IWOTH and (folder == top or not here.st_mode & stat.S_ISVTX):
                 return f"owned by uid {info.st_uid}, in a folder every user may write ({folder})"
             if here.st_uid not in (os.geteuid(), 0) and parent.st_mode & stat.S_IWOTH:
                 return (f"owned by uid {info.st_uid}, under {folder}, a folder of uid {here.st_uid} in one every "
                         f"user may write")
             if folder == folder.parent:
                 return ""
-            folder = folder.parent
+            folder, here = folder.parent, parent
 
     @contextlib.contextmanager
     def compiling(self, digest: str, cancelled: threading.Event | None = None):
