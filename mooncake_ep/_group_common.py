@@ -257,8 +257,9 @@ class _KeyValueGroup:
     Construction ends in :meth:`_rendezvous`: the rank claims its rank (:meth:`_claim_rank`; a
     second process with the same rank is refused) and all ranks exchange (protocol version,
     world_size). (The groups over torch's and JAX's stores, which outlive the attempts made on them,
-    join in attempts that rank 0 leads, then read the same round: ``_group_join``.) Rank 0 publishes its pair first, under ``{namespace}init/world_size`` (kept), and
-    every other rank reads it before it claims its rank: a rank started with another world_size, or
+    join in attempts that rank 0 leads, then read the same round: ``_group_join``.) Rank 0 publishes
+    its pair first, under ``{namespace}init/world_size`` (kept), and every other rank reads it before
+    it claims its rank: a rank started with another world_size, or
     with a rank outside rank 0's group, raises :class:`RankMismatchError` at once. Every collective
     then publishes ``{namespace}c/{seq}/{rank}`` for a per-call
     sequence number ``seq`` and waits for the other ranks' keys of the same ``seq``, so
