@@ -114,9 +114,10 @@ class EventOverlap:
         event, extra_tensors: DeepEP's names of the two, by keyword.
 
     Attributes:
-        event: an object with ``current_stream_wait()``, or None where there is nothing to wait for
-            (the work ran on the caller's stream), as DeepEP's ``event`` of a call without
-            ``async_finish``; set it to None to let go of it, as DeepEP's callers do.
+        event: an object with ``current_stream_wait()`` (one given is kept as given, as DeepEP's),
+            or None where there is nothing to wait for (the work ran on the caller's stream), as
+            DeepEP's ``event`` of a call without ``async_finish``; set it to None to let go of it,
+            as DeepEP's callers do.
         extra (also ``extra_tensors``): the call's arrays, kept alive until the work is done.
         hook_after_wait: the hook the next :meth:`current_stream_wait` runs, or None (DeepEP's
             attribute; :meth:`register_hook_after_wait` sets it, refusing to replace one).
@@ -124,7 +125,7 @@ class EventOverlap:
 
     def __init__(self, wait: Callable[[], None] | Any = None, extra: Any = None, *, event: Any = None,
                  extra_tensors: Any = None):
-        self._event: _StreamWait | None = None
+        self._event: Any = None
         if wait is not None or event is not None:  # (the common eager call makes one with neither)
             self.event = wait if wait is not None else event
         self.extra = extra if extra is not None else extra_tensors  # arrays kept alive until the work is done
@@ -132,16 +133,18 @@ class EventOverlap:
         self._release_on_exit = False
 
     @property
-    def event(self) -> _StreamWait | None:
+    def event(self) -> Any:
         return self._event
 
     @event.setter
     def event(self, event: Callable[[], None] | Any) -> None:
-        wait = getattr(event, "current_stream_wait", event)  # an EventHandle, or the wait itself
-        if wait is not None and not callable(wait):
+        if event is None or callable(getattr(event, "current_stream_wait", None)):
+            self._event = event  # an EventHandle is kept as given, as DeepEP's attribute
+        elif callable(event):
+            self._event = _StreamWait(event)  # the wait itself (this library's calls pass one)
+        else:
             raise TypeError(f"EventOverlap: event must have current_stream_wait() (or be the wait, a callable), got "
                             f"{type(event).__name__}")
-        self._event = None if wait is None else _StreamWait(wait)
 
     @property
     def extra_tensors(self) -> Any:

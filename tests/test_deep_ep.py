@@ -386,7 +386,9 @@ def test_deepeps_event_overlap_api():
         pass
     assert log[-1] == "wait" and len(log) == 8
 
-    rewrapped = deep_ep.EventOverlap(deep_ep.EventOverlap(lambda: log.append("inner")).event, extra_tensors=(1,))
+    inner_event = deep_ep.EventOverlap(lambda: log.append("inner")).event
+    rewrapped = deep_ep.EventOverlap(inner_event, extra_tensors=(1,))
+    assert rewrapped.event is inner_event  # an EventHandle is kept as given, as DeepEP's `self.event = event`
     rewrapped.current_stream_wait()
     assert log[-1] == "inner" and rewrapped.extra_tensors == (1,)
     assert deep_ep.EventOverlap(event=None).event is None
