@@ -266,7 +266,8 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
         buffer: as given to the :func:`dispatch` of ``handle``.
         x: ``[num_local_experts, num_ranks * T, hidden]`` bf16 expert outputs, rows laid out as recv_x.
         topk_idx: ``[num_tokens, num_topk]`` the ids given to that dispatch; an entry may be -1 where
-            the dispatch had an expert (it then adds nothing, and gets no gradient).
+            the dispatch had an expert (it then adds nothing, and gets no gradient), as does a copy the
+            dispatch dropped (a rank's copies to one expert past its first T, on a GPU).
         topk_weights: ``[num_tokens, num_topk]`` float32 (float64 is refused, never cast).
         active_ranks: ``[num_ranks]`` int32 (pass the mask dispatch returned).
         handle: the :class:`Handle` returned by that dispatch.
@@ -377,7 +378,10 @@ def _combine_bwd(static: _CombineStatic, residuals, cotangents):
     named = (topk_idx >= 0) & (topk_idx < config.num_experts)
     weights = jnp.where(named, topk_weights, jnp.zeros((), topk_weights.dtype))
     rows = (weights[:, :, None] * grad_y32[:, None, :]).astype(jnp.bfloat16).reshape(num_tokens * num_topk, hidden)
-    routes = handle.dispatched_topk_idx.reshape(num_tokens * num_topk, 1)
+    # The forward's dispatch dropped a rank's copies to one expert past its first T; this one, with K
+    # times that T, would keep them, and every later row of that expert would be off by their number.
+    routes = _drop_copies_past(handle.dispatched_topk_idx, config.num_experts,
+                               config.num_max_dispatch_tokens_per_rank).reshape(num_tokens * num_topk, 1)
     grad_T = config.num_max_dispatch_tokens_per_rank * static.grad_num_topk
     recv, count, grad_handle, grad_active = jax_ops.dispatch(
         dispatch_where, static.grad_ranks, rows, routes, active, grad_T, config.num_experts, timeout_us=static.timeout_us,
@@ -432,6 +436,21 @@ def _same_rows(count, active, forward_count, forward_sources):
     if forward_sources is None:  # a handle made otherwise
         return same
     return same & ~jnp.any((active != 0) & (forward_sources == 0))
+
+
+def _drop_copies_past(topk_idx, num_experts: int, num_max_dispatch_tokens_per_rank: int):
+    """``topk_idx`` (``[num_tokens, num_topk]`` int) with -1 at each copy a dispatch with that T drops.
+
+    A dispatch delivers at most T copies of one rank's to one expert (recv_x's rows per source), the
+    first T in (token, k) order (``reference.expert_slots``); only a token naming an expert twice
+    makes more. Ids outside [0, num_experts) are left as they are (the dispatch sends them nowhere)."""
+    flat = topk_idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # each expert's copies together, in (token, k) order
+    ordered = flat[order]
+    slot_in_order = jnp.arange(flat.shape[0]) - jnp.searchsorted(ordered, ordered, side="left")
+    slots = jnp.zeros_like(slot_in_order).at[order].set(slot_in_order)
+    dropped = (flat >= 0) & (flat < num_experts) & (slots >= num_max_dispatch_tokens_per_rank)
+    return jnp.where(dropped, jnp.full((), -1, flat.dtype), flat).reshape(topk_idx.shape)
 
 
 def _where_same(same, rows):

@@ -577,16 +577,36 @@ def grad_case(seed: int, num_ranks: int):
     return case, grad_size
 
 
-@pytest.mark.parametrize("combine_drops", [False, True], ids=["same-ids", "combine-drops-entries"])
-def test_gradients_of_dispatch_and_combine_match_float64(combine_drops):
+def drop_copies_past_t_as_the_kernels_do(monkeypatch):
+    """Lift the host check that refuses a rank's copies to one expert past its first T, so the CPU
+    path drops them as the kernels do (reference.dispatch drops them; Buffer.dispatch documents both)."""
+    from mooncake_ep import buffer as buffer_module
+    from mooncake_ep.validation import check_expert_ids
+
+    def range_only(where, topk_view, num_experts, num_max_tokens):
+        check_expert_ids(where, topk_view, num_experts, np.iinfo(np.int32).max)
+
+    monkeypatch.setattr(buffer_module, "check_expert_ids", range_only)
+
+
+@pytest.mark.parametrize("combine_drops", [False, True, "copies-past-T"],
+                         ids=["same-ids", "combine-drops-entries", "copies-past-T"])
+def test_gradients_of_dispatch_and_combine_match_float64(combine_drops, monkeypatch):
     """The vjp of each op against its float64 formula, with routing across 2 ranks (shard_map).
     combine_drops: combine's topk_idx is -1 at some entries the dispatch sent (they add nothing): their
-    expert rows and weights get no gradient, and every other row still gets its own."""
+    expert rows and weights get no gradient, and every other row still gets its own. "copies-past-T":
+    rank 0 names expert 0 six times (T = 4) and the dispatch drops its last two copies, as the kernels
+    do: only those get no gradient, expert 0's other rows (rank 1's too) still get theirs."""
     num_ranks = 2
     devices = cpu_devices(num_ranks)
     case, grad_size = grad_case(6, num_ranks)
+    if combine_drops == "copies-past-T":
+        drop_copies_past_t_as_the_kernels_do(monkeypatch)
+        case.topk_idxs[0] = np.array([[0, 0], [0, 1], [0, 0], [2, 0]], np.int32)
+        case.topk_idxs[1][0, 0] = 0  # rank 1's rows of expert 0 come after rank 0's
+        assert (reference.expert_slots(case.topk_idxs[0], case.num_experts) >= case.num_max_tokens).sum() == 2
     combine_topks = [t.copy() for t in case.topk_idxs]
-    if combine_drops:
+    if combine_drops is True:
         for t in combine_topks:
             t[::2, 0] = -1
         assert any(((t < 0) & (d >= 0)).any() for t, d in zip(combine_topks, case.topk_idxs))
@@ -663,6 +683,17 @@ def test_gradients_of_dispatch_and_combine_match_float64(combine_drops):
         assert np.all(got_w[combine_topks[rank] < 0] == 0), "no gradient for -1 entries"
     epj.destroy_buffers(buffers)
     epj.destroy_buffers(grad_buffers)
+
+
+def test_the_combine_gradient_drops_the_copies_the_reference_drops():
+    """The backward's routing leaves out exactly the copies past T that reference.dispatch drops (its
+    expert_slots), whatever the ids: repeats, -1, ids outside [0, E)."""
+    rng = np.random.default_rng(3)
+    num_experts, T = 4, 3
+    ids = rng.integers(-2, num_experts + 2, size=(6, 4)).astype(np.int32)
+    want = np.where(reference.expert_slots(ids, num_experts) >= T, -1, ids)
+    assert (want != ids).any() and ((ids < 0) | (ids >= num_experts)).any()
+    np.testing.assert_array_equal(np.asarray(epj._drop_copies_past(jnp.asarray(ids), num_experts, T)), want)
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])
