@@ -112,7 +112,8 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         buffer: the Buffer of the dispatch of ``handle``.
         x: ``[num_local_experts, num_ranks * T, hidden]`` bf16 expert outputs, laid out as recv_x.
         topk_idx: the ids given to that dispatch; an entry may be -1 where the dispatch had an expert
-            (it then adds nothing, and gets no gradient). The backward routes the gradient by the
+            (it then adds nothing, and gets no gradient), as does a copy the dispatch dropped (a rank's
+            copies to one expert past its first T, on a GPU). The backward routes the gradient by the
             dispatch's ids: :func:`dispatch`'s handle brings a copy, and a handle of
             :meth:`Buffer.dispatch` the host's copy (CPU tensors) or the tensor that dispatch was given
             (CUDA: not a copy, so write no -1 into that one before the backward; give combine another).
@@ -332,7 +333,10 @@ class CombineFunction(torch.autograd.Function):
         # (t, k) to: then each lands on the forward's row, and an entry combine left out sends zeros.
         weights = torch.where(named, topk_weights.float(), torch.zeros((), device=topk_weights.device))
         rows = (weights[:, :, None] * grad_y32[:, None, :]).to(torch.bfloat16).reshape(num_tokens * num_topk, hidden)
-        routes = dispatched_idx.reshape(num_tokens * num_topk, 1)
+        # The forward's dispatch dropped a rank's copies to one expert past its first T; this one, with K
+        # times that T, would keep them, and every later row of that expert would be off by their number.
+        routes = _drop_copies_past(dispatched_idx, handle.num_experts,
+                                   handle.num_max_dispatch_tokens_per_rank).reshape(num_tokens * num_topk, 1)
         try:
             recv, count, grad_handle, _, _ = grad_buffer.dispatch(
                 rows, routes, ctx.active_ranks,
@@ -378,6 +382,21 @@ def _same_rows(count: torch.Tensor, active_ranks: torch.Tensor, forward_count: t
         return None
     no_source_gained = ~((active_ranks != 0) & ~forward_sources).any()
     return (count == forward_count) & no_source_gained
+
+
+def _drop_copies_past(topk_idx: torch.Tensor, num_experts: int, num_max_dispatch_tokens_per_rank: int) -> torch.Tensor:
+    """``topk_idx`` (``[num_tokens, num_topk]`` int) with -1 at each copy a dispatch with that T drops.
+
+    A dispatch delivers at most T copies of one rank's to one expert (recv_x's rows per source), the
+    first T in (token, k) order (``reference.expert_slots``); only a token naming an expert twice
+    makes more. Ids outside [0, num_experts) are left as they are (the dispatch sends them nowhere).
+    On the device, without a synchronisation."""
+    flat = topk_idx.reshape(-1)
+    ordered, order = torch.sort(flat, stable=True)  # each expert's copies together, in (token, k) order
+    slot_in_order = torch.arange(flat.numel(), device=flat.device) - torch.searchsorted(ordered, ordered)
+    slots = torch.empty_like(slot_in_order).scatter_(0, order, slot_in_order)
+    dropped = (flat >= 0) & (flat < num_experts) & (slots >= num_max_dispatch_tokens_per_rank)
+    return torch.where(dropped, torch.full((), -1, dtype=flat.dtype, device=flat.device), flat).view(topk_idx.shape)
 
 
 def _where_same(same: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:

@@ -52,21 +52,42 @@ def buffers(group, T, H, E, K):
             ep.Buffer(group, ept.grad_buffer_size_hint(T, H, R, E, K), backend="reference"))
 
 
-@pytest.mark.parametrize("combine_drops", [False, True, "in-place"],
-                         ids=["same-ids", "combine-drops-entries", "combine-drops-entries-in-place"])
+def drop_copies_past_t_as_the_kernels_do(monkeypatch):
+    """Lift the host check that refuses a rank's copies to one expert past its first T, so the CPU
+    path drops them as the kernels do (reference.dispatch drops them; Buffer.dispatch documents both)."""
+    from mooncake_ep import buffer as buffer_module
+    from mooncake_ep.validation import check_expert_ids
+
+    def range_only(where, topk_view, num_experts, num_max_tokens):
+        check_expert_ids(where, topk_view, num_experts, np.iinfo(np.int32).max)
+
+    monkeypatch.setattr(buffer_module, "check_expert_ids", range_only)
+
+
+@pytest.mark.parametrize("combine_drops", [False, True, "in-place", "copies-past-T"],
+                         ids=["same-ids", "combine-drops-entries", "combine-drops-entries-in-place", "copies-past-T"])
 @pytest.mark.parametrize("num_ranks,num_tokens,rank_topk", [(2, [4, 4], [2, 2]), (3, [4, 1, 0], [2, 2, 2]),
                                                             (3, [4, 3, 2], [3, 1, 2])],
                          ids=["R2", "R3-uneven", "R3-mixed-topk"])
-def test_gradients_match_float64_formulas(num_ranks, num_tokens, rank_topk, combine_drops):
+def test_gradients_match_float64_formulas(num_ranks, num_tokens, rank_topk, combine_drops, monkeypatch):
     """combine_drops: combine's topk_idx is -1 at some entries the dispatch sent (they add nothing): their
     expert rows and weights get no gradient, and every other row still gets its own; "in-place": the
     caller writes the -1 into the tensor it dispatched, which the backward must not route by.
+    "copies-past-T": rank 0 names expert 0 six times (T = 4) and the dispatch drops its last two
+    copies, as the kernels do: only those get no gradient, expert 0's other rows still get theirs.
     Mixed top-k: ranks with different K pass grad_num_topk, the largest."""
     T, H, E = 4, 128, 2 * num_ranks
     grad_num_topk = max(rank_topk)
     xs, topks, weights = make_inputs(1, num_ranks, T, H, E, rank_topk, num_tokens)
+    if combine_drops == "copies-past-T":
+        drop_copies_past_t_as_the_kernels_do(monkeypatch)
+        topks[0][:, :2] = torch.tensor([[0, 0], [0, 1], [0, 0], [2, 0]])
+        topks[0][:, 2:][topks[0][:, 2:] == 0] = -1
+        if num_tokens[1]:
+            topks[1][0, 0] = 0  # rank 1's rows of expert 0 come after rank 0's
+        assert (reference.expert_slots(topks[0].numpy(), E) >= T).sum() == 2
     combine_topks = [t.clone() for t in topks]
-    if combine_drops:
+    if combine_drops in (True, "in-place"):
         for t in combine_topks:
             t[::2, 0] = -1
         assert any(((t < 0) & (d >= 0)).any() for t, d in zip(combine_topks, topks))
@@ -128,6 +149,20 @@ def test_gradients_match_float64_formulas(num_ranks, num_tokens, rank_topk, comb
         # weights: fp32 dot products of H bf16 products.
         np.testing.assert_allclose(grad_w, want_w[r], rtol=1e-5, atol=1e-4, err_msg=f"rank {r}: grad weights")
         assert np.all(grad_w[combine_topks[r].numpy() < 0] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_combine_gradient_drops_the_copies_the_reference_drops(dtype):
+    """The backward's routing leaves out exactly the copies past T that reference.dispatch drops (its
+    expert_slots), whatever the ids: repeats, -1, ids outside [0, E)."""
+    rng = np.random.default_rng(3)
+    num_experts, T = 4, 3
+    ids = rng.integers(-2, num_experts + 2, size=(6, 4))
+    want = np.where(reference.expert_slots(ids, num_experts) >= T, -1, ids)
+    assert (want != ids).any() and ((ids < 0) | (ids >= num_experts)).any()
+    got = ept._drop_copies_past(torch.from_numpy(ids).to(dtype), num_experts, T)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got.numpy(), want)
 
 
 def test_entries_combine_leaves_out_get_no_gradient_whatever_their_rows_hold():
