@@ -397,6 +397,32 @@ def test_one_buffer_inside_a_shard_map_over_several_devices_is_refused_at_trace_
         epj.destroy_buffers(mapping)
 
 
+def test_a_mesh_device_without_a_buffer_is_refused_before_any_rank_runs():
+    """A mesh of as many devices as the group has ranks, one of them not the mapping's: that device's op
+    has no Buffer. Refused when the program is lowered (the mesh is known there), not by that device's
+    op when it runs, while the device that has one waits for it in the exchange until the group's
+    timeout and the group is broken."""
+    devices = cpu_devices(3)
+    case = make_case(14, num_ranks=2, num_experts=4, num_topk=1, num_tokens=[4, 4])
+    buffers = epj.make_buffers(devices[:2], case.size_hint, timeout_s=2.0)
+
+    def run(mesh):
+        @jax.jit
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        def step(x, topk, active):
+            return epj.dispatch(buffers, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)[1]
+
+        return jax.block_until_ready(step(*(sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.actives))))
+
+    with pytest.raises(ValueError, match=r"^mooncake_ep.jax.dispatch: in the shard_map's mesh: no Buffer for cpu:2; "
+                                         r"the mapping has cpu:0, cpu:1"):
+        run(jax.sharding.Mesh(np.array([devices[0], devices[2]]), ("ep",)))
+    counts = run(jax.sharding.Mesh(np.array(devices[:2]), ("ep",)))  # nothing ran: the group is whole
+    dispatched, _ = expected(case, FLAGS["bf16"])
+    np.testing.assert_array_equal(np.asarray(counts), np.concatenate([d.recv_count for d in dispatched]))
+    epj.destroy_buffers(buffers)
+
+
 def test_a_mesh_of_two_axes_is_the_callers_layout():
     """Over several axes the experts may be sharded in either axis order: nothing is refused."""
     devices = cpu_devices(4)

@@ -309,11 +309,15 @@ def check_devices(where: str, ranks: Ranks, **arrays) -> None:
                                  f"is one rank's; run it inside jax.shard_map with one device per rank (the mapping "
                                  f"of make_buffers), or pass one device's arrays")
         for device in devices or ():
-            if device.platform == "cpu":
-                key = (DLPACK_CPU, int(device.id))
-            else:
-                key = (DLPACK_CUDA, int(device.local_hardware_id))
-            ranks.select(f"{where}: {name}", key)
+            ranks.select(f"{where}: {name}", dlpack_device(device))
+
+
+def dlpack_device(device) -> tuple[int, int]:
+    """A JAX device as the DLPack ``(device_type, device_id)`` of its buffers in a callback, the key of
+    :meth:`Ranks.select` (a CPU device by its JAX id: DLPack numbers every CPU device 0)."""
+    if device.platform == "cpu":
+        return DLPACK_CPU, int(device.id)
+    return DLPACK_CUDA, int(device.local_hardware_id)
 
 
 def check_eager_expert_ids(where: str, topk_idx, num_experts, num_max_dispatch_tokens_per_rank) -> None:

@@ -48,8 +48,8 @@ import numpy as np
 
 from mooncake_ep import reference
 from mooncake_ep._reference_backend import MESH_POSITION
-from mooncake_ep.frameworks.jax_args import (DLPACK_CUDA, Ranks, abstract_view, check_parity, manual_axes,
-                                              rank_results, varying_like)
+from mooncake_ep.frameworks.jax_args import (DLPACK_CUDA, Ranks, abstract_view, check_parity, dlpack_device,
+                                              manual_axes, rank_results, varying_like)
 from mooncake_ep.tensor import ArrayView, dense_device_view, numpy_dtype, read_array
 from mooncake_ep.validation import check_bool, check_flags, check_same_routing, type_name
 
@@ -232,21 +232,19 @@ def _shapes(specs) -> list:
     return [jax.ShapeDtypeStruct(tuple(shape), numpy_dtype(dtype)) for _, shape, dtype in specs]
 
 
-def _call(where: str, callback, specs, operands: Sequence, aliases: dict[int, int], command_buffer_compatible: bool,
-          has_side_effect: bool = False):
+def _call(where: str, ranks: Ranks, callback, specs, operands: Sequence, aliases: dict[int, int],
+          command_buffer_compatible: bool, has_side_effect: bool = False):
     """One ``buffer_callback`` launch of ``callback`` with result ``specs``; vmap refused by name, and
-    outside ``shard_map`` a program of several devices refused when it is lowered (:func:`_one_device_primitive`)."""
+    the program's devices checked against ``ranks`` when it is lowered (:func:`_placement_primitive`)."""
     from jax.custom_batching import custom_vmap
     from jax.experimental.buffer_callback import buffer_callback
 
     op = buffer_callback(callback, _shapes(specs), has_side_effect=has_side_effect, input_output_aliases=aliases,
                          command_buffer_compatible=command_buffer_compatible)
-    guarded = not manual_axes()
 
     @custom_vmap
     def run(first, *rest):
-        if guarded:
-            first = _one_device_primitive().bind(first, where=where)
+        first = _placement_primitive().bind(first, where=where, ranks=ranks)
         return tuple(op(first, *rest))
 
     @run.def_vmap
@@ -258,40 +256,60 @@ def _call(where: str, callback, specs, operands: Sequence, aliases: dict[int, in
     return list(run(*operands))
 
 
-def _one_device_primitive():
-    """An identity on an op's first operand, outside ``shard_map``, whose lowering refuses a program
-    of several devices.
+def _placement_primitive():
+    """An identity on an op's first operand whose lowering checks the devices the program runs on.
 
-    Under ``jax.jit`` with shardings (``in_shardings=``, or arrays sharded inside the function) the
-    tracers do not say how many devices the program spans, so the trace-time check
-    (``jax_args.check_devices``) passes; XLA would then run the op on every device with the whole
-    arrays, each device's rank sending every token: wrong results, silently. The lowering knows
-    (``ShardingContext.num_devices``; inside ``shard_map`` it is an ``SPMDAxisContext``, which has none).
+    Refusals that depend only on where the program runs belong before it runs: a callback that raises
+    on one device while the others' ops wait for it in the exchange holds them there until the group's
+    timeout, and breaks the group. The tracers do not say where the program runs; the lowering does:
+
+    - Outside ``shard_map``, under ``jax.jit`` with shardings (``in_shardings=``, or arrays sharded
+      inside the function), the trace-time check (``jax_args.check_devices``) passes, and XLA would
+      run the op on every device with the whole arrays, each device's rank sending every token: wrong
+      results, silently. The lowering knows how many devices (``ShardingContext.num_devices``).
+    - Inside ``shard_map`` the lowering has the mesh (``SPMDAxisContext.mesh``), whose devices of this
+      process must each have a Buffer that runs there (:meth:`jax_args.Ranks.select`); the trace-time
+      check counts them only.
+
     Lowered to nothing."""
-    global _ONE_DEVICE
-    if _ONE_DEVICE is None:
+    global _PLACEMENT
+    if _PLACEMENT is None:
         from jax.extend.core import Primitive
         from jax.interpreters import mlir
 
-        primitive = Primitive("mooncake_ep_one_device")
-        primitive.def_impl(lambda operand, *, where: operand)
-        primitive.def_abstract_eval(lambda operand, *, where: operand)
-        mlir.register_lowering(primitive, _lower_one_device)
-        _ONE_DEVICE = primitive
-    return _ONE_DEVICE
+        primitive = Primitive("mooncake_ep_placement")
+        primitive.def_impl(lambda operand, **params: operand)
+        primitive.def_abstract_eval(lambda operand, **params: operand)
+        mlir.register_lowering(primitive, _lower_placement)
+        _PLACEMENT = primitive
+    return _PLACEMENT
 
 
-_ONE_DEVICE = None  # made at first use: JAX is imported lazily
+_PLACEMENT = None  # made at first use: JAX is imported lazily
 
 
-def _lower_one_device(ctx, operand, *, where: str):
-    num_devices = getattr(ctx.module_context.axis_context, "num_devices", None)
+def _lower_placement(ctx, operand, *, where: str, ranks: Ranks):
+    context = ctx.module_context.axis_context
+    num_devices = getattr(context, "num_devices", None)
     if num_devices is not None and num_devices > 1:
         raise ValueError(f"{where}: the jitted program runs on {num_devices} devices outside shard_map (its shardings "
                          f"spread the arrays), and XLA would run this op on every one of them with the whole arrays, "
                          f"each device's rank sending every token; run it inside jax.shard_map with one device per "
                          f"rank (the mapping of make_buffers), or jit it for one device")
+    for device in _local_mesh_devices(context):
+        ranks.select(f"{where}: in the shard_map's mesh", dlpack_device(device))
     return [operand]
+
+
+def _local_mesh_devices(context) -> list:
+    """This process's devices of a ``shard_map``'s concrete mesh; none outside one, or for an abstract mesh."""
+    import jax
+
+    try:
+        devices = context.mesh.devices
+    except AttributeError:  # a ShardingContext (no mesh), or an AbstractMesh (no devices)
+        return []
+    return [device for device in devices.flat if device.process_index == jax.process_index()]
 
 
 def _stream(ctx) -> int:
@@ -401,7 +419,7 @@ def dispatch(where: str, ranks: Ranks, x, topk_idx, active_ranks, num_max_dispat
                                     command_buffer_compatible=command_buffer_compatible)
     out_specs = specs + [("active_ranks", active_ranks.shape, "int32")] + config.metadata_specs()
     position = _mesh_position(ranks)
-    outputs = _call(where, _DispatchCallback(where, config, SEND | RECV, position is not None), out_specs,
+    outputs = _call(where, ranks, _DispatchCallback(where, config, SEND | RECV, position is not None), out_specs,
                     [x, topk_idx, active_ranks, *after, *([] if position is None else [position])], {2: len(specs)},
                     config.command_buffer_compatible, has_side_effect=config.num_tokens == 0)
     outputs = rank_results(outputs)
@@ -572,7 +590,7 @@ def combine(where: str, ranks: Ranks, x, topk_idx, topk_weights, active_ranks, h
     out_specs += [(f"through{i}", a.shape, np.dtype(a.dtype).name) for i, a in enumerate(through)]
     operands = [x, topk_idx, topk_weights, active_ranks, *handle.arrays, *after, *through]
     aliases = {3: 1} | {len(operands) - len(through) + i: 2 + i for i in range(len(through))}
-    combined, active, *passed = _call(where, _CombineCallback(where, config, SEND | RECV), out_specs, operands,
+    combined, active, *passed = _call(where, ranks, _CombineCallback(where, config, SEND | RECV), out_specs, operands,
                                       aliases, config.command_buffer_compatible,
                                       has_side_effect=config.dispatch.num_tokens == 0)
     return (*rank_results((combined, active)),

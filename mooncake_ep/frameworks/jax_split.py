@@ -63,8 +63,9 @@ def dispatch_send(where: str, buffer: Buffer, x, topk_idx, active_ranks, num_max
     if config.backend == "reference":
         # The CPU receive half computes from every rank's inputs, handed over by XLA: nothing to send.
         return PendingDispatch(config, (x, topk_idx, active_ranks))
-    (sent,) = _call(where, _DispatchCallback(where, config, SEND), [("active_ranks", active_ranks.shape, "int32")],
-                    [x, topk_idx, active_ranks], {2: 0}, config.command_buffer_compatible, has_side_effect=True)
+    (sent,) = _call(where, config.ranks, _DispatchCallback(where, config, SEND),
+                    [("active_ranks", active_ranks.shape, "int32")], [x, topk_idx, active_ranks], {2: 0},
+                    config.command_buffer_compatible, has_side_effect=True)
     return PendingDispatch(config, (x, topk_idx, varying_like(sent, active_ranks)))
 
 
@@ -81,7 +82,7 @@ def dispatch_recv(where: str, pending: list[PendingDispatch]) -> list:
                                    command_buffer_compatible=c.command_buffer_compatible)
         out_specs = specs + [("active_ranks", (c.num_ranks,), "int32")] + c.metadata_specs()
         callback = _DispatchRecvCallback(where, c, index, tuple(q.config.ranks.single.rank for q in pending))
-        outputs = _call(where, callback, out_specs, operands,
+        outputs = _call(where, c.ranks, callback, out_specs, operands,
                         {3 * index + 2: len(specs)}, c.command_buffer_compatible, has_side_effect=True)
         results.append(_dispatch_results(c, specs, varying_like(outputs, *p.arrays), p.arrays[1]))
     return results
@@ -197,7 +198,7 @@ def combine_send(where: str, buffer: Buffer, x, topk_idx, topk_weights, active_r
     config, _ = combine_config(where, ranks, x, topk_idx, topk_weights, active_ranks, handle, **options)
     if config.dispatch.backend == "reference":
         return PendingCombine(config, (x, topk_idx, topk_weights, active_ranks, *handle.arrays))
-    (sent,) = _call(where, _CombineCallback(where, config, SEND, direct_reads=False),
+    (sent,) = _call(where, ranks, _CombineCallback(where, config, SEND, direct_reads=False),
                     [("active_ranks", active_ranks.shape, "int32")],
                     [x, topk_idx, topk_weights, active_ranks, *handle.arrays], {3: 0},
                     config.command_buffer_compatible, has_side_effect=True)
@@ -216,10 +217,10 @@ def combine_recv(where: str, pending: list[PendingCombine]) -> list:
         c = p.config
         callback = _CombineRecvCallback(where, c, index, tuple(sizes),
                                         tuple(q.config.dispatch.ranks.single.rank for q in pending))
-        combined, active = _call(where, callback, [("combined_x", (c.dispatch.num_tokens, c.dispatch.hidden),
-                                                    "bfloat16"), ("active_ranks", (c.dispatch.num_ranks,), "int32")],
-                                 operands, {offset + 3: 1}, c.command_buffer_compatible,
-                                 has_side_effect=True)
+        combined, active = _call(where, c.dispatch.ranks, callback,
+                                 [("combined_x", (c.dispatch.num_tokens, c.dispatch.hidden), "bfloat16"),
+                                  ("active_ranks", (c.dispatch.num_ranks,), "int32")],
+                                 operands, {offset + 3: 1}, c.command_buffer_compatible, has_side_effect=True)
         offset += sizes[index]
         results.append(tuple(varying_like((combined, active), *p.arrays[:4])))
     return results
