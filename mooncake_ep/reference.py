@@ -130,12 +130,11 @@ def expert_slots(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
         outside [0, E), which the kernels read as -1).
     """
     flat = topk_idx.reshape(-1).astype(np.int64)
-    slots = np.full(flat.shape, -1, dtype=np.int64)
-    seen = np.zeros(num_experts, dtype=np.int64)
-    for i, expert in enumerate(flat):
-        if 0 <= expert < num_experts:
-            slots[i] = seen[expert]
-            seen[expert] += 1
+    order = np.argsort(flat, kind="stable")  # each expert's copies together, in (token, k) order
+    ordered = flat[order]
+    slots = np.empty(flat.shape, dtype=np.int64)
+    slots[order] = np.arange(flat.size) - np.searchsorted(ordered, ordered, side="left")
+    slots[(flat < 0) | (flat >= num_experts)] = -1
     return slots.reshape(topk_idx.shape)
 
 
@@ -260,6 +259,7 @@ def combine(
     active_ranks: Sequence[np.ndarray],
     *,
     renormalize: bool = False,
+    dispatched_topk_idx: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rank ``rank``'s view of one low-latency combine.
 
@@ -275,6 +275,10 @@ def combine(
         active_ranks: per rank, its ``[R]`` int32 mask as passed to combine.
         renormalize: rescale each token's live weights so they sum to the sum of all its weights
             (live weights summing to 0 are kept when that sum is 0 too, else dropped).
+        dispatched_topk_idx: ``[t, K]`` the ids this rank gave that dispatch, where ``topk_idx``
+            differs from them (-1 where the dispatch had an expert); None: ``topk_idx``. A copy the
+            dispatch dropped (past this rank's first T to one expert) is an entry that names no
+            expert, in the total under ``renormalize`` too, as the kernels take it.
 
     Returns:
         ``(combined_x [t, H] bf16, active_ranks [R] int32 after the call)``.
@@ -304,9 +308,14 @@ def combine(
         valid[tokens, topks] = True
 
     # An entry that names no expert (-1, or an id outside [0, E), which the kernels read as -1) adds
-    # nothing, whatever the dispatch sent for it: the kernels take the experts from these ids.
+    # nothing, whatever the dispatch sent for it: the kernels take the experts from these ids. Nor
+    # does a copy the dispatch dropped or never had (the kernels' slot -1), under renormalize too.
     num_experts = num_ranks * next(result.recv_count.shape[0] for result in dispatch_results if result is not None)
-    named = (topk_idx >= 0) & (topk_idx < num_experts)
+    num_max_dispatch_tokens_per_rank = next(result.recv_src_rank.shape[1] for result in dispatch_results
+                                            if result is not None) // num_ranks
+    dispatched = topk_idx if dispatched_topk_idx is None else dispatched_topk_idx
+    slots = expert_slots(dispatched, num_experts)
+    named = (topk_idx >= 0) & (topk_idx < num_experts) & (slots >= 0) & (slots < num_max_dispatch_tokens_per_rank)
     valid &= named
     weights = np.where(valid, topk_weights.astype(np.float32), np.float32(0))
     if renormalize:

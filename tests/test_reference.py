@@ -322,6 +322,18 @@ def test_dispatch_drops_a_sources_copies_past_its_first_t_to_one_expert(num_rank
         combined, _ = reference.combine(0, [np.ones((2, 2, 128), BF16)], [result], topks[0],
                                         np.ones((2, 2), np.float32), ones(1))
         np.testing.assert_array_equal(combined.astype(np.float32)[:, 0], [2, 1])
+        # Nor is it in token 1's total under renormalize (the kernels' slot -1): expert 1's weight
+        # alone is the total, so nothing is rescaled.
+        combined, _ = reference.combine(0, [np.ones((2, 2, 128), BF16)], [result], topks[0],
+                                        np.ones((2, 2), np.float32), ones(1), renormalize=True)
+        np.testing.assert_array_equal(combined.astype(np.float32)[:, 0], [2, 1])
+        # The slots are the dispatch's: a combine that leaves out token 0's second copy (-1) still has
+        # token 1's copy dropped, and then that -1 is out of token 0's total.
+        combine_ids = topk([[0, -1], [0, 1]])
+        combined, _ = reference.combine(0, [np.ones((2, 2, 128), BF16)], [result], combine_ids,
+                                        np.ones((2, 2), np.float32), ones(1), renormalize=True,
+                                        dispatched_topk_idx=topks[0])
+        np.testing.assert_array_equal(combined.astype(np.float32)[:, 0], [1, 1])
 
 
 @pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
