@@ -872,3 +872,18 @@ def test_graph_flags_that_would_change_nothing_on_the_gpu_are_refused(flags, pat
     with pytest.raises(cli.UsageError, match=pattern):
         bench.settle_args(parser.parse_args(flags), "cuda")
     bench.settle_args(parser.parse_args(["--no-graph", "--no-inner-events", "--no-kernel-span"]), "cuda")  # said off
+
+
+def test_no_warmup_on_the_gpu_is_recorded_as_none():
+    """--warmup 0 runs no untimed replays, so the JSON's warmup_ms must not say the default 100 ms ran (helper-173)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--warmup", "0"])
+    bench.settle_args(args, "cuda")
+    assert args.warmup_ms == 0.0
+    args = parser.parse_args([])
+    bench.settle_args(args, "cuda")
+    assert args.warmup_ms == bench.WARMUP_MS > 0
+    args = parser.parse_args(["--warmup", "0"])
+    bench.settle_args(args, "reference")  # the reference backend's own zero, without a refusal
+    assert args.warmup_ms == 0.0

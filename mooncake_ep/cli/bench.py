@@ -1384,6 +1384,8 @@ def settle_args(args, backend: str, ranks_flag: str = "--ranks") -> None:
     check_args(args, ranks_flag)
     if args.warmup == 0 and args.warmup_ms != WARMUP_MS:
         raise UsageError("--warmup-ms paces rounds of --warmup untimed replays; --warmup 0 runs none")
+    if backend != "reference" and args.warmup == 0:
+        args.warmup_ms = 0.0  # recorded as run: none
     if backend == "reference":
         for flag, given, default in (("--warmup-ms", args.warmup_ms, WARMUP_MS), ("--hold-ms", args.hold_ms, HOLD_MS)):
             if given != default:  # (after check_args: a value out of range is named as such)
