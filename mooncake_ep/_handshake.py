@@ -12,6 +12,9 @@ runs then, on multi-process groups.
 Construction and ``update_ep_member`` exchange the same record (only ``phase`` differs), so a
 process that replaces a dead rank builds its Buffer in the same collective in which the survivors
 update theirs, and learns from them where they are (``num_dispatches``: the parity of the next call).
+Its record says it is such a process (``is_replacement``): a live rank's new Buffer meeting the
+others' update is refused, where it had passed for a replacement and been connected in place of
+that rank's Buffer.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class RankConfig:
             in use (updating).
         num_device_sms: SMs of the device (0 on the CPU).
         token: a random name of the Buffer; every rank adopts one (:func:`buffer_token`).
+        is_replacement: constructing: this rank's process took over a dead one's in the group's current
+            membership epoch (``init_group(rejoin=True)``), or it is an in-process rank (see
+            ``Buffer._replaces_a_rank``): its Buffer may join the others' update. False when updating.
     """
 
     version: str
@@ -70,6 +76,7 @@ class RankConfig:
     num_sms: int = 0
     num_device_sms: int = 0
     token: str = ""
+    is_replacement: bool = False
 
     def pack(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
@@ -83,8 +90,9 @@ def exchange(group, mine: RankConfig, where: str) -> list[RankConfig]:
     """Every rank's config, in rank order, after checking that they fit together (collective).
 
     Raises:
-        RankMismatchError: ranks differ in version, backend, num_ep_buffer_bytes or dispatch count, or a
-            rank is in another collective (a call of a Buffer: its blob is no RankConfig).
+        RankMismatchError: ranks differ in version, backend, num_ep_buffer_bytes or dispatch count, a
+            rank is in another collective (a call of a Buffer: its blob is no RankConfig), or a rank
+            that replaced no dead one builds a Buffer while others update theirs.
         RuntimeError: some rank has receive hooks pending (update_ep_member).
         GroupError: from the group (a rank that does not come is named by it).
     """
@@ -113,6 +121,14 @@ def check(configs: Sequence[RankConfig], where: str) -> None:
     """Raise if the ranks' configs do not fit together (the same verdict on every rank)."""
     _same(where, configs, "version", "mooncake_ep version", lambda c: c.version,
           "install the same mooncake_ep on every rank")
+    updating = [r for r, c in enumerate(configs) if c.phase == UPDATE]
+    building = [r for r, c in enumerate(configs) if c.phase == CONSTRUCT and not c.is_replacement]
+    if updating and building:  # before the sizes: a new Buffer of another size is this mistake too
+        raise RankMismatchError(f"{where}: ranks {building} are building a new Buffer while ranks {updating} update "
+                                f"theirs (update_ep_member), and no process of ranks {building} took over a dead "
+                                f"rank in this membership epoch (init_group(rejoin=True)): a rank whose process "
+                                f"lives calls Buffer.update_ep_member() on each of its Buffers, in the order every "
+                                f"rank does, and builds a new Buffer only when every rank builds one")
     _same(where, configs, "backend", "backend", lambda c: c.backend,
           "pass the same backend= everywhere (with 'auto' a rank that sees no GPU uses 'reference')")
     _same(where, configs, "num_ep_buffer_bytes", "num_ep_buffer_bytes", lambda c: c.num_ep_buffer_bytes,

@@ -215,6 +215,18 @@ def _why_no_gpu() -> str | None:
     return None if count > 0 else "cupy found no CUDA device"
 
 
+def _replaces_a_rank(group) -> bool:
+    """Whether a Buffer built on ``group`` may join the others' ``update_ep_member``: this process took
+    over a dead rank in the group's current membership epoch (the TCP-store group's ``joined_epoch``),
+    or the rank is in-process (:class:`mooncake_ep.LocalRankGroup`), where no process can die and a
+    new Buffer built on a rank while the others update is how a test stands in for a new process
+    (nothing there tells it from a live rank's mistake)."""
+    if getattr(group, "is_in_process", False):
+        return True
+    joined_epoch = getattr(group, "joined_epoch", 0)
+    return joined_epoch > 0 and joined_epoch == getattr(group, "membership_epoch", None)
+
+
 class Buffer:
     """A communication buffer for low-latency (decode) expert-parallel dispatch and combine.
 
@@ -396,7 +408,8 @@ class Buffer:
         num_pending_hooks = len(self._pending_hooks) + sum(self._pending_combine_hooks.values())
         config = _handshake.RankConfig(__version__, phase, "reference" if self._device_id is None else "cuda",
                                        self.num_ep_buffer_bytes, self._num_dispatches, num_pending_hooks,
-                                       token=self._token)
+                                       token=self._token,
+                                       is_replacement=phase == _handshake.CONSTRUCT and _replaces_a_rank(self.group))
         if self._device_id is None:
             return config
         from mooncake_ep import _cuda_backend
@@ -1137,6 +1150,9 @@ class Buffer:
             ValueError, RuntimeError: the ranks' configurations differ, a replacement's GPU has too few
                 SMs left beside the running ranks there, or a rank has receive hooks pending (raised on
                 every rank).
+            RankMismatchError: a rank whose process lives builds a new Buffer instead of updating its
+                own (only a process that took over a dead rank builds one here); raised on every rank,
+                nothing changed, and the update can be retried.
             TransportError: a replacement's workspace could not be mapped (the Buffer keeps its peers
                 as they were, and the update can be retried).
 

@@ -653,6 +653,37 @@ def test_a_replacement_builds_every_buffer_the_survivors_update_and_a_refused_up
     run_in_threads([lambda g=g: g.close() for g in groups])
 
 
+def test_a_new_buffer_of_a_live_process_is_refused_at_the_others_update_and_the_update_can_be_retried():
+    """The first update renews the epoch; the second Buffer's joins it without renewing, and there a
+    rank whose process lives built a new Buffer instead of updating its own (what the docs forbid).
+    Its construction passed as a replacement's: the others connected its new workspace in place of
+    its Buffer, named it replaced, and handed it their Buffer's name and dispatch count (review).
+    Refused on every rank, naming the misuse; the update then made by every rank replaces nobody."""
+    import mooncake_ep as ep
+
+    size = ep.Buffer.get_ep_buffer_size_hint(4, 128, 2, 4)
+    groups = join(free_port(), 2)
+    buffers = run_in_threads([lambda g=g: [ep.Buffer(g, size, backend="reference") for _ in range(2)] for g in groups])
+    assert run_in_threads([lambda b=b: b[0].update_ep_member() for b in buffers]) == [[], []]
+
+    def rank_fn(rank):
+        forward, grad = buffers[rank]
+        with pytest.raises(ep.RankMismatchError) as error:
+            grad.update_ep_member() if rank == 0 else ep.Buffer(groups[rank], size, backend="reference")
+        return str(error.value), grad.update_ep_member()
+
+    out = run_in_threads([lambda: rank_fn(0), lambda: rank_fn(1)])
+    assert all(isinstance(o, tuple) for o in out), out
+    for (message, replaced), where in zip(out, ("update_ep_member", "Buffer")):
+        assert message == (f"{where}: ranks [1] are building a new Buffer while ranks [0] update theirs "
+                           f"(update_ep_member), and no process of ranks [1] took over a dead rank in this "
+                           f"membership epoch (init_group(rejoin=True)): a rank whose process lives calls "
+                           f"Buffer.update_ep_member() on each of its Buffers, in the order every rank does, and "
+                           f"builds a new Buffer only when every rank builds one"), out
+        assert replaced == [], out
+    run_in_threads([lambda g=g: g.close() for g in groups])
+
+
 def test_renew_times_out_naming_the_missing_rank_and_can_be_retried():
     port = free_port()
     groups = join(port, 3)
