@@ -598,6 +598,9 @@ def test_a_second_replacement_joins_the_next_epoch():
         assert out[:2] == [[victim], [victim]], out
         groups[victim] = out[2]
     assert [g.membership_epoch for g in groups] == [2, 2, 2]
+    # Each process joined in its own epoch: only rank 2's took a rank over in this one (its Buffers may
+    # join the others' update_ep_member; rank 1's, a replacement of epoch 1, may not).
+    assert [g.joined_epoch for g in groups] == [0, 1, 2]
     assert gather_ranks(groups) == [[b"\0\2", b"\1\2", b"\2\2"]] * 3
     run_in_threads([lambda g=g: g.close() for g in groups])
 
