@@ -1097,6 +1097,38 @@ class Buffer:
                 return array
         return frameworks.get(handle.framework).wrap(array)
 
+    def _recv_layout_range(self, where: str, handle: Handle):
+        """Where each source rank's rows lie among each local expert's received rows, for the dispatch
+        of ``handle`` (DeepEP's ``layout_range``); the autograd functions move gradient rows with it
+        between the layouts of two dispatches.
+
+        Returns:
+            ``[num_local_experts, num_ranks, 2]`` int32 in the handle's framework: (first row, rows) of
+            source rank r in local expert e. Rows 0 for a source not received, and for one whose rows
+            the dispatch wrote as zeros (it timed out staging; recv_count still counts them). The
+            first rows are nondecreasing along r, and each range ends at or before the next begins.
+            On the CPU the dispatch result's array; on the GPU a view of the workspace (``recv_range``
+            of the handle's parity), ordered after the dispatch on its stream and rewritten by the
+            dispatch two calls later: copy it, on that stream, before then.
+
+        Raises:
+            TypeError, ValueError, RuntimeError: as :meth:`combine` for a handle it refuses.
+        """
+        self._check_alive(where, launches=False)
+        self._check_handle(where, handle)
+        if handle.backend == "reference":
+            ranges = handle.state["result"].layout_range
+            array = DeviceMemoryArray(ranges.ctypes.data, ranges.shape, "int32", "cpu", 0, owner=ranges)
+        else:
+            workspace_layout, _ = self._cuda.layout_for(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+                                                        handle.num_experts)
+            array = DeviceMemoryArray(self._cuda.workspace.ptr + workspace_layout.offsets["recv_range"][handle.parity],
+                                      (handle.num_experts // self.num_ranks, self.num_ranks, 2), "int32", "cuda",
+                                      handle.device_id, owner=self)
+            if handle.framework == "dlpack":
+                return array
+        return frameworks.get(handle.framework).wrap(array)
+
     def _combine_buffer_shape(self, handle: Handle) -> tuple[int, int, int]:
         return (handle.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,
                 handle.hidden)
