@@ -17,8 +17,10 @@ Gradients (every rank must run the same backward, since each step below is a col
     - combine, w.r.t. the expert outputs: ``grad[row(t, k)] = w_k * grad_y[t]``, exactly, as a
       dispatch on ``grad_buffer`` of the ``t * K`` rows ``w_k * grad_y[t]``, row ``t * K + k`` routed
       (top-1) to the expert the forward's dispatch sent (t, k) to. A local expert receives them
-      ordered by (source rank, t, k), with the forward's counts, so each lands on the forward's row;
-      rows past recv_count get 0, and so do the rows of entries combine's topk_idx leaves out (-1).
+      ordered by (source rank, t, k), each source's in the forward's order, and each source's are
+      moved to where the forward had them (both dispatches' (first row, rows) per source, read on the
+      device); rows past recv_count get 0, and so do the rows of entries combine's topk_idx leaves
+      out (-1) and of a source lost or gained since the forward.
       ``grad_buffer`` is a Buffer of the same group sized for ``T * K`` tokens
       (:func:`grad_buffer_size_hint`): its receive layout is K times the forward's.
     - combine, w.r.t. topk_weights: ``grad_w[t, k] = <expert_out[row(t, k)], grad_y[t]>``, from a
@@ -26,7 +28,8 @@ Gradients (every rank must run the same backward, since each step below is a col
       expert per "token" nothing is summed, so every row comes back to its owner as it was.
     - dispatch, w.r.t. x: ``grad_x[t] = Σ_k grad_recv_x[row(t, k)]``, a combine with unit weights.
       The workspace keeps the routing of the last two dispatches only, so the backward first re-runs
-      the dispatch with zeros (fp8, half the bytes) to rebuild it.
+      the dispatch with zeros (fp8, half the bytes) to rebuild it, and moves each source's gradient
+      rows from the forward's place to the rebuilt one's.
 
     Cost per layer: forward 1 dispatch + 1 combine; backward 2 dispatches + 2 combines (2 + 1 when
     topk_weights needs no gradient), all on torch's current stream, no host synchronisation.
@@ -52,9 +55,9 @@ from mooncake_ep.validation import check_experts, check_grad_num_topk, check_hid
 
 __all__ = ["dispatch", "combine", "grad_buffer_size_hint", "DispatchFunction", "CombineFunction"]
 
-# Per dispatch handle of :func:`dispatch`: its recv_count, topk_idx and the ranks it took as live (its
-# mask after the call), which combine's backward routes by and checks against (Handle belongs to
-# buffer.py, so they are not stored on it).
+# Per dispatch handle of :func:`dispatch`: where each source's rows lie (Buffer._recv_layout_range, a
+# copy) and its topk_idx, by which combine's backward moves and routes the gradient rows (Handle belongs
+# to buffer.py, so they are not stored on it).
 _forward_routing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -91,10 +94,10 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, active_ran
             anything is launched).
 
     Note:
-        A rank that fails (or comes back) between the forward and the backward moves the gradient
-        rows of the ranks after it: the experts whose row counts then differ from the forward's,
-        and every expert once a rank the forward masked is back, send a zero gradient rather than
-        other tokens' rows, and active_ranks shows the failure.
+        A rank that fails (or comes back) between the forward and the backward moves the rows of
+        the ranks after it; the backward moves each row's gradient along, so only the rows of a
+        source lost (or gained) since the forward give no gradient, and active_ranks shows the
+        failure.
     """
     _check_buffer("mooncake_ep.torch.dispatch", buffer)
     _check_tensors("mooncake_ep.torch.dispatch", x=x, topk_idx=topk_idx, active_ranks=active_ranks)
@@ -138,11 +141,9 @@ def combine(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
             and grad_buffer is of another group size or too small.
 
     Note:
-        A rank that fails during the backward moves the gradient rows of the ranks after it; with a
-        handle of :func:`dispatch`, the experts whose row counts then differ from the forward's (and
-        every expert, once a rank the forward's dispatch masked is back) get a zero gradient rather
-        than a misplaced one, and active_ranks shows the failure (a handle of :meth:`Buffer.dispatch`
-        on CUDA tensors does not bring the forward's counts to compare with).
+        A rank that fails (or comes back) between the forward and the backward moves the gradient
+        rows of the ranks after it; each is moved back to its own row, so only the rows of a source
+        lost (or gained) since the forward get a zero gradient, and active_ranks shows the failure.
         Differentiable once: a double backward (``create_graph=True``) through it is refused.
     """
     _check_buffer("mooncake_ep.torch.combine", buffer)
@@ -240,15 +241,14 @@ class DispatchFunction(torch.autograd.Function):
             out = None  # the reference backend's rows past recv_count are zeros
         recv_x, recv_count, handle, _, _ = buffer.dispatch(x, topk_idx, active_ranks, num_max_dispatch_tokens_per_rank,
                                                            num_experts, timeout_us, use_fp8=False, out=out)
-        # Copies: the caller may write into the recv_count it gets back, and into topk_idx (combine
-        # documents dropping entries with -1), which the backwards route by; and active_ranks, which
-        # every later call updates in place.
-        forward_count, forward_idx = recv_count.clone(), topk_idx.detach().clone()
-        forward_sources = active_ranks.detach() != 0
-        _forward_routing[handle] = (forward_count, forward_idx, forward_sources)
+        # Copies: the caller may write into topk_idx (combine documents dropping entries with -1),
+        # which the backwards route by, and the workspace's ranges are rewritten two dispatches on.
+        forward_range = _layout_range(buffer, "mooncake_ep.torch.dispatch", handle).clone()
+        forward_idx = topk_idx.detach().clone()
+        _forward_routing[handle] = (forward_range, forward_idx)
         ctx.mark_non_differentiable(recv_count)
         ctx.save_for_backward(forward_idx)
-        ctx.forward_count, ctx.forward_sources = forward_count, forward_sources
+        ctx.forward_range = forward_range
         # active_ranks is updated in place by every later call: keep the tensor, not a saved version.
         ctx.active_ranks = active_ranks
         ctx.config = (buffer, tuple(x.shape), num_max_dispatch_tokens_per_rank, num_experts, timeout_us)
@@ -265,12 +265,13 @@ class DispatchFunction(torch.autograd.Function):
         device = grad_recv_x.device
         # Rebuild this dispatch's routing in the workspace (only the routing is used: zeros, fp8).
         zeros = torch.zeros(x_shape, dtype=torch.bfloat16, device=device)
-        _, count, handle, _, _ = buffer.dispatch(zeros, topk_idx, ctx.active_ranks, num_max_tokens, num_experts,
-                                                 timeout_us, use_fp8=True)
-        # A rank that failed or came back since the forward moved the rows: an expert whose rows may
-        # differ from the forward's sends zeros, not the gradient rows of other tokens.
-        same = _same_rows(count, ctx.active_ranks, ctx.forward_count, ctx.forward_sources)
-        grad_rows = _where_same(same, grad_recv_x.to(torch.bfloat16))
+        _, _, handle, _, _ = buffer.dispatch(zeros, topk_idx, ctx.active_ranks, num_max_tokens, num_experts,
+                                             timeout_us, use_fp8=True)
+        # A rank that failed or came back since the forward moved the rows of the ranks after it: each
+        # row goes where its (source, token) lies now, and a lost source's rows go nowhere.
+        backward_range = _layout_range(buffer, "mooncake_ep.torch.dispatch (gradient)", handle)
+        grad_rows = _move_rows(grad_recv_x.to(torch.bfloat16), ctx.forward_range, backward_range,
+                               grad_recv_x.shape[1])
         ones = torch.ones(topk_idx.shape, dtype=torch.float32, device=device)
         grad_x, _, _ = buffer.combine(grad_rows.contiguous(), topk_idx, ones, ctx.active_ranks, timeout_us, handle)
         return grad_x, None, None, None, None, None, None
@@ -295,16 +296,15 @@ class CombineFunction(torch.autograd.Function):
             grad_buffer._agree_ahead(handle.num_max_dispatch_tokens_per_rank * num_topk, handle.hidden,
                                      handle.num_experts, use_fp8=False, round_scale=False, use_ue8m0=False,
                                      where="mooncake_ep.torch.combine (gradient)")
-        combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
-        forward_count, dispatched_idx, forward_sources = _forward_routing.get(handle, (None, None, None))
-        if dispatched_idx is None:  # a handle of Buffer.dispatch: its ids, and its counts where the host has them
-            host_ids, result = handle.state.get("topk_idx"), handle.state.get("result")
-            given = handle.state.get("topk_idx_array")
+        forward_range, dispatched_idx = _forward_routing.get(handle, (None, None))
+        if dispatched_idx is None:  # a handle of Buffer.dispatch: its ids, and its sources' rows
+            host_ids, given = handle.state.get("topk_idx"), handle.state.get("topk_idx_array")
             dispatched_idx = (torch.from_numpy(host_ids) if host_ids is not None
                               else given if isinstance(given, torch.Tensor) else topk_idx)
-            if result is not None:
-                forward_count = torch.from_numpy(result.recv_count)
-                forward_sources = torch.from_numpy(result.active_ranks != 0)
+            if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+                # Before the combine: a combine through the workspace leaves the handle refused for more.
+                forward_range = _layout_range(buffer, "mooncake_ep.torch.combine", handle).clone()
+        combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
         # Made under torch.inference_mode (a frozen dispatch, say), which save_for_backward refuses: the
         # small routing tensors are copied out of it (helper-120: the combine had run when it raised).
         topk_idx, topk_weights, dispatched_idx = (t.clone() if t.is_inference() else t
@@ -312,7 +312,7 @@ class CombineFunction(torch.autograd.Function):
         ctx.save_for_backward(x if need_w else None, topk_idx, topk_weights, dispatched_idx)
         ctx.active_ranks = active_ranks
         ctx.config = (buffer, grad_buffer, handle, grad_num_topk, timeout_us)
-        ctx.forward_count, ctx.forward_sources = forward_count, forward_sources
+        ctx.forward_range = forward_range
         return combined
 
     @staticmethod
@@ -338,7 +338,7 @@ class CombineFunction(torch.autograd.Function):
         routes = _drop_copies_past(dispatched_idx, handle.num_experts,
                                    handle.num_max_dispatch_tokens_per_rank).reshape(num_tokens * num_topk, 1)
         try:
-            recv, count, grad_handle, _, _ = grad_buffer.dispatch(
+            recv, _, grad_handle, _, _ = grad_buffer.dispatch(
                 rows, routes, ctx.active_ranks,
                 handle.num_max_dispatch_tokens_per_rank * (num_topk if grad_num_topk is None else grad_num_topk),
                 handle.num_experts, timeout_us, use_fp8=False)
@@ -346,42 +346,28 @@ class CombineFunction(torch.autograd.Function):
             raise RankMismatchError(f"mooncake_ep.torch.combine (gradient): {exc}. The gradient is a dispatch of "
                                     f"T * grad_num_topk tokens: where ranks route with different top-k, every "
                                     f"rank must pass combine grad_num_topk=, the largest") from exc
-        # Rows a failure may have moved since the forward come back as zeros, and give none.
-        same = _same_rows(count, ctx.active_ranks, ctx.forward_count, ctx.forward_sources)
+        # Each source's rows lie where they did in the forward unless a rank failed or came back since,
+        # which moves those of the ranks after it: each row is moved to its (source, token)'s place, and
+        # a row whose source is lost or gained since gets 0.
+        grad_range = _layout_range(grad_buffer, "mooncake_ep.torch.combine (gradient)", grad_handle)
         grad_x = grad_w = None
         if need_w:
-            padded = torch.zeros(recv.shape, dtype=torch.bfloat16, device=recv.device)
-            padded[:, :num_rows] = _where_same(same, expert_out)
+            padded = _move_rows(expert_out, ctx.forward_range, grad_range, recv.shape[1])
             ones = torch.ones(routes.shape, dtype=torch.float32, device=recv.device)
             unsummed, _, _ = grad_buffer.combine(padded, routes, ones, ctx.active_ranks, timeout_us, grad_handle)
             grad_w = (unsummed.float().view(num_tokens, num_topk, hidden) * grad_y32[:, None, :]).sum(-1)
             # where, not a product: a left-out entry's row may be anything (an uncomputed capacity row)
             grad_w = torch.where(named, grad_w, torch.zeros((), device=grad_w.device))
-        if need_x:
-            rows_index = torch.arange(num_rows, device=recv.device)
-            valid = rows_index[None, :] < count[:, None]
-            if same is not None:  # in the mask: one pass over the rows, not two
-                valid &= same[:, None]
-            grad_x = torch.where(valid[:, :, None], recv[:, :num_rows], torch.zeros((), dtype=recv.dtype,
-                                                                                     device=recv.device))
+        if need_x:  # rows past recv_count have no source: 0
+            grad_x = _move_rows(recv, grad_range, ctx.forward_range, num_rows)
         return grad_x, grad_w, None, None, None, None, None, None, None
 
 
-def _same_rows(count: torch.Tensor, active_ranks: torch.Tensor, forward_count: torch.Tensor | None,
-               forward_sources: torch.Tensor | None) -> torch.Tensor | None:
-    """``[num_local_experts]`` bool: whether a backward's dispatch (its ``count``, and the ranks it took
-    as live, ``active_ranks`` after it) received each expert's rows from the forward's tokens, in the
-    forward's order; None where the forward's are unknown (a handle of :meth:`Buffer.dispatch`).
-
-    Rows are ordered by source rank, then token. A source lost since the forward shortens the count of
-    every expert it sent rows to, so an equal count means it sent none there and the rows are the
-    forward's. A source gained (one the forward masked, back since) can make up for a lost one's rows
-    with as many of its own, at an equal count: then no expert is trusted. On the device, without a
-    synchronisation."""
-    if forward_count is None:
-        return None
-    no_source_gained = ~((active_ranks != 0) & ~forward_sources).any()
-    return (count == forward_count) & no_source_gained
+def _layout_range(buffer: Buffer, where: str, handle: Handle) -> torch.Tensor:
+    """:meth:`Buffer._recv_layout_range` as a tensor, ``[num_local_experts, num_ranks, 2]`` int32 (a
+    view of the workspace on the GPU: copy what is kept past the next dispatch). Through DLPack: a
+    handle of :meth:`Buffer.dispatch` may come from numpy or cupy arrays."""
+    return torch.from_dlpack(buffer._recv_layout_range(where, handle))
 
 
 def _drop_copies_past(topk_idx: torch.Tensor, num_experts: int, num_max_dispatch_tokens_per_rank: int) -> torch.Tensor:
@@ -399,13 +385,43 @@ def _drop_copies_past(topk_idx: torch.Tensor, num_experts: int, num_max_dispatch
     return torch.where(dropped, torch.full((), -1, dtype=flat.dtype, device=flat.device), flat).view(topk_idx.shape)
 
 
-def _where_same(same: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` (``[num_local_experts, ...]``) with the experts ``same`` (:func:`_same_rows`) leaves out
-    set to 0; as it is where ``same`` is None."""
-    if same is None:
-        return rows
-    same = same.reshape((-1,) + (1,) * (rows.dim() - 1))
-    return torch.where(same, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+def _move_rows(rows: torch.Tensor, from_range: torch.Tensor, to_range: torch.Tensor, num_to_rows: int) -> torch.Tensor:
+    """Rows received by one dispatch, moved to where another dispatch of the same routing received them.
+
+    Rows are ordered by source rank, then token (in (token, k) order), so a source live in both
+    dispatches has the same rows in the same order, only starting elsewhere when a source before it
+    was lost or gained between them. Each row goes from its source's place in ``from_range`` to its
+    place in ``to_range``; a row of a source the other dispatch did not receive (lost, gained, or
+    its rows written as zeros) gets 0, as does every row past the last source's. Of a source with
+    more rows in one than in the other (a copy past its first T rows to one expert, which a dispatch
+    of fewer tokens per rank drops), the common first rows move. On the device, without a
+    synchronisation: plain tensor ops on both backends.
+
+    Args:
+        rows: ``[num_local_experts, num_from_rows, ...]``, laid out as ``from_range`` says.
+        from_range, to_range: ``[num_local_experts, num_ranks, 2]`` int32, each dispatch's (first row,
+            rows) per (local expert, source rank) (:meth:`Buffer._recv_layout_range`).
+        num_to_rows: rows of the result per local expert, at least the last range's end in ``to_range``.
+
+    Returns:
+        ``[num_local_experts, num_to_rows, ...]`` of ``rows``' dtype, laid out as ``to_range`` says.
+    """
+    from_range, to_range = from_range.to(rows.device, torch.int64), to_range.to(rows.device, torch.int64)
+    to_first, to_count = to_range[..., 0], to_range[..., 1]
+    num_local_experts, num_ranks = to_first.shape
+    to_rows = torch.arange(num_to_rows, device=rows.device).expand(num_local_experts, num_to_rows).contiguous()
+    # Each row's source: the first whose range ends past it (the ends are nondecreasing along the
+    # sources, a source without rows ends where it begins); past every range, the last source, whose
+    # offset then falls outside its rows.
+    source = torch.searchsorted((to_first + to_count).contiguous(), to_rows, right=True).clamp_(max=num_ranks - 1)
+    offset = to_rows - to_first.gather(1, source)
+    kept = torch.minimum(to_count, from_range[..., 1]).gather(1, source)
+    moved = (offset >= 0) & (offset < kept)
+    from_rows = torch.where(moved, from_range[..., 0].gather(1, source) + offset, 0)
+    index = from_rows.reshape(from_rows.shape + (1,) * (rows.dim() - 2))
+    # where, not a product: a row left out may hold anything (an uncomputed capacity row, NaN).
+    return torch.where(moved.reshape(index.shape), torch.take_along_dim(rows, index, dim=1),
+                       torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
 def _check_grad_buffer(buffer: Buffer, grad_buffer, handle, grad_num_topk) -> int:

@@ -190,11 +190,11 @@ def test_entries_combine_leaves_out_get_no_gradient_whatever_their_rows_hold():
     assert torch.isfinite(grad_y).all() and not grad_y[1].any()
 
 
-def test_experts_whose_rows_a_failure_moved_during_the_backward_get_zero_gradient():
+def test_a_failure_during_the_backward_drops_only_the_lost_ranks_rows():
     """Rank 0 masked between forward and backward: its gradient rows no longer arrive, so the rows of
-    the ranks after it move up into its rows' places. Experts that had rows from it get 0 rather than
-    a misplaced gradient, and so do the gradients their rows carry back (x through dispatch's
-    backward, topk_weights through combine's); the others get their own."""
+    the ranks after it move up into its rows' places. Those rows still get their own gradient, carried
+    back to their tokens (x through dispatch's backward, topk_weights through combine's); only rank 0's
+    rows, and its experts', get 0 (the review of helper-78's fix: it zeroed every expert rank 0 fed)."""
     num_ranks, T, H, E, K = 3, 4, 128, 6, 2
     num_local, num_rows = E // num_ranks, num_ranks * T
     xs, _, weights = make_inputs(4, num_ranks, T, H, E, K)
@@ -220,28 +220,106 @@ def test_experts_whose_rows_a_failure_moved_during_the_backward_get_zero_gradien
         return y.grad.float().numpy(), x.grad.float().numpy(), w.grad.numpy()
 
     grads = ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
-    assert not grads[1][0].any(), "rank 1's experts had rows from rank 0: no gradient rather than a misplaced one"
-    # Rank 2's experts had none: every row of theirs gets its own gradient, w_k for y (d out = 1), and
-    # carries back its own to x (grad_recvs' row) and to w (the row's sum, <y_row, 1>).
-    forward = reference.dispatch(2, [to_np(x) for x in xs], [t.numpy() for t in topks],
-                                 [np.ones(num_ranks, np.int32)] * num_ranks, T, E, use_fp8=False)
-    want_y = np.zeros_like(grads[2][0])
+    # Every row of the live ranks' experts from a live source gets its own gradient, w_k for y (d out = 1),
+    # and carries back its own to x (grad_recvs' row) and to w (the row's sum, <y_row, 1>).
+    forwards = [reference.dispatch(r, [to_np(x) for x in xs], [t.numpy() for t in topks],
+                                   [np.ones(num_ranks, np.int32)] * num_ranks, T, E, use_fp8=False)
+                for r in range(num_ranks)]
+    want_y = [np.zeros((num_local, num_rows, H), np.float32) for _ in range(num_ranks)]
     want_x = [np.zeros((T, H)) for _ in range(num_ranks)]
     want_w = [np.zeros((T, K)) for _ in range(num_ranks)]
-    for e in range(num_local):
-        assert forward.recv_count[e] > 0 and not (forward.recv_src_rank[e, :forward.recv_count[e]] == 0).any()
-        for row in range(forward.recv_count[e]):
-            src, t, k = (int(a[e, row]) for a in (forward.recv_src_rank, forward.recv_src_token, forward.recv_src_topk))
-            want_y[e, row] = np.float32(weights[src][t, k].item())
-            want_x[src][t] += to_np(grad_recvs[2])[e, row].astype(np.float64)
-            want_w[src][t, k] = to_np(expert_outs[2])[e, row].astype(np.float64).sum()
-    np.testing.assert_array_equal(grads[2][0], want_y.astype(reference.bfloat16).astype(np.float32))
-    # The ranks still alive: experts 0 and 1 (rank 0's) are masked, 2 and 3 (rank 1's) moved, so only
-    # rank 2's experts contribute.
+    for owner in (1, 2):
+        forward = forwards[owner]
+        for e in range(num_local):
+            for row in range(forward.recv_count[e]):
+                src, t, k = (int(a[e, row]) for a in (forward.recv_src_rank, forward.recv_src_token,
+                                                      forward.recv_src_topk))
+                if src == 0:
+                    continue
+                want_y[owner][e, row] = np.float32(weights[src][t, k].item())
+                want_x[src][t] += to_np(grad_recvs[owner])[e, row].astype(np.float64)
+                want_w[src][t, k] = to_np(expert_outs[owner])[e, row].astype(np.float64).sum()
+    assert (forwards[1].recv_src_rank[:, 0] == 0).all(), "rank 0's rows come first in rank 1's experts"
+    assert (forwards[1].recv_src_rank == 2).any(), "and rank 2's after them, moved in the backward"
     for r in (1, 2):
+        np.testing.assert_array_equal(grads[r][0], want_y[r].astype(reference.bfloat16).astype(np.float32),
+                                      err_msg=f"rank {r}: grad expert out")
         np.testing.assert_allclose(grads[r][1], want_x[r], rtol=BF16_RTOL, atol=1e-6, err_msg=f"rank {r}: grad x")
         np.testing.assert_allclose(grads[r][2], want_w[r], rtol=1e-5, atol=1e-4, err_msg=f"rank {r}: grad weights")
-        assert np.all(grads[r][2][topks[r].numpy() < 4] == 0), f"rank {r}: moved or masked experts' weights"
+        assert np.all(grads[r][2][topks[r].numpy() < 2] == 0), f"rank {r}: the lost rank's experts' weights"
+
+
+@pytest.mark.parametrize("dispatch", ["mooncake_ep.torch", "Buffer"])
+def test_the_rows_after_a_lost_rank_get_their_own_gradient_by_hand(dispatch):
+    """One expert per rank, hand-computed. Expert 1 (rank 1's) receives, in order, rank 0's two tokens,
+    rank 1's token 0 and rank 2's token 0; expert 2 rank 1's and rank 2's token 1. Rank 0 is masked
+    after the forward, so in the backward expert 1's rows from ranks 1 and 2 arrive first: they must
+    still be the gradient of forward rows 2 and 3, and only rows 0 and 1 get 0. Row values say where
+    they are: 10 * owner + row + 1, exact in bf16; a misplaced row gives another number, a dropped
+    one 0. "Buffer": the combine answers a handle of Buffer.dispatch (its x gets no gradient)."""
+    num_ranks, T, H, E = 3, 2, 128, 3
+    topks = [torch.tensor([[1], [1]]), torch.tensor([[1], [2]]), torch.tensor([[1], [2]])]
+    weights = [torch.tensor([[11.0], [13.0]]), torch.tensor([[2.0], [3.0]]), torch.tensor([[5.0], [7.0]])]
+    # Both the expert outputs (combine's forward) and d loss / d recv_x (dispatch's backward).
+    row_values = [(10 * r + torch.arange(1, num_ranks * T + 1, dtype=torch.float32)).reshape(1, -1, 1).expand(1, -1, H)
+                  .bfloat16() for r in range(num_ranks)]
+
+    def rank_fn(group):
+        r = group.rank
+        buffer, grad_buffer = buffers(group, T, H, E, 1)
+        active = torch.ones(num_ranks, dtype=torch.int32)
+        x = torch.zeros(T, H, dtype=torch.bfloat16, requires_grad=True)
+        w = weights[r].clone().requires_grad_()
+        if dispatch == "Buffer":
+            _, _, handle, _, _ = buffer.dispatch(x.detach(), topks[r], active, T, E, use_fp8=False)
+            loss = 0
+        else:
+            recv, _, handle = ept.dispatch(buffer, x, topks[r], active, T, E)
+            loss = (recv.float() * row_values[r].float()).sum()
+        y = row_values[r].clone().requires_grad_()
+        out = ept.combine(buffer, y, topks[r], w, active, handle, grad_buffer=grad_buffer)
+        active[0] = 0  # every rank's mask: rank 0 failed after the forward
+        (loss + out.float().sum()).backward()  # d loss / d out = 1
+        grad_x = None if x.grad is None else x.grad.float()
+        return grad_x, w.grad, y.grad[0].float()
+
+    results = ep.LocalGroup(num_ranks, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+    ones = torch.ones(H)
+    # d out[t] / d y[row(t)] = w[t]: on rank 1 rows 2 and 3 are rank 1's token 0 and rank 2's token 0;
+    # on rank 2 rows 0 and 1 are their tokens 1.
+    want_y = {1: [0, 0, 2, 5, 0, 0], 2: [3, 7, 0, 0, 0, 0]}
+    # d out[t] / d w[t] = <y[row(t)], 1> = H * (10 * owner + row + 1); d loss / d x[t] = that row's value.
+    want_row_value = {1: [13, 21], 2: [14, 22]}
+    for r in (1, 2):
+        grad_x, grad_w, grad_y = results[r]
+        assert torch.equal(grad_y, torch.tensor(want_y[r], dtype=torch.float32)[:, None] * ones), f"rank {r}: grad y"
+        assert grad_w.flatten().tolist() == [H * v for v in want_row_value[r]], f"rank {r}: grad weights"
+        if dispatch == "mooncake_ep.torch":
+            assert torch.equal(grad_x, torch.tensor(want_row_value[r], dtype=torch.float32)[:, None] * ones), \
+                f"rank {r}: grad x"
+
+
+def test_rows_move_between_layouts_by_source_and_only_shared_rows_move():
+    """The layouts the GPU makes and the reference never does: a source whose staging timed out keeps its
+    first row with 0 rows (a gap of zero rows follows), and a source with more rows in one layout than
+    the other (copies a dispatch of fewer tokens per rank dropped). Row values are their row numbers
+    + 1 in the forward layout, so each moved row says where it came from; NaN past the rows, which
+    must not leak into the result."""
+    # One local expert, three sources. Forward: source 0 rows 0-1, source 1 rows 2-4, source 2 rows 5-6.
+    forward_range = torch.tensor([[[0, 2], [2, 3], [5, 2]]], dtype=torch.int32)
+    # Backward: source 0 lost (0 rows at 0); source 1 unstaged (its 3 zero rows 0-2, 0 rows in its
+    # range); source 2 at 3 with 4 rows, of which the forward kept 2.
+    backward_range = torch.tensor([[[0, 0], [0, 0], [3, 4]]], dtype=torch.int32)
+    rows = torch.arange(1.0, 9.0).reshape(1, 8, 1).expand(1, 8, 2).clone()
+    rows[0, 7] = float("nan")  # past the forward's rows
+    to_backward = ept._move_rows(rows, forward_range, backward_range, 10)
+    assert to_backward[0, :, 0].tolist() == [0, 0, 0, 6, 7, 0, 0, 0, 0, 0]
+    back = ept._move_rows(to_backward, backward_range, forward_range, 8)
+    assert back[0, :, 0].tolist() == [0, 0, 0, 0, 0, 6, 7, 0]
+    # A source gained in the backward (0 rows in the forward) gets 0 in its rows.
+    gained = torch.tensor([[[0, 2], [2, 3], [5, 2]]], dtype=torch.int32)
+    assert ept._move_rows(rows, torch.tensor([[[0, 0], [0, 3], [3, 2]]], dtype=torch.int32), gained,
+                          8)[0, :, 0].tolist() == [0, 0, 1, 2, 3, 4, 5, 0]
 
 
 def test_a_rank_that_came_back_since_the_forward_gets_no_other_tokens_gradient():
