@@ -62,6 +62,10 @@ for name in BUDGET_S PACK_RESERVE_S; do
 done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# On this machine a GPU test that skips (no CUDA torch, JAX or cupy) hides a broken install: it fails
+# instead, except one that needs more GPUs than there are (tests/conftest.py). Every stage's pytest:
+# the sanitizer's in-process cases passed with every test skipped when the tests stage did not run.
+export MOONCAKE_EP_REQUIRE_GPU=1
 export MOONCAKE_EP_CACHE_DIR="${MOONCAKE_EP_CACHE_DIR:-/tmp/mooncake_ep_cache}"
 status=0
 has() { [[ " $stages " == *" $1 "* ]]; }
@@ -203,9 +207,6 @@ if has tests; then
   # past --timeout gets its threads' stacks dumped (thread method: works while C code holds the GIL).
   # Failures are appended to pytest_failures.log as they happen (tests/conftest.py).
   export MOONCAKE_EP_FAILURE_LOG="$out/pytest_failures.log"
-  # On this machine a GPU test that skips (no CUDA torch, JAX or cupy) hides a broken install: it fails
-  # instead, except one that needs more GPUs than there are (tests/conftest.py).
-  export MOONCAKE_EP_REQUIRE_GPU=1
   default_files="test_gpu_low_latency test_gpu_faults test_gpu_ipc test_gpu_frameworks test_examples test_bench test_cli"
   files="${PYTEST_FILES:-$default_files}"
   num_files_run=0  # files where some test ran and all passed

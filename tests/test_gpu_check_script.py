@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
 
 STAND_IN = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >>"$CALLS"
+[ -n "${RECORD_REQUIRE_GPU:-}" ] && echo "MOONCAKE_EP_REQUIRE_GPU=${MOONCAKE_EP_REQUIRE_GPU:-}" >>"$CALLS"
 case "$*" in *"pip install"*) exit "${INSTALL_RC:-0}";; esac
 case "$*" in *test_b.py*) printf '%s' "${PYTEST_OUTPUT_TEST_B:-}"; exit "${PYTEST_RC_TEST_B:-${PYTEST_RC:-0}}";; esac
 case "$*" in *pytest*) exit "${PYTEST_RC:-0}";; esac
@@ -83,3 +84,12 @@ def test_a_log_cut_mid_line_still_gets_its_exit_code_line(tmp_path):
                          PYTEST_RC_TEST_B="124")
     assert proc.returncode == 1
     assert "\n== test_b rc=124\n" in proc.stdout and "\n== test_a rc=0\n" in proc.stdout, proc.stdout
+
+
+def test_every_stages_pytest_fails_a_skipped_gpu_test(tmp_path):
+    """MOONCAKE_EP_REQUIRE_GPU was set in the tests stage only: a call of the sanitizer stage alone ran its
+    in-process cases with the requirement off, and passed with every test skipped (helper-173)."""
+    proc, calls = run_script(tmp_path, "sanitizer", RECORD_REQUIRE_GPU="1")
+    pytest_runs = [i for i, call in enumerate(calls) if "python3 -m pytest" in call]
+    assert pytest_runs, proc.stdout + proc.stderr
+    assert all(calls[i + 1] == "MOONCAKE_EP_REQUIRE_GPU=1" for i in pytest_runs), calls
