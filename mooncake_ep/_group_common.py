@@ -313,6 +313,9 @@ class _KeyValueGroup:
         self._is_replacement = False  # until the first renew_membership of a rejoining process
         self._joined_epoch = 0  # the epoch this process joined in (joined_epoch)
         self._round_join_key: str | None = None  # this rank's join of its last renewal round
+        # The mark a failed wait of this rank's current renewal round left beside its join (a store with
+        # claims: WITHDRAWN_SUFFIX), which nobody reads once the round completes.
+        self._withdrawn_join_key: str | None = None
         # (epoch, attempt, counted there) of this rank's counted renewal round (_counted_round)
         self._round_attempt: tuple[int, int, bool] = (0, 0, False)
         self._seq = 0
@@ -358,6 +361,10 @@ class _KeyValueGroup:
 
     def _hold_alive(self, epoch: int) -> None:
         """Make this process's claim of :meth:`_holder_keys` for ``epoch``, where the store has claims."""
+
+    def _release_alive(self, epoch: int) -> None:
+        """End this process's claim of :meth:`_holder_keys` for ``epoch`` (held since :meth:`_hold_alive`),
+        once a later epoch's round has completed: every rank has left ``epoch``'s collectives then."""
 
     def _kv_create(self, key: str, value: bytes) -> bytes:
         """Set ``key`` to ``value`` unless it is set: the value the key holds then, the first creator's
@@ -540,6 +547,8 @@ class _KeyValueGroup:
                     # joined for a peer whose wait is on its way (else the ranks split epochs).
                     values = self._kv_multi_get(keys, wait_s, settle=True)
             except _StoreWaitError as exc:
+                if self._takes_replacements:  # the store took this rank's join back, leaving its mark
+                    self._withdrawn_join_key = keys[self.rank] + WITHDRAWN_SUFFIX
                 missing = _ranks_of(exc.missing_keys)
                 # Survivors that came to this round and gave up first (their joins withdrawn) are not
                 # what the round waits for: the ranks that never came are named, those after them.
@@ -575,16 +584,26 @@ class _KeyValueGroup:
             if len({(version, size) for version, size, _ in joins}) > 1:
                 seen = {r: (version, size) for r, (version, size, _) in enumerate(joins)}
                 raise GroupError(f"{label}: ranks disagree on (protocol version, world_size): {seen}")
-            old_key = self._collective_key(self._seq - 1, self.rank) if self._seq > 0 else None
+            # Every rank has come to this round, so every peer has left the old epoch's collectives: its
+            # last slot goes, and, where a call failed (it broke the group), the one before it too, which
+            # a peer may still have been reading then (a call that completes deletes it).
+            spent_keys = [self._collective_key(seq, self.rank)
+                          for seq in range(max(self._seq - (1 if self._broken is None else 2), 0), self._seq)]
+            old_epoch, was_replacement = self._epoch, self._is_replacement
             self._epoch, self._seq, self._broken = epoch, 0, None
             self._is_replacement = False
             # Where a later replacement looks for the round to join (see _join_as_replacement).
             self._kv_set(f"{self._namespace}epoch", str(epoch).encode())
-            if old_key is not None:
-                self._delete_spent_slot(old_key)  # the last key of the old epoch: every peer has left it
+            for key in spent_keys:
+                self._delete_spent_slot(key)
+            if not was_replacement:  # (a replacement never held the old epoch's: its dead process's went with it)
+                self._release_alive(old_epoch)
             if self._round_join_key is not None:  # every rank has finished the round before this one:
                 self._kv_delete(self._round_join_key)  # nobody reads its keys
             self._round_join_key = join_key
+            if self._withdrawn_join_key is not None:
+                self._kv_delete(self._withdrawn_join_key)
+                self._withdrawn_join_key = None
             if epoch > 1:
                 self._kv_delete(f"{self._namespace}e{epoch - 1}/came/{self.rank}")
             return [r for r, (_, _, replaced) in enumerate(joins) if replaced]

@@ -308,6 +308,10 @@ class TCPGroup(_KeyValueGroup):
         # A retried round finds its own claim (claim() is False then: only this process has this rank).
         self._store().claim(self._alive_key(epoch, self.rank), self._claim_value())
 
+    def _release_alive(self, epoch: int) -> None:
+        # Else one claim per renewal stayed for the life of the process: the store grew without bound.
+        self._store().delete(self._alive_key(epoch, self.rank))
+
     @staticmethod
     def _claim_value() -> bytes:
         """What this process's claims hold: who holds them, for whoever reads one."""

@@ -17,6 +17,7 @@ import pytest
 
 import _threads
 from mooncake_ep.cli.launch import free_port
+from mooncake_ep._group_common import WITHDRAWN_SUFFIX
 from mooncake_ep.group import GroupError, JaxGroup, TCPGroup, TorchStoreGroup
 from test_group_adapters import FakeJaxClient
 
@@ -250,3 +251,48 @@ def test_a_rank_whose_time_ran_out_before_it_waited_decides_at_once():
     groups[0].timeout_s = SHORT_S
     (error,) = run([groups[0].renew_membership])
     assert isinstance(error, GroupError) and "waiting for ranks [1] of 2" in str(error), error
+
+
+def test_the_store_stays_the_same_size_however_often_the_ranks_renew():
+    """Each renewal claimed alive/e{epoch}/{rank}, the holder of the rank's slots in that epoch's
+    collectives, and nothing let it go: a job renewing often grew rank 0's store (keys and claims) by
+    world_size per renewal for as long as it ran. A rank now ends its claim of the old epoch once the
+    next round completes (every rank has left the old epoch's collectives then)."""
+    port = free_port()
+    groups = run([lambda r=r: TCPGroup(r, 3, master_port=port, timeout_s=LONG_S) for r in range(3)])
+    server = groups[0]._server
+    sizes = []
+    for _ in range(4):
+        assert run([g.renew_membership for g in groups]) == [[], [], []]
+        assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1", b"\2"]] * 3
+        with server._cond:
+            sizes.append((len(server._data), len(server._claim_owners)))
+    assert sizes == [sizes[0]] * 4, sizes
+    with server._cond:
+        assert sorted(k for k in server._data if k.startswith("alive/")) == [f"alive/e4/{r}" for r in range(3)]
+    # The claims of the current epoch still tell a dead rank at once.
+    groups[2]._client.close()
+    (error,) = run([groups[0].barrier])
+    assert isinstance(error, GroupError) and "ranks [2] left the group" in str(error), error
+    run([lambda g=g: g.close(final_barrier=False) for g in groups[:2]])
+
+
+def test_a_failed_call_and_a_failed_renewal_leave_nothing_in_the_store_once_the_ranks_renew():
+    """A collective that timed out left this rank's slot of the call before it (a peer may still have
+    been reading it, so it stays until the renewal), and a renewal that timed out left the mark beside
+    its withdrawn join: the next renewal deleted neither, so every failure grew the store for good."""
+    a, b = pair("tcp")
+    run([a.barrier, b.barrier])  # call 1
+    a.timeout_s = SHORT_S
+    with pytest.raises(GroupError, match=r"barrier #1 timed out"):
+        a.barrier()  # call 2: rank 0 alone
+    with pytest.raises(GroupError, match=r"renew_membership #0 \(epoch 1\) timed out"):
+        a.renew_membership()  # alone too: its join is withdrawn, e1/join/0:withdrawn marks it
+    a.timeout_s = LONG_S
+    assert run([a.renew_membership, b.renew_membership]) == [[], []]
+    server = a._server
+    with server._cond:
+        left = sorted(k for k in server._data if (k.startswith("c/") and not k.startswith("c/0/")) or k.endswith(WITHDRAWN_SUFFIX))
+    assert left == [], left
+    assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in (a, b)]) == [[b"\0", b"\1"]] * 2
+    run([lambda g=g: g.close() for g in (a, b)])
