@@ -68,6 +68,16 @@ _RETRY_FIRST_S = 0.01
 _RETRY_MAX_S = 0.5
 # How often the store's accept loop checks for shutdown (bounds how long close() takes).
 _SERVE_POLL_S = 0.05
+# A connection must say the store's hello within this long of its handler starting: a client says it as
+# soon as it has connected, so one that says nothing (a port scanner, a hung or hostile peer) is dropped,
+# instead of holding a connection and a thread of rank 0's process for good. Generous: a rank whose
+# process stalls between its connect and its hello must not be refused.
+_HELLO_DEADLINE_S = 30.0
+# The most connections the store serves at once, each with a thread of rank 0's process: a group holds
+# one per rank, so a job of thousands of ranks, with replacements and the connections of dead processes
+# that TCP has not given up yet, stays far below it. Past it a new connection's hello is answered with
+# an error that names the bound (a client looping on connect, a flood), and it is closed.
+_MAX_CONNECTIONS = 16384
 # How often a server-side wait looks whether its client has hung up (died).
 _DEAD_CLIENT_POLL_S = 0.5
 # close() lets requests already woken by it (waits answered "closed") send their replies this long.
@@ -121,6 +131,8 @@ _STILL_ARRIVING = 4
 # names a holder key per key after the keys, "" for none).
 _WAIT_VALUES, _WAIT_SETTLES_CLAIMS, _WAIT_WITHDRAWS_CLAIMS, _WAIT_ENDS_WITHOUT_HOLDERS = 1, 2, 4, 8
 _DONT_WAIT = getattr(socket, "MSG_DONTWAIT", 0)  # the server's sockets block: a peek must not
+# What TCPStoreServer._connected says of a connection accepted as the store closes: not served, not answered.
+_CLOSING = "closing"
 
 
 class _StoreClosedError(_StoreWaitError):
@@ -207,10 +219,17 @@ class _NoReplyYet(Exception):
     """Nothing of a wait's reply came within its limit: the connection stays in step (TCPStoreClient)."""
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
+def _recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
+    """``size`` bytes from ``sock``; by ``deadline`` (a ``time.monotonic()``, for the whole of them,
+    however they trickle in), else TimeoutError; None: within the socket's own timeout per read."""
     buf = bytearray(size)
     view, got = memoryview(buf), 0
     while got < size:
+        if deadline is not None:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError(f"{got} of {size} bytes came in time")
+            sock.settimeout(left_s)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionError("connection closed by the other side")
@@ -256,8 +275,10 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         sock.settimeout(None)
         _configure(sock)
         store = self.server.store
+        deadline = time.monotonic() + _HELLO_DEADLINE_S
         try:
-            if not store._connected(sock, +1) or not self._greet(sock, store):
+            refusal = store._connected(sock, +1)
+            if refusal == _CLOSING or not self._greet(sock, store, deadline, refusal):
                 return
             while True:
                 try:
@@ -311,16 +332,24 @@ class _StoreHandler(socketserver.BaseRequestHandler):
             raise
 
     @staticmethod
-    def _greet(sock: socket.socket, store: TCPStoreServer) -> bool:
-        """Read the client's hello and answer it; False: the connection is not to be served. A client
-        is counted greeted before the answer reaches it, so that a client whose connect returned is
-        one the store's close() lets hang up first."""
+    def _greet(sock: socket.socket, store: TCPStoreServer, deadline: float, refusal: str | None) -> bool:
+        """Read the client's hello, by ``deadline`` (a ``time.monotonic()``), and answer it; False: the
+        connection is not to be served. ``refusal``: why the store serves no more connections, which a
+        client of this protocol is told (read first, its hello is answered, not cut off by a reset). A
+        client is counted greeted before the answer reaches it, so that a client whose connect returned
+        is one the store's close() lets hang up first."""
         magic = version = None
         try:
-            if _HEADER.unpack(_recv_exact(sock, _HEADER.size)) == (_OP_HELLO, _HELLO.size):
-                magic, version = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+            if _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline)) == (_OP_HELLO, _HELLO.size):
+                magic, version = _HELLO.unpack(_recv_exact(sock, _HELLO.size, deadline))
         except ConnectionError:
             return False
+        except TimeoutError:
+            logger.warning("TCPStoreServer: dropped a connection that said no hello within %g s (a client says it "
+                           "as soon as it connects: a port scanner, or a process stopped since)", _HELLO_DEADLINE_S)
+            return False
+        finally:
+            sock.settimeout(None)  # served blocking from here (see handle)
         if magic != _MAGIC:
             logger.warning("TCPStoreServer: dropped a connection that does not speak the store protocol (a "
                            "mooncake_ep older than store protocol 4, or another program sent to MASTER_PORT)")
@@ -329,6 +358,9 @@ class _StoreHandler(socketserver.BaseRequestHandler):
             message = (f"the store speaks protocol {_PROTOCOL_VERSION} and this rank {version}: every rank "
                        f"must run the same mooncake_ep version").encode()
             _send_message(sock, _ERROR, [message])
+            return False
+        if refusal is not None:
+            _send_message(sock, _ERROR, [refusal.encode()])
             return False
         store._greeted(sock)
         _send_message(sock, _OK, [])
@@ -381,6 +413,7 @@ class TCPStoreServer:
         # until then only: 10 s and the time of its bytes at the slowest rate a transfer is allowed).
         self._arriving_keys: dict[str, list[tuple[int, float]]] = {}
         self._num_busy = 0  # requests read and not yet answered
+        self._full_since_logged = False  # refusing connections (_MAX_CONNECTIONS), and said so in the log
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
             self._server = _StoreTCPServer((host, port), family, self)
@@ -470,8 +503,10 @@ class TCPStoreServer:
         with self._cond:
             return len(self._greeted_clients)
 
-    def _connected(self, sock: socket.socket, delta: int) -> bool:
-        """Count a connection in (+1) or out (-1); False: in, but the store is closing (not to be served).
+    def _connected(self, sock: socket.socket, delta: int) -> str | None:
+        """Count a connection in (+1) or out (-1). In: None where it is to be served; :data:`_CLOSING`
+        where the store is closing (it is shut down here); else why the store refuses it, which its
+        hello is answered with: the store serves :data:`_MAX_CONNECTIONS` already (it is not counted).
 
         A connection accepted while close() runs registers after close() listed the ones to shut down:
         it is refused here, under the lock close() set ``_closing`` with, never served by a closed store.
@@ -480,13 +515,22 @@ class TCPStoreServer:
             if delta > 0 and self._closing:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                return False
+                return _CLOSING
+            if delta > 0 and len(self._clients) >= _MAX_CONNECTIONS:
+                if not self._full_since_logged:  # once while full: a flood must not flood the log too
+                    self._full_since_logged = True
+                    logger.warning("TCPStoreServer: %d connections open, the most the store serves; refusing new "
+                                   "ones until some close (a client reconnecting in a loop?)", len(self._clients))
+                return (f"the store serves {_MAX_CONNECTIONS} connections already, the most it serves (each a "
+                        f"thread of rank 0's process), where a group needs one per rank: some process keeps "
+                        f"connecting to MASTER_PORT without closing")
             (self._clients.add if delta > 0 else self._clients.discard)(sock)
             if delta < 0:  # the client hung up, exited or died: what it claimed is free again
                 self._greeted_clients.discard(sock)
                 self._drop_claims_of(sock)
+                self._full_since_logged = self._full_since_logged and len(self._clients) >= _MAX_CONNECTIONS
             self._cond.notify_all()
-            return True
+            return None
 
     def _greeted(self, sock: socket.socket) -> None:
         """The connection ``sock`` said the hello: a client of the store, which close() lets hang up first."""

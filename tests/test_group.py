@@ -5,6 +5,7 @@ CPU only. Timeouts here are short but only bound failures; no assertion is about
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -529,6 +530,65 @@ def test_store_close_does_not_wait_for_connections_that_never_said_hello():
     assert close_s < PROCESS_LIMIT_S / 2  # not a timing claim: without the fix it returns only when the wait ends
 
 
+def _closed_by_the_server(sock: socket.socket) -> bool:
+    """Whether the server closed ``sock`` (waiting up to 10 s for it to): end of file, or a reset where
+    it closed with bytes of ours unread."""
+    sock.settimeout(10.0)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_store_drops_a_connection_that_says_no_hello_in_time(monkeypatch, caplog):
+    """A connection that said nothing, or trickled its hello a byte at a time, held a connection and a
+    thread of rank 0's process for as long as it stayed open: the store had no deadline for the hello."""
+    monkeypatch.setattr(_tcp_store, "_HELLO_DEADLINE_S", 0.2)
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        with socket.create_connection(("127.0.0.1", server.port)) as silent:
+            assert _closed_by_the_server(silent)
+        with socket.create_connection(("127.0.0.1", server.port)) as trickle:  # each byte within 0.2 s, the whole not
+            with contextlib.suppress(OSError):  # (the store hangs up midway)
+                for byte in _tcp_store.hello(_tcp_store._PROTOCOL_VERSION):
+                    trickle.send(bytes([byte]))
+                    time.sleep(0.05)
+            assert _closed_by_the_server(trickle)
+        assert caplog.text.count("said no hello within 0.2 s") == 2, caplog.text
+        deadline = time.monotonic() + PROCESS_LIMIT_S
+        while server._clients:  # their handlers have let them go
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as client:  # a client's hello is in time
+            time.sleep(0.3)  # past the hello's deadline: a greeted connection has none
+            client.set("k", b"v")
+            assert client.get("k", timeout_s=1.0) == b"v"
+
+
+def test_store_refuses_connections_past_its_bound_and_names_it(monkeypatch, caplog):
+    """Every connection was served, each with a thread: a process reconnecting in a loop grew rank 0's
+    threads without bound. Past _MAX_CONNECTIONS a new one is refused, its client told why; one that
+    closes makes room again."""
+    monkeypatch.setattr(_tcp_store, "_MAX_CONNECTIONS", 2)
+    with TCPStoreServer("127.0.0.1", 0) as server:
+        first = TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+        with TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as second:
+            for _ in range(2):
+                with pytest.raises(GroupError, match=r"refused this rank: the store serves 2 connections already, "
+                                                     r"the most it serves .*: some process keeps connecting"):
+                    TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0)
+            assert caplog.text.count("the most the store serves") == 1, caplog.text  # said once while full
+            first.close()
+            deadline = time.monotonic() + PROCESS_LIMIT_S
+            while len(server._clients) > 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with TCPStoreClient("127.0.0.1", server.port, timeout_s=5.0) as third:
+                third.set("k", b"v")
+                assert second.get("k", timeout_s=1.0) == b"v"
+
+
 def test_store_close_waits_only_for_the_clients_connected_when_it_was_called(monkeypatch):
     """A failed rank 0 lets the ranks connected to it hang up first; a peer that reconnects at once to
     retry joined a store about to close, and held it (and rank 0's error) open for the whole wait."""
@@ -720,7 +780,7 @@ def test_store_connection_that_registers_after_close_listed_its_clients_is_not_s
     ours, theirs = socket.socketpair()
     with ours, theirs:
         ours.settimeout(PROCESS_LIMIT_S)  # a regression fails instead of hanging
-        assert not server._connected(theirs, +1)  # what a handler starting now is told
+        assert server._connected(theirs, +1) == _tcp_store._CLOSING  # what a handler starting now is told
         assert ours.recv(1) == b"" and not server._clients
 
 
