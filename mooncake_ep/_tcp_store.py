@@ -5,7 +5,8 @@ every rank talks to it through one connection (:class:`TCPStoreClient`). Keys ar
 bytes; ``wait`` blocks server-side until the keys appear, so it costs one round trip, not polling.
 
 Wire format: a connection opens with the client's hello, answered by a reply (OK, or an error that
-says why: another protocol version); then one request and one reply at a time::
+says why: another protocol version, or the store serves its most connections already); a connection
+that has not said it within ``_HELLO_DEADLINE_S`` is dropped. Then one request and one reply at a time::
 
     hello: a request of op 6 whose payload is magic b"MCEP", protocol version u32
     request: op u8, payload length u64, payload    reply: status u8, body length u64, body
