@@ -379,7 +379,26 @@ class _StoreTCPServer(socketserver.ThreadingTCPServer):
     def __init__(self, address: tuple[str, int], family: int, store: TCPStoreServer) -> None:
         self.address_family = family
         self.store = store
+        self._out_of_descriptors = False  # accepts fail for want of a descriptor, and the log said so
         super().__init__(address, _StoreHandler)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        """Accept a connection. One that fails for want of a descriptor is logged (socketserver drops the
+        error unsaid) and pauses the accept loop, which would otherwise spin on the pending connection;
+        the connection waits in the listen queue until a descriptor is free."""
+        try:
+            accepted = super().get_request()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                if not self._out_of_descriptors:
+                    self._out_of_descriptors = True
+                    logger.error("TCPStoreServer: cannot accept connections: rank 0's process has as many files open "
+                                 "as it may (%s); raise its limit (ulimit -n) above a descriptor per rank, and "
+                                 "its own files besides", exc.strerror)
+                time.sleep(_SERVE_POLL_S)
+            raise
+        self._out_of_descriptors = False
+        return accepted
 
 
 class TCPStoreServer:

@@ -589,6 +589,36 @@ def test_store_refuses_connections_past_its_bound_and_names_it(monkeypatch, capl
                 assert second.get("k", timeout_s=1.0) == b"v"
 
 
+def test_store_says_when_it_runs_out_of_descriptors_and_serves_once_one_is_free(caplog):
+    """A rank 0 at its open-file limit (ulimit -n below a descriptor per rank) failed every accept in
+    silence (socketserver drops the error), its accept loop spinning, while the ranks waited for an
+    answer to their hello until their timeout_s: nothing said why."""
+    resource = pytest.importorskip("resource")
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd to find the descriptors open")
+    with TCPStoreServer("127.0.0.1", 0) as server, socket.socket() as waiting:  # its descriptor made before the limit
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        fillers = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (1 + max(map(int, os.listdir("/proc/self/fd"))), hard))
+            with contextlib.suppress(OSError):  # every free descriptor below the limit taken: accept finds none
+                while True:
+                    fillers.append(os.open(os.devnull, os.O_RDONLY))
+            waiting.connect(("127.0.0.1", server.port))  # completes in the listen queue
+            deadline = time.monotonic() + 10.0
+            while "cannot accept connections" not in caplog.text:
+                assert time.monotonic() < deadline, "the store said nothing"
+                time.sleep(0.01)
+        finally:
+            for fd in fillers:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert "raise its limit (ulimit -n)" in caplog.text
+        waiting.settimeout(PROCESS_LIMIT_S)
+        waiting.sendall(_tcp_store.hello(_tcp_store._PROTOCOL_VERSION))  # accepted once a descriptor is free
+        assert _tcp_store._recv_exact(waiting, _tcp_store._HEADER.size) == _tcp_store._HEADER.pack(_tcp_store._OK, 0)
+
+
 def test_store_close_waits_only_for_the_clients_connected_when_it_was_called(monkeypatch):
     """A failed rank 0 lets the ranks connected to it hang up first; a peer that reconnects at once to
     retry joined a store about to close, and held it (and rank 0's error) open for the whole wait."""
