@@ -292,7 +292,8 @@ def test_a_failed_call_and_a_failed_renewal_leave_nothing_in_the_store_once_the_
     assert run([a.renew_membership, b.renew_membership]) == [[], []]
     server = a._server
     with server._cond:
-        left = sorted(k for k in server._data if (k.startswith("c/") and not k.startswith("c/0/")) or k.endswith(WITHDRAWN_SUFFIX))
+        left = sorted(k for k in server._data
+                      if (k.startswith("c/") and not k.startswith("c/0/")) or k.endswith(WITHDRAWN_SUFFIX))
     assert left == [], left
     assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in (a, b)]) == [[b"\0", b"\1"]] * 2
     run([lambda g=g: g.close() for g in (a, b)])
