@@ -311,7 +311,6 @@ class _KeyValueGroup:
         self._lock = threading.Lock()
         self._epoch = 0
         self._is_replacement = False  # until the first renew_membership of a rejoining process
-        self._joined_epoch = 0  # the epoch this process joined in (joined_epoch)
         self._round_join_key: str | None = None  # this rank's join of its last renewal round
         # The mark a failed wait of this rank's current renewal round left beside its join (a store with
         # claims: WITHDRAWN_SUFFIX), which nobody reads once the round completes.
@@ -406,14 +405,6 @@ class _KeyValueGroup:
         """How many :meth:`renew_membership` rounds this group has completed (0 after joining;
         a replacement starts at the epoch it joined)."""
         return self._epoch
-
-    @property
-    def joined_epoch(self) -> int:
-        """The membership epoch this process joined the group in: 0 from the rendezvous; the round a
-        process taking over a dead rank joined (``init_group(rejoin=True)``). Equal to
-        :attr:`membership_epoch` until the group renews again: the Buffers such a process builds
-        meanwhile join the survivors' ``Buffer.update_ep_member``, and no other process's may."""
-        return self._joined_epoch
 
     @property
     def broken(self) -> str | None:
@@ -696,7 +687,6 @@ class _KeyValueGroup:
             epoch += 1
         self._epoch, self._seq, self._is_replacement = epoch, 0, True
         self._renew(max(deadline - time.monotonic(), _PROBE_S))
-        self._joined_epoch = self._epoch
 
     def _collective_key(self, seq: int, rank: int) -> str:
         epoch = f"e{self._epoch}/" if self._epoch else ""

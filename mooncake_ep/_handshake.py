@@ -12,9 +12,9 @@ runs then, on multi-process groups.
 Construction and ``update_ep_member`` exchange the same record (only ``phase`` differs), so a
 process that replaces a dead rank builds its Buffer in the same collective in which the survivors
 update theirs, and learns from them where they are (``num_dispatches``: the parity of the next call).
-Its record says it is such a process (``is_replacement``): a live rank's new Buffer meeting the
-others' update is refused, where it had passed for a replacement and been connected in place of
-that rank's Buffer.
+A building rank's record names the Buffers its process holds on the group (``held_tokens``): one
+that holds the Buffer the others update is a live rank building a new Buffer instead of updating its
+own, refused, where it had passed for a replacement and been connected in place of that Buffer.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ class RankConfig:
             in use (updating).
         num_device_sms: SMs of the device (0 on the CPU).
         token: a random name of the Buffer; every rank adopts one (:func:`buffer_token`).
-        is_replacement: constructing: this rank's process took over a dead one's in the group's current
-            membership epoch (``init_group(rejoin=True)``), or it is an in-process rank (see
-            ``Buffer._replaces_a_rank``): its Buffer may join the others' update. False when updating.
+        held_tokens: constructing: the tokens of the live Buffers this process holds on the group
+            (none for an in-process rank, see ``Buffer._held_tokens``); a replacement process holds
+            none of the Buffers its peers update. Empty when updating.
     """
 
     version: str
@@ -76,7 +76,10 @@ class RankConfig:
     num_sms: int = 0
     num_device_sms: int = 0
     token: str = ""
-    is_replacement: bool = False
+    held_tokens: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "held_tokens", tuple(self.held_tokens))  # a JSON list, unpacked
 
     def pack(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
@@ -92,7 +95,7 @@ def exchange(group, mine: RankConfig, where: str) -> list[RankConfig]:
     Raises:
         RankMismatchError: ranks differ in version, backend, num_ep_buffer_bytes or dispatch count, a
             rank is in another collective (a call of a Buffer: its blob is no RankConfig), or a rank
-            that replaced no dead one builds a Buffer while others update theirs.
+            builds a Buffer while the others update one that its own process holds.
         RuntimeError: some rank has receive hooks pending (update_ep_member).
         GroupError: from the group (a rank that does not come is named by it).
     """
@@ -122,13 +125,14 @@ def check(configs: Sequence[RankConfig], where: str) -> None:
     _same(where, configs, "version", "mooncake_ep version", lambda c: c.version,
           "install the same mooncake_ep on every rank")
     updating = [r for r, c in enumerate(configs) if c.phase == UPDATE]
-    building = [r for r, c in enumerate(configs) if c.phase == CONSTRUCT and not c.is_replacement]
-    if updating and building:  # before the sizes: a new Buffer of another size is this mistake too
+    updated_tokens = {configs[r].token for r in updating}
+    building = [r for r, c in enumerate(configs) if c.phase == CONSTRUCT and updated_tokens & set(c.held_tokens)]
+    if building:  # before the sizes: a new Buffer of another size is this mistake too
         raise RankMismatchError(f"{where}: ranks {building} are building a new Buffer while ranks {updating} update "
-                                f"theirs (update_ep_member), and no process of ranks {building} took over a dead "
-                                f"rank in this membership epoch (init_group(rejoin=True)): a rank whose process "
-                                f"lives calls Buffer.update_ep_member() on each of its Buffers, in the order every "
-                                f"rank does, and builds a new Buffer only when every rank builds one")
+                                f"theirs (update_ep_member), a Buffer that the processes of ranks {building} hold "
+                                f"themselves (only a process that took over a dead rank, init_group(rejoin=True), "
+                                f"builds its Buffers there): a rank whose process lives calls "
+                                f"Buffer.update_ep_member() on each of its Buffers, in the order every rank does")
     _same(where, configs, "backend", "backend", lambda c: c.backend,
           "pass the same backend= everywhere (with 'auto' a rank that sees no GPU uses 'reference')")
     _same(where, configs, "num_ep_buffer_bytes", "num_ep_buffer_bytes", lambda c: c.num_ep_buffer_bytes,

@@ -215,16 +215,21 @@ def _why_no_gpu() -> str | None:
     return None if count > 0 else "cupy found no CUDA device"
 
 
-def _replaces_a_rank(group) -> bool:
-    """Whether a Buffer built on ``group`` may join the others' ``update_ep_member``: this process took
-    over a dead rank in the group's current membership epoch (the TCP-store group's ``joined_epoch``),
-    or the rank is in-process (:class:`mooncake_ep.LocalRankGroup`), where no process can die and a
-    new Buffer built on a rank while the others update is how a test stands in for a new process
-    (nothing there tells it from a live rank's mistake)."""
+# Every Buffer of this process built and not destroyed: a new Buffer's handshake names those of its
+# group (_held_tokens), so that a live rank's new Buffer meeting the others' update is told from a
+# replacement process's, which holds none of the Buffers the others update (or only one it built in
+# their update, which it may build again: their update of it failed).
+_LIVE_BUFFERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _held_tokens(group) -> tuple[str, ...]:
+    """The tokens of the live Buffers this process holds on ``group``; none for an in-process rank
+    (:class:`mooncake_ep.LocalRankGroup`), where no process can die and a new Buffer built on a rank
+    while the others update is how a test stands in for a new process."""
     if getattr(group, "is_in_process", False):
-        return True
-    joined_epoch = getattr(group, "joined_epoch", 0)
-    return joined_epoch > 0 and joined_epoch == getattr(group, "membership_epoch", None)
+        return ()
+    return tuple(sorted(b._token for b in list(_LIVE_BUFFERS)
+                        if b.group is group and not b._destroyed and not b._built_in_an_update))
 
 
 class Buffer:
@@ -355,6 +360,9 @@ class Buffer:
         configs = _handshake.exchange(group, self._rank_config(_handshake.CONSTRUCT), "Buffer")
         self._num_dispatches = _handshake.running_dispatches(configs)
         self._token = _handshake.buffer_token(configs)
+        # Built in the others' update_ep_member: this process took a dead rank over. Its Buffer is not
+        # held against it if it builds the Buffer again (the others' update of it failed and is retried).
+        self._built_in_an_update = any(config.phase == _handshake.UPDATE for config in configs)
         # The group's membership epoch this Buffer's peers were last connected in (update_ep_member).
         self._membership_epoch = getattr(group, "membership_epoch", None)
         if use_cuda:
@@ -371,6 +379,7 @@ class Buffer:
         # (T, hidden, num_experts, fp8 flags) this rank launched (in-process) or agreed on (processes)
         self._claimed_configurations: set[tuple] = set()
         self._num_launched_calls = 0
+        _LIVE_BUFFERS.add(self)
 
     @property
     def num_sms(self) -> int | None:
@@ -409,7 +418,7 @@ class Buffer:
         config = _handshake.RankConfig(__version__, phase, "reference" if self._device_id is None else "cuda",
                                        self.num_ep_buffer_bytes, self._num_dispatches, num_pending_hooks,
                                        token=self._token,
-                                       is_replacement=phase == _handshake.CONSTRUCT and _replaces_a_rank(self.group))
+                                       held_tokens=_held_tokens(self.group) if phase == _handshake.CONSTRUCT else ())
         if self._device_id is None:
             return config
         from mooncake_ep import _cuda_backend
@@ -1183,8 +1192,8 @@ class Buffer:
                 SMs left beside the running ranks there, or a rank has receive hooks pending (raised on
                 every rank).
             RankMismatchError: a rank whose process lives builds a new Buffer instead of updating its
-                own (only a process that took over a dead rank builds one here); raised on every rank,
-                nothing changed, and the update can be retried.
+                own (its process holds this Buffer; only a process that took over a dead rank builds
+                one here); raised on every rank, nothing changed, and the update can be retried.
             TransportError: a replacement's workspace could not be mapped (the Buffer keeps its peers
                 as they were, and the update can be retried).
 

@@ -48,7 +48,7 @@ def on_every_rank(num_ranks: int, fn) -> list:
 
 class ProcessRank:
     """A LocalGroup rank posing as a process's (a torch or MPI group's, without membership epochs), on
-    the GPU named by ``device``; with ``joined_epoch`` and ``membership_epoch`` set, a TCP-store group's."""
+    the GPU named by ``device``; a new one is a new process's group (a replacement's)."""
 
     is_in_process = False
 
@@ -75,15 +75,18 @@ class ProcessRank:
      rf"ranks disagree on num_ep_buffer_bytes \(ranks \[0, 1\]: {SIZE}, rank 2: {SIZE + 1}\); size every rank's "
      rf"buffer with Buffer.get_ep_buffer_size_hint"),
     ([config(phase=UPDATE, num_dispatches=4, backend="cuda"), config(phase=UPDATE, num_dispatches=5, backend="cuda"),
-      config(backend="cuda", is_replacement=True)], ValueError,
+      config(backend="cuda")], ValueError,
      r"ranks made different numbers of dispatches \(rank 0: 4, rank 1: 5\); every rank must call dispatch"),
-    ([config(phase=UPDATE), config(phase=UPDATE, num_pending_hooks=1), config(is_replacement=True)], RuntimeError,
+    ([config(phase=UPDATE), config(phase=UPDATE, num_pending_hooks=1), config()], RuntimeError,
      r"ranks \[1\] have receive hooks pending; call them \(on every rank\) before update_ep_member"),
-    # A live rank's new Buffer at the others' update (refused before its size, which may differ too)
-    ([config(phase=UPDATE), config(is_replacement=True), config(num_ep_buffer_bytes=SIZE + 1)], ValueError,
-     r"^Buffer: ranks \[2\] are building a new Buffer while ranks \[0\] update theirs \(update_ep_member\), and "
-     r"no process of ranks \[2\] took over a dead rank in this membership epoch \(init_group\(rejoin=True\)\): a "
-     r"rank whose process lives calls Buffer\.update_ep_member\(\) on each of its Buffers"),
+    # A live rank's new Buffer at the others' update: its process holds the Buffer they update (refused
+    # before its size, which may differ too); a replacement's holds another Buffer, or none.
+    ([config(phase=UPDATE, token="a"), config(held_tokens=("b",)),
+      config(num_ep_buffer_bytes=SIZE + 1, held_tokens=("a", "b"))], ValueError,
+     r"^Buffer: ranks \[2\] are building a new Buffer while ranks \[0\] update theirs \(update_ep_member\), a "
+     r"Buffer that the processes of ranks \[2\] hold themselves \(only a process that took over a dead rank, "
+     r"init_group\(rejoin=True\), builds its Buffers there\): a rank whose process lives calls "
+     r"Buffer\.update_ep_member\(\) on each of its Buffers"),
 ])
 def test_mismatches_are_named(configs, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -100,7 +103,7 @@ def test_reference_ranks_with_different_counts_adopt_the_most():
 
 def test_matching_configs_pass_and_a_replacement_continues_the_count():
     survivors = [config(phase=UPDATE, num_dispatches=7), config(phase=UPDATE, num_dispatches=7)]
-    configs = survivors[:1] + [config(is_replacement=True)] + survivors[1:]
+    configs = survivors[:1] + [config()] + survivors[1:]
     _handshake.check(configs, "update_ep_member")
     assert _handshake.running_dispatches(configs) == 7
     assert _handshake.replaced_ranks(configs) == [1]
@@ -170,9 +173,7 @@ def test_update_checks_the_sms_on_every_rank_before_any_connects(monkeypatch):
         group = ProcessRank(group, device=[0, 0, 1][group.rank])
         buffer = ep.Buffer(group, SIZE, backend="cuda")
         if group.rank == 2:  # its process dies; the replacement starts on the survivors' GPU
-            group.device = 0
-            group.joined_epoch = group.membership_epoch = 1  # as init_group(rejoin=True)'s group says
-            ep.Buffer(group, SIZE, backend="cuda")
+            ep.Buffer(ProcessRank(group._group, device=0), SIZE, backend="cuda")
         else:
             buffer.update_ep_member()
 
@@ -266,27 +267,22 @@ def test_mismatched_buffer_size_raises_on_every_rank_and_the_group_stays_usable(
     assert ep.LocalGroup(R, timeout_s=30.0).spawn(rank_fn) == ["ok"] * R
 
 
-@pytest.mark.parametrize("epochs,joins", [
-    (None, False),  # a torch or MPI group: no process ever takes a rank over
-    ((0, 1), False),  # a TCP-store group's process of the rendezvous, after a renewal
-    ((1, 2), False),  # a replacement of an earlier epoch: its process lives on since
-    ((1, 1), True),  # a process that took the rank over in this epoch (init_group(rejoin=True))
-])
-def test_only_a_process_that_took_a_rank_over_builds_its_buffer_in_the_others_update(epochs, joins):
+@pytest.mark.parametrize("builder", ["live", "new process"])
+def test_only_a_process_that_holds_none_of_the_updated_buffers_builds_one_in_the_others_update(builder):
     """A live rank's new Buffer meeting the others' update had passed for a replacement: the others took
     its new workspace in, named the rank replaced, and gave it their Buffer's name and count (review).
-    Refused on every rank, nothing changed (every rank's update then replaces nobody); a replacement
-    still joins, continuing the count."""
+    Its process holds the Buffer they update: refused on every rank, nothing changed (every rank's
+    update then replaces nobody). A new process's group (a replacement's) holds none: it joins,
+    continuing the count."""
     def rank_fn(group):
         group = ProcessRank(group)
         buffer = ep.Buffer(group, SIZE, backend="reference")
         step(buffer, group.rank, 0)
-        if group.rank == 2 and epochs is not None:
-            group.joined_epoch, group.membership_epoch = epochs
         refused = replaced = None
         try:
             if group.rank == 2:
-                buffer = ep.Buffer(group, SIZE, backend="reference")
+                buffer = ep.Buffer(group if builder == "live" else ProcessRank(group._group), SIZE,
+                                   backend="reference")
             else:
                 replaced = buffer.update_ep_member()
         except _handshake.RankMismatchError as error:
@@ -295,15 +291,15 @@ def test_only_a_process_that_took_a_rank_over_builds_its_buffer_in_the_others_up
         return refused, replaced, buffer.num_dispatches, step(buffer, group.rank, 1).shape
 
     out = ep.LocalGroup(R, timeout_s=30.0).spawn(rank_fn)
-    if joins:
+    if builder == "new process":
         assert out == [(None, [2], 1, (T, H)), (None, [2], 1, (T, H)), (None, None, 1, (T, H))], out
         return
     for rank, (refused, replaced, num_dispatches, _) in enumerate(out):
         assert refused == (f"{'Buffer' if rank == 2 else 'update_ep_member'}: ranks [2] are building a new Buffer "
-                           f"while ranks [0, 1] update theirs (update_ep_member), and no process of ranks [2] took "
-                           f"over a dead rank in this membership epoch (init_group(rejoin=True)): a rank whose "
-                           f"process lives calls Buffer.update_ep_member() on each of its Buffers, in the order "
-                           f"every rank does, and builds a new Buffer only when every rank builds one"), out
+                           f"while ranks [0, 1] update theirs (update_ep_member), a Buffer that the processes of "
+                           f"ranks [2] hold themselves (only a process that took over a dead rank, "
+                           f"init_group(rejoin=True), builds its Buffers there): a rank whose process lives calls "
+                           f"Buffer.update_ep_member() on each of its Buffers, in the order every rank does"), out
         assert (replaced, num_dispatches) == ([], 1), out
 
 
