@@ -301,6 +301,7 @@ class TorchStoreGroup(_LedJoinGroup):
                                 f"{type(store).__name__} (no {method!r})")
         self._dist = _torch_distributed("TorchStoreGroup")
         self.store = store
+        self._store_name = type(store).__name__  # for messages, also once a closed group let go of its store
         self._waits_by_polling = _is_file_store(self._dist, store)
         self.rank, self.world_size = _check_rank("TorchStoreGroup", rank, world_size)
         self.device = _check_device("TorchStoreGroup", device)
@@ -312,10 +313,10 @@ class TorchStoreGroup(_LedJoinGroup):
                          else time.monotonic() + _finite_s(self._timeout_s))
 
     def __repr__(self) -> str:
-        return f"TorchStoreGroup(rank={self.rank}, world_size={self.world_size}, store={type(self.store).__name__})"
+        return f"TorchStoreGroup(rank={self.rank}, world_size={self.world_size}, store={self._store_name})"
 
     def _where(self) -> str:
-        return f"torch {type(self.store).__name__}, keys {self._namespace}*"
+        return f"torch {self._store_name}, keys {self._namespace}*"
 
     def _join_lock_key(self) -> tuple:
         return "torch", id(self.store), self._prefix, self.rank
@@ -424,6 +425,12 @@ class _TorchrunStoreGroup(TorchStoreGroup):
 
     def _join_lock_key(self) -> tuple:
         return "torchrun", self._prefix, self.rank
+
+    def _shutdown(self, drain_s: float) -> None:
+        """Hang up: the store client is this group's own (torchrun_store_group connected it, where a
+        TorchStoreGroup's store is the caller's). torch's TCPStore has no close(); its socket closes
+        when the object goes, and this is its only reference."""
+        self.store = None
 
 
 def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_port: int, *,

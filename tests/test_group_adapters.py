@@ -8,6 +8,7 @@ assertion is about elapsed time, the limits only turn a hang into a failure.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -331,6 +332,41 @@ def test_torchrun_groups_built_at_once_by_threads_of_each_rank_both_form(clean_e
     assert all(isinstance(g, TorchStoreGroup) for g in groups), groups
     namespaces = [g._namespace for g in groups]
     assert sorted(namespaces[0::2]) == sorted(namespaces[1::2]) and len(set(namespaces)) == 2, namespaces
+    del agent
+
+
+def _connections_to(port: int) -> int:
+    """TCP connections of this process whose remote end is ``port`` (its sockets in /proc/net/tcp*)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()  # sl, local_address, rem_address, st, ..., inode (10th)
+            if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[9] in inodes:
+                count += 1
+    return count
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads this process's sockets from /proc")
+def test_a_closed_torchrun_group_holds_no_connection_to_the_store(clean_env):
+    """The store client torchrun_store_group connects is the group's own: close() hung up nothing and the
+    process kept one socket to torchrun's agent per group it had ever built."""
+    dist = pytest.importorskip("torch.distributed")
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    before = _connections_to(port)  # the agent's own client of its server
+    groups = run_in_threads([lambda r=r: _torchrun_group(port, r, 2, LONG_TIMEOUT_S) for r in range(2)])
+    assert _connections_to(port) == before + 2
+    run_in_threads([group.close for group in groups])
+    assert _connections_to(port) == before
+    assert "store=TCPStore" in repr(groups[0])
+    with pytest.raises(GroupError, match="the group is closed"):
+        groups[0].barrier()
     del agent
 
 
