@@ -446,8 +446,8 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
        the store torchrun's agent serves at ``MASTER_ADDR:MASTER_PORT``, with ``RANK`` and
        ``WORLD_SIZE``.
     6. Otherwise the TCP store, configured from the environment as with ``torch.distributed``:
-       ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (default ``127.0.0.1``), ``MASTER_PORT``
-       (default 29500).
+       ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (default ``127.0.0.1`` where unset; set and
+       empty is refused), ``MASTER_PORT`` (default 29500).
 
     Steps 2 to 5 come before the environment's TCP store because under torchrun ``MASTER_PORT``
     is already served by torch's own store: a second store could not listen there. Detection
@@ -480,7 +480,8 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
     Raises:
         TypeError: ``group`` is none of the kinds above.
         ValueError: the TCP store's RANK or WORLD_SIZE is neither given nor set, a variable is
-            not an integer, rank is outside ``[0, world_size)``, ``master_addr``/``master_port``
+            not an integer, MASTER_ADDR is set but empty (or only whitespace), rank is outside
+            ``[0, world_size)``, ``master_addr``/``master_port``
             were given with an adapter, ``rank``/``world_size`` contradict the adapter's, or
             ``rejoin=True`` with anything but the TCP store (or with rank 0).
         GroupError: as the chosen group's constructor (a peer that never joins is named).
@@ -547,6 +548,11 @@ def _tcp_settings(where: str, rank: int | None, world_size: int | None, master_a
         world_size = from_env["WORLD_SIZE"] = _env_int(where, "WORLD_SIZE", "world_size")
     if master_addr is None:
         raw_addr = os.environ.get("MASTER_ADDR")
+        # Only an unset one means the default, as torch's env:// refuses an empty one: set and empty is
+        # a launcher's variable that expanded to nothing, and 127.0.0.1 is wrong on any other host.
+        if raw_addr == "":
+            raise ValueError(f"{where}: environment variable MASTER_ADDR is empty; set it to rank 0's host, or "
+                             f"unset it for {DEFAULT_MASTER_ADDR}")
         if raw_addr and not raw_addr.strip():
             raise ValueError(f"{where}: environment variable MASTER_ADDR is only whitespace: {raw_addr!r}")
         master_addr = (raw_addr or "").strip() or DEFAULT_MASTER_ADDR  # '10.0.0.1\n' read from a file

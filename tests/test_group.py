@@ -1214,6 +1214,12 @@ def test_init_group_environment_errors(clean_env):
     clean_env.setenv("MASTER_ADDR", "   ")
     with pytest.raises(ValueError, match=r"MASTER_ADDR is only whitespace: '   '"):
         init_group()
+    # Set but empty (a launcher's variable that expanded to nothing) is a mistake, not "unset": it was
+    # read as 127.0.0.1, so ranks on other hosts waited for a rank 0 that listened on its own loopback.
+    clean_env.setenv("MASTER_ADDR", "")
+    with pytest.raises(ValueError, match=r"^init_group: environment variable MASTER_ADDR is empty; set it to rank 0's "
+                                         r"host, or unset it for 127\.0\.0\.1$"):
+        init_group()
     clean_env.delenv("MASTER_ADDR")
     clean_env.setenv("WORLD_SIZE", "2")
     clean_env.setenv("RANK", "2")
