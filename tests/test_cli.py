@@ -101,6 +101,26 @@ def test_launched_ranks_run_this_package_not_the_current_directorys(tmp_path):
     assert "all 2 processes passed" in proc.stdout and "current directory" not in proc.stderr
 
 
+def test_launched_ranks_start_with_the_path_a_plain_python_m_starts_with(tmp_path):
+    """The launcher gave its ranks PYTHONPATH=<the package's folder>, which Python puts before the
+    standard library from the start: a checkout holding a file named like a standard module (here
+    ``encodings``, which every interpreter imports as it starts) broke every rank, where `python -m`
+    from that checkout, which adds the current directory only once started, ran."""
+    import shutil
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO_ROOT / "mooncake_ep", checkout / "mooncake_ep",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (checkout / "encodings").mkdir()
+    (checkout / "encodings" / "__init__.py").write_text("raise ImportError('the checkout shadows encodings')\n")
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-m", "mooncake_ep", "demo", "--launch", "2", *TINY[2:], "--backend",
+                           "reference"], cwd=checkout, env=env, capture_output=True, text=True,
+                          timeout=PROCESS_LIMIT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all 2 processes passed" in proc.stdout and "shadows encodings" not in proc.stderr
+
+
 def test_demo_launch_fails_when_a_process_fails():
     proc = run_cli("demo", "--launch", "2", *TINY, "--tolerance", "1e-9")
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -147,7 +147,9 @@ def rank_command(*args: str) -> list[str]:
     process runs: ``-m`` would put the current directory first on ``sys.path``, where a checkout (or
     any folder named ``mooncake_ep``) would be imported instead (a non-editable install launched
     from its own checkout failed every rank; an editable one run from another checkout ran that
-    one's code). The script puts this package's folder where ``-m`` puts the current directory."""
+    one's code). The script puts this package's folder where ``-m`` puts the current directory,
+    once the interpreter has started, as ``-m`` does: the rest of ``sys.path`` is a plain
+    ``python -m``'s."""
     package_root = str(Path(mooncake_ep.__file__).resolve().parent.parent)
     # The current directory's entry goes; the package's folder takes it only where it is not on the
     # path already (installed in site-packages, which must stay after the standard library).
@@ -165,18 +167,13 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
         num_processes: the ranks, >= 1 (:func:`check_launch`).
     """
     port = free_port(LAUNCH_ADDR)
-    # The children import the mooncake_ep this process runs, wherever it was imported from (a checkout,
-    # not installed: on the path of the ranks' own children too). An installed one is on their path
-    # already, and its site-packages must not come before the standard library.
-    package_root = str(Path(mooncake_ep.__file__).resolve().parent.parent)
-    installed = package_root in (p for p in sys.path[1:] if "-packages" in Path(p).name)
-    python_path = os.pathsep.join(p for p in (None if installed else package_root, os.environ.get("PYTHONPATH"))
-                                  if p)
     print(f"mooncake_ep {command}: launching {num_processes} processes, store at {LAUNCH_ADDR}:{port}")
     sys.stdout.flush()
     # A launch inside a torchrun worker: its ranks meet at this launch's store, not torchrun's agent's
     # (init_group would look for that one at the MASTER_PORT given here, where nothing serves it).
-    # Nor does it watch the pipe of a launch that started this one.
+    # Nor does it watch the pipe of a launch that started this one. PYTHONPATH stays as it is:
+    # rank_command finds this package, and an entry added there would come before the standard
+    # library from the interpreter's start (a checkout's encodings/ or keyword.py replaced the real one).
     inherited = {name: value for name, value in os.environ.items()
                  if name not in (TORCHRUN_AGENT_STORE_VAR, LAUNCHER_FD_ENV)}
     procs: list[subprocess.Popen] = []
@@ -190,8 +187,7 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     try:
         for rank in range(num_processes):
             env = dict(inherited, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR=LAUNCH_ADDR, MASTER_PORT=str(port),
-                       PYTHONPATH=python_path)
+                       LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR=LAUNCH_ADDR, MASTER_PORT=str(port))
             if watched_fd is not None:
                 env[LAUNCHER_FD_ENV] = str(watched_fd)
             procs.append(subprocess.Popen(list(argv), env=env, pass_fds=() if watched_fd is None else (watched_fd,),
