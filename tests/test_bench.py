@@ -444,7 +444,7 @@ def test_bench_bad_flag_exits_2():
     (["--sweep-tokens", "1,8"], "--sweep-tokens sets the points of the --plot sweep; give --plot PATH.png"),
     (["--backend", "tpu"], "invalid choice"),
     (["--ranks", "two"], "invalid int"),
-    (["--ranks", "3"], "multiple of num_ranks"),
+    (["--ranks", "3"], "--experts must be a multiple of --ranks=3"),
     (["--hidden", "100"], "multiple of 128"),
     (["--topk", "9"], "--topk"),
     (["--iters", "0"], "--iters"),

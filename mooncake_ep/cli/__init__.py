@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -205,8 +206,21 @@ def check_moe_shape(num_tokens: int, hidden: int, num_ranks: int, ranks_flag: st
     try:
         mooncake_ep.Buffer.get_ep_buffer_size_hint(num_tokens, hidden, num_ranks, num_experts)
     except (TypeError, ValueError) as exc:
-        raise UsageError(f"{exc} (T = --tokens, hidden = --hidden, num_ranks = {ranks_flag}, "
-                         f"num_experts = --experts)") from None
+        raise UsageError(flag_message(exc, {"num_max_dispatch_tokens_per_rank": "--tokens", "hidden": "--hidden",
+                                            "num_ranks": ranks_flag, "num_experts": "--experts"})) from None
+
+
+def flag_message(exc: Exception, flags: dict[str, str]) -> str:
+    """A library check's message (``"call: name must be ..."``) said with the flags the user typed:
+    the call's prefix dropped, each of its argument names in ``flags`` replaced by its flag
+    (``"--experts must be a multiple of --ranks=4, got 6"``). The library keeps the checks and
+    their limits; only the names are the command line's."""
+    message = str(exc)
+    call, separator, rest = message.partition(": ")
+    if separator and call.isidentifier():
+        message = rest
+    names = re.compile(r"\b(" + "|".join(map(re.escape, flags)) + r")\b")
+    return names.sub(lambda match: flags[match.group()], message)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

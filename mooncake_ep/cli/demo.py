@@ -34,7 +34,7 @@ import numpy as np
 import mooncake_ep
 from mooncake_ep import reference
 from mooncake_ep.cli import (EXIT_FAILURE, EXIT_OK, UsageError, check_host_memory, check_moe_shape, check_output_path,
-                             launch, write_json)
+                             flag_message, launch, write_json)
 from mooncake_ep.cli.gpu import choose_backend
 from mooncake_ep.validation import check_timeout
 
@@ -305,9 +305,9 @@ def _check_config(config: DemoConfig, tolerance: float, ranks_flag: str) -> None
     if config.timeout_us < -1:
         raise UsageError(f"--timeout-us must be >= -1 (-1 waits forever), got {config.timeout_us}")
     try:  # the library's ceiling (nanoseconds in an int64), with its message
-        check_timeout("--timeout-us", config.timeout_us)
+        check_timeout("demo", config.timeout_us)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(flag_message(exc, {"timeout_us": "--timeout-us"})) from None
     if not (tolerance > 0 and np.isfinite(tolerance)):  # inf would pass every result
         raise UsageError(f"--tolerance must be a finite number > 0, got {tolerance}")
 
