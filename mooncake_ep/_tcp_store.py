@@ -376,11 +376,16 @@ class _StoreTCPServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     block_on_close = False
 
-    def __init__(self, address: tuple[str, int], family: int, store: TCPStoreServer) -> None:
+    def __init__(self, address: tuple[str, int], family: int, store: TCPStoreServer,
+                 listen_socket: socket.socket | None = None) -> None:
         self.address_family = family
         self.store = store
         self._out_of_descriptors = False  # accepts fail for want of a descriptor, and the log said so
-        super().__init__(address, _StoreHandler)
+        super().__init__(address, _StoreHandler, bind_and_activate=listen_socket is None)
+        if listen_socket is not None:  # already bound and listening: served as it is
+            self.socket.close()
+            self.socket = listen_socket
+            self.server_address = listen_socket.getsockname()
 
     def get_request(self) -> tuple[socket.socket, Any]:
         """Accept a connection. One that fails for want of a descriptor is logged (socketserver drops the
@@ -410,13 +415,19 @@ class TCPStoreServer:
     Args:
         host: address to listen on (MASTER_ADDR); must be an address of this host.
         port: TCP port (MASTER_PORT); 0 picks a free one, read back from :attr:`port`.
+        listen_socket: a TCP socket already listening on ``port`` (0: on any), which the store
+            serves instead of binding one, and closes with itself: a launcher that bound it
+            and passed it on leaves no moment in which another program could take the port.
 
     Raises:
         GroupError: the port is taken, or ``host`` is not an address of this host.
+        ValueError: ``listen_socket`` is not a listening TCP socket on ``port``.
     """
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, *, listen_socket: socket.socket | None = None) -> None:
         port = _check_port("TCPStoreServer", port, "port", minimum=0)
+        if listen_socket is not None:
+            _check_listen_socket("TCPStoreServer", listen_socket, port)
         self.host = host
         self._data: dict[str, bytes] = {}
         self._cond = threading.Condition()
@@ -435,8 +446,11 @@ class TCPStoreServer:
         self._num_busy = 0  # requests read and not yet answered
         self._full_since_logged = False  # refusing connections (_MAX_CONNECTIONS), and said so in the log
         try:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-            self._server = _StoreTCPServer((host, port), family, self)
+            if listen_socket is not None:
+                self._server = _StoreTCPServer((host, port), listen_socket.family, self, listen_socket)
+            else:
+                family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+                self._server = _StoreTCPServer((host, port), family, self)
         except socket.gaierror as exc:
             raise GroupError(f"TCPStoreServer: cannot resolve MASTER_ADDR {host!r}: {exc}") from exc
         except OSError as exc:
@@ -722,6 +736,23 @@ def _hung_up(sock: socket.socket | None) -> bool:
         return False
     except OSError:
         return True
+
+
+def _check_listen_socket(where: str, sock: Any, port: int) -> None:
+    """ValueError (TypeError for another object) unless ``sock`` is a TCP socket listening on ``port``
+    (any, for 0)."""
+    if not isinstance(sock, socket.socket):
+        raise TypeError(f"{where}: listen_socket must be a socket.socket, got {type(sock).__name__}")
+    try:
+        listening = sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        bound_port = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+    except OSError as exc:  # closed
+        raise ValueError(f"{where}: listen_socket is not usable: {exc}") from None
+    if not listening or bound_port is None:
+        raise ValueError(f"{where}: listen_socket must be a TCP socket that listens (socket.create_server), got "
+                         f"{sock!r}")
+    if port and bound_port != port:
+        raise ValueError(f"{where}: listen_socket listens on port {bound_port}, not the store's port {port}")
 
 
 # Where free_port looks first: below Linux's ephemeral range (32768-60999).

@@ -174,6 +174,10 @@ class TCPGroup(_KeyValueGroup):
             running ranks' next :meth:`renew_membership` (``Buffer.update_ep_member`` on the
             survivors), instead of the first rendezvous; all of it within ``timeout_s``. Rank 0
             cannot be taken over: it serves the store.
+        store_socket: rank 0 only: a TCP socket already listening on ``master_port``, which the
+            store serves (and closes) instead of binding the port itself. A launcher that binds
+            it and passes it to rank 0 holds the port throughout: a port chosen free, released
+            and bound again could be taken by another program in between.
 
     Raises:
         GroupError: the port is taken (rank 0), rank 0 is unreachable, a rank joined twice (or,
@@ -190,7 +194,8 @@ class TCPGroup(_KeyValueGroup):
             Rank 0, whose store closes when it raises, first waits for the ranks of a larger
             world_size beyond its own to read why (up to 30 s, within ``timeout_s``). With
             ``rejoin``, raised on this rank alone, before it joins anything.
-        ValueError: ``rejoin=True`` with rank 0.
+        ValueError: ``rejoin=True`` with rank 0; ``store_socket`` on another rank than 0, or not
+            a TCP socket listening on ``master_port``.
 
     Note:
         After any :class:`GroupError` from a collective the group is broken: the ranks no longer
@@ -220,7 +225,7 @@ class TCPGroup(_KeyValueGroup):
 
     def __init__(self, rank: int, world_size: int, *, master_addr: str = DEFAULT_MASTER_ADDR,
                  master_port: int = DEFAULT_MASTER_PORT, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 device: int | None = None, rejoin: bool = False) -> None:
+                 device: int | None = None, rejoin: bool = False, store_socket: Any = None) -> None:
         self.rank, self.world_size = _check_rank("TCPGroup", rank, world_size)
         if not isinstance(rejoin, bool):
             raise TypeError(f"TCPGroup: rejoin must be a bool, got {type(rejoin).__name__}")
@@ -232,16 +237,23 @@ class TCPGroup(_KeyValueGroup):
             raise TypeError(f"TCPGroup: master_addr must be a non-empty str, got {master_addr!r}")
         self.master_addr = master_addr
         self.master_port = _check_port("TCPGroup", master_port)
+        if store_socket is not None:
+            if self.rank != 0:
+                raise ValueError(f"TCPGroup: store_socket is rank 0's, which serves the store; rank {self.rank} "
+                                 f"connects to it: leave it out")
+            _tcp_store._check_listen_socket("TCPGroup", store_socket, self.master_port)
         self.device = None if device is None else _check_int("TCPGroup", "device", device, 0)
         self._init_collectives(_check_timeout("TCPGroup", timeout_s))
         self._server: TCPStoreServer | None = None
         self._client: TCPStoreClient | None = None
         if self.world_size == 1:
+            if store_socket is not None:  # the group's to close, and no store needs it
+                store_socket.close()
             return
         deadline = time.monotonic() + self._timeout_s  # the connection and the rendezvous together
         try:
             if self.rank == 0:
-                self._server = TCPStoreServer(master_addr, self.master_port)
+                self._server = TCPStoreServer(master_addr, self.master_port, listen_socket=store_socket)
             self._client = TCPStoreClient(master_addr, self.master_port, timeout_s=self._timeout_s,
                                           who=f"rank {self.rank}")
             # A group dropped without close() still hangs up, and rank 0's stops its store (its port
@@ -432,12 +444,14 @@ def _env_int(where: str, var: str, arg: str, default: int | None = None) -> int:
 
 def init_group(group: Any = None, *, rank: int | None = None, world_size: int | None = None,
                master_addr: str | None = None, master_port: int | None = None,
-               timeout_s: float = DEFAULT_TIMEOUT_S, device: int | None = None, rejoin: bool = False) -> Group:
+               timeout_s: float = DEFAULT_TIMEOUT_S, device: int | None = None, rejoin: bool = False,
+               store_socket: Any = None) -> Group:
     """Join the group of processes this one belongs to, over what the launcher set up.
 
     ``group`` chooses the bootstrap; left as None, the first of these that applies is used:
 
-    1. ``rank``, ``world_size``, ``master_addr`` or ``master_port`` given: mooncake_ep's TCP store.
+    1. ``rank``, ``world_size``, ``master_addr``, ``master_port`` or ``store_socket`` given:
+       mooncake_ep's TCP store.
     2. ``torch.distributed`` initialised (its default group): :class:`TorchGroup`.
     3. ``jax.distributed`` initialised: :class:`JaxGroup`.
     4. mpi4py's ``MPI`` module already imported, with more than one process: :class:`MPIGroup`
@@ -466,6 +480,8 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
         world_size: number of processes; 1 returns at once and uses no network.
         master_addr: rank 0's host, where the TCP store listens (TCP store only).
         master_port: the TCP store's port (TCP store only).
+        store_socket: on rank 0, a socket already listening on the store's port, which the store
+            serves instead of binding it (see :class:`TCPGroup`; TCP store only).
         timeout_s: seconds every rendezvous and collective waits for its peers (math.inf =
             forever). torch's all_gather and MPI have no per-call timeout: see each adapter.
         device: CUDA device ordinal this rank uses (the group's ``device``), None = unset.
@@ -494,8 +510,8 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
         raise TypeError(f"{where}: rejoin must be a bool, got {type(rejoin).__name__}")
     if isinstance(group, str) and group not in _GROUP_NAMES:
         raise ValueError(f"{where}: group must be one of {list(_GROUP_NAMES)} when a str, got {group!r}")
-    tcp_args = [name for name, value in (("master_addr", master_addr), ("master_port", master_port))
-                if value is not None]
+    tcp_args = [name for name, value in (("master_addr", master_addr), ("master_port", master_port),
+                                         ("store_socket", store_socket)) if value is not None]
     if group is None and not tcp_args and rank is None and world_size is None and not rejoin:
         group = _detect_group()
     if group is None and not tcp_args and rank is None and world_size is None and not rejoin \
@@ -503,7 +519,8 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
         rank, world_size, master_addr, master_port = _tcp_settings(where, None, None, None, None)
         return torchrun_store_group(rank, world_size, master_addr, master_port, timeout_s=timeout_s, device=device)
     if group is None or group == "tcp":
-        return _init_tcp_group(where, rank, world_size, master_addr, master_port, timeout_s, device, rejoin)
+        return _init_tcp_group(where, rank, world_size, master_addr, master_port, timeout_s, device, rejoin,
+                               store_socket)
     if rejoin:
         raise ValueError(f"{where}: rejoin=True takes over a rank of mooncake_ep's TCP store group (whose rank "
                          f"claims end with their process); with group={_describe(group)} leave it out")
@@ -575,13 +592,14 @@ def _tcp_settings(where: str, rank: int | None, world_size: int | None, master_a
 
 
 def _init_tcp_group(where: str, rank: int | None, world_size: int | None, master_addr: str | None,
-                    master_port: int | None, timeout_s: float, device: int | None, rejoin: bool) -> TCPGroup:
+                    master_port: int | None, timeout_s: float, device: int | None, rejoin: bool,
+                    store_socket: Any) -> TCPGroup:
     rank, world_size, master_addr, master_port = _tcp_settings(where, rank, world_size, master_addr, master_port)
     if rejoin and rank == 0:
         raise ValueError(f"{where}: rejoin=True cannot take over rank 0: rank 0 serves the store, which died "
                          f"with it; restart every rank")
     return TCPGroup(rank, world_size, master_addr=master_addr, master_port=master_port,
-                    timeout_s=timeout_s, device=device, rejoin=rejoin)
+                    timeout_s=timeout_s, device=device, rejoin=rejoin, store_socket=store_socket)
 
 
 # What init_group(group=<str>) accepts.

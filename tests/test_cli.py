@@ -410,6 +410,23 @@ def test_a_bad_local_rank_is_a_usage_error(monkeypatch, local_rank):
         launch.use_process_device()
 
 
+@pytest.mark.skipif(os.name != "posix", reason="the listening socket reaches rank 0 through pass_fds (POSIX)")
+def test_a_launch_keeps_its_port_from_its_choice_to_rank_0s_store(monkeypatch, capsys):
+    """The launcher chose a free port, released it and gave its number to the ranks: a program that took
+    it meanwhile (here: before rank 0 had started) failed rank 0 ("already in use"), or its peers met
+    that program's store. The launcher now holds the port and gives rank 0 the listening socket."""
+    import socket
+
+    from mooncake_ep.cli import launch
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        taken_port = taken.getsockname()[1]
+        monkeypatch.setattr(launch, "free_port", lambda host: taken_port, raising=False)
+        assert cli.main(["demo", "--launch", "2", *TINY[2:], "--backend", "reference"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "all 2 processes passed" in out and f"127.0.0.1:{taken_port}" not in out
+
+
 def test_a_launch_inside_a_torchrun_worker_meets_at_its_own_store(monkeypatch, capsys):
     """torchrun's TORCHELASTIC_USE_AGENT_STORE is not passed on: with it the ranks looked for torchrun's
     store at the launch's port, where nothing serves it, and failed after twice the group timeout."""

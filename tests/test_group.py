@@ -406,6 +406,38 @@ def test_store_port_already_taken():
             TCPGroup(0, 2, master_port=port, timeout_s=SHORT_TIMEOUT_S)
 
 
+def test_rank0_serves_the_store_on_a_socket_it_was_given():
+    """A launcher that chose a free port, released it and handed it to rank 0 left a moment in which
+    another program could take it (rank 0's bind then failed, or its peers met a stranger's store):
+    one that passes the listening socket itself holds the port throughout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    with pytest.raises(GroupError, match="already in use"):  # held: nothing else binds it meanwhile
+        TCPStoreServer("127.0.0.1", port)
+    groups = run_in_threads([lambda: TCPGroup(0, 2, master_port=port, store_socket=listener, timeout_s=30.0),
+                             lambda: TCPGroup(1, 2, master_port=port, timeout_s=30.0)])
+    assert run_in_threads([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in groups]) == [[b"\0", b"\1"]] * 2
+    run_in_threads([group.close for group in groups])
+    assert listener.fileno() == -1  # the store closed it with itself: the port is free again
+    TCPStoreServer("127.0.0.1", port).close()
+
+
+def test_a_store_socket_rank_0_cannot_serve_is_refused():
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.socket() as unbound:
+        port = listener.getsockname()[1]
+        with pytest.raises(ValueError, match=r"^TCPGroup: store_socket is rank 0's, which serves the store; rank 1 "):
+            TCPGroup(1, 2, master_port=port, store_socket=listener)
+        with pytest.raises(ValueError, match=rf"^TCPGroup: listen_socket listens on port {port}, not the store's "
+                                             rf"port {port % 65535 + 1}$"):
+            TCPGroup(0, 2, master_port=port % 65535 + 1, store_socket=listener)
+        with pytest.raises(ValueError, match=r"^TCPGroup: listen_socket must be a TCP socket that listens"):
+            TCPGroup(0, 2, master_port=port, store_socket=unbound)
+        with pytest.raises(TypeError, match=r"^TCPGroup: listen_socket must be a socket\.socket, got int$"):
+            TCPGroup(0, 2, master_port=port, store_socket=listener.fileno())
+        with pytest.raises(ValueError, match=r"^init_group: store_socket configure the TCP store; with group="):
+            init_group(LocalGroup(1).spawn(lambda g: g)[0], store_socket=listener)
+
+
 def test_store_client_gives_up_when_rank0_never_starts():
     port = free_port()
     with pytest.raises(GroupError, match=rf"rank 1: could not connect to the store at 127\.0\.0\.1:{port}"):

@@ -2,7 +2,10 @@
 
 ``launch(argv, N)`` starts N copies of a command line with the environment torchrun gives (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), each of which
-joins through ``mooncake_ep.init_group()``, and passes only if every process exits 0. Whatever
+joins through ``mooncake_ep.init_group()``, and passes only if every process exits 0. On POSIX the
+launcher binds the store's port itself and rank 0 serves the listening socket it is given
+(:data:`STORE_SOCKET_FD_ENV`): the port is held from its choice on, so no other program can take it
+between the choice and rank 0's start, as one could take a port found free and released. Whatever
 ends the launch (a failed rank, a signal, the last exit, the launcher killed), it leaves no process
 of the ranks' own running: on POSIX each rank leads a process group, which is stopped as a whole;
 Ctrl-Z suspends the ranks with the launcher, and ``fg`` or ``bg`` continues them (a launcher killed
@@ -16,6 +19,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -56,6 +60,9 @@ _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
 # it started, when the launcher dies without stopping it: the pipe ends with the launcher's process,
 # reaped or not (its pid, watched before, stayed there as a zombie until its own parent reaped it).
 LAUNCHER_FD_ENV = "MOONCAKE_EP_LAUNCHER_FD"
+# Set in rank 0's environment (where _OWN_GROUPS): the descriptor of the socket listening on MASTER_PORT,
+# bound by the launcher, which rank 0's store serves (init_group(store_socket=...)).
+STORE_SOCKET_FD_ENV = "MOONCAKE_EP_STORE_FD"
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -103,11 +110,21 @@ def join_group(backend: str, device: int | None = None) -> mooncake_ep.Group:
     notice.daemon = True
     notice.start()
     try:
-        return mooncake_ep.init_group(timeout_s=GROUP_TIMEOUT_S, device=device)
+        return mooncake_ep.init_group(timeout_s=GROUP_TIMEOUT_S, device=device, store_socket=_launch_store_socket())
     except ValueError as exc:
         raise UsageError(f"--group init: {exc}") from None
     finally:
         notice.cancel()
+
+
+def _launch_store_socket() -> socket.socket | None:
+    """The listening socket ``launch`` gave this process, its rank 0, to serve the store on
+    (:data:`STORE_SOCKET_FD_ENV`); None in any other process: one not started by ``launch``, or one
+    started by such a process (which inherits the environment, not the descriptor)."""
+    fd = os.environ.get(STORE_SOCKET_FD_ENV, "")
+    if not (_OWN_GROUPS and fd.isascii() and fd.isdigit() and os.getpgrp() == os.getpid()):
+        return None
+    return socket.socket(fileno=int(fd))
 
 
 @contextlib.contextmanager
@@ -166,7 +183,10 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
         argv: one process's command line (each gets its rank in the environment).
         num_processes: the ranks, >= 1 (:func:`check_launch`).
     """
-    port = free_port(LAUNCH_ADDR)
+    # The store's port, held by this process until rank 0 has the socket (see the module's docstring).
+    # Without process groups (where pass_fds may not exist either), a port found free, and released.
+    store_socket = socket.create_server((LAUNCH_ADDR, 0), backlog=socket.SOMAXCONN) if _OWN_GROUPS else None
+    port = store_socket.getsockname()[1] if store_socket is not None else free_port(LAUNCH_ADDR)
     print(f"mooncake_ep {command}: launching {num_processes} processes, store at {LAUNCH_ADDR}:{port}")
     sys.stdout.flush()
     # A launch inside a torchrun worker: its ranks meet at this launch's store, not torchrun's agent's
@@ -175,7 +195,7 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
     # rank_command finds this package, and an entry added there would come before the standard
     # library from the interpreter's start (a checkout's encodings/ or keyword.py replaced the real one).
     inherited = {name: value for name, value in os.environ.items()
-                 if name not in (TORCHRUN_AGENT_STORE_VAR, LAUNCHER_FD_ENV)}
+                 if name not in (TORCHRUN_AGENT_STORE_VAR, LAUNCHER_FD_ENV, STORE_SOCKET_FD_ENV)}
     procs: list[subprocess.Popen] = []
     # The ranks' end of the pipe they watch; the launcher's end (not inheritable) closes with it.
     watched_fd, launcher_fd = os.pipe() if _OWN_GROUPS else (None, None)
@@ -188,10 +208,16 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
         for rank in range(num_processes):
             env = dict(inherited, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR=LAUNCH_ADDR, MASTER_PORT=str(port))
+            pass_fds = []
             if watched_fd is not None:
                 env[LAUNCHER_FD_ENV] = str(watched_fd)
-            procs.append(subprocess.Popen(list(argv), env=env, pass_fds=() if watched_fd is None else (watched_fd,),
-                                          start_new_session=_OWN_GROUPS))
+                pass_fds.append(watched_fd)
+            if rank == 0 and store_socket is not None:
+                env[STORE_SOCKET_FD_ENV] = str(store_socket.fileno())
+                pass_fds.append(store_socket.fileno())
+            procs.append(subprocess.Popen(list(argv), env=env, pass_fds=pass_fds, start_new_session=_OWN_GROUPS))
+            if rank == 0 and store_socket is not None:  # rank 0 holds the port now; a rank 0 that dies frees it
+                store_socket.close()
             stop.check()
         stopped_by_launcher = _wait_for_processes(procs, stop)
     finally:
@@ -210,6 +236,8 @@ def launch(command: str, argv: Sequence[str], num_processes: int) -> int:
             for fd in (watched_fd, launcher_fd):
                 if fd is not None:
                     os.close(fd)
+            if store_socket is not None:  # rank 0 never started
+                store_socket.close()
     failed = {rank: proc.returncode for rank, proc in enumerate(procs) if proc.returncode != 0}
     if failed:
         # The ranks the launcher stopped did not fail themselves: said apart, or they read as crashes.
