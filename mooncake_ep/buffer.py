@@ -329,6 +329,9 @@ class Buffer:
         self._steps_behind: str | None = None
         # (id(plan), pointers...) of calls already found disjoint and aligned (_check_disjoint).
         self._disjoint_addresses: set[tuple] = set()
+        # Views of the workspace's recv_range by (T, hidden, num_experts, parity, framework): made once,
+        # as the workspace lives as long as the Buffer (_recv_layout_range; ~12 us to wrap one a call).
+        self._recv_range_views: dict[tuple, Any] = {}
         # Checked plans by (call, array signatures, arguments): a call whose arrays have the layouts
         # of an earlier, accepted call skips the layout checks (they would pass again).
         self._plans: dict[tuple, _Plan] = {}
@@ -1117,8 +1120,10 @@ class Buffer:
             the dispatch wrote as zeros (it timed out staging; recv_count still counts them). The
             first rows are nondecreasing along r, and each range ends at or before the next begins.
             On the CPU the dispatch result's array; on the GPU a view of the workspace (``recv_range``
-            of the handle's parity), ordered after the dispatch on its stream and rewritten by the
-            dispatch two calls later: copy it, on that stream, before then.
+            of the handle's parity, the same object for every handle of that parity and
+            configuration), written by the dispatch's receive and rewritten by the dispatch two calls
+            later: copy it before then, ordered after the dispatch as a combine of the handle is (on
+            torch's current stream in :mod:`mooncake_ep.torch`).
 
         Raises:
             TypeError, ValueError, RuntimeError: as :meth:`combine` for a handle it refuses.
@@ -1128,15 +1133,20 @@ class Buffer:
         if handle.backend == "reference":
             ranges = handle.state["result"].layout_range
             array = DeviceMemoryArray(ranges.ctypes.data, ranges.shape, "int32", "cpu", 0, owner=ranges)
-        else:
+            return frameworks.get(handle.framework).wrap(array)
+        key = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, handle.parity,
+               handle.framework)
+        view = self._recv_range_views.get(key)
+        if view is None:
             workspace_layout, _ = self._cuda.layout_for(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
                                                         handle.num_experts)
-            array = DeviceMemoryArray(self._cuda.workspace.ptr + workspace_layout.offsets["recv_range"][handle.parity],
-                                      (handle.num_experts // self.num_ranks, self.num_ranks, 2), "int32", "cuda",
-                                      handle.device_id, owner=self)
-            if handle.framework == "dlpack":
-                return array
-        return frameworks.get(handle.framework).wrap(array)
+            view = DeviceMemoryArray(self._cuda.workspace.ptr + workspace_layout.offsets["recv_range"][handle.parity],
+                                     (handle.num_experts // self.num_ranks, self.num_ranks, 2), "int32", "cuda",
+                                     handle.device_id, owner=self._cuda.workspace)  # not self: kept here, a cycle
+            if handle.framework != "dlpack":  # no framework of ours holds device memory of that producer
+                view = frameworks.get(handle.framework).wrap(view)
+            self._recv_range_views[key] = view
+        return view
 
     def _combine_buffer_shape(self, handle: Handle) -> tuple[int, int, int]:
         return (handle.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,

@@ -352,7 +352,11 @@ class CombineFunction(torch.autograd.Function):
         grad_range = _layout_range(grad_buffer, "mooncake_ep.torch.combine (gradient)", grad_handle)
         grad_x = grad_w = None
         if need_w:
-            padded = _move_rows(expert_out, ctx.forward_range, grad_range, recv.shape[1])
+            # Only the first R * T rows of an expert can hold rows (a source sends each expert at most
+            # T, the copies past them dropped): moved into those, the rest of the K times larger layout
+            # zeros (a move over all of it cost a full-size gather and where more).
+            padded = torch.zeros(recv.shape, dtype=torch.bfloat16, device=recv.device)
+            padded[:, :num_rows] = _move_rows(expert_out, ctx.forward_range, grad_range, num_rows)
             ones = torch.ones(routes.shape, dtype=torch.float32, device=recv.device)
             unsummed, _, _ = grad_buffer.combine(padded, routes, ones, ctx.active_ranks, timeout_us, grad_handle)
             grad_w = (unsummed.float().view(num_tokens, num_topk, hidden) * grad_y32[:, None, :]).sum(-1)
@@ -365,9 +369,11 @@ class CombineFunction(torch.autograd.Function):
 
 def _layout_range(buffer: Buffer, where: str, handle: Handle) -> torch.Tensor:
     """:meth:`Buffer._recv_layout_range` as a tensor, ``[num_local_experts, num_ranks, 2]`` int32 (a
-    view of the workspace on the GPU: copy what is kept past the next dispatch). Through DLPack: a
-    handle of :meth:`Buffer.dispatch` may come from numpy or cupy arrays."""
-    return torch.from_dlpack(buffer._recv_layout_range(where, handle))
+    view of the workspace on the GPU: copy what is kept past the next dispatch). A handle of
+    :meth:`Buffer.dispatch` may come from numpy or cupy arrays: those cross through DLPack (a torch
+    tensor not again: exporting a CUDA one raises where the current device is another)."""
+    ranges = buffer._recv_layout_range(where, handle)
+    return ranges if isinstance(ranges, torch.Tensor) else torch.from_dlpack(ranges)
 
 
 def _drop_copies_past(topk_idx: torch.Tensor, num_experts: int, num_max_dispatch_tokens_per_rank: int) -> torch.Tensor:

@@ -1279,3 +1279,19 @@ def test_allocating_calls_check_their_inputs_addresses_once_and_refuse_an_overla
     with pytest.raises(ValueError, match=r"^dispatch: active_ranks shares memory with x"):
         buf.dispatch(x, topk, inside_x, **kwargs)
     assert len(cuda.launches) == launched
+
+
+def test_the_recv_layout_range_view_is_made_once_per_parity_and_holds_no_buffer(setup):
+    """The autograd functions read each dispatch's per-source row ranges: a view of the workspace's
+    recv_range of its parity, wrapped once (a new wrap cost ~12 us a call, review), and owned by the
+    workspace, not by the Buffer that keeps it (a cycle would leave a dropped Buffer to the collector)."""
+    buf, cuda, device, inputs = setup
+    handles = [buf.dispatch(**inputs, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False,
+                            out=dispatch_out(device, False))[2] for _ in range(2)]
+    views = [buf._recv_layout_range("test", handle) for handle in handles]
+    assert buf._recv_layout_range("test", handles[0]) is views[0] and views[0] is not views[1]
+    workspace_layout, _ = cuda.layout_for(T, H, E)
+    for parity, view in enumerate(views):
+        assert view.ptr == cuda.workspace.ptr + workspace_layout.offsets["recv_range"][parity]
+        assert view.shape == (E // R, R, 2) and view.dtype == "int32"
+        assert buf not in gc.get_referents(view)

@@ -364,6 +364,56 @@ def test_torch_autograd_gradients_match_float64():
         np.testing.assert_allclose(grad_w, want_w[r], rtol=1e-4, atol=1e-3, err_msg=f"rank {r}: grad weights")
 
 
+def test_torch_autograd_of_two_layers_on_one_buffer_equals_the_reference_backends():
+    """Two MoE layers on one Buffer, then one backward: the second layer's dispatches (forward, and the
+    backward's re-dispatch) rewrite the workspace half whose per-source row ranges the first layer's
+    combine backward moves gradient rows by, so those ranges must be the copy the forward took. The
+    GPU's gradients equal the same program's on the reference backend (whose autograd the CPU tests
+    check against float64 formulas)."""
+    import mooncake_ep.torch as ept
+
+    case = Case(num_experts=4, hidden=256, num_topk=2, num_max_tokens=8, seed=7)
+    xs, topks, weights = make_inputs(case)
+    rng = np.random.default_rng(8)
+    second_topks = [np.argsort(rng.random((case.num_max_tokens, case.num_experts)), axis=1)[:, :case.num_topk]
+                    .astype(np.int64) for _ in range(case.num_ranks)]
+    grad_ys = [rng.standard_normal((case.num_max_tokens, case.hidden)).astype(BF16) for _ in range(case.num_ranks)]
+    grad_size = ept.grad_buffer_size_hint(case.num_max_tokens, case.hidden, case.num_ranks, case.num_experts,
+                                          case.num_topk)
+
+    def two_layers(g, device: str, backend: str):
+        r = g.rank
+        buffer = ep.Buffer(g, case.size, backend=backend, **({"num_sms": NUM_SMS} if backend == "cuda" else {}))
+        grad_buffer = ep.Buffer(g, grad_size, backend=backend, **({"num_sms": NUM_SMS} if backend == "cuda" else {}))
+        out = None
+        for step in range(2):  # the first warms torch's caching allocator (see mooncake_ep.torch's note)
+            x = to_torch(xs[r], device).requires_grad_()
+            ws = [to_torch(weights[r], device).requires_grad_() for _ in range(2)]
+            h = x
+            for layer, topk in enumerate((topks[r], second_topks[r])):
+                active = torch.ones(case.num_ranks, dtype=torch.int32, device=device)
+                topk = to_torch(topk, device)
+                recv, _, handle = ept.dispatch(buffer, h, topk, active, case.num_max_tokens, case.num_experts,
+                                               timeout_us=TIMEOUT_US)
+                expert_out = (recv.float() * (layer + 2)).to(torch.bfloat16)
+                h = ept.combine(buffer, expert_out, topk, ws[layer], active, handle, grad_buffer=grad_buffer,
+                                timeout_us=TIMEOUT_US)
+            h.backward(to_torch(grad_ys[r], device))
+            if backend == "cuda":
+                settle(g)
+            out = [t.grad.float().cpu().numpy() for t in (x, *ws)]
+        g.barrier()
+        buffer.destroy()
+        grad_buffer.destroy()
+        return out
+
+    got = local_group(case).spawn(lambda g: two_layers(g, "cuda", "cuda"))
+    want = ep.LocalGroup(case.num_ranks, timeout_s=120).spawn(lambda g: two_layers(g, "cpu", "reference"))
+    for r in range(case.num_ranks):
+        for name, a, b in zip(("x", "weights of layer 0", "weights of layer 1"), got[r], want[r]):
+            np.testing.assert_allclose(a, b, rtol=2.0**-7, atol=1e-3, err_msg=f"rank {r}: grad {name}")
+
+
 def test_torch_dense_experts_get_finite_weight_gradients_past_recv_count():
     """An expert that computes every row of recv_x (a dense einsum) takes the rows past recv_count into its
     weight gradient, times zero gradient rows: the kernels leave those rows as they find them, and
