@@ -302,14 +302,17 @@ def _lower_placement(ctx, operand, *, where: str, ranks: Ranks):
 
 
 def _local_mesh_devices(context) -> list:
-    """This process's devices of a ``shard_map``'s concrete mesh; none outside one, or for an abstract mesh."""
+    """This process's devices of a ``shard_map``'s concrete mesh; none outside one, or for an abstract
+    mesh (``shard_map(mesh=mesh.abstract_mesh)``, lowered without devices: the callback's check stays).
+    Only this process's: a process whose program is refused here never runs, while another process's
+    lowers and waits for it in the exchange until the group's timeout."""
     import jax
+    from jax.sharding import AbstractMesh
 
-    try:
-        devices = context.mesh.devices
-    except AttributeError:  # a ShardingContext (no mesh), or an AbstractMesh (no devices)
+    mesh = getattr(context, "mesh", None)  # a ShardingContext has none
+    if mesh is None or isinstance(mesh, AbstractMesh):  # whose .devices raises ValueError
         return []
-    return [device for device in devices.flat if device.process_index == jax.process_index()]
+    return [device for device in mesh.devices.flat if device.process_index == jax.process_index()]
 
 
 def _stream(ctx) -> int:
