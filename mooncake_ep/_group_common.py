@@ -275,7 +275,8 @@ class _KeyValueGroup:
     ``seq = 0``. Epoch 0 is the one the rendezvous starts (its keys carry no ``e0/``). A process
     that takes over the rank of a dead one (``TCPGroup(..., rejoin=True)``) joins the next round
     directly, so the survivors, wherever their sequence numbers were (even in a broken group),
-    and the newcomer continue in step.
+    and the newcomer continue in step. A round's keys go once the next round completes (every rank
+    has left it then), so the store stays the same size however often the ranks renew.
 
     A subclass sets ``rank``, ``world_size``, ``device``, calls :meth:`_init_collectives`, and
     provides the store operations ``_kv_set``, ``_kv_add``, ``_kv_multi_get`` (raises
@@ -311,7 +312,10 @@ class _KeyValueGroup:
         self._lock = threading.Lock()
         self._epoch = 0
         self._is_replacement = False  # until the first renew_membership of a rejoining process
-        self._round_join_key: str | None = None  # this rank's join of its last renewal round
+        # What this rank deletes of its last completed renewal round once the next one completes (every
+        # rank has left it then): its join, and on a store without claims its joins of the round's failed
+        # attempts, and, on rank 0, each attempt's count, decision and decided (_counted_round_keys).
+        self._spent_round_keys: list[str] = []
         # The mark a failed wait of this rank's current renewal round left beside its join (a store with
         # claims: WITHDRAWN_SUFFIX), which nobody reads once the round completes.
         self._withdrawn_join_key: str | None = None
@@ -521,9 +525,10 @@ class _KeyValueGroup:
                 # A round completes for every rank or for none. (A survivor's join left by a failed wait
                 # let a late peer complete the round alone: the two split epochs, and a later renewal
                 # paired one's round with the other's leftover slots.)
-                join_key = keys[self.rank]
+                round_keys = [keys[self.rank]]
                 if not self._takes_replacements:
-                    values, join_key = self._counted_round(epoch, mine, wait_s)
+                    values, last_attempt = self._counted_round(epoch, mine, wait_s)
+                    round_keys = self._counted_round_keys(epoch, last_attempt)
                 # On the TCP store every rank's join, a survivor's too, is held while this process lives
                 # (its claims): one that dies joins nobody, and one whose wait fails takes it with it in
                 # the same step.
@@ -589,9 +594,9 @@ class _KeyValueGroup:
                 self._delete_spent_slot(key)
             if not was_replacement:  # (a replacement never held the old epoch's: its dead process's went with it)
                 self._release_alive(old_epoch)
-            if self._round_join_key is not None:  # every rank has finished the round before this one:
-                self._kv_delete(self._round_join_key)  # nobody reads its keys
-            self._round_join_key = join_key
+            for key in self._spent_round_keys:  # every rank has finished the round before this one:
+                self._kv_delete(key)  # nobody reads its keys
+            self._spent_round_keys = round_keys
             if self._withdrawn_join_key is not None:
                 self._kv_delete(self._withdrawn_join_key)
                 self._withdrawn_join_key = None
@@ -599,9 +604,9 @@ class _KeyValueGroup:
                 self._kv_delete(f"{self._namespace}e{epoch - 1}/came/{self.rank}")
             return [r for r, (_, _, replaced) in enumerate(joins) if replaced]
 
-    def _counted_round(self, epoch: int, mine: bytes, wait_s: float) -> tuple[list[bytes], str]:
+    def _counted_round(self, epoch: int, mine: bytes, wait_s: float) -> tuple[list[bytes], int]:
         """The renewal round to ``epoch`` on a store without claims (torch's, JAX's): every rank's join
-        (``mine`` is this rank's), once all have come, and this rank's join key.
+        (``mine`` is this rank's), once all have come, and the number of the attempt that completed.
 
         Such a store cannot take a join back in the same step as a failed wait, so a late peer could
         read a rank's join after that rank gave up, complete the round alone, and split the epochs.
@@ -613,8 +618,9 @@ class _KeyValueGroup:
         when it retries. A rank adds to an attempt's count once, however often it retries there
         (``_round_attempt``), so the count reads world_size only once every rank has come. A rank that
         learns the decision also sets it under a second key, which the others wait for: a plain set
-        wakes waiters on every store, where a create may not (torch's TCPStore without libuv). Joins
-        stay until the next round completes: a peer reading who came must not see one vanish.
+        wakes waiters on every store, where a create may not (torch's TCPStore without libuv). The
+        attempts' keys stay until the next round completes (:meth:`_counted_round_keys`): a peer reading
+        who came, or a decision, must not see it vanish.
 
         Raises:
             StoreTimeoutError: ``wait_s`` ran out, and this rank decided the attempt failed;
@@ -649,13 +655,32 @@ class _KeyValueGroup:
                 if decision == _ROUND_FAILED:
                     raise StoreTimeoutError(f"renewal round {epoch}, attempt {attempt}: timed out", missing)
             if decision == _ROUND_COMPLETE:
-                return self._kv_multi_get(keys, max(deadline - time.monotonic(), _PROBE_S)), keys[self.rank]
+                return self._kv_multi_get(keys, max(deadline - time.monotonic(), _PROBE_S)), attempt
             # A peer decided this attempt failed: on to the next, unless this rank's own time is up (it would
             # only fail that one too).
             if time.monotonic() >= deadline:
                 raise StoreTimeoutError(f"renewal round {epoch}, attempt {attempt}: timed out",
                                         self._absent_joins(keys))
             attempt += 1
+
+    def _counted_round_keys(self, epoch: int, last_attempt: int) -> list[str]:
+        """The keys this rank deletes of the counted round to ``epoch``, which completed in attempt
+        ``last_attempt``, once the next round completes: its own join in each attempt (every rank
+        passes through attempts 0 to ``last_attempt``, setting its join in each), and, on rank 0 alone
+        (one delete of each), every attempt's count, decision and decided.
+
+        Nobody reads them then: the next round completes only once every rank has counted in it, after
+        it had finished this one (a rank whose renewal raised retries this round before the next).
+        Without this, each renewal left three keys (and every failed attempt a join per rank) in the
+        store for the life of the job (deleting a key the store lacks is no error).
+        """
+        keys = []
+        for attempt in range(last_attempt + 1):
+            prefix = f"{self._namespace}e{epoch}/a{attempt}/"
+            keys.append(f"{prefix}join/{self.rank}")
+            if self.rank == 0:
+                keys += [prefix + "count", prefix + "decision", prefix + "decided"]
+        return keys
 
     def _absent_joins(self, keys: list[str]) -> list[str]:
         """Of a counted round's attempt's join ``keys``, the other ranks' that the store does not hold."""

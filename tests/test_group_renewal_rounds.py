@@ -10,6 +10,7 @@ key: complete (every rank counted in) or failed (a rank's wait ran out).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -297,3 +298,74 @@ def test_a_failed_call_and_a_failed_renewal_leave_nothing_in_the_store_once_the_
     assert left == [], left
     assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in (a, b)]) == [[b"\0", b"\1"]] * 2
     run([lambda g=g: g.close() for g in (a, b)])
+
+
+@contextlib.contextmanager
+def store_without_claims(kind, world_size):
+    """(a maker of rank r's group, a lister of the keys the store holds) for a store without claims,
+    shared by threads: torch's HashStore, torch's TCPStore (a client per rank; it lists no keys, only
+    counts them: the list holds one placeholder per key), or a real jax.distributed coordination
+    service with a client per rank."""
+    if kind == "jax":
+        xla = pytest.importorskip("jax._src.lib")._jax
+        address = f"127.0.0.1:{free_port()}"
+        service = xla.get_distributed_runtime_service(address, world_size)
+        clients = [xla.get_distributed_runtime_client(address, r, init_timeout=int(LONG_S)) for r in range(world_size)]
+        run([client.connect for client in clients])
+        try:
+            yield (lambda r: JaxGroup(clients[r], rank=r, world_size=world_size, timeout_s=LONG_S),
+                   lambda: sorted(key for key, _ in clients[0].key_value_dir_get_bytes("mooncake_ep/")))
+        finally:
+            run([client.shutdown for client in clients])
+            service.shutdown()
+        return
+    dist = pytest.importorskip("torch.distributed")
+    if kind == "HashStore":
+        store = dist.HashStore()
+        yield lambda r: TorchStoreGroup(store, r, world_size, timeout_s=LONG_S), lambda: sorted(store.list_keys())
+        return
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    stores = [server] + [dist.TCPStore("127.0.0.1", port, None, False) for _ in range(world_size - 1)]
+    yield (lambda r: TorchStoreGroup(stores[r], r, world_size, timeout_s=LONG_S),
+           lambda: ["?"] * server.num_keys())
+
+
+@pytest.mark.parametrize("kind", ["HashStore", "TCPStore", "jax"])
+def test_a_store_without_claims_stays_the_same_size_however_often_the_ranks_renew(kind):
+    """Each renewal round on torch's and JAX's stores left its attempt's count, decision and decided
+    keys behind for good (the joins went with the next round): a job renewing often grew the store by
+    three keys per renewal for as long as it ran. Once the next round completes, every rank has left
+    the old one, and its keys go."""
+    with store_without_claims(kind, 3) as (make, stored_keys):
+        groups = run([lambda r=r: make(r) for r in range(3)])
+        sizes = []
+        for epoch in range(1, 5):
+            assert run([g.renew_membership for g in groups]) == [[], [], []]
+            assert run([lambda g=g: g.allgather_bytes(bytes([g.rank, epoch])) for g in groups]) == \
+                [[bytes([r, epoch]) for r in range(3)]] * 3
+            sizes.append(len(stored_keys()))
+        assert sizes == [sizes[0]] * 4, sizes
+        if kind != "TCPStore":  # (it lists no keys)
+            rounds = sorted({key.split("/a")[0] for key in stored_keys() if "/a" in key})
+            assert rounds == [groups[0]._namespace + "e4"], rounds
+        run([lambda g=g: g.close() for g in groups])
+
+
+def test_the_failed_attempts_of_a_renewal_leave_nothing_once_the_ranks_renew_again():
+    """Rank 0 alone fails attempt 0 of round 1 (its join stays there, decided failed); both ranks then
+    complete round 1 in attempt 1, and round 2. Attempt 0's keys, the failed attempt's joins among them,
+    stayed for good; now round 1 leaves nothing once round 2 completes."""
+    with store_without_claims("HashStore", 2) as (make, stored_keys):
+        a, b = run([lambda r=r: make(r) for r in range(2)])
+        a.timeout_s = SHORT_S
+        with pytest.raises(GroupError, match=r"renew_membership #0 \(epoch 1\) timed out"):
+            a.renew_membership()
+        a.timeout_s = LONG_S
+        assert run([a.renew_membership, b.renew_membership]) == [[], []]
+        assert a._namespace + "e1/a1/decision" in stored_keys()  # (the round completed in attempt 1)
+        assert run([a.renew_membership, b.renew_membership]) == [[], []]
+        left = [key for key in stored_keys() if key.startswith(a._namespace + "e1/")]
+        assert left == [], left
+        run([lambda g=g: g.close() for g in (a, b)])
+
