@@ -369,3 +369,35 @@ def test_the_failed_attempts_of_a_renewal_leave_nothing_once_the_ranks_renew_aga
         assert left == [], left
         run([lambda g=g: g.close() for g in (a, b)])
 
+
+def test_a_rank_whose_renewal_raised_after_its_round_completed_still_finds_the_round():
+    """Rank 1's read of the joins fails (a store error) after round 1 completed, so it stays at epoch 0
+    while rank 0 is at 1. Rank 0's round 2 cannot complete without rank 1, so round 1's keys are still
+    there when rank 1 retries it: it completes round 1, then both complete round 2, and only then does
+    round 1 go. (Keys deleted as soon as their own round completed had left rank 1's retry waiting for a
+    decision that was gone, until its timeout.)"""
+    with store_without_claims("HashStore", 2) as (make, stored_keys):
+        a, b = run([lambda r=r: make(r) for r in range(2)])
+        real_get, failures = b._kv_multi_get, []
+
+        def fails_once(keys, timeout_s, *args, **kwargs):
+            if not failures and keys[0].endswith("/join/0"):
+                failures.append(keys[0])
+                raise GroupError("torch store get failed: DistNetworkError: (a transient error)")
+            return real_get(keys, timeout_s, *args, **kwargs)
+
+        b._kv_multi_get = fails_once
+        out = run([a.renew_membership, b.renew_membership])
+        assert out[0] == [] and isinstance(out[1], GroupError), out
+        assert (a.membership_epoch, b.membership_epoch) == (1, 0)
+        a.timeout_s = SHORT_S
+        with pytest.raises(GroupError, match=r"renew_membership #1 \(epoch 2\) timed out .* waiting for ranks \[1\]"):
+            a.renew_membership()
+        a.timeout_s = b.timeout_s = SHORT_S
+        assert b.renew_membership() == []  # round 1 again: decided complete, its joins still there
+        a.timeout_s = b.timeout_s = LONG_S
+        assert run([a.renew_membership, b.renew_membership]) == [[], []]
+        assert (a.membership_epoch, b.membership_epoch) == (2, 2)
+        assert [key for key in stored_keys() if key.startswith(a._namespace + "e1/")] == []
+        assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in (a, b)]) == [[b"\0", b"\1"]] * 2
+        run([lambda g=g: g.close() for g in (a, b)])
