@@ -392,7 +392,7 @@ class TorchStoreGroup(_LedJoinGroup):
     def _kv_delete(self, key: str) -> None:
         try:
             self.store.delete_key(key)
-        except (AttributeError, RuntimeError) as exc:  # FileStore and older stores cannot delete
+        except (AttributeError, RuntimeError) as exc:  # a store without delete_key, or one that refuses it
             logger.debug("TorchStoreGroup: could not delete %s (the key stays): %s", key, exc)
 
 
