@@ -8,6 +8,7 @@ arrays on the GPU kernels.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -215,6 +216,22 @@ def _why_no_gpu() -> str | None:
     return None if count > 0 else "cupy found no CUDA device"
 
 
+@contextlib.contextmanager
+def _named_if_no_gpu(backend: str):
+    """cupy's own error (cudaErrorInsufficientDriver, no cupy at all) of a ``backend="cuda"`` Buffer on a
+    machine without a usable GPU, raised as a RuntimeError that says so (:func:`_why_no_gpu`); any
+    other error, or one where a GPU is usable, as it is."""
+    try:
+        yield
+    except Exception as exc:
+        from_cupy = (type(exc).__module__.split(".")[0] in ("cupy", "cupy_backends")
+                     or (isinstance(exc, ImportError) and (exc.name or "").split(".")[0] == "cupy"))
+        why = _why_no_gpu() if from_cupy else None
+        if why is None:
+            raise
+        raise RuntimeError(f"Buffer: backend={backend!r}: {why}") from exc
+
+
 # Every Buffer of this process built and not destroyed: a new Buffer's handshake names those of its
 # group (_held_tokens), so that a live rank's new Buffer meeting the others' update is told from a
 # replacement process's, which holds none of the Buffers the others update (or only one it built in
@@ -356,11 +373,13 @@ class Buffer:
                     logger.warning("mooncake_ep: Buffer of rank %d runs on the numpy reference backend, although "
                                    "torch sees a CUDA device: %s", group.rank, why)
         use_cuda = backend == "cuda" or (backend == "auto" and self._reference_reason is None)
-        self._device_id = self._choose_device() if use_cuda else None
         self._num_sms_asked = num_sms or 0
+        with _named_if_no_gpu(backend):
+            self._device_id = self._choose_device() if use_cuda else None
+            my_config = self._rank_config(_handshake.CONSTRUCT)
         # Every rank checks every rank's configuration (the same verdict everywhere), and a process
         # replacing a dead rank continues the survivors' count of dispatches (the next parity).
-        configs = _handshake.exchange(group, self._rank_config(_handshake.CONSTRUCT), "Buffer")
+        configs = _handshake.exchange(group, my_config, "Buffer")
         self._num_dispatches = _handshake.running_dispatches(configs)
         self._token = _handshake.buffer_token(configs)
         # Built in the others' update_ep_member: this process took a dead rank over. Its Buffer is not
@@ -369,7 +388,8 @@ class Buffer:
         # The group's membership epoch this Buffer's peers were last connected in (update_ep_member).
         self._membership_epoch = getattr(group, "membership_epoch", None)
         if use_cuda:
-            self._cuda = self._build_cuda_backend(configs, kernel_cache_dir)
+            with _named_if_no_gpu(backend):
+                self._cuda = self._build_cuda_backend(configs, kernel_cache_dir)
         self.backend = "cuda" if self._cuda is not None else "reference"
         # In-process ranks on one GPU must not make one call on one stream (LocalRankGroup.claim_stream);
         # a call is named by the Buffer's name (equal on every rank) and this count of its launched calls.

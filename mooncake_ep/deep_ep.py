@@ -291,7 +291,10 @@ class Buffer:
                                        num_experts: int) -> int:
         """Bytes of ``num_rdma_bytes`` that a configuration needs
         (:meth:`mooncake_ep.Buffer.get_ep_buffer_size_hint`)."""
-        return _Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        try:
+            return _Buffer.get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        except _RENAMED_ERRORS as exc:
+            raise _named_as_deepeps(exc, "get_ep_buffer_size_hint", "get_low_latency_rdma_size_hint") from exc.__cause__
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """DeepEP zeroes its signals here before first use; mooncake_ep's carry the step they belong

@@ -24,6 +24,7 @@ import pytest
 from _cases import BF16, Case, bits, make_case, reference_step  # one definition for both in-process tests
 
 import mooncake_ep as ep
+from mooncake_ep import buffer as buffer_module
 from mooncake_ep import layout as ep_layout
 from mooncake_ep import reference
 from mooncake_ep.buffer import EventOverlap, Handle, _Plan
@@ -1614,3 +1615,13 @@ def test_the_public_counts_of_a_buffer():
         return counts, buf.num_sms, buf.group_size
 
     assert spawn(2, rank_fn) == [([0, 1, 2, 3], None, 2)] * 2
+
+
+@pytest.mark.skipif(buffer_module._why_no_gpu() is None, reason="a usable GPU: backend='cuda' builds")
+@pytest.mark.parametrize("devices", [None, [0]])
+def test_backend_cuda_without_a_usable_gpu_says_so(devices):
+    """backend="cuda" on a machine with no usable GPU raised cupy's own error (cudaErrorInsufficientDriver
+    from cupy.cuda.runtime), naming no call; it names the Buffer and why, as the CLI's --backend cuda does."""
+    group = ep.LocalGroup(1, devices=devices).rank_group(0)
+    with pytest.raises(RuntimeError, match=r"^Buffer: backend='cuda': (cupy found no|cupy could not be imported)"):
+        ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(4, 128, 1, 2), backend="cuda")

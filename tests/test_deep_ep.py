@@ -259,6 +259,9 @@ def test_static_helpers_are_deepep_s():
                                                  and torch.cuda.get_device_capability() >= (9, 0))
     assert (deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
             == ep.Buffer.get_ep_buffer_size_hint(128, 7168, 8, 256))
+    # Past the bounds, named by DeepEP's method (the runtime's name was one the caller never called)
+    with pytest.raises(ValueError, match=r"^get_low_latency_rdma_size_hint: num_ranks must be <= 64, got 65$"):
+        deep_ep.Buffer.get_low_latency_rdma_size_hint(8, 128, 65, 260)
     previous = deep_ep.Buffer.num_sms
     try:
         deep_ep.Buffer.set_num_sms(24)
