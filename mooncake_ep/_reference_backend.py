@@ -7,12 +7,19 @@ computation is the receive half, as on the GPU.
 The exchange is a collective of the whole group: a rank that stops calling holds the others in it
 until the group's ``timeout_s`` (then ``GroupError``). Masking a peer by ``timeout_us`` is the GPU
 kernels'; here a peer masked in ``active_ranks`` contributes nothing, but must still take part.
+
+So a rank never leaves a call for a reason its peers cannot see: a check of its arrays' values
+(expert ids, combine's routing against its dispatch's; :func:`refusal_of`) that fails is its
+verdict on the call, which it sends through the exchange in place of its arrays. Every rank then
+raises at once and none counts the call (the group and the Buffers stay usable); checks of shapes,
+dtypes and arguments still raise before the exchange, as every rank's call fields are compared in it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,7 +38,8 @@ class ReferenceBackend:
     def __init__(self, group):
         self.group = group
 
-    def exchange(self, where: str, call: tuple[tuple[str, object], ...], *arrays: np.ndarray | None) -> list[tuple]:
+    def exchange(self, where: str, call: tuple[tuple[str, object], ...], *arrays: np.ndarray | None,
+                 refusal: ValueError | None = None) -> list[tuple]:
         """Every rank's arrays, in rank order (the send half of a CPU call).
 
         ``call`` describes this rank's call as (field, value) pairs: which Buffer (its token), which
@@ -42,22 +50,32 @@ class ReferenceBackend:
         ``"mesh position"`` (a JAX ``shard_map``'s, :data:`MESH_POSITION`) must instead equal each
         rank's own number, checked on every rank at once.
 
+        ``refusal``: this rank's refusal of the call (:func:`refusal_of`), a check of its arrays'
+        values that failed, which its peers cannot make. It is sent in place of ``arrays``, so that
+        the peers leave the exchange with this rank instead of waiting for it until the group's
+        timeout. Once the call fields agree, a rank that refused raises its ``refusal``, and the
+        others a ValueError naming each refusing rank and its reason: the ranks made one call, which
+        the group refused for bad input (RankMismatchError would say that their calls differ).
+
         Raises:
             GroupError: the group's collective failed (a peer did not come within its ``timeout_s``);
                 the message names this call, which the group's own error cannot.
+            RankMismatchError: the ranks are not in the same call (raised by every rank).
+            ValueError: this rank's ``refusal``, or a peer's (raised by every rank).
         """
+        sent = (call, (), str(refusal)) if refusal is not None else (call, arrays, None)
         try:
-            blobs = self.group.allgather_bytes(pickle.dumps((call, arrays), protocol=pickle.HIGHEST_PROTOCOL))
+            blobs = self.group.allgather_bytes(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
         except _PeerAbortedError:
             raise  # LocalGroup.spawn raises the failed peer's own error in its place
         except GroupError as exc:
-            # A peer that refused this call (bad input: refused before its exchange, as if never made)
-            # or never made it leaves the others here; the group's error names only its collective.
+            # A peer that never made this call (or refused it before its exchange: a shape or an
+            # argument of its own) leaves the others here; the group's error names only its collective.
             numbers = ", ".join(f"{field} {value}" for field, value in call if "number" in field)
             what = f"{where} ({numbers} of this Buffer)" if numbers else where  # the JAX ops' calls have none
             raise GroupError(f"{what}: the exchange with the other ranks failed: {exc}") from exc
         gathered = [_call_and_arrays(blob) for blob in blobs]
-        calls = [dict(their_call) for their_call, _ in gathered]
+        calls = [dict(their_call) for their_call, _, _ in gathered]
         for field, _ in call:
             values = {rank: their_call.get(field) for rank, their_call in enumerate(calls)}
             if field == MESH_POSITION:
@@ -75,7 +93,16 @@ class ReferenceBackend:
                 raise RankMismatchError(f"{where}: the ranks are not in the same call: they disagree on {field} "
                                         f"({by_rank(values)}); every rank must make the same calls, with the same "
                                         f"arguments, on the same Buffers, in the same order")
-        return [arrays for _, arrays in gathered]
+        # After the call fields: a refusal is of this call only where the ranks are in the same one.
+        if refusal is not None:
+            raise refusal
+        reasons = {rank: reason for rank, (_, _, reason) in enumerate(gathered) if reason is not None}
+        if reasons:
+            refused = "; ".join(f"rank {rank}: {reason}" for rank, reason in reasons.items())
+            raise ValueError(f"{where}: rank{'s' if len(reasons) > 1 else ''} {', '.join(map(str, reasons))} of "
+                             f"{len(gathered)} refused this call, so no rank made it (nothing exchanged or counted; "
+                             f"the group stays usable): {refused}")
+        return [arrays for _, arrays, _ in gathered]
 
     def dispatch(self, gathered: list[tuple], num_max_dispatch_tokens_per_rank: int, num_experts: int, *,
                  use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> reference.DispatchResult:
@@ -94,6 +121,17 @@ class ReferenceBackend:
                                  renormalize=renormalize)
 
 
+def refusal_of(check: Callable[..., None], *args) -> ValueError | None:
+    """The ValueError ``check(*args)`` raises, or None: a check of a call's array values whose failure
+    is sent through :meth:`ReferenceBackend.exchange` (its ``refusal``) rather than raised before it,
+    where the peers would wait for this rank until the group's timeout."""
+    try:
+        check(*args)
+    except ValueError as exc:
+        return exc
+    return None
+
+
 # The call field of a shard_map's mesh position, which must equal the rank (see ReferenceBackend.exchange).
 MESH_POSITION = "mesh position"
 
@@ -103,12 +141,13 @@ MESH_POSITION = "mesh position"
 _NOT_A_DATA_EXCHANGE = (("call", "a Buffer construction or update_ep_member"),)
 
 
-def _call_and_arrays(blob: bytes) -> tuple[tuple, tuple]:
+def _call_and_arrays(blob: bytes) -> tuple[tuple, tuple, str | None]:
+    """A peer's blob as (its call fields, its arrays, its refusal's message or None)."""
     try:
-        call, arrays = pickle.loads(blob)
+        call, arrays, reason = pickle.loads(blob)
     except MemoryError:  # a call of ours that this host cannot hold: said as such, not as a mismatch
         raise
     except Exception:  # noqa: BLE001 - whatever the bytes were, they are not a call of ours
-        return _NOT_A_DATA_EXCHANGE, ()
-    return call, arrays
+        return _NOT_A_DATA_EXCHANGE, (), None
+    return call, arrays, reason
 

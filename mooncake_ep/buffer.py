@@ -25,7 +25,7 @@ import numpy as np
 
 from mooncake_ep import _constants, _handshake, frameworks, layout, reference
 from mooncake_ep._handshake import CONFIGURATION_FIELDS
-from mooncake_ep._reference_backend import ReferenceBackend
+from mooncake_ep._reference_backend import ReferenceBackend, refusal_of
 from mooncake_ep.group import init_group, is_communicator
 from mooncake_ep.tensor import (ArrayView, DeviceMemoryArray, c_contiguous_strides, read_array, same_stream,
                                 swapped_last_axes_strides)
@@ -567,7 +567,9 @@ class Buffer:
                 arrays are not read by the host (that would need a sync), and the kernels treat such
                 ids as -1. So are a rank's copies to one expert past its first T (recv_x's rows per
                 source; only tokens naming an expert twice make them): refused in host arrays, dropped
-                by the kernels, in (token, k) order.
+                by the kernels, in (token, k) order. A host array's refusal goes through the call's
+                exchange: the peers' calls raise with it at once (ValueError naming this rank), no
+                rank counts the call, and the group stays usable.
             active_ranks: ``[num_ranks]`` int32 on x's device; 1 (any nonzero value) = alive, 0 =
                 masked. The kernels write 0 for a rank that timed out; senders skip ranks marked 0.
                 A JAX array (immutable, CPU only here) is not written: ``mooncake_ep.jax`` returns the mask.
@@ -667,8 +669,9 @@ class Buffer:
                                        num_max_dispatch_tokens_per_rank, num_experts, use_fp8, use_ue8m0)
             self._remember(key, plan, x_view)
         num_experts = int(num_experts)  # the plan checked it; the Handle and the launch get a Python int
-        if x_view.device_type == "cpu":  # values of host arrays: read every call
-            check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
+        refusal = None
+        if x_view.device_type == "cpu":  # values of host arrays: read every call, refused in the exchange
+            refusal = refusal_of(check_expert_ids, where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
         elif x_view.ptr % VECTOR_BYTES:
             check_vector_aligned(where, "x", x_view, plan.span_nbytes[-2])
         # Addresses: every call, looked up for a remembered plan. Fresh results overlap nothing, but
@@ -707,9 +710,11 @@ class Buffer:
                             x_view.framework, x_view.device_id if on_cuda else -1,
                             state={"received": False, "topk_idx_array": topk_idx})  # the caller's, for autograd
             if not on_cuda:
-                # The exchange first: ranks found in different calls raise there, all of them, uncounted.
+                # The exchange first: ranks found in different calls, or a rank's refusal of its ids, raise
+                # there, all of them, uncounted.
                 receive = self._reference_dispatch(handle, x_view, topk_view, active_view, outputs,
-                                                   dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
+                                                   dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0),
+                                                   refusal)
                 self._num_dispatches += 1
             else:
                 output_views = out_only if out_only is not None else [view for view, _ in outputs]
@@ -783,10 +788,11 @@ class Buffer:
     def _check_dispatch(self, where: str, x_view: ArrayView, topk_view: ArrayView, active_view: ArrayView,
                         num_max_dispatch_tokens_per_rank: int, num_experts: int, *, timeout_us: int, use_fp8: bool,
                         round_scale: bool, use_ue8m0: bool) -> _Plan:
-        """Every check :meth:`dispatch` makes of these arguments, for callers that allocate the results.
+        """Every check :meth:`dispatch` makes of these arguments before its exchange, for callers that
+        allocate the results: all but the values of host ids (``validation.check_expert_ids``), which
+        a rank's exchange carries to its peers as its refusal (``ReferenceBackend.exchange``).
 
-        The JAX ops call it at trace time with shape-only views (a ``device_type`` that is neither
-        ``"cpu"`` nor ``"cuda"``, so no host data is read) to declare their results
+        The JAX ops call it at trace time with shape-only views to declare their results
         (``plan.specs``), and again on the host buffers in their CPU callback. Changes no state.
         """
         self._check_alive(where)
@@ -794,17 +800,14 @@ class Buffer:
         check_timeout(where, timeout_us)
         num_max_dispatch_tokens_per_rank = check_int(where, "num_max_dispatch_tokens_per_rank",
                                                      num_max_dispatch_tokens_per_rank, minimum=1)
-        plan = self._plan_dispatch(where, x_view, topk_view, active_view, None, num_max_dispatch_tokens_per_rank,
+        return self._plan_dispatch(where, x_view, topk_view, active_view, None, num_max_dispatch_tokens_per_rank,
                                    num_experts, use_fp8, use_ue8m0)
-        if x_view.device_type == "cpu":
-            check_expert_ids(where, topk_view, num_experts, num_max_dispatch_tokens_per_rank)
-        return plan
 
-    def _reference_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags):
+    def _reference_dispatch(self, handle, x_view, topk_view, active_view, outputs, flags, refusal):
         topk = topk_view.numpy().copy()
         handle.state["topk_idx"] = topk  # combine's must be the same (_check_same_routing)
         gathered = self._reference.exchange("dispatch", self._dispatch_call(handle, flags), x_view.numpy().copy(), topk,
-                                            active_view.numpy().copy())
+                                            active_view.numpy().copy(), refusal=refusal)
 
         def receive():
             result = self._reference.dispatch(_with_receivers_mask(gathered, self.group.rank, active_view),
@@ -880,7 +883,9 @@ class Buffer:
         Args:
             x: ``[num_local_experts, num_ranks * T, hidden]`` bf16 expert outputs, rows laid out as
                 dispatch's recv_x. Ignored (may be None) with zero_copy.
-            topk_idx: ``[num_tokens, num_topk]`` the same ids given to the dispatch of ``handle``.
+            topk_idx: ``[num_tokens, num_topk]`` the same ids given to the dispatch of ``handle``
+                (or -1). Host arrays naming other experts are refused through the call's exchange,
+                as dispatch's bad ids are.
             topk_weights: ``[num_tokens, num_topk]`` fp32 routing weights.
             active_ranks: ``[num_ranks]`` int32; the kernels write 0 for an expert rank that timed out
                 (not into a JAX array, as in dispatch).
@@ -948,8 +953,9 @@ class Buffer:
         if plan is None:
             plan = self._plan_combine(where, handle, topk_view, weights_view, active_view, x_view, out_views)
             self._remember(key, plan, topk_view)
-        if topk_view.device_type == "cpu":  # values of host arrays: read every call
-            self._check_same_routing(where, handle, topk_view)
+        refusal = None
+        if topk_view.device_type == "cpu":  # values of host arrays: read every call, refused in the exchange
+            refusal = refusal_of(self._check_same_routing, where, handle, topk_view)
         elif x_view is not None and x_view.ptr % VECTOR_BYTES:
             check_vector_aligned(where, "x", x_view, plan.span_nbytes[-3])
         # Addresses: every call, looked up for a remembered plan (as dispatch's).
@@ -975,7 +981,7 @@ class Buffer:
         off_stream = _NO_FRAMEWORKS
         if handle.backend == "reference":
             receive = self._reference_combine(handle, x_view, topk_view, weights_view, active_view, outputs,
-                                              zero_copy, renormalize)
+                                              zero_copy, renormalize, refusal)
         else:
             # Never in place with a hook: a receive half that reads in place waits until every peer has
             # read this rank's outputs, i.e. until every peer's hook ran, where a hook's receive half must
@@ -1061,13 +1067,14 @@ class Buffer:
         return self._plan_combine(where, handle, topk_view, weights_view, active_view, x_view, None)
 
     def _reference_combine(self, handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy,
-                           renormalize):
+                           renormalize, refusal):
         expert_out = (handle.state["combine_buffer"] if zero_copy else x_view.numpy()).copy()
         metadata = self._reference.dispatch_metadata(handle.state["result"])
         # The handle's dispatch number names the call: a replacement process continues the count.
         call = (("call", "combine"), ("Buffer", self._token), ("handle's dispatch number", handle.dispatch_index),
                 ("hidden", handle.hidden), ("num_experts", handle.num_experts))
-        gathered = self._reference.exchange("combine", call, expert_out, metadata, active_view.numpy().copy())
+        gathered = self._reference.exchange("combine", call, expert_out, metadata, active_view.numpy().copy(),
+                                            refusal=refusal)
         topk, weights = topk_view.numpy().copy(), weights_view.numpy().copy()
 
         def receive():

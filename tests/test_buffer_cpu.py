@@ -608,9 +608,10 @@ class Ctx:
     rank: int
     handle: Handle
     expert_out: np.ndarray
+    framework: str = "numpy"  # of the good inputs, and of the numpy arrays among the overrides
 
     def dispatch(self, buf, **overrides):
-        args = dispatch_args(VCASE, self.rank, **overrides)
+        args = dispatch_args(VCASE, self.rank, self.framework, **self.in_framework(overrides))
         flags = {k: args.pop(k) for k in ("use_fp8", "round_scale", "use_ue8m0") if k in args}
         return buf.dispatch(**args, **({"use_fp8": False} | flags))
 
@@ -618,8 +619,14 @@ class Ctx:
         args = dict(x=self.expert_out, topk_idx=VCASE.topk_idxs[self.rank].copy(),
                     topk_weights=VCASE.weights[self.rank].copy(), active_ranks=VCASE.actives[self.rank].copy(),
                     timeout_us=-1, handle=self.handle)
-        args.update(overrides)
+        args = self.in_framework(args)
+        args.update(self.in_framework(overrides))
         return buf.combine(**args)
+
+    def in_framework(self, overrides: dict) -> dict:
+        if self.framework == "numpy":
+            return overrides  # as given: some share memory on purpose (a copy would part them)
+        return {k: to_framework(v, self.framework) if isinstance(v, np.ndarray) else v for k, v in overrides.items()}
 
 
 # --- torch's autograd and out= ----------------------------------------------------------------------
@@ -864,22 +871,26 @@ def test_a_peers_call_this_host_cannot_hold_is_out_of_memory_not_a_mismatch(monk
         _reference_backend._call_and_arrays(b"any blob")
     monkeypatch.undo()
     assert _reference_backend._call_and_arrays(b'{"json": "a handshake"}') == (_reference_backend._NOT_A_DATA_EXCHANGE,
-                                                                             ())
+                                                                             (), None)
+
+
+# Dispatch arguments a rank refuses for their shapes, before its exchange: 5 tokens, T = 4.
+TOO_MANY_TOKENS = dict(x=np.zeros((5, 256), BF16), topk_idx=np.zeros((5, 2), np.int64))
 
 
 def test_a_peer_that_refused_the_call_is_what_the_others_timeout_names():
-    """A call one rank refuses (bad input, checked before its exchange) is as if never made there, so its
-    peers wait in the exchange until the group's timeout_s. Their GroupError had named only the group's
-    collective ("allgather_bytes #1 timed out"); it now names the call and its number (review, helper-105)."""
+    """A call one rank refuses for its own shapes (checked before its exchange; a refusal of its values
+    goes through the exchange) is as if never made there, so its peers wait in the exchange until the
+    group's timeout_s. Their GroupError had named only the group's collective ("allgather_bytes #1 timed
+    out"); it now names the call and its number (review, helper-105)."""
     timeout_s = 0.5
 
     def rank_fn(group):
         buf = new_buffer(group, VCASE)
         run_step(buf, VCASE, group.rank, BF16_FLAGS)  # the Buffer works before: dispatch number 0
         if group.rank == 1:
-            bad_ids = np.full_like(VCASE.topk_idxs[1], VCASE.num_experts)
-            with pytest.raises(ValueError, match=r"^dispatch: topk_idx entries must be -1 or in \[0, 4\)"):
-                buf.dispatch(**dispatch_args(VCASE, 1, topk_idx=bad_ids), **BF16_FLAGS)
+            with pytest.raises(ValueError, match=r"^dispatch: x has 5 tokens, more than "):
+                buf.dispatch(**dispatch_args(VCASE, 1, **TOO_MANY_TOKENS), **BF16_FLAGS)
             return None
         with pytest.raises(ep.GroupError) as info:
             buf.dispatch(**dispatch_args(VCASE, 0), **BF16_FLAGS)
@@ -899,12 +910,11 @@ def test_a_rank_that_fails_in_spawn_is_what_spawn_raises_not_the_peer_released_f
     def rank_fn(group):
         buf = new_buffer(group, VCASE)
         run_step(buf, VCASE, group.rank, BF16_FLAGS)  # rank 0 then waits in the next exchange, not the handshake
-        if group.rank == 1:
-            bad_ids = np.full_like(VCASE.topk_idxs[1], VCASE.num_experts)
-            buf.dispatch(**dispatch_args(VCASE, 1, topk_idx=bad_ids), **BF16_FLAGS)
+        if group.rank == 1:  # refused before its exchange
+            buf.dispatch(**dispatch_args(VCASE, 1, **TOO_MANY_TOKENS), **BF16_FLAGS)
         buf.dispatch(**dispatch_args(VCASE, 0), **BF16_FLAGS)
 
-    with pytest.raises(ValueError, match=r"^dispatch: topk_idx entries must be -1"):
+    with pytest.raises(ValueError, match=r"^dispatch: x has 5 tokens, more than "):
         ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
 
 
@@ -1216,10 +1226,6 @@ DISPATCH_REJECTIONS = [
      lambda c: dict(topk_idx=VCASE.topk_idxs[c.rank].astype(np.int16))),
     ("topk-rows", ValueError, r"dispatch: topk_idx has 2 rows, x has",
      lambda c: dict(topk_idx=VCASE.topk_idxs[c.rank][:2].copy())),
-    ("expert-id-E", ValueError, r"dispatch: topk_idx entries must be -1 or in \[0, 4\), got 4",
-     lambda c: dict(topk_idx=with_entry(VCASE.topk_idxs[c.rank], 4))),
-    ("expert-id-below-minus-1", ValueError, r"dispatch: topk_idx entries must be -1 or in \[0, 4\), got -2",
-     lambda c: dict(topk_idx=with_entry(VCASE.topk_idxs[c.rank], -2))),
     ("num-topk-17", ValueError, r"dispatch: topk_idx\.shape\[1\] \(num_topk\) must be in \[1, 16\], got 17",
      lambda c: dict(topk_idx=np.full((VCASE.xs[c.rank].shape[0], 17), -1, np.int64))),
     ("num-topk-0", ValueError, r"dispatch: topk_idx\.shape\[1\] \(num_topk\) must be in \[1, 16\], got 0",
@@ -1294,6 +1300,15 @@ DISPATCH_REJECTIONS = [
     # The kernels' limit (MAX_EXPERTS): 1026 is a multiple of num_ranks=2, so no other check refuses it.
     ("experts-above-1024", ValueError, r"dispatch: num_experts must be <= 1024, got 1026",
      lambda c: dict(num_experts=1026)),
+]
+
+# Refusals for the values of a rank's host arrays, which its peers cannot see: sent through the
+# exchange, so every rank raises at once (ReferenceBackend.exchange's refusal).
+DISPATCH_VALUE_REJECTIONS = [
+    ("expert-id-E", ValueError, r"dispatch: topk_idx entries must be -1 or in \[0, 4\), got 4",
+     lambda c: dict(topk_idx=with_entry(VCASE.topk_idxs[c.rank], 4))),
+    ("expert-id-below-minus-1", ValueError, r"dispatch: topk_idx entries must be -1 or in \[0, 4\), got -2",
+     lambda c: dict(topk_idx=with_entry(VCASE.topk_idxs[c.rank], -2))),
     ("repeated-expert-overflows", ValueError, r"dispatch: topk_idx .*expert 1.*num_max_dispatch_tokens_per_rank=4",
      # Each token names expert 1 twice: 5 or 6 copies from one rank, which recv_x (R * T rows) cannot hold.
      lambda c: dict(topk_idx=np.array([[1, 1], [1, 1]] + [[1, -1]] * (len(VCASE.xs[c.rank]) - 2), np.int64))),
@@ -1345,38 +1360,54 @@ COMBINE_REJECTIONS = [
      active_inside_weights),
     ("out-jax", TypeError, r"combine: out combined_x is a jax array, which is immutable",
      lambda c: dict(out=to_framework(np.zeros((len(VCASE.xs[c.rank]), 256), BF16), "jax"))),
-    ("topk-other-expert", ValueError, r"combine: topk_idx must name the experts given to the dispatch of handle "
-                                      r"\(or -1\); entry \(\d, 1\) is",
-     lambda c: dict(topk_idx=other_expert(c))),
     ("timeout-past-int64-ns", ValueError, r"combine: timeout_us must be <= ", lambda c: dict(timeout_us=2**62)),
     ("renormalize-str", TypeError, r"combine: renormalize must be a bool, got str", lambda c: dict(renormalize="no")),
     ("zero-copy-numpy-bool", TypeError, r"combine: zero_copy must be a bool, got numpy\.bool",
      lambda c: dict(zero_copy=np.False_)),
 ]
 
+COMBINE_VALUE_REJECTIONS = [
+    ("topk-other-expert", ValueError, r"combine: topk_idx must name the experts given to the dispatch of handle "
+                                      r"\(or -1\); entry \(\d, 1\) is",
+     lambda c: dict(topk_idx=other_expert(c))),
+]
 
-def validation_rank(group, phase: str, make_overrides, exc, pattern: str, rejecting_ranks):
+
+def validation_rank(group, phase: str, make_overrides, exc, pattern: str, rejecting_ranks, peers_call: bool = False,
+                    framework: str = "numpy"):
     """One good dispatch, the bad call twice (on the ranks in ``rejecting_ranks``), then a combine of
     the first handle and a fresh step: all must equal the reference. Two rejected dispatches would
-    have made the first handle stale had they counted."""
+    have made the first handle stale had they counted. With ``peers_call`` (a refusal of values, sent
+    through the exchange) the other ranks make the call too, with their good arguments, and must
+    raise a ValueError naming the refusing ranks and their reasons. ``framework``: of every array of
+    the calls (the overrides' numpy arrays converted)."""
     rank = group.rank
     buf = new_buffer(group, VCASE)
-    args = dispatch_args(VCASE, rank)
+    args = dispatch_args(VCASE, rank, framework)
     recv_x, count, handle, _, _ = buf.dispatch(**args, **BF16_FLAGS)
-    ctx = Ctx(rank, handle, expert_fn(rank, recv_x, None, BF16_FLAGS))
+    recv_x, count = to_numpy(recv_x), to_numpy(count)
+    ctx = Ctx(rank, handle, expert_fn(rank, recv_x, None, BF16_FLAGS), framework)
+    call = ctx.dispatch if phase == "dispatch" else ctx.combine
     if rank in rejecting_ranks:
         for _ in range(2):
             overrides = make_overrides(ctx)
             given_mask = overrides.get("active_ranks")
             active_before = given_mask.copy() if isinstance(given_mask, np.ndarray) else None
             with pytest.raises(exc, match=pattern):
-                (ctx.dispatch if phase == "dispatch" else ctx.combine)(buf, **overrides)
+                call(buf, **overrides)
             if active_before is not None:  # a rejected mask is never written, nor replaced
                 np.testing.assert_array_equal(given_mask, active_before)
-    combined, _, _ = buf.combine(ctx.expert_out, args["topk_idx"], VCASE.weights[rank], args["active_ranks"], -1,
-                                 handle)
-    first = Step(recv_x.copy(), None, count.copy(), combined.copy())
-    return first, run_step(buf, VCASE, rank, FP8_FLAGS)
+    elif peers_call:
+        refusing = ", ".join(map(str, rejecting_ranks))
+        for _ in range(2):
+            with pytest.raises(ValueError, match=rf"^{phase}: ranks? {refusing} of 2 refused this call, so no rank "
+                                                 rf"made it \(nothing exchanged or counted; the group stays usable\): "
+                                                 rf"rank {rejecting_ranks[0]}: {pattern}"):
+                call(buf)
+    combined, _, _ = buf.combine(to_framework(ctx.expert_out, framework), args["topk_idx"],
+                                 to_framework(VCASE.weights[rank], framework), args["active_ranks"], -1, handle)
+    first = Step(recv_x.copy(), None, count.copy(), to_numpy(combined).copy())
+    return first, run_step(buf, VCASE, rank, FP8_FLAGS, framework)
 
 
 def check_validation(steps) -> None:
@@ -1400,6 +1431,27 @@ def test_rejected_dispatch_names_the_argument_and_leaves_buffer_usable(exc, patt
 def test_rejected_combine_names_the_argument_and_leaves_buffer_usable(exc, pattern, make_overrides,
                                                                      rejecting_ranks):
     check_validation(spawn(2, validation_rank, "combine", make_overrides, exc, pattern, rejecting_ranks))
+
+
+# The group's timeout is long (30 s): a rank that raised before the exchange, as these refusals did,
+# held its peers there until it, and their GroupError (not the ValueError named) broke the group.
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("rejecting_ranks", [(0, 1), (1,), (0,)], ids=["all-ranks", "rank-1", "rank-0"])
+@pytest.mark.parametrize("phase,exc,pattern,make_overrides",
+                         [pytest.param("dispatch", *rest, id=f"dispatch-{name}")
+                          for name, *rest in DISPATCH_VALUE_REJECTIONS] +
+                         [pytest.param("combine", *rest, id=f"combine-{name}")
+                          for name, *rest in COMBINE_VALUE_REJECTIONS])
+def test_a_refusal_of_one_ranks_values_raises_on_every_rank_at_once_and_the_group_stays_usable(
+        phase, exc, pattern, make_overrides, rejecting_ranks, framework):
+    """Bad ids on one rank (out of range, too many copies to one expert; combine's naming other experts
+    than its dispatch's) are refused through the exchange: that rank raises its own error, its peers,
+    called with good arguments, a ValueError naming it and its reason; no rank counts the call (the
+    first handle stays combinable) and a following good step equals the reference on every rank."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+    check_validation(ep.LocalGroup(2, timeout_s=30.0).spawn(validation_rank, phase, make_overrides, exc, pattern,
+                                                            rejecting_ranks, True, framework))
 
 
 @pytest.mark.parametrize("unnamed", [-1, 4, 99])
