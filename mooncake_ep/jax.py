@@ -88,6 +88,7 @@ except ImportError as error:
                       f"0.10 and 0.11), found jax {jax.__version__}") from error
 
 from mooncake_ep import _constants
+from mooncake_ep._reference_backend import refusal_of
 from mooncake_ep.buffer import Buffer
 from mooncake_ep.frameworks import jax_args, jax_ops, jax_split
 from mooncake_ep.frameworks.jax_ops import Handle, PendingCombine, PendingDispatch
@@ -174,7 +175,9 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
             float64 numpy argument, an array of another framework, a parity outside {0, 1}, or a GPU
             Buffer whose device holds several ranks. Bad ids in a CPU ``topk_idx`` raise ValueError
             when called eagerly; under ``jit`` (values unknown at trace time) the op raises when it
-            runs, and JAX reports that as a ``JaxRuntimeError`` carrying the same message.
+            runs, and JAX reports that as a ``JaxRuntimeError`` carrying the same message. Either
+            way the op refuses them through its exchange, so the other ranks' ops raise at once too,
+            naming this rank and its reason; no rank counts the call and the group stays usable.
     """
     where = "mooncake_ep.jax.dispatch"
     ranks = jax_args.as_ranks(where, buffer)
@@ -184,13 +187,13 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
     jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, active_ranks=active_ranks)
     # Before the ids are read against it, as under jit (an E the op refuses made valid ids look bad).
     num_experts = check_experts(where, num_experts, ranks.first.num_ranks)
-    jax_args.check_eager_expert_ids(where, topk_idx, num_experts, num_max_dispatch_tokens_per_rank)
+    refusal = refusal_of(jax_args.check_eager_expert_ids, where, topk_idx, num_experts, num_max_dispatch_tokens_per_rank)
     # Here, not only in the op: the gradient's refusal of fp8 reads use_fp8 before the op checks it.
     check_flags(where, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
     timeout_us = _checked_options(where, timeout_us, command_buffer_compatible)
     static = _DispatchStatic(ranks, num_max_dispatch_tokens_per_rank, num_experts, timeout_us, use_fp8,
                              round_scale, use_ue8m0, jax_args.check_parity(where, parity), command_buffer_compatible)
-    return _bind(where, _dispatch, static, x, topk_idx, active_ranks)
+    return _bind_or_refuse(refusal, where, _dispatch, static, x, topk_idx, active_ranks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -326,12 +329,13 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
         (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("active_ranks", active_ranks)))
     jax_args.check_devices(where, ranks, x=x, topk_idx=topk_idx, topk_weights=topk_weights, active_ranks=active_ranks,
                            handle=handle.recv_count)
-    jax_args.check_eager_routing(where, topk_idx, handle.dispatched_topk_idx, handle.config.num_experts)
+    refusal = refusal_of(jax_args.check_eager_routing, where, topk_idx, handle.dispatched_topk_idx,
+                         handle.config.num_experts)
     grad_parity = jax_args.check_parity(where, grad_parity, "grad_parity")
     timeout_us = _checked_options(where, timeout_us, command_buffer_compatible)
     static = _CombineStatic(ranks, grad_ranks, grad_num_topk, grad_parity, timeout_us, renormalize,
                             command_buffer_compatible)
-    return _bind(where, _combine, static, x, topk_idx, topk_weights, active_ranks, handle)
+    return _bind_or_refuse(refusal, where, _combine, static, x, topk_idx, topk_weights, active_ranks, handle)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -483,6 +487,19 @@ def _bind(where: str, op, static, *args):
         raise TypeError(f"{where}: shard_map outside jax.jit is not supported (JAX runs a custom_vjp with "
                         f"symbolic zeros in shard_map only when it is traced); put jax.jit around the shard_map"
                         ) from error
+
+
+def _bind_or_refuse(refusal: ValueError | None, where: str, op, static, *args):
+    """:func:`_bind`, or, where an eager check of the ids refused the call (``refusal``), that refusal,
+    raised once the op ran: its callback refuses the same ids through its exchange, whose peers would
+    otherwise wait for this rank there until the group's timeout, which then broke the group."""
+    if refusal is None:
+        return _bind(where, op, static, *args)
+    try:
+        jax.block_until_ready(_bind(where, op, static, *args))
+    except jax.errors.JaxRuntimeError:
+        pass  # the op's own refusal, as XLA wraps it: the caller gets the eager check's, as itself
+    raise refusal
 
 
 def _checked_options(where: str, timeout_us, command_buffer_compatible) -> int:

@@ -305,30 +305,92 @@ def test_shard_map_equals_reference(flag_id):
     epj.destroy_buffers(buffers)
 
 
-def test_shard_map_needs_jit_and_a_failing_device_breaks_the_group_after_its_timeout():
+def test_shard_map_needs_jit_and_a_refusal_on_one_device_raises_on_every_device_at_once():
+    """Rank 1's ids are bad (out of range in its dispatch, then naming other experts in its combine): its
+    op sends its refusal through the exchange, so rank 0's op raises with it at once, no device counts
+    the call, and the next step of the same program equals the reference. (Raised before the exchange,
+    the refusal held rank 0 there until the group's timeout, 30 s here, and broke the group.)"""
     devices = cpu_devices(2)
+    flags = FLAGS["bf16"]
     case = make_case(14, num_ranks=2, num_experts=4, num_topk=1, num_tokens=[4, 4])
-    buffers = epj.make_buffers(devices, case.size_hint, timeout_s=0.5)
+    buffers = epj.make_buffers(devices, case.size_hint, timeout_s=GROUP_TIMEOUT_S)
     mesh = jax.sharding.Mesh(np.array(devices), ("ep",))
 
-    def step(x, topk, active):
-        return epj.dispatch(buffers, x, topk, active, case.num_max_tokens, case.num_experts, use_fp8=False)[1]
+    def step(x, topk, combine_topk, weights, active):
+        recv, count, handle, active = epj.dispatch(buffers, x, topk, active, case.num_max_tokens, case.num_experts,
+                                                   **flags)
+        rank = jax.lax.axis_index("ep")
+        y = jax.lax.switch(rank, [functools.partial(expert_fn, r, flags=flags) for r in range(2)], recv)
+        combined, active = epj.combine(buffers, y, combine_topk, weights, active, handle)
+        return recv, count, combined, active
 
     sharded_step = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(step)
-    args = [sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.actives)]
+    good = [sharded(mesh, a) for a in (case.xs, case.topk_idxs, case.topk_idxs, case.weights, case.actives)]
     with pytest.raises(TypeError, match=r"mooncake_ep.jax.dispatch: shard_map outside jax.jit is not supported .* "
                                         r"put jax.jit around the shard_map"):
-        sharded_step(*args)
-    # Rank 1's ids are bad: its op raises before the collective, and rank 0's op gives up after the
-    # group's timeout (make_buffers' timeout_s), not the default 300 s; the group is then broken.
-    bad = [case.topk_idxs[0], np.full_like(case.topk_idxs[1], case.num_experts)]
+        sharded_step(*good)
     jitted = jax.jit(sharded_step)
-    with pytest.raises(jax.errors.JaxRuntimeError, match=r"topk_idx entries must be -1 or in \[0, 4\)"):
-        jax.block_until_ready(jitted(args[0], sharded(mesh, bad), args[2]))
-    with pytest.raises(jax.errors.JaxRuntimeError, match=r"the LocalGroup is broken by an earlier failure "
-                                                          r"\(allgather_bytes #\d+ timed out after 0.5 s"):
-        jax.block_until_ready(jitted(*args))
+    numbers = [jax_ops._dispatch_numbers.get(buffer, [0, 0]).copy() for buffer in buffers.values()]
+    out_of_range = sharded(mesh, [case.topk_idxs[0], np.full_like(case.topk_idxs[1], case.num_experts)])
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"topk_idx entries must be -1 or in \[0, 4\), got 4"):
+        jax.block_until_ready(jitted(good[0], out_of_range, *good[2:]))
+    assert [jax_ops._dispatch_numbers.get(buffer, [0, 0]) for buffer in buffers.values()] == numbers
+    other_experts = sharded(mesh, [case.topk_idxs[0], (case.topk_idxs[1] + 1) % case.num_experts])
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"topk_idx must name the experts given to the dispatch of "
+                                                          r"handle"):
+        jax.block_until_ready(jitted(*good[:2], other_experts, *good[3:]))
+    recv, count, combined, active = jitted(*good)
+    dispatched, want = expected(case, flags)
+    for rank in range(2):
+        local, tokens = slice(rank * 2, (rank + 1) * 2), slice(rank * 4, (rank + 1) * 4)
+        check_rank(rank, dispatched[rank], recv[local], count[local], flags)
+        np.testing.assert_array_equal(bits(combined[tokens]), bits(want[rank][0]), err_msg=f"rank {rank}: combined")
+        np.testing.assert_array_equal(np.asarray(active)[rank * 2:(rank + 1) * 2], want[rank][1])
     epj.destroy_buffers(buffers)
+
+
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_an_eager_refusal_on_one_rank_raises_on_every_rank_at_once(phase):
+    """One rank per thread, eager ops: rank 1's ids are bad. Its eager check raises the ValueError as
+    itself, but only once its op has refused them through the exchange, where rank 0's op waited for it
+    until the group's timeout (30 s here) and then broke the group; rank 0's op raises with rank 1's
+    reason at once, and a following step equals the reference on both ranks."""
+    cpu_devices(2)
+    flags = FLAGS["bf16"]
+    case = make_case(15, num_ranks=2, num_experts=4, num_topk=2)
+    own = {"dispatch": r"topk_idx entries must be -1 or in \[0, 4\), got 4",
+           "combine": r"topk_idx must name the experts given to the dispatch of handle"}[phase]
+
+    def rank_fn(group):
+        rank = group.rank
+        buffer = reference_buffer(group, case)
+        with jax.default_device(jax.devices("cpu")[rank]):
+            x, topk, weights, active = (jnp.asarray(a) for a in (case.xs[rank], case.topk_idxs[rank],
+                                                                  case.weights[rank], case.actives[rank]))
+            if phase == "dispatch":
+                bad = topk.at[0, 0].set(case.num_experts) if rank == 1 else topk
+                call = functools.partial(epj.dispatch, buffer, x, bad, active, case.num_max_tokens,
+                                         case.num_experts, **flags)
+            else:
+                bad = topk.at[0, 0].set((topk[0, 0] + 1) % case.num_experts) if rank == 1 else topk
+                recv, _, handle, _ = epj.dispatch(buffer, x, topk, active, case.num_max_tokens, case.num_experts,
+                                                  **flags)
+                call = functools.partial(epj.combine, buffer, expert_fn(rank, recv, flags), bad, weights, active,
+                                         handle)
+            if rank == 1:
+                with pytest.raises(ValueError, match=rf"^mooncake_ep\.jax\.{phase}: {own}"):
+                    call()
+            else:
+                with pytest.raises(jax.errors.JaxRuntimeError, match=rf"mooncake_ep\.jax\.{phase}: rank 1 of 2 "
+                                                                      rf"refused this call, so no rank made it .*{own}"):
+                    jax.block_until_ready(call())
+        return rank_step(buffer, case, rank, flags, jit=False)
+
+    results = ep.LocalGroup(2, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+    dispatched, combined = expected(case, flags)
+    for rank, (recv, count, out, active) in enumerate(results):
+        check_rank(rank, dispatched[rank], recv, count, flags)
+        np.testing.assert_array_equal(bits(out), bits(combined[rank][0]), err_msg=f"rank {rank}: combined")
 
 
 def test_a_mesh_in_another_order_than_the_buffers_is_refused_on_every_rank_at_once():

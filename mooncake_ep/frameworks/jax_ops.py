@@ -47,11 +47,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from mooncake_ep import reference
-from mooncake_ep._reference_backend import MESH_POSITION
+from mooncake_ep._reference_backend import MESH_POSITION, refusal_of
 from mooncake_ep.frameworks.jax_args import (DLPACK_CUDA, Ranks, abstract_view, check_parity, dlpack_device,
                                               manual_axes, rank_results, varying_like)
 from mooncake_ep.tensor import ArrayView, dense_device_view, numpy_dtype, read_array
-from mooncake_ep.validation import check_bool, check_flags, check_same_routing, type_name
+from mooncake_ep.validation import check_bool, check_expert_ids, check_flags, check_same_routing, type_name
 
 __all__ = ["Handle", "PendingDispatch", "PendingCombine", "DispatchConfig", "CombineConfig", "dispatch", "combine",
            "dispatch_config", "combine_config", "check_handle"]
@@ -494,6 +494,10 @@ class _DispatchCallback:
             return
         buffer._check_dispatch(self.where, x_view, topk_view, active_view, c.num_max_dispatch_tokens_per_rank,
                                c.num_experts, timeout_us=c.timeout_us, **c.flags)
+        # The ids' values go to the exchange as this rank's verdict: raised here, they left the other
+        # devices' ops waiting in it until the group's timeout, which broke the group.
+        refusal = refusal_of(check_expert_ids, self.where, topk_view, c.num_experts,
+                             c.num_max_dispatch_tokens_per_rank)
         # One collective of the group (the send half), then this rank's reference computation. The mesh
         # position goes with it, so that a mesh in another order fails on every rank at once.
         position = (((MESH_POSITION, int(_read(self.where, "mesh position", after[-1])[0].numpy()[0])),)
@@ -502,7 +506,7 @@ class _DispatchCallback:
                 ("num_max_dispatch_tokens_per_rank", c.num_max_dispatch_tokens_per_rank), ("hidden", c.hidden),
                 ("num_experts", c.num_experts), *c.flags.items(), *position)
         gathered = buffer._reference.exchange(self.where, call, x_view.numpy().copy(), topk_view.numpy().copy(),
-                                              active_view.numpy().copy())
+                                              active_view.numpy().copy(), refusal=refusal)
         result = buffer._reference.dispatch(gathered, c.num_max_dispatch_tokens_per_rank, c.num_experts, **c.flags)
         _write_dispatch(result, recv_views, active_view, out_views[num_recv + 1:], c.use_fp8, topk_view,
                         _next_dispatch_number(buffer, c.parity))
@@ -638,18 +642,26 @@ class _CombineCallback:
             # Both halves in one launch when both are asked, as Buffer's synchronous calls do.
             launch(self.phases, _stream(ctx))
             return
-        check_current(self.where, buffer, d.parity, handle_arrays)
-        check_dispatched_ids(self.where, topk_view, handle_arrays, d.num_experts)
+        # The handle's and the ids' values go to the exchange as this rank's verdict (as dispatch's ids).
+        refusal = refusal_of(check_combine_values, self.where, buffer, d.parity, topk_view, handle_arrays,
+                             d.num_experts)
         metadata = _dispatch_metadata(self.where, handle_arrays)
         call = (("call", "combine (JAX)"), ("Buffer", buffer._token), ("parity", d.parity),
                 ("num_max_dispatch_tokens_per_rank", d.num_max_dispatch_tokens_per_rank), ("hidden", d.hidden),
                 ("num_experts", d.num_experts))
         gathered = buffer._reference.exchange(self.where, call, x_view.numpy().copy(), metadata,
-                                              active_view.numpy().copy())
+                                              active_view.numpy().copy(), refusal=refusal)
         combined, mask = buffer._reference.combine(gathered, topk_view.numpy().copy(), weights_view.numpy().copy(),
                                                    renormalize=c.renormalize)
         _write(combined_view, combined)
         _write(active_view, mask)
+
+
+def check_combine_values(where: str, buffer, parity: int, topk_view, handle_arrays, num_experts: int) -> None:
+    """CPU: the checks of a combine's array values: its handle is current (:func:`check_current`), its
+    topk_idx names the experts of that dispatch (:func:`check_dispatched_ids`)."""
+    check_current(where, buffer, parity, handle_arrays)
+    check_dispatched_ids(where, topk_view, handle_arrays, num_experts)
 
 
 def check_dispatched_ids(where: str, topk_view, handle_arrays, num_experts: int) -> None:

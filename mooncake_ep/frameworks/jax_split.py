@@ -24,6 +24,7 @@ import numpy as np
 from mooncake_ep import reference
 from mooncake_ep.buffer import Buffer
 from mooncake_ep.frameworks.jax_args import Ranks, varying_like
+from mooncake_ep.validation import check_expert_ids
 from mooncake_ep.frameworks.jax_ops import (
     RECV,
     SEND,
@@ -44,8 +45,7 @@ from mooncake_ep.frameworks.jax_ops import (
     _stream,
     _write,
     _write_dispatch,
-    check_current,
-    check_dispatched_ids,
+    check_combine_values,
     combine_config,
     dispatch_config,
     read_outputs,
@@ -183,6 +183,8 @@ class _DispatchRecvCallback:
         for ((xi, _), (ti, _), (ai, _)), rank in zip(triples, self.ranks):
             buffer._check_dispatch(self.where, xi, ti, ai, c.num_max_dispatch_tokens_per_rank, c.num_experts,
                                    timeout_us=c.timeout_us, **c.flags)
+            # No exchange here to carry a refusal: every rank's receive half reads every rank's ids.
+            check_expert_ids(self.where, ti, c.num_experts, c.num_max_dispatch_tokens_per_rank)
             xs[rank], topks[rank], actives[rank] = xi.numpy(), ti.numpy(), ai.numpy()
         result = reference.dispatch(buffer.rank, xs, topks, actives, c.num_max_dispatch_tokens_per_rank,
                                     c.num_experts, **c.flags)
@@ -257,8 +259,7 @@ class _CombineRecvCallback:
                                      renormalize=c.renormalize, timeout_us=c.timeout_us,
                                      direct_reads=False)(RECV, _stream(ctx))
             return
-        check_current(self.where, buffer, d.parity, handle_arrays)
-        check_dispatched_ids(self.where, topk_view, handle_arrays, d.num_experts)
+        check_combine_values(self.where, buffer, d.parity, topk_view, handle_arrays, d.num_experts)
         outs_by_rank, results, actives = [None] * d.num_ranks, [None] * d.num_ranks, \
             [np.ones(d.num_ranks, np.int32)] * d.num_ranks
         for group, rank in zip(groups, self.ranks):
