@@ -51,17 +51,19 @@ class ReferenceBackend:
         rank's own number, checked on every rank at once.
 
         ``refusal``: this rank's refusal of the call (:func:`refusal_of`), a check of its arrays'
-        values that failed, which its peers cannot make. It is sent in place of ``arrays``, so that
-        the peers leave the exchange with this rank instead of waiting for it until the group's
-        timeout. Once the call fields agree, a rank that refused raises its ``refusal``, and the
-        others a ValueError naming each refusing rank and its reason: the ranks made one call, which
-        the group refused for bad input (RankMismatchError would say that their calls differ).
+        values or of its own state (a stale handle) that failed, which its peers cannot make. It is
+        sent in place of ``arrays``, so that the peers leave the exchange with this rank instead of
+        waiting for it until the group's timeout. A rank that refused raises its ``refusal`` (its call
+        is refused whatever the others made); the others, once the call fields agree, a ValueError
+        naming each refusing rank and its reason: the ranks made one call, which the group refused
+        (RankMismatchError would say that their calls differ; it is theirs where the fields differ).
 
         Raises:
             GroupError: the group's collective failed (a peer did not come within its ``timeout_s``);
                 the message names this call, which the group's own error cannot.
             RankMismatchError: the ranks are not in the same call (raised by every rank).
-            ValueError: this rank's ``refusal``, or a peer's (raised by every rank).
+            ValueError: a peer's refusal (raised by every rank but the refusing ones).
+            ValueError, RuntimeError: this rank's ``refusal``, as it was.
         """
         sent = (call, (), str(refusal)) if refusal is not None else (call, arrays, None)
         try:
@@ -74,6 +76,8 @@ class ReferenceBackend:
             numbers = ", ".join(f"{field} {value}" for field, value in call if "number" in field)
             what = f"{where} ({numbers} of this Buffer)" if numbers else where  # the JAX ops' calls have none
             raise GroupError(f"{what}: the exchange with the other ranks failed: {exc}") from exc
+        if refusal is not None:
+            raise refusal
         gathered = [_call_and_arrays(blob) for blob in blobs]
         calls = [dict(their_call) for their_call, _, _ in gathered]
         for field, _ in call:
@@ -93,14 +97,15 @@ class ReferenceBackend:
                 raise RankMismatchError(f"{where}: the ranks are not in the same call: they disagree on {field} "
                                         f"({by_rank(values)}); every rank must make the same calls, with the same "
                                         f"arguments, on the same Buffers, in the same order")
-        # After the call fields: a refusal is of this call only where the ranks are in the same one.
-        if refusal is not None:
-            raise refusal
-        reasons = {rank: reason for rank, (_, _, reason) in enumerate(gathered) if reason is not None}
+        # After the call fields: a peer's refusal is of this call only where the ranks are in the same one.
+        reasons = {rank: reason.removeprefix(f"{where}: ") for rank, (_, _, reason) in enumerate(gathered)
+                   if reason is not None}
         if reasons:
             refused = "; ".join(f"rank {rank}: {reason}" for rank, reason in reasons.items())
-            raise ValueError(f"{where}: rank{'s' if len(reasons) > 1 else ''} {', '.join(map(str, reasons))} of "
-                             f"{len(gathered)} refused this call, so no rank made it (nothing exchanged or counted; "
+            numbers = ", ".join(f"{field} {value}" for field, value in call if "number" in field)
+            what = f"{where} ({numbers} of this Buffer)" if numbers else where
+            raise ValueError(f"{what}: rank{'s' if len(reasons) > 1 else ''} {', '.join(map(str, reasons))} of "
+                             f"{len(gathered)} refused this call, so no rank made it (nothing received or counted; "
                              f"the group stays usable): {refused}")
         return [arrays for _, arrays, _ in gathered]
 
@@ -121,13 +126,14 @@ class ReferenceBackend:
                                  renormalize=renormalize)
 
 
-def refusal_of(check: Callable[..., None], *args) -> ValueError | None:
-    """The ValueError ``check(*args)`` raises, or None: a check of a call's array values whose failure
-    is sent through :meth:`ReferenceBackend.exchange` (its ``refusal``) rather than raised before it,
-    where the peers would wait for this rank until the group's timeout."""
+def refusal_of(check: Callable[..., None], *args) -> ValueError | RuntimeError | None:
+    """The ValueError or RuntimeError ``check(*args)`` raises, or None: a check of a call's array values
+    (or of this rank's state, as a stale handle) whose failure is sent through
+    :meth:`ReferenceBackend.exchange` (its ``refusal``) rather than raised before it, where the peers
+    would wait for this rank until the group's timeout."""
     try:
         check(*args)
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         return exc
     return None
 

@@ -922,7 +922,18 @@ class Buffer:
             raise TypeError(f"{where}: the Handle was passed as {misplaced} argument (mooncake_ep's order is "
                             f"combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle), DeepEP's "
                             f"has no active_ranks); pass handle=handle")
-        self._check_handle(where, handle)
+        self._check_handle_identity(where, handle)
+        # On the CPU a state of this rank's handle that refuses the combine (stale, its hook not called)
+        # is its verdict in the exchange, as bad ids are: raised before it, it held the peers there.
+        refusal = None
+        if handle.backend == "reference":
+            refusal = refusal_of(self._check_handle_state, where, handle)
+            if refusal is None and zero_copy and "combine_buffer" not in handle.state:
+                refusal = ValueError(f"{where}: zero_copy=True reads the expert outputs from "
+                                     f"get_next_combine_buffer(handle); call it and write them there first, or pass "
+                                     f"x with zero_copy=False")
+        else:
+            self._check_handle_state(where, handle)
         given_stream = None if stream is None else stream_handle(where, stream, self._device_id)
         topk_view = read_array(topk_idx, name="combine: topk_idx", stream=given_stream)
         stream_ptr = self._stream_for(where, "topk_idx", topk_view, given_stream)
@@ -934,9 +945,6 @@ class Buffer:
                     renormalize=renormalize)
         check_mutable(where, "topk_idx", topk_view, out, return_recv_hook)
         timeout_us = check_timeout(where, timeout_us)
-        if zero_copy and handle.backend == "reference" and "combine_buffer" not in handle.state:
-            raise ValueError(f"{where}: zero_copy=True reads the expert outputs from get_next_combine_buffer(handle); "
-                             f"call it and write them there first, or pass x with zero_copy=False")
         x_view = None
         if not zero_copy:
             if x is None:
@@ -953,8 +961,7 @@ class Buffer:
         if plan is None:
             plan = self._plan_combine(where, handle, topk_view, weights_view, active_view, x_view, out_views)
             self._remember(key, plan, topk_view)
-        refusal = None
-        if topk_view.device_type == "cpu":  # values of host arrays: read every call, refused in the exchange
+        if topk_view.device_type == "cpu" and refusal is None:  # host arrays' values: refused in the exchange
             refusal = refusal_of(self._check_same_routing, where, handle, topk_view)
         elif x_view is not None and x_view.ptr % VECTOR_BYTES:
             check_vector_aligned(where, "x", x_view, plan.span_nbytes[-3])
@@ -1068,8 +1075,10 @@ class Buffer:
 
     def _reference_combine(self, handle, x_view, topk_view, weights_view, active_view, outputs, zero_copy,
                            renormalize, refusal):
-        expert_out = (handle.state["combine_buffer"] if zero_copy else x_view.numpy()).copy()
-        metadata = self._reference.dispatch_metadata(handle.state["result"])
+        expert_out = metadata = None  # a refusal sends none
+        if refusal is None:
+            expert_out = (handle.state["combine_buffer"] if zero_copy else x_view.numpy()).copy()
+            metadata = self._reference.dispatch_metadata(handle.state["result"])
         # The handle's dispatch number names the call: a replacement process continues the count.
         call = (("call", "combine"), ("Buffer", self._token), ("handle's dispatch number", handle.dispatch_index),
                 ("hidden", handle.hidden), ("num_experts", handle.num_experts))
@@ -1649,6 +1658,11 @@ class Buffer:
             check_same_routing(where, topk_view.numpy(), dispatched, handle.num_experts)
 
     def _check_handle(self, where: str, handle) -> None:
+        self._check_handle_identity(where, handle)
+        self._check_handle_state(where, handle)
+
+    def _check_handle_identity(self, where: str, handle) -> None:
+        """TypeError or ValueError unless ``handle`` is a Handle of this Buffer (an argument's mistake)."""
         if not isinstance(handle, Handle):
             # By module name: the JAX ops' Handle is a class of their own, above this module.
             advice = (" (a mooncake_ep.jax dispatch's: combine it with mooncake_ep.jax.combine)"
@@ -1657,6 +1671,10 @@ class Buffer:
                             f"{type_name(handle)}{advice}")
         if handle.buffer_id != self.buffer_id:
             raise ValueError(f"{where}: handle was made by another Buffer")
+
+    def _check_handle_state(self, where: str, handle: Handle) -> None:
+        """ValueError or RuntimeError unless this Buffer's ``handle`` can be combined now: not stale, its
+        dispatch received and no combine of it pending or through the workspace (this rank's state)."""
         if handle.dispatch_index < self._num_dispatches - layout.NUM_PARITIES:
             raise ValueError(f"{where}: handle is stale: dispatch #{handle.dispatch_index} was overwritten by the "
                              f"{self._num_dispatches - handle.dispatch_index - 1} dispatches after it")

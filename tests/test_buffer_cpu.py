@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import re
 import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -1400,9 +1401,11 @@ def validation_rank(group, phase: str, make_overrides, exc, pattern: str, reject
     elif peers_call:
         refusing = ", ".join(map(str, rejecting_ranks))
         for _ in range(2):
-            with pytest.raises(ValueError, match=rf"^{phase}: ranks? {refusing} of 2 refused this call, so no rank "
-                                                 rf"made it \(nothing exchanged or counted; the group stays usable\): "
-                                                 rf"rank {rejecting_ranks[0]}: {pattern}"):
+            # Named by its number (as the exchange's GroupError), each reason without the call's name again.
+            with pytest.raises(ValueError, match=rf"^{phase} \([^)]*number \d+ of this Buffer\): ranks? {refusing} of "
+                                                 rf"2 refused this call, so no rank made it \(nothing received or "
+                                                 rf"counted; the group stays usable\): rank {rejecting_ranks[0]}: "
+                                                 rf"{pattern.removeprefix(phase + ': ')}"):
                 call(buf)
     combined, _, _ = buf.combine(to_framework(ctx.expert_out, framework), args["topk_idx"],
                                  to_framework(VCASE.weights[rank], framework), args["active_ranks"], -1, handle)
@@ -1677,3 +1680,29 @@ def test_backend_cuda_without_a_usable_gpu_says_so(devices):
     group = ep.LocalGroup(1, devices=devices).rank_group(0)
     with pytest.raises(RuntimeError, match=r"^Buffer: backend='cuda': (cupy found no|cupy could not be imported)"):
         ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(4, 128, 1, 2), backend="cuda")
+
+
+def test_a_stale_handle_on_one_rank_is_refused_on_every_rank_at_once():
+    """Rank 1 combines a handle that two later dispatches made stale, rank 0 a current one: rank 1 raised
+    before the exchange, rank 0 waited there until the group's timeout, and the group broke (review).
+    The stale handle is rank 1's verdict in the exchange: rank 1 raises its own error, rank 0 that the
+    ranks' calls differ (their handles' dispatch numbers), both at once; the next step works."""
+    def rank_fn(group):
+        rank = group.rank
+        buf = new_buffer(group, VCASE)
+        made = [buf.dispatch(**dispatch_args(VCASE, rank), **BF16_FLAGS) for _ in range(3)]
+        recv_x, _, handle, _, _ = made[0] if rank == 1 else made[2]
+        start = time.monotonic()
+        try:
+            buf.combine(expert_fn(rank, to_numpy(recv_x), None, BF16_FLAGS), dispatch_args(VCASE, rank)["topk_idx"],
+                        VCASE.weights[rank], dispatch_args(VCASE, rank)["active_ranks"], -1, handle)
+        except (ValueError, ep.RankMismatchError) as exc:
+            refused = (type(exc).__name__, str(exc), time.monotonic() - start)
+        return refused, run_step(buf, VCASE, rank, BF16_FLAGS)
+
+    out = ep.LocalGroup(2, timeout_s=30.0).spawn(rank_fn)
+    (kind1, message1, took1), (kind0, message0, took0) = out[1][0], out[0][0]
+    assert kind1 == "ValueError" and message1.startswith("combine: handle is stale: dispatch #0"), out[1][0]
+    assert kind0 == "RankMismatchError" and "disagree on handle's dispatch number" in message0, out[0][0]
+    assert max(took0, took1) < 10, (took0, took1)  # not the group's 30 s timeout
+    check_steps(VCASE, BF16_FLAGS, [steps for _, steps in out])
