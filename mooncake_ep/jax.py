@@ -175,7 +175,8 @@ def dispatch(buffer: BufferArg, x, topk_idx, active_ranks, num_max_dispatch_toke
             float64 numpy argument, an array of another framework, a parity outside {0, 1}, or a GPU
             Buffer whose device holds several ranks. Bad ids in a CPU ``topk_idx`` raise ValueError
             when called eagerly; under ``jit`` (values unknown at trace time) the op raises when it
-            runs, and JAX reports that as a ``JaxRuntimeError`` carrying the same message. Either
+            runs, and JAX reports that as a ``JaxRuntimeError`` carrying the same message (a
+            ValueError wrapping it once the program was compiled and cached, in JAX 0.10). Either
             way the op refuses them through its exchange, so the other ranks' ops raise at once too,
             naming this rank and its reason; no rank counts the call and the group stays usable.
     """
@@ -296,7 +297,7 @@ def combine(buffer: BufferArg, x, topk_idx, topk_weights, active_ranks, handle: 
             that is the forward's, of another group size, or smaller than :func:`grad_buffer_size_hint`;
             under a ``shard_map`` outside ``jax.jit``. Ids in a CPU ``topk_idx`` that name other experts
             than the dispatch's raise ValueError when called eagerly (under ``jit``, from the op as a
-            ``JaxRuntimeError``).
+            ``JaxRuntimeError``, or a ValueError wrapping it for a cached program).
         RuntimeError: grad_buffer was destroyed.
 
     Note:
@@ -497,9 +498,13 @@ def _bind_or_refuse(refusal: ValueError | None, where: str, op, static, *args):
         return _bind(where, op, static, *args)
     try:
         jax.block_until_ready(_bind(where, op, static, *args))
-    except jax.errors.JaxRuntimeError:
-        pass  # the op's own refusal, as XLA wraps it: the caller gets the eager check's, as itself
-    raise refusal
+    except (jax.errors.JaxRuntimeError, ValueError) as error:  # a cached program's callback error: a ValueError
+        if str(refusal) not in str(error):  # another failure (a peer's call, the group's timeout): that one
+            error.add_note(f"(this rank's own check had refused the call: {refusal})")
+            raise
+        raise refusal from None  # the op's own refusal, as XLA wraps it: the caller gets the eager check's
+    raise RuntimeError(f"{where}: the op ran although this rank's check refused it ({refusal}); its results are "
+                       f"lost and the call counted on every rank") from refusal
 
 
 def _checked_options(where: str, timeout_us, command_buffer_compatible) -> int:
