@@ -961,8 +961,9 @@ class Buffer:
         if plan is None:
             plan = self._plan_combine(where, handle, topk_view, weights_view, active_view, x_view, out_views)
             self._remember(key, plan, topk_view)
-        if topk_view.device_type == "cpu" and refusal is None:  # host arrays' values: refused in the exchange
-            refusal = refusal_of(self._check_same_routing, where, handle, topk_view)
+        if topk_view.device_type == "cpu":  # values of host arrays: read every call, refused in the exchange
+            if refusal is None:
+                refusal = refusal_of(self._check_same_routing, where, handle, topk_view)
         elif x_view is not None and x_view.ptr % VECTOR_BYTES:
             check_vector_aligned(where, "x", x_view, plan.span_nbytes[-3])
         # Addresses: every call, looked up for a remembered plan (as dispatch's).
