@@ -324,6 +324,8 @@ class TorchStoreGroup(_LedJoinGroup):
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
+        except GroupError:  # a closed group's stand-in store (_ClosedStore): said as it is
+            raise
         except RuntimeError as exc:  # DistStoreError, DistNetworkError: the store is unreachable
             raise GroupError(f"torch store {what} failed: {type(exc).__name__}: {exc}") from exc
 
@@ -429,8 +431,23 @@ class _TorchrunStoreGroup(TorchStoreGroup):
     def _shutdown(self, drain_s: float) -> None:
         """Hang up: the store client is this group's own (torchrun_store_group connected it, where a
         TorchStoreGroup's store is the caller's). torch's TCPStore has no close(); its socket closes
-        when the object goes, and this is its only reference."""
-        self.store = None
+        when the object goes, and this is its only reference. A stand-in takes its place: a collective
+        still waiting on another thread (``close(final_barrier=False)`` from an abort path) then raises
+        GroupError at its next store call, as a closed TCPGroup's does, not AttributeError on None."""
+        self.store = _ClosedStore(self._store_name)
+
+
+class _ClosedStore:
+    """What a closed :class:`_TorchrunStoreGroup` holds instead of its store: every method raises GroupError."""
+
+    def __init__(self, store_name: str) -> None:
+        self._store_name = store_name
+
+    def __getattr__(self, name: str) -> Any:
+        def closed(*args: Any, **kwargs: Any) -> Any:
+            raise GroupError(f"torch {self._store_name} {name}: the group is closed (its store connection was "
+                             f"let go)")
+        return closed
 
 
 def torchrun_store_group(rank: int, world_size: int, master_addr: str, master_port: int, *,

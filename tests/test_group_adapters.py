@@ -370,6 +370,26 @@ def test_a_closed_torchrun_group_holds_no_connection_to_the_store(clean_env):
     del agent
 
 
+def test_a_torchrun_collective_waiting_while_its_group_closes_raises_group_error(clean_env):
+    """close(final_barrier=False) on another thread (an abort path) while a collective waits: the collective
+    raises GroupError naming the closed group (it died with AttributeError on the store set to None)."""
+    dist = pytest.importorskip("torch.distributed")
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    groups = run_in_threads([lambda r=r: _torchrun_group(port, r, 2, LONG_TIMEOUT_S) for r in range(2)])
+    groups[0].timeout_s = 0.5  # rank 1 never calls: rank 0's wait ends after this long
+    out = []
+    waiting = threading.Thread(target=lambda: out.append(_threads.call_or_error(
+        lambda: groups[0].allgather_bytes(b"x"))))
+    waiting.start()
+    agent.wait([groups[0]._collective_key(0, 0)])  # rank 0 is in its collective
+    groups[0].close(final_barrier=False)
+    waiting.join()
+    assert isinstance(out[0], GroupError) and "the group is closed" in str(out[0]), out
+    groups[1].close(final_barrier=False)
+    del agent
+
+
 def test_a_torchrun_rank_0_that_finds_another_leading_says_so(clean_env):
     """A second process started as rank 0 opens the next attempt, closing the first one's: the first, still
     waiting for its ranks, raises naming the cause instead of timing out."""
