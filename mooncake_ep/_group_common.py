@@ -276,7 +276,9 @@ class _KeyValueGroup:
     that takes over the rank of a dead one (``TCPGroup(..., rejoin=True)``) joins the next round
     directly, so the survivors, wherever their sequence numbers were (even in a broken group),
     and the newcomer continue in step. A round's keys go once the next round completes (every rank
-    has left it then), so the store stays the same size however often the ranks renew.
+    has left it then), and once a round a replacement joined completes, rank 0 deletes what the dead
+    process left of the epoch before (:meth:`_predecessor_keys`), so the store stays the same size
+    however often the ranks renew or are replaced.
 
     A subclass sets ``rank``, ``world_size``, ``device``, calls :meth:`_init_collectives`, and
     provides the store operations ``_kv_set``, ``_kv_add``, ``_kv_multi_get`` (raises
@@ -585,24 +587,59 @@ class _KeyValueGroup:
             # a peer may still have been reading then (a call that completes deletes it).
             spent_keys = [self._collective_key(seq, self.rank)
                           for seq in range(max(self._seq - (1 if self._broken is None else 2), 0), self._seq)]
+            replaced = [r for r, (_, _, was_replaced) in enumerate(joins) if was_replaced]
+            # Rank 0 is never replaced, and was in the epoch left: it deletes what the dead processes left.
+            predecessor_keys = self._predecessor_keys(replaced) if self.rank == 0 else []
             old_epoch, was_replacement = self._epoch, self._is_replacement
             self._epoch, self._seq, self._broken = epoch, 0, None
             self._is_replacement = False
+            # The round has completed for every rank: from here on nothing raises (a rank told its round
+            # failed would renew again, alone, while its peers went on in the new epoch). What fails is
+            # logged: a key left behind, or an epoch key that the other ranks set too.
             # Where a later replacement looks for the round to join (see _join_as_replacement).
-            self._kv_set(f"{self._namespace}epoch", str(epoch).encode())
+            self._after_round(self._kv_set, f"{self._namespace}epoch", str(epoch).encode())
             for key in spent_keys:
-                self._delete_spent_slot(key)
+                self._after_round(self._delete_spent_slot, key)
+            for key in predecessor_keys:
+                self._after_round(self._kv_delete, key)
             if not was_replacement:  # (a replacement never held the old epoch's: its dead process's went with it)
-                self._release_alive(old_epoch)
+                self._after_round(self._release_alive, old_epoch)
             for key in self._spent_round_keys:  # every rank has finished the round before this one:
-                self._kv_delete(key)  # nobody reads its keys
+                self._after_round(self._kv_delete, key)  # nobody reads its keys
             self._spent_round_keys = round_keys
             if self._withdrawn_join_key is not None:
-                self._kv_delete(self._withdrawn_join_key)
+                self._after_round(self._kv_delete, self._withdrawn_join_key)
                 self._withdrawn_join_key = None
             if epoch > 1:
-                self._kv_delete(f"{self._namespace}e{epoch - 1}/came/{self.rank}")
-            return [r for r, (_, _, replaced) in enumerate(joins) if replaced]
+                self._after_round(self._kv_delete, f"{self._namespace}e{epoch - 1}/came/{self.rank}")
+            return replaced
+
+    def _predecessor_keys(self, replaced: list[int]) -> list[str]:
+        """The keys that the dead processes of the ``replaced`` ranks left of the epoch this rank leaves,
+        which no process of theirs deletes: their settled join of its round, and their slots of its
+        collectives. Call before the epoch advances, on a rank that was in it (rank 0).
+
+        A dead process published its slots up to this rank's sequence number at most (its call ``s``
+        started once its call ``s - 1`` had completed, which needed this rank's slot ``s - 1``), and it
+        completed this rank's call ``seq - 3`` at least (this rank started ``seq - 1``, so every rank
+        published ``seq - 2``), deleting all before ``seq - 4``; so its slots lie in ``[seq - 4, seq]``.
+        """
+        keys = []
+        for rank in replaced:
+            keys += [self._collective_key(seq, rank) for seq in range(max(self._seq - 4, 0), self._seq + 1)
+                     if self._collective_key(seq, rank) != self._first_slot_key(rank)]  # which stays
+            if self._epoch > 0:  # epoch 0's round is the rendezvous, whose slot stays (_first_slot_key)
+                keys.append(f"{self._namespace}e{self._epoch}/join/{rank}")
+        return keys
+
+    def _after_round(self, step: Callable[..., object], *args: object) -> None:
+        """A clean-up step of a completed renewal round: a GroupError is logged, not raised."""
+        try:
+            step(*args)
+        except GroupError as exc:
+            logger.warning("%s: rank %d: renewal round %d completed; a clean-up step after it failed, which leaves "
+                           "the round as it is: %s%r: %s", type(self).__name__, self.rank, self._epoch,
+                           getattr(step, "__name__", step), args, exc)
 
     def _counted_round(self, epoch: int, mine: bytes, wait_s: float) -> tuple[list[bytes], int]:
         """The renewal round to ``epoch`` on a store without claims (torch's, JAX's): every rank's join

@@ -401,3 +401,51 @@ def test_a_rank_whose_renewal_raised_after_its_round_completed_still_finds_the_r
         assert [key for key in stored_keys() if key.startswith(a._namespace + "e1/")] == []
         assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in (a, b)]) == [[b"\0", b"\1"]] * 2
         run([lambda g=g: g.close() for g in (a, b)])
+
+
+def test_replacements_leave_nothing_of_the_dead_processes_in_the_store():
+    """A dead process's settled join of its last round and its last collective slots stayed for good, as no
+    process of its rank deletes them (its replacement never held them): every replacement grew rank 0's store
+    by two keys. Rank 0 now deletes them once the round the replacement joined completes."""
+    port = free_port()
+    groups = run([lambda r=r: TCPGroup(r, 3, master_port=port, timeout_s=LONG_S) for r in range(3)])
+    server = groups[0]._server
+    sizes = []
+    for victim in (1, 2, 1, 2):
+        run([g.renew_membership for g in groups])  # the dead process held a join of a round (e{epoch}/join/...)
+        run([g.barrier for g in groups] * 2)  # and slots of two calls
+        groups[victim]._client.close()  # it dies
+        others = [g for g in groups if g.rank != victim]
+        out = run([g.renew_membership for g in others] +
+                  [lambda v=victim: TCPGroup(v, 3, master_port=port, timeout_s=LONG_S, rejoin=True)])
+        assert out[:2] == [[victim]] * 2, out
+        groups[victim] = out[2]
+        run([g.barrier for g in groups])
+        with server._cond:
+            sizes.append(len(server._data))
+    assert sizes == [sizes[0]] * 4, sizes
+    with server._cond:
+        left = sorted(k for k in server._data if k[:1] == "e" and k[1:2].isdigit() and not k.startswith("e8/"))
+    assert left == [], left
+    run([lambda g=g: g.close() for g in groups])
+
+
+def test_a_clean_up_that_fails_after_a_round_completed_is_logged_not_raised(caplog):
+    """The deletes after a round run once the epoch has advanced: one that raised reported a completed round
+    as failed, and the rank renewed again, alone, while its peer went on in the new epoch."""
+    a, b = pair("tcp")
+    run([a.barrier, b.barrier])  # a slot for the round to delete
+    real_delete = a._kv_delete
+
+    def fails(key):
+        real_delete(key)
+        raise GroupError("store delete failed: (a transient error)")
+
+    a._kv_delete = fails
+    with caplog.at_level("WARNING", logger="mooncake_ep"):
+        assert run([a.renew_membership, b.renew_membership]) == [[], []]
+    assert (a.membership_epoch, b.membership_epoch) == (1, 1)
+    assert "renewal round 1 completed; a clean-up step after it failed" in caplog.text, caplog.text
+    a._kv_delete = real_delete
+    assert run([lambda g=g: g.allgather_bytes(bytes([g.rank])) for g in (a, b)]) == [[b"\0", b"\1"]] * 2
+    run([lambda g=g: g.close() for g in (a, b)])
