@@ -6,7 +6,8 @@ bytes; ``wait`` blocks server-side until the keys appear, so it costs one round 
 
 Wire format: a connection opens with the client's hello, answered by a reply (OK, or an error that
 says why: another protocol version, or the store serves its most connections already); a connection
-that has not said it within ``_HELLO_DEADLINE_S`` is dropped. Then one request and one reply at a time::
+that has not said it within ``_HELLO_DEADLINE_S`` is dropped, and past ``_MAX_UNGREETED_CONNECTIONS``
+such connections a new one is closed at once. Then one request and one reply at a time::
 
     hello: a request of op 6 whose payload is magic b"MCEP", protocol version u32
     request: op u8, payload length u64, payload    reply: status u8, body length u64, body
@@ -72,13 +73,21 @@ _SERVE_POLL_S = 0.05
 # A connection must say the store's hello within this long of its handler starting: a client says it as
 # soon as it has connected, so one that says nothing (a port scanner, a hung or hostile peer) is dropped,
 # instead of holding a connection and a thread of rank 0's process for good. Generous: a rank whose
-# process stalls between its connect and its hello must not be refused.
+# process stalls between its connect and its hello must not be refused. A hello that came in time and
+# waits unread (rank 0's own process stalled: Ctrl-Z, a call holding the GIL) is still read when it resumes.
 _HELLO_DEADLINE_S = 30.0
-# The most connections the store serves at once, each with a thread of rank 0's process: a group holds
-# one per rank, so a job of thousands of ranks, with replacements and the connections of dead processes
-# that TCP has not given up yet, stays far below it. Past it a new connection's hello is answered with
-# an error that names the bound (a client looping on connect, a flood), and it is closed.
+# The most clients (connections that said the hello) the store serves at once, each with a thread of rank
+# 0's process: a group holds one per rank, so a job of thousands of ranks, with replacements and the
+# connections of dead processes that TCP has not given up yet, stays far below it. Past it a new client's
+# hello is answered with an error that names the bound (a client looping on connect, a flood), and it is
+# closed. Connections that have not said the hello yet do not count: a port scan cannot refuse real ranks.
 _MAX_CONNECTIONS = 16384
+# The most connections that have not said the hello yet, each with a thread until it does or its deadline
+# passes: past it, a new connection is closed on the accept thread at once, with no thread and no reply.
+# A rank's connection is one only from its accept to its hello, a moment, so even thousands of ranks
+# connecting at once stay below it; silent ones (a scan, a flood) stay _HELLO_DEADLINE_S each. With
+# _MAX_CONNECTIONS this bounds rank 0's store threads, whatever connects.
+_MAX_UNGREETED_CONNECTIONS = 4096
 # How often a server-side wait looks whether its client has hung up (died).
 _DEAD_CLIENT_POLL_S = 0.5
 # close() lets requests already woken by it (waits answered "closed") send their replies this long.
@@ -132,8 +141,6 @@ _STILL_ARRIVING = 4
 # names a holder key per key after the keys, "" for none).
 _WAIT_VALUES, _WAIT_SETTLES_CLAIMS, _WAIT_WITHDRAWS_CLAIMS, _WAIT_ENDS_WITHOUT_HOLDERS = 1, 2, 4, 8
 _DONT_WAIT = getattr(socket, "MSG_DONTWAIT", 0)  # the server's sockets block: a peek must not
-# What TCPStoreServer._connected says of a connection accepted as the store closes: not served, not answered.
-_CLOSING = "closing"
 
 
 class _StoreClosedError(_StoreWaitError):
@@ -222,16 +229,18 @@ class _NoReplyYet(Exception):
 
 def _recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
     """``size`` bytes from ``sock``; by ``deadline`` (a ``time.monotonic()``, for the whole of them,
-    however they trickle in), else TimeoutError; None: within the socket's own timeout per read."""
+    however they trickle in), else TimeoutError; None: within the socket's own timeout per read. Past
+    the deadline, bytes already there are still read (without waiting): they came in time, and this
+    process was the late one (stalled, or its thread not scheduled)."""
     buf = bytearray(size)
     view, got = memoryview(buf), 0
     while got < size:
         if deadline is not None:
-            left_s = deadline - time.monotonic()
-            if left_s <= 0:
-                raise TimeoutError(f"{got} of {size} bytes came in time")
-            sock.settimeout(left_s)
-        n = sock.recv_into(view[got:])
+            sock.settimeout(max(deadline - time.monotonic(), 0.0))  # 0: non-blocking
+        try:
+            n = sock.recv_into(view[got:])
+        except BlockingIOError:  # past the deadline, and nothing there
+            raise TimeoutError(f"{got} of {size} bytes came in time") from None
         if n == 0:
             raise ConnectionError("connection closed by the other side")
         got += n
@@ -277,9 +286,8 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         _configure(sock)
         store = self.server.store
         deadline = time.monotonic() + _HELLO_DEADLINE_S
-        try:
-            refusal = store._connected(sock, +1)
-            if refusal == _CLOSING or not self._greet(sock, store, deadline, refusal):
+        try:  # (counted in on the accept thread: _StoreTCPServer.verify_request)
+            if not self._greet(sock, store, deadline):
                 return
             while True:
                 try:
@@ -290,7 +298,7 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         except OSError as exc:
             logger.debug("TCPStoreServer: dropped a client: %s", exc)
         finally:
-            store._connected(sock, -1)
+            store._disconnected(sock)
 
     def _answer(self, sock: socket.socket, store: TCPStoreServer, op: int, length: int) -> None:
         """Reads the request whose header said (op, length), serves it and replies. Its own call, so
@@ -333,12 +341,12 @@ class _StoreHandler(socketserver.BaseRequestHandler):
             raise
 
     @staticmethod
-    def _greet(sock: socket.socket, store: TCPStoreServer, deadline: float, refusal: str | None) -> bool:
+    def _greet(sock: socket.socket, store: TCPStoreServer, deadline: float) -> bool:
         """Read the client's hello, by ``deadline`` (a ``time.monotonic()``), and answer it; False: the
-        connection is not to be served. ``refusal``: why the store serves no more connections, which a
-        client of this protocol is told (read first, its hello is answered, not cut off by a reset). A
-        client is counted greeted before the answer reaches it, so that a client whose connect returned
-        is one the store's close() lets hang up first."""
+        connection is not to be served. Where the store serves :data:`_MAX_CONNECTIONS` clients already,
+        a client of this protocol is told so (read first, its hello is answered, not cut off by a reset).
+        A client is counted greeted before the answer reaches it, so that a client whose connect
+        returned is one the store's close() lets hang up first."""
         magic = version = None
         try:
             if _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline)) == (_OP_HELLO, _HELLO.size):
@@ -360,10 +368,10 @@ class _StoreHandler(socketserver.BaseRequestHandler):
                        f"must run the same mooncake_ep version").encode()
             _send_message(sock, _ERROR, [message])
             return False
+        refusal = store._greeted(sock)
         if refusal is not None:
             _send_message(sock, _ERROR, [refusal.encode()])
             return False
-        store._greeted(sock)
         _send_message(sock, _OK, [])
         return True
 
@@ -386,6 +394,16 @@ class _StoreTCPServer(socketserver.ThreadingTCPServer):
             self.socket.close()
             self.socket = listen_socket
             self.server_address = listen_socket.getsockname()
+
+    def verify_request(self, request: socket.socket, client_address: Any) -> bool:
+        """On the accept thread, before a handler thread starts: whether to serve ``request`` (else
+        socketserver closes it at once). See :meth:`TCPStoreServer._admit`."""
+        return self.store._admit(request)
+
+    def shutdown_request(self, request: socket.socket) -> None:
+        """Close a connection: refused, its handler failed to start, or its handler has ended."""
+        self.store._disconnected(request)  # (idempotent: the handler's end said so already)
+        super().shutdown_request(request)
 
     def get_request(self) -> tuple[socket.socket, Any]:
         """Accept a connection. One that fails for want of a descriptor is logged (socketserver drops the
@@ -444,7 +462,8 @@ class TCPStoreServer:
         # until then only: 10 s and the time of its bytes at the slowest rate a transfer is allowed).
         self._arriving_keys: dict[str, list[tuple[int, float]]] = {}
         self._num_busy = 0  # requests read and not yet answered
-        self._full_since_logged = False  # refusing connections (_MAX_CONNECTIONS), and said so in the log
+        self._full_since_logged = False  # refusing clients (_MAX_CONNECTIONS), and said so in the log
+        self._ungreeted_full_logged = False  # closing new connections (_MAX_UNGREETED_CONNECTIONS), and said so
         try:
             if listen_socket is not None:
                 self._server = _StoreTCPServer((host, port), listen_socket.family, self, listen_socket)
@@ -537,39 +556,62 @@ class TCPStoreServer:
         with self._cond:
             return len(self._greeted_clients)
 
-    def _connected(self, sock: socket.socket, delta: int) -> str | None:
-        """Count a connection in (+1) or out (-1). In: None where it is to be served; :data:`_CLOSING`
-        where the store is closing (it is shut down here); else why the store refuses it, which its
-        hello is answered with: the store serves :data:`_MAX_CONNECTIONS` already (it is not counted).
+    def _admit(self, sock: socket.socket) -> bool:
+        """Count a connection just accepted in, on the accept thread; False: it is not to be served, and
+        socketserver closes it at once, with no handler thread: the store is closing, or
+        :data:`_MAX_UNGREETED_CONNECTIONS` connections have not said the hello yet (a scan, a flood).
 
-        A connection accepted while close() runs registers after close() listed the ones to shut down:
-        it is refused here, under the lock close() set ``_closing`` with, never served by a closed store.
+        A connection accepted while close() runs is refused here, under the lock close() set ``_closing``
+        with; one admitted before is among those close() lists and shuts down: never served by a closed
+        store.
         """
         with self._cond:
-            if delta > 0 and self._closing:
+            if self._closing:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                return _CLOSING
-            if delta > 0 and len(self._clients) >= _MAX_CONNECTIONS:
+                return False
+            num_ungreeted = len(self._clients) - len(self._greeted_clients)
+            if num_ungreeted >= _MAX_UNGREETED_CONNECTIONS:
+                if not self._ungreeted_full_logged:  # once while full: a flood must not flood the log too
+                    self._ungreeted_full_logged = True
+                    logger.warning("TCPStoreServer: %d connections have not said the store's hello yet, the most "
+                                   "it waits for; closing new ones at once until those say it or their %g s run "
+                                   "out (a port scan, or a flood, on MASTER_PORT?)", num_ungreeted,
+                                   _HELLO_DEADLINE_S)
+                return False
+            self._clients.add(sock)
+            return True
+
+    def _disconnected(self, sock: socket.socket) -> None:
+        """Count a connection out (idempotent): the client hung up, exited or died, so what it claimed
+        is free again."""
+        with self._cond:
+            if sock not in self._clients:
+                return
+            self._clients.discard(sock)
+            self._greeted_clients.discard(sock)
+            self._drop_claims_of(sock)
+            self._full_since_logged = self._full_since_logged and len(self._greeted_clients) >= _MAX_CONNECTIONS
+            self._ungreeted_full_logged = self._ungreeted_full_logged and (
+                len(self._clients) - len(self._greeted_clients) >= _MAX_UNGREETED_CONNECTIONS)
+            self._cond.notify_all()
+
+    def _greeted(self, sock: socket.socket) -> str | None:
+        """The connection ``sock`` said the hello: None where it is a client of the store now, which
+        close() lets hang up first; else why the store refuses it, which its hello is answered with: it
+        serves :data:`_MAX_CONNECTIONS` clients already (it is not counted)."""
+        with self._cond:
+            if len(self._greeted_clients) >= _MAX_CONNECTIONS:
                 if not self._full_since_logged:  # once while full: a flood must not flood the log too
                     self._full_since_logged = True
-                    logger.warning("TCPStoreServer: %d connections open, the most the store serves; refusing new "
-                                   "ones until some close (a client reconnecting in a loop?)", len(self._clients))
+                    logger.warning("TCPStoreServer: %d clients connected, the most the store serves; refusing new "
+                                   "ones until some close (a client reconnecting in a loop?)",
+                                   len(self._greeted_clients))
                 return (f"the store serves {_MAX_CONNECTIONS} connections already, the most it serves (each a "
                         f"thread of rank 0's process), where a group needs one per rank: some process keeps "
                         f"connecting to MASTER_PORT without closing")
-            (self._clients.add if delta > 0 else self._clients.discard)(sock)
-            if delta < 0:  # the client hung up, exited or died: what it claimed is free again
-                self._greeted_clients.discard(sock)
-                self._drop_claims_of(sock)
-                self._full_since_logged = self._full_since_logged and len(self._clients) >= _MAX_CONNECTIONS
-            self._cond.notify_all()
-            return None
-
-    def _greeted(self, sock: socket.socket) -> None:
-        """The connection ``sock`` said the hello: a client of the store, which close() lets hang up first."""
-        with self._cond:
             self._greeted_clients.add(sock)
+            return None
 
     def _drop_claims_of(self, sock: socket.socket) -> None:
         """Remove what the connection ``sock`` claimed (and still holds); call with the lock held."""
@@ -867,20 +909,26 @@ class TCPStoreClient:
     def _hello(self) -> None:
         """Say which protocol this rank speaks; the store refuses another one by name."""
         where = f"{self._who}: store at {self.host}:{self.port}"
+        not_ours = (f"rank 0 may run a mooncake_ep of an older store protocol (this one speaks {_PROTOCOL_VERSION}), "
+                    f"or another program listens on MASTER_PORT")
         try:
             self._sock.settimeout(_wait_arg(self.timeout_s))
             self._sock.sendall(hello(_PROTOCOL_VERSION))
             status, length = _HEADER.unpack(_recv_exact(self._sock, _HEADER.size))
+            if status not in (_OK, _ERROR):  # what every store of a protocol with the hello answers it
+                raise ValueError(f"a reply that is not the store's (status {status})")
             body = _recv_exact(self._sock, min(length, 1 << 16))
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             self._sock.close()
             self._sock = None
             if isinstance(exc, TimeoutError):  # a store of any protocol answers a hello at once, if only to refuse it
                 cause = (f"none within {self.timeout_s} s: rank 0's process may be stopped or too busy to serve its "
                          f"store, or another program listens on MASTER_PORT")
+            elif isinstance(exc, ConnectionError):  # a reset, or end of file: before any reply of a store
+                cause = (f"{exc or type(exc).__name__}: rank 0's store closed the connection during the hello: its "
+                         f"process may have exited, or its store closes new connections (see rank 0's log)")
             else:
-                cause = (f"{exc or type(exc).__name__}: rank 0 may run a mooncake_ep of an older store protocol (this "
-                         f"one speaks {_PROTOCOL_VERSION}), or another program listens on MASTER_PORT")
+                cause = f"{exc or type(exc).__name__}: {not_ours}"
             raise GroupError(f"{where}: no answer to this rank's hello ({cause})") from exc
         if status != _OK:
             self._sock.close()

@@ -540,6 +540,83 @@ def test_a_store_that_never_answers_the_hello_is_named_as_stalled_not_as_an_old_
             TCPStoreClient("127.0.0.1", port, timeout_s=0.3)
 
 
+def test_a_store_that_closes_during_the_hello_is_named_as_closed_not_as_an_old_protocol():
+    """Rank 0's process exiting after its listener accepted (a reset or end of file before any reply) was
+    blamed on an older store protocol or another program; a reply that is not a store's still is."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        closer = threading.Thread(target=lambda: listener.accept()[0].close())  # closed with the hello unread
+        closer.start()
+        with pytest.raises(GroupError, match=r"no answer to this rank's hello \(.*: rank 0's store closed the "
+                                             r"connection during the hello: its process may have exited") as info:
+            TCPStoreClient("127.0.0.1", port, timeout_s=PROCESS_LIMIT_S)
+        closer.join()
+        assert "older store protocol" not in str(info.value)
+
+        def answer_not_ours():
+            conn = listener.accept()[0]
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        other = threading.Thread(target=answer_not_ours)
+        other.start()
+        with pytest.raises(GroupError, match=r"no answer to this rank's hello \(a reply that is not the store's "
+                                             r"\(status 72\): rank 0 may run a mooncake_ep of an older store protocol"):
+            TCPStoreClient("127.0.0.1", port, timeout_s=PROCESS_LIMIT_S)
+        other.join()
+
+
+def test_store_reads_a_hello_that_came_in_time_while_its_own_process_was_stalled(monkeypatch):
+    """The deadline was checked before any read: a hello waiting in the socket's buffer was refused when
+    rank 0's process itself had been held past the deadline (Ctrl-Z, a call holding the GIL), and the
+    client was told its store spoke an older protocol."""
+    monkeypatch.setattr(_tcp_store, "_HELLO_DEADLINE_S", 0.1)
+    greet = _tcp_store._StoreHandler._greet
+
+    def stalled_then_greets(sock, store, deadline):
+        time.sleep(0.3)  # the handler's deadline set, then its process stalled; the hello arrived meanwhile
+        return greet(sock, store, deadline)
+
+    monkeypatch.setattr(_tcp_store._StoreHandler, "_greet", staticmethod(stalled_then_greets))
+    with TCPStoreServer("127.0.0.1", 0) as server, \
+            TCPStoreClient("127.0.0.1", server.port, timeout_s=PROCESS_LIMIT_S) as client:
+        client.set("k", b"v")
+        assert client.get("k", timeout_s=1.0) == b"v"
+
+
+def _wait_for(condition, what):
+    deadline = time.monotonic() + PROCESS_LIMIT_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_connections_without_a_hello_neither_refuse_clients_nor_hold_threads_past_their_own_bound(monkeypatch,
+                                                                                                    caplog):
+    """Connections past _MAX_CONNECTIONS were refused uncounted but each kept a thread until its hello
+    deadline (silent ones grew rank 0's threads with their rate), and silent ones counted toward the
+    bound, so a port scan refused real ranks. Now the silent ones have their own bound, past which the
+    accept thread closes them with no thread, and only clients count toward _MAX_CONNECTIONS."""
+    monkeypatch.setattr(_tcp_store, "_MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(_tcp_store, "_MAX_UNGREETED_CONNECTIONS", 3)
+    with TCPStoreServer("127.0.0.1", 0) as server, contextlib.ExitStack() as stack:
+        threads_before = threading.active_count()
+        silent = [stack.enter_context(socket.create_connection(("127.0.0.1", server.port))) for _ in range(3)]
+        _wait_for(lambda: threading.active_count() - threads_before == 3, "a thread per silent connection")
+        past = [stack.enter_context(socket.create_connection(("127.0.0.1", server.port))) for _ in range(20)]
+        assert all(_closed_by_the_server(sock) for sock in past)  # at once, on the accept thread
+        assert threading.active_count() - threads_before == 3
+        assert caplog.text.count("have not said the store's hello yet") == 1, caplog.text  # said once while full
+        silent[0].close()
+        _wait_for(lambda: len(server._clients) == 2, "the handler let the closed one go")
+        clients = [stack.enter_context(TCPStoreClient("127.0.0.1", server.port, timeout_s=PROCESS_LIMIT_S))
+                   for _ in range(2)]  # the silent ones count not toward the clients' bound
+        clients[0].set("k", b"v")
+        assert clients[1].get("k", timeout_s=1.0) == b"v"
+        with pytest.raises(GroupError, match=r"refused this rank: the store serves 2 connections already"):
+            TCPStoreClient("127.0.0.1", server.port, timeout_s=PROCESS_LIMIT_S)
+
+
 def test_store_close_does_not_wait_for_connections_that_never_said_hello():
     """A port scanner, or another protocol's client that sent less than a header, holds a connection the
     store never serves and that may never hang up: close(wait_for_clients_s) waited for it all that time
@@ -842,7 +919,7 @@ def test_store_connection_that_registers_after_close_listed_its_clients_is_not_s
     ours, theirs = socket.socketpair()
     with ours, theirs:
         ours.settimeout(PROCESS_LIMIT_S)  # a regression fails instead of hanging
-        assert server._connected(theirs, +1) == _tcp_store._CLOSING  # what a handler starting now is told
+        assert not server._admit(theirs)  # what a connection accepted now is told
         assert ours.recv(1) == b"" and not server._clients
 
 
