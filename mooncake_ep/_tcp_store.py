@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import ipaddress
 import logging
 import random
 import select
@@ -434,8 +435,10 @@ class TCPStoreServer:
         host: address to listen on (MASTER_ADDR); must be an address of this host.
         port: TCP port (MASTER_PORT); 0 picks a free one, read back from :attr:`port`.
         listen_socket: a TCP socket already listening on ``port`` (0: on any), which the store
-            serves instead of binding one, and closes with itself: a launcher that bound it
-            and passed it on leaves no moment in which another program could take the port.
+            serves instead of binding one: a launcher that bound it and passed it on leaves no
+            moment in which another program could take the port. Refused by the checks
+            (TypeError, ValueError), it stays the caller's; from then on it is the store's, which
+            closes it when it closes, or when it fails to start.
 
     Raises:
         GroupError: the port is taken, or ``host`` is not an address of this host.
@@ -466,7 +469,11 @@ class TCPStoreServer:
         self._ungreeted_full_logged = False  # closing new connections (_MAX_UNGREETED_CONNECTIONS), and said so
         try:
             if listen_socket is not None:
-                self._server = _StoreTCPServer((host, port), listen_socket.family, self, listen_socket)
+                try:
+                    self._server = _StoreTCPServer((host, port), listen_socket.family, self, listen_socket)
+                except BaseException:  # the store's from its checks on, whatever comes: closed here
+                    listen_socket.close()
+                    raise
             else:
                 family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
                 self._server = _StoreTCPServer((host, port), family, self)
@@ -780,21 +787,53 @@ def _hung_up(sock: socket.socket | None) -> bool:
         return True
 
 
-def _check_listen_socket(where: str, sock: Any, port: int) -> None:
+def _check_listen_socket(where: str, sock: Any, port: int, name: str = "listen_socket",
+                         host: str | None = None) -> None:
     """ValueError (TypeError for another object) unless ``sock`` is a TCP socket listening on ``port``
-    (any, for 0)."""
+    (any, for 0) and, where ``host`` is given, bound to one of its addresses or to a wildcard (else the
+    ranks, rank 0's own client too, could not reach it at ``host``). ``name``: the caller's argument."""
     if not isinstance(sock, socket.socket):
-        raise TypeError(f"{where}: listen_socket must be a socket.socket, got {type(sock).__name__}")
+        raise TypeError(f"{where}: {name} must be a socket.socket, got {type(sock).__name__}")
     try:
         listening = sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-        bound_port = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+        bound = sock.getsockname() if sock.family in (socket.AF_INET, socket.AF_INET6) else None
     except OSError as exc:  # closed
-        raise ValueError(f"{where}: listen_socket is not usable: {exc}") from None
-    if not listening or bound_port is None:
-        raise ValueError(f"{where}: listen_socket must be a TCP socket that listens (socket.create_server), got "
-                         f"{sock!r}")
-    if port and bound_port != port:
-        raise ValueError(f"{where}: listen_socket listens on port {bound_port}, not the store's port {port}")
+        raise ValueError(f"{where}: {name} is not usable: {exc}") from None
+    if not listening or bound is None:
+        raise ValueError(f"{where}: {name} must be a TCP socket that listens (socket.create_server), got {sock!r}")
+    if port and bound[1] != port:
+        raise ValueError(f"{where}: {name} listens on port {bound[1]}, not the store's port {port}")
+    if host is not None:
+        bound_address = _plain_address(bound[0])
+        if not bound_address.is_unspecified:
+            try:
+                addresses = {_plain_address(info[4][0]) for info in socket.getaddrinfo(host, bound[1],
+                                                                                       type=socket.SOCK_STREAM)}
+            except socket.gaierror:  # the client's connection says so, naming MASTER_ADDR
+                return
+            if bound_address not in addresses:
+                raise ValueError(f"{where}: {name} is bound to {bound[0]}, which is not master_addr {host!r} "
+                                 f"({', '.join(sorted(map(str, addresses)))}): the ranks connect there; bind it to "
+                                 f"that address or to all (\"\" or 0.0.0.0)")
+
+
+def _plain_address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address of a socket or of getaddrinfo, an IPv4 one mapped into IPv6 as itself (a dual-stack
+    socket's peers)."""
+    address = ipaddress.ip_address(text.split("%", 1)[0])  # (an IPv6 scope)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped if mapped is not None else address
+
+
+def _listening_port(sock: Any) -> int | None:
+    """The port ``sock`` is bound to, where it is a TCP/IP socket that can say; None otherwise (its
+    check, :func:`_check_listen_socket`, says what is wrong)."""
+    if not isinstance(sock, socket.socket) or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        return sock.getsockname()[1] or None
+    except OSError:
+        return None
 
 
 # Where free_port looks first: below Linux's ephemeral range (32768-60999).

@@ -165,7 +165,8 @@ class TCPGroup(_KeyValueGroup):
         rank: this process's rank in ``[0, world_size)``; rank 0 serves the store.
         world_size: number of processes. 1 needs no network at all.
         master_addr: rank 0's address (MASTER_ADDR).
-        master_port: the store's port (MASTER_PORT), in ``[1, 65535]``.
+        master_port: the store's port (MASTER_PORT), in ``[1, 65535]``; None: ``store_socket``'s
+            port where it is given, else 29500.
         timeout_s: seconds any rendezvous or collective waits for its peers (math.inf = forever);
             can be changed later through :attr:`timeout_s`.
         device: CUDA device ordinal this rank uses (reported as :attr:`device`), None = unset.
@@ -174,10 +175,14 @@ class TCPGroup(_KeyValueGroup):
             running ranks' next :meth:`renew_membership` (``Buffer.update_ep_member`` on the
             survivors), instead of the first rendezvous; all of it within ``timeout_s``. Rank 0
             cannot be taken over: it serves the store.
-        store_socket: rank 0 only: a TCP socket already listening on ``master_port``, which the
-            store serves (and closes) instead of binding the port itself. A launcher that binds
-            it and passes it to rank 0 holds the port throughout: a port chosen free, released
-            and bound again could be taken by another program in between.
+        store_socket: rank 0 only: a TCP socket already listening on ``master_port``, bound to
+            ``master_addr`` (one of its addresses) or to all addresses, which the store serves
+            instead of binding the port itself. A launcher that binds it and passes it to rank 0
+            holds the port throughout: a port chosen free, released and bound again could be
+            taken by another program in between. Who closes it: refused with the arguments
+            (TypeError, ValueError), nobody, it stays the caller's; otherwise the group, with
+            world_size 1 at once, else with its store: when the group closes (or is dropped), or
+            when the constructor raises.
 
     Raises:
         GroupError: the port is taken (rank 0), rank 0 is unreachable, a rank joined twice (or,
@@ -194,8 +199,8 @@ class TCPGroup(_KeyValueGroup):
             Rank 0, whose store closes when it raises, first waits for the ranks of a larger
             world_size beyond its own to read why (up to 30 s, within ``timeout_s``). With
             ``rejoin``, raised on this rank alone, before it joins anything.
-        ValueError: ``rejoin=True`` with rank 0; ``store_socket`` on another rank than 0, or not
-            a TCP socket listening on ``master_port``.
+        ValueError: ``rejoin=True`` with rank 0; ``store_socket`` on another rank than 0, not a
+            TCP socket listening on ``master_port``, or bound to an address not ``master_addr``'s.
 
     Note:
         After any :class:`GroupError` from a collective the group is broken: the ranks no longer
@@ -224,7 +229,7 @@ class TCPGroup(_KeyValueGroup):
     _store_closes_with_rank0 = True
 
     def __init__(self, rank: int, world_size: int, *, master_addr: str = DEFAULT_MASTER_ADDR,
-                 master_port: int = DEFAULT_MASTER_PORT, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 master_port: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  device: int | None = None, rejoin: bool = False, store_socket: Any = None) -> None:
         self.rank, self.world_size = _check_rank("TCPGroup", rank, world_size)
         if not isinstance(rejoin, bool):
@@ -236,12 +241,14 @@ class TCPGroup(_KeyValueGroup):
         if not isinstance(master_addr, str) or not master_addr:
             raise TypeError(f"TCPGroup: master_addr must be a non-empty str, got {master_addr!r}")
         self.master_addr = master_addr
+        if master_port is None:
+            master_port = _tcp_store._listening_port(store_socket) or DEFAULT_MASTER_PORT
         self.master_port = _check_port("TCPGroup", master_port)
         if store_socket is not None:
             if self.rank != 0:
                 raise ValueError(f"TCPGroup: store_socket is rank 0's, which serves the store; rank {self.rank} "
                                  f"connects to it: leave it out")
-            _tcp_store._check_listen_socket("TCPGroup", store_socket, self.master_port)
+            _tcp_store._check_listen_socket("TCPGroup", store_socket, self.master_port, "store_socket", master_addr)
         self.device = None if device is None else _check_int("TCPGroup", "device", device, 0)
         self._init_collectives(_check_timeout("TCPGroup", timeout_s))
         self._server: TCPStoreServer | None = None
@@ -479,9 +486,11 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
             a different value is refused.
         world_size: number of processes; 1 returns at once and uses no network.
         master_addr: rank 0's host, where the TCP store listens (TCP store only).
-        master_port: the TCP store's port (TCP store only).
+        master_port: the TCP store's port (TCP store only); None: MASTER_PORT, else
+            ``store_socket``'s port where it is given, else 29500.
         store_socket: on rank 0, a socket already listening on the store's port, which the store
-            serves instead of binding it (see :class:`TCPGroup`; TCP store only).
+            serves instead of binding it (see :class:`TCPGroup`, which says who closes it; TCP
+            store only). Refused with the arguments, it stays the caller's.
         timeout_s: seconds every rendezvous and collective waits for its peers (math.inf =
             forever). torch's all_gather and MPI have no per-call timeout: see each adapter.
         device: CUDA device ordinal this rank uses (the group's ``device``), None = unset.
@@ -525,8 +534,9 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
         raise ValueError(f"{where}: rejoin=True takes over a rank of mooncake_ep's TCP store group (whose rank "
                          f"claims end with their process); with group={_describe(group)} leave it out")
     if tcp_args:
-        raise ValueError(f"{where}: {' and '.join(tcp_args)} configure the TCP store; with "
-                         f"group={_describe(group)} leave them out")
+        verb, them = ("configures", "it") if len(tcp_args) == 1 else ("configure", "them")
+        raise ValueError(f"{where}: {' and '.join(tcp_args)} {verb} the TCP store; with group={_describe(group)} "
+                         f"leave {them} out")
     if group == "jax":
         return JaxGroup(rank=rank, world_size=world_size, timeout_s=timeout_s, device=device)
     outside = _outside_group(group)
@@ -554,10 +564,11 @@ def init_group(group: Any = None, *, rank: int | None = None, world_size: int | 
 
 
 def _tcp_settings(where: str, rank: int | None, world_size: int | None, master_addr: str | None,
-                  master_port: int | None) -> tuple[int, int, str, int]:
+                  master_port: int | None, default_port: int = DEFAULT_MASTER_PORT) -> tuple[int, int, str, int]:
     """(rank, world_size, master_addr, master_port): the arguments given, the rest from the
-    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), checked. A value out of range that came
-    from the environment is refused with the variables read, which the caller set, not the argument."""
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; ``default_port`` where that is unset),
+    checked. A value out of range that came from the environment is refused with the variables read,
+    which the caller set, not the argument."""
     from_env = {}
     if rank is None:
         rank = from_env["RANK"] = _env_int(where, "RANK", "rank")
@@ -574,7 +585,7 @@ def _tcp_settings(where: str, rank: int | None, world_size: int | None, master_a
             raise ValueError(f"{where}: environment variable MASTER_ADDR is only whitespace: {raw_addr!r}")
         master_addr = (raw_addr or "").strip() or DEFAULT_MASTER_ADDR  # '10.0.0.1\n' read from a file
     if master_port is None:
-        master_port = _env_int(where, "MASTER_PORT", "master_port", DEFAULT_MASTER_PORT)
+        master_port = _env_int(where, "MASTER_PORT", "master_port", default_port)
         if "MASTER_PORT" in os.environ:
             from_env["MASTER_PORT"] = master_port
 
@@ -594,7 +605,10 @@ def _tcp_settings(where: str, rank: int | None, world_size: int | None, master_a
 def _init_tcp_group(where: str, rank: int | None, world_size: int | None, master_addr: str | None,
                     master_port: int | None, timeout_s: float, device: int | None, rejoin: bool,
                     store_socket: Any) -> TCPGroup:
-    rank, world_size, master_addr, master_port = _tcp_settings(where, rank, world_size, master_addr, master_port)
+    # A store socket given alone names the port: rank 0's launcher bound it (the other ranks need MASTER_PORT).
+    default_port = _tcp_store._listening_port(store_socket) or DEFAULT_MASTER_PORT
+    rank, world_size, master_addr, master_port = _tcp_settings(where, rank, world_size, master_addr, master_port,
+                                                               default_port)
     if rejoin and rank == 0:
         raise ValueError(f"{where}: rejoin=True cannot take over rank 0: rank 0 serves the store, which died "
                          f"with it; restart every rank")

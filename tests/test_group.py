@@ -422,20 +422,39 @@ def test_rank0_serves_the_store_on_a_socket_it_was_given():
     TCPStoreServer("127.0.0.1", port).close()
 
 
-def test_a_store_socket_rank_0_cannot_serve_is_refused():
-    with socket.create_server(("127.0.0.1", 0)) as listener, socket.socket() as unbound:
+def test_a_store_socket_rank_0_cannot_serve_is_refused_naming_the_argument_and_left_open(clean_env):
+    """The errors named listen_socket, the server's parameter, not the caller's store_socket; a socket bound
+    to another address than master_addr's passed, and rank 0's own client then timed out connecting. A
+    socket refused with the arguments stays the caller's: open."""
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.socket() as unbound, \
+            socket.create_server(("127.0.0.2", 0)) as elsewhere:
         port = listener.getsockname()[1]
         with pytest.raises(ValueError, match=r"^TCPGroup: store_socket is rank 0's, which serves the store; rank 1 "):
             TCPGroup(1, 2, master_port=port, store_socket=listener)
-        with pytest.raises(ValueError, match=rf"^TCPGroup: listen_socket listens on port {port}, not the store's "
+        with pytest.raises(ValueError, match=rf"^TCPGroup: store_socket listens on port {port}, not the store's "
                                              rf"port {port % 65535 + 1}$"):
             TCPGroup(0, 2, master_port=port % 65535 + 1, store_socket=listener)
-        with pytest.raises(ValueError, match=r"^TCPGroup: listen_socket must be a TCP socket that listens"):
+        with pytest.raises(ValueError, match=r"^TCPGroup: store_socket must be a TCP socket that listens"):
             TCPGroup(0, 2, master_port=port, store_socket=unbound)
-        with pytest.raises(TypeError, match=r"^TCPGroup: listen_socket must be a socket\.socket, got int$"):
+        with pytest.raises(TypeError, match=r"^TCPGroup: store_socket must be a socket\.socket, got int$"):
             TCPGroup(0, 2, master_port=port, store_socket=listener.fileno())
-        with pytest.raises(ValueError, match=r"^init_group: store_socket configure the TCP store; with group="):
+        with pytest.raises(ValueError, match=r"^init_group: store_socket configures the TCP store; with group="):
             init_group(LocalGroup(1).spawn(lambda g: g)[0], store_socket=listener)
+        with pytest.raises(ValueError, match=r"^TCPGroup: store_socket is bound to 127\.0\.0\.2, which is not "
+                                             r"master_addr '127\.0\.0\.1' \(127\.0\.0\.1\)"):
+            init_group(rank=0, world_size=2, master_addr="127.0.0.1", store_socket=elsewhere, timeout_s=30.0)
+        assert listener.fileno() != -1 and elsewhere.fileno() != -1
+
+
+def test_a_store_socket_given_without_a_port_names_the_port_and_a_failed_join_closes_it(clean_env):
+    """init_group(store_socket=...) without master_port (nor MASTER_PORT) checked the socket against port
+    29500 and refused it; the port is the socket's. Once the store serves it, a failed join closes it."""
+    listener = socket.create_server(("", 0))  # all addresses: master_addr's among them
+    port = listener.getsockname()[1]
+    with pytest.raises(GroupError, match=rf"waiting for ranks \[1\] of 2 \(MASTER_ADDR=127\.0\.0\.1, "
+                                         rf"MASTER_PORT={port}\)"):
+        init_group(rank=0, world_size=2, store_socket=listener, timeout_s=0.3)
+    assert listener.fileno() == -1
 
 
 def test_store_client_gives_up_when_rank0_never_starts():

@@ -917,7 +917,7 @@ def test_init_group_argument_errors(clean_env):
         init_group(3)
     with pytest.raises(ValueError, match=r"group must be one of \['tcp', 'torch', 'jax'\] when a str, got 'nccl'"):
         init_group("nccl")
-    with pytest.raises(ValueError, match="master_port configure the TCP store; with group=.*FakeComm leave them out"):
+    with pytest.raises(ValueError, match="master_port configures the TCP store; with group=.*FakeComm leave it out"):
         init_group(comm, master_port=29500)
     with pytest.raises(ValueError, match="rank=1 differs from the group's rank 0"):
         init_group(comm, rank=1)
