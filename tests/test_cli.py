@@ -427,6 +427,55 @@ def test_a_launch_keeps_its_port_from_its_choice_to_rank_0s_store(monkeypatch, c
     assert "all 2 processes passed" in out and f"127.0.0.1:{taken_port}" not in out
 
 
+_STORE_FD_CHILD = r"""
+import json, os, socket, sys
+from mooncake_ep.cli import launch
+out = {}
+listening = int(os.environ[launch.STORE_SOCKET_FD_ENV])
+sock = launch._launch_store_socket()
+out["adopted"] = sock is not None and sock.getsockname()[1] == int(sys.argv[1])
+out["inheritable"] = sock is not None and os.get_inheritable(sock.fileno())
+out["variable left"] = launch.STORE_SOCKET_FD_ENV in os.environ
+try:
+    os.fstat(listening)
+    out["launcher's number open"] = True
+except OSError:
+    out["launcher's number open"] = False
+own = socket.create_connection(("127.0.0.1", int(sys.argv[1])))  # a socket of this process's own
+for name, number, rank in (("closed", "97", "0"), ("own", str(own.fileno()), "0"), ("rank 1", "97", "1")):
+    os.environ.update({launch.STORE_SOCKET_FD_ENV: number, "RANK": rank})
+    out[name] = repr(launch._launch_store_socket())
+out["own still open"] = own.fileno() != -1 and os.fstat(own.fileno()) is not None
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the listening socket reaches rank 0 through pass_fds (POSIX)")
+def test_rank_0_adopts_only_a_listening_store_socket_and_passes_neither_it_nor_its_variable_on():
+    """Rank 0 adopted whatever MOONCAKE_EP_STORE_FD named: a closed number raised a raw OSError, another
+    socket of its own was closed under it, and the adopted socket and the variable reached every process
+    rank 0 started (one still running held the port: rank 1 then waited its whole timeout for a dead
+    rank 0). Now it checks the number, adopts a non-inheritable duplicate and removes the variable."""
+    import json
+    import socket
+
+    from mooncake_ep.cli import launch
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        env = dict(os.environ, RANK="0", PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+                   **{launch.STORE_SOCKET_FD_ENV: str(listener.fileno())})
+        proc = subprocess.run([sys.executable, "-c", _STORE_FD_CHILD, str(port)], env=env, pass_fds=[listener.fileno()],
+                              start_new_session=True, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"adopted": True, "inheritable": False, "variable left": False,
+                                       "launcher's number open": False, "closed": "None", "own": "None",
+                                       "rank 1": "None", "own still open": True}, proc.stdout
+    for problem in ("97 (Bad file descriptor)", "(it is a socket that does not listen)",
+                    "97 (RANK is '1', and only rank 0 serves the store)"):
+        assert f"ignoring {launch.STORE_SOCKET_FD_ENV}=" in proc.stderr and problem in proc.stderr, proc.stderr
+
+
 def test_a_launch_inside_a_torchrun_worker_meets_at_its_own_store(monkeypatch, capsys):
     """torchrun's TORCHELASTIC_USE_AGENT_STORE is not passed on: with it the ranks looked for torchrun's
     store at the launch's port, where nothing serves it, and failed after twice the group timeout."""

@@ -120,11 +120,40 @@ def join_group(backend: str, device: int | None = None) -> mooncake_ep.Group:
 def _launch_store_socket() -> socket.socket | None:
     """The listening socket ``launch`` gave this process, its rank 0, to serve the store on
     (:data:`STORE_SOCKET_FD_ENV`); None in any other process: one not started by ``launch``, or one
-    started by such a process (which inherits the environment, not the descriptor)."""
-    fd = os.environ.get(STORE_SOCKET_FD_ENV, "")
-    if not (_OWN_GROUPS and fd.isascii() and fd.isdigit() and os.getpgrp() == os.getpid()):
+    started by such a process (which inherits the environment, not the descriptor).
+
+    The variable is read once and removed, and the socket kept is not inheritable: a process this one
+    starts (a shell's, a helper's) neither adopts it nor holds the port, which would leave rank 1's
+    connection in the backlog of a dead rank 0 until its timeout. A number that names no listening
+    socket (the variable inherited by a process that did not inherit the descriptor, e.g. a torchrun
+    worker) is ignored, with a warning: rank 0 binds MASTER_PORT itself. The socket is adopted as a
+    duplicate, and the number closed only once checked, so a mistaken one never closes a socket of
+    this process's own.
+    """
+    fd_text = os.environ.pop(STORE_SOCKET_FD_ENV, "")
+    if not (_OWN_GROUPS and fd_text.isascii() and fd_text.isdigit() and os.getpgrp() == os.getpid()):
         return None
-    return socket.socket(fileno=int(fd))
+    fd = int(fd_text)
+    problem, sock = None, None
+    if os.environ.get("RANK") != "0":
+        problem = f"RANK is {os.environ.get('RANK')!r}, and only rank 0 serves the store"
+    else:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                problem = "it is not a socket"
+            else:
+                sock = socket.socket(fileno=os.dup(fd))  # a duplicate, not inheritable
+                if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    problem = "it is a socket that does not listen"
+        except OSError as exc:
+            problem = f"{exc.strerror or exc}"
+    if problem is not None:
+        if sock is not None:
+            sock.close()  # the duplicate only
+        _say(f"mooncake_ep: ignoring {STORE_SOCKET_FD_ENV}={fd_text} ({problem}): rank 0 binds MASTER_PORT itself")
+        return None
+    os.close(fd)  # the launcher's inheritable one: the duplicate serves
+    return sock
 
 
 @contextlib.contextmanager
