@@ -383,7 +383,9 @@ class Buffer:
         self._num_dispatches = _handshake.running_dispatches(configs)
         self._token = _handshake.buffer_token(configs)
         # Built in the others' update_ep_member: this process took a dead rank over. Its Buffer is not
-        # held against it if it builds the Buffer again (the others' update of it failed and is retried).
+        # held against it if it builds the Buffer again (the others' update of it failed and is retried),
+        # until the ranks meet on it (a dispatch, an update): then a new Buffer of this live process is
+        # the mistake _held_tokens catches.
         self._built_in_an_update = any(config.phase == _handshake.UPDATE for config in configs)
         # The group's membership epoch this Buffer's peers were last connected in (update_ep_member).
         self._membership_epoch = getattr(group, "membership_epoch", None)
@@ -716,6 +718,7 @@ class Buffer:
                                                    dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0),
                                                    refusal)
                 self._num_dispatches += 1
+                self._built_in_an_update = False  # the ranks made a call on it: it is theirs now (_held_tokens)
             else:
                 output_views = out_only if out_only is not None else [view for view, _ in outputs]
                 launch = self._dispatch_launcher(x_view, topk_view, active_view, output_views,
@@ -729,6 +732,7 @@ class Buffer:
                 # Counted once the send half is launched: a configuration refused on the way (the layout
                 # limit, ranks that disagree on it) used no parity, and the handles before it stay valid.
                 self._num_dispatches += 1
+                self._built_in_an_update = False  # (as on the CPU)
                 if claimed is not None:
                     self._claimed_configurations.add(claimed[1])
                     self._call_claims.confirm_call(*claimed)
@@ -1259,6 +1263,7 @@ class Buffer:
             renew()
         configs = _handshake.exchange(self.group, self._rank_config(_handshake.UPDATE), "update_ep_member")
         self._num_dispatches = _handshake.running_dispatches(configs)  # equal on the GPU, the most on the CPU
+        self._built_in_an_update = False  # the ranks met in an update of it: it is theirs now (_held_tokens)
         replaced = _handshake.replaced_ranks(configs)
         if self._cuda is not None:
             # The replacements check in Buffer(), on the same configs: every rank raises, or none.

@@ -301,10 +301,15 @@ class CombineFunction(torch.autograd.Function):
             host_ids, given = handle.state.get("topk_idx"), handle.state.get("topk_idx_array")
             dispatched_idx = (torch.from_numpy(host_ids) if host_ids is not None
                               else given if isinstance(given, torch.Tensor) else topk_idx)
-            if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            if (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]) and handle.backend != "reference":
                 # Before the combine: a combine through the workspace leaves the handle refused for more.
                 forward_range = _layout_range(buffer, "mooncake_ep.torch.combine", handle).clone()
         combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
+        if forward_range is None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            # A CPU handle's: after the combine, which refuses a handle it cannot combine on every rank at
+            # once (through its exchange; read before, the refusal was this rank's alone, and its peers
+            # waited until the group's timeout). The dispatch result's own ranges are never rewritten.
+            forward_range = torch.from_numpy(handle.state["result"].layout_range)
         # Made under torch.inference_mode (a frozen dispatch, say), which save_for_backward refuses: the
         # small routing tensors are copied out of it (helper-120: the combine had run when it raised).
         topk_idx, topk_weights, dispatched_idx = (t.clone() if t.is_inference() else t

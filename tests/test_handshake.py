@@ -303,6 +303,30 @@ def test_only_a_process_that_holds_none_of_the_updated_buffers_builds_one_in_the
         assert (replaced, num_dispatches) == ([], 1), out
 
 
+def test_a_replacement_that_made_a_call_on_its_buffer_is_a_live_rank_at_the_next_update():
+    """A replacement's Buffer, built in the others' update, is not held against it if it builds the Buffer
+    again (their update of it may have failed on their side); but once the ranks made a call on it, the
+    process is a live rank like any other, and a new Buffer it builds at a later update is the mistake
+    (it had passed as a replacement for good, review)."""
+    def rank_fn(group):
+        process = ProcessRank(group)
+        buffer = ep.Buffer(process, SIZE, backend="reference")
+        if group.rank == 2:  # its process dies; a new one takes the rank over
+            process = ProcessRank(group)
+            buffer = ep.Buffer(process, SIZE, backend="reference")
+        else:
+            assert buffer.update_ep_member() == [2]
+        step(buffer, group.rank, 0)
+        with pytest.raises(_handshake.RankMismatchError, match=r"ranks \[2\] are building a new Buffer"):
+            if group.rank == 2:
+                ep.Buffer(process, SIZE, backend="reference")
+            else:
+                buffer.update_ep_member()
+        return buffer.update_ep_member(), step(buffer, group.rank, 1).shape
+
+    assert ep.LocalGroup(R, timeout_s=30.0).spawn(rank_fn) == [([], (T, H))] * R
+
+
 def test_update_ep_member_refuses_pending_hooks_on_every_rank():
     def rank_fn(group):
         buffer = ep.Buffer(group, SIZE, backend="reference")

@@ -869,3 +869,35 @@ def test_torch_jit_trace_is_refused_by_name():
         assert recv.shape == (E, T, H)
 
     ep.LocalGroup(1, timeout_s=GROUP_TIMEOUT_S).spawn(rank_fn)
+
+
+def test_a_cpu_handle_combine_refuses_is_refused_on_every_rank_at_once_with_gradients_too():
+    """Rank 1 has not called its dispatch's hook. Buffer.combine refuses that handle through its exchange
+    (every rank raises at once); mooncake_ep.torch.combine read the handle's row ranges first, which
+    refused it on rank 1 alone, and rank 0 waited in the exchange until the group's timeout (review)."""
+    import time
+
+    import mooncake_ep.torch as ept
+
+    num_ranks, T, H, E, K = 2, 4, 128, 4, 2
+
+    def rank_fn(group):
+        buffer = ep.Buffer(group, ep.Buffer.get_ep_buffer_size_hint(T, H, num_ranks, E), backend="reference")
+        grad_buffer = ep.Buffer(group, ept.grad_buffer_size_hint(T, H, num_ranks, E, K), backend="reference")
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(group.rank)).to(torch.bfloat16)
+        topk = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]], dtype=torch.int64)
+        active = torch.ones(num_ranks, dtype=torch.int32)
+        recv_x, _, handle, _, hook = buffer.dispatch(x, topk, active, T, E, use_fp8=False, return_recv_hook=True)
+        if group.rank == 0:
+            hook()
+        start = time.monotonic()
+        with pytest.raises((ValueError, RuntimeError)) as refused:
+            ept.combine(buffer, recv_x.clone().requires_grad_(), topk, torch.full((T, K), 0.5), active, handle,
+                        grad_buffer=grad_buffer)
+        return type(refused.value).__name__, str(refused.value), time.monotonic() - start
+
+    out = ep.LocalGroup(num_ranks, timeout_s=30.0).spawn(rank_fn)
+    assert out[1][:2] == ("RuntimeError", "combine: the dispatch of this handle has not received yet: call its "
+                                          "hook() first"), out[1]
+    assert out[0][0] == "ValueError" and "rank 1 of 2 refused this call" in out[0][1], out[0]
+    assert max(took for _, _, took in out) < 10, out  # not the group's 30 s timeout
