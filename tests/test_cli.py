@@ -451,11 +451,14 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(os.name != "posix", reason="the listening socket reaches rank 0 through pass_fds (POSIX)")
-def test_rank_0_adopts_only_a_listening_store_socket_and_passes_neither_it_nor_its_variable_on():
+@pytest.mark.parametrize("leads_its_group", [True, False])
+def test_rank_0_adopts_only_a_listening_store_socket_and_passes_neither_it_nor_its_variable_on(leads_its_group):
     """Rank 0 adopted whatever MOONCAKE_EP_STORE_FD named: a closed number raised a raw OSError, another
     socket of its own was closed under it, and the adopted socket and the variable reached every process
     rank 0 started (one still running held the port: rank 1 then waited its whole timeout for a dead
-    rank 0). Now it checks the number, adopts a non-inheritable duplicate and removes the variable."""
+    rank 0). Now it checks the number, adopts a non-inheritable duplicate and removes the variable. Also
+    where the launched command wraps python (sh -c, a sanitizer): that python leads no process group, and
+    ignored the socket it held, so its own store could not bind the port (review)."""
     import json
     import socket
 
@@ -466,7 +469,7 @@ def test_rank_0_adopts_only_a_listening_store_socket_and_passes_neither_it_nor_i
         env = dict(os.environ, RANK="0", PYTHONPATH=str(Path(__file__).resolve().parent.parent),
                    **{launch.STORE_SOCKET_FD_ENV: str(listener.fileno())})
         proc = subprocess.run([sys.executable, "-c", _STORE_FD_CHILD, str(port)], env=env, pass_fds=[listener.fileno()],
-                              start_new_session=True, capture_output=True, text=True, timeout=60)
+                              start_new_session=leads_its_group, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"adopted": True, "inheritable": False, "variable left": False,
                                        "launcher's number open": False, "closed": "None", "own": "None",

@@ -119,8 +119,10 @@ def join_group(backend: str, device: int | None = None) -> mooncake_ep.Group:
 
 def _launch_store_socket() -> socket.socket | None:
     """The listening socket ``launch`` gave this process, its rank 0, to serve the store on
-    (:data:`STORE_SOCKET_FD_ENV`); None in any other process: one not started by ``launch``, or one
-    started by such a process (which inherits the environment, not the descriptor).
+    (:data:`STORE_SOCKET_FD_ENV`), also where the launched command wraps python (``sh -c``, a
+    sanitizer: that python inherited both, and leads no process group); None in any other process: one
+    not started by ``launch``, or one started by such a process (which inherits the environment, not
+    the descriptor).
 
     The variable is read once and removed, and the socket kept is not inheritable: a process this one
     starts (a shell's, a helper's) neither adopts it nor holds the port, which would leave rank 1's
@@ -131,7 +133,7 @@ def _launch_store_socket() -> socket.socket | None:
     this process's own.
     """
     fd_text = os.environ.pop(STORE_SOCKET_FD_ENV, "")
-    if not (_OWN_GROUPS and fd_text.isascii() and fd_text.isdigit() and os.getpgrp() == os.getpid()):
+    if not (_OWN_GROUPS and fd_text.isascii() and fd_text.isdigit()):  # (a wrapped python leads no group: checked)
         return None
     fd = int(fd_text)
     problem, sock = None, None
