@@ -355,8 +355,12 @@ class _StoreHandler(socketserver.BaseRequestHandler):
         except ConnectionError:
             return False
         except TimeoutError:
-            logger.warning("TCPStoreServer: dropped a connection that said no hello within %g s (a client says it "
-                           "as soon as it connects: a port scanner, or a process stopped since)", _HELLO_DEADLINE_S)
+            # Warned of once: a flood of silent connections must not flood the log too (the rest at debug).
+            log = logger.debug if store._silent_drop_logged else logger.warning
+            store._silent_drop_logged = True
+            log("TCPStoreServer: dropped a connection that said no hello within %g s (a client says it as soon as "
+                "it connects: a port scanner, or a process stopped since; more such drops are logged at debug)",
+                _HELLO_DEADLINE_S)
             return False
         finally:
             sock.settimeout(None)  # served blocking from here (see handle)
@@ -467,6 +471,7 @@ class TCPStoreServer:
         self._num_busy = 0  # requests read and not yet answered
         self._full_since_logged = False  # refusing clients (_MAX_CONNECTIONS), and said so in the log
         self._ungreeted_full_logged = False  # closing new connections (_MAX_UNGREETED_CONNECTIONS), and said so
+        self._silent_drop_logged = False  # dropped a connection that said no hello in time, and warned of it
         try:
             if listen_socket is not None:
                 try:
