@@ -237,6 +237,14 @@ def _named_if_no_gpu(backend: str):
 # replacement process's, which holds none of the Buffers the others update (or only one it built in
 # their update, which it may build again: their update of it failed).
 _LIVE_BUFFERS: weakref.WeakSet = weakref.WeakSet()
+# Buffers built on threads (ranks of one process on a TCP-store group) add while another lists: a
+# WeakSet raises "changed size during iteration" there.
+_LIVE_BUFFERS_LOCK = threading.Lock()
+
+
+def _register_live(buffer: Buffer) -> None:
+    with _LIVE_BUFFERS_LOCK:
+        _LIVE_BUFFERS.add(buffer)
 
 
 def _held_tokens(group) -> tuple[str, ...]:
@@ -245,7 +253,9 @@ def _held_tokens(group) -> tuple[str, ...]:
     while the others update is how a test stands in for a new process."""
     if getattr(group, "is_in_process", False):
         return ()
-    return tuple(sorted(b._token for b in list(_LIVE_BUFFERS)
+    with _LIVE_BUFFERS_LOCK:
+        buffers = list(_LIVE_BUFFERS)
+    return tuple(sorted(b._token for b in buffers
                         if b.group is group and not b._destroyed and not b._built_in_an_update))
 
 
@@ -404,7 +414,7 @@ class Buffer:
         # (T, hidden, num_experts, fp8 flags) this rank launched (in-process) or agreed on (processes)
         self._claimed_configurations: set[tuple] = set()
         self._num_launched_calls = 0
-        _LIVE_BUFFERS.add(self)
+        _register_live(self)
 
     @property
     def num_sms(self) -> int | None:

@@ -1706,3 +1706,33 @@ def test_a_stale_handle_on_one_rank_is_refused_on_every_rank_at_once():
     assert kind0 == "RankMismatchError" and "disagree on handle's dispatch number" in message0, out[0][0]
     assert max(took0, took1) < 10, (took0, took1)  # not the group's 30 s timeout
     check_steps(VCASE, BF16_FLAGS, [steps for _, steps in out])
+
+
+def test_the_live_buffers_are_listed_while_other_threads_build_buffers():
+    """Buffers built on threads (ranks of one process on a TCP-store group) register while another
+    thread's construction lists those its process holds: a bare WeakSet raised "Set changed size during
+    iteration" there (review; ~40 times a second in this loop)."""
+    class Registered:  # what the registry reads of a Buffer
+        group, _destroyed, _built_in_an_update, _token = None, False, False, "t"
+
+    kept, stop, errors = [], threading.Event(), []
+
+    def register():
+        while not stop.is_set():
+            kept.append(Registered())
+            buffer_module._register_live(kept[-1])
+            del kept[:-100]  # collected as they go, as dropped Buffers are
+
+    adder = threading.Thread(target=register)
+    adder.start()
+    try:
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            try:
+                buffer_module._held_tokens(object())
+            except RuntimeError as exc:
+                errors.append(exc)
+    finally:
+        stop.set()
+        adder.join()
+    assert not errors, errors[:1]
