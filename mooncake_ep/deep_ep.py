@@ -43,7 +43,8 @@ What differs from DeepEP:
       lands in ``comm``); one with nine (up to ``explicitly_destroy``) cannot be told apart and
       sets ``enable_shrink`` instead.
     - ``Buffer.group`` is the caller's group; the mooncake_ep group is ``Buffer.runtime.group``.
-    - A bf16 dispatch (``use_fp8=False``) ignores ``round_scale`` and ``use_ue8m0``, as DeepEP's does.
+    - A bf16 dispatch (``use_fp8=False``) ignores ``round_scale`` and ``use_ue8m0``, as DeepEP's does
+      (``use_ue8m0`` still needs ``round_scale``).
     - ``get_next_low_latency_combine_buffer(handle)`` wants the dispatch received (its hook called):
       peers may read the buffer's previous contents until then.
     - :meth:`Buffer.destroy` frees the workspace whether ``explicitly_destroy`` was given or not.
@@ -327,7 +328,7 @@ class Buffer:
             dispatch_wait_recv_cost_stats: must be None (not measured).
             use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook: as DeepEP's, see
                 :meth:`mooncake_ep.Buffer.dispatch`; with use_fp8=False, round_scale and use_ue8m0
-                are ignored, as DeepEP's.
+                are ignored, as DeepEP's (use_ue8m0 still needs round_scale).
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)`` as DeepEP's: recv_x
@@ -348,7 +349,11 @@ class Buffer:
                                            _flag(where, "use_ue8m0", use_ue8m0))
         async_finish = _flag(where, "async_finish", async_finish)
         return_recv_hook = _flag(where, "return_recv_hook", return_recv_hook)
-        if not use_fp8:  # DeepEP's bf16 dispatch ignores both (it checks use_ue8m0 needs round_scale for fp8 only)
+        # DeepEP's bf16 dispatch ignores both but for one check, made by its kernel launcher (internode_ll.cu,
+        # "FP8 checks") whatever use_fp8 is, though its C++ entry makes it in the fp8 branch only.
+        if not use_fp8:
+            if use_ue8m0 and not round_scale:
+                raise ValueError(f"{where}: use_ue8m0=True needs round_scale=True (as DeepEP's)")
             round_scale = use_ue8m0 = False
         try:
             recv_x, recv_count, handle, event, hook = self.runtime.dispatch(
