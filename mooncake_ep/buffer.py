@@ -1302,6 +1302,7 @@ class Buffer:
                 cuda.destroy()  # after this process's work on the device is done
         finally:
             self._in_flight.clear()
+            self._recv_range_views.clear()  # views of the freed workspace
 
     def _check_alive(self, where: str, *, launches: bool = True) -> None:
         """RuntimeError if this Buffer was destroyed, or, for a call that ``launches``, if its step
