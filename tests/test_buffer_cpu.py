@@ -1715,13 +1715,17 @@ def test_the_live_buffers_are_listed_while_other_threads_build_buffers():
     class Registered:  # what the registry reads of a Buffer
         group, _destroyed, _built_in_an_update, _token = None, False, False, "t"
 
-    kept, stop, errors = [], threading.Event(), []
+    kept, stop, errors, num_registered = [], threading.Event(), [], [0]
 
     def register():
-        while not stop.is_set():
-            kept.append(Registered())
-            buffer_module._register_live(kept[-1])
-            del kept[:-100]  # collected as they go, as dropped Buffers are
+        try:
+            while not stop.is_set():
+                kept.append(Registered())
+                buffer_module._register_live(kept[-1])
+                num_registered[0] += 1
+                del kept[:-100]  # collected as they go, as dropped Buffers are
+        except Exception as exc:  # noqa: BLE001 - a failure here is the test's, not a thread warning
+            errors.append(exc)
 
     adder = threading.Thread(target=register)
     adder.start()
@@ -1736,3 +1740,4 @@ def test_the_live_buffers_are_listed_while_other_threads_build_buffers():
         stop.set()
         adder.join()
     assert not errors, errors[:1]
+    assert num_registered[0] > 1000, num_registered  # the lists did run beside registrations

@@ -377,7 +377,7 @@ def test_a_torchrun_collective_waiting_while_its_group_closes_raises_group_error
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
     groups = run_in_threads([lambda r=r: _torchrun_group(port, r, 2, LONG_TIMEOUT_S) for r in range(2)])
-    groups[0].timeout_s = 0.5  # rank 1 never calls: rank 0's wait ends after this long
+    groups[0].timeout_s = 2.0  # rank 1 never calls: rank 0's wait ends after this long (close() must come first)
     out = []
     waiting = threading.Thread(target=lambda: out.append(_threads.call_or_error(
         lambda: groups[0].allgather_bytes(b"x"))))
