@@ -73,9 +73,7 @@ class ReferenceBackend:
         except GroupError as exc:
             # A peer that never made this call (or refused it before its exchange: a shape or an
             # argument of its own) leaves the others here; the group's error names only its collective.
-            numbers = ", ".join(f"{field} {value}" for field, value in call if "number" in field)
-            what = f"{where} ({numbers} of this Buffer)" if numbers else where  # the JAX ops' calls have none
-            raise GroupError(f"{what}: the exchange with the other ranks failed: {exc}") from exc
+            raise GroupError(f"{_named(where, call)}: the exchange with the other ranks failed: {exc}") from exc
         if refusal is not None:
             raise refusal
         gathered = [_call_and_arrays(blob) for blob in blobs]
@@ -102,9 +100,7 @@ class ReferenceBackend:
                    if reason is not None}
         if reasons:
             refused = "; ".join(f"rank {rank}: {reason}" for rank, reason in reasons.items())
-            numbers = ", ".join(f"{field} {value}" for field, value in call if "number" in field)
-            what = f"{where} ({numbers} of this Buffer)" if numbers else where
-            raise ValueError(f"{what}: rank{'s' if len(reasons) > 1 else ''} {', '.join(map(str, reasons))} of "
+            raise ValueError(f"{_named(where, call)}: rank{'s' if len(reasons) > 1 else ''} {', '.join(map(str, reasons))} of "
                              f"{len(gathered)} refused this call, so no rank made it (nothing received or counted; "
                              f"the group stays usable): {refused}")
         return [arrays for _, arrays, _ in gathered]
@@ -124,6 +120,13 @@ class ReferenceBackend:
         expert_outs, results, active_ranks = zip(*gathered)
         return reference.combine(self.group.rank, expert_outs, results, topk_idx, topk_weights, active_ranks,
                                  renormalize=renormalize)
+
+
+def _named(where: str, call: tuple[tuple[str, object], ...]) -> str:
+    """``where`` with the call's numbers (its dispatch's, in this Buffer's count), which the group's own
+    errors cannot name; as it is for the JAX ops' calls, which have none."""
+    numbers = ", ".join(f"{field} {value}" for field, value in call if "number" in field)
+    return f"{where} ({numbers} of this Buffer)" if numbers else where
 
 
 def refusal_of(check: Callable[..., None], *args) -> ValueError | RuntimeError | None:
