@@ -289,6 +289,8 @@ class CombineFunction(torch.autograd.Function):
         # grad_w reads the forward's expert outputs. needs_input_grad ignores grad mode: under no_grad
         # nothing is recorded, and an inference-mode x (refused by combine() where grad is on) is not kept.
         need_w = ctx.needs_input_grad[1] and not x.is_inference()
+        # Either gradient moves rows between this dispatch's layout and its backward's (its row ranges).
+        needs_ranges = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         if isinstance(grad_buffer, Buffer) and topk_idx.is_cuda and isinstance(handle, Handle):
             # The backward's dispatch on grad_buffer: agreed now, while every rank is alive (on every rank
             # that passes grad_buffer, whatever it records: the condition must be the same everywhere).
@@ -301,11 +303,11 @@ class CombineFunction(torch.autograd.Function):
             host_ids, given = handle.state.get("topk_idx"), handle.state.get("topk_idx_array")
             dispatched_idx = (torch.from_numpy(host_ids) if host_ids is not None
                               else given if isinstance(given, torch.Tensor) else topk_idx)
-            if (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]) and handle.backend != "reference":
+            if needs_ranges and handle.backend != "reference":
                 # Before the combine: a combine through the workspace leaves the handle refused for more.
                 forward_range = _layout_range(buffer, "mooncake_ep.torch.combine", handle).clone()
         combined, _, _ = buffer.combine(x, topk_idx, topk_weights, active_ranks, timeout_us, handle)
-        if forward_range is None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+        if forward_range is None and needs_ranges:
             # A CPU handle's: after the combine, which refuses a handle it cannot combine on every rank at
             # once (through its exchange; read before, the refusal was this rank's alone, and its peers
             # waited until the group's timeout). The dispatch result's own ranges are never rewritten.
